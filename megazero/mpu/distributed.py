@@ -1,0 +1,50 @@
+"""Start torch.distributed from torchrun's (or SLURM's) environment, on any device."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed", "default_backend"]
+
+
+def default_backend() -> str:
+    """NCCL when CUDA devices exist, gloo otherwise (CPU training and tests)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _env_from_slurm() -> None:
+    # Under `srun` without torchrun, translate SLURM's variables to torchrun's names.
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST", os.environ.get("SLURM_NODELIST", "127.0.0.1"))
+        os.environ["MASTER_ADDR"] = nodelist.split(",")[0].split("[")[0]
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialize the default process group once; return ``(rank, world_size)``.
+
+    Without a launcher (no RANK/WORLD_SIZE), it starts a single-process group so
+    that `python pretrain_gpt.py` works on one device.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    _env_from_slurm()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,240 @@
+"""Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear, vocab-parallel embedding.
+
+All three return shards that are contiguous chunks in TP-rank order along the
+partitioned dimension, carry Megatron's ``tensor_model_parallel`` /
+``partition_dim`` / ``partition_stride`` attributes, and initialize so that
+the gathered weights do not depend on the TP size.
+
+Under sequence parallelism the activations entering/leaving the layers are
+``[s/tp, b, h]`` shards. Replicated parameters that then see only a sequence
+shard (the row-parallel bias) get their gradient all-reduced over TP by the
+layer itself, through ``copy_to_tensor_model_parallel_region``, so no optimizer
+has to remember to do it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .initializers import InitMethod, init_method_normal, initialize_sharded_, set_tensor_model_parallel_attributes
+from .mappings import (
+    _rank,
+    _size,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    resolve_tp_group,
+    scatter_to_tensor_model_parallel_region,
+)
+from .utils import VocabUtility, divide
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+
+_DEFAULT_INIT = init_method_normal(0.02)
+
+
+class _TPModule(torch.nn.Module):
+    """Holds the TP group, rank and size of a layer."""
+
+    def __init__(self, tp_group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size = _size(self.tp_group)
+        self.tp_rank = _rank(self.tp_group)
+
+    def _maybe_reset(self, device) -> None:
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.reset_parameters()
+
+
+class ColumnParallelLinear(_TPModule):
+    """Y = XA + b with A split along its output (column) dimension across TP ranks.
+
+    Weight ``[output_size / tp, input_size]``; bias ``[output_size / tp]``.
+    ``gather_output=True`` all-gathers Y so every rank sees the full output;
+    otherwise each rank keeps its ``output_size / tp`` columns (the input of a
+    following ``RowParallelLinear(input_is_parallel=True)``).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = True,
+        skip_bias_add: bool = False,
+        init_method: InitMethod = _DEFAULT_INIT,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        super().__init__(tp_group)
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: sequence_parallel=True needs gather_output=False")
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(
+            output_size, self.tp_size, f"ColumnParallelLinear output_size ({output_size}) / tensor parallel size ({self.tp_size})"
+        )
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.init_method = init_method
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0)
+        else:
+            self.register_parameter("bias", None)
+        self._maybe_reset(device)
+
+    def reset_parameters(self) -> None:
+        initialize_sharded_(self.weight, (self.output_size, self.input_size), 0, self.tp_rank, self.tp_size, self.init_method)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, self.weight, bias)
+        if not self.gather_output:
+            return out, (self.bias if self.skip_bias_add else None)
+        out = gather_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.skip_bias_add and self.bias is not None:
+            # The caller adds the bias to the gathered output, so hand it the full bias too.
+            return out, gather_from_tensor_model_parallel_region(self.bias, self.tp_group)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_TPModule):
+    """Y = XA + b with A split along its input (row) dimension across TP ranks.
+
+    Weight ``[output_size, input_size / tp]``; bias ``[output_size]``, replicated
+    and added once after the all-reduce (or reduce-scatter under sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        init_method: InitMethod = _DEFAULT_INIT,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        super().__init__(tp_group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(
+            input_size, self.tp_size, f"RowParallelLinear input_size ({input_size}) / tensor parallel size ({self.tp_size})"
+        )
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.init_method = init_method
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 1)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, False, 0)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+        self._maybe_reset(device)
+
+    def reset_parameters(self) -> None:
+        initialize_sharded_(self.weight, (self.output_size, self.input_size), 1, self.tp_rank, self.tp_size, self.init_method)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        out = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.bias is None:
+            return out, None
+        # Under sequence parallelism each rank adds the bias to its own sequence
+        # shard only, so its gradient is partial: all-reduce it over TP in backward.
+        bias = copy_to_tensor_model_parallel_region(self.bias, self.tp_group) if self.sequence_parallel else self.bias
+        if self.skip_bias_add:
+            return out, bias
+        return out + bias, None
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Embedding whose vocabulary is split into contiguous chunks across TP ranks.
+
+    Weight ``[num_embeddings / tp, embedding_dim]``. Each rank looks up the ids
+    it owns, writes zeros for the others, and an all-reduce sums the rows.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod = _DEFAULT_INIT,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        super().__init__(tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, self.tp_rank, self.tp_size
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.init_method = init_method
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        self._maybe_reset(device)
+
+    def reset_parameters(self) -> None:
+        initialize_sharded_(self.weight, (self.num_embeddings, self.embedding_dim), 0, self.tp_rank, self.tp_size, self.init_method)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} (per rank {self.num_embeddings_per_partition}), {self.embedding_dim}"

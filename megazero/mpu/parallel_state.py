@@ -1,0 +1,262 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+All groups live in one immutable :class:`ParallelGroups` object that
+:func:`initialize_model_parallel` builds and returns. The Megatron-style
+module-level getters (``get_tensor_model_parallel_rank()`` ...) read that one
+object; everything else in megazero takes a group explicitly and only defaults
+to the registry. This module-level registry is the only mutable global state in
+the package.
+
+Rank layout (Megatron-LM's): with ``world = tp * dp * pp``::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so TP groups are consecutive ranks (they share the fastest links inside a
+node), DP groups stride over TP, and PP groups stride over TP x DP.
+
+Worked example, 16 ranks, tp=2, pp=4 (so dp=2)::
+
+    TP groups (8):  [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
+    DP groups (8):  [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
+    PP groups (2x2):[0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
+    MP groups (tp x pp, DeepSpeed's "model parallel"), one per dp rank:
+                    [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]
+
+Rank 5 is therefore tp_rank 1, dp_rank 0, pp_rank 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .utils import divide
+
+__all__ = [
+    "ParallelGroups",
+    "rank_grid",
+    "group_ranks",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+    "destroy_model_parallel",
+    "get_parallel_groups",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "get_tensor_model_parallel_src_rank",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_data_parallel_src_rank",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
+    "get_device",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """Every process group of one rank, plus the ranks each group contains."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: Optional[dist.ProcessGroup]
+    pp_group: Optional[dist.ProcessGroup]
+    dp_group: Optional[dist.ProcessGroup]
+    mp_group: Optional[dist.ProcessGroup]
+    tp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    mp_ranks: tuple[int, ...]
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def mp_rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
+    """Global ranks arranged as ``[pp, dp, tp]``; every group is a line through it."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}) = {tp * pp}; choose sizes whose product divides it"
+        )
+    dp = world_size // (tp * pp)
+    return torch.arange(world_size).view(pp, dp, tp)
+
+
+def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every group of each kind, as lists of global ranks (pure; no communication)."""
+    grid = rank_grid(world_size, tp, pp)
+    pp_, dp, tp_ = grid.shape
+    return {
+        "tp": grid.reshape(-1, tp_).tolist(),
+        "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),
+        "pp": grid.permute(1, 2, 0).reshape(-1, pp_).tolist(),
+        "mp": grid.permute(1, 0, 2).reshape(dp, pp_ * tp_).tolist(),
+    }
+
+
+_GROUPS: Optional[ParallelGroups] = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    backend: Optional[str] = None,
+) -> ParallelGroups:
+    """Build the TP/PP/DP/MP groups (Megatron's layout) and register them.
+
+    ``torch.distributed`` must already be initialized; every rank must call this
+    with the same sizes, because creating a group is a collective call.
+    """
+    global _GROUPS
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group "
+            "(or megazero.mpu.init_distributed()) before initialize_model_parallel"
+        )
+    if _GROUPS is not None:
+        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    layout = group_ranks(world, tp, pp)
+    dp = world // (tp * pp)
+
+    built: dict[str, tuple[Optional[dist.ProcessGroup], tuple[int, ...]]] = {}
+    for kind in ("tp", "dp", "pp", "mp"):
+        # Every rank creates every group, in the same order (new_group is collective).
+        for line in layout[kind]:
+            g = dist.new_group(line, backend=backend)
+            if rank in line:
+                built[kind] = (g, tuple(line))
+    (tp_group, tp_ranks), (dp_group, dp_ranks) = built["tp"], built["dp"]
+    (pp_group, pp_ranks), (mp_group, mp_ranks) = built["pp"], built["mp"]
+
+    grid = rank_grid(world, tp, pp)
+    pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    _GROUPS = ParallelGroups(
+        tp_size=tp, pp_size=pp, dp_size=dp,
+        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+        tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, mp_group=mp_group,
+        tp_ranks=tp_ranks, pp_ranks=pp_ranks, dp_ranks=dp_ranks, mp_ranks=mp_ranks,
+    )
+    return _GROUPS
+
+
+def model_parallel_is_initialized() -> bool:
+    return _GROUPS is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget (and destroy) the registered groups; safe to call when none exist."""
+    global _GROUPS
+    groups, _GROUPS = _GROUPS, None
+    if groups is None or not dist.is_initialized():
+        return
+    for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group}:
+        if g is not None:
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError):  # already gone with the default group
+                pass
+
+
+def get_parallel_groups() -> ParallelGroups:
+    """The registered groups; raises a clear error when none were initialized."""
+    if _GROUPS is None:
+        raise RuntimeError("model parallel groups are not initialized: call megazero.mpu.initialize_model_parallel(tp, pp)")
+    return _GROUPS
+
+
+def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().tp_group
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _GROUPS.tp_rank if _GROUPS is not None else 0
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _GROUPS.tp_size if _GROUPS is not None else 1
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's TP group (used for broadcasts)."""
+    return get_parallel_groups().tp_ranks[0]
+
+
+def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().pp_group
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _GROUPS.pp_rank if _GROUPS is not None else 0
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _GROUPS.pp_size if _GROUPS is not None else 1
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().dp_group
+
+
+def get_data_parallel_rank() -> int:
+    return _GROUPS.dp_rank if _GROUPS is not None else 0
+
+
+def get_data_parallel_world_size() -> int:
+    return _GROUPS.dp_size if _GROUPS is not None else 1
+
+
+def get_data_parallel_src_rank() -> int:
+    return get_parallel_groups().dp_ranks[0]
+
+
+# DeepSpeed's `mpu` contract: "model parallel" means tensor x pipeline.
+def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().mp_group
+
+
+def get_model_parallel_rank() -> int:
+    return _GROUPS.mp_rank if _GROUPS is not None else 0
+
+
+def get_model_parallel_world_size() -> int:
+    return _GROUPS.mp_size if _GROUPS is not None else 1
+
+
+def get_device() -> torch.device:
+    """The compute device of this rank: its CUDA device under NCCL, else the CPU."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,121 @@
+"""Run a test function on N ranks (CPU, gloo) with a clean model-parallel state per test.
+
+Spawning processes and importing torch costs seconds, so each world size gets
+one pool of long-lived worker processes for the whole session. A test sends
+``(fn, args)``; every rank runs ``fn(*args)`` (after resetting megazero's
+parallel state and seeds) and sends back its return value or its traceback.
+When any rank fails or the pool stops answering, the pool is torn down and the
+next test gets a fresh one, so one broken test cannot hang the suite.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+_CTX = mp.get_context("spawn")
+_POOLS: dict[int, "_Pool"] = {}
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAZERO_TEST_TIMEOUT", "240"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    from megazero import mpu
+
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            torch.manual_seed(1234)
+            out = ("ok", fn(*args, **kwargs))
+        except BaseException:  # report everything, including assertion errors
+            out = ("error", traceback.format_exc())
+        finally:
+            mpu.destroy_model_parallel()
+        results.put((rank, out))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        port = _free_port()
+        self.tasks = [_CTX.Queue() for _ in range(world_size)]
+        self.results = _CTX.Queue()
+        self.procs = [
+            _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        outs: dict[int, Any] = {}
+        while len(outs) < self.world_size:
+            try:
+                rank, (status, value) = self.results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"{fn.__name__} on {self.world_size} ranks: no answer from ranks "
+                                   f"{sorted(set(range(self.world_size)) - set(outs))} within {timeout_s:.0f}s")
+            if status == "error":
+                raise AssertionError(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{value}")
+            outs[rank] = value
+        return [outs[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    ``fn`` must be a module-level function (it is pickled by name).
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout_s)
+    except BaseException:
+        # Ranks may be stuck in a collective the failed rank never joined: start over.
+        _POOLS.pop(world_size, None)
+        pool.close(graceful=False)
+        raise
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

@@ -1,0 +1,21 @@
+"""Deterministic tensors and shard helpers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    """The same tensor on every rank (own generator, independent of the global RNG)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def chunk(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world, dim=dim)[rank].contiguous()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-5) -> float:
+    """assert_close that names the quantity and returns the max abs difference."""
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    return float((actual.float() - expected.float()).abs().max()) if actual.numel() else 0.0

@@ -1,0 +1,93 @@
+"""Group layout: Megatron's rank order, asserted rank by rank."""
+
+import pytest
+import torch.distributed as dist
+
+from megazero import mpu
+from megazero.mpu.parallel_state import group_ranks
+from tests.distributed import run_distributed
+
+
+def test_worked_example_16_ranks_tp2_pp4():
+    # The example in parallel_state's docstring, exactly.
+    g = group_ranks(16, tp=2, pp=4)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert g["mp"] == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+
+
+def test_world_not_divisible_is_refused_with_numbers():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible .*\(4\) x .*\(1\) = 4"):
+        group_ranks(6, tp=4, pp=1)
+
+
+def _layout_8_ranks():
+    groups = mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    # The registry and the returned object agree, and a second init is refused.
+    assert mpu.get_parallel_groups() is groups
+    try:
+        mpu.initialize_model_parallel(2, 2)
+        raise AssertionError("second initialize_model_parallel was accepted")
+    except RuntimeError:
+        pass
+    # The groups really connect the listed ranks: sum the global ranks over each one.
+    sums = {}
+    for kind, group in [("tp", mpu.get_tensor_model_parallel_group()), ("dp", mpu.get_data_parallel_group()),
+                        ("pp", mpu.get_pipeline_model_parallel_group()), ("mp", mpu.get_model_parallel_group())]:
+        import torch
+        t = torch.tensor([dist.get_rank()])
+        dist.all_reduce(t, group=group)
+        sums[kind] = int(t)
+    return dict(
+        tp=(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(), groups.tp_ranks),
+        dp=(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), groups.dp_ranks),
+        pp=(mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(), groups.pp_ranks),
+        mp=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), groups.mp_ranks),
+        src=mpu.get_tensor_model_parallel_src_rank(),
+        dp_src=mpu.get_data_parallel_src_rank(),
+        first=mpu.is_pipeline_first_stage(), last=mpu.is_pipeline_last_stage(),
+        sums=sums,
+    )
+
+
+def test_layout_8_ranks_tp2_pp2_rank_by_rank():
+    results = run_distributed(8, _layout_8_ranks)
+    # rank: (tp_rank, dp_rank, pp_rank, tp group, dp group, pp group, mp group)
+    expected = {
+        0: (0, 0, 0, (0, 1), (0, 2), (0, 4), (0, 1, 4, 5)),
+        1: (1, 0, 0, (0, 1), (1, 3), (1, 5), (0, 1, 4, 5)),
+        2: (0, 1, 0, (2, 3), (0, 2), (2, 6), (2, 3, 6, 7)),
+        3: (1, 1, 0, (2, 3), (1, 3), (3, 7), (2, 3, 6, 7)),
+        4: (0, 0, 1, (4, 5), (4, 6), (0, 4), (0, 1, 4, 5)),
+        5: (1, 0, 1, (4, 5), (5, 7), (1, 5), (0, 1, 4, 5)),
+        6: (0, 1, 1, (6, 7), (4, 6), (2, 6), (2, 3, 6, 7)),
+        7: (1, 1, 1, (6, 7), (5, 7), (3, 7), (2, 3, 6, 7)),
+    }
+    for rank, r in enumerate(results):
+        tp_rank, dp_rank, pp_rank, tp_g, dp_g, pp_g, mp_g = expected[rank]
+        assert r["tp"] == (tp_rank, 2, tp_g), rank
+        assert r["dp"] == (dp_rank, 2, dp_g), rank
+        assert r["pp"] == (pp_rank, 2, pp_g), rank
+        assert r["mp"] == (pp_rank * 2 + tp_rank, 4, mp_g), rank
+        assert r["src"] == tp_g[0] and r["dp_src"] == dp_g[0]
+        assert r["first"] == (pp_rank == 0) and r["last"] == (pp_rank == 1)
+        assert r["sums"] == {"tp": sum(tp_g), "dp": sum(dp_g), "pp": sum(pp_g), "mp": sum(mp_g)}, rank
+
+
+def test_uninitialized_getters_mean_single_process():
+    assert not mpu.model_parallel_is_initialized()
+    assert mpu.get_tensor_model_parallel_world_size() == 1
+    assert mpu.get_data_parallel_rank() == 0
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        mpu.get_tensor_model_parallel_group()
+
+
+def test_deepspeed_mpu_contract():
+    # deepspeed.initialize(mpu=...) calls exactly these names.
+    for name in ["get_model_parallel_rank", "get_model_parallel_group", "get_model_parallel_world_size",
+                 "get_data_parallel_rank", "get_data_parallel_group", "get_data_parallel_world_size",
+                 "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size",
+                 "get_tensor_model_parallel_group", "get_pipeline_model_parallel_rank",
+                 "get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_group"]:
+        assert callable(getattr(mpu, name)), name
