@@ -1,0 +1,51 @@
+"""Between full (tp=1) tensors and their TP shards, following the partition attributes.
+
+A parameter with ``partition_dim=d`` and ``partition_stride=k`` is the full
+tensor cut into ``k * tp`` equal blocks along ``d``; rank ``r`` holds blocks
+``r, r + tp, ..., r + (k-1) * tp``, concatenated. With ``k = 1`` that is one
+contiguous chunk per rank; ``k = 2`` is e.g. SwiGLU's fused [gate; up] weight,
+where every rank holds its slice of both halves.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["shard_of_full", "full_from_shards", "gather_tensor_model_parallel", "is_tp_sharded"]
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def shard_of_full(full: torch.Tensor, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's shard of ``full`` (a contiguous copy)."""
+    if world == 1:
+        return full.clone()
+    blocks = full.chunk(stride * world, dim=dim)
+    if len(blocks) != stride * world or len({b.shape[dim] for b in blocks}) != 1:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {stride} x {world} equal blocks")
+    # stride blocks per half: half s holds blocks [s*world, (s+1)*world); rank r takes block s*world + r of each.
+    return torch.cat([blocks[s * world + rank] for s in range(stride)], dim=dim).contiguous()
+
+
+def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of :func:`shard_of_full` given every rank's shard in rank order."""
+    world = len(shards)
+    if world == 1:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(world)], dim=dim)
+
+
+def gather_tensor_model_parallel(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The full tensor of a TP-sharded parameter (replicated ones are returned as they are)."""
+    if not is_tp_sharded(t) or group is None or dist.get_world_size(group) == 1:
+        return t.detach().clone()
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return full_from_shards(parts, t.partition_dim, getattr(t, "partition_stride", 1))

@@ -1,0 +1,52 @@
+"""megazero.zero: ZeRO stages 0-3 over the data-parallel group, composed with tensor parallelism.
+
+    engine = megazero.zero.initialize(model, ds_config, mpu=megazero.mpu)
+    loss = engine(tokens, labels=labels).mean()
+    engine.backward(loss)
+    engine.step()
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .config import ZeroConfig, ZeroConfigError, load_config
+from .engine import NoDecayFn, ZeroEngine
+
+__all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ZeroConfigError", "load_config"]
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: Union[dict, str, os.PathLike, ZeroConfig],
+    mpu=None,
+    *,
+    no_weight_decay: Optional[NoDecayFn] = None,
+    device: Optional[torch.device] = None,
+    unit_modules: Optional[list[torch.nn.Module]] = None,
+) -> ZeroEngine:
+    """Wrap ``model`` in a :class:`ZeroEngine` configured by a DeepSpeed-schema dict or JSON path.
+
+    ``mpu`` is any object with DeepSpeed's mpu contract (``megazero.mpu`` itself):
+    partitions are taken over ``mpu.get_data_parallel_group()`` only, and the
+    gradient norm is completed over ``mpu.get_model_parallel_group()``. Without
+    ``mpu`` every rank is a data-parallel peer. A model built on the meta device
+    is materialized partition by partition (ZeRO-3 never holds it whole).
+    ``no_weight_decay(name, param)`` selects parameters trained without weight
+    decay (Megatron excludes biases and norms).
+    """
+    cfg = load_config(config)
+    tp_group = mp_group = None
+    if mpu is not None:
+        dp_group = mpu.get_data_parallel_group()
+        mp_group = mpu.get_model_parallel_group()
+        if hasattr(mpu, "get_tensor_model_parallel_group"):
+            tp_group = mpu.get_tensor_model_parallel_group()
+    else:
+        dp_group = dist.group.WORLD if dist.is_initialized() else None
+    return ZeroEngine(model, cfg, dp_group=dp_group, tp_group=tp_group, mp_group=mp_group,
+                      no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules)

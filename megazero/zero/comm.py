@@ -1,0 +1,65 @@
+"""Collectives that count what they move.
+
+Volumes are logical, as in the ZeRO paper's accounting: an all-gather or a
+reduce-scatter of a flat tensor of N elements counts N elements (the size of
+the full tensor), an all-reduce counts N. Bytes are tallied per operation and
+per group name, so a step's traffic can be checked against the theory
+(ZeRO-3: 2 all-gathers of the parameters and 1 reduce-scatter of the gradients).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommCounter"]
+
+
+class CommCounter:
+    """Issues collectives on named groups and counts their bytes."""
+
+    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]) -> None:
+        self.groups = groups
+        self.bytes: collections.Counter[tuple[str, str], int] = collections.Counter()
+        self.calls: collections.Counter[tuple[str, str], int] = collections.Counter()
+
+    def size(self, name: str) -> int:
+        g = self.groups[name]
+        return 1 if g is None or not dist.is_initialized() else dist.get_world_size(g)
+
+    def _count(self, op: str, name: str, t: torch.Tensor) -> None:
+        self.bytes[(op, name)] += t.numel() * t.element_size()
+        self.calls[(op, name)] += 1
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, name: str, async_op: bool = False):
+        """Gather equal shards into ``out`` (flat)."""
+        self._count("all_gather", name, out)
+        if self.size(name) == 1:
+            out.copy_(shard)
+            return None
+        return dist.all_gather_into_tensor(out, shard, group=self.groups[name], async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str, async_op: bool = False):
+        """Sum ``full`` over the group and keep this rank's equal chunk in ``out``."""
+        self._count("reduce_scatter", name, full)
+        if self.size(name) == 1:
+            out.copy_(full)
+            return None
+        return dist.reduce_scatter_tensor(out, full, group=self.groups[name], async_op=async_op)
+
+    def all_reduce(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self._count("all_reduce", name, t)
+        if self.size(name) == 1:
+            return None
+        return dist.all_reduce(t, op=op, group=self.groups[name], async_op=async_op)
+
+    def snapshot(self) -> dict[str, int]:
+        """``{"all_gather/dp": bytes, ...}`` since the last :meth:`reset`."""
+        return {f"{op}/{name}": n for (op, name), n in sorted(self.bytes.items())}
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()

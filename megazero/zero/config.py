@@ -1,0 +1,213 @@
+"""The ZeRO engine's configuration, parsed from DeepSpeed's JSON schema.
+
+Megatron-DeepSpeed users already have ``ds_config.json`` files; the engine takes
+them as they are. Keys DeepSpeed knows but megazero does not implement are
+refused by name (silently ignoring ``offload_optimizer`` would mislead a user
+sizing a run), as are unknown keys and contradictions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = ["ZeroConfigError", "OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "ZeroConfig", "load_config"]
+
+
+class ZeroConfigError(ValueError):
+    """A ZeRO configuration that cannot work; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    # DeepSpeed's "Adam" is decoupled (AdamW) unless adam_w_mode is false.
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FP16Config:
+    """DeepSpeed's dynamic loss scaling (``loss_scale: 0`` = dynamic)."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOptimizationConfig:
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = 1_000_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    train_micro_batch_size_per_gpu: Optional[int] = None
+    gradient_accumulation_steps: int = 1
+    train_batch_size: Optional[int] = None
+    optimizer: OptimizerConfig = OptimizerConfig()
+    zero_optimization: ZeroOptimizationConfig = ZeroOptimizationConfig()
+    bf16: bool = False
+    fp16: Optional[FP16Config] = None
+    gradient_clipping: float = 0.0
+    grad_accum_dtype: Optional[str] = None
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+
+    @property
+    def stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16 is not None:
+            return torch.float16
+        return torch.float32
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """Dtype of accumulated gradient partitions: the compute dtype (DeepSpeed's default)
+        unless ``data_types.grad_accum_dtype`` asks for fp32."""
+        names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        return names[self.grad_accum_dtype] if self.grad_accum_dtype else self.compute_dtype
+
+    def check_batch(self, dp_size: int) -> None:
+        """DeepSpeed's invariant: train_batch_size = micro x accumulation x dp."""
+        micro, accum, total = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.train_batch_size
+        if total is not None and micro is not None and total != micro * accum * dp_size:
+            raise ZeroConfigError(
+                f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
+                f"gradient_accumulation_steps ({accum}) x data-parallel size ({dp_size}) = {micro * accum * dp_size}"
+            )
+
+
+_UNSUPPORTED = {
+    "offload_optimizer": "CPU/NVMe optimizer offload",
+    "offload_param": "CPU/NVMe parameter offload",
+    "zero_quantized_weights": "quantized ZeRO++ weights",
+    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
+}
+_IGNORED_TOP = {"wall_clock_breakdown", "steps_per_print", "zero_allow_untested_optimizer", "prescale_gradients",
+                "gradient_predivide_factor", "communication_data_type", "aio", "activation_checkpointing",
+                "flops_profiler", "tensorboard", "csv_monitor", "wandb", "scheduler", "data_types", "zero_force_ds_cpu_optimizer"}
+
+
+def _pick(section: dict, cls, where: str, renames: Optional[dict] = None) -> dict:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in section.items():
+        name = (renames or {}).get(key, key)
+        if name not in fields:
+            raise ZeroConfigError(f"unknown key {where}.{key}; known keys: {', '.join(sorted(fields))}")
+        out[name] = value
+    return out
+
+
+def _int(value: Any, key: str) -> int:
+    try:
+        return int(float(value))  # DeepSpeed files write sizes like 5e7
+    except (TypeError, ValueError):
+        raise ZeroConfigError(f"{key} must be a number, got {value!r}") from None
+
+
+def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig:
+    """Parse a DeepSpeed-schema dict or JSON file into a :class:`ZeroConfig`."""
+    if isinstance(config, ZeroConfig):
+        return config
+    if not isinstance(config, dict):
+        with open(config) as f:
+            config = json.load(f)
+    cfg = dict(config)
+    known_top = {f.name for f in dataclasses.fields(ZeroConfig)} | _IGNORED_TOP | {"fp16", "bf16", "bfloat16"}
+    for key in cfg:
+        if key not in known_top:
+            raise ZeroConfigError(f"unknown top-level key {key!r} in the ZeRO/DeepSpeed config")
+
+    opt = cfg.get("optimizer", {})
+    opt_params = _pick(opt.get("params", {}), OptimizerConfig, "optimizer.params")
+    if "betas" in opt_params:
+        opt_params["betas"] = tuple(float(b) for b in opt_params["betas"])
+    opt_type = opt.get("type", "AdamW")
+    if opt_type.lower() not in ("adam", "adamw", "fusedadam"):
+        raise ZeroConfigError(f"optimizer.type {opt_type!r} is not supported; use Adam or AdamW")
+    if set(opt) - {"type", "params"}:
+        raise ZeroConfigError(f"unknown keys in optimizer: {sorted(set(opt) - {'type', 'params'})}")
+    if opt_type.lower() == "adamw":
+        opt_params["adam_w_mode"] = True
+    optimizer = OptimizerConfig(type=opt_type, **opt_params)
+
+    zsec = dict(cfg.get("zero_optimization", {}))
+    for key, what in _UNSUPPORTED.items():
+        if key in zsec and zsec[key] not in (None, {}, False) and (
+            not isinstance(zsec[key], dict) or zsec[key].get("device", "none") != "none"
+        ):
+            raise ZeroConfigError(f"zero_optimization.{key} ({what}) is not supported by megazero.zero; remove it")
+        zsec.pop(key, None)
+    zsec.pop("round_robin_gradients", None)
+    zfields = _pick(zsec, ZeroOptimizationConfig, "zero_optimization")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
+        if key in zfields:
+            zfields[key] = _int(zfields[key], f"zero_optimization.{key}")
+    zero = ZeroOptimizationConfig(**zfields)
+    if zero.stage not in (0, 1, 2, 3):
+        raise ZeroConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage}")
+
+    bf16_sec = cfg.get("bf16", cfg.get("bfloat16", {}))
+    bf16 = bool(bf16_sec.get("enabled", False))
+    fp16_sec = dict(cfg.get("fp16", {}))
+    fp16 = None
+    if fp16_sec.pop("enabled", False):
+        fp16_sec.pop("auto_cast", None)
+        fp16 = FP16Config(**_pick(fp16_sec, FP16Config, "fp16"))
+    if bf16 and fp16 is not None:
+        raise ZeroConfigError("bf16.enabled and fp16.enabled are both true; choose one precision")
+
+    grad_accum_dtype = cfg.get("data_types", {}).get("grad_accum_dtype")
+    if grad_accum_dtype not in (None, "fp32", "fp16", "bf16"):
+        raise ZeroConfigError(f"data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {grad_accum_dtype!r}")
+
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    accum = int(cfg.get("gradient_accumulation_steps", 1))
+    if accum < 1:
+        raise ZeroConfigError(f"gradient_accumulation_steps must be >= 1, got {accum}")
+    clip = float(cfg.get("gradient_clipping", 0.0))
+    if clip < 0:
+        raise ZeroConfigError(f"gradient_clipping must be >= 0, got {clip}")
+    return ZeroConfig(
+        train_micro_batch_size_per_gpu=None if micro is None else int(micro),
+        gradient_accumulation_steps=accum,
+        train_batch_size=None if cfg.get("train_batch_size") is None else int(cfg["train_batch_size"]),
+        optimizer=optimizer,
+        zero_optimization=zero,
+        bf16=bf16,
+        fp16=fp16,
+        gradient_clipping=clip,
+        grad_accum_dtype=grad_accum_dtype,
+        steps_per_print=int(cfg.get("steps_per_print", 10)),
+        wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)),
+    )

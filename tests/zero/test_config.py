@@ -1,0 +1,55 @@
+"""DeepSpeed-schema configuration: accepted as written, refused by name when it cannot work."""
+
+import json
+
+import pytest
+import torch
+
+from megazero.zero import ZeroConfigError, load_config
+
+
+def test_megatron_deepspeed_azure_config_is_accepted(tmp_path):
+    # The ds_config.json of Megatron-DeepSpeed's azure scripts, minus the CPU offload block.
+    cfg = {
+        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1,
+        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 3e9, "stage3_max_reuse_distance": 3e9,
+                              "stage3_param_persistence_threshold": 1e5, "stage3_prefetch_bucket_size": 5e7,
+                              "contiguous_gradients": True, "overlap_comm": True, "reduce_bucket_size": 90000000,
+                              "sub_group_size": 1e9},
+        "gradient_clipping": 1.0,
+        "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1,
+                 "initial_scale_power": 15},
+        "wall_clock_breakdown": True,
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    c = load_config(str(path))
+    assert c.stage == 3 and c.compute_dtype == torch.float16 and c.fp16.initial_scale_power == 15
+    assert c.zero_optimization.stage3_param_persistence_threshold == 100000
+    assert c.grad_dtype == torch.float16
+    c.check_batch(16)
+    with pytest.raises(ZeroConfigError, match=r"train_batch_size \(64\) != .*\(4\) x .*\(1\) x .*\(8\) = 32"):
+        c.check_batch(8)
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"zero_optimization": {"stage": 4}}, "stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+    ({"zero_optimization": {"stgae": 2}}, "unknown key zero_optimization.stgae"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one precision"),
+    ({"optimizer": {"type": "SGD"}}, "not supported"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, "unknown key optimizer.params.momentum"),
+    ({"fp16": {"enabled": True, "scale": 4}}, "unknown key fp16.scale"),
+    ({"train_micro_batch": 4}, "unknown top-level key 'train_micro_batch'"),
+    ({"gradient_accumulation_steps": 0}, "must be >= 1"),
+    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "big"}}, "must be a number"),
+])
+def test_bad_configs_are_refused_by_name(cfg, message):
+    with pytest.raises(ZeroConfigError, match=message):
+        load_config(cfg)
+
+
+def test_adam_type_follows_deepspeed_adam_w_mode():
+    assert load_config({"optimizer": {"type": "Adam"}}).optimizer.adam_w_mode is True
+    assert load_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer.adam_w_mode is False
+    assert load_config({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"enabled": True}}).grad_dtype == torch.float32
