@@ -62,7 +62,7 @@ from .random import (
     model_parallel_manual_seed,
 )
 from .sharding import full_from_shards, gather_tensor_model_parallel, is_tp_sharded, shard_of_full
-from .utils import VocabUtility, divide, pad_vocab_size, split_tensor_along_last_dim
+from .utils import NO_GROUP, VocabUtility, divide, pad_vocab_size, split_tensor_along_last_dim
 
 
 def is_model_parallel_parameter(param) -> bool:

@@ -46,5 +46,17 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # After `torchrun --max-restarts` restarts the workers, the agent's store still holds
+        # the dead attempt's connection keys and gloo connects to vanished peers. Keying the
+        # group by attempt makes every restart rendezvous afresh.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent_store and rank == 0, timeout=timeout)
+        store = dist.PrefixStore(f"megazero/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()

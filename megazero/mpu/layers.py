@@ -104,13 +104,15 @@ class ColumnParallelLinear(_TPModule):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # A layer built without a TP group (tp_size 1) never communicates, even if
+        # groups are registered later: None would mean "the registered group" below.
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-        else:
+        elif self.tp_size > 1:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = F.linear(x, self.weight, bias)
-        if not self.gather_output:
+        if not self.gather_output or self.tp_size == 1:
             return out, (self.bias if self.skip_bias_add else None)
         out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add and self.bias is not None:
@@ -173,12 +175,12 @@ class RowParallelLinear(_TPModule):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if not self.input_is_parallel:
+        if not self.input_is_parallel and self.tp_size > 1:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         out = F.linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        else:
+        elif self.tp_size > 1:
             out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.bias is None:
             return out, None

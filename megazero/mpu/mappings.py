@@ -3,8 +3,8 @@
 Each function is the forward half of a pair whose backward is its conjugate
 (copy <-> all-reduce, split <-> all-gather, all-gather <-> reduce-scatter).
 Names follow Megatron-LM. Every function takes an explicit ``group``; ``None``
-means the registered TP group, or no communication at all when model
-parallelism is not initialized (single-process use).
+means the registered TP group, or ``NO_GROUP`` (no communication at all) when
+model parallelism is not initialized (single-process use).
 
 Sequence-parallel tensors are split along dim 0: activations are ``[s, b, h]``.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state
-from .utils import divide
+from .utils import NO_GROUP, all_gather_flat, divide, group_rank, group_size, reduce_scatter_flat
 
 __all__ = [
     "resolve_tp_group",
@@ -33,21 +33,16 @@ __all__ = [
 ]
 
 
-def resolve_tp_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """``group`` if given, else the registered TP group, else ``None`` (= no communication)."""
+def resolve_tp_group(group: Optional[dist.ProcessGroup]):
+    """``group`` if given, else the registered TP group, else ``NO_GROUP`` (no communication)."""
     if group is not None:
         return group
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_group()
-    return None
+    return NO_GROUP
 
 
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: Optional[dist.ProcessGroup]) -> int:
-    return 0 if group is None else dist.get_rank(group)
+_size, _rank = group_size, group_rank
 
 
 # ---- raw collectives (no autograd) -------------------------------------------------------
@@ -92,7 +87,7 @@ def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group=group)
     return out
 
 
@@ -103,7 +98,7 @@ def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
         return x
     rows = divide(x.size(0), world, "sequence length / tensor parallel size")
     out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_flat(out, x.contiguous(), group=group)
     return out
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .utils import group_size
+
 __all__ = ["shard_of_full", "full_from_shards", "gather_tensor_model_parallel", "is_tp_sharded"]
 
 
@@ -43,7 +45,7 @@ def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch
 
 def gather_tensor_model_parallel(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter (replicated ones are returned as they are)."""
-    if not is_tp_sharded(t) or group is None or dist.get_world_size(group) == 1:
+    if not is_tp_sharded(t) or group is None or group_size(group) == 1:
         return t.detach().clone()
     world = dist.get_world_size(group)
     parts = [torch.empty_like(t) for _ in range(world)]

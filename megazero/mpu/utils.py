@@ -13,8 +13,11 @@ __all__ = [
     "split_tensor_along_last_dim",
     "VocabUtility",
     "pad_vocab_size",
+    "NO_GROUP",
     "group_size",
     "group_rank",
+    "all_gather_flat",
+    "reduce_scatter_flat",
 ]
 
 
@@ -62,14 +65,32 @@ def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, make_vo
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """World size of ``group``; 1 when torch.distributed is not running (single-process use)."""
-    if not dist.is_initialized():
+class _NoGroup:
+    """Stands for "no tensor parallelism here": what a layer built without model-parallel
+    groups keeps, so that it stays single-process even if groups are registered later
+    (``None`` means "the registered group" everywhere)."""
+
+    def __repr__(self) -> str:
+        return "NO_GROUP"
+
+
+NO_GROUP = _NoGroup()
+
+
+def group_size(group) -> int:
+    """World size of ``group``; 1 for ``NO_GROUP`` or when torch.distributed is not running."""
+    if group is NO_GROUP or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    if not dist.is_initialized():
+def group_rank(group) -> int:
+    if group is NO_GROUP or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
+
+
+# torch 2.13 renamed the flat collectives; older releases (common on GPU clusters) only
+# have the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,33 @@
+"""megazero.model: the GPT, built only from megazero.mpu layers.
+
+One definition for every tensor-parallel size (exact against tp=1), with closed-form
+sizes/FLOPs, TP-independent full state dicts, and Hugging Face GPT-2/Llama interop.
+"""
+
+from .config import PRESETS, GPTConfig, gpt_preset
+from .flops import flops_per_iteration, flops_per_token, layer_forward_flops_per_token, num_parameters
+from .gpt import GPTModel, PositionEmbedding, materialize_
+from .hf import export_to_hf, hf_architecture, import_from_hf
+from .state_dict import (
+    gather_full_state_dict,
+    gather_full_tensor,
+    load_full,
+    load_full_state_dict,
+    save_full,
+    shard_full_tensor,
+)
+from .transformer import MLP, GatedColumnParallelLinear, SelfAttention, TransformerLayer
+
+__all__ = [
+    # config.py
+    "GPTConfig", "PRESETS", "gpt_preset",
+    # gpt.py, transformer.py
+    "GPTModel", "PositionEmbedding", "materialize_", "TransformerLayer", "SelfAttention", "MLP",
+    "GatedColumnParallelLinear",
+    # flops.py
+    "num_parameters", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token",
+    # state_dict.py
+    "gather_full_state_dict", "load_full_state_dict", "gather_full_tensor", "shard_full_tensor", "save_full", "load_full",
+    # hf.py
+    "export_to_hf", "import_from_hf", "hf_architecture",
+]

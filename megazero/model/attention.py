@@ -1,0 +1,120 @@
+"""Core (causal) attention: softmax(Q K^T / sqrt(d)) V on this rank's heads.
+
+Three interchangeable backends compute the same function:
+
+* ``flash``: ``flash_attn_func`` (needs flash-attn, CUDA and fp16/bf16, no explicit mask);
+* ``sdpa``:  ``torch.nn.functional.scaled_dot_product_attention``;
+* ``math``:  the explicit formula, the reference the others are tested against.
+
+``auto`` picks flash when it can run and sdpa otherwise. Heads are partitioned
+over TP ranks, so attention dropout must differ per rank: it runs inside the
+model-parallel RNG fork (``mpu.get_rng_tracker().fork()``).
+
+Shapes: q ``[s, b, heads, d]``, k/v ``[s, b, groups, d]`` (GQA when groups < heads;
+query head ``i`` reads key/value group ``i // (heads // groups)``); output ``[s, b, heads * d]``.
+``attention_mask`` (optional) is boolean ``[b, 1, s, s]`` or ``[s, s]`` with True = masked
+out, applied *in addition to* the causal mask (a Megatron-style mask that already
+contains causality works unchanged). A row with every position masked gives NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megazero.mpu.random import get_rng_tracker
+
+__all__ = ["core_attention", "resolve_backend", "flash_attn_available"]
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_backend(requested: str, q: torch.Tensor, has_mask: bool) -> str:
+    """The backend that will run for ``requested`` ('auto'|'flash'|'sdpa'|'math') on this input."""
+    flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not has_mask
+    if requested == "auto":
+        return "flash" if flash_ok and flash_attn_available() else "sdpa"
+    if requested == "flash":
+        problems = []
+        if not flash_attn_available():
+            problems.append("flash-attn is not installed (pip install flash-attn)")
+        if not q.is_cuda:
+            problems.append(f"tensors are on {q.device}, flash-attn needs CUDA")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            problems.append(f"dtype is {q.dtype}, flash-attn needs float16 or bfloat16")
+        if has_mask:
+            problems.append("an explicit attention_mask was given, flash-attn supports only the causal mask")
+        if problems:
+            raise RuntimeError("attention_backend='flash' cannot run: " + "; ".join(problems)
+                               + ". Use attention_backend='auto' to fall back to sdpa.")
+        return "flash"
+    if requested in ("sdpa", "math"):
+        return requested
+    raise ValueError(f"unknown attention backend {requested!r}; use 'auto', 'flash', 'sdpa' or 'math'")
+
+
+def _masked_out(s: int, device, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Boolean mask, True where attention is forbidden: causal plus the optional user mask."""
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
+    return causal if attention_mask is None else causal | attention_mask.to(torch.bool)
+
+
+def _repeat_kv(k: torch.Tensor, n_heads: int) -> torch.Tensor:
+    groups = k.size(2)
+    return k if groups == n_heads else k.repeat_interleave(n_heads // groups, dim=2)
+
+
+def _math(q, k, v, dropout_p, attention_mask):
+    s, b, n, d = q.shape
+    k, v = _repeat_kv(k, n), _repeat_kv(v, n)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [b, n, s, s]
+    scores = scores.masked_fill(_masked_out(s, q.device, attention_mask), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v)  # [b, n, s, d]
+
+
+def _sdpa(q, k, v, dropout_p, attention_mask):
+    s, b, n, d = q.shape
+    k, v = _repeat_kv(k, n), _repeat_kv(v, n)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    allowed = ~_masked_out(s, q.device, attention_mask)  # sdpa's boolean mask means "may attend"
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+
+
+def _flash(q, k, v, dropout_p):
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p, causal=True)
+    return out.transpose(0, 1)  # [s, b, n, d]
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto",
+                   dropout_p: float = 0.0, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of this rank's heads: ``[s, b, heads, d]`` x2/3 -> ``[s, b, heads * d]``.
+
+    Pass ``dropout_p=0`` in eval mode; a positive ``dropout_p`` needs the model-parallel
+    RNG to be seeded (``mpu.model_parallel_manual_seed``).
+    """
+    s, b, n, d = q.shape
+    chosen = resolve_backend(backend, q, attention_mask is not None)
+    rng = get_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext()
+    with rng:
+        if chosen == "flash":
+            return _flash(q, k, v, dropout_p).reshape(s, b, n * d)
+        out = _sdpa(q, k, v, dropout_p, attention_mask) if chosen == "sdpa" else _math(q, k, v, dropout_p, attention_mask)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

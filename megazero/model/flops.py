@@ -1,0 +1,85 @@
+"""Closed-form parameter counts and training FLOPs of a GPTConfig.
+
+Parameters: exact for any config (checked against the model built on ``meta``). For
+the default architecture (tied, learned positions, biases, LayerNorm, GeLU, ffn=4h)
+it is Narayanan et al. 2021's ``P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))`` plus the
+final LayerNorm's ``2h``, with V the padded vocabulary and s the position table size.
+
+FLOPs: matmul FLOPs only (2 per multiply-add). Per token and layer, forward:
+QKV ``2h(heads+2*groups)d`` + scores and context ``4 s heads d`` (the full s x s square,
+as the paper counts it) + projection ``2 heads d h`` + MLP ``2h*ffn*(2 if swiglu else 1)
++ 2*ffn*h``; the logit layer adds ``2hV``. Backward costs twice the forward; full
+recomputation adds one more forward of the transformer layers (not of the logit layer).
+For the default architecture with full recompute this is exactly Eq. 3 of the paper,
+``F = 96 B s l h^2 (1 + s/(6h) + V/(16lh))``; without recompute it is
+``72 B s l h^2 (1 + s/(6h) + V/(12lh))`` (Megatron-DeepSpeed's code reuses V/(16lh) there,
+which undercounts the logit layer by 1.5 B s h V).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .config import GPTConfig
+
+__all__ = ["num_parameters", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token"]
+
+
+def _config_parameters(c: GPTConfig) -> int:
+    h, d, n, g, f, v = c.hidden_size, c.kv_channels, c.num_attention_heads, c.query_groups, c.ffn_size, c.padded_vocab_size
+    bias = 1 if c.add_bias_linear else 0
+    gate = 2 if c.activation == "swiglu" else 1
+    norm = h * (2 if c.normalization == "layernorm" else 1)
+    qkv = (n + 2 * g) * d
+    layer = (2 * norm
+             + h * qkv + bias * qkv  # linear_qkv
+             + n * d * h + bias * h  # linear_proj
+             + h * gate * f + bias * gate * f  # linear_fc1
+             + f * h + bias * h)  # linear_fc2
+    total = v * h + c.num_layers * layer + norm
+    if c.position_embedding_type == "learned":
+        total += c.max_position_embeddings * h
+    if not c.tie_embeddings:
+        total += v * h
+    return total
+
+
+def num_parameters(model_or_config: Union[torch.nn.Module, GPTConfig], *, local: bool = False) -> int:
+    """Number of parameters of the full (unsharded) model.
+
+    For a config: closed form (nothing is built). For a module: counted from its
+    parameters, multiplying TP shards by the model's ``tp_size`` (``local=True``: just this
+    rank's elements). Works on meta models.
+    """
+    if isinstance(model_or_config, GPTConfig):
+        return _config_parameters(model_or_config)
+    tp = 1 if local else int(getattr(model_or_config, "tp_size", 1))
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in model_or_config.parameters())
+
+
+def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None) -> int:
+    """Forward matmul FLOPs of one transformer layer for one token of a length-``seq_length`` sequence."""
+    c = config
+    s = seq_length or c.seq_length
+    h, d, n, g, f = c.hidden_size, c.kv_channels, c.num_attention_heads, c.query_groups, c.ffn_size
+    gate = 2 if c.activation == "swiglu" else 1
+    return 2 * h * (n + 2 * g) * d + 4 * s * n * d + 2 * n * d * h + 2 * h * gate * f + 2 * f * h
+
+
+def flops_per_iteration(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None,
+                        recompute_full: bool = False) -> float:
+    """Training FLOPs (forward + backward [+ recompute]) of one iteration of ``global_batch_size`` sequences."""
+    s = seq_length or config.seq_length
+    f = 4 if recompute_full else 3
+    layers = config.num_layers * layer_forward_flops_per_token(config, s)
+    logits = 2 * config.hidden_size * config.padded_vocab_size
+    return float(global_batch_size * s * (f * layers + 3 * logits))
+
+
+def flops_per_token(config: GPTConfig, seq_length: Optional[int] = None, recompute_full: bool = False) -> float:
+    """Training FLOPs per token (``flops_per_iteration`` / tokens)."""
+    s = seq_length or config.seq_length
+    return flops_per_iteration(config, 1, s, recompute_full) / s

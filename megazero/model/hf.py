@@ -1,0 +1,338 @@
+"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints.
+
+* default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
+  <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
+  transposed) and a fused ``c_attn`` ordered ``[q; k; v]``; ours is ordered per head
+  group ``[q_g; k_g; v_g]`` (see ``megazero.model.transformer``), so the rows are permuted.
+* rope + rmsnorm + swiglu (+GQA, with or without biases, tied or not)
+  <-> ``LlamaForCausalLM``: our fused QKV splits into ``q_proj/k_proj/v_proj`` and
+  ``linear_fc1 = [gate; up]`` into ``gate_proj/up_proj``. Our RoPE already uses HF's
+  rotate_half convention, so q/k need no permutation.
+
+Vocabulary: HF's ``vocab_size`` is the tokenizer's (``config.vocab_size``). Export drops
+the padded embedding rows; import pads them with zeros. Padded ids are never predicted
+by GPTModel (their logits are -inf), so logits and losses agree exactly with HF.
+
+Any other combination is refused with the list of what does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from .config import GPTConfig
+
+__all__ = ["hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
+           "export_to_hf", "import_from_hf", "load_hf_state_dict"]
+
+
+# ---- architecture check ----------------------------------------------------------------------
+
+
+def _gpt2_mismatches(c: GPTConfig) -> list[str]:
+    need = [("position_embedding_type", "learned"), ("normalization", "layernorm"), ("activation", "gelu"),
+            ("add_bias_linear", True), ("tie_embeddings", True)]
+    out = [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v]
+    if c.query_groups != c.num_attention_heads:
+        out.append(f"num_query_groups={c.query_groups} (GPT-2 has no GQA: needs {c.num_attention_heads})")
+    return out
+
+
+def _llama_mismatches(c: GPTConfig) -> list[str]:
+    need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu")]
+    return [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v]
+
+
+def hf_architecture(config: GPTConfig) -> str:
+    """'gpt2' or 'llama': the HF model family that represents ``config`` exactly."""
+    gpt2, llama = _gpt2_mismatches(config), _llama_mismatches(config)
+    if not gpt2:
+        return "gpt2"
+    if not llama:
+        return "llama"
+    raise ValueError("config is not representable in HF GPT-2 or Llama. GPT-2 mismatches: " + ", ".join(gpt2)
+                     + ". Llama mismatches: " + ", ".join(llama) + ".")
+
+
+# ---- fused-weight helpers ---------------------------------------------------------------------
+
+
+def _split_qkv(t: torch.Tensor, c: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our per-group fused QKV (weight ``[(n+2g)d, h]`` or bias) -> full q, k, v."""
+    g, d, per = c.query_groups, c.kv_channels, c.num_attention_heads // c.query_groups
+    rest = t.shape[1:]
+    t = t.reshape(g, per + 2, d, *rest)
+    return (t[:, :per].reshape(g * per * d, *rest), t[:, per].reshape(g * d, *rest), t[:, per + 1].reshape(g * d, *rest))
+
+
+def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    g, d, per = c.query_groups, c.kv_channels, c.num_attention_heads // c.query_groups
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    return fused.reshape(g * (per + 2) * d, *rest)
+
+
+def _unpad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    return t[: c.vocab_size].contiguous()
+
+
+def _pad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    if t.shape[0] != c.vocab_size:
+        raise ValueError(f"HF embedding has {t.shape[0]} rows but the config's vocab_size is {c.vocab_size}")
+    return torch.cat([t, t.new_zeros(c.padded_vocab_size - c.vocab_size, *t.shape[1:])])
+
+
+# ---- state dict mapping -------------------------------------------------------------------------
+
+
+def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Full megazero state dict -> HF state dict (GPT2LMHeadModel or LlamaForCausalLM keys)."""
+    c, sd = config, full_sd
+    arch = hf_architecture(c)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        qkv_w = sd[p + "self_attention.linear_qkv.weight"]
+        if arch == "gpt2":
+            h = f"transformer.h.{i}."
+            out[h + "ln_1.weight"], out[h + "ln_1.bias"] = sd[p + "input_layernorm.weight"], sd[p + "input_layernorm.bias"]
+            out[h + "attn.c_attn.weight"] = torch.cat(_split_qkv(qkv_w, c)).t()
+            out[h + "attn.c_attn.bias"] = torch.cat(_split_qkv(sd[p + "self_attention.linear_qkv.bias"], c))
+            out[h + "attn.c_proj.weight"] = sd[p + "self_attention.linear_proj.weight"].t()
+            out[h + "attn.c_proj.bias"] = sd[p + "self_attention.linear_proj.bias"]
+            out[h + "ln_2.weight"], out[h + "ln_2.bias"] = sd[p + "pre_mlp_layernorm.weight"], sd[p + "pre_mlp_layernorm.bias"]
+            out[h + "mlp.c_fc.weight"] = sd[p + "mlp.linear_fc1.weight"].t()
+            out[h + "mlp.c_fc.bias"] = sd[p + "mlp.linear_fc1.bias"]
+            out[h + "mlp.c_proj.weight"] = sd[p + "mlp.linear_fc2.weight"].t()
+            out[h + "mlp.c_proj.bias"] = sd[p + "mlp.linear_fc2.bias"]
+        else:
+            h = f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+            out[h + "post_attention_layernorm.weight"] = sd[p + "pre_mlp_layernorm.weight"]
+            names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
+                for name, t in zip(names, _split_qkv(sd[p + "self_attention.linear_qkv." + suffix], c)):
+                    out[f"{h}{name}.{suffix}"] = t
+                gate, up = sd[p + "mlp.linear_fc1." + suffix].chunk(2, dim=0)
+                out[f"{h}mlp.gate_proj.{suffix}"], out[f"{h}mlp.up_proj.{suffix}"] = gate, up
+                out[f"{h}self_attn.o_proj.{suffix}"] = sd[p + "self_attention.linear_proj." + suffix]
+                out[f"{h}mlp.down_proj.{suffix}"] = sd[p + "mlp.linear_fc2." + suffix]
+    if arch == "gpt2":
+        out["transformer.wte.weight"] = _unpad(sd["embedding.weight"], c)
+        out["transformer.wpe.weight"] = sd["position_embeddings.weight"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["final_norm.weight"], sd["final_norm.bias"]
+    else:
+        out["model.embed_tokens.weight"] = _unpad(sd["embedding.weight"], c)
+        out["model.norm.weight"] = sd["final_norm.weight"]
+        if not c.tie_embeddings:
+            out["lm_head.weight"] = _unpad(sd["output_layer.weight"], c)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# Keys some HF checkpoints carry that hold no weights of their own.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF state dict (GPT-2 or Llama) -> full megazero state dict for ``config``. Strict about keys."""
+    c = config
+    arch = hf_architecture(c)
+    sd = dict(hf_sd)
+    if arch == "gpt2" and not any(k.startswith("transformer.") for k in sd):
+        sd = {("lm_head.weight" if k == "lm_head.weight" else "transformer." + k): v for k, v in sd.items()}
+    if c.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # the tied copy, if the checkpoint stores it
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise KeyError(f"HF checkpoint lacks {key!r} (needed for a {arch} model with {c.num_layers} layers)")
+        used.add(key)
+        return sd[key]
+
+    out: dict[str, torch.Tensor] = {}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        if arch == "gpt2":
+            h = f"transformer.h.{i}."
+            out[p + "input_layernorm.weight"] = take(h + "ln_1.weight")
+            out[p + "input_layernorm.bias"] = take(h + "ln_1.bias")
+            q, k, v = take(h + "attn.c_attn.weight").t().chunk(3, dim=0)
+            out[p + "self_attention.linear_qkv.weight"] = _merge_qkv(q, k, v, c)
+            out[p + "self_attention.linear_qkv.bias"] = _merge_qkv(*take(h + "attn.c_attn.bias").chunk(3), c)
+            out[p + "self_attention.linear_proj.weight"] = take(h + "attn.c_proj.weight").t()
+            out[p + "self_attention.linear_proj.bias"] = take(h + "attn.c_proj.bias")
+            out[p + "pre_mlp_layernorm.weight"] = take(h + "ln_2.weight")
+            out[p + "pre_mlp_layernorm.bias"] = take(h + "ln_2.bias")
+            out[p + "mlp.linear_fc1.weight"] = take(h + "mlp.c_fc.weight").t()
+            out[p + "mlp.linear_fc1.bias"] = take(h + "mlp.c_fc.bias")
+            out[p + "mlp.linear_fc2.weight"] = take(h + "mlp.c_proj.weight").t()
+            out[p + "mlp.linear_fc2.bias"] = take(h + "mlp.c_proj.bias")
+        else:
+            h = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = take(h + "input_layernorm.weight")
+            out[p + "pre_mlp_layernorm.weight"] = take(h + "post_attention_layernorm.weight")
+            for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
+                q, k, v = (take(f"{h}self_attn.{n}_proj.{suffix}") for n in "qkv")
+                out[p + "self_attention.linear_qkv." + suffix] = _merge_qkv(q, k, v, c)
+                out[p + "self_attention.linear_proj." + suffix] = take(f"{h}self_attn.o_proj.{suffix}")
+                gate, up = take(f"{h}mlp.gate_proj.{suffix}"), take(f"{h}mlp.up_proj.{suffix}")
+                out[p + "mlp.linear_fc1." + suffix] = torch.cat([gate, up])
+                out[p + "mlp.linear_fc2." + suffix] = take(f"{h}mlp.down_proj.{suffix}")
+    if arch == "gpt2":
+        out["embedding.weight"] = _pad(take("transformer.wte.weight"), c)
+        out["position_embeddings.weight"] = take("transformer.wpe.weight")
+        out["final_norm.weight"], out["final_norm.bias"] = take("transformer.ln_f.weight"), take("transformer.ln_f.bias")
+    else:
+        out["embedding.weight"] = _pad(take("model.embed_tokens.weight"), c)
+        out["final_norm.weight"] = take("model.norm.weight")
+        if not c.tie_embeddings:
+            out["output_layer.weight"] = _pad(take("lm_head.weight"), c)
+    unexpected = sorted(k for k in set(sd) - used if not k.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise KeyError(f"HF checkpoint has weights this {arch} config does not use: {unexpected[:8]}"
+                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---- configs ---------------------------------------------------------------------------------------
+
+
+def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
+    """Keyword arguments of the HF config class (``GPT2Config`` or ``LlamaConfig``) for ``config``."""
+    c = config
+    if hf_architecture(c) == "gpt2":
+        gpt2_tokens = c.vocab_size == 50257
+        return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
+                    n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
+                    n_head=c.num_attention_heads, n_inner=None if c.ffn_size == 4 * c.hidden_size else c.ffn_size,
+                    activation_function="gelu_new", resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
+                    attn_pdrop=c.attention_dropout, layer_norm_epsilon=c.layernorm_epsilon,
+                    initializer_range=c.init_method_std, tie_word_embeddings=True,
+                    bos_token_id=50256 if gpt2_tokens else None, eos_token_id=50256 if gpt2_tokens else None)
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size, intermediate_size=c.ffn_size, num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.query_groups, head_dim=c.kv_channels,
+                max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
+                rope_theta=c.rotary_base, attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear,
+                tie_word_embeddings=c.tie_embeddings, attention_dropout=c.attention_dropout, hidden_act="silu",
+                initializer_range=c.init_method_std)
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
+    """GPTConfig from an HF ``config.json`` dict (GPT-2 or Llama); ``overrides`` set other fields
+    (e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``sequence_parallel``)."""
+    mt = hf.get("model_type")
+    if mt == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        problems = []
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            problems.append(f"activation_function={act!r} (megazero's gelu is the tanh approximation)")
+        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False), ("tie_word_embeddings", True)):
+            if hf.get(key, want) != want:
+                problems.append(f"{key}={hf[key]!r} (needs {want!r})")
+        if problems:
+            raise ValueError("HF GPT-2 config not representable in megazero: " + ", ".join(problems))
+        kw = dict(num_layers=hf.get("n_layer", 12), hidden_size=hf.get("n_embd", 768), num_attention_heads=hf.get("n_head", 12),
+                  vocab_size=hf.get("vocab_size", 50257), ffn_hidden_size=hf.get("n_inner"),
+                  max_position_embeddings=hf.get("n_positions", 1024), seq_length=hf.get("n_positions", 1024),
+                  hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+                  layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02))
+    elif mt == "llama":
+        h, n = hf["hidden_size"], hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling")
+        if rope:  # transformers >= 5
+            rope_type = rope.get("rope_type", "default")
+        else:  # 4.x: rope_scaling (None = plain RoPE)
+            rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        problems = []
+        if rope_type != "default":
+            problems.append(f"rope type {rope_type!r} (only plain RoPE is supported)")
+        if hf.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={hf['hidden_act']!r} (needs 'silu')")
+        if hf.get("head_dim") not in (None, h // n):
+            problems.append(f"head_dim={hf['head_dim']} (needs hidden_size/num_attention_heads={h // n})")
+        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+            problems.append("attention_bias != mlp_bias (megazero has one add_bias_linear)")
+        if problems:
+            raise ValueError("HF Llama config not representable in megazero: " + ", ".join(problems))
+        max_pos = hf.get("max_position_embeddings", 2048)
+        kw = dict(num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=n, vocab_size=hf["vocab_size"],
+                  ffn_hidden_size=hf["intermediate_size"], num_query_groups=hf.get("num_key_value_heads") or n,
+                  max_position_embeddings=max_pos, seq_length=max_pos, position_embedding_type="rope",
+                  rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), normalization="rmsnorm",
+                  activation="swiglu", add_bias_linear=hf.get("attention_bias", False),
+                  tie_embeddings=hf.get("tie_word_embeddings", False), hidden_dropout=0.0,
+                  attention_dropout=hf.get("attention_dropout", 0.0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    else:
+        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts 'gpt2' and 'llama'")
+    return GPTConfig(**{**kw, **overrides}).validate()
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+
+def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, out_dir: str) -> str:
+    """Write a transformers directory (``config.json`` + ``model.safetensors``) loadable with
+    ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name."""
+    from safetensors.torch import save_file
+    import transformers
+
+    kw = hf_config_dict(config)
+    if kw["model_type"] == "gpt2":
+        hf_config = transformers.GPT2Config(**{k: v for k, v in kw.items() if k != "model_type"})
+    else:
+        kw = {k: v for k, v in kw.items() if k != "model_type"}
+        theta = kw.pop("rope_theta")
+        # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta.
+        hf_config = transformers.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
+        if getattr(hf_config, "rope_theta", None) is not None:
+            hf_config.rope_theta = theta
+    hf_sd = to_hf_state_dict(full_state_dict, config)
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config.save_pretrained(out_dir)
+    save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    return hf_config.architectures[0]
+
+
+def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (safetensors or .bin, single or sharded)."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index, path = os.path.join(hf_dir, index_name), os.path.join(hf_dir, single)
+        files = []
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(path):
+            files = [single]
+        if files:
+            sd: dict[str, torch.Tensor] = {}
+            for name in files:
+                full = os.path.join(hf_dir, name)
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
+
+                    sd.update(load_file(full))
+                else:
+                    sd.update(torch.load(full, map_location="cpu", weights_only=True))
+            return sd
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {hf_dir}")
+
+
+def import_from_hf(hf_dir: str, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """Read a local HF GPT-2/Llama directory -> ``(GPTConfig, full megazero state dict)``.
+
+    Needs only safetensors (not transformers). ``overrides`` set GPTConfig fields.
+    """
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = config_from_hf(json.load(f), **overrides)
+    return config, from_hf_state_dict(load_hf_state_dict(hf_dir), config)

@@ -1,0 +1,96 @@
+"""LayerNorm and RMSNorm that are safe under sequence parallelism.
+
+Under sequence parallelism a norm sees only this rank's ``s/tp`` tokens, so the
+gradient of its (replicated) weight is partial. Passing the weight through
+``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward)
+makes autograd sum it over TP, exactly as the row-parallel bias does; the params
+are also marked ``sequence_parallel=True`` for optimizers that want to know.
+
+apex's fused kernels are used on CUDA when apex is importable; torch's otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero.mpu.mappings import copy_to_tensor_model_parallel_region
+
+__all__ = ["LayerNorm", "RMSNorm", "build_norm"]
+
+
+def _apex_fns():
+    try:
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+    except Exception:  # apex absent or built without its CUDA extensions
+        return None, None
+    return fused_layer_norm_affine, fused_rms_norm_affine
+
+
+class _Norm(torch.nn.Module):
+    """Shared plumbing: the weight (and bias) parameters and their SP marking."""
+
+    def __init__(self, hidden_size: int, eps: float, *, bias: bool, sequence_parallel: bool,
+                 tp_group: Optional[dist.ProcessGroup], params_dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
+        self.bias = (torch.nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
+                     if bias else None)
+        for p in self.parameters(recurse=False):
+            p.sequence_parallel = sequence_parallel
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def _affine(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not self.sequence_parallel:
+            return self.weight, self.bias
+        w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        b = None if self.bias is None else copy_to_tensor_model_parallel_region(self.bias, self.tp_group)
+        return w, b
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class LayerNorm(_Norm):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, **kw) -> None:
+        super().__init__(hidden_size, eps, bias=True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._affine()
+        fused, _ = _apex_fns() if x.is_cuda else (None, None)
+        if fused is not None:
+            return fused(x, w, b, (self.hidden_size,), self.eps)
+        return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 like Llama's."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, **kw) -> None:
+        super().__init__(hidden_size, eps, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, _ = self._affine()
+        _, fused = _apex_fns() if x.is_cuda else (None, None)
+        if fused is not None:
+            return fused(x, w, (self.hidden_size,), self.eps)
+        # Normalize in fp32 (as HF Llama does), then scale in the parameter dtype.
+        y = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype)
+        return y * w
+
+
+def build_norm(config, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> _Norm:
+    """The norm chosen by ``config.normalization``, SP-aware when sequence parallelism is active."""
+    cls = LayerNorm if config.normalization == "layernorm" else RMSNorm
+    return cls(config.hidden_size, config.layernorm_epsilon, sequence_parallel=config.sequence_parallel and tp_size > 1,
+               tp_group=tp_group, params_dtype=config.params_dtype, device=device)

@@ -1,0 +1,148 @@
+"""Full (tp=1-shaped) state dicts from TP shards and back, plus a simple on-disk format.
+
+A full state dict has exactly the keys and shapes of a tp=1 model, so checkpoints
+move between TP sizes and to/from Hugging Face. Shards are contiguous chunks
+along ``partition_dim``; a ``partition_stride`` of k (SwiGLU's fused [gate; up])
+means the full tensor is k logical blocks, each chunked over ranks, and rank r
+holds ``[block_0 chunk r; ...; block_{k-1} chunk r]``.
+
+On disk (``save_full`` / ``load_full``): a directory with ``model_full.safetensors``
+and ``config.json`` (``GPTConfig.to_dict()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megazero.mpu.mappings import resolve_tp_group
+from megazero.mpu.sharding import full_from_shards, shard_of_full
+from megazero.mpu.utils import group_rank, group_size
+
+from .config import GPTConfig
+
+__all__ = ["gather_full_tensor", "shard_full_tensor", "gather_full_state_dict", "load_full_state_dict",
+           "save_full", "load_full", "FULL_WEIGHTS_NAME", "CONFIG_NAME"]
+
+FULL_WEIGHTS_NAME = "model_full.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def _layout(param: torch.Tensor) -> tuple[bool, int, int]:
+    return (bool(getattr(param, "tensor_model_parallel", False)), int(getattr(param, "partition_dim", 0)),
+            int(getattr(param, "partition_stride", 1)))
+
+
+def _group(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    if tp_group is not None:
+        return tp_group
+    # A GPTModel knows its group (None = built without TP); other modules use the registered one.
+    return model.tp_group if hasattr(model, "tp_group") else resolve_tp_group(None)
+
+
+def _size_rank(group) -> tuple[int, int]:
+    return group_size(group), group_rank(group)
+
+
+def gather_full_tensor(local: torch.Tensor, param: torch.Tensor, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """All-gather ``local`` (a shard shaped like ``param``, e.g. its grad) into the full tensor.
+
+    Replicated parameters come back as they are. Collective: every TP rank must call it.
+    """
+    sharded, dim, stride = _layout(param)
+    world, _ = _size_rank(tp_group)
+    if not sharded or world == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    return full_from_shards(parts, dim, stride)
+
+
+def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """This rank's shard of ``full`` for ``param`` (inverse of ``gather_full_tensor``)."""
+    sharded, dim, stride = _layout(param)
+    world, rank = _size_rank(tp_group)
+    if not sharded or world == 1:
+        return full
+    return shard_of_full(full, dim, stride, rank, world)
+
+
+def _full_shape(param: torch.Tensor, world: int) -> tuple[int, ...]:
+    sharded, dim, _ = _layout(param)
+    shape = list(param.shape)
+    if sharded:
+        shape[dim] *= world
+    return tuple(shape)
+
+
+def gather_full_state_dict(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup] = None) -> dict[str, torch.Tensor]:
+    """The model's weights with TP shards all-gathered: keys and shapes of a tp=1 model.
+
+    Collective over the TP group; the result is returned on *every* TP rank (detached
+    copies, on the parameters' device).
+    """
+    group = _group(model, tp_group)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        out[name] = gather_full_tensor(t.detach(), t, group).clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor],
+                         tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Copy this rank's slice of every tensor in the full (tp=1-shaped) ``full_sd`` into ``model``.
+
+    Strict: raises KeyError listing missing and unexpected keys, ValueError listing shape
+    mismatches, before anything is modified. No communication.
+    """
+    group = _group(model, tp_group)
+    world, _ = _size_rank(group)
+    own = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(full_sd)), sorted(set(full_sd) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"full state dict does not match the model: missing keys {missing}, unexpected keys {unexpected}")
+    bad = [f"{k}: checkpoint {tuple(full_sd[k].shape)} vs model {_full_shape(t, world)}"
+           for k, t in own.items() if tuple(full_sd[k].shape) != _full_shape(t, world)]
+    if bad:
+        raise ValueError("full state dict shapes do not match the model (full, tp=1 shapes): " + "; ".join(bad))
+    for k, t in own.items():
+        t.copy_(shard_full_tensor(full_sd[k], t, group).to(dtype=t.dtype, device=t.device))
+
+
+def save_full(out_dir: str, full_sd: dict[str, torch.Tensor], config: GPTConfig) -> None:
+    """Write ``model_full.safetensors`` + ``config.json`` into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in full_sd.items()}, os.path.join(out_dir, FULL_WEIGHTS_NAME),
+              metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG_NAME), "w") as f:
+        json.dump(config.to_dict(), f, indent=2)
+
+
+def load_full(path: str, config_path: Optional[str] = None) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """Read a full checkpoint: a directory from ``save_full``, or a ``.safetensors``/``.pt``
+    file plus ``config_path`` (default: ``config.json`` next to the file)."""
+    if os.path.isdir(path):
+        weights, config_path = os.path.join(path, FULL_WEIGHTS_NAME), config_path or os.path.join(path, CONFIG_NAME)
+    else:
+        weights, config_path = path, config_path or os.path.join(os.path.dirname(path), CONFIG_NAME)
+    for p, what in ((weights, "weights"), (config_path, "config")):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{what} file {p} not found (expected a directory with {FULL_WEIGHTS_NAME} and "
+                                    f"{CONFIG_NAME}, or a weights file plus a config json)")
+    with open(config_path) as f:
+        config = GPTConfig.from_dict(json.load(f))
+    if weights.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(weights)
+    else:
+        sd = torch.load(weights, map_location="cpu", weights_only=True)
+        sd = sd.get("model", sd) if isinstance(sd, dict) else sd
+    return config, sd

@@ -1,0 +1,157 @@
+"""One pre-norm transformer layer (attention + MLP) built from tensor-parallel linears.
+
+Activations are ``[s, b, h]`` (``[s/tp, b, h]`` between the parallel linears under
+sequence parallelism). Each rank owns ``heads/tp`` attention heads and ``ffn/tp``
+MLP columns; the only communication is inside the mpu linears.
+
+Weight layouts (full, i.e. tp=1, shapes; the converters depend on them):
+
+* ``self_attention.linear_qkv.weight`` ``[(heads + 2*groups) * d, h]``: one block per
+  query group ``g`` (``groups`` blocks, in order), each ``[q heads of g (heads/groups * d rows);
+  k_g (d rows); v_g (d rows)]`` (Megatron's layout). Contiguous TP chunks therefore give
+  every rank whole groups: its own heads' q, k and v. The bias follows the same rows.
+* ``mlp.linear_fc1.weight`` for SwiGLU ``[2*ffn, h]`` is logically ``[gate; up]``; rank ``r``
+  holds ``[gate_r; up_r]`` (rows of its own ffn slice of each), so ``partition_stride=2``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero import mpu
+from megazero.mpu.initializers import init_method_normal, scaled_init_method_normal
+
+from .attention import core_attention
+from .config import GPTConfig
+from .norms import build_norm
+from .rope import apply_rotary
+
+__all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinear", "dropout"]
+
+Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Hidden dropout. Sequence-parallel shards hold different tokens on each TP rank,
+    so their masks come from the model-parallel RNG stream; replicated activations use
+    the default generator (identical on all TP ranks, as the math requires)."""
+    if not training or p == 0.0:
+        return x
+    with mpu.get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p)
+
+
+class GatedColumnParallelLinear(mpu.ColumnParallelLinear):
+    """Column-parallel ``h -> 2*ffn`` whose full weight is ``[gate; up]`` and whose rank-``r``
+    chunk is ``[gate_r; up_r]`` (stride-2 partition), so SwiGLU needs no communication."""
+
+    def __init__(self, input_size: int, ffn_size: int, **kw) -> None:
+        super().__init__(input_size, 2 * ffn_size, gather_output=False, **kw)
+        for p in self.parameters(recurse=False):
+            p.partition_stride = 2
+
+    def reset_parameters(self) -> None:
+        # Draw the full [gate; up] master on the CPU (TP-invariant) and keep [gate_r; up_r].
+        with torch.no_grad():
+            master = torch.empty(self.output_size, self.input_size, dtype=torch.float32)
+            self.init_method(master)
+            if self.tp_size > 1:
+                master = master.view(2, self.tp_size, -1, self.input_size)[:, self.tp_rank].reshape(-1, self.input_size)
+            self.weight.copy_(master.to(dtype=self.weight.dtype, device=self.weight.device))
+            if self.bias is not None:
+                self.bias.zero_()
+
+
+class SelfAttention(torch.nn.Module):
+    """Fused-QKV causal self-attention over this rank's heads (optionally GQA and RoPE)."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.kv_channels = c.kv_channels
+        self.groups_per_rank = c.query_groups // tp_size
+        self.heads_per_group = c.num_attention_heads // c.query_groups
+        sp = c.sequence_parallel
+        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=sp,
+                      bias=c.add_bias_linear)
+        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.kv_channels
+        self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False,
+                                                   init_method=init_method_normal(c.init_method_std), **common)
+        self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.kv_channels, c.hidden_size,
+                                                 input_is_parallel=True,
+                                                 init_method=scaled_init_method_normal(c.init_method_std, c.num_layers),
+                                                 **common)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask) -> torch.Tensor:
+        p = self.config.attention_dropout if self.training else 0.0
+        return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=p, attention_mask=attention_mask)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        qkv, _ = self.linear_qkv(x)  # [s, b, (heads + 2*groups)/tp * d], full s even under SP
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.kv_channels)  # [s, b, heads/tp, d]
+        k = qkv[:, :, :, self.heads_per_group]  # [s, b, groups/tp, d]
+        v = qkv[:, :, :, self.heads_per_group + 1]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask), q, k, v)
+        else:
+            ctx = self._core(q, k, v, attention_mask)  # [s, b, heads/tp * d]
+        out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
+        return out
+
+
+class MLP(torch.nn.Module):
+    """h -> ffn -> h with GeLU (tanh approximation, = HF 'gelu_new') or SwiGLU."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
+        super().__init__()
+        c = config
+        self.swiglu = c.activation == "swiglu"
+        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=c.sequence_parallel,
+                      bias=c.add_bias_linear)
+        init = init_method_normal(c.init_method_std)
+        if self.swiglu:
+            self.linear_fc1 = GatedColumnParallelLinear(c.hidden_size, c.ffn_size, init_method=init, **common)
+        else:
+            self.linear_fc1 = mpu.ColumnParallelLinear(c.hidden_size, c.ffn_size, gather_output=False, init_method=init, **common)
+        self.linear_fc2 = mpu.RowParallelLinear(c.ffn_size, c.hidden_size, input_is_parallel=True,
+                                                init_method=scaled_init_method_normal(c.init_method_std, c.num_layers),
+                                                **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        out, _ = self.linear_fc2(h)
+        return out
+
+
+class TransformerLayer(torch.nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
+        super().__init__()
+        kw = dict(tp_group=tp_group, tp_size=tp_size, device=device)
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        self.input_layernorm = build_norm(config, **kw)
+        self.self_attention = SelfAttention(config, **kw)
+        self.pre_mlp_layernorm = build_norm(config, **kw)
+        self.mlp = MLP(config, **kw)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        drop = lambda t: dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)  # noqa: E731
+        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
+        return x + drop(self.mlp(self.pre_mlp_layernorm(x)))

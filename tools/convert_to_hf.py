@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Export a full megazero checkpoint to a Hugging Face transformers directory.
+
+The input is a directory with ``model_full.safetensors`` + ``config.json`` (as written
+by ``megazero.model.state_dict.save_full`` or tools/convert_from_hf.py), or a
+``.safetensors``/``.pt`` full state dict with ``--config``. The output loads with
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` as GPT2LMHeadModel (default
+architecture) or LlamaForCausalLM (rope + rmsnorm + swiglu). Example::
+
+    python tools/convert_to_hf.py --input ckpt/full --output hf/my-gpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megazero.model.hf import export_to_hf  # noqa: E402
+from megazero.model.state_dict import load_full  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="checkpoint directory, or a full state dict file (.safetensors/.pt)")
+    p.add_argument("--config", default=None, help="GPTConfig json (default: config.json next to the weights)")
+    p.add_argument("--output", required=True, help="directory to write the HF model into")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config, full_sd = load_full(args.input, args.config)
+        arch = export_to_hf(full_sd, config, args.output)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"convert_to_hf: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {arch} to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
