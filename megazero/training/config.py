@@ -1,0 +1,213 @@
+"""TrainConfig: the typed, validated description of one training run.
+
+Built by ``megazero.training.arguments.parse_args`` from a Megatron-style command
+line (plus an optional DeepSpeed JSON); consumed by the training loop. Every value
+here is *resolved*: no ``None`` means "work it out later" except where documented
+(e.g. ``checkpoint.save is None`` means "do not save"). The LR schedule is stored
+in samples, as Megatron does, so it stays correct however the batch is split.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megazero.model.config import GPTConfig
+
+__all__ = [
+    "ConfigError",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+    "DataConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "GenerateConfig",
+    "TrainConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A command line / config that cannot run. The message says what and how to fix it."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: world = tp x pp x dp (pp is 1 for now)."""
+
+    tp: int = 1  # tensor-model-parallel size
+    pp: int = 1  # pipeline-model-parallel size (only 1 is supported)
+    dp: int = 1  # data-parallel size = world_size // (tp * pp); ZeRO partitions over it
+    world_size: int = 1
+    zero_stage: int = 1  # 0: plain DP, 1: optimizer states, 2: + grads, 3: + params partitioned
+    sequence_parallel: bool = False  # Megatron 2022 SP (needs tp > 1)
+
+
+@dataclass
+class PrecisionConfig:
+    """Training precision and (fp16 only) the loss-scaler settings."""
+
+    dtype: str = "fp32"  # 'bf16' | 'fp16' | 'fp32'
+    loss_scale: Optional[float] = None  # fp16 static loss scale; None -> dynamic
+    initial_loss_scale: float = 2.0 ** 16  # dynamic scaler start (DeepSpeed's default 2**16)
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # good steps before the dynamic scale is raised
+    hysteresis: int = 2  # overflows tolerated before the scale is lowered
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of the model's compute weights/activations."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.dtype == "fp16" and self.loss_scale is None
+
+
+@dataclass
+class OptimConfig:
+    """Adam(W) hyper-parameters. ``lr`` is the peak LR the schedule warms up to."""
+
+    type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+
+
+@dataclass
+class ScheduleConfig:
+    """Batch sizes, run length, LR curve (in samples) and eval/exit cadence (in iterations)."""
+
+    micro_batch_size: int = 1  # per rank, per forward/backward
+    global_batch_size: int = 1  # = micro_batch_size * dp * grad_accum_steps
+    grad_accum_steps: int = 1
+    train_iters: int = 0  # resolved even when --train-samples was given (floor division)
+    train_samples: int = 0  # = train_iters * global_batch_size unless given explicitly
+    lr_decay_style: str = "linear"  # 'constant' | 'linear' | 'cosine'
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int = 0  # the decay ends here (counted from sample 0, warmup included)
+    eval_interval: int = 1000  # iterations between evaluations; 0 disables
+    eval_iters: int = 100  # batches per evaluation
+    exit_interval: Optional[int] = None  # stop (after saving) when iteration % exit_interval == 0
+
+    @property
+    def lr_warmup_iters(self) -> float:
+        return self.lr_warmup_samples / self.global_batch_size
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. With ``mock_data`` there are no files (synthetic ids)."""
+
+    data_path: list[str] = field(default_factory=list)  # raw Megatron form: "[w1] p1 [w2] p2 ..."
+    prefixes: list[str] = field(default_factory=list)  # parsed: dataset prefixes ({p}.bin/{p}.idx)
+    weights: list[float] = field(default_factory=list)  # parsed: normalised blend weights
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: Optional[str] = None  # None only with mock data
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None  # the --vocab-size flag as given (NullTokenizer's argument)
+
+    def tokenizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``megazero.data.build_tokenizer(self.tokenizer_type, **kw)``."""
+        return dict(tokenizer_model=self.tokenizer_model, vocab_file=self.vocab_file,
+                    merge_file=self.merge_file, vocab_size=self.vocab_size)
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None  # directory to save to; None -> never save
+    load: Optional[str] = None  # directory to resume from; None -> start fresh
+    save_interval: Optional[int] = None  # iterations between saves (needs save)
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100  # iterations between log lines / metrics records
+    tensorboard_dir: Optional[str] = None
+    metrics_file: Optional[str] = None  # JSONL; defaults to {save}/metrics.jsonl when --save is given
+    wall_clock_breakdown: bool = False  # per-phase timers (DeepSpeed's key)
+
+
+@dataclass
+class GenerateConfig:
+    """Optional greedy sample printed at the end of training."""
+
+    prompt: Optional[str] = None
+    tokens: int = 32
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run needs, resolved and validated (see ``parse_args``)."""
+
+    model: GPTConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    seed: int = 1234
+    # The --deepspeed-config JSON as loaded (None when not given). Its keys that the
+    # command line does not own (bucket sizes, stage-3 knobs, ...) pass through
+    # to_deepspeed_config() untouched.
+    deepspeed_json: Optional[dict[str, Any]] = None
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.schedule.global_batch_size * self.model.seq_length
+
+    def to_deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed-schema dict for ``megazero.zero.initialize(model, config_dict, mpu=...)``.
+
+        Starts from the --deepspeed-config JSON (if any) and overwrites the keys the
+        command line owns, so the two can never disagree (parse_args already refused
+        conflicting values). ``optimizer.params.lr`` is the peak LR; the LR schedule
+        (megazero.training.lr_schedule) sets the per-step value.
+        """
+        ds = copy.deepcopy(self.deepspeed_json) if self.deepspeed_json else {}
+        s, o, p = self.schedule, self.optim, self.precision
+        ds["train_batch_size"] = s.global_batch_size
+        ds["train_micro_batch_size_per_gpu"] = s.micro_batch_size
+        ds["gradient_accumulation_steps"] = s.grad_accum_steps
+        opt = ds.setdefault("optimizer", {})
+        opt["type"] = o.type
+        opt.setdefault("params", {}).update(
+            lr=o.lr, betas=[o.adam_beta1, o.adam_beta2], eps=o.adam_eps, weight_decay=o.weight_decay)
+        ds.setdefault("zero_optimization", {})["stage"] = self.parallel.zero_stage
+        ds.setdefault("bf16", {})["enabled"] = p.dtype == "bf16"
+        fp16 = ds.setdefault("fp16", {})
+        fp16["enabled"] = p.dtype == "fp16"
+        fp16.update(
+            loss_scale=p.loss_scale if p.loss_scale is not None else 0,  # DeepSpeed: 0 = dynamic
+            initial_scale_power=int(round(math.log2(p.initial_loss_scale))),
+            loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis, min_loss_scale=p.min_loss_scale)
+        ds["gradient_clipping"] = o.clip_grad
+        ds.setdefault("steps_per_print", self.logging.log_interval)
+        ds["wall_clock_breakdown"] = self.logging.wall_clock_breakdown
+        return ds
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly nested dict (for logging the resolved config and for checkpoints)."""
+        out: dict[str, Any] = {"model": self.model.to_dict()}
+        for f in dataclasses.fields(self):
+            if f.name == "model":
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+        return out

@@ -1,0 +1,248 @@
+"""Per-GPU memory estimate of a GPT training plan (tp x dp x ZeRO stage x recompute).
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", Sec. 3.1 and Fig. 1),
+with Psi the parameters a rank holds after tensor parallelism (Psi_local: TP-sharded
+weights / tp + replicated weights such as norms, row-parallel biases and the
+position table), N_d the data-parallel size and K = 12 for mixed-precision Adam:
+
+    stage 0  (2 + 2 + K) Psi            stage 2  2 Psi + (2 + K) Psi / N_d
+    stage 1  2 Psi + 2 Psi + K Psi / N_d stage 3  (2 + 2 + K) Psi / N_d
+
+(fp32 training: 4 + 4 + 8, the master weights being the weights themselves).
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", Sec. 4: per layer, with 16-bit activations,
+
+    no parallelism          s b h (34 + 5 a s / h)
+    tensor parallel t       s b h (10 + 24/t + 5 a s / (h t))
+    tensor + sequence par.  s b h (34/t + 5 a s / (h t))
+
+selective recompute (and flash attention) drop the 5as/h term (the s x s attention
+scores, softmax and its dropout); full recompute keeps each layer's input, 2sbh
+(/t with SP), plus one recompute chunk's full activations while it is re-run.
+Outside the layers: the embedding dropout mask, the final norm and output-layer
+inputs and the fp32 logits of the loss, 4 s b V / t bytes.
+
+Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), NCCL
+buffers and ZeRO-1/2 reduce buckets. GPU capacities are in GiB (2**30 bytes), which
+is what an "80 GB" GPU has.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from megazero.model.config import GPTConfig
+from megazero.model.flops import flops_per_iteration, num_parameters
+
+if TYPE_CHECKING:
+    from megazero.training.config import TrainConfig
+
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
+           "activation_bytes_per_layer", "replicated_parameters", "GiB"]
+
+GiB = 2 ** 30
+
+# bytes per parameter: (weights, gradients, optimizer states) — ZeRO paper's 2 + 2 + K with K = 12
+# (fp32 master copy 4 + Adam m 4 + v 4); in fp32 the master copy is the weight itself.
+_STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU (floats: partitions are averaged over ranks) and the plan they are for."""
+
+    params: float  # model weights
+    grads: float  # gradients
+    optimizer: float  # optimizer states (fp32 master + Adam moments)
+    activations: float  # saved activations of one micro-batch, incl. logits
+    buffers: float  # ZeRO-3 gathered-parameter working set (0 for stages 0-2)
+    params_total: int  # parameters of the whole model
+    params_per_rank: float  # Psi_local: parameters on one rank after TP (before ZeRO)
+    flops_per_iteration: Optional[float] = None  # training FLOPs of one global batch (Narayanan 2021 Eq. 3)
+    plan: dict = field(default_factory=dict)  # the inputs, for printing
+    activation_detail: dict = field(default_factory=dict)  # per_layer, layers, outside_layers bytes
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def fits(self, gpu_memory_gib: float) -> bool:
+        return self.total <= gpu_memory_gib * GiB
+
+    def to_text(self, gpu_memory_gib: Optional[float] = None) -> str:
+        """A small table (GiB) with the parameter count, FLOPs and, given a capacity, the verdict."""
+        p = self.plan
+        rows = [("weights", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer),
+                ("activations", self.activations)]
+        if self.buffers:
+            rows.append(("ZeRO-3 gather buffers", self.buffers))
+        rows.append(("total", self.total))
+        lines = [
+            f"parameters: {self.params_total:,} ({self.params_total / 1e9:.2f}B); "
+            f"per GPU after TP: {self.params_per_rank:,.0f}",
+            f"plan: tp {p.get('tp')} x dp {p.get('dp')} x pp {p.get('pp')}, ZeRO-{p.get('zero_stage')}, "
+            f"{p.get('precision')}, micro batch {p.get('micro_batch_size')}, seq {p.get('seq_length')}, "
+            f"recompute {p.get('recompute') or 'none'}, sequence parallel {'on' if p.get('sequence_parallel') else 'off'}, "
+            f"flash attention {'on' if p.get('flash_attn') else 'off'}",
+        ]
+        if self.flops_per_iteration is not None:
+            lines.append(f"FLOPs per iteration (global batch {p.get('global_batch_size')}): "
+                         f"{self.flops_per_iteration:.4e} ({self.flops_per_iteration / 1e15:,.1f} PFLOP)")
+        lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
+        lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
+        if gpu_memory_gib is not None:
+            margin = gpu_memory_gib - self.total / GiB
+            verdict = "fits" if margin >= 0 else "does NOT fit"
+            lines.append(f"GPU memory {gpu_memory_gib:g} GiB: {verdict} "
+                         f"({abs(margin):.2f} GiB {'spare' if margin >= 0 else 'over'}; "
+                         f"CUDA context and fragmentation not counted)")
+        return "\n".join(lines)
+
+
+def replicated_parameters(config: GPTConfig) -> int:
+    """Parameters that tensor parallelism does not shard: norms, row-parallel biases
+    (attention projection, second MLP linear) and the learned position table."""
+    c = config
+    h = c.hidden_size
+    norm = h * (2 if c.normalization == "layernorm" else 1)
+    row_bias = 2 * h if c.add_bias_linear else 0
+    total = c.num_layers * (2 * norm + row_bias) + norm
+    if c.position_embedding_type == "learned":
+        total += c.max_position_embeddings * h
+    return total
+
+
+def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = "bf16",
+                      grad_accum_dtype: Optional[str] = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per rank for ``psi`` parameters (ZeRO paper, Sec. 3.1/5).
+
+    ``grad_accum_dtype='fp32'`` keeps 4-byte gradients under mixed precision (Megatron's
+    fp32 main grads); by default gradients have the weights' dtype, as in the paper.
+    """
+    if precision not in _STATE_BYTES:
+        raise ValueError(f"precision must be one of {sorted(_STATE_BYTES)}, got {precision!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    w, g, o = _STATE_BYTES[precision]
+    if grad_accum_dtype is not None:
+        g = _DTYPE_BYTES[grad_accum_dtype]
+    return (w * psi / (dp if zero_stage >= 3 else 1),
+            g * psi / (dp if zero_stage >= 2 else 1),
+            o * psi / (dp if zero_stage >= 1 else 1))
+
+
+def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int = 1,
+                               sequence_parallel: bool = False, keep_attention_scores: bool = True,
+                               act_bytes: int = 2) -> float:
+    """Saved activations of one transformer layer (Korthikanti et al. 2022, Sec. 4.1).
+
+    Generalised over the paper's 34 s b h + 5 a s^2 b (16-bit, ffn = 4h, MHA):
+      replicated under TP (sharded with SP): 2 norm inputs + QKV and fc1 inputs at
+        ``act_bytes`` and 2 dropout masks at 1 byte: s b h (4e + 2) = 10 s b h;
+      sharded by TP: Q, K, V, projection input, fc1 output, activation output:
+        e s b (n d + 2 g d + n d + gate f + f) = 24 s b h;
+      attention scores (dropped by selective recompute / flash attention): softmax
+        output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
+    """
+    c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
+    h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.kv_channels, c.ffn_size
+    gate = 2 if c.activation == "swiglu" else 1
+    replicated = s * b * h * (4 * e + 2)
+    sharded = e * s * b * (n * d + 2 * g * d + n * d + gate * f + f)
+    scores = n * s * s * b * (2 * e + 1) if keep_attention_scores else 0
+    return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t
+
+
+def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int, sequence_parallel: bool,
+                 recompute: Optional[str], flash_attn: bool, act_bytes: int) -> dict[str, float]:
+    c, s, b, t = config, seq_length, micro_batch_size, tp
+    L, h = c.num_layers, c.hidden_size
+    sp_div = t if sequence_parallel else 1
+    per_layer = activation_bytes_per_layer(
+        c, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
+        keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes)
+    layer_input = act_bytes * s * b * h / sp_div
+    if recompute == "full":
+        n = min(max(c.recompute_num_layers, 1), L)
+        if c.recompute_method == "block":
+            # The first n layers keep only their input; the rest keep everything.
+            layers = n * layer_input + (L - n) * per_layer + (per_layer if n else 0)
+        else:
+            # Chunks of n layers keep their input; one chunk is live while it is recomputed.
+            layers = math.ceil(L / n) * layer_input + n * per_layer
+    else:
+        layers = L * per_layer
+    # Embedding dropout mask (1 byte), final norm and output-layer inputs, fp32 logits for the loss.
+    outside = s * b * h / sp_div + 2 * act_bytes * s * b * h / sp_div + 4 * s * b * c.padded_vocab_size / t
+    return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside}
+
+
+def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_stage: int, micro_batch_size: int,
+                    seq_length: Optional[int] = None, precision: str = "bf16", recompute: Optional[str] = None,
+                    sequence_parallel: bool = False, flash_attn: bool = False,
+                    grad_accum_dtype: Optional[str] = None,
+                    global_batch_size: Optional[int] = None) -> MemoryEstimate:
+    """Per-GPU memory of training ``config`` under a parallel plan.
+
+    The execution options come from the keyword arguments, not from ``config``'s
+    fields (so one config can be evaluated under several plans), except
+    ``recompute_method``/``recompute_num_layers``. ``pp > 1`` is approximated: model
+    states / pp, activations as for pp = 1 (1F1B's first stage holds pp micro-batches
+    of L/pp layers). ``global_batch_size`` (default micro x dp) only sets the FLOPs.
+    """
+    if recompute not in (None, "full", "selective"):
+        raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
+    if tp < 1 or pp < 1 or micro_batch_size < 1:
+        raise ValueError(f"tp, pp and micro_batch_size must be >= 1, got {tp}, {pp}, {micro_batch_size}")
+    s = seq_length or config.seq_length
+    total = num_parameters(config)
+    replicated = replicated_parameters(config)
+    psi = ((total - replicated) / tp + replicated) / pp
+    weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision,
+                                              grad_accum_dtype=grad_accum_dtype)
+    act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s, tp=tp,
+                       sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
+                       act_bytes=_DTYPE_BYTES[precision])
+    buffers = 0.0
+    if zero_stage == 3:
+        # The layer being computed plus the one being prefetched, gathered to full (TP-local) size.
+        layer = (total - replicated - _embedding_params(config)) / config.num_layers / tp
+        layer += (replicated - (config.max_position_embeddings * config.hidden_size
+                                if config.position_embedding_type == "learned" else 0)) / config.num_layers
+        unit = max(layer, config.padded_vocab_size * config.hidden_size / tp)
+        buffers = 2 * unit * _STATE_BYTES[precision][0]
+    gbs = global_batch_size or micro_batch_size * dp
+    return MemoryEstimate(
+        params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
+        params_total=total, params_per_rank=psi,
+        flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
+        plan=dict(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, micro_batch_size=micro_batch_size, seq_length=s,
+                  precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
+                  flash_attn=flash_attn, global_batch_size=gbs),
+        activation_detail=act)
+
+
+def _embedding_params(config: GPTConfig) -> int:
+    # TP-sharded embedding rows (the output layer too when untied).
+    return config.padded_vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
+
+
+def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:
+    """``estimate_memory`` for a parsed ``TrainConfig`` (the plan pretrain_gpt.py would run)."""
+    m, p = config.model, config.parallel
+    return estimate_memory(
+        m, tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
+        seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
+        sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
+        grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size)

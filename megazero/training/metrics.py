@@ -1,0 +1,279 @@
+"""Training metrics: Megatron-style log lines, throughput, and JSONL/TensorBoard output.
+
+The loop keeps an ``IntervalMeter`` per log interval, turns its summary into an
+``IterationStats`` and hands that to ``format_log_line`` (stdout, rank 0) and to
+``MetricsWriter.write`` (JSONL + optional TensorBoard, rank 0 only):
+
+    meter = IntervalMeter()
+    ...every iteration:  meter.update({"lm loss": loss}, skipped=skipped)
+    ...every log_interval iterations (after torch.cuda.synchronize()):
+        summary = meter.pop()
+        stats = IterationStats.from_summary(summary, iteration=it, train_iters=cfg.schedule.train_iters,
+                                            consumed_samples=..., lr=..., global_batch_size=...,
+                                            throughput=Throughput.from_config(cfg), loss_scale=..., grad_norm=...)
+        print(format_log_line(stats)); writer.write(stats.iteration, stats.to_record())
+
+JSONL record keys (one object per line; non-finite numbers are written as null):
+``iteration``, ``consumed_samples``, ``lr``, ``global_batch_size``, ``lm_loss`` (each loss
+name with spaces -> '_'), ``loss_scale``, ``grad_norm``, ``skipped_iterations``,
+``nan_iterations``, ``elapsed_ms_per_iteration``, ``tokens_per_s``, ``tflops_per_rank``,
+``memory_mb``, ``timestamp``. Evaluation records use ``eval_`` keys, e.g.
+``{"iteration": 1000, "eval_lm_loss": 3.2, "eval_ppl": 24.5}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from megazero.training.config import TrainConfig
+
+__all__ = ["Throughput", "IterationStats", "IntervalMeter", "IntervalSummary", "MetricsWriter",
+           "format_log_line", "memory_mb", "metric_key", "TRAIN_LOSS_KEY", "EVAL_LOSS_KEY"]
+
+TRAIN_LOSS_KEY = "lm_loss"
+EVAL_LOSS_KEY = "eval_lm_loss"
+
+_log = logging.getLogger(__name__)
+
+
+def metric_key(name: str) -> str:
+    """'lm loss' -> 'lm_loss' (JSON/TensorBoard-friendly)."""
+    return name.strip().replace(" ", "_").replace("-", "_")
+
+
+def memory_mb(device: Optional[torch.device] = None) -> Optional[float]:
+    """Peak memory in MiB: ``torch.cuda.max_memory_allocated`` on a GPU, the process's
+    resident set (``/proc/self/status`` VmRSS, else peak RSS from ``getrusage``) on CPU."""
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+@dataclass
+class Throughput:
+    """Tokens/s and model TFLOP/s per rank from the time of one iteration."""
+
+    flops_per_iteration: float  # training FLOPs of one global batch (all ranks together)
+    tokens_per_iteration: int  # global batch x sequence length
+    world_size: int
+
+    @classmethod
+    def from_config(cls, config: "TrainConfig") -> "Throughput":
+        """Counts FLOPs with Narayanan et al. 2021 Eq. 3 (factor 4 with full recompute)."""
+        from megazero.model.flops import flops_per_iteration
+
+        m, s = config.model, config.schedule
+        return cls(flops_per_iteration=flops_per_iteration(m, s.global_batch_size, m.seq_length,
+                                                           recompute_full=m.recompute_granularity == "full"),
+                   tokens_per_iteration=s.global_batch_size * m.seq_length,
+                   world_size=config.parallel.world_size)
+
+    def tokens_per_second(self, seconds_per_iteration: float) -> float:
+        return self.tokens_per_iteration / seconds_per_iteration
+
+    def tflops_per_rank(self, seconds_per_iteration: float) -> float:
+        """flops_per_iteration / (time x world_size) / 1e12."""
+        return self.flops_per_iteration / (seconds_per_iteration * self.world_size) / 1e12
+
+
+@dataclass
+class IntervalSummary:
+    """What happened since the last log line."""
+
+    losses: dict[str, float]  # mean of each loss over the iterations that were neither skipped nor NaN
+    iterations: int
+    skipped_iterations: int
+    nan_iterations: int
+    seconds_per_iteration: float
+
+
+class IntervalMeter:
+    """Averages losses and counts skipped / NaN iterations between two log lines.
+
+    Skipped iterations (fp16 overflow) and non-finite losses are counted but not
+    averaged in, as Megatron does. Times with ``time.perf_counter``: synchronize the
+    GPU before ``pop`` so the interval includes the queued kernels.
+    """
+
+    def __init__(self) -> None:
+        self._reset(time.perf_counter())
+
+    def _reset(self, start: float) -> None:
+        self._start = start
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._iterations = self._skipped = self._nan = 0
+
+    def update(self, losses: Mapping[str, float], *, skipped: bool = False) -> None:
+        """Record one iteration's (already reduced) losses."""
+        self._iterations += 1
+        if skipped:
+            self._skipped += 1
+            return
+        values = {k: float(v) for k, v in losses.items()}
+        if any(not math.isfinite(v) for v in values.values()):
+            self._nan += 1
+            return
+        for k, v in values.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+            self._counts[k] = self._counts.get(k, 0) + 1
+
+    def pop(self, now: Optional[float] = None) -> IntervalSummary:
+        """Summary of the interval; starts the next one."""
+        now = time.perf_counter() if now is None else now
+        summary = IntervalSummary(
+            losses={k: self._sums[k] / self._counts[k] for k in self._sums},
+            iterations=self._iterations, skipped_iterations=self._skipped, nan_iterations=self._nan,
+            seconds_per_iteration=(now - self._start) / max(self._iterations, 1))
+        self._reset(now)
+        return summary
+
+
+@dataclass
+class IterationStats:
+    """One log line's numbers."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    seconds_per_iteration: float
+    lr: float
+    global_batch_size: int
+    losses: dict[str, float] = field(default_factory=dict)  # e.g. {"lm loss": 5.12}
+    loss_scale: Optional[float] = None
+    grad_norm: Optional[float] = None
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    tokens_per_second: Optional[float] = None
+    tflops_per_rank: Optional[float] = None
+    memory_mb: Optional[float] = None
+
+    @classmethod
+    def from_summary(cls, summary: IntervalSummary, *, iteration: int, train_iters: int, consumed_samples: int,
+                     lr: float, global_batch_size: int, throughput: Optional[Throughput] = None,
+                     loss_scale: Optional[float] = None, grad_norm: Optional[float] = None,
+                     memory: Optional[float] = None) -> "IterationStats":
+        t = summary.seconds_per_iteration
+        return cls(iteration=iteration, train_iters=train_iters, consumed_samples=consumed_samples,
+                   seconds_per_iteration=t, lr=lr, global_batch_size=global_batch_size, losses=dict(summary.losses),
+                   loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=summary.skipped_iterations,
+                   nan_iterations=summary.nan_iterations,
+                   tokens_per_second=throughput.tokens_per_second(t) if throughput and t > 0 else None,
+                   tflops_per_rank=throughput.tflops_per_rank(t) if throughput and t > 0 else None,
+                   memory_mb=memory)
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSONL/TensorBoard record (keys in the module docstring)."""
+        rec: dict[str, Any] = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                               "lr": self.lr, "global_batch_size": self.global_batch_size}
+        rec.update({metric_key(k): v for k, v in self.losses.items()})
+        rec.update(loss_scale=self.loss_scale, grad_norm=self.grad_norm,
+                   skipped_iterations=self.skipped_iterations, nan_iterations=self.nan_iterations,
+                   elapsed_ms_per_iteration=self.seconds_per_iteration * 1000.0,
+                   tokens_per_s=self.tokens_per_second, tflops_per_rank=self.tflops_per_rank,
+                   memory_mb=self.memory_mb)
+        return rec
+
+
+def format_log_line(stats: IterationStats) -> str:
+    """Megatron's training log line (fields it does not know are omitted when None)."""
+    parts = [f" iteration {stats.iteration:8d}/{stats.train_iters:8d}",
+             f" consumed samples: {stats.consumed_samples:12d}",
+             f" elapsed time per iteration (ms): {stats.seconds_per_iteration * 1000.0:.1f}"]
+    if stats.tokens_per_second is not None:
+        parts.append(f" tokens/s: {stats.tokens_per_second:.0f}")
+    if stats.tflops_per_rank is not None:
+        parts.append(f" TFLOP/s per rank: {stats.tflops_per_rank:.1f}")
+    parts += [f" learning rate: {stats.lr:.3E}", f" global batch size: {stats.global_batch_size:5d}"]
+    parts += [f" {name}: {value:.4E}" for name, value in stats.losses.items()]
+    if stats.loss_scale is not None:
+        parts.append(f" loss scale: {stats.loss_scale:.1f}")
+    if stats.grad_norm is not None:
+        parts.append(f" grad norm: {stats.grad_norm:.3f}")
+    parts += [f" number of skipped iterations: {stats.skipped_iterations:3d}",
+              f" number of nan iterations: {stats.nan_iterations:3d}"]
+    if stats.memory_mb is not None:
+        parts.append(f" memory (MB): {stats.memory_mb:.0f}")
+    return " |".join(parts) + " |"
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN/inf; nan_iterations carries that information
+    return value
+
+
+class MetricsWriter:
+    """Rank 0 writes one JSON object per ``write`` to a JSONL file (appending, so a
+    resumed run continues the same file) and, when ``tensorboard_dir`` is given and
+    TensorBoard is installed, the numeric values as scalars. Other ranks do nothing."""
+
+    def __init__(self, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None, rank: int = 0) -> None:
+        self.rank = rank
+        self._file = None
+        self._tb = None
+        if rank != 0:
+            return
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._file = open(jsonl_path, "a", encoding="utf-8")
+        if tensorboard_dir:
+            try:
+                # Lazy: tensorboard is an optional dependency.
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception as e:  # ImportError, or a tensorboard/protobuf version clash
+                _log.warning("TensorBoard logging disabled (%s); pip install tensorboard to enable it", e)
+            else:
+                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
+
+    def write(self, iteration: int, metrics: Mapping[str, Any]) -> None:
+        """Record ``metrics`` at ``iteration`` (adds ``iteration`` and ``timestamp`` keys)."""
+        if self.rank != 0:
+            return
+        record = {"iteration": int(iteration), **{k: _clean(v) for k, v in metrics.items() if k != "iteration"},
+                  "timestamp": time.time()}
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # a crash keeps everything up to the last log line
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("iteration", "timestamp") and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, int(iteration))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,237 @@
+"""Command line -> TrainConfig: resolution, DeepSpeed JSON merge, and every up-front refusal."""
+
+import json
+
+import pytest
+import torch
+
+from megazero.training import ConfigError, check_vocab, parse_args, parse_args_or_exit
+from megazero.training.arguments import GPT2_VOCAB_SIZE
+
+TINY = "--model-preset gpt-tiny --micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data".split()
+
+
+def parse(extra="", base=TINY, world=4, **kw):
+    return parse_args(base + extra.split(), world, **kw)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    prefix = tmp_path / "corpus_text_document"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
+    return str(prefix)
+
+
+@pytest.fixture
+def gpt2_files(tmp_path):
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}))
+    merges.write_text("#version: 0.2\na b\n")
+    return str(vocab), str(merges)
+
+
+def write_json(tmp_path, obj):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_tree_and_derived_sizes():
+    cfg = parse("--tp 2 --global-batch-size 16 --bf16 --zero-stage 2 --sequence-parallel", world=8)
+    p, s = cfg.parallel, cfg.schedule
+    assert (p.tp, p.pp, p.dp, p.world_size, p.zero_stage, p.sequence_parallel) == (2, 1, 4, 8, 2, True)
+    # global 16 = micro 2 x dp 4 x accumulation 2
+    assert (s.micro_batch_size, s.global_batch_size, s.grad_accum_steps) == (2, 16, 2)
+    assert (s.train_iters, s.train_samples, s.lr_decay_samples, s.lr_warmup_samples) == (10, 160, 160, 0)
+    assert cfg.model.num_layers == 2 and cfg.model.sequence_parallel and cfg.model.params_dtype == torch.bfloat16
+    assert cfg.precision.dtype == "bf16" and cfg.optim.lr == 1e-3 and cfg.seed == 1234
+    assert cfg.data.mock_data and cfg.model.vocab_size == 512  # from the preset, no tokenizer
+    assert cfg.to_dict()["parallel"]["dp"] == 4
+
+
+def test_defaults_global_batch_is_micro_times_dp():
+    s = parse(world=4).schedule
+    assert (s.global_batch_size, s.grad_accum_steps) == (8, 1)
+
+
+def test_explicit_shape_flags_override_preset():
+    m = parse("--num-layers 3 --hidden-size 128 --seq-length 32 --swiglu --disable-bias-linear "
+              "--untie-embeddings-and-output-weights --position-embedding-type rope --normalization RMSNorm "
+              "--num-query-groups 2 --use-flash-attn --recompute-granularity full --init-method-std 0.008").model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (3, 128, 4, 32)
+    assert (m.activation, m.add_bias_linear, m.tie_embeddings, m.position_embedding_type) == ("swiglu", False, False, "rope")
+    assert (m.normalization, m.query_groups, m.attention_backend, m.recompute_granularity) == ("rmsnorm", 2, "flash", "full")
+    assert m.init_method_std == 0.008
+
+
+def test_without_preset_shape_is_required():
+    with pytest.raises(ConfigError, match="missing --num-layers, --hidden-size"):
+        parse_args("--micro-batch-size 1 --train-iters 1 --lr 1 --mock-data --vocab-size 8 "
+                   "--num-attention-heads 2 --seq-length 8".split(), 1)
+
+
+def test_samples_mode_and_warmup_fraction():
+    s = parse_args(TINY[:4] + "--train-samples 1000 --lr 1e-3 --mock-data --lr-warmup-fraction 0.1 "
+                              "--lr-decay-style cosine".split(), 4).schedule
+    # global 8: 1000 samples -> 125 iterations; decay defaults to the train samples
+    assert (s.train_iters, s.train_samples, s.lr_decay_samples, s.lr_warmup_samples) == (125, 1000, 1000, 100)
+    assert s.lr_decay_style == "cosine"
+    s = parse("--lr-warmup-iters 2 --lr-decay-iters 8").schedule
+    assert (s.lr_warmup_samples, s.lr_decay_samples) == (16, 64)
+
+
+def test_data_path_files_and_blend(dataset, tmp_path):
+    other = tmp_path / "b"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"b{ext}").write_bytes(b"")
+    base = TINY[:-1] + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    cfg = parse_args(base + ["--data-path", "0.3", dataset, "0.7", str(other)], 4)
+    assert cfg.data.prefixes == [dataset, str(other)] and cfg.data.weights == pytest.approx([0.3, 0.7])
+    assert cfg.model.vocab_size == 101  # NullTokenizer adds its EOD id
+    assert cfg.data.split == "969,30,1"
+
+
+def test_vocab_read_from_tokenizer_files(gpt2_files):
+    vocab, merges = gpt2_files
+    cfg = parse(f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} --merge-file {merges}")
+    assert cfg.model.vocab_size == 4  # the tokenizer decides, not the preset's 512
+    cfg = parse("--tokenizer-type GPT2BPETokenizer --vocab-file nope --merge-file nope", check_files=False)
+    assert cfg.model.vocab_size == GPT2_VOCAB_SIZE
+    check_vocab(cfg, GPT2_VOCAB_SIZE)
+    with pytest.raises(ConfigError, match=r"tokenizer has 60000 tokens but the model's embedding has only 50304"):
+        check_vocab(cfg, 60000)
+
+
+def test_metrics_file_defaults_under_save(tmp_path):
+    cfg = parse(f"--save {tmp_path} --save-interval 5 --tensorboard-dir {tmp_path}/tb")
+    assert cfg.logging.metrics_file == str(tmp_path / "metrics.jsonl")
+    assert cfg.checkpoint.save_interval == 5 and cfg.logging.tensorboard_dir == f"{tmp_path}/tb"
+    assert parse().logging.metrics_file is None
+
+
+def test_compatibility_flags_accepted():
+    cfg = parse("--deepspeed --no-pipeline-parallel --pp 1 --checkpoint-activations --generate-prompt hi "
+                "--generate-tokens 5")
+    assert cfg.model.recompute_granularity == "full" and cfg.generate.prompt == "hi" and cfg.generate.tokens == 5
+
+
+@pytest.mark.parametrize("extra, world, pattern", [
+    ("--tp 3", 4, r"world size 4 is not divisible by --tp 3 x --pp 1 = 3"),
+    ("--pp 2", 4, r"pipeline parallelism is not supported yet"),
+    ("--global-batch-size 12", 4, r"global batch size 12 is not divisible by micro batch size 2 x data-parallel size 4 = 8"),
+    ("--tp 8", 8, r"num_attention_heads \(4\) must be divisible by the tensor parallel size \(8\)"),
+    ("--tp 2 --num-query-groups 1", 2, r"num_query_groups \(1\) must be divisible by the tensor parallel size \(2\)"),
+    ("--tp 4 --ffn-hidden-size 130", 4, r"ffn size \(130\) must be divisible by the tensor parallel size \(4\)"),
+    ("--sequence-parallel", 4, r"--sequence-parallel needs --tp > 1"),
+    ("--seq-length 128", 4, r"--seq-length 128 exceeds --max-position-embeddings 64"),
+    ("--bf16 --fp16", 4, r"--bf16 and --fp16 are mutually exclusive"),
+    ("--save-interval 10", 4, r"--save-interval 10 needs --save"),
+    ("--train-samples 100", 4, r"exactly one of --train-iters and --train-samples \(got both\)"),
+    ("--zero-stage 4", 4, r"--zero-stage must be 0, 1, 2 or 3, got 4"),
+    ("--lr-warmup-iters 20", 4, r"LR warmup \(--lr-warmup-iters 20 = 160 samples\) is longer than the LR decay "
+                                r"\(--lr-decay-iters 10 = 80 samples\)"),
+    ("--lr-warmup-samples 5", 4, r"with --train-iters give the LR schedule in iterations"),
+    ("--min-lr 1", 4, r"need 0 <= --min-lr <= --lr"),
+    ("--tokenizer-type GPT2BPETokenizer", 4, r"--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
+    ("--tokenizer-type NullTokenizer", 4, r"NullTokenizer needs --vocab-size"),
+    ("--model-preset gpt-huge", 4, r"unknown --model-preset 'gpt-huge'"),
+    ("--no-such-flag", 4, r"unrecognized arguments: --no-such-flag"),
+])
+def test_refusals_name_the_numbers(extra, world, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse(extra, world=world)
+
+
+def test_neither_train_iters_nor_samples():
+    with pytest.raises(ConfigError, match=r"\(got neither\)"):
+        parse_args("--model-preset gpt-tiny --micro-batch-size 1 --lr 1 --mock-data".split(), 1)
+
+
+def test_missing_data_files_say_which(dataset, tmp_path):
+    base = TINY[:-1] + "--tokenizer-type NullTokenizer --vocab-size 10".split()
+    (tmp_path / "corpus_text_document.idx").unlink()
+    with pytest.raises(ConfigError, match=r"missing .*corpus_text_document\.idx"):
+        parse_args(base + ["--data-path", dataset], 1)
+    with pytest.raises(ConfigError, match=r"--data-path is required"):
+        parse_args(base, 1)
+    cfg = parse_args(base + ["--data-path", dataset], 1, check_files=False)  # planning elsewhere
+    assert cfg.data.prefixes == [dataset]
+
+
+def test_missing_tokenizer_file_names_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match=r"--tokenizer-model '.*spm\.model' does not exist"):
+        parse(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {tmp_path}/spm.model")
+    with pytest.raises(ConfigError, match=r"--merge-file '.*m\.txt' does not exist"):
+        (tmp_path / "v.json").write_text("{}")
+        parse(f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/v.json --merge-file {tmp_path}/m.txt")
+
+
+def test_deepspeed_json_values_are_merged(tmp_path):
+    path = write_json(tmp_path, {
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "overlap_comm": True},
+        "bf16": {"enabled": True}, "gradient_clipping": 0.5, "steps_per_print": 7})
+    cfg = parse_args("--model-preset gpt-tiny --train-iters 10 --mock-data --deepspeed_config".split() + [path], 4)
+    assert (cfg.schedule.global_batch_size, cfg.schedule.micro_batch_size, cfg.schedule.grad_accum_steps) == (32, 2, 4)
+    o = cfg.optim
+    assert (o.type, o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == \
+        ("Adam", 3e-4, 0.9, 0.95, 1e-6, 0.1, 0.5)
+    assert cfg.parallel.zero_stage == 3 and cfg.precision.dtype == "bf16"
+    ds = cfg.to_deepspeed_config()
+    assert ds["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "overlap_comm": True}
+    assert ds["steps_per_print"] == 7 and ds["gradient_accumulation_steps"] == 4
+    assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
+
+
+def test_to_deepspeed_config_without_json():
+    ds = parse("--fp16 --loss-scale 1024 --clip-grad 0 --zero-stage 0 --weight-decay 0.1").to_deepspeed_config()
+    assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 1 and ds["zero_optimization"] == {"stage": 0}
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 1024.0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1.0}
+    assert ds["gradient_clipping"] == 0 and ds["optimizer"] == {
+        "type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}
+
+
+@pytest.mark.parametrize("json_obj, flags, pattern", [
+    ({"train_micro_batch_size_per_gpu": 4}, "", r"train_micro_batch_size_per_gpu=4 .* --micro-batch-size 2"),
+    ({"train_batch_size": 64}, "--global-batch-size 32", r"train_batch_size=64 .* --global-batch-size 32"),
+    ({"gradient_accumulation_steps": 3}, "--global-batch-size 8", r"gradient_accumulation_steps=3 but the command line gives 1"),
+    ({"zero_optimization": {"stage": 2}}, "--zero-stage 3", r"zero_optimization.stage=2 .* --zero-stage 3"),
+    ({"optimizer": {"params": {"lr": 0.1}}}, "", r"optimizer.params.lr=0.1 .* --lr 0.001"),
+    ({"optimizer": {"params": {"betas": [0.9, 0.95]}}}, "--adam-beta2 0.999", r"betas.1=0.95 .* --adam-beta2 0.999"),
+    ({"optimizer": {"params": {"eps": 1e-6}}}, "--adam-eps 1e-8", r"eps=1e-06 .* --adam-eps 1e-08"),
+    ({"optimizer": {"params": {"weight_decay": 0.1}}}, "--weight-decay 0.01", r"weight_decay=0.1 .* --weight-decay 0.01"),
+    ({"gradient_clipping": 1.0}, "--clip-grad 0.5", r"gradient_clipping=1.0 .* --clip-grad 0.5"),
+    ({"bf16": {"enabled": False}}, "--bf16", r"bf16.enabled=false but the command line passes --bf16"),
+    ({"bf16": {"enabled": True}}, "--fp16", r"bf16.enabled=true but the command line passes --fp16"),
+])
+def test_deepspeed_json_conflicts(tmp_path, json_obj, flags, pattern):
+    path = write_json(tmp_path, json_obj)
+    with pytest.raises(ConfigError, match=pattern):
+        parse(f"{flags} --deepspeed-config {path}")
+
+
+def test_deepspeed_json_agreeing_values_are_fine(tmp_path):
+    path = write_json(tmp_path, {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                 "optimizer": {"params": {"lr": 1e-3}}, "gradient_clipping": 1.0})
+    assert parse(f"--bf16 --deepspeed-config {path}").precision.dtype == "bf16"
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse(f"--deepspeed-config {tmp_path}/missing.json")
+
+
+def test_cli_wrapper_prints_message_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args_or_exit(TINY + ["--tp", "3"], 4)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: world size 4 is not divisible") and "Traceback" not in err
+
+
+def test_deepspeed_json_accumulation_derives_global_batch(tmp_path):
+    path = write_json(tmp_path, {"gradient_accumulation_steps": 3})
+    s = parse(f"--deepspeed-config {path}").schedule
+    assert (s.global_batch_size, s.grad_accum_steps) == (24, 3)  # micro 2 x dp 4 x 3

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Will this GPT training plan fit on the GPU? Per-GPU weights/grads/optimizer/activations.
+
+Two ways to describe the plan:
+
+    # explicit flags
+    python tools/estimate_memory.py --model-preset 13b --tp 4 --dp 16 --zero-stage 3 \\
+        --micro-batch-size 2 --bf16 --recompute full --flash-attn --global-batch-size 1024 --gpu-memory-gb 80
+
+    # exactly the arguments pretrain_gpt.py would get (validated as it would validate
+    # them, without looking for the data/tokenizer files)
+    python tools/estimate_memory.py --world-size 16 --gpu-memory-gb 80 --train-args --num-layers 40 ...
+
+Prints the table, the parameter count and FLOPs per iteration. Exit status: 0 fits
+(or no --gpu-memory-gb), 1 does not fit (with what to change), 2 invalid plan.
+Formulas and citations: megazero/training/memory.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megazero.model.config import GPTConfig, gpt_preset  # noqa: E402
+from megazero.training.config import ConfigError  # noqa: E402
+from megazero.training.memory import GiB, MemoryEstimate, estimate_memory  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    add = p.add_argument
+    add("--model-preset", help="gpt-tiny ... gpt-175b ('gpt-' optional); shape flags override it")
+    for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
+                 "--ffn-hidden-size", "--seq-length", "--vocab-size"):
+        add(name, type=int)
+    add("--swiglu", action="store_true")
+    add("--untie-embeddings-and-output-weights", action="store_true")
+    add("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
+    add("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    add("--dp", type=int, help="data-parallel size (default: --world-size / (tp x pp))")
+    add("--world-size", type=int, help="total GPUs (gives dp when --dp is absent)")
+    add("--zero-stage", type=int, default=1)
+    add("--micro-batch-size", type=int, default=1)
+    add("--global-batch-size", type=int, help="for the FLOPs per iteration (default micro x dp)")
+    add("--bf16", action="store_true")
+    add("--fp16", action="store_true")
+    add("--recompute", "--recompute-granularity", dest="recompute", choices=("full", "selective"))
+    add("--sequence-parallel", action="store_true")
+    add("--flash-attn", "--use-flash-attn", dest="flash_attn", action="store_true")
+    add("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), help="gradient dtype (default: weights' dtype)")
+    add("--gpu-memory-gb", type=float, help="GPU capacity in GiB (an '80GB' GPU is 80 GiB); enables the fit check")
+    add("--train-args", nargs=argparse.REMAINDER,
+        help="the rest of the line is pretrain_gpt.py's arguments; needs --world-size")
+    return p
+
+
+def _plan_from_flags(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
+    shape = {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                                        "ffn_hidden_size", "seq_length", "vocab_size") if getattr(a, k) is not None}
+    if a.swiglu:
+        shape["activation"] = "swiglu"
+    if a.untie_embeddings_and_output_weights:
+        shape["tie_embeddings"] = False
+    if "seq_length" in shape:
+        shape.setdefault("max_position_embeddings", shape["seq_length"])
+    try:
+        config = gpt_preset(a.model_preset, **shape) if a.model_preset else GPTConfig(**shape)
+    except TypeError:
+        raise ConfigError("give --model-preset or all of --num-layers --hidden-size --num-attention-heads "
+                          "--seq-length --vocab-size") from None
+    if a.bf16 and a.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    dp = a.dp
+    if dp is None:
+        if a.world_size is None:
+            raise ConfigError("give --dp or --world-size")
+        if a.world_size % (a.tp * a.pp):
+            raise ConfigError(f"world size {a.world_size} is not divisible by tp {a.tp} x pp {a.pp}")
+        dp = a.world_size // (a.tp * a.pp)
+    if a.sequence_parallel and a.tp == 1:
+        raise ConfigError("--sequence-parallel needs --tp > 1")
+    config.validate(a.tp)
+    plan = dict(tp=a.tp, dp=dp, pp=a.pp, zero_stage=a.zero_stage, micro_batch_size=a.micro_batch_size,
+                precision="bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", recompute=a.recompute,
+                sequence_parallel=a.sequence_parallel, flash_attn=a.flash_attn, grad_accum_dtype=a.grad_accum_dtype,
+                global_batch_size=a.global_batch_size)
+    return config, plan
+
+
+def _plan_from_train_args(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
+    from megazero.training.arguments import describe, parse_args
+
+    if a.world_size is None:
+        raise ConfigError("--train-args needs --world-size (the number of processes pretrain_gpt.py would run)")
+    cfg = parse_args(a.train_args, a.world_size, check_files=False)
+    print(describe(cfg))
+    m, p = cfg.model, cfg.parallel
+    plan = dict(tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=cfg.schedule.micro_batch_size,
+                precision=cfg.precision.dtype, recompute=m.recompute_granularity,
+                sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
+                grad_accum_dtype=a.grad_accum_dtype, global_batch_size=cfg.schedule.global_batch_size)
+    return m, plan
+
+
+def suggestions(config: GPTConfig, plan: dict, gpu_memory_gib: float) -> list[str]:
+    """Single changes to the plan that would make it fit, each with its total."""
+    candidates = []
+    if plan["zero_stage"] < 3:
+        candidates.append(("--zero-stage 3", dict(zero_stage=3)))
+    if plan["recompute"] != "full":
+        candidates.append(("--recompute-granularity full", dict(recompute="full")))
+    if plan["micro_batch_size"] > 1:
+        candidates.append(("--micro-batch-size 1", dict(micro_batch_size=1)))
+    if plan["zero_stage"] > 0:
+        candidates.append((f"dp {plan['dp'] * 2} (twice the GPUs)", dict(dp=plan["dp"] * 2)))
+    tp2 = plan["tp"] * 2
+    try:
+        config.validate(tp2)
+        candidates.append((f"--tp {tp2} (dp {max(plan['dp'] // 2, 1)} on the same GPUs)",
+                           dict(tp=tp2, dp=max(plan["dp"] // 2, 1))))
+    except ValueError:
+        pass
+    if plan["tp"] > 1 and not plan["sequence_parallel"]:
+        candidates.append(("--sequence-parallel", dict(sequence_parallel=True)))
+    out = []
+    for label, change in candidates:
+        est = estimate_memory(config, **{**plan, **change})
+        if est.fits(gpu_memory_gib):
+            out.append(f"{label}: {est.total / GiB:.2f} GiB")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        config, plan = _plan_from_train_args(a) if a.train_args is not None else _plan_from_flags(a)
+        est: MemoryEstimate = estimate_memory(config, **plan)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(est.to_text(a.gpu_memory_gb))
+    if a.gpu_memory_gb is None or est.fits(a.gpu_memory_gb):
+        return 0
+    over = est.total / GiB - a.gpu_memory_gb
+    fixes = suggestions(config, plan, a.gpu_memory_gb)
+    print(f"error: the plan needs {est.total / GiB:.2f} GiB per GPU, {over:.2f} GiB more than the "
+          f"{a.gpu_memory_gb:g} GiB available. "
+          + ("Changes that would fit: " + "; ".join(fixes) + "." if fixes else
+             "No single change fits: combine a larger --tp / more GPUs (dp), a higher --zero-stage and "
+             "--recompute-granularity full, or use a smaller micro batch."), file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
