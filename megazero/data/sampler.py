@@ -93,7 +93,10 @@ def build_pretraining_data_loader(
         micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size, drop_last=drop_last,
     )
+    # A private generator: creating the iterator draws a seed from it, and drawing from the
+    # global one would shift dropout masks after a checkpoint restores the RNG (inexact resume).
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_text,
+        generator=torch.Generator().manual_seed(0),
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
     )

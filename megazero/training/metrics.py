@@ -200,7 +200,9 @@ def format_log_line(stats: IterationStats) -> str:
     if stats.tokens_per_second is not None:
         parts.append(f" tokens/s: {stats.tokens_per_second:.0f}")
     if stats.tflops_per_rank is not None:
-        parts.append(f" TFLOP/s per rank: {stats.tflops_per_rank:.1f}")
+        # CPU runs reach hundredths of a TFLOP/s: keep three significant digits there.
+        parts.append(f" TFLOP/s per rank: {stats.tflops_per_rank:.1f}" if stats.tflops_per_rank >= 10
+                     else f" TFLOP/s per rank: {stats.tflops_per_rank:.3g}")
     parts += [f" learning rate: {stats.lr:.3E}", f" global batch size: {stats.global_batch_size:5d}"]
     parts += [f" {name}: {value:.4E}" for name, value in stats.losses.items()]
     if stats.loss_scale is not None:

@@ -1,0 +1,242 @@
+"""The pre-training loop: TrainConfig -> groups -> partitioned model -> ZeRO -> data -> steps.
+
+Megatron's loop, without its globals: every piece receives what it needs.
+Checkpoints resume exactly (same losses iteration by iteration) and reload at
+a different tp x dp x ZeRO stage; a non-finite loss or gradient in bf16/fp32
+stops the run with the iteration number after saving a debug checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import mpu, zero
+from ..model import GPTModel
+from .arguments import check_vocab
+from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .lr_schedule import LRScheduler
+from .metrics import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb
+
+__all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient outside fp16 loss scaling."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    iteration: int
+    consumed_samples: int
+    losses: dict[int, float]  # iteration -> lm loss (DP mean) of the iterations run in this process
+    eval_losses: dict[int, float]
+    sample: Optional[str] = None
+
+
+def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: biases and normalization weights (1-D) train without weight decay."""
+    return param.dim() == 1 or name.endswith(".bias")
+
+
+def _print0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Synthetic ``seq_length + 1`` token samples, a pure function of (seed, index) (``--mock-data``)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return {"text": torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=g).numpy()}
+
+
+def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
+    s = config.schedule
+    # Every evaluation reads the same first eval_iters global batches of the validation split.
+    eval_samples = s.eval_iters * s.global_batch_size if s.eval_interval else 0
+    num_samples = (s.train_samples, eval_samples, eval_samples)
+    if config.data.mock_data:
+        vocab = tokenizer_vocab or config.model.vocab_size
+        return (MockGPTDataset(num_samples[0], config.model.seq_length, vocab, config.seed),
+                MockGPTDataset(max(num_samples[1], 1), config.model.seq_length, vocab, config.seed + 1), None)
+    from ..data import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(config.data.data_path, config.data.split, config.model.seq_length,
+                                           config.seed, num_samples)
+
+
+def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
+    from ..data import build_pretraining_data_loader
+
+    loader = build_pretraining_data_loader(dataset, consumed, config.schedule.micro_batch_size,
+                                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+    return iter(loader) if loader is not None else None
+
+
+def _dp_mean(values: list[float], device: torch.device) -> float:
+    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=mpu.get_data_parallel_group())
+    return float(t) / mpu.get_data_parallel_world_size()
+
+
+def _train_step(engine, batches: list[dict], device) -> tuple[float, bool]:
+    losses = []
+    updated = False
+    for batch in batches:
+        text = batch["text"].to(device)
+        loss = engine(text[:, :-1], labels=text[:, 1:]).mean()
+        engine.backward(loss)
+        updated = engine.step()
+        losses.append(float(loss.detach()))
+    return _dp_mean(losses, device), updated
+
+
+@torch.no_grad()
+def evaluate(engine, dataset, config: TrainConfig, device) -> Optional[float]:
+    """Mean validation loss over ``eval_iters`` global batches (always the same ones)."""
+    if dataset is None or config.schedule.eval_iters == 0:
+        return None
+    it = _loader(dataset, 0, config)
+    engine.eval()
+    losses = []
+    try:
+        for _ in range(config.schedule.eval_iters * config.schedule.grad_accum_steps):
+            text = next(it)["text"].to(device)
+            losses.append(float(engine(text[:, :-1], labels=text[:, 1:]).mean()))
+    except StopIteration:
+        pass
+    finally:
+        engine.train()
+    return _dp_mean(losses, device) if losses else None
+
+
+def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler: LRScheduler,
+          save_dir: Optional[str] = None) -> None:
+    save = save_dir or config.checkpoint.save
+    t0 = time.perf_counter()
+    save_checkpoint(save, iteration, engine,
+                    train_state={"iteration": iteration, "consumed_samples": consumed,
+                                 "lr_scheduler": scheduler.state_dict()},
+                    config=config.to_dict())
+    _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
+
+
+def pretrain(config: TrainConfig) -> TrainResult:
+    """Run (or resume) a training job described by ``config``; collective over all ranks."""
+    mpu.init_distributed()
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
+    device = mpu.get_device()
+    mpu.model_parallel_manual_seed(config.seed)
+
+    tokenizer = None
+    if config.data.tokenizer_type is not None:
+        from ..data import build_tokenizer
+
+        tokenizer = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
+        check_vocab(config, tokenizer.vocab_size)
+
+    # Built on the meta device: every ZeRO stage materializes it partition by partition,
+    # with values identical to a full initialization.
+    model = GPTModel(config.model, device="meta")
+    engine = zero.initialize(model, config.to_deepspeed_config(), mpu=mpu,
+                             no_weight_decay=megatron_no_weight_decay, device=device)
+    scheduler = LRScheduler.from_config(config, engine.optimizer)
+    _print0(f"> model: {sum(s.numel for g in engine.groups for s in g.slots) * config.parallel.tp:,} parameters "
+            f"(per TP rank {engine.num_local_parameters():,}); tp={config.parallel.tp} dp={config.parallel.dp} "
+            f"ZeRO-{engine.stage} {config.precision.dtype}; model state per rank "
+            f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
+
+    iteration, consumed = 0, 0
+    if config.checkpoint.load:
+        state = load_checkpoint(config.checkpoint.load, engine)
+        if state is None:
+            _print0(f"> no checkpoint in {config.checkpoint.load}: starting from scratch")
+        else:
+            iteration, consumed = state["iteration"], state["consumed_samples"]
+            try:
+                scheduler.load_state_dict(state["lr_scheduler"])
+            except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
+                raise CheckpointError(str(e)) from None
+            _print0(f"> resumed from iteration {iteration} ({consumed} samples)"
+                    + (" with a new tp x dp layout" if state["resharded"] else ""))
+
+    train_ds, valid_ds, _ = _datasets(config, tokenizer.vocab_size if tokenizer else None)
+    train_it = _loader(train_ds, consumed, config)
+
+    s, log = config.schedule, config.logging
+    writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank())
+    throughput = Throughput.from_config(config)
+    meter = IntervalMeter()
+    result = TrainResult(iteration, consumed, {}, {})
+    try:
+        while iteration < s.train_iters:
+            batches = [next(train_it) for _ in range(s.grad_accum_steps)]
+            loss, updated = _train_step(engine, batches, device)
+            iteration += 1
+            consumed += s.global_batch_size
+            scheduler.step(s.global_batch_size)
+            result.losses[iteration] = loss
+            skipped = not updated
+            if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":
+                debug = os.path.join(config.checkpoint.save or ".", "debug")
+                _save(config, iteration, consumed, engine, scheduler, save_dir=debug)
+                raise TrainingDiverged(
+                    f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at iteration {iteration} "
+                    f"(loss {loss}); state saved to {checkpoint_dir(debug, iteration)} for debugging. "
+                    "Lower --lr, raise --clip-grad or check the data of this iteration.")
+            meter.update({"lm loss": loss}, skipped=skipped)
+            if iteration % log.log_interval == 0 or iteration == s.train_iters:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                stats = IterationStats.from_summary(
+                    meter.pop(), iteration=iteration, train_iters=s.train_iters, consumed_samples=consumed,
+                    lr=scheduler.lr, global_batch_size=s.global_batch_size, throughput=throughput,
+                    loss_scale=engine.get_loss_scale(), grad_norm=engine.get_global_grad_norm(),
+                    memory=memory_mb(device))
+                _print0(format_log_line(stats))
+                writer.write(iteration, stats.to_record())
+            if s.eval_interval and iteration % s.eval_interval == 0:
+                val = evaluate(engine, valid_ds, config, device)
+                if val is not None:
+                    result.eval_losses[iteration] = val
+                    _print0(f" validation loss at iteration {iteration}: {val:.6E} | "
+                            f"perplexity: {math.exp(min(val, 50)):.4E}")
+                    writer.write(iteration, {"iteration": iteration, "eval_loss": val, "eval_ppl": math.exp(min(val, 50))})
+            saved = False
+            if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
+                _save(config, iteration, consumed, engine, scheduler)
+                saved = True
+            if s.exit_interval and iteration % s.exit_interval == 0:
+                if config.checkpoint.save and not saved:
+                    _save(config, iteration, consumed, engine, scheduler)
+                _print0(f"exiting at iteration {iteration} (--exit-interval {s.exit_interval})")
+                break
+        else:
+            if config.checkpoint.save and latest_iteration(config.checkpoint.save) != iteration:
+                _save(config, iteration, consumed, engine, scheduler)
+        if config.generate.prompt is not None and tokenizer is not None:
+            from ..model.sampling import generate_text
+
+            result.sample = generate_text(engine.module, tokenizer, config.generate.prompt,
+                                          max_new_tokens=config.generate.tokens, seed=config.seed)
+            _print0(f"> sample: {config.generate.prompt!r} ->\n{result.sample}")
+    finally:
+        writer.close()
+    result.iteration, result.consumed_samples = iteration, consumed
+    return result

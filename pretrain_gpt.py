@@ -1,0 +1,45 @@
+"""Pre-train a GPT with tensor parallelism and ZeRO (Megatron-LM's flags).
+
+    torchrun --nproc_per_node 4 pretrain_gpt.py --tp 2 --zero-stage 3 \\
+        --model-preset gpt-tiny --data-path PREFIX --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model tok.model --micro-batch-size 4 --global-batch-size 32 --train-iters 100 \\
+        --lr 1e-3 --save ckpt --save-interval 50 --load ckpt
+
+The command line is parsed and checked before torch.distributed starts, so an
+impossible configuration exits with a message instead of hanging a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megazero import mpu
+    from megazero.training import describe, parse_args_or_exit
+    from megazero.training.trainer import TrainingDiverged, pretrain
+    from megazero.zero.checkpoint import CheckpointError
+
+    config = parse_args_or_exit(argv)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
+    mpu.init_distributed()
+    if dist.get_rank() == 0:
+        print(describe(config), flush=True)
+    try:
+        pretrain(config)
+    except (TrainingDiverged, CheckpointError) as e:
+        print(f"error on rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        mpu.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

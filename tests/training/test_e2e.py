@@ -1,0 +1,156 @@
+"""End-to-end training on CPU: loss falls, exact resume, resharding, crash-safe saves, refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megazero.data import IndexedDatasetBuilder
+from tests.distributed import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Documents of arithmetic progressions (learnable) as a Megatron .bin/.idx pair."""
+    d = tmp_path_factory.mktemp("data")
+    prefix = str(d / "toy_text_document")
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(400):
+        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(20, 80)
+        builder.add_item(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def argv(prefix, *extra, tp=2, stage=3, iters=8, dropout=0.0):
+    return ["--tp", str(tp), "--zero-stage", str(stage), "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", str(iters),
+            "--lr", "5e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+            "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout), "--seed", "7",
+            "--data-path", prefix, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+            "--make-vocab-size-divisible-by", "32", "--log-interval", "2", "--eval-interval", "4", "--eval-iters", "1",
+            *extra]
+
+
+def _pretrain(args, world_size, patch_save_failure=False):
+    from megazero.training import parse_args
+    from megazero.training.trainer import pretrain
+
+    torch.manual_seed(0)
+    if patch_save_failure:
+        import megazero.training.checkpointing as ck
+
+        original = ck.save_zero_state
+
+        def crash_after_writing(engine, directory):
+            path = original(engine, directory)
+            if engine.global_steps >= 8:
+                raise RuntimeError("simulated crash in the middle of a save")
+            return path
+
+        ck.save_zero_state = crash_after_writing
+        try:
+            return pretrain(parse_args(args, world_size))
+        finally:
+            ck.save_zero_state = original
+    result = pretrain(parse_args(args, world_size))
+    return result.losses, result.eval_losses, result.iteration
+
+
+def run(world, args, **kw):
+    return run_distributed(world, _pretrain, args, world, **kw)[0]
+
+
+def test_loss_falls_tp2_dp2_zero3(dataset):
+    losses, evals, it = run(4, argv(dataset, iters=40, dropout=0.1))
+    assert it == 40
+    first, last = np.mean([losses[i] for i in (1, 2, 3)]), np.mean([losses[i] for i in (38, 39, 40)])
+    assert last < first - 1.0, (first, last)
+    assert evals[40] < evals[4]
+
+
+def test_save_exit_resume_equals_uninterrupted(dataset, tmp_path):
+    # Dropout on: the RNG states of every rank must come back too.
+    full, _, _ = run(4, argv(dataset, "--save", str(tmp_path / "a"), "--save-interval", "4", dropout=0.1))
+    part1, _, it1 = run(4, argv(dataset, "--save", str(tmp_path / "b"), "--save-interval", "4",
+                                "--exit-interval", "4", dropout=0.1))
+    assert it1 == 4 and open(tmp_path / "b" / "latest").read().strip() == "iter_0000004"
+    part2, _, it2 = run(4, argv(dataset, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"), dropout=0.1))
+    assert it2 == 8 and sorted(part2) == [5, 6, 7, 8]
+    resumed = {**part1, **part2}
+    for i in range(1, 9):
+        assert resumed[i] == pytest.approx(full[i], abs=1e-6), (i, resumed[i], full[i])
+    metrics = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [m["iteration"] for m in metrics if "lm_loss" in m] == [2, 4, 6, 8]
+
+
+@pytest.fixture(scope="module")
+def reshard_source(dataset, tmp_path_factory):
+    d = tmp_path_factory.mktemp("reshard")
+    losses, _, _ = run(4, argv(dataset, "--save", str(d), "--save-interval", "4", iters=5))
+    (d / "latest").write_text("iter_0000004\n")  # resume from 4; the run's own loss at 5 is the reference
+    return d, losses
+
+
+@pytest.mark.parametrize("world,tp,stage", [(4, 1, 1), (4, 4, 2), (1, 1, 0), (2, 2, 3)])
+def test_reshard_checkpoint_to_other_layouts(dataset, reshard_source, tmp_path, world, tp, stage):
+    src, reference = reshard_source
+    # Resume the 2x2 ZeRO-3 checkpoint of iteration 4 at another tp x dp x stage.
+    losses, _, it = run(world, argv(dataset, "--load", str(src), "--save", str(tmp_path), iters=5, tp=tp, stage=stage))
+    assert it == 5 and sorted(losses) == [5]
+    assert losses[5] == pytest.approx(reference[5], abs=2e-5), (losses[5], reference[5])
+
+
+def test_crash_during_save_keeps_previous_checkpoint(dataset, tmp_path):
+    with pytest.raises(AssertionError, match="simulated crash"):
+        run(4, argv(dataset, "--save", str(tmp_path), "--save-interval", "4"), patch_save_failure=True)
+    assert open(tmp_path / "latest").read().strip() == "iter_0000004"
+    assert os.path.isdir(tmp_path / "iter_0000008.partial") and not os.path.exists(tmp_path / "iter_0000008")
+    losses, _, it = run(4, argv(dataset, "--save", str(tmp_path), "--load", str(tmp_path)))
+    assert it == 8 and sorted(losses) == [5, 6, 7, 8]
+
+
+def test_tampered_checkpoint_is_refused(dataset, reshard_source, tmp_path):
+    src, _ = reshard_source
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(src, bad)
+    shard = bad / "iter_0000004" / "zero_rank00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="does not match its sha256"):
+        run(4, argv(dataset, "--load", str(bad), iters=5))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"--tp": "3"}, "world size 4 is not divisible"),
+    ({"--global-batch-size": "10"}, "10"),
+    ({"--tp": "1", "--sequence-parallel": None}, "--tp > 1"),
+    ({"--pp": "2"}, "not supported yet"),
+    ({"--num-attention-heads": "6"}, "6"),
+    ({"--data-path": "/nonexistent/prefix"}, "/nonexistent/prefix"),
+])
+def test_impossible_configurations_exit_before_any_collective(dataset, overrides, message):
+    args = argv(dataset)
+    for flag, value in overrides.items():
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag] if value is None else [flag, value]
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

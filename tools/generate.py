@@ -1,0 +1,72 @@
+"""Sample text from a megazero checkpoint, at any tensor-parallel size.
+
+    python tools/generate.py --load CKPT_DIR --prompt "ROMEO:" --max-new-tokens 80
+    torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tp 2 --prompt "ROMEO:"
+
+The model shape and the tokenizer come from the checkpoint's config.json; the
+weights are reassembled from the ZeRO shards whatever tp x dp saved them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megazero import mpu  # noqa: E402
+from megazero.data import build_tokenizer  # noqa: E402
+from megazero.model import GPTConfig, GPTModel  # noqa: E402
+from megazero.model.sampling import generate_text  # noqa: E402
+from megazero.model.state_dict import load_full_state_dict  # noqa: E402
+from megazero.training.checkpointing import checkpoint_dir, latest_iteration  # noqa: E402
+from megazero.zero.checkpoint import read_full_parameters  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (the --save of pretrain_gpt.py)")
+    p.add_argument("--iteration", type=int, default=None, help="default: the one 'latest' names")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= the number of processes)")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tokenizer-model", default=None, help="override the tokenizer file recorded in the checkpoint")
+    args = p.parse_args(argv)
+
+    iteration = args.iteration if args.iteration is not None else latest_iteration(args.load)
+    if iteration is None:
+        p.error(f"{args.load} holds no checkpoint ('latest' is missing); pass --iteration or the right --load")
+    directory = checkpoint_dir(args.load, iteration)
+    saved = json.load(open(os.path.join(directory, "config.json")))
+    config = GPTConfig.from_dict(saved["model"]).replace(hidden_dropout=0.0, attention_dropout=0.0,
+                                                          params_dtype=torch.float32, recompute_granularity=None)
+    data = saved["data"]
+    tokenizer = build_tokenizer(data["tokenizer_type"], tokenizer_model=args.tokenizer_model or data["tokenizer_model"],
+                                vocab_file=data["vocab_file"], merge_file=data["merge_file"], vocab_size=data["vocab_size"])
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
+    mpu.init_distributed()
+    mpu.initialize_model_parallel(args.tp)
+    mpu.model_parallel_manual_seed(args.seed)
+    model = GPTModel(config, device=mpu.get_device())
+    load_full_state_dict(model, read_full_parameters(directory))
+    text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if dist.get_rank() == 0:
+        print(text)
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
