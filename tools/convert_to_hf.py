@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Export a full megazero checkpoint to a Hugging Face transformers directory.
 
-The input is a directory with ``model_full.safetensors`` + ``config.json`` (as written
-by ``megazero.model.state_dict.save_full`` or tools/convert_from_hf.py), or a
+The input is a training checkpoint (the ``--save`` directory of pretrain_gpt.py, or one
+of its ``iter_*`` directories; any tp x dp x ZeRO stage), a directory with
+``model_full.safetensors`` + ``config.json`` (as written by
+``megazero.model.state_dict.save_full`` or tools/convert_from_hf.py), or a
 ``.safetensors``/``.pt`` full state dict with ``--config``. The output loads with
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` as GPT2LMHeadModel (default
 architecture) or LlamaForCausalLM (rope + rmsnorm + swiglu). Example::
@@ -13,6 +15,7 @@ architecture) or LlamaForCausalLM (rope + rmsnorm + swiglu). Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from megazero.model.hf import export_to_hf  # noqa: E402
 from megazero.model.state_dict import load_full  # noqa: E402
+from megazero.training.checkpointing import CheckpointError, load_full_model  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config, full_sd = load_full(args.input, args.config)
+        if os.path.isdir(args.input) and not os.path.exists(os.path.join(args.input, "model_full.safetensors")):
+            config, full_sd, _ = load_full_model(args.input)
+            # Training-only settings do not describe the exported network.
+            config = config.replace(recompute_granularity=None, sequence_parallel=False)
+        else:
+            config, full_sd = load_full(args.input, args.config)
         arch = export_to_hf(full_sd, config, args.output)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError, CheckpointError) as e:
         print(f"convert_to_hf: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {arch} to {args.output}")

@@ -10,7 +10,6 @@ weights are reassembled from the ZeRO shards whatever tp x dp saved them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,11 +20,10 @@ import torch.distributed as dist  # noqa: E402
 
 from megazero import mpu  # noqa: E402
 from megazero.data import build_tokenizer  # noqa: E402
-from megazero.model import GPTConfig, GPTModel  # noqa: E402
+from megazero.model import GPTModel  # noqa: E402
 from megazero.model.sampling import generate_text  # noqa: E402
 from megazero.model.state_dict import load_full_state_dict  # noqa: E402
-from megazero.training.checkpointing import checkpoint_dir, latest_iteration  # noqa: E402
-from megazero.zero.checkpoint import read_full_parameters  # noqa: E402
+from megazero.training.checkpointing import CheckpointError, load_full_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-model", default=None, help="override the tokenizer file recorded in the checkpoint")
     args = p.parse_args(argv)
 
-    iteration = args.iteration if args.iteration is not None else latest_iteration(args.load)
-    if iteration is None:
-        p.error(f"{args.load} holds no checkpoint ('latest' is missing); pass --iteration or the right --load")
-    directory = checkpoint_dir(args.load, iteration)
-    saved = json.load(open(os.path.join(directory, "config.json")))
-    config = GPTConfig.from_dict(saved["model"]).replace(hidden_dropout=0.0, attention_dropout=0.0,
-                                                          params_dtype=torch.float32, recompute_granularity=None)
+    try:
+        config, full_sd, saved = load_full_model(args.load, args.iteration)
+    except CheckpointError as e:
+        p.error(str(e))
+    config = config.replace(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+                            recompute_granularity=None)
     data = saved["data"]
     tokenizer = build_tokenizer(data["tokenizer_type"], tokenizer_model=args.tokenizer_model or data["tokenizer_model"],
                                 vocab_file=data["vocab_file"], merge_file=data["merge_file"], vocab_size=data["vocab_size"])
@@ -58,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     mpu.initialize_model_parallel(args.tp)
     mpu.model_parallel_manual_seed(args.seed)
     model = GPTModel(config, device=mpu.get_device())
-    load_full_state_dict(model, read_full_parameters(directory))
+    load_full_state_dict(model, full_sd)
     text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if dist.get_rank() == 0:

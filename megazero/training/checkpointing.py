@@ -31,7 +31,7 @@ from .. import mpu
 from ..zero.checkpoint import CheckpointError, load_zero_state, save_zero_state
 from ..zero.engine import ZeroEngine
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir", "load_full_model"]
 
 LATEST = "latest"
 
@@ -193,3 +193,21 @@ def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = No
     state = json.load(open(os.path.join(directory, "train_state.json")))
     state["resharded"] = saved_world != world or meta["tp_size"] != engine.tp_size
     return state
+
+
+def load_full_model(load: str, iteration: Optional[int] = None):
+    """``(GPTConfig, full fp32 state dict with tp=1 names, saved TrainConfig dict)`` of a training checkpoint, for
+    export and inference at any TP size. ``load`` is the --save directory or one iter_* directory."""
+    from ..model import GPTConfig
+    from ..zero.checkpoint import read_full_parameters
+
+    if os.path.exists(os.path.join(load, "train_state.json")):
+        directory = load
+    else:
+        iteration = iteration if iteration is not None else latest_iteration(load)
+        if iteration is None:
+            raise CheckpointError(f"{load} holds no checkpoint ('latest' is missing); pass an iter_* directory")
+        directory = checkpoint_dir(load, iteration)
+    _verify(directory)
+    saved = json.load(open(os.path.join(directory, "config.json")))
+    return GPTConfig.from_dict(saved["model"]), read_full_parameters(directory), saved
