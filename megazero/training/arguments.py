@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints, logging, sampling")
     g.add_argument("--save")
     g.add_argument("--load")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="initialize the weights from a full checkpoint (model_full.safetensors + config.json, "
+                        "e.g. from tools/convert_from_hf.py); ignored when --load finds a checkpoint")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--log-interval", type=int)
     g.add_argument("--tensorboard-dir")
@@ -545,6 +548,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     schedule = _resolve_schedule(ns, parallel, ds, ns.deepspeed_config)
     data = _resolve_data(ns, check_files)
     model = _resolve_model(ns, parallel, precision, data, check_files)
+    if ns.pretrained_checkpoint is not None and check_files and not os.path.exists(
+            os.path.join(ns.pretrained_checkpoint, "model_full.safetensors")):
+        raise ConfigError(f"--pretrained-checkpoint {ns.pretrained_checkpoint} has no model_full.safetensors "
+                          "(make one with tools/convert_from_hf.py)")
     if ns.save_interval is not None and ns.save is None:
         raise ConfigError(f"--save-interval {ns.save_interval} needs --save DIR (where to write checkpoints)")
     if ns.save_interval is not None and ns.save_interval < 1:
@@ -560,7 +567,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         raise ConfigError(f"--generate-tokens must be >= 0, got {generate.tokens}")
     cfg = TrainConfig(
         model=model, parallel=parallel, precision=precision, optim=optim, schedule=schedule, data=data,
-        checkpoint=CheckpointConfig(save=ns.save, load=ns.load, save_interval=ns.save_interval),
+        checkpoint=CheckpointConfig(save=ns.save, load=ns.load, save_interval=ns.save_interval,
+                                    pretrained=ns.pretrained_checkpoint),
         logging=LoggingConfig(log_interval=log_interval, tensorboard_dir=ns.tensorboard_dir,
                               metrics_file=metrics_file,
                               wall_clock_breakdown=bool(_json_get(ds or {}, "wall_clock_breakdown") or False)),

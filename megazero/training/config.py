@@ -131,6 +131,7 @@ class CheckpointConfig:
     save: Optional[str] = None  # directory to save to; None -> never save
     load: Optional[str] = None  # directory to resume from; None -> start fresh
     save_interval: Optional[int] = None  # iterations between saves (needs save)
+    pretrained: Optional[str] = None  # full weights to start from (model_full.safetensors + config.json)
 
 
 @dataclass

@@ -136,6 +136,23 @@ def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler:
     _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
 
 
+def _init_from_pretrained(engine, directory: str) -> None:
+    """Start from full weights (e.g. an imported Hugging Face model), read lazily per tensor."""
+    from safetensors import safe_open
+
+    path = os.path.join(directory, "model_full.safetensors")
+    with safe_open(path, framework="pt") as f:
+        names = set(f.keys())
+        wanted = {s.name for g in engine.groups for s in g.slots}
+        if wanted - names:
+            raise CheckpointError(f"{path} lacks {sorted(wanted - names)[:8]}: it was made for another model shape")
+        try:
+            engine.load_full_weights(lambda name: f.get_tensor(name).float())
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    _print0(f"> initialized the weights from {path}")
+
+
 def pretrain(config: TrainConfig) -> TrainResult:
     """Run (or resume) a training job described by ``config``; collective over all ranks."""
     mpu.init_distributed()
@@ -163,10 +180,13 @@ def pretrain(config: TrainConfig) -> TrainResult:
             f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
 
     iteration, consumed = 0, 0
+    state = load_checkpoint(config.checkpoint.load, engine) if config.checkpoint.load else None
+    if state is None and config.checkpoint.pretrained:
+        _init_from_pretrained(engine, config.checkpoint.pretrained)
     if config.checkpoint.load:
-        state = load_checkpoint(config.checkpoint.load, engine)
         if state is None:
-            _print0(f"> no checkpoint in {config.checkpoint.load}: starting from scratch")
+            _print0(f"> no checkpoint in {config.checkpoint.load}: starting from "
+                    + ("the pretrained weights" if config.checkpoint.pretrained else "scratch"))
         else:
             iteration, consumed = state["iteration"], state["consumed_samples"]
             try:

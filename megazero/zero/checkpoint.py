@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..mpu.sharding import full_from_shards, shard_of_full
 from .engine import ZeroEngine
-from .units import release
 
 __all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_full_parameters", "ShardedReader"]
 
@@ -170,37 +169,29 @@ def load_zero_state(engine: ZeroEngine, directory: str) -> dict:
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     step = reader.first_meta["optimizer_step"]
+    try:
+        engine.load_full_weights(lambda name: reader.full(name, "master"))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    fused = bool(engine.optimizer.defaults.get("fused"))  # torch keeps fused Adam's step on the device
     for g in engine.groups:
         moments = {}
-        for s in g.slots:
-            p = s.param
-            tp_sharded = bool(getattr(p, "tensor_model_parallel", False))
-            for key in STATES:
+        for key in STATES[1:]:
+            for s in g.slots:
                 full = reader.full(s.name, key)
                 if full is None:
-                    continue
-                local = (shard_of_full(full, p.partition_dim, getattr(p, "partition_stride", 1), engine.tp_rank, engine.tp_size)
-                         if tp_sharded else full)
-                if tuple(local.shape) != tuple(s.shape):
-                    raise CheckpointError(f"{s.name}: checkpoint gives shape {tuple(local.shape)} on this rank, "
-                                          f"the model has {tuple(s.shape)}; was the model configured differently?")
-                if key == "master":
-                    g.load_param_values(s, local)
-                else:
-                    p0, s0, n = g.owned_range(s)
-                    buf = moments.setdefault(key, torch.zeros_like(g.master))
-                    if n:
-                        buf[s0:s0 + n].copy_(local.reshape(-1)[p0:p0 + n])
+                    break  # no Adam state yet (saved before the first step)
+                p = s.param
+                local = (shard_of_full(full, p.partition_dim, getattr(p, "partition_stride", 1), engine.tp_rank,
+                                       engine.tp_size) if getattr(p, "tensor_model_parallel", False) else full)
+                p0, s0, n = g.owned_range(s)
+                buf = moments.setdefault(key, torch.zeros_like(g.master))
+                if n:
+                    buf[s0:s0 + n].copy_(local.reshape(-1)[p0:p0 + n])
         if moments:
             state = engine.optimizer.state[g.master]
-            fused = bool(engine.optimizer.defaults.get("fused"))  # torch keeps fused Adam's step on the device
             state["step"] = torch.tensor(float(step), device=g.master.device if fused else "cpu")
-            for key, buf in moments.items():
-                state[key] = buf.to(g.master.device)
-        if g.resident:
-            g.bind_views()
-    for unit in engine.units:
-        release(unit)  # drop any gathered copy of the old values (no-op for resident units)
+            state.update(moments)
     engine.loss_scaler.load_state_dict(reader.first_meta["loss_scaler"])
     counters = reader.first_meta["engine"]
     engine.global_steps, engine.skipped_steps = counters["global_steps"], counters["skipped_steps"]

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..mpu.utils import all_gather_flat, reduce_scatter_flat
+
 __all__ = ["CommCounter"]
 
 
@@ -40,7 +42,7 @@ class CommCounter:
         if self.size(name) == 1:
             out.copy_(shard)
             return None
-        return dist.all_gather_into_tensor(out, shard, group=self.groups[name], async_op=async_op)
+        return all_gather_flat(out, shard, group=self.groups[name], async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str, async_op: bool = False):
         """Sum ``full`` over the group and keep this rank's equal chunk in ``out``."""
@@ -48,7 +50,7 @@ class CommCounter:
         if self.size(name) == 1:
             out.copy_(full)
             return None
-        return dist.reduce_scatter_tensor(out, full, group=self.groups[name], async_op=async_op)
+        return reduce_scatter_flat(out, full, group=self.groups[name], async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         self._count("all_reduce", name, t)

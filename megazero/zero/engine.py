@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..mpu.initializers import modules_with_direct_parameters
-from ..mpu.sharding import full_from_shards, is_tp_sharded
+from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
 from .comm import CommCounter
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot
@@ -464,6 +464,28 @@ class ZeroEngine(torch.nn.Module):
         return sum(g.numel for g in self.groups)
 
     # ------------------------------------------------------------------ full weights
+
+    @torch.no_grad()
+    def load_full_weights(self, full: Callable[[str], torch.Tensor]) -> None:
+        """Set every parameter (fp32 master and compute copy) from its full, tp=1-shaped value.
+
+        ``full(name)`` returns the full tensor of parameter ``name``; each rank keeps its
+        TP shard's DP partition. No communication. Raises ValueError on a shape mismatch.
+        """
+        for g in self.groups:
+            for s in g.slots:
+                value = full(s.name)
+                p = s.param
+                local = (shard_of_full(value, p.partition_dim, getattr(p, "partition_stride", 1), self.tp_rank, self.tp_size)
+                         if is_tp_sharded(p) and self.tp_size > 1 else value)
+                if tuple(local.shape) != tuple(s.shape):
+                    raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
+                                     f"the model has {tuple(s.shape)}; was the model configured differently?")
+                g.load_param_values(s, local)
+            if g.resident:
+                g.bind_views()
+        for unit in self.units:
+            release(unit)  # drop gathered copies of the old values (no-op for resident units)
 
     @torch.no_grad()
     def full_master_tensors(self, which: str = "master") -> dict[str, torch.Tensor]:

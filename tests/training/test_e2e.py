@@ -154,3 +154,29 @@ def test_impossible_configurations_exit_before_any_collective(dataset, overrides
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_start_from_imported_hugging_face_weights(dataset, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the HF import test needs transformers (requirements-test.txt)")
+    from megazero.training.checkpointing import load_full_model
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB + 1, n_positions=16, n_embd=32,
+                                                              n_layer=2, n_head=4))
+    hf.save_pretrained(tmp_path / "hf")
+    convert = [sys.executable, os.path.join(ROOT, "tools", "convert_from_hf.py"), "--input", str(tmp_path / "hf"),
+               "--output", str(tmp_path / "imported"), "--override", "seq_length=16",
+               "--override", "make_vocab_size_divisible_by=32"]
+    subprocess.run(convert, check=True, capture_output=True, timeout=120)
+    # The first iteration runs at lr 0 (start of the warmup), so the weights saved after it
+    # must be exactly the imported ones, gathered back from tp=2 x dp=2 ZeRO-3 partitions.
+    args = argv(dataset, "--pretrained-checkpoint", str(tmp_path / "imported"), "--save", str(tmp_path / "ckpt"),
+                iters=1)
+    run(4, args)
+    _, trained, _ = load_full_model(str(tmp_path / "ckpt"))
+    from safetensors.torch import load_file
+
+    imported = load_file(str(tmp_path / "imported" / "model_full.safetensors"))
+    assert trained.keys() == imported.keys()
+    for k in imported:
+        torch.testing.assert_close(trained[k], imported[k].float(), atol=0, rtol=0, msg=lambda m: f"{k}: {m}")
