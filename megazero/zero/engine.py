@@ -79,6 +79,8 @@ class ZeroEngine(torch.nn.Module):
 
         self.unit_modules = find_unit_modules(model) if unit_modules is None else list(unit_modules)
         self.units, self.root, self.groups = self._build_units(no_weight_decay or (lambda n, p: False))
+        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
+        self._slot_by_name = {s.name: (g, s) for g in self.groups for s in g.slots}
         self._materialize()
         self.grad_full = {}  # stage 0/1: full-size accumulated grads per group
         self.grad_shard = {}  # stage 1-3: this rank's reduced grad partition per group
@@ -276,13 +278,6 @@ class ZeroEngine(torch.nn.Module):
                 self._grads_ready(unit)
 
         return hook
-
-    @property
-    def _unit_of_group(self) -> dict[int, Unit]:
-        cache = getattr(self, "_unit_of_group_cache", None)
-        if cache is None:
-            cache = self._unit_of_group_cache = {id(g): u for u in self.units for g in u.groups}
-        return cache
 
     def _grads_ready(self, unit: Unit) -> None:
         """Reduce-scatter a unit's gradients (stage 2/3) and, for ZeRO-3, release its parameters."""
@@ -525,10 +520,6 @@ class ZeroEngine(torch.nn.Module):
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
         return out
-
-    @property
-    def _slot_by_name(self) -> dict[str, tuple[FlatGroup, ParamSlot]]:
-        return {s.name: (g, s) for g in self.groups for s in g.slots}
 
 
 def _default_device() -> torch.device:
