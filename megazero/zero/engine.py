@@ -16,6 +16,10 @@ engine.step()`` on every micro-batch; the optimizer steps on the last
 micro-batch of each gradient-accumulation window. It never looks inside the
 model beyond Megatron's parameter attributes (``tensor_model_parallel``), so
 it trains any ``nn.Module`` built from mpu layers or plain torch layers.
+
+A parameter that receives no gradient in a step is treated as having a zero
+gradient (as in DeepSpeed): Adam leaves it alone but decoupled weight decay
+still shrinks it, where ``torch.optim.AdamW`` would skip it entirely.
 """
 
 from __future__ import annotations
