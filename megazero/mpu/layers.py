@@ -53,6 +53,32 @@ class _TPModule(torch.nn.Module):
             self.reset_parameters()
 
 
+class _LinearWithAsyncInputGradAllReduce(torch.autograd.Function):
+    """``F.linear`` entering a TP region, whose backward all-reduces the input gradient
+    asynchronously while the weight gradient is computed (Megatron's overlap).
+
+    Equivalent to ``F.linear(copy_to_tensor_model_parallel_region(x), w, b)``, minus the
+    idle time of a synchronous all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_out.matmul(weight)
+        work = dist.all_reduce(grad_input, group=ctx.group, async_op=True)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1])) if weight.requires_grad else None
+        grad_bias = g2.sum(dim=0) if ctx.has_bias else None
+        work.wait()
+        return grad_input, grad_weight, grad_bias, None
+
+
 class ColumnParallelLinear(_TPModule):
     """Y = XA + b with A split along its output (column) dimension across TP ranks.
 
@@ -106,12 +132,14 @@ class ColumnParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         # A layer built without a TP group (tp_size 1) never communicates, even if
         # groups are registered later: None would mean "the registered group" below.
+        bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-        elif self.tp_size > 1:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.weight, bias)
+            out = F.linear(x, self.weight, bias)
+        elif self.tp_size > 1 and torch.is_grad_enabled() and x.requires_grad:
+            out = _LinearWithAsyncInputGradAllReduce.apply(x, self.weight, bias, self.tp_group)
+        else:
+            out = F.linear(x, self.weight, bias)
         if not self.gather_output or self.tp_size == 1:
             return out, (self.bias if self.skip_bias_add else None)
         out = gather_from_tensor_model_parallel_region(out, self.tp_group)
