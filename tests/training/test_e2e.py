@@ -42,11 +42,26 @@ def argv(prefix, *extra, tp=2, stage=3, iters=8, dropout=0.0):
             *extra]
 
 
-def _pretrain(args, world_size, patch_save_failure=False):
+def _pretrain(args, world_size, patch_save_failure=False, nan_at_iteration=None):
     from megazero.training import parse_args
     from megazero.training.trainer import pretrain
 
     torch.manual_seed(0)
+    if nan_at_iteration is not None:
+        import megazero.training.trainer as trainer
+
+        original_step, calls = trainer._train_step, [0]
+
+        def poisoned(engine, batches, device):
+            calls[0] += 1
+            loss, updated = original_step(engine, batches, device)
+            return (float("nan"), updated) if calls[0] == nan_at_iteration else (loss, updated)
+
+        trainer._train_step = poisoned
+        try:
+            return pretrain(parse_args(args, world_size))
+        finally:
+            trainer._train_step = original_step
     if patch_save_failure:
         import megazero.training.checkpointing as ck
 
@@ -180,3 +195,9 @@ def test_start_from_imported_hugging_face_weights(dataset, tmp_path):
     assert trained.keys() == imported.keys()
     for k in imported:
         torch.testing.assert_close(trained[k], imported[k].float(), atol=0, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_nan_loss_stops_with_iteration_and_debug_checkpoint(dataset, tmp_path):
+    with pytest.raises(AssertionError, match="non-finite loss at iteration 3"):
+        run(4, argv(dataset, "--save", str(tmp_path)), nan_at_iteration=3)
+    assert os.path.exists(tmp_path / "debug" / "iter_0000003" / "manifest.json")
