@@ -48,6 +48,18 @@ class FP16Config:
 
 @dataclasses.dataclass(frozen=True)
 class ZeroOptimizationConfig:
+    """DeepSpeed's ``zero_optimization`` block.
+
+    megazero communicates per unit (one transformer layer, or the embeddings and
+    head) rather than per byte-sized bucket, and prefetches exactly one unit
+    ahead. So ``reduce_bucket_size``, ``allgather_bucket_size``,
+    ``contiguous_gradients``, ``reduce_scatter``, ``stage3_prefetch_bucket_size``,
+    ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and
+    ``sub_group_size`` are accepted, so existing DeepSpeed files load, but change
+    nothing. ``stage``, ``overlap_comm`` (asynchronous reduce-scatter) and
+    ``stage3_param_persistence_threshold`` are honoured.
+    """
+
     stage: int = 0
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
