@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "default_backend"]
+__all__ = ["init_distributed", "default_backend", "first_slurm_host"]
 
 
 def default_backend() -> str:
@@ -27,7 +27,16 @@ def _env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST", os.environ.get("SLURM_NODELIST", "127.0.0.1"))
-        os.environ["MASTER_ADDR"] = nodelist.split(",")[0].split("[")[0]
+        os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[007-010,012],cpu1`` -> ``gpu007``."""
+    head, bracket, rest = nodelist.partition("[")
+    if not bracket or "," in head:
+        return head.split(",")[0]
+    first = rest.split("]")[0].split(",")[0].split("-")[0]
+    return head + first
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
