@@ -138,7 +138,8 @@ class Stage3Coordinator:
     def _pre_forward(self, i: int):
         def hook(module, args):
             self._ensure(self.units[i])
-            self._prefetch(i + 1)
+            # A forward inside backward is a recomputation: the next unit needed is the previous one.
+            self._prefetch(i - 1 if self.in_backward() else i + 1)
 
         return hook
 

@@ -43,10 +43,11 @@ def test_model_state_bytes_match_zero_formula(stage, precision):
         assert abs(got["total"] - sum(per_param) * psi) <= 0.05 * sum(per_param) * psi
 
 
-def _traffic():
+def _traffic(recompute=None):
     mpu.initialize_model_parallel(2)
     torch.manual_seed(SEED)
-    engine = zero.initialize(GPTModel(tiny_config(**BIG)), ds_config(3, bf16={"enabled": True}), mpu=mpu)
+    model = GPTModel(tiny_config(**BIG, recompute_granularity=recompute))
+    engine = zero.initialize(model, ds_config(3, bf16={"enabled": True}), mpu=mpu)
     rows = batches(1, 1, 4)[0, 0][mpu.get_data_parallel_rank() * 2:][:2]
     shapes = []
     engine.module.embedding.weight.register_hook(lambda g: shapes.append(tuple(g.shape)))
@@ -57,8 +58,11 @@ def _traffic():
     return engine.comm.snapshot(), local, shapes, tuple(engine.module.embedding.weight.ds_shape)
 
 
-def test_zero3_traffic_matches_theory_and_no_full_vocab_grad():
-    for snap, psi, shapes, emb_shape in run_distributed(4, _traffic):
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_zero3_traffic_matches_theory_and_no_full_vocab_grad(recompute):
+    # With full recompute every layer runs forward twice, yet it must be gathered only
+    # twice per step: recomputation happens while backward holds it.
+    for snap, psi, shapes, emb_shape in run_distributed(4, _traffic, recompute):
         # Forward and backward each gather every parameter of the TP shard once (bf16: 2 bytes);
         # backward reduce-scatters every gradient once.
         assert abs(snap["all_gather/dp"] - 2 * 2 * psi) <= 0.05 * 4 * psi, (snap, psi)

@@ -61,3 +61,12 @@ def test_stage3_with_persistent_small_params_and_sequence_parallel():
     ref = reference_run(model_overrides={})
     results = run_distributed(4, zero_run, 2, 3, threshold=200, model_overrides=overrides)
     _compare(results[0], ref, "stage 3 tp=2 persistent+SP")
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_stage3_with_activation_recompute(granularity):
+    # Recomputation re-enters units during backward: ZeRO-3 must keep them gathered until
+    # their gradients are reduced, and the numbers must not change.
+    ref = reference_run()
+    results = run_distributed(4, zero_run, 2, 3, meta=True, model_overrides={"recompute_granularity": granularity})
+    _compare(results[0], ref, f"stage 3 tp=2 recompute={granularity}")
