@@ -242,28 +242,21 @@ class ZeroEngine(torch.nn.Module):
     # ------------------------------------------------------------------ gather / reduce
 
     def _gather(self, unit: Unit, async_op: bool) -> None:
-        if unit.gathered:
+        """All-gather a unit's partitions; ``async_op`` only starts it (a prefetch)."""
+        if unit.gathered or (unit.pending and async_op):
             return
-        if unit.pending:
-            if async_op:
-                return
-            for w in unit.pending:
-                w.wait()
-            unit.pending = []
-        elif not any(g.full is not None for g in unit.groups if not g.resident):
-            works = []
+        if not unit.pending:
             for g in unit.groups:
-                if g.resident:
-                    continue
-                g.full = torch.empty(g.padded_numel, dtype=self.compute_dtype, device=self.device)
-                w = self.comm.all_gather(g.full, g.shard, "dp", async_op=async_op)
-                if w is not None:
-                    works.append(w)
-            if async_op and works:
-                unit.pending = works
+                if not g.resident:
+                    g.full = torch.empty(g.padded_numel, dtype=self.compute_dtype, device=self.device)
+                    w = self.comm.all_gather(g.full, g.shard, "dp", async_op=async_op)
+                    if w is not None:
+                        unit.pending.append(w)
+            if async_op and unit.pending:
                 return
-            for w in works:
-                w.wait()
+        for w in unit.pending:
+            w.wait()
+        unit.pending = []
         for g in unit.groups:
             if not g.resident:
                 g.bind_views()
@@ -291,7 +284,7 @@ class ZeroEngine(torch.nn.Module):
         overlap = self.config.zero_optimization.overlap_comm
         outs = []
         for g in unit.groups:
-            full = g.flatten_grads(self.compute_dtype if self.compute_dtype != torch.float32 else self.grad_dtype)
+            full = g.flatten_grads(self.compute_dtype)  # reduced in the compute dtype, as DeepSpeed does
             for s in g.slots:
                 s.param.grad = None
             out = torch.empty(g.shard_numel, dtype=full.dtype, device=self.device)
