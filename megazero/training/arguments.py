@@ -24,6 +24,8 @@ import os
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
+import torch
+
 from megazero.model.config import PRESETS, GPTConfig
 from megazero.training.config import (
     CheckpointConfig,
@@ -520,10 +522,28 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         value = _default(getattr(ns, ns_attr), preset.get(attr))
         if value is not None:
             kw[attr] = value
+    if ns.use_flash_attn and check_files:  # a real launch on this machine, not a plan for another
+        _check_flash_attn(prec)
     try:
         return GPTConfig(**kw).validate(par.tp)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
+
+
+def _check_flash_attn(prec: PrecisionConfig) -> None:
+    """Refuse --use-flash-attn up front where it cannot run (it would fail at the first forward)."""
+    from megazero.model.attention import flash_attn_available
+
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("no CUDA device is visible")
+    if not flash_attn_available():
+        problems.append("the flash-attn package is not installed (pip install flash-attn --no-build-isolation)")
+    if prec.dtype == "fp32":
+        problems.append("flash attention needs --bf16 or --fp16")
+    if problems:
+        raise ConfigError("--use-flash-attn cannot run here: " + "; ".join(problems)
+                          + "; drop the flag to use PyTorch's scaled_dot_product_attention")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, *,

@@ -58,7 +58,8 @@ def test_defaults_global_batch_is_micro_times_dp():
 def test_explicit_shape_flags_override_preset():
     m = parse("--num-layers 3 --hidden-size 128 --seq-length 32 --swiglu --disable-bias-linear "
               "--untie-embeddings-and-output-weights --position-embedding-type rope --normalization RMSNorm "
-              "--num-query-groups 2 --use-flash-attn --recompute-granularity full --init-method-std 0.008").model
+              "--num-query-groups 2 --use-flash-attn --recompute-granularity full --init-method-std 0.008",
+              check_files=False).model  # planning mode: flash-attn need not run on this machine
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (3, 128, 4, 32)
     assert (m.activation, m.add_bias_linear, m.tie_embeddings, m.position_embedding_type) == ("swiglu", False, False, "rope")
     assert (m.normalization, m.query_groups, m.attention_backend, m.recompute_granularity) == ("rmsnorm", 2, "flash", "full")
@@ -235,3 +236,10 @@ def test_deepspeed_json_accumulation_derives_global_batch(tmp_path):
     path = write_json(tmp_path, {"gradient_accumulation_steps": 3})
     s = parse(f"--deepspeed-config {path}").schedule
     assert (s.global_batch_size, s.grad_accum_steps) == (24, 3)  # micro 2 x dp 4 x 3
+
+
+def test_flash_attention_refused_where_it_cannot_run():
+    if torch.cuda.is_available():
+        pytest.skip("this check is about machines without CUDA")
+    with pytest.raises(ConfigError, match="--use-flash-attn cannot run here: no CUDA device.*needs --bf16 or --fp16"):
+        parse("--use-flash-attn")
