@@ -43,5 +43,14 @@ echo "=== resuming from the checkpoint to iteration $iters ==="
 echo "=== sampling from the final checkpoint (tp 2) ==="
 "${launch[@]/--nproc_per_node 4/}" --nproc_per_node 2 tools/generate.py --load "$work/ckpt" --tp 2 \
   --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40
+"$py" - "$work/ckpt/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+train = [(r["iteration"], r["lm_loss"]) for r in rows if r.get("lm_loss") is not None]
+evals = [(r["iteration"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+(i0, l0), (i1, l1) = train[0], train[-1]
+print(f"=== training loss {l0:.3f} (iteration {i0}) -> {l1:.3f} (iteration {i1}); "
+      + ", ".join(f"validation {v:.3f} at {i}" for i, v in evals) + " ===")
+PY
 "$py" tools/plot_metrics.py "$work/ckpt/metrics.jsonl" --output "$work/curves.png" || true
 echo "=== done: checkpoints in $work/ckpt, metrics in $work/ckpt/metrics.jsonl, curves in $work/curves.png ==="
