@@ -47,7 +47,7 @@ echo "=== sampling from the final checkpoint (tp 2) ==="
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 train = [(r["iteration"], r["lm_loss"]) for r in rows if r.get("lm_loss") is not None]
-evals = [(r["iteration"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+evals = [(r["iteration"], r["eval_lm_loss"]) for r in rows if r.get("eval_lm_loss") is not None]
 (i0, l0), (i1, l1) = train[0], train[-1]
 print(f"=== training loss {l0:.3f} (iteration {i0}) -> {l1:.3f} (iteration {i1}); "
       + ", ".join(f"validation {v:.3f} at {i}" for i, v in evals) + " ===")

@@ -23,7 +23,8 @@ from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .lr_schedule import LRScheduler
-from .metrics import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb
+from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
+                      memory_mb)
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
 
@@ -237,7 +238,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                     result.eval_losses[iteration] = val
                     _print0(f" validation loss at iteration {iteration}: {val:.6E} | "
                             f"perplexity: {math.exp(min(val, 50)):.4E}")
-                    writer.write(iteration, {"iteration": iteration, "eval_loss": val, "eval_ppl": math.exp(min(val, 50))})
+                    writer.write(iteration, {"iteration": iteration, EVAL_LOSS_KEY: val, "eval_ppl": math.exp(min(val, 50))})
             saved = False
             if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
                 _save(config, iteration, consumed, engine, scheduler)

@@ -107,6 +107,7 @@ def test_save_exit_resume_equals_uninterrupted(dataset, tmp_path):
         assert resumed[i] == pytest.approx(full[i], abs=1e-6), (i, resumed[i], full[i])
     metrics = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
     assert [m["iteration"] for m in metrics if "lm_loss" in m] == [2, 4, 6, 8]
+    assert [m["iteration"] for m in metrics if "eval_lm_loss" in m] == [4, 8]  # the keys plot_metrics.py reads
 
 
 @pytest.fixture(scope="module")
