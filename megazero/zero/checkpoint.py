@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu.sharding import full_from_shards, shard_of_full
+from ..mpu.sharding import full_from_shards
 from .engine import ZeroEngine
 
 __all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_full_parameters", "ShardedReader"]
@@ -181,9 +181,7 @@ def load_zero_state(engine: ZeroEngine, directory: str) -> dict:
                 full = reader.full(s.name, key)
                 if full is None:
                     break  # no Adam state yet (saved before the first step)
-                p = s.param
-                local = (shard_of_full(full, p.partition_dim, getattr(p, "partition_stride", 1), engine.tp_rank,
-                                       engine.tp_size) if getattr(p, "tensor_model_parallel", False) else full)
+                local = engine.tp_local(s.param, full)
                 p0, s0, n = g.owned_range(s)
                 buf = moments.setdefault(key, torch.zeros_like(g.master))
                 if n:

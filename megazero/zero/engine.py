@@ -457,6 +457,12 @@ class ZeroEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ full weights
 
+    def tp_local(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP shard of ``full``, a tp=1-shaped value of ``param`` (or of its optimizer state)."""
+        if not is_tp_sharded(param) or self.tp_size == 1:
+            return full
+        return shard_of_full(full, param.partition_dim, getattr(param, "partition_stride", 1), self.tp_rank, self.tp_size)
+
     @torch.no_grad()
     def load_full_weights(self, full: Callable[[str], torch.Tensor]) -> None:
         """Set every parameter (fp32 master and compute copy) from its full, tp=1-shaped value.
@@ -467,9 +473,7 @@ class ZeroEngine(torch.nn.Module):
         for g in self.groups:
             for s in g.slots:
                 value = full(s.name)
-                p = s.param
-                local = (shard_of_full(value, p.partition_dim, getattr(p, "partition_stride", 1), self.tp_rank, self.tp_size)
-                         if is_tp_sharded(p) and self.tp_size > 1 else value)
+                local = self.tp_local(s.param, value)
                 if tuple(local.shape) != tuple(s.shape):
                     raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
                                      f"the model has {tuple(s.shape)}; was the model configured differently?")
