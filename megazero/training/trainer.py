@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu, zero
-from ..model import GPTModel
+from ..model import GPTModel, num_parameters
 from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -175,7 +175,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
     engine = zero.initialize(model, config.to_deepspeed_config(), mpu=mpu,
                              no_weight_decay=megatron_no_weight_decay, device=device)
     scheduler = LRScheduler.from_config(config, engine.optimizer)
-    _print0(f"> model: {sum(s.numel for g in engine.groups for s in g.slots) * config.parallel.tp:,} parameters "
+    _print0(f"> model: {num_parameters(config.model):,} parameters "
             f"(per TP rank {engine.num_local_parameters():,}); tp={config.parallel.tp} dp={config.parallel.dp} "
             f"ZeRO-{engine.stage} {config.precision.dtype}; model state per rank "
             f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
