@@ -107,10 +107,11 @@ class GPTModel(torch.nn.Module):
         self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_base) if c.position_embedding_type == "rope" else None
         self.layers = torch.nn.ModuleList(TransformerLayer(c, **kw) for _ in range(c.num_layers))
         self.final_norm = build_norm(c, **kw)
-        self.output_layer = (None if c.tie_embeddings else
-                             mpu.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False,
-                                                      init_method=init_method_normal(std), sequence_parallel=c.sequence_parallel,
-                                                      tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta"))
+        # Tied: the output layer owns no weight and is handed the embedding's (Megatron-core's way).
+        self.output_layer = mpu.ColumnParallelLinear(
+            c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False, init_method=init_method_normal(std),
+            sequence_parallel=c.sequence_parallel, tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta",
+            skip_weight_param_allocation=c.tie_embeddings)
 
         # Padded vocabulary entries (ids >= vocab_size) are never predicted: their logits are -inf.
         per_rank = c.padded_vocab_size // self.tp_size
@@ -178,14 +179,7 @@ class GPTModel(torch.nn.Module):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h]`` -> ``[s, b, padded_vocab/tp]`` (Megatron's parallel_lm_logits)."""
-        if self.output_layer is not None:
-            logits, _ = self.output_layer(x)
-        else:
-            if self.sequence_parallel:
-                x = mpu.gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-            else:
-                x = mpu.copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = F.linear(x, self.embedding.weight)
+        logits, _ = self.output_layer(x, weight=self.embedding.weight if self.config.tie_embeddings else None)
         if self._first_padded_col < logits.size(-1):
             padded = torch.arange(logits.size(-1), device=logits.device) >= self._first_padded_col
             logits = logits.masked_fill(padded, float("-inf"))

@@ -86,6 +86,11 @@ class ColumnParallelLinear(_TPModule):
     ``gather_output=True`` all-gathers Y so every rank sees the full output;
     otherwise each rank keeps its ``output_size / tp`` columns (the input of a
     following ``RowParallelLinear(input_is_parallel=True)``).
+
+    ``skip_weight_param_allocation=True`` (Megatron-core's name) creates no weight:
+    ``forward(x, weight=...)`` takes it, as a GPT output layer tied to the input
+    embedding does. Passing the weight as an argument, rather than reading another
+    module's attribute, lets ZeRO-3 see which parameters a forward needs.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class ColumnParallelLinear(_TPModule):
         tp_group: Optional[dist.ProcessGroup] = None,
         params_dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
+        skip_weight_param_allocation: bool = False,
     ) -> None:
         super().__init__(tp_group)
         if sequence_parallel and gather_output:
@@ -112,10 +118,13 @@ class ColumnParallelLinear(_TPModule):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.init_method = init_method
-        self.weight = torch.nn.Parameter(
-            torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
-        )
-        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = torch.nn.Parameter(
+                torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
+            )
+            set_tensor_model_parallel_attributes(self.weight, True, 0)
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, True, 0)
@@ -124,22 +133,32 @@ class ColumnParallelLinear(_TPModule):
         self._maybe_reset(device)
 
     def reset_parameters(self) -> None:
-        initialize_sharded_(self.weight, (self.output_size, self.input_size), 0, self.tp_rank, self.tp_size, self.init_method)
+        if self.weight is not None:
+            initialize_sharded_(self.weight, (self.output_size, self.input_size), 0, self.tp_rank, self.tp_size,
+                                self.init_method)
         if self.bias is not None:
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         # A layer built without a TP group (tp_size 1) never communicates, even if
         # groups are registered later: None would mean "the registered group" below.
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True: "
+                                 "pass the weight to forward(x, weight=...)")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(f"ColumnParallelLinear: weight of shape {tuple(weight.shape)} passed, expected "
+                             f"{(self.output_size_per_partition, self.input_size)}")
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-            out = F.linear(x, self.weight, bias)
+            out = F.linear(x, weight, bias)
         elif self.tp_size > 1 and torch.is_grad_enabled() and x.requires_grad:
-            out = _LinearWithAsyncInputGradAllReduce.apply(x, self.weight, bias, self.tp_group)
+            out = _LinearWithAsyncInputGradAllReduce.apply(x, weight, bias, self.tp_group)
         else:
-            out = F.linear(x, self.weight, bias)
+            out = F.linear(x, weight, bias)
         if not self.gather_output or self.tp_size == 1:
             return out, (self.bias if self.skip_bias_add else None)
         out = gather_from_tensor_model_parallel_region(out, self.tp_group)
