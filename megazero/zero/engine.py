@@ -17,13 +17,28 @@ micro-batch of each gradient-accumulation window. It never looks inside the
 model beyond Megatron's parameter attributes (``tensor_model_parallel``), so
 it trains any ``nn.Module`` built from mpu layers or plain torch layers.
 
-A parameter that receives no gradient in a step is treated as having a zero
-gradient (as in DeepSpeed): Adam leaves it alone but decoupled weight decay
-still shrinks it, where ``torch.optim.AdamW`` would skip it entirely.
+The pieces each live in their own file: ``flat.py`` (the flat, partitioned
+storage of a group of parameters), ``units.py`` (which parameters go together),
+``window.py`` (ZeRO-3: what is gathered when, and the saved-tensor hooks that
+keep autograd from pinning gathered weights), ``reducer.py`` (ZeRO-2/3:
+gradient buckets reduce-scattered in a DP-agreed order). This file wires them
+to the optimizer step, loss scaling and the gradient norm.
+
+Precision: bf16 runs accumulate and reduce gradients in fp32 (Megatron's
+``main_grad``, DeepSpeed's bf16 optimizer); ``communication_data_type`` and
+``data_types.grad_accum_dtype`` choose otherwise. fp16 keeps DeepSpeed's fp16
+reduction under the dynamic loss scale.
+
+Frozen parameters (``requires_grad=False``) are partitioned and gathered like
+the others but never enter the optimizer: no gradient buffer, no weight decay.
+A trainable parameter that receives no gradient in a step is treated as
+having a zero gradient (as in DeepSpeed): Adam leaves it alone but decoupled
+weight decay still shrinks it, where ``torch.optim.AdamW`` would skip it.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable, Optional
 
@@ -36,7 +51,9 @@ from .comm import CommCounter
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot
 from .loss_scaler import LossScaler
-from .units import Stage3Coordinator, Unit, find_unit_modules, release
+from .reducer import GradReducer
+from .units import Unit, find_unit_modules, plan_units
+from .window import GatherWindow
 
 __all__ = ["ZeroEngine"]
 
@@ -74,7 +91,8 @@ class ZeroEngine(torch.nn.Module):
         config.check_batch(self.dp_size)
         self.comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group})
         self.compute_dtype = config.compute_dtype
-        self.grad_dtype = config.grad_dtype
+        self.grad_dtype = config.grad_dtype  # accumulated gradient partitions
+        self.reduce_dtype = config.reduce_dtype  # what the DP collectives carry
         self.accum = config.gradient_accumulation_steps
         first = next(model.parameters(), None)
         if device is None:
@@ -82,13 +100,15 @@ class ZeroEngine(torch.nn.Module):
         self.device = torch.device(device)
 
         self.unit_modules = find_unit_modules(model) if unit_modules is None else list(unit_modules)
-        self.units, self.root, self.groups = self._build_units(no_weight_decay or (lambda n, p: False))
+        self.units, self.groups, plan = self._build_units(no_weight_decay or (lambda n, p: False))
+        self.trainable_groups = [g for g in self.groups if g.trainable]
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._slot_by_name = {s.name: (g, s) for g in self.groups for s in g.slots}
         self._materialize()
+        self._bind_all()
         self.grad_full = {}  # stage 0/1: full-size accumulated grads per group
         self.grad_shard = {}  # stage 1-3: this rank's reduced grad partition per group
-        for g in self.groups:
+        for g in self.trainable_groups:
             if self.stage <= 1:
                 self.grad_full[g] = torch.zeros(g.padded_numel, dtype=self.grad_dtype, device=self.device)
             if self.stage == 1:  # the reduced partition lives in the full buffer's own slice
@@ -99,14 +119,32 @@ class ZeroEngine(torch.nn.Module):
         self.loss_scaler = LossScaler(config.fp16)
 
         self._in_backward = False
-        self._reductions: list = []  # (work, unit, [(group, out)])
+        zc = config.zero_optimization
+        self.reducer: Optional[GradReducer] = None
+        if self.stage >= 2:
+            self.reducer = GradReducer(
+                self.units, self.grad_shard,
+                reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm),
+                partitions=self.dp_size, reduce_dtype=self.reduce_dtype, device=self.device,
+                bucket_numel=zc.reduce_bucket_size, max_in_flight=zc.max_reduce_in_flight)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
-                       for g in self.groups for s in g.slots if s.param.requires_grad]
-        self.coordinator = None
+                       for g in self.trainable_groups for s in g.slots]
+        self._forwards: collections.deque = collections.deque()  # per forward awaiting its backward
+        self._used: set[int] = set()
+        unit_by_name = {u.name: u for u in self.units}
+        needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}
+        unit_of_param = {id(s.param): u for u in self.units for g in u.groups for s in g.slots}
+        self.window: Optional[GatherWindow] = None
+        self._usage_hooks = []
         if self.stage == 3:
-            layer_units = self.units[: len(self.unit_modules)]
-            self.coordinator = Stage3Coordinator(model, layer_units, self.unit_modules, self.root,
-                                                 self._gather, self._grads_ready, lambda: self._in_backward)
+            self.window = GatherWindow(
+                model, self.units, needs, plan.hooked, unit_of_param,
+                all_gather=lambda out, shard: self.comm.all_gather(out, shard, "dp", async_op=True),
+                agree=None, in_backward=lambda: self._in_backward,
+                on_forward_begin=self._forward_begin, on_forward_end=self._forward_end, mark_used=self._mark_used,
+                prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters)
+        elif self.stage == 2:
+            self._install_usage_hooks(model, needs, plan.hooked, unit_of_param)
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -115,51 +153,59 @@ class ZeroEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ construction
 
-    def _build_units(self, no_decay: NoDecayFn) -> tuple[list[Unit], Optional[Unit], list[FlatGroup]]:
-        model, stage = self.module, self.stage
-        names = {}
-        for name, p in model.named_parameters():
-            names.setdefault(id(p), name)
-        owner: dict[int, set[int]] = {}
-        for i, m in enumerate(self.unit_modules):
-            for p in m.parameters():
-                owner.setdefault(id(p), set()).add(i)
+    def _build_units(self, no_decay: NoDecayFn) -> tuple[list[Unit], list[FlatGroup], object]:
+        stage = self.stage
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold if stage == 3 else -1
-        buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in self.unit_modules]
-        root_params, persistent = [], []
-        seen = set()
-        for name, p in model.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if stage == 3 and p.numel() <= threshold:
-                persistent.append((name, p))
-            elif len(owner.get(id(p), ())) == 1:
-                buckets[next(iter(owner[id(p)]))].append((name, p))
-            else:
-                root_params.append((name, p))
-
+        plan = plan_units(self.module, self.unit_modules, threshold)
         partitions = 1 if stage == 0 else self.dp_size
         rank = 0 if stage == 0 else self.dp_rank
-
-        def make(name: str, params, resident: bool) -> Unit:
+        units = []
+        for name, position, params, persistent in plan.units:
             groups = []
-            for decay in (True, False):
-                chosen = [(n, p) for n, p in params if no_decay(n, p) != decay]
+            for trainable, decay in ((True, True), (True, False), (False, False)):
+                chosen = [(n, p) for n, p in params
+                          if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
                 if chosen:
                     groups.append(FlatGroup(chosen, partitions=partitions, rank=rank, compute_dtype=self.compute_dtype,
-                                            device=self.device, resident=resident, weight_decay=decay))
-            return Unit(name, groups)
-
-        units = [make(f"unit{i}", b, resident=stage < 3) for i, b in enumerate(buckets)]
-        root = make("root", root_params, resident=stage < 3) if root_params else None
-        extra = [root] if root is not None else []
-        if persistent:
-            extra.append(make("persistent", persistent, resident=True))
-        all_units = units + extra
-        groups = [g for u in all_units for g in u.groups]
+                                            device=self.device, resident=stage < 3 or persistent,
+                                            weight_decay=trainable and decay, trainable=trainable))
+            units.append(Unit(name, groups, position))
+        groups = [g for u in units for g in u.groups]
         self.slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {id(s.param): (g, s) for g in groups for s in g.slots}
-        return all_units, root, groups
+        return units, groups, plan
+
+    def _bind_all(self) -> None:
+        """Point every parameter at its group's full buffer; ZeRO-3 groups start released."""
+        for g in self.groups:
+            g.bind()
+        for name, b in self.module.named_buffers():
+            if b.is_meta:
+                raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
+                                "reset_parameters() or compute it lazily in forward")
+
+    def _install_usage_hooks(self, model, needs, hooked, unit_of_param) -> None:
+        """ZeRO-2: note which units each forward used (for the DP-agreed reduction order)."""
+        def pre(module, args, kwargs):
+            for u in needs.get(id(module), ()):
+                self._mark_used(u)
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.nn.Parameter) and id(a) in unit_of_param:
+                    self._mark_used(unit_of_param[id(a)])
+
+        def model_pre(module, args, kwargs):
+            if not self._in_backward:
+                self._forward_begin()
+            pre(module, args, kwargs)
+
+        def model_post(module, args, out):
+            if not self._in_backward:
+                self._forward_end(torch.zeros(0))
+
+        for m in hooked:
+            if m is not model:
+                self._usage_hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        self._usage_hooks.append(model.register_forward_pre_hook(model_pre, with_kwargs=True))
+        self._usage_hooks.append(model.register_forward_hook(model_post, always_call=True))
 
     @torch.no_grad()
     def _materialize(self) -> None:
@@ -178,11 +224,6 @@ class ZeroEngine(torch.nn.Module):
             for g in self.groups:
                 for s in g.slots:
                     g.load_param_values(s, s.param.data)
-            for g in self.groups:
-                if g.resident:
-                    g.bind_views()
-                else:
-                    g.release()
             return
         replaced: dict[int, torch.nn.Parameter] = {}  # meta parameter -> its real one (tied ones once)
         for m in modules_with_direct_parameters(self.module):
@@ -209,20 +250,11 @@ class ZeroEngine(torch.nn.Module):
                 g, s = self.slot_of[id(p)]
                 g.load_param_values(s, p.data)
                 p.data = torch.empty(0, device=self.device)
-        for g in self.groups:
-            if g.resident:
-                g.bind_views()
-            else:
-                g.release()
-        for name, b in self.module.named_buffers():
-            if b.is_meta:
-                raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
-                                "reset_parameters() or compute it lazily in forward")
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         oc = self.config.optimizer
-        decay = [g.master for g in self.groups if g.weight_decay]
-        no_decay = [g.master for g in self.groups if not g.weight_decay]
+        decay = [g.master for g in self.trainable_groups if g.weight_decay]
+        no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
         param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -239,93 +271,79 @@ class ZeroEngine(torch.nn.Module):
         cls = torch.optim.AdamW if oc.adam_w_mode else torch.optim.Adam
         return cls(param_groups, **kwargs)
 
-    # ------------------------------------------------------------------ gather / reduce
-
-    def _gather(self, unit: Unit, async_op: bool) -> None:
-        """All-gather a unit's partitions; ``async_op`` only starts it (a prefetch)."""
-        if unit.gathered or (unit.pending and async_op):
-            return
-        if not unit.pending:
-            for g in unit.groups:
-                if not g.resident:
-                    g.full = torch.empty(g.padded_numel, dtype=self.compute_dtype, device=self.device)
-                    w = self.comm.all_gather(g.full, g.shard, "dp", async_op=async_op)
-                    if w is not None:
-                        unit.pending.append(w)
-            if async_op and unit.pending:
-                return
-        for w in unit.pending:
-            w.wait()
-        unit.pending = []
-        for g in unit.groups:
-            if not g.resident:
-                g.bind_views()
-        unit.gathered = True
+    # ------------------------------------------------------------------ hooks
 
     def _grad_hook(self, group: FlatGroup, slot: ParamSlot):
+        unit = self._unit_of_group[id(group)]
+
         def hook(param: torch.Tensor) -> None:
             if self.stage <= 1:
-                # Accumulate locally; communication waits for the accumulation boundary.
+                # Accumulate locally (fp32 for bf16); communication waits for the accumulation boundary.
                 self.grad_full[group].narrow(0, slot.offset, slot.numel).add_(param.grad.reshape(-1))
                 param.grad = None
                 return
-            unit = self._unit_of_group[id(group)]
-            unit.grads_seen += 1
-            if unit.grads_seen == unit.grads_expected:
-                self._grads_ready(unit)
+            self.reducer.grad_ready(unit)
 
         return hook
 
-    def _grads_ready(self, unit: Unit) -> None:
-        """Reduce-scatter a unit's gradients (stage 2/3) and, for ZeRO-3, release its parameters."""
-        if unit.reduced:
-            return
-        unit.reduced = True
-        overlap = self.config.zero_optimization.overlap_comm
-        outs = []
-        for g in unit.groups:
-            full = g.flatten_grads(self.compute_dtype)  # reduced in the compute dtype, as DeepSpeed does
-            for s in g.slots:
-                s.param.grad = None
-            out = torch.empty(g.shard_numel, dtype=full.dtype, device=self.device)
-            w = self.comm.reduce_scatter(out, full, "dp", async_op=overlap)
-            outs.append((g, out, full, w))
-        self._reductions.append(outs)
-        if self.stage == 3:
-            release(unit)  # no-op for the persistent unit
+    def _mark_used(self, unit: Unit) -> None:
+        self._used.add(id(unit))
 
-    def _finish_reductions(self) -> None:
-        for outs in self._reductions:
-            for g, out, _full, w in outs:
-                if w is not None:
-                    w.wait()
-                self.grad_shard[g].add_(out.to(self.grad_dtype))
-        self._reductions = []
+    def _forward_begin(self) -> None:
+        # Small persistent parameters sit in every layer: no module hook speaks for them.
+        self._used = {id(u) for u in self.units if u.name == "persistent"}
+
+    def _forward_end(self, trace_flags: torch.Tensor) -> None:
+        """Start the DP agreement on what this forward used (ZeRO-2/3; one tiny all-reduce)."""
+        if not torch.is_grad_enabled() or self.stage < 2:
+            return
+        used = torch.tensor([1 if id(u) in self._used else 0 for u in self.units], dtype=torch.uint8)
+        flags = torch.cat([used, (trace_flags > 0).to(torch.uint8)]).to(self.device)
+        work = self.comm.all_reduce(flags, "dp", op=dist.ReduceOp.MAX, async_op=True)
+        trace = self.window.trace if self.window is not None else None
+        self._forwards.append((work, flags, set(self._used), trace))
+
+    def _agree(self) -> None:
+        if not self._forwards:
+            raise RuntimeError("ZeroEngine.backward() without a forward through the engine: run "
+                               "engine(batch) (or the wrapped model) with gradients enabled first")
+        work, flags, local_used, trace = self._forwards.popleft()
+        if work is not None:
+            work.wait()
+        flags = flags.cpu()
+        n = len(self.units)
+        self.reducer.local_used = local_used
+        self.reducer.global_used = {id(u) for u, f in zip(self.units, flags[:n].tolist()) if f}
+        if self.window is not None:
+            self.window.trace = trace
+            self.window.set_agreed(flags[n:])
 
     # ------------------------------------------------------------------ training API
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss * loss_scale / gradient_accumulation_steps``."""
-        scale = self.loss_scaler.scale / self.accum
+    def backward(self, loss: torch.Tensor, output_grad: Optional[torch.Tensor] = None) -> None:
+        """Backward of ``loss * loss_scale / gradient_accumulation_steps``.
+
+        With ``output_grad`` (a pipeline stage that is not the last), ``loss`` is the
+        stage's output and the gradient arriving from the next stage is used as is:
+        it already carries the scaling.
+        """
+        if self.stage >= 2:
+            self._agree()
         self._in_backward = True
         try:
-            (loss * scale).backward()
+            if output_grad is None:
+                (loss * (self.loss_scaler.scale / self.accum)).backward()
+            else:
+                torch.autograd.backward(loss, output_grad)
         finally:
             self._in_backward = False
-        if self.stage >= 2:
-            for unit in self.units:
-                if unit.used or unit.grads_seen or unit.resident:
-                    # Units whose parameters got no gradient (unused) still owe a reduction.
-                    if not unit.reduced and unit.grads_expected:
-                        self._grads_ready(unit)
-            self._finish_reductions()
-            for unit in self.units:
-                unit.grads_seen, unit.reduced, unit.used = 0, False, False
-                if self.stage == 3 and not unit.resident:
-                    release(unit)
+            if self.window is not None:
+                self.window.end_backward()
+        if self.reducer is not None:
+            self.reducer.finish()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.accum == 0
@@ -356,10 +374,10 @@ class ZeroEngine(torch.nn.Module):
             clip = self.config.gradient_clipping
             if clip > 0 and norm > clip:
                 coef *= clip / (norm + 1e-6)
-            for g in self.groups:
+            for g in self.trainable_groups:
                 g.master.grad = grads[g].float().mul_(coef)
             self.optimizer.step()
-            for g in self.groups:
+            for g in self.trainable_groups:
                 g.master.grad = None
             self._publish_params()
             updated = True
@@ -411,7 +429,7 @@ class ZeroEngine(torch.nn.Module):
     @torch.no_grad()
     def _publish_params(self) -> None:
         """Copy the updated fp32 masters into the compute-dtype parameters."""
-        for g in self.groups:
+        for g in self.trainable_groups:
             if g.master is not g.shard:
                 g.shard.copy_(g.master)
             if g.resident and g.partitions > 1:
@@ -478,10 +496,8 @@ class ZeroEngine(torch.nn.Module):
                     raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
                                      f"the model has {tuple(s.shape)}; was the model configured differently?")
                 g.load_param_values(s, local)
-            if g.resident:
-                g.bind_views()
-        for unit in self.units:
-            release(unit)  # drop gathered copies of the old values (no-op for resident units)
+        if self.window is not None:
+            self.window.release_all()  # drop gathered copies of the old values
 
     @torch.no_grad()
     def full_master_tensors(self, which: str = "master") -> dict[str, torch.Tensor]:

@@ -3,8 +3,16 @@
 A :class:`FlatGroup` lays a list of parameters end to end in one 1-D buffer,
 padded to a multiple of the data-parallel size, so that rank ``r`` of the DP
 group owns the contiguous slice ``[r * shard, (r + 1) * shard)``. Every
-parameter (and its gradient) is a view into the full buffer while the buffer
-exists; with ZeRO-3 the full buffer exists only while the group is gathered.
+parameter is a view into the full buffer.
+
+ZeRO-3 keeps the full buffer *object* for the whole run but gives its storage
+back (``untyped_storage().resize_(0)``) whenever the group is released, and
+re-grows it in place for the next all-gather. Parameters therefore keep their
+shapes, and everything that references them — above all the tensors autograd
+saved for backward — costs nothing while released and sees the right values
+again once the group is gathered (PyTorch FSDP2 frees its unsharded storage the
+same way). Writing into the buffer does not bump the parameters' version
+counters: ``param.data`` views carry their own.
 
 Everything here is local to one TP rank: the parameters are TP shards already,
 so the DP partition splits each TP shard again.
@@ -30,11 +38,14 @@ class ParamSlot:
 
 
 class FlatGroup:
-    """Parameters of one unit and one weight-decay class, flattened and DP-partitioned.
+    """Parameters of one unit and one optimizer class, flattened and DP-partitioned.
 
-    ``partitions`` is the number of DP ranks the optimizer state is split over
-    (1 for ZeRO-0). ``resident`` groups keep the full compute-dtype buffer for the
-    whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
+    ``partitions`` is the number of DP ranks the state is split over (1 for
+    ZeRO-0). ``resident`` groups keep the full compute-dtype buffer allocated for
+    the whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
+    ``trainable`` is False for frozen parameters (``requires_grad=False``): they
+    are partitioned and gathered like the others but get no gradient buffer and
+    never enter the optimizer, so weight decay cannot touch them.
     """
 
     def __init__(
@@ -47,6 +58,7 @@ class FlatGroup:
         device: torch.device,
         resident: bool,
         weight_decay: bool,
+        trainable: bool = True,
     ) -> None:
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -59,24 +71,44 @@ class FlatGroup:
         self.shard_numel = self.padded_numel // partitions
         self.shard_start = rank * self.shard_numel
         self.compute_dtype, self.device = compute_dtype, device
-        self.resident, self.weight_decay = resident, weight_decay
-        self.full: Optional[torch.Tensor] = None  # [padded_numel] compute dtype, while gathered
+        self.resident, self.weight_decay, self.trainable = resident, weight_decay, trainable
+        self.full: Optional[torch.Tensor] = None  # [padded_numel] compute dtype; storage empty while released
         self.shard: torch.Tensor  # [shard_numel] compute dtype (a view of `full` when resident)
         self.master: torch.Tensor  # [shard_numel] fp32 (aliases `shard` when compute is fp32)
+        self.gathered = resident
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded_numel * torch.empty((), dtype=self.compute_dtype).element_size()
 
     # ---- construction ------------------------------------------------------------------
 
     def allocate(self) -> None:
-        """Create the (zeroed) buffers; parameters are bound to them later by the caller."""
+        """Create the buffers. Non-resident groups start released (the full buffer's storage
+        is empty); parameters are bound to the full buffer later, by :meth:`bind`."""
+        self.full = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         if self.resident:
-            self.full = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
             self.shard = self.full.narrow(0, self.shard_start, self.shard_numel)
         else:
             self.shard = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            self.full.untyped_storage().resize_(0)
         if self.compute_dtype == torch.float32:
             self.master = self.shard
         else:
             self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+
+    def bind(self) -> None:
+        """Make every parameter a view of the full buffer (views need storage to be created)."""
+        if not self.resident:
+            self.materialize_storage()
+        self.bind_views()
+        if not self.resident:
+            self.release()
+
+    def bind_views(self) -> None:
+        for s in self.slots:
+            s.param.data = self.full.narrow(0, s.offset, s.numel).view(s.shape)
+            s.param.ds_shape = s.shape  # DeepSpeed's attribute, for code that looks for it
 
     def owned_range(self, slot: ParamSlot) -> tuple[int, int, int]:
         """``(start_in_param, start_in_shard, length)`` of the part of ``slot`` this rank owns."""
@@ -101,19 +133,21 @@ class FlatGroup:
 
     # ---- gather / release (ZeRO-3) --------------------------------------------------------
 
-    def bind_views(self) -> None:
-        for s in self.slots:
-            s.param.data = self.full.narrow(0, s.offset, s.numel).view(s.shape)
+    def materialize_storage(self) -> None:
+        """Give the full buffer its storage back (contents undefined until gathered into)."""
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full_bytes)
 
     def release(self) -> None:
-        """Drop the full buffer; parameters keep an empty placeholder (and their shape in ``ds_shape``)."""
+        """Free the full buffer's storage; parameters keep their shapes (no-op when resident)."""
         if self.resident:
             return
-        self.full = None
-        empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        for s in self.slots:
-            s.param.data = empty
-            s.param.ds_shape = s.shape
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def data_ptr(self) -> int:
+        return self.full.untyped_storage().data_ptr()
 
     # ---- views --------------------------------------------------------------------------
 
@@ -121,28 +155,55 @@ class FlatGroup:
         """Per-parameter views of a full flat tensor laid out like this group."""
         return {s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots}
 
-    def flatten_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        """The group's gradients as one padded flat tensor (missing grads count as zero)."""
-        out = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+    def grads_into(self, out: torch.Tensor) -> None:
+        """Write the group's gradients into ``out`` ``[partitions, shard_numel]`` (any dtype,
+        possibly a strided column block of a larger bucket) and drop them; missing
+        gradients and padding are written as zeros."""
+        rows = out
+        covered = 0
         for s in self.slots:
-            if s.param.grad is not None:
-                out.narrow(0, s.offset, s.numel).copy_(s.param.grad.reshape(-1))
-        return out
+            grad = s.param.grad
+            lo, hi = s.offset, s.offset + s.numel
+            if lo > covered:
+                _fill_range(rows, covered, lo, self.shard_numel, None)
+            _fill_range(rows, lo, hi, self.shard_numel, None if grad is None else grad.reshape(-1))
+            covered = hi
+            s.param.grad = None
+        if covered < self.padded_numel:
+            _fill_range(rows, covered, self.padded_numel, self.shard_numel, None)
 
     def norm_ranges(self, count_replicated: bool, count_any: bool) -> list[tuple[int, int]]:
         """Ranges of this rank's shard whose squared gradients enter the global norm.
 
         TP-replicated parameters hold the same gradient on every TP rank, so only
         TP rank 0 counts them (``count_replicated``); without DP partitioning
-        (ZeRO-0) only DP rank 0 counts anything (``count_any``).
+        (ZeRO-0) only DP rank 0 counts anything (``count_any``). Parameters marked
+        ``shared_copy`` (a pipeline stage's copy of a tied weight) are counted by
+        their owner only.
         """
         if not count_any:
             return []
         ranges = []
         for s in self.slots:
+            if getattr(s.param, "pipeline_shared_copy", False):
+                continue
             if not count_replicated and not getattr(s.param, "tensor_model_parallel", False):
                 continue
             _, s0, n = self.owned_range(s)
             if n:
                 ranges.append((s0, s0 + n))
         return ranges
+
+
+def _fill_range(rows: torch.Tensor, lo: int, hi: int, width: int, src: Optional[torch.Tensor]) -> None:
+    """Copy ``src`` (or zeros) into flat positions ``[lo, hi)`` of the row-major ``rows`` [N, width]."""
+    pos = lo
+    while pos < hi:
+        r, c = divmod(pos, width)
+        n = min(hi - pos, width - c)
+        dst = rows[r, c:c + n]
+        if src is None:
+            dst.zero_()
+        else:
+            dst.copy_(src[pos - lo:pos - lo + n])
+        pos += n

@@ -1,48 +1,63 @@
-"""Units: the parameters that ZeRO-3 gathers and releases together.
+"""Units: the parameters that ZeRO gathers, releases and reduces together.
 
-A unit is one module that runs as a block (by default every child of every
-top-level ``nn.ModuleList``: the transformer layers), plus a *root* unit for
-all remaining parameters (embeddings, final norm, output layer) and a
-*persistent* unit for parameters below ``stage3_param_persistence_threshold``
-elements, which are never released. A parameter shared by modules of two
-units (tied weights) goes to the root unit, so it is gathered once and its
-gradient reduced once.
+A unit is either one *layer* (by default every child of every outermost
+``nn.ModuleList``: the transformer layers) or one *piece* outside the layers:
+the parameters owned directly by the same set of modules (the embedding, the
+final norm, an untied output layer each make one piece; a weight owned by two
+modules, or by a layer and a module outside it, makes a piece of its own, so it
+is gathered wherever either module runs). Parameters below
+``stage3_param_persistence_threshold`` elements form the *persistent* unit,
+which ZeRO-3 never releases.
 
-:class:`Stage3Coordinator` installs the hooks that make a unit whole before
-its forward and backward, prefetch the next one asynchronously, and release it
-again when its gradients have left.
+Units have a *static order*: the position of their first owning module in
+``model.modules()``, which is the same on every rank. Collectives follow it, so
+ranks that execute different subsets of the model still issue the same
+collectives in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+import dataclasses
+from typing import Optional
 
 import torch
 
 from .flat import FlatGroup
 
-__all__ = ["Unit", "find_unit_modules", "Stage3Coordinator"]
+__all__ = ["Unit", "UnitPlan", "find_unit_modules", "plan_units"]
 
 
 class Unit:
-    """A named set of flat groups that are gathered and released together."""
+    """A named set of flat groups that are gathered, released and reduced together."""
 
-    def __init__(self, name: str, groups: list[FlatGroup]) -> None:
+    def __init__(self, name: str, groups: list[FlatGroup], position: int) -> None:
         self.name = name
         self.groups = groups
+        self.position = position  # static order (see the module docstring)
         self.pending: list = []  # async all-gather works in flight
-        self.gathered = all(g.resident for g in groups)
-        self.grads_expected = sum(1 for g in groups for s in g.slots if s.param.requires_grad)
+        self.grads_expected = sum(1 for g in groups if g.trainable for s in g.slots)
         self.grads_seen = 0
-        self.reduced = False
-        self.used = False
 
     @property
     def resident(self) -> bool:
         return all(g.resident for g in self.groups)
 
+    @property
+    def gathered(self) -> bool:
+        return all(g.gathered for g in self.groups)
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g.trainable]
+
     def numel(self) -> int:
         return sum(g.numel for g in self.groups)
+
+    def full_bytes(self) -> int:
+        return sum(g.full_bytes for g in self.groups if not g.resident)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, {self.numel()} elements)"
 
 
 def find_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -60,112 +75,72 @@ def find_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
-class Stage3Coordinator:
-    """Gathers units on demand (with one-ahead prefetch) and releases them after use."""
+@dataclasses.dataclass
+class UnitPlan:
+    """Which parameters go together, before any buffer exists."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        units: list[Unit],
-        unit_modules: list[torch.nn.Module],
-        root: Optional[Unit],
-        gather: Callable[[Unit, bool], None],
-        on_grads_ready: Callable[[Unit], None],
-        in_backward: Callable[[], bool],
-    ) -> None:
-        self.units, self.root = units, root
-        self.gather, self.on_grads_ready, self.in_backward = gather, on_grads_ready, in_backward
-        self.handles = []
-        index = {id(m): i for i, m in enumerate(unit_modules)}
-        for m in unit_modules:
-            i = index[id(m)]
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward(i)))
-            self.handles.append(m.register_forward_hook(self._post_forward(i)))
-        self.handles.append(model.register_forward_pre_hook(self._model_pre_forward))
-        self.handles.append(model.register_forward_hook(self._model_post_forward))
-
-    # ---- helpers -------------------------------------------------------------------------
-
-    def _ensure(self, unit: Unit) -> None:
-        unit.used = True
-        self.gather(unit, False)
-
-    def _prefetch(self, i: int) -> None:
-        if 0 <= i < len(self.units) and not self.units[i].gathered and not self.units[i].pending:
-            self.gather(self.units[i], True)
-
-    @staticmethod
-    def _tensors(out) -> Iterable[torch.Tensor]:
-        if isinstance(out, torch.Tensor):
-            yield out
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                yield from Stage3Coordinator._tensors(o)
-        elif isinstance(out, dict):
-            for o in out.values():
-                yield from Stage3Coordinator._tensors(o)
-
-    # ---- hooks --------------------------------------------------------------------------
-
-    def _model_pre_forward(self, module, args):
-        if self.root is not None:
-            self._ensure(self.root)
-        self._prefetch(0)
-
-    def _model_post_forward(self, module, args, out):
-        # The root (embeddings, final norm, tied head) is released between forward and
-        # backward like every other unit, and gathered again when backward starts.
-        if self.root is not None and not self.in_backward():
-            self._register_pre_backward(out, self.root, len(self.units) - 1)
-            release(self.root)
-
-    def _register_pre_backward(self, out, unit: Unit, prefetch: int) -> None:
-        if not torch.is_grad_enabled():
-            return
-        fired = [False]
-
-        def pre_backward(grad):
-            if not fired[0]:
-                fired[0] = True
-                self._ensure(unit)
-                self._prefetch(prefetch)
-            return grad
-
-        for t in self._tensors(out):
-            if t.requires_grad:
-                t.register_hook(pre_backward)
-
-    def _pre_forward(self, i: int):
-        def hook(module, args):
-            self._ensure(self.units[i])
-            # A forward inside backward is a recomputation: the next unit needed is the previous one.
-            self._prefetch(i - 1 if self.in_backward() else i + 1)
-
-        return hook
-
-    def _post_forward(self, i: int):
-        def hook(module, args, out):
-            unit = self.units[i]
-            if self.in_backward():
-                return  # recomputation inside backward: its backward follows at once
-            self._register_pre_backward(out, unit, i - 1)
-            release(unit)
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+    # (name, position, [(param name, param)], resident) per unit, in static order
+    units: list[tuple[str, int, list[tuple[str, torch.nn.Parameter]], bool]]
+    # module -> names of the units whose parameters it owns (what its forward needs gathered)
+    needs: dict[int, list[str]]
+    hooked: list[torch.nn.Module]  # modules that get gather hooks: layers and every module outside them
 
 
-def release(unit: Unit) -> None:
-    """Free a unit's full buffers (no-op for resident units)."""
-    for w in unit.pending:
-        w.wait()
-    unit.pending = []
-    if unit.resident:
-        return
-    for g in unit.groups:
-        g.release()
-    unit.gathered = False
+def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], persistence_threshold: int) -> UnitPlan:
+    """Assign every parameter to a unit (see the module docstring)."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    layer_ids = {id(m) for m in layer_modules}
+    inside_layer: set[int] = set()
+    for layer in layer_modules:
+        inside_layer.update(id(m) for m in layer.modules())
+
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    owners: dict[int, set[int]] = {}  # param -> ids of owning modules (layers, or direct owners outside layers)
+    params: dict[int, torch.nn.Parameter] = {}
+    modules_by_id: dict[int, torch.nn.Module] = {}
+    for layer in layer_modules:
+        modules_by_id[id(layer)] = layer
+        for p in layer.parameters():
+            owners.setdefault(id(p), set()).add(id(layer))
+            params[id(p)] = p
+    outside = [m for m in model.modules() if id(m) not in inside_layer]
+    for m in outside:
+        modules_by_id[id(m)] = m
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+            params[id(p)] = p
+
+    persistent: list[tuple[str, torch.nn.Parameter]] = []
+    by_owner_set: dict[frozenset[int], list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, p in model.named_parameters():  # named_parameters() yields each shared parameter once
+        if persistence_threshold >= 0 and p.numel() <= persistence_threshold:
+            persistent.append((name, p))
+        else:
+            by_owner_set.setdefault(frozenset(owners[id(p)]), []).append((name, p))
+
+    units = []
+    needs: dict[int, list[str]] = {}
+    for owner_set, members in by_owner_set.items():
+        position = min(order[o] for o in owner_set)
+        first = modules_by_id[min(owner_set, key=lambda o: order[o])]
+        if len(owner_set) == 1 and id(first) in layer_ids:
+            name = f"layer{layer_modules.index(first)}"
+        else:
+            name = "+".join(_module_name(model, modules_by_id[o]) for o in sorted(owner_set, key=lambda o: order[o]))
+        units.append((name, position, members, False))
+        for o in owner_set:
+            needs.setdefault(o, []).append(name)
+    units.sort(key=lambda u: u[1])
+    if persistent:
+        units.append(("persistent", len(order), persistent, True))
+    hooked = [m for m in model.modules() if id(m) in layer_ids or id(m) not in inside_layer]
+    return UnitPlan(units, needs, hooked)
+
+
+def _module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return name or "root"
+    return type(module).__name__

@@ -1,0 +1,142 @@
+"""Gradient reduction for ZeRO-2/3: buckets reduce-scattered as units finish their backward.
+
+Every unit's gradients leave the full-size autograd buffers as soon as the unit
+is complete: they are copied into a bucket laid out ``[dp, columns]`` (each
+group's padded flat gradient, viewed as ``[dp, shard]``, is one column block),
+so that a single reduce-scatter of the bucket hands every rank the sum of its
+own partition of every group in it. A bucket is sent once it holds
+``bucket_numel`` elements; at most ``max_in_flight`` buckets are being reduced
+at a time (the oldest is waited for and accumulated into the rank's gradient
+partitions first), which bounds the full-size gradient memory by
+``(max_in_flight + 1) x bucket`` plus the units not yet complete.
+
+Order. All ranks must pair the same reduce-scatters. Units are reduced in the
+reverse of their static order (``units.py``), which is the order backward
+completes them in a sequential model; a unit is sent when it is complete, or,
+if this rank did not use it in this forward while another rank did, as zeros
+in its turn (the ranks agree on the used set with one small all-reduce per
+micro-batch, see ``engine.py``). Units no rank used are skipped by all.
+
+On CUDA the reduce-scatters are asynchronous NCCL calls, so the next unit's
+backward overlaps them; the structure (issue, then wait only when the window
+is full or at the end) is what makes that possible.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .flat import FlatGroup
+from .units import Unit
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    def __init__(
+        self,
+        units: list[Unit],
+        grad_shard: dict[FlatGroup, torch.Tensor],
+        *,
+        reduce_scatter: Callable[[torch.Tensor, torch.Tensor], object],
+        partitions: int,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        bucket_numel: int,
+        max_in_flight: int,
+    ) -> None:
+        persistent = [u for u in units if u.resident and u.name == "persistent"]
+        ordered = [u for u in reversed(units) if u not in persistent] + persistent
+        self.order = [u for u in ordered if u.grads_expected]
+        self.grad_shard = grad_shard
+        self.reduce_scatter, self.partitions = reduce_scatter, partitions
+        self.reduce_dtype, self.device = reduce_dtype, device
+        self.bucket_numel, self.max_in_flight = max(1, bucket_numel), max(1, max_in_flight)
+        self.local_used: set[int] = set()
+        self.global_used: Optional[set[int]] = None
+        self._reset()
+        self.peak_bucket_bytes = 0  # largest bucket buffers alive at once (full-size gradients)
+
+    def _reset(self) -> None:
+        self.pointer = 0
+        self.ready: set[int] = set()
+        self.bucket: list[Unit] = []
+        self.bucket_fill = 0
+        self.in_flight: list[tuple[object, torch.Tensor, torch.Tensor, list[FlatGroup]]] = []
+        for u in self.order:
+            u.grads_seen = 0
+
+    # ---- events -------------------------------------------------------------------------
+
+    def grad_ready(self, unit: Unit) -> None:
+        unit.grads_seen += 1
+        if unit.grads_seen == unit.grads_expected:
+            self.ready.add(id(unit))
+            self.advance(final=False)
+
+    def advance(self, final: bool) -> None:
+        """Send, in the agreed order, every unit whose turn has come and whose gradients are known."""
+        if self.global_used is None:
+            return
+        while self.pointer < len(self.order):
+            u = self.order[self.pointer]
+            if id(u) not in self.global_used:
+                self._drop(u)
+            elif final or id(u) in self.ready or id(u) not in self.local_used:
+                self._add(u)
+            else:
+                break
+            self.pointer += 1
+
+    def finish(self) -> None:
+        """End of a backward: send what is left (missing gradients as zeros) and wait for everything."""
+        self.advance(final=True)
+        self._flush()
+        while self.in_flight:
+            self._complete_oldest()
+        self._reset()
+        self.local_used = set()
+        self.global_used = None
+
+    # ---- buckets ------------------------------------------------------------------------
+
+    def _drop(self, unit: Unit) -> None:
+        for g in unit.trainable_groups:
+            for s in g.slots:
+                s.param.grad = None
+
+    def _add(self, unit: Unit) -> None:
+        self.bucket.append(unit)
+        self.bucket_fill += sum(g.padded_numel for g in unit.trainable_groups)
+        if self.bucket_fill >= self.bucket_numel:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.bucket:
+            return
+        groups = [g for u in self.bucket for g in u.trainable_groups]
+        self.bucket, self.bucket_fill = [], 0
+        columns = sum(g.shard_numel for g in groups)
+        buf = torch.empty(self.partitions, columns, dtype=self.reduce_dtype, device=self.device)
+        col = 0
+        for g in groups:
+            g.grads_into(buf[:, col:col + g.shard_numel])
+            col += g.shard_numel
+        out = torch.empty(columns, dtype=self.reduce_dtype, device=self.device)
+        work = self.reduce_scatter(out, buf.view(-1))
+        self.in_flight.append((work, out, buf, groups))
+        live = sum(b.numel() * b.element_size() for _, _, b, _ in self.in_flight)
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
+        while len(self.in_flight) > self.max_in_flight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        work, out, _buf, groups = self.in_flight.pop(0)
+        if work is not None:
+            work.wait()
+        col = 0
+        for g in groups:
+            self.grad_shard[g].add_(out[col:col + g.shard_numel])
+            col += g.shard_numel

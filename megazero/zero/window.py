@@ -1,0 +1,419 @@
+"""The ZeRO-3 gather window: which units are whole, when, and why nothing else keeps them alive.
+
+Forward. Every hooked module (each layer, and every module outside the layers)
+asks, in its forward pre-hook, for the units it needs: the ones owning its
+parameters plus those of any ZeRO parameter passed to it as an argument (a
+tied output layer receives the embedding's weight). Units are all-gathered in
+their static order (see ``units.py``); asking for unit k first gathers, and at
+once releases, any unit before k this rank skipped, so ranks that run
+different layers still issue the same all-gathers in the same order. Up to
+``prefetch_numel`` elements ahead are all-gathered asynchronously, never more
+than ``max_live_numel`` gathered at once. A unit is released as soon as the
+module that asked for it has run.
+
+Parameters read as attributes. A module may use a parameter it neither owns nor
+receives (``F.linear(x, self.embedding.weight)`` in a model's own forward).
+Every module's parameter dict is replaced by one that gathers the parameter's
+unit on access during forward or backward (DeepSpeed's ZeRO-3 does the same),
+and the unit is released when the module running at that moment finishes.
+
+Saved for backward. While the model runs forward, a saved-tensor hook notes
+which units' storage autograd saves (the weights of linear layers and norms).
+Those references cost nothing once the unit is released (its storage is empty,
+see ``flat.py``); unpacking one in backward is what gathers the unit again.
+The trace of forward requests, with a flag for "saved something", is
+all-reduced over DP once per micro-batch, which fixes the backward gather
+order for every rank: the reversed trace, keeping the entries some rank needs.
+A unit gathered in backward is released when the backward of the module that
+used it has finished (an identity autograd function on the module's inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .units import Unit
+
+__all__ = ["GatherWindow"]
+
+
+class _Saved:
+    """A saved tensor that lives in a ZeRO-3 unit's storage."""
+
+    __slots__ = ("tensor", "unit")
+
+    def __init__(self, tensor: torch.Tensor, unit: Unit) -> None:
+        self.tensor, self.unit = tensor, unit
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity whose backward runs once the module it wraps has computed its input gradients."""
+
+    @staticmethod
+    def forward(ctx, callback, *xs):
+        ctx.callback = callback
+        return xs if len(xs) > 1 else xs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
+
+
+class _GatheringDict(dict):
+    """A module's ``_parameters`` that tells the window whenever a parameter is read."""
+
+    def __init__(self, params: dict, on_access: Callable[[torch.nn.Parameter], None]) -> None:
+        super().__init__(params)
+        self.on_access = on_access
+
+    def __getitem__(self, key):
+        p = super().__getitem__(key)
+        if p is not None:
+            self.on_access(p)
+        return p
+
+
+class _Entry:
+    __slots__ = ("unit", "saved", "skipped")
+
+    def __init__(self, unit: Unit, saved: bool, skipped: bool) -> None:
+        self.unit, self.saved, self.skipped = unit, saved, skipped
+
+
+class GatherWindow:
+    """Hooks a model so that ZeRO-3 units are gathered only while they are used."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        units: list[Unit],
+        needs: dict[int, list[Unit]],
+        hooked: list[torch.nn.Module],
+        unit_of_param: dict[int, Unit],
+        *,
+        all_gather: Callable[[torch.Tensor, torch.Tensor], object],
+        agree: Callable[[torch.Tensor], object],
+        in_backward: Callable[[], bool],
+        on_forward_begin: Callable[[], None],
+        on_forward_end: Callable[[torch.Tensor], None],
+        mark_used: Callable[[Unit], None],
+        prefetch_numel: int,
+        max_live_numel: int,
+    ) -> None:
+        self.units = [u for u in units if not u.resident]
+        self.index = {id(u): i for i, u in enumerate(self.units)}
+        self.needs, self.unit_of_param = needs, unit_of_param
+        self.all_gather, self.agree, self.in_backward = all_gather, agree, in_backward
+        self.on_forward_begin, self.on_forward_end, self.mark_used = on_forward_begin, on_forward_end, mark_used
+        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        self.by_ptr: dict[int, Unit] = {}
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self.active: dict[int, int] = {}
+        self.after_backward: dict[int, int] = {}
+        self.depth = 0  # nesting of the model's own forward
+        self._reset_pass()
+        self._root_units = list(needs.get(id(model), ()))
+        self.handles = []
+        for m in hooked:
+            if m is model:
+                continue
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+        self.handles.append(model.register_forward_pre_hook(self._model_pre_forward, with_kwargs=True))
+        self.handles.append(model.register_forward_hook(self._model_post_forward, always_call=True))
+        self._saved_hooks = None
+        self._module_units: dict[int, list[Unit]] = {}
+        self.running: list[int] = []  # hooked modules whose forward is in progress (innermost last)
+        self._model_id = id(model)
+        for m in model.modules():
+            if m._parameters and not isinstance(m._parameters, _GatheringDict):
+                m._parameters = _GatheringDict(m._parameters, self._on_access)
+
+    def _reset_pass(self) -> None:
+        self.cursor = -1  # forward: position in self.units of the last unit passed
+        self.trace: list[_Entry] = []
+        self.last_entry: dict[int, int] = {}
+        self.sequence: Optional[list[Unit]] = None  # backward gather order, once agreed
+        self.bcursor = -1
+        self.agreement = None
+
+    # ---- gather / release ---------------------------------------------------------------
+
+    def issue(self, unit: Unit) -> None:
+        """Start the all-gather of ``unit`` unless it is whole or on its way."""
+        if unit.gathered or unit.pending:
+            return
+        for g in unit.groups:
+            if not g.resident:
+                g.materialize_storage()
+                work = self.all_gather(g.full, g.shard)
+                if work is not None:
+                    unit.pending.append(work)
+        self.live_numel += unit.numel()
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        if not unit.pending:
+            self._complete(unit)
+
+    def wait(self, unit: Unit) -> None:
+        if not (unit.gathered or unit.pending):
+            self.issue(unit)
+        if unit.pending:
+            for w in unit.pending:
+                w.wait()
+            unit.pending = []
+            self._complete(unit)
+
+    def _complete(self, unit: Unit) -> None:
+        for g in unit.groups:
+            if not g.resident:
+                g.gathered = True
+                self.by_ptr[g.data_ptr()] = unit
+
+    def release(self, unit: Unit) -> None:
+        if unit.resident or not (unit.gathered or unit.pending):
+            return
+        for w in unit.pending:
+            w.wait()
+        unit.pending = []
+        for g in unit.groups:
+            if not g.resident:
+                self.by_ptr.pop(g.data_ptr(), None)
+                g.release()
+        self.live_numel -= unit.numel()
+
+    def release_all(self) -> None:
+        for u in self.units:
+            self.release(u)
+        self.active.clear()
+
+    def end_backward(self) -> None:
+        """Everything is released between a backward and the next forward."""
+        self.release_all()
+        self.after_backward.clear()
+
+    def _prefetch(self, seq: list[Unit], start: int) -> None:
+        budget = self.prefetch_numel
+        for q in range(start, len(seq)):
+            if budget <= 0:
+                break
+            u = seq[q]
+            if not (u.gathered or u.pending):
+                if self.live_numel + u.numel() > self.max_live_numel:
+                    break
+                self.issue(u)
+            budget -= u.numel()
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def _model_pre_forward(self, module, args, kwargs):
+        if self.in_backward():
+            return
+        self.depth += 1
+        if self.depth > 1:
+            return
+        self.release_all()
+        self._reset_pass()
+        self.on_forward_begin()
+        if torch.is_grad_enabled():
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        self._prefetch(self.units, 0)
+        self._module_units[self._model_id] = []
+        for u in self._root_units:  # parameters owned by the model object itself
+            self.mark_used(u)
+            if not u.resident:
+                self._request_forward(u, saved=not torch.is_grad_enabled())
+                self.active[id(u)] = self.active.get(id(u), 0) + 1
+
+    def _model_post_forward(self, module, args, out):
+        if self.in_backward():
+            return
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        for u in self._module_units.pop(self._model_id, []) + [u for u in self._root_units if not u.resident]:
+            self.active[id(u)] -= 1
+        self._catch_up(len(self.units))
+        for u in self.units:
+            if not self.active.get(id(u)):
+                self.release(u)
+        flags = torch.tensor([1.0 if e.saved else 0.0 for e in self.trace])
+        self.on_forward_end(flags)
+
+    def _units_for(self, module, args, kwargs) -> list[Unit]:
+        units = list(self.needs.get(id(module), ()))
+        for a in _flat(args, kwargs):
+            if isinstance(a, torch.nn.Parameter):
+                u = self.unit_of_param.get(id(a))
+                if u is not None and u not in units:
+                    units.append(u)
+        return units
+
+    def _pre_forward(self, module, args, kwargs):
+        units = self._units_for(module, args, kwargs)
+        if not units:
+            self._module_units[id(module)] = []
+            self.running.append(id(module))
+            return None
+        for u in units:
+            self.mark_used(u)
+        backward = self.in_backward()
+        pending = [u for u in units if not u.resident]
+        for u in pending:
+            if backward:
+                self._request_backward(u)
+            else:
+                self._request_forward(u, saved=not torch.is_grad_enabled())
+            self.active[id(u)] = self.active.get(id(u), 0) + 1
+        self._module_units[id(module)] = pending
+        self.running.append(id(module))
+        if pending and torch.is_grad_enabled():
+            return self._wrap_inputs(args, kwargs, pending)
+        return None
+
+    def _post_forward(self, module, args, out):
+        if self.running and self.running[-1] == id(module):
+            self.running.pop()
+        pending = self._module_units.pop(id(module), [])
+        for u in pending:
+            self.active[id(u)] -= 1
+            if not self.active[id(u)] and not self.in_backward():
+                # Done with it; autograd's saved references to it become free with the storage.
+                self.release(u)
+        return None
+
+    def _on_access(self, param: torch.nn.Parameter) -> None:
+        """A parameter read during forward or backward: make sure its unit is whole."""
+        if self.depth <= 0 and not self.in_backward():
+            return
+        unit = self.unit_of_param.get(id(param))
+        if unit is None or unit.resident:
+            return
+        if unit.gathered and not unit.pending:
+            return
+        owner = self.running[-1] if self.running else self._model_id
+        if self.in_backward():
+            self._request_backward(unit)
+        else:
+            self._request_forward(unit, saved=not torch.is_grad_enabled())
+        held = self._module_units.setdefault(owner, [])
+        if unit not in held:
+            held.append(unit)
+            self.active[id(unit)] = self.active.get(id(unit), 0) + 1
+
+    def _request_forward(self, unit: Unit, saved: bool) -> None:
+        pos = self.index[id(unit)]
+        if pos > self.cursor:
+            self._catch_up(pos)
+            self.cursor = pos
+            self._record(unit, saved, skipped=False)
+            self.wait(unit)
+            self._prefetch(self.units, pos + 1)
+        else:  # used again out of order (a tied weight): every rank does the same
+            self._record(unit, saved, skipped=False)
+            self.wait(unit)
+
+    def _catch_up(self, pos: int) -> None:
+        """Gather (and drop) the units before ``pos`` that this rank skipped, so that all-gathers pair up."""
+        for q in range(self.cursor + 1, pos):
+            u = self.units[q]
+            self._record(u, False, skipped=True)
+            self.wait(u)
+            if not self.active.get(id(u)):
+                self.release(u)
+        self.cursor = max(self.cursor, pos - 1)
+
+    def _record(self, unit: Unit, saved: bool, skipped: bool) -> None:
+        self.last_entry[id(unit)] = len(self.trace)
+        self.trace.append(_Entry(unit, saved, skipped))
+
+    def _wrap_inputs(self, args, kwargs, units: list[Unit]):
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not idx:
+            return None
+        for u in units:
+            self.after_backward[id(u)] = self.after_backward.get(id(u), 0) + 1
+
+        def done():
+            for u in units:
+                n = self.after_backward.get(id(u), 0) - 1
+                self.after_backward[id(u)] = n
+                if n <= 0 and not self.active.get(id(u)):
+                    self.release(u)
+
+        wrapped = _AfterBackward.apply(done, *[args[i] for i in idx])
+        if len(idx) == 1:
+            wrapped = (wrapped,)
+        new = list(args)
+        for i, w in zip(idx, wrapped):
+            new[i] = w
+        return tuple(new), kwargs
+
+    # ---- saved tensors --------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or not self.by_ptr:
+            return t
+        unit = self.by_ptr.get(t.untyped_storage().data_ptr())
+        if unit is None:
+            return t
+        if not self.in_backward():
+            entry = self.last_entry.get(id(unit))
+            if entry is not None:
+                self.trace[entry].saved = True
+        return _Saved(t, unit)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _Saved):
+            if not saved.unit.gathered:
+                self._request_backward(saved.unit)
+            return saved.tensor
+        return saved
+
+    # ---- backward -----------------------------------------------------------------------
+
+    def set_agreed(self, flags: torch.Tensor) -> None:
+        """The DP-wide "saved something" flags of the trace: fixes the backward gather order."""
+        seen: set[int] = set()
+        seq = []
+        for entry, flag in zip(reversed(self.trace), reversed(flags.tolist())):
+            if flag > 0 and id(entry.unit) not in seen:
+                seen.add(id(entry.unit))
+                seq.append(entry.unit)
+        self.sequence, self.bcursor = seq, -1
+
+    def _request_backward(self, unit: Unit) -> None:
+        if unit.gathered or unit.pending:
+            self.wait(unit)
+            return
+        seq = self.sequence or []
+        for j in range(self.bcursor + 1, len(seq)):
+            if seq[j] is unit:
+                for q in range(self.bcursor + 1, j):  # needed by another rank before this one
+                    self.wait(seq[q])
+                    if not self.active.get(id(seq[q])) and not self.after_backward.get(id(seq[q])):
+                        self.release(seq[q])
+                self.bcursor = j
+                self.wait(unit)
+                self._prefetch(seq, j + 1)
+                return
+        self.wait(unit)  # not in the agreed order: identical on every rank for a deterministic model
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _flat(args, kwargs) -> Iterable:
+    for a in args:
+        yield a
+    for a in kwargs.values():
+        yield a
