@@ -22,6 +22,8 @@ _EXPORTS = {
     "IndexedDatasetError": "indexed_dataset",
     "MegatronPretrainingSampler": "sampler", "build_pretraining_data_loader": "sampler",
     "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "tokenizer_files": "tokenizer_files", "save_tokenizer_files": "tokenizer_files",
+    "load_tokenizer_from_dir": "tokenizer_files",
     "train_sentencepiece": "tokenizer_training",
 }
 
@@ -41,6 +43,9 @@ if TYPE_CHECKING:  # static tools see the real imports
     )
     from megazero.data.sampler import MegatronPretrainingSampler, build_pretraining_data_loader  # noqa: F401
     from megazero.data.tokenizer import Tokenizer, build_tokenizer  # noqa: F401
+    from megazero.data.tokenizer_files import (  # noqa: F401
+        load_tokenizer_from_dir, save_tokenizer_files, tokenizer_files,
+    )
     from megazero.data.tokenizer_training import train_sentencepiece  # noqa: F401
 
 

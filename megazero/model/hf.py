@@ -304,9 +304,15 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
 # ---- files -------------------------------------------------------------------------------------------
 
 
-def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, out_dir: str) -> str:
+def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, out_dir: str,
+                 tokenizer_dir: str | None = None) -> str:
     """Write a transformers directory (``config.json`` + ``model.safetensors``) loadable with
-    ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name."""
+    ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name.
+
+    ``tokenizer_dir``: a tokenizer recorded by ``megazero.data.save_tokenizer_files`` (a
+    checkpoint's ``tokenizer/``). Its HF form is written beside the model, and the config's
+    and generation config's ``bos_token_id``/``eos_token_id`` come from it (eos = its EOD),
+    so ``generate()`` stops at the document end instead of transformers' defaults."""
     from safetensors.torch import save_file
     import transformers
 
@@ -322,10 +328,51 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
             hf_config.rope_theta = theta
     hf_sd = to_hf_state_dict(full_state_dict, config)
     os.makedirs(out_dir, exist_ok=True)
+    if tokenizer_dir is not None:
+        bos, eos = _export_tokenizer(tokenizer_dir, out_dir)
+        hf_config.bos_token_id, hf_config.eos_token_id = bos, eos
+        transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out_dir)
     hf_config.save_pretrained(out_dir)
     save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
     return hf_config.architectures[0]
+
+
+def _export_tokenizer(tokenizer_dir: str, out_dir: str) -> tuple[int | None, int]:
+    """Write the HF form of a recorded megazero tokenizer into ``out_dir``; returns (bos, eos) ids."""
+    import shutil
+
+    import transformers
+
+    from megazero.data.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
+    from megazero.data.tokenizer_files import load_tokenizer_from_dir
+
+    tok = load_tokenizer_from_dir(tokenizer_dir)
+    eos, bos = tok.eod, tok.bos
+    if isinstance(tok, HuggingFaceTokenizer):
+        for name in os.listdir(tokenizer_dir):
+            if not name.startswith("megazero_"):
+                shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
+    elif isinstance(tok, GPT2BPETokenizer):
+        transformers.GPT2TokenizerFast(os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt"),
+                                       bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                       unk_token="<|endoftext|>").save_pretrained(out_dir)
+    elif isinstance(tok, SentencePieceTokenizer):
+        if getattr(tok, "vocab_extra_ids", 0):
+            raise ValueError("exporting a SentencePiece tokenizer with vocab_extra_ids to HF is not supported")
+        from megazero.data.tokenizer import Llama2Tokenizer
+
+        sp = tok._sp
+        shutil.copyfile(os.path.join(tokenizer_dir, "tokenizer.model"), os.path.join(out_dir, "tokenizer.model"))
+        piece = lambda i: None if i is None or i < 0 else sp.id_to_piece(int(i))  # noqa: E731
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": isinstance(tok, Llama2Tokenizer),
+                       "add_eos_token": False, "bos_token": piece(bos), "eos_token": piece(eos),
+                       "unk_token": piece(sp.unk_id())}, f, indent=1)
+        # Let transformers convert the SentencePiece model to its own files (tokenizer.json).
+        transformers.AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
+    # NullTokenizer: ids only, no tokenizer files; eos is still its EOD id.
+    return bos, eos
 
 
 def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
