@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="checkpoint directory, or a full state dict file (.safetensors/.pt)")
     p.add_argument("--config", default=None, help="GPTConfig json (default: config.json next to the weights)")
     p.add_argument("--output", required=True, help="directory to write the HF model into")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="tokenizer recorded by content (default: the checkpoint's tokenizer/ directory, if any); "
+                        "exported beside the model and used for bos/eos ids")
     return p
 
 
@@ -44,7 +47,12 @@ def main(argv: list[str] | None = None) -> int:
             config = config.replace(recompute_granularity=None, sequence_parallel=False)
         else:
             config, full_sd = load_full(args.input, args.config)
-        arch = export_to_hf(full_sd, config, args.output)
+        tokenizer_dir = args.tokenizer_dir
+        if tokenizer_dir is None:
+            base = args.input if os.path.isdir(args.input) else os.path.dirname(args.input)
+            found = os.path.join(base, "tokenizer")
+            tokenizer_dir = found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
+        arch = export_to_hf(full_sd, config, args.output, tokenizer_dir=tokenizer_dir)
     except (ValueError, KeyError, FileNotFoundError, CheckpointError) as e:
         print(f"convert_to_hf: error: {e}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
+    "GPTBatch": "batch", "build_batch": "batch", "masked_mean": "batch",
     "BlendedDataset": "blended_dataset", "build_blending_indices": "blended_dataset",
     "DEFAULT_VOCAB_SIZE": "corpus", "prepare_default_dataset": "corpus",
     "write_shakespeare_jsonl": "corpus",
@@ -21,12 +22,15 @@ _EXPORTS = {
     "IndexedDatasetError": "indexed_dataset",
     "MegatronPretrainingSampler": "sampler", "build_pretraining_data_loader": "sampler",
     "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "tokenizer_files": "tokenizer_files", "save_tokenizer_files": "tokenizer_files",
+    "load_tokenizer_from_dir": "tokenizer_files",
     "train_sentencepiece": "tokenizer_training",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # static tools see the real imports
+    from megazero.data.batch import GPTBatch, build_batch, masked_mean  # noqa: F401
     from megazero.data.blended_dataset import BlendedDataset, build_blending_indices  # noqa: F401
     from megazero.data.corpus import (  # noqa: F401
         DEFAULT_VOCAB_SIZE, prepare_default_dataset, write_shakespeare_jsonl,
@@ -39,6 +43,9 @@ if TYPE_CHECKING:  # static tools see the real imports
     )
     from megazero.data.sampler import MegatronPretrainingSampler, build_pretraining_data_loader  # noqa: F401
     from megazero.data.tokenizer import Tokenizer, build_tokenizer  # noqa: F401
+    from megazero.data.tokenizer_files import (  # noqa: F401
+        load_tokenizer_from_dir, save_tokenizer_files, tokenizer_files,
+    )
     from megazero.data.tokenizer_training import train_sentencepiece  # noqa: F401
 
 

@@ -56,7 +56,9 @@ class _Plan:
     samples_before_last_epoch: int
 
 
-def _plan(tokens_per_epoch: int, seq_length: int, num_samples: int) -> _Plan:
+def _plan(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> _Plan:
+    if num_samples is None:  # exactly one epoch (megatron-core's num_samples=None)
+        return _Plan(tokens_per_epoch, 1, False, 0)
     # Smallest number of epochs with (epochs * tokens - 1) // seq_length >= num_samples
     # (the "- 1": every sample needs one extra token for the shifted label).
     num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
@@ -70,7 +72,7 @@ def _plan(tokens_per_epoch: int, seq_length: int, num_samples: int) -> _Plan:
 
 
 def build_indices(
-    sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int, seed: int
+    sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int | None, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Document, sample and shuffle indices (see module docstring).
 
@@ -119,8 +121,11 @@ class GPTDataset:
     """Fixed-length GPT samples from ``documents`` of ``indexed``; ``dataset[i]`` is
     ``{"text": int64 array of seq_length + 1 tokens}``.
 
-    ``len(dataset) >= num_samples``: the indices cover whole epochs (as Megatron).
-    ``loaded_from_cache`` tells whether the indices came from the cache.
+    ``len(dataset) >= num_samples``: the indices cover whole epochs (as Megatron);
+    ``num_samples=None`` means exactly one epoch. ``loaded_from_cache`` tells whether the
+    indices came from the cache. With ``vocab_size``, a sample holding a token id outside
+    ``[0, vocab_size)`` raises ``ValueError`` naming the dataset and document (checked on
+    read: one max over the sample, so corrupt data cannot train silently at any tp).
     """
 
     def __init__(
@@ -128,14 +133,16 @@ class GPTDataset:
         indexed: IndexedDataset,
         documents: np.ndarray,
         seq_length: int,
-        num_samples: int,
+        num_samples: int | None,
         seed: int,
         cache_dir: str | None = None,
         name: str = "train",
+        vocab_size: int | None = None,
     ):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        if num_samples < 1:
+        self.vocab_size = vocab_size
+        if num_samples is not None and num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         documents = np.asarray(documents, dtype=np.int64)
         if len(documents) == 0:
@@ -211,7 +218,20 @@ class GPTDataset:
             parts.append(get(int(doc[d1]), 0, o1 + 1))
         out = np.concatenate(parts).astype(np.int64)
         assert len(out) == self.seq_length + 1, (k, len(out))
+        if self.vocab_size is not None and len(out) and (out.max() >= self.vocab_size or out.min() < 0):
+            self._bad_token(d0, d1)
         return out
+
+    def _bad_token(self, d0: int, d1: int) -> None:
+        for d in range(d0, d1 + 1):
+            doc = int(self.doc_idx[d])
+            tokens = self.indexed.get(doc)
+            bad = tokens[(tokens >= self.vocab_size) | (tokens < 0)]
+            if len(bad):
+                raise ValueError(
+                    f"dataset {self.indexed.path_prefix} ({self.name} split): document {doc} holds token id "
+                    f"{int(bad[0])}, outside the tokenizer's vocabulary [0, {self.vocab_size}); the data was "
+                    f"preprocessed with another tokenizer (re-run tools/preprocess_data.py with this one)")
 
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -229,73 +249,165 @@ def parse_split(split: str) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
-def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Contiguous document ranges ``[start, end)`` of train/valid/test, as Megatron:
-    each part gets round(fraction * N) documents, the rounding error is taken off the
-    end so the last range ends exactly at N."""
-    bounds = [0]
-    for fraction in parse_split(split):
-        bounds.append(bounds[-1] + int(round(fraction * num_documents)))
-    excess = bounds[-1] - num_documents
-    bounds = [0] + [b - excess for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+def split_ranges(split: str, num_documents: int, rule: str = "megatron-core") -> list[tuple[int, int]]:
+    """Contiguous document ranges ``[start, end)`` of train/valid/test.
+
+    ``"megatron-core"`` (default): the cumulative fractions ``[0, f0, f0+f1, 1]`` are each
+    rounded (``int(round(b * N))``), as megatron-core's split matrix does: ``969,30,1`` on
+    12,345 documents gives train [0, 11962); ``90,5,5`` on 10 gives valid [9, 10).
+    ``"legacy"``: Megatron-LM's older rule, each part rounded on its own and the error taken
+    off the start (train [0, 11963) above), for continuing a run that used it.
+    """
+    fractions = parse_split(split)
+    if rule == "legacy":
+        bounds = [0]
+        for fraction in fractions:
+            bounds.append(bounds[-1] + int(round(fraction * num_documents)))
+        excess = bounds[-1] - num_documents
+        bounds = [0] + [b - excess for b in bounds[1:]]
+        return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    if rule != "megatron-core":
+        raise ValueError(f"split rule {rule!r} is not 'megatron-core' or 'legacy'")
+    cumulative = [0.0]
+    for fraction in fractions:  # summed left to right, as megatron-core (same float rounding)
+        cumulative.append(cumulative[-1] + fraction)
+    out = []
+    for lo, hi in zip(cumulative[:-1], cumulative[1:]):
+        if hi <= lo:  # megatron-core's None: no such split
+            out.append((int(round(lo * num_documents)),) * 2)
+            continue
+        out.append((int(round(lo * num_documents)), int(round(hi * num_documents))))
+    return out
 
 
-def parse_data_prefix(data_prefix: list[str] | str) -> tuple[list[str], list[float]]:
-    """Megatron's ``--data-path`` forms: ``["PATH"]`` or ``["w1", "P1", "w2", "P2", ...]``."""
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_data_prefix(data_prefix: list[str] | str) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``--data-path`` forms -> ``(prefixes, weights)``.
+
+    ``["w1", "P1", "w2", "P2", ...]``: normalized weights. ``["P"]`` or ``["P1", "P2", ...]``
+    (no numbers): weights ``None``, which megatron-core reads as "each prefix in proportion
+    to its size" (every dataset used once, one epoch).
+    """
     if isinstance(data_prefix, (str, os.PathLike)):
         data_prefix = [str(data_prefix)]
     items = [str(x) for x in data_prefix]
-    if len(items) == 1:
-        return items, [1.0]
+    if not items:
+        raise ValueError("data_prefix is empty")
+    numeric = [_is_number(x) for x in items]
+    if not any(numeric):
+        return items, None
     if len(items) % 2:
-        raise ValueError(f"data_prefix with several paths must alternate weight and path "
+        raise ValueError(f"data_prefix with weights must alternate weight and path "
                          f"('0.3 A 0.7 B'), got {items}")
-    try:
-        weights = [float(w) for w in items[0::2]]
-    except ValueError:
-        raise ValueError(f"data_prefix weights must be numbers ('0.3 A 0.7 B'), got {items}") from None
+    if not all(numeric[0::2]) or any(numeric[1::2]):
+        raise ValueError(f"data_prefix weights must be numbers ('0.3 A 0.7 B'), got {items}")
     from megazero.data.blended_dataset import normalize_weights
 
-    return items[1::2], normalize_weights(weights)
+    return items[1::2], normalize_weights([float(w) for w in items[0::2]])
 
 
 def build_train_valid_test_datasets(
-    data_prefix: list[str],
+    data_prefix: list[str] | None,
     split: str,
     seq_length: int,
     seed: int,
     train_valid_test_num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
+    *,
+    train_data_path: list[str] | None = None,
+    valid_data_path: list[str] | None = None,
+    test_data_path: list[str] | None = None,
+    blend_rule: str = "megatron",
+    split_rule: str = "megatron-core",
+    vocab_size: int | None = None,
 ) -> tuple:
-    """(train, valid, test) GPT datasets; an entry is None when its split has no
-    documents or 0 samples are requested. Several weighted prefixes give a
-    ``BlendedDataset`` per split, each component split by the same ``split``."""
-    from megazero.data.blended_dataset import BlendedDataset, blended_sample_counts
+    """(train, valid, test) datasets as megatron-core's BlendedMegatronDatasetBuilder builds them.
 
-    prefixes, weights = parse_data_prefix(data_prefix)
+    ``data_prefix`` + ``split``: every prefix is split into document ranges and each split
+    blends the prefixes' ranges. Or ``train_data_path`` / ``valid_data_path`` /
+    ``test_data_path`` (Megatron's --train-data-path etc., each in the --data-path forms):
+    each split from its own prefixes, whole. Per split:
+
+    * one prefix without weight: a GPTDataset of the requested samples;
+    * weights: components of ``ceil(ceil(w * n) * 1.005)`` samples blended by megatron-core's
+      rule (``blend_rule``) into ``sum(ceil(w * n))`` samples;
+    * several prefixes without weights: each component one epoch, blended in proportion to
+      the components' sizes into ``min(n, total)`` samples.
+
+    An entry is None when its split has no documents or 0 samples are requested.
+    ``cache_dir`` is Megatron's --data-cache-path (default: beside the data). ``vocab_size``
+    makes reading a token id outside the vocabulary an error naming the dataset and document.
+    """
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples needs 3 numbers, got {train_valid_test_num_samples}")
-    indexed = [IndexedDataset(p) for p in prefixes]
-    ranges = [split_ranges(split, len(d)) for d in indexed]
+    per_split = [train_data_path, valid_data_path, test_data_path]
+    if any(p for p in per_split):
+        if data_prefix:
+            raise ValueError("give either data_prefix (with split) or train/valid/test data paths, not both")
+        blends = [parse_data_prefix(p) if p else None for p in per_split]
+        plans = []
+        for s, blend in enumerate(blends):
+            if blend is None:
+                plans.append(None)
+                continue
+            indexed = [IndexedDataset(p) for p in blend[0]]
+            ranges = [[(0, len(d)) if i == s else (0, 0) for i in range(3)] for d in indexed]
+            # megatron-core: a split given by one prefix is that dataset, weight or not
+            plans.append((indexed, ranges, blend[1] if len(indexed) > 1 else None))
+    else:
+        if not data_prefix:
+            raise ValueError("no data: give data_prefix or train/valid/test data paths")
+        prefixes, weights = parse_data_prefix(data_prefix)
+        indexed = [IndexedDataset(p) for p in prefixes]
+        ranges = [split_ranges(split, len(d), split_rule) for d in indexed]
+        plans = [(indexed, ranges, weights)] * 3
     out = []
     for s, name in enumerate(SPLIT_NAMES):
         n = int(train_valid_test_num_samples[s] or 0)
-        parts = [(d, r[s], w) for d, r, w in zip(indexed, ranges, weights) if r[s][1] > r[s][0] and w > 0]
-        if n <= 0 or not parts:
+        if plans[s] is None or n <= 0:
             out.append(None)
             continue
-
-        def component(d: IndexedDataset, r: tuple[int, int], num: int) -> GPTDataset:
-            return GPTDataset(d, np.arange(r[0], r[1], dtype=np.int64), seq_length, num, seed,
-                              cache_dir=cache_dir, name=name)
-
-        if len(prefixes) == 1:
-            out.append(component(parts[0][0], parts[0][1], n))
-            continue
-        part_weights = [w for _, _, w in parts]
-        counts = blended_sample_counts(part_weights, n)
-        datasets = [component(d, r, c) for (d, r, _), c in zip(parts, counts)]
-        out.append(BlendedDataset(datasets, part_weights, n,
-                                  cache_dir=cache_dir or default_cache_dir(prefixes[0])))
+        indexed, ranges, weights = plans[s]
+        out.append(_build_split(indexed, [r[s] for r in ranges], weights, n, name, seq_length, seed, cache_dir,
+                                blend_rule, vocab_size))
     return tuple(out)
+
+
+def _build_split(indexed, ranges, weights, n, name, seq_length, seed, cache_dir, blend_rule, vocab_size):
+    from megazero.data.blended_dataset import BlendedDataset, blended_sample_counts, blended_size
+
+    def component(d: IndexedDataset, r: tuple[int, int], num: int | None) -> GPTDataset | None:
+        if r[1] <= r[0]:
+            return None
+        return GPTDataset(d, np.arange(r[0], r[1], dtype=np.int64), seq_length, num, seed,
+                          cache_dir=cache_dir, name=name, vocab_size=vocab_size)
+
+    if all(r[1] <= r[0] for r in ranges):
+        return None
+    if len(indexed) == 1 and weights is None:
+        return component(indexed[0], ranges[0], n)
+    blend_cache = cache_dir or default_cache_dir(indexed[0].path_prefix)
+    if weights is not None:
+        counts = blended_sample_counts(weights, n)
+        parts = [(component(d, r, c), w) for d, r, c, w in zip(indexed, ranges, counts, weights)]
+        if any(p is None and w > 0 for p, w in parts):
+            empty = [d.path_prefix for (p, w), d in zip(parts, indexed) if p is None and w > 0]
+            raise ValueError(f"the {name} split of {', '.join(empty)} has no documents but a positive blend weight")
+        parts = [(p, w) for p, w in parts if p is not None and w > 0]
+        size = blended_size([w for _, w in parts], n)
+    else:
+        parts = [(p, None) for p in (component(d, r, None) for d, r in zip(indexed, ranges)) if p is not None]
+        if not parts:
+            return None
+        parts = [(p, float(len(p))) for p, _ in parts]
+        size = min(n, int(sum(w for _, w in parts)))
+    if not parts:
+        return None
+    return BlendedDataset([p for p, _ in parts], [w for _, w in parts], size, cache_dir=blend_cache, rule=blend_rule)

@@ -5,6 +5,10 @@ are *full* (unsharded) sizes, and ``validate(tp_size)`` checks that they split
 evenly. The default field values give the GPT-2/GPT-3 architecture (learned
 positions, LayerNorm, GeLU, biases, tied embeddings); ``rope`` + ``rmsnorm`` +
 ``swiglu`` + ``add_bias_linear=False`` (+ ``num_query_groups``) give Llama's.
+
+Sizes follow Megatron-LM, so a Megatron launch script builds the same shapes: the SwiGLU
+FFN default is ``int(4h * 2/3 / 64) * 64`` and the vocabulary is padded to a multiple of
+``make_vocab_size_divisible_by * vocab_padding_tp`` (Megatron pads by ``divisible_by * tp``).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from megazero.mpu.utils import pad_vocab_size
 __all__ = ["GPTConfig", "PRESETS", "gpt_preset"]
 
 _ENUMS = {
-    "position_embedding_type": ("learned", "rope"),
+    "position_embedding_type": ("learned", "rope", "none"),
     "normalization": ("layernorm", "rmsnorm"),
-    "activation": ("gelu", "swiglu"),
+    "activation": ("gelu", "swiglu", "squared_relu"),
+    "init_method": ("normal", "xavier_uniform"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": ("uniform", "block"),
     "attention_backend": ("auto", "flash", "sdpa", "math"),
@@ -38,31 +43,59 @@ class GPTConfig:
     hidden_size: int
     num_attention_heads: int
     vocab_size: int  # the tokenizer's vocabulary; the embedding is padded to padded_vocab_size
-    # FFN inner size. None -> 4*hidden for gelu; for swiglu Llama's rule: int(8*hidden/3)
-    # rounded up to a multiple of 64 (keeps the gated MLP's parameter count ~= 4h MLP's; Llama
-    # itself rounds to 256, e.g. 11008 for h=4096: set ffn_hidden_size to match a checkpoint).
+    # FFN inner size. None -> 4*hidden; for swiglu Megatron-LM's rule int(4h * 2/3 / 64) * 64
+    # (10880 at h=4096; Llama itself uses 11008 there: set ffn_hidden_size to match a checkpoint).
     ffn_hidden_size: Optional[int] = None
     # Key/value heads. None -> num_attention_heads (multi-head attention); fewer -> GQA.
     num_query_groups: Optional[int] = None
+    # Per-head dimension (Megatron's --kv-channels). None -> hidden_size // num_attention_heads;
+    # set, heads * kv_channels may differ from hidden_size. The resolved value is ``head_dim``.
+    kv_channels: Optional[int] = None
     max_position_embeddings: int = 2048  # rows of the learned position table
     seq_length: int = 2048  # training sequence length
     # --- architecture ----------------------------------------------------------------------
-    position_embedding_type: str = "learned"  # 'learned' | 'rope'
+    position_embedding_type: str = "learned"  # 'learned' | 'rope' | 'none' (no position signal but causality)
     rotary_base: float = 10000.0  # RoPE theta
+    # Fraction of each head's dimensions that RoPE rotates (the first int(d * pct)); the rest
+    # pass through unrotated (Megatron's --rotary-percent, GPT-NeoX's rotary_pct).
+    rotary_percent: float = 1.0
     normalization: str = "layernorm"  # 'layernorm' | 'rmsnorm'
-    activation: str = "gelu"  # 'gelu' (tanh approximation, = HF gelu_new) | 'swiglu'
+    # 'gelu' (tanh approximation, = HF gelu_new) | 'swiglu' | 'squared_relu' (relu(x)^2, Primer)
+    activation: str = "gelu"
+    # A norm (of kind ``normalization``, over the head dimension) on every query and key head
+    # before RoPE (Megatron's --qk-layernorm).
+    qk_layernorm: bool = False
+    # Norm weights stored as (gamma - 1) and initialised to zero, so weight decay pulls gamma
+    # towards 1 rather than 0 (Megatron's --apply-layernorm-1p). The function is unchanged.
+    apply_layernorm_1p: bool = False
     add_bias_linear: bool = True  # biases on every linear layer (QKV, proj, MLP)
     tie_embeddings: bool = True  # output layer reuses the input embedding matrix
     # --- regularisation and init -----------------------------------------------------------
     hidden_dropout: float = 0.1  # on embeddings and on each residual branch
     attention_dropout: float = 0.1  # on attention probabilities
     init_method_std: float = 0.02  # N(0, std); residual-output projections use std/sqrt(2*layers)
-    layernorm_epsilon: float = 1e-5
+    # 'normal': N(0, init_method_std) as above. 'xavier_uniform': every weight matrix (embeddings
+    # too, as Megatron's --init-method-xavier-uniform) from U(+-sqrt(6 / (fan_in + fan_out))) of
+    # its full (unsharded) shape, so the result does not depend on tp.
+    init_method: str = "normal"
+    layernorm_epsilon: float = 1e-5  # epsilon of every norm (Megatron's --norm-epsilon)
     make_vocab_size_divisible_by: int = 128
+    # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp. Set this
+    # to the run's tp to get Megatron's shape (GPT-2 at tp 4: 50688); 1 keeps the embedding shape
+    # the same at every tp. Any tp dividing the padded size can load the weights.
+    vocab_padding_tp: int = 1
     # --- execution -------------------------------------------------------------------------
     # Megatron 2022 sequence parallelism: norms/dropout/residuals on [s/tp, b, h] shards.
     # With tp=1 it is accepted and is a no-op.
     sequence_parallel: bool = False
+    # Keep the residual stream (embeddings output, each residual sum) in fp32 when the weights
+    # are fp16/bf16 (Megatron's --fp32-residual-connection); a no-op for fp32 weights.
+    fp32_residual_connection: bool = False
+    # Megatron's fp16 overflow guard: scale QK^T by 1/layer_number and undo it inside an fp32
+    # softmax. megazero's attention already takes its softmax in fp32 (sdpa/flash accumulate in
+    # fp32, the math path upcasts), so this is accepted for compatibility and is numerically a
+    # no-op: results are identical with and without it.
+    apply_query_key_layer_scaling: bool = False
     recompute_granularity: Optional[str] = None  # None | 'full' (whole layers) | 'selective' (core attention)
     recompute_method: str = "uniform"  # 'uniform': chunks of recompute_num_layers; 'block': first N layers only
     recompute_num_layers: int = 1
@@ -73,12 +106,9 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up to ``make_vocab_size_divisible_by``.
-
-        Deliberately not multiplied by the TP size: the full embedding shape is then the
-        same for every TP size, so checkpoints reshard freely (validate() checks % tp).
-        """
-        return pad_vocab_size(self.vocab_size, 1, self.make_vocab_size_divisible_by)
+        """Vocabulary rounded up to ``make_vocab_size_divisible_by * vocab_padding_tp`` (Megatron's rule
+        when ``vocab_padding_tp`` is the run's tp). validate() checks it divides by the running tp."""
+        return pad_vocab_size(self.vocab_size, self.vocab_padding_tp, self.make_vocab_size_divisible_by)
 
     @property
     def ffn_size(self) -> int:
@@ -86,13 +116,20 @@ class GPTConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         if self.activation == "swiglu":
-            return _round_up(int(8 * self.hidden_size / 3), 64)
+            # Megatron-LM (arguments.py): 2/3 of the 4h MLP so the gated MLP has ~ the same
+            # parameters, rounded *down* to a multiple of 64.
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
 
     @property
-    def kv_channels(self) -> int:
-        """Per-head dimension."""
-        return self.hidden_size // self.num_attention_heads
+    def head_dim(self) -> int:
+        """Resolved per-head dimension (``kv_channels``, default hidden // heads)."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def query_groups(self) -> int:
@@ -108,14 +145,18 @@ class GPTConfig:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                     "max_position_embeddings", "make_vocab_size_divisible_by", "recompute_num_layers"):
+                     "max_position_embeddings", "make_vocab_size_divisible_by", "recompute_num_layers",
+                     "vocab_padding_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
         h, n, g = self.hidden_size, self.num_attention_heads, self.query_groups
-        if h % n:
-            raise ValueError(f"hidden_size ({h}) must be divisible by num_attention_heads ({n})")
+        if self.kv_channels is None and h % n:
+            raise ValueError(f"hidden_size ({h}) must be divisible by num_attention_heads ({n}) "
+                             f"(or set kv_channels, the per-head dimension)")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
         if g < 1 or n % g:
             raise ValueError(f"num_attention_heads ({n}) must be divisible by num_query_groups ({g})")
         if n % tp_size:
@@ -128,13 +169,22 @@ class GPTConfig:
         if self.padded_vocab_size % tp_size:
             raise ValueError(
                 f"padded vocabulary ({self.padded_vocab_size} = {self.vocab_size} rounded up to a multiple of "
-                f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by}) must be divisible by the "
-                f"tensor parallel size ({tp_size}); use a make_vocab_size_divisible_by that is a multiple of {tp_size}")
+                f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} x vocab_padding_tp="
+                f"{self.vocab_padding_tp}) must be divisible by the tensor parallel size ({tp_size}); "
+                f"set vocab_padding_tp={tp_size} (Megatron's padding) or a make_vocab_size_divisible_by "
+                f"that is a multiple of {tp_size}")
         if self.position_embedding_type == "learned" and self.seq_length > self.max_position_embeddings:
             raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings "
                              f"({self.max_position_embeddings}) of the learned position table")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ValueError(f"RoPE needs an even head dimension, got kv_channels={self.kv_channels}")
+        if self.position_embedding_type == "rope":
+            if not 0.0 < self.rotary_percent <= 1.0:
+                raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ValueError(f"RoPE needs an even number of rotated dimensions, got {self.rotary_dim} "
+                                 f"(kv_channels={self.head_dim} x rotary_percent={self.rotary_percent})")
+        elif self.rotary_percent != 1.0:
+            raise ValueError(f"rotary_percent={self.rotary_percent} needs position_embedding_type='rope', "
+                             f"got {self.position_embedding_type!r}")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:

@@ -28,12 +28,13 @@ __all__ = ["num_parameters", "flops_per_iteration", "flops_per_token", "layer_fo
 
 
 def _config_parameters(c: GPTConfig) -> int:
-    h, d, n, g, f, v = c.hidden_size, c.kv_channels, c.num_attention_heads, c.query_groups, c.ffn_size, c.padded_vocab_size
+    h, d, n, g, f, v = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_size, c.padded_vocab_size
     bias = 1 if c.add_bias_linear else 0
     gate = 2 if c.activation == "swiglu" else 1
     norm = h * (2 if c.normalization == "layernorm" else 1)
     qkv = (n + 2 * g) * d
-    layer = (2 * norm
+    qk_norm = 2 * d * (2 if c.normalization == "layernorm" else 1) if c.qk_layernorm else 0
+    layer = (2 * norm + qk_norm
              + h * qkv + bias * qkv  # linear_qkv
              + n * d * h + bias * h  # linear_proj
              + h * gate * f + bias * gate * f  # linear_fc1
@@ -64,7 +65,7 @@ def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] =
     """Forward matmul FLOPs of one transformer layer for one token of a length-``seq_length`` sequence."""
     c = config
     s = seq_length or c.seq_length
-    h, d, n, g, f = c.hidden_size, c.kv_channels, c.num_attention_heads, c.query_groups, c.ffn_size
+    h, d, n, g, f = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_size
     gate = 2 if c.activation == "swiglu" else 1
     return 2 * h * (n + 2 * g) * d + 4 * s * n * d + 2 * n * d * h + 2 * h * gate * f + 2 * f * h
 

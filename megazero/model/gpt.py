@@ -35,7 +35,7 @@ from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 from .config import GPTConfig
 from .norms import build_norm
 from .rope import RotaryEmbedding
-from .transformer import TransformerLayer, dropout
+from .transformer import TransformerLayer, dropout, init_methods
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_"]
 
@@ -43,14 +43,16 @@ __all__ = ["GPTModel", "PositionEmbedding", "materialize_"]
 class PositionEmbedding(torch.nn.Module):
     """Learned absolute positions ``[max_positions, h]``, replicated over TP, N(0, std)."""
 
-    def __init__(self, max_positions: int, hidden_size: int, std: float, *, params_dtype: torch.dtype, device=None) -> None:
+    def __init__(self, max_positions: int, hidden_size: int, std: float, *, params_dtype: torch.dtype, device=None,
+                 init_method=None) -> None:
         super().__init__()
         self.std = std
+        self.init_method = init_method or init_method_normal(std)
         self.weight = torch.nn.Parameter(torch.empty(max_positions, hidden_size, dtype=params_dtype, device=device))
 
     def reset_parameters(self) -> None:
         # Drawn on the CPU like the mpu layers, so the numbers do not depend on the device.
-        initialize_sharded_(self.weight, tuple(self.weight.shape), 0, 0, 1, init_method_normal(self.std))
+        initialize_sharded_(self.weight, tuple(self.weight.shape), 0, 0, 1, self.init_method)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(position_ids, self.weight)
@@ -98,18 +100,19 @@ class GPTModel(torch.nn.Module):
         self.sequence_parallel = c.sequence_parallel and self.tp_size > 1
         kw = dict(tp_group=self.tp_group, tp_size=self.tp_size, device="meta")
         std = c.init_method_std
+        init, _ = init_methods(c)
 
-        self.embedding = mpu.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, init_method=init_method_normal(std),
+        self.embedding = mpu.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, init_method=init,
                                                     tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta")
         self.position_embeddings = (PositionEmbedding(c.max_position_embeddings, c.hidden_size, std,
-                                                      params_dtype=c.params_dtype, device="meta")
+                                                      params_dtype=c.params_dtype, device="meta", init_method=init)
                                     if c.position_embedding_type == "learned" else None)
-        self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_base) if c.position_embedding_type == "rope" else None
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
         self.layers = torch.nn.ModuleList(TransformerLayer(c, **kw) for _ in range(c.num_layers))
         self.final_norm = build_norm(c, **kw)
         # Tied: the output layer owns no weight and is handed the embedding's (Megatron-core's way).
         self.output_layer = mpu.ColumnParallelLinear(
-            c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False, init_method=init_method_normal(std),
+            c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False, init_method=init,
             sequence_parallel=c.sequence_parallel, tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta",
             skip_weight_param_allocation=c.tie_embeddings)
 
@@ -143,6 +146,8 @@ class GPTModel(torch.nn.Module):
         x = self.embedding(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
+        if c.fp32_residual_connection:
+            x = x.float()
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.sequence_parallel:
             x = mpu.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]

@@ -13,6 +13,12 @@ Vocabulary: HF's ``vocab_size`` is the tokenizer's (``config.vocab_size``). Expo
 the padded embedding rows; import pads them with zeros. Padded ids are never predicted
 by GPTModel (their logits are -inf), so logits and losses agree exactly with HF.
 
+Megatron options: ``kv_channels`` maps to Llama's ``head_dim``; ``apply_layernorm_1p`` is
+converted (HF stores gamma, megazero gamma - 1); training-only options (init method, fp32
+residual, query-key layer scaling, recompute, ...) do not change the network. Options HF
+GPT-2/Llama cannot express (``qk_layernorm``, ``rotary_percent`` < 1, ``squared_relu``, no
+position embedding, ``kv_channels`` != hidden/heads for GPT-2) are refused by field name.
+
 Any other combination is refused with the list of what does not fit.
 """
 
@@ -39,12 +45,31 @@ def _gpt2_mismatches(c: GPTConfig) -> list[str]:
     out = [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v]
     if c.query_groups != c.num_attention_heads:
         out.append(f"num_query_groups={c.query_groups} (GPT-2 has no GQA: needs {c.num_attention_heads})")
-    return out
+    if c.head_dim * c.num_attention_heads != c.hidden_size:
+        out.append(f"kv_channels={c.kv_channels} (GPT-2's head size is hidden_size/heads="
+                   f"{c.hidden_size // c.num_attention_heads})")
+    return out + _common_mismatches(c)
 
 
 def _llama_mismatches(c: GPTConfig) -> list[str]:
-    need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu")]
-    return [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v]
+    need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu"),
+            ("rotary_percent", 1.0)]
+    return [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v] + _common_mismatches(c)
+
+
+def _common_mismatches(c: GPTConfig) -> list[str]:
+    return ["qk_layernorm=True (HF GPT-2/Llama have no query/key norm)"] if c.qk_layernorm else []
+
+
+def _is_norm_weight(key: str) -> bool:
+    return key.endswith(("layernorm.weight", "final_norm.weight"))
+
+
+def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dict[str, torch.Tensor]:
+    """apply_layernorm_1p stores gamma - 1: add 1 going to HF, subtract it coming back."""
+    if not c.apply_layernorm_1p:
+        return sd
+    return {k: (v + delta if _is_norm_weight(k) else v) for k, v in sd.items()}
 
 
 def hf_architecture(config: GPTConfig) -> str:
@@ -63,14 +88,14 @@ def hf_architecture(config: GPTConfig) -> str:
 
 def _split_qkv(t: torch.Tensor, c: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our per-group fused QKV (weight ``[(n+2g)d, h]`` or bias) -> full q, k, v."""
-    g, d, per = c.query_groups, c.kv_channels, c.num_attention_heads // c.query_groups
+    g, d, per = c.query_groups, c.head_dim, c.num_attention_heads // c.query_groups
     rest = t.shape[1:]
     t = t.reshape(g, per + 2, d, *rest)
     return (t[:, :per].reshape(g * per * d, *rest), t[:, per].reshape(g * d, *rest), t[:, per + 1].reshape(g * d, *rest))
 
 
 def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: GPTConfig) -> torch.Tensor:
-    g, d, per = c.query_groups, c.kv_channels, c.num_attention_heads // c.query_groups
+    g, d, per = c.query_groups, c.head_dim, c.num_attention_heads // c.query_groups
     rest = q.shape[1:]
     fused = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
     return fused.reshape(g * (per + 2) * d, *rest)
@@ -91,8 +116,9 @@ def _pad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
 
 def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Full megazero state dict -> HF state dict (GPT2LMHeadModel or LlamaForCausalLM keys)."""
-    c, sd = config, full_sd
+    c = config
     arch = hf_architecture(c)
+    sd = _shift_norms(full_sd, c, 1.0)
     out: dict[str, torch.Tensor] = {}
     for i in range(c.num_layers):
         p = f"layers.{i}."
@@ -196,7 +222,7 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
     if unexpected:
         raise KeyError(f"HF checkpoint has weights this {arch} config does not use: {unexpected[:8]}"
                        + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in _shift_norms(out, c, -1.0).items()}
 
 
 # ---- configs ---------------------------------------------------------------------------------------
@@ -216,7 +242,7 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
                     bos_token_id=50256 if gpt2_tokens else None, eos_token_id=50256 if gpt2_tokens else None)
     return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size,
                 hidden_size=c.hidden_size, intermediate_size=c.ffn_size, num_hidden_layers=c.num_layers,
-                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.query_groups, head_dim=c.kv_channels,
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.query_groups, head_dim=c.head_dim,
                 max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
                 rope_theta=c.rotary_base, attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear,
                 tie_word_embeddings=c.tie_embeddings, attention_dropout=c.attention_dropout, hidden_act="silu",
@@ -256,8 +282,6 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
             problems.append(f"rope type {rope_type!r} (only plain RoPE is supported)")
         if hf.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={hf['hidden_act']!r} (needs 'silu')")
-        if hf.get("head_dim") not in (None, h // n):
-            problems.append(f"head_dim={hf['head_dim']} (needs hidden_size/num_attention_heads={h // n})")
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
             problems.append("attention_bias != mlp_bias (megazero has one add_bias_linear)")
         if problems:
@@ -265,6 +289,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         max_pos = hf.get("max_position_embeddings", 2048)
         kw = dict(num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=n, vocab_size=hf["vocab_size"],
                   ffn_hidden_size=hf["intermediate_size"], num_query_groups=hf.get("num_key_value_heads") or n,
+                  kv_channels=None if hf.get("head_dim") in (None, h // n) else hf["head_dim"],
                   max_position_embeddings=max_pos, seq_length=max_pos, position_embedding_type="rope",
                   rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), normalization="rmsnorm",
                   activation="swiglu", add_bias_linear=hf.get("attention_bias", False),
@@ -279,9 +304,15 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
 # ---- files -------------------------------------------------------------------------------------------
 
 
-def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, out_dir: str) -> str:
+def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, out_dir: str,
+                 tokenizer_dir: str | None = None) -> str:
     """Write a transformers directory (``config.json`` + ``model.safetensors``) loadable with
-    ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name."""
+    ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name.
+
+    ``tokenizer_dir``: a tokenizer recorded by ``megazero.data.save_tokenizer_files`` (a
+    checkpoint's ``tokenizer/``). Its HF form is written beside the model, and the config's
+    and generation config's ``bos_token_id``/``eos_token_id`` come from it (eos = its EOD),
+    so ``generate()`` stops at the document end instead of transformers' defaults."""
     from safetensors.torch import save_file
     import transformers
 
@@ -297,10 +328,51 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
             hf_config.rope_theta = theta
     hf_sd = to_hf_state_dict(full_state_dict, config)
     os.makedirs(out_dir, exist_ok=True)
+    if tokenizer_dir is not None:
+        bos, eos = _export_tokenizer(tokenizer_dir, out_dir)
+        hf_config.bos_token_id, hf_config.eos_token_id = bos, eos
+        transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out_dir)
     hf_config.save_pretrained(out_dir)
     save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
     return hf_config.architectures[0]
+
+
+def _export_tokenizer(tokenizer_dir: str, out_dir: str) -> tuple[int | None, int]:
+    """Write the HF form of a recorded megazero tokenizer into ``out_dir``; returns (bos, eos) ids."""
+    import shutil
+
+    import transformers
+
+    from megazero.data.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
+    from megazero.data.tokenizer_files import load_tokenizer_from_dir
+
+    tok = load_tokenizer_from_dir(tokenizer_dir)
+    eos, bos = tok.eod, tok.bos
+    if isinstance(tok, HuggingFaceTokenizer):
+        for name in os.listdir(tokenizer_dir):
+            if not name.startswith("megazero_"):
+                shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
+    elif isinstance(tok, GPT2BPETokenizer):
+        transformers.GPT2TokenizerFast(os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt"),
+                                       bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                       unk_token="<|endoftext|>").save_pretrained(out_dir)
+    elif isinstance(tok, SentencePieceTokenizer):
+        if getattr(tok, "vocab_extra_ids", 0):
+            raise ValueError("exporting a SentencePiece tokenizer with vocab_extra_ids to HF is not supported")
+        from megazero.data.tokenizer import Llama2Tokenizer
+
+        sp = tok._sp
+        shutil.copyfile(os.path.join(tokenizer_dir, "tokenizer.model"), os.path.join(out_dir, "tokenizer.model"))
+        piece = lambda i: None if i is None or i < 0 else sp.id_to_piece(int(i))  # noqa: E731
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": isinstance(tok, Llama2Tokenizer),
+                       "add_eos_token": False, "bos_token": piece(bos), "eos_token": piece(eos),
+                       "unk_token": piece(sp.unk_id())}, f, indent=1)
+        # Let transformers convert the SentencePiece model to its own files (tokenizer.json).
+        transformers.AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
+    # NullTokenizer: ids only, no tokenizer files; eos is still its EOD id.
+    return bos, eos
 
 
 def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:

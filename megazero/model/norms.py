@@ -7,6 +7,11 @@ makes autograd sum it over TP, exactly as the row-parallel bias does; the params
 are also marked ``sequence_parallel=True`` for optimizers that want to know.
 
 apex's fused kernels are used on CUDA when apex is importable; torch's otherwise.
+
+``apply_layernorm_1p`` (Megatron's LayerNorm1P): the parameter stores ``gamma - 1`` and
+starts at zero; the norm multiplies by ``weight + 1``. Input in a wider dtype than the
+weights (the fp32 residual stream of ``fp32_residual_connection``) is normalized in fp32
+and returned in the weights' dtype, as Megatron's mixed fused LayerNorm does.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ class _Norm(torch.nn.Module):
     """Shared plumbing: the weight (and bias) parameters and their SP marking."""
 
     def __init__(self, hidden_size: int, eps: float, *, bias: bool, sequence_parallel: bool,
-                 tp_group: Optional[dist.ProcessGroup], params_dtype: torch.dtype, device=None) -> None:
+                 tp_group: Optional[dist.ProcessGroup], params_dtype: torch.dtype, device=None,
+                 one_plus: bool = False) -> None:
         super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
+        self.hidden_size, self.eps, self.one_plus = hidden_size, eps, one_plus
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
         self.bias = (torch.nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
@@ -46,15 +52,17 @@ class _Norm(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.one_plus else 1.0)
             if self.bias is not None:
                 self.bias.zero_()
 
     def _affine(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if not self.sequence_parallel:
-            return self.weight, self.bias
-        w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
-        b = None if self.bias is None else copy_to_tensor_model_parallel_region(self.bias, self.tp_group)
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:
+            w = copy_to_tensor_model_parallel_region(w, self.tp_group)
+            b = None if b is None else copy_to_tensor_model_parallel_region(b, self.tp_group)
+        if self.one_plus:
+            w = w + 1
         return w, b
 
     def extra_repr(self) -> str:
@@ -67,6 +75,9 @@ class LayerNorm(_Norm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._affine()
+        if x.dtype != w.dtype:  # fp32 residual stream, low-precision weights
+            out = F.layer_norm(x.float(), (self.hidden_size,), w.float(), None if b is None else b.float(), self.eps)
+            return out.to(w.dtype)
         fused, _ = _apex_fns() if x.is_cuda else (None, None)
         if fused is not None:
             return fused(x, w, b, (self.hidden_size,), self.eps)
@@ -81,16 +92,24 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, _ = self._affine()
-        _, fused = _apex_fns() if x.is_cuda else (None, None)
+        _, fused = _apex_fns() if x.is_cuda and x.dtype == w.dtype else (None, None)
         if fused is not None:
             return fused(x, w, (self.hidden_size,), self.eps)
         # Normalize in fp32 (as HF Llama does), then scale in the parameter dtype.
-        y = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype)
+        y = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(w.dtype)
         return y * w
 
 
-def build_norm(config, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> _Norm:
-    """The norm chosen by ``config.normalization``, SP-aware when sequence parallelism is active."""
+def build_norm(config, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+               size: Optional[int] = None, partial_grads: Optional[bool] = None) -> _Norm:
+    """The norm chosen by ``config.normalization``, SP-aware when sequence parallelism is active.
+
+    ``size`` overrides the normalized width (the head dimension for qk-layernorm);
+    ``partial_grads`` says each TP rank sees only part of the inputs, so the weight gradient
+    must be summed over TP (default: sequence parallelism at tp > 1).
+    """
     cls = LayerNorm if config.normalization == "layernorm" else RMSNorm
-    return cls(config.hidden_size, config.layernorm_epsilon, sequence_parallel=config.sequence_parallel and tp_size > 1,
-               tp_group=tp_group, params_dtype=config.params_dtype, device=device)
+    partial = config.sequence_parallel and tp_size > 1 if partial_grads is None else partial_grads
+    return cls(size or config.hidden_size, config.layernorm_epsilon, sequence_parallel=partial,
+               tp_group=tp_group, params_dtype=config.params_dtype, device=device,
+               one_plus=config.apply_layernorm_1p)

@@ -3,6 +3,9 @@
 The head dimension is split into two halves, and pair ``(x[i], x[i + d/2])`` is
 rotated by angle ``pos * base^(-2i/d)`` ("rotate_half"). This is the layout of
 HF Llama checkpoints, so the converters need no permutation of q/k weights.
+
+Partial rotary (Megatron's ``--rotary-percent``): the tables cover only the first
+``rotary_dim`` dimensions of a head; the remaining ones pass through unrotated.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[s, b, heads, d]`` by the tables from ``RotaryEmbedding`` (math in fp32)."""
+    """Rotate ``x`` ``[s, b, heads, d]`` by the tables from ``RotaryEmbedding`` (math in fp32).
+
+    Tables narrower than ``d`` rotate only the leading dimensions (partial rotary)."""
+    rot = cos.size(-1)
     xf = x.float()
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    if rot == x.size(-1):
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    head, tail = xf[..., :rot], xf[..., rot:]
+    return torch.cat([head * cos + _rotate_half(head) * sin, tail], dim=-1).to(x.dtype)

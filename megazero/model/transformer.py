@@ -12,6 +12,11 @@ Weight layouts (full, i.e. tp=1, shapes; the converters depend on them):
   every rank whole groups: its own heads' q, k and v. The bias follows the same rows.
 * ``mlp.linear_fc1.weight`` for SwiGLU ``[2*ffn, h]`` is logically ``[gate; up]``; rank ``r``
   holds ``[gate_r; up_r]`` (rows of its own ffn slice of each), so ``partition_stride=2``.
+* ``self_attention.q_layernorm`` / ``k_layernorm`` (``qk_layernorm``): ``[d]``, replicated; each
+  TP rank normalizes only its own heads, so their gradients are summed over TP.
+
+The head dimension ``d`` is ``config.head_dim`` (``kv_channels``), which need not be
+``hidden / heads``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from .config import GPTConfig
 from .norms import build_norm
 from .rope import apply_rotary
 
-__all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinear", "dropout"]
+__all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinear", "dropout", "init_methods"]
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,6 +49,15 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
         return x
     with mpu.get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
         return F.dropout(x, p)
+
+
+def init_methods(config: GPTConfig):
+    """``(init, output_init)``: for ordinary weights and for the residual-output projections
+    (linear_proj, linear_fc2). Both draw from the full weight's shape (TP-invariant)."""
+    if config.init_method == "xavier_uniform":
+        return torch.nn.init.xavier_uniform_, torch.nn.init.xavier_uniform_
+    return (init_method_normal(config.init_method_std),
+            scaled_init_method_normal(config.init_method_std, config.num_layers))
 
 
 class GatedColumnParallelLinear(mpu.ColumnParallelLinear):
@@ -74,19 +88,23 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.kv_channels = c.kv_channels
+        self.kv_channels = c.head_dim
         self.groups_per_rank = c.query_groups // tp_size
         self.heads_per_group = c.num_attention_heads // c.query_groups
         sp = c.sequence_parallel
         common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=sp,
                       bias=c.add_bias_linear)
-        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.kv_channels
+        init, output_init = init_methods(c)
+        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
         self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False,
-                                                   init_method=init_method_normal(c.init_method_std), **common)
-        self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.kv_channels, c.hidden_size,
-                                                 input_is_parallel=True,
-                                                 init_method=scaled_init_method_normal(c.init_method_std, c.num_layers),
-                                                 **common)
+                                                   init_method=init, **common)
+        self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                                 input_is_parallel=True, init_method=output_init, **common)
+        if c.qk_layernorm:
+            kw = dict(tp_group=tp_group, tp_size=tp_size, device=device, size=c.head_dim, partial_grads=tp_size > 1)
+            self.q_layernorm, self.k_layernorm = build_norm(c, **kw), build_norm(c, **kw)
+        else:
+            self.q_layernorm = self.k_layernorm = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask) -> torch.Tensor:
         p = self.config.attention_dropout if self.training else 0.0
@@ -99,6 +117,8 @@ class SelfAttention(torch.nn.Module):
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.kv_channels)  # [s, b, heads/tp, d]
         k = qkv[:, :, :, self.heads_per_group]  # [s, b, groups/tp, d]
         v = qkv[:, :, :, self.heads_per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
@@ -110,28 +130,30 @@ class SelfAttention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    """h -> ffn -> h with GeLU (tanh approximation, = HF 'gelu_new') or SwiGLU."""
+    """h -> ffn -> h with GeLU (tanh approximation, = HF 'gelu_new'), SwiGLU or squared ReLU."""
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
         super().__init__()
         c = config
+        self.activation = c.activation
         self.swiglu = c.activation == "swiglu"
         common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=c.sequence_parallel,
                       bias=c.add_bias_linear)
-        init = init_method_normal(c.init_method_std)
+        init, output_init = init_methods(c)
         if self.swiglu:
             self.linear_fc1 = GatedColumnParallelLinear(c.hidden_size, c.ffn_size, init_method=init, **common)
         else:
             self.linear_fc1 = mpu.ColumnParallelLinear(c.hidden_size, c.ffn_size, gather_output=False, init_method=init, **common)
         self.linear_fc2 = mpu.RowParallelLinear(c.ffn_size, c.hidden_size, input_is_parallel=True,
-                                                init_method=scaled_init_method_normal(c.init_method_std, c.num_layers),
-                                                **common)
+                                                init_method=output_init, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.activation == "squared_relu":
+            h = torch.square(F.relu(h))
         else:
             h = F.gelu(h, approximate="tanh")
         out, _ = self.linear_fc2(h)

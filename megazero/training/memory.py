@@ -156,7 +156,7 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
     """
     c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
-    h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.kv_channels, c.ffn_size
+    h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
     gate = 2 if c.activation == "swiglu" else 1
     replicated = s * b * h * (4 * e + 2)
     sharded = e * s * b * (n * d + 2 * g * d + n * d + gate * f + f)

@@ -135,7 +135,14 @@ def test_split_ranges():
     assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges("98,2", 100) == [(0, 98), (98, 100), (100, 100)]
     assert split_ranges("100,0,0", 7) == [(0, 7), (7, 7), (7, 7)]
-    assert split_ranges("1,1,1", 10) == [(0, 4), (4, 7), (7, 10)]  # rounding error off the start
+    # megatron-core rounds the cumulative boundaries
+    assert split_ranges("969,30,1", 12_345) == [(0, 11962), (11962, 12333), (12333, 12345)]
+    assert split_ranges("90,5,5", 10) == [(0, 9), (9, 10), (10, 10)]  # a validation set exists
+    assert split_ranges("1,1,1", 10) == [(0, 3), (3, 7), (7, 10)]
+    # the legacy Megatron-LM rule, kept for continuing old runs
+    assert split_ranges("969,30,1", 12_345, "legacy")[0] == (0, 11963)
+    assert split_ranges("90,5,5", 10, "legacy")[1] == (10, 10)  # no validation set
+    assert split_ranges("1,1,1", 10, "legacy") == [(0, 4), (4, 7), (7, 10)]  # rounding error off the start
     assert split_ranges("969/30/1", 12) == split_ranges("969,30,1", 12)
     for bad in ("", "a,b", "1,2,3,4", "-1,2", "0,0,0"):
         with pytest.raises(ValueError):
@@ -156,11 +163,41 @@ def test_build_train_valid_test(tmp_path):
     assert none is None  # 0 samples requested
 
 
+def test_megatron_blending_rule_exact():
+    # megatron-core helpers.cpp: argmax_j of w_j * max(n, 1) - count_j, first on ties (hand-computed)
+    dataset_index, sample_index = build_blending_indices([0.3, 0.7], 10)
+    assert dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]
+    assert sample_index.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]
+    tij, _ = build_blending_indices([0.3, 0.7], 10, "tijdeman")
+    assert int(np.argmax(tij != dataset_index)) == 7  # where the two rules first part
+    a, _ = build_blending_indices([0.2, 0.8], 5)
+    b, _ = build_blending_indices([0.2, 0.8], 5, "tijdeman")
+    assert a.tolist()[:2] == [1, 0] and int(np.argmax(a != b)) == 1
+    from megazero.data.blended_dataset import blended_sample_counts, blended_size
+
+    assert blended_sample_counts([0.3, 0.7], 1000) == [302, 704]  # ceil(ceil(w n) * 1.005)
+    assert blended_size([0.3, 0.7], 1001) == 301 + 701
+    with pytest.raises(ValueError, match="blend rule"):
+        build_blending_indices([0.5, 0.5], 4, "random")
+
+
+def _drift(weights, rule, size=5000):
+    dataset_index, _ = build_blending_indices(weights, size, rule)
+    n = np.arange(1, size + 1)
+    return max(np.abs(np.cumsum(dataset_index == j) - w * n).max() for j, w in enumerate(weights))
+
+
+def test_tijdeman_option_is_measurably_tighter():
+    # the figures quoted in megazero/data/blended_dataset.py
+    assert (round(_drift([0.3, 0.7], "megatron"), 2), round(_drift([0.3, 0.7], "tijdeman"), 2)) == (0.7, 0.5)
+    assert (round(_drift([0.01, 0.09, 0.9], "megatron"), 2), round(_drift([0.01, 0.09, 0.9], "tijdeman"), 2)) == (1.3, 0.7)
+
+
 @pytest.mark.parametrize("weights", [[0.3, 0.7], [0.5, 0.3, 0.2], [0.01, 0.09, 0.9],
                                      [0.05, 0.6, 0.05, 0.1, 0.2], [1.0]])
 def test_blending_is_within_one_sample_at_every_prefix(weights):
     size = 5000
-    dataset_index, sample_index = build_blending_indices(weights, size)
+    dataset_index, sample_index = build_blending_indices(weights, size, "tijdeman")
     n = np.arange(1, size + 1)
     for j, w in enumerate(weights):
         took = np.cumsum(dataset_index == j)
@@ -175,7 +212,7 @@ def test_blending_random_weights():
         k = int(rng.integers(2, 7))
         w = rng.random(k) ** 3
         w /= w.sum()
-        dataset_index, _ = build_blending_indices(w, 600)
+        dataset_index, _ = build_blending_indices(w, 600, "tijdeman")
         n = np.arange(1, 601)
         bound = 1 - 1 / (2 * k - 2) + 1e-9
         for j in range(k):
@@ -189,13 +226,12 @@ def test_blended_datasets(tmp_path):
     train, valid, test = build_train_valid_test_datasets(
         prefixes, "90,10,0", seq_length=8, seed=5, train_valid_test_num_samples=(1000, 20, 0),
         cache_dir=str(tmp_path / "cache"))
-    assert isinstance(train, BlendedDataset) and len(train) == 1000 and test is None
+    assert isinstance(train, BlendedDataset) and len(train) == 300 + 700 and test is None
     from_b = np.array([train[i]["text"][0] >= 10_000 for i in range(1000)])
-    counts = np.cumsum(from_b)
-    assert np.abs(counts - 0.7 * np.arange(1, 1001)).max() <= 1.0
+    np.testing.assert_array_equal(from_b, build_blending_indices([0.3, 0.7], 1000)[0] == 1)
     assert all(len(train[i]["text"]) == 9 for i in range(0, 1000, 37))
-    # Components got Megatron's margin of samples.
-    assert all(len(d) >= int(np.ceil(w * 1000 * 1.005)) for d, w in zip(train.datasets, [0.3, 0.7]))
+    # Components got megatron-core's sizes: ceil(ceil(w n) * 1.005) samples asked for.
+    assert [d.num_samples for d in train.datasets] == [302, 704]
     again, _, _ = build_train_valid_test_datasets(
         prefixes, "90,10,0", 8, 5, (1000, 20, 0), cache_dir=str(tmp_path / "cache"))
     assert again.loaded_from_cache and all(d.loaded_from_cache for d in again.datasets)
@@ -203,7 +239,8 @@ def test_blended_datasets(tmp_path):
 
 
 def test_parse_data_prefix():
-    assert parse_data_prefix(["/d/x"]) == (["/d/x"], [1.0])
+    assert parse_data_prefix(["/d/x"]) == (["/d/x"], None)
+    assert parse_data_prefix(["A", "B"]) == (["A", "B"], None)  # unweighted: by size
     assert parse_data_prefix(["1", "A", "3", "B"]) == (["A", "B"], [0.25, 0.75])
     with pytest.raises(ValueError, match="alternate"):
         parse_data_prefix(["0.3", "A", "B"])

@@ -11,11 +11,11 @@ from tests.model.common import tiny_config
 
 def test_resolved_sizes():
     c = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=50257)
-    assert (c.ffn_size, c.kv_channels, c.query_groups, c.padded_vocab_size) == (256, 16, 4, 50304)
-    # padded vocab does not depend on tp: the full embedding shape is TP-independent
+    assert (c.ffn_size, c.head_dim, c.query_groups, c.padded_vocab_size) == (256, 16, 4, 50304)
+    # padded vocab depends on tp only when asked (vocab_padding_tp): TP-independent by default
     assert c.replace(make_vocab_size_divisible_by=64).padded_vocab_size == 50304
     s = c.replace(activation="swiglu", hidden_size=4096, num_attention_heads=32)
-    assert s.ffn_size == 10944  # int(8*4096/3)=10922 -> next multiple of 64 (Llama-7B's 11008 used 256)
+    assert s.ffn_size == 10880  # Megatron-LM: int(4h * 2/3 / 64) * 64 (Llama-7B's 11008 rounds to 256 instead)
     assert c.replace(ffn_hidden_size=100).ffn_size == 100
     assert c.replace(num_query_groups=2).query_groups == 2
 
@@ -50,7 +50,7 @@ def test_dict_round_trip():
     (dict(recompute_granularity="partial"), 1, ["recompute_granularity='partial'"]),
     (dict(hidden_dropout=1.0), 1, ["hidden_dropout", "1.0"]),
     (dict(attention_dropout=-0.1), 1, ["attention_dropout", "-0.1"]),
-    (dict(position_embedding_type="rope", hidden_size=72, num_attention_heads=8), 1, ["kv_channels=9"]),
+    (dict(position_embedding_type="rope", hidden_size=72, num_attention_heads=8), 1, ["rotated dimensions, got 9"]),
 ])
 def test_impossible_configs_name_the_numbers(changes, tp, words):
     with pytest.raises(ValueError) as e:

@@ -39,6 +39,10 @@ CONFIGS = {
     "gpt2": tiny_config("gpt"),
     "llama_gqa_untied": tiny_config("llama"),
     "llama_bias_tied": tiny_config("llama", add_bias_linear=True, tie_embeddings=True, rotary_base=500000.0),
+    # Megatron options HF can express: head_dim != hidden/heads, LayerNorm1P, training-only flags
+    "llama_kv_channels_1p": tiny_config("llama", kv_channels=12, apply_layernorm_1p=True, init_method="xavier_uniform",
+                                        fp32_residual_connection=True, apply_query_key_layer_scaling=True),
+    "gpt2_1p": tiny_config("gpt", apply_layernorm_1p=True),
 }
 
 
@@ -47,7 +51,7 @@ def test_export_logits_match_hf(name, tmp_path):
     config = CONFIGS[name]
     model = _perturbed_model(config)
     arch = export_to_hf(gather_full_state_dict(model), config, str(tmp_path))
-    assert arch == ("GPT2LMHeadModel" if name == "gpt2" else "LlamaForCausalLM")
+    assert arch == ("GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert type(hf).__name__ == arch
     ids, labels = batch(config)
@@ -79,10 +83,11 @@ def _random_hf(name, tmp_path):
     return model
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_import_then_export_is_lossless(name, tmp_path):
+@pytest.mark.parametrize("name, overrides", [("gpt2", {}), ("llama", {}), ("gpt2", {"apply_layernorm_1p": True}),
+                                             ("llama", {"apply_layernorm_1p": True})])
+def test_import_then_export_is_lossless(name, overrides, tmp_path):
     hf = _random_hf(name, tmp_path / "hf")
-    config, full_sd = import_from_hf(str(tmp_path / "hf"), make_vocab_size_divisible_by=32)
+    config, full_sd = import_from_hf(str(tmp_path / "hf"), make_vocab_size_divisible_by=32, **overrides)
     assert hf_architecture(config) == name
     model = GPTModel(config).eval()
     load_full_state_dict(model, full_sd)
@@ -124,6 +129,35 @@ def test_unrepresentable_configs_are_refused(tmp_path, capsys):
     save_full(str(tmp_path / "bad"), gather_full_state_dict(GPTModel(bad)), bad)
     assert _tool("convert_to_hf").main(["--input", str(tmp_path / "bad"), "--output", str(tmp_path / "out")]) == 1
     assert "not representable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch, changes, field", [
+    ("gpt", dict(qk_layernorm=True), "qk_layernorm=True"),
+    ("llama", dict(qk_layernorm=True), "qk_layernorm=True"),
+    ("llama", dict(rotary_percent=0.5), "rotary_percent=0.5"),
+    ("gpt", dict(activation="squared_relu"), "activation='squared_relu'"),
+    ("gpt", dict(position_embedding_type="none"), "position_embedding_type='none'"),
+    ("gpt", dict(kv_channels=12), "kv_channels=12"),
+])
+def test_megatron_only_options_are_refused_by_name(arch, changes, field):
+    with pytest.raises(ValueError) as e:
+        hf_architecture(tiny_config(arch, **changes))
+    assert field in str(e.value)
+
+
+def test_llama_head_dim_imports_as_kv_channels(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=90, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=32)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    config, full_sd = import_from_hf(str(tmp_path), make_vocab_size_divisible_by=32)
+    assert config.kv_channels == 24
+    model = GPTModel(config).eval()
+    load_full_state_dict(model, full_sd)
+    ids, _ = batch(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :90], hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_original_gpt2_key_names_are_accepted():

@@ -87,7 +87,7 @@ def _swiglu_chunks(tp):
     # Each rank's QKV chunk holds whole query groups: [q of its heads; k; v] per group.
     qkv = model.layers[0].self_attention.linear_qkv.weight
     groups_per_rank = config.query_groups // tp
-    assert qkv.shape[0] == groups_per_rank * (config.num_attention_heads // config.query_groups + 2) * config.kv_channels
+    assert qkv.shape[0] == groups_per_rank * (config.num_attention_heads // config.query_groups + 2) * config.head_dim
 
 
 def test_swiglu_and_qkv_shards_hold_their_own_slices():

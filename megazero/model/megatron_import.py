@@ -1,0 +1,286 @@
+"""Megatron-LM (legacy ``mp_rank_XX``) and Megatron-DeepSpeed GPT checkpoints -> full megazero weights.
+
+Layouts read (any tp, any pp):
+
+* Megatron-LM legacy: ``DIR/latest_checkpointed_iteration.txt`` and
+  ``DIR/iter_0000100/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` holding ``args`` and
+  ``model['language_model']`` = ``{'embedding': {'word_embeddings': {'weight'},
+  'position_embeddings': {'weight'}}, 'encoder': {'layers.N.<name>', 'final_layernorm.*'},
+  'output_layer': {'weight'}}`` (layer numbers are local to a pipeline stage); or the same
+  with flat mcore names (``embedding.word_embeddings.weight``, ``decoder.layers.N...``).
+* Megatron-DeepSpeed: ``DIR/latest`` = ``global_stepN`` and ``global_stepN/`` with either
+  ``mp_rank_{tp:02d}_model_states.pt`` (``module`` = the legacy model dict) or, for pipeline
+  engines, ``layer_{i:02d}-model_{tp:02d}-model_states.pt`` per layer (embedding, then the
+  transformer layers, then the final norm, numbered globally).
+
+Tensor-parallel shards are joined as Megatron split them: the fused QKV per rank is whole
+query groups, ``[group, (heads/group + 2), head_dim]`` (for multi-head attention
+``[heads, 3, head_dim]``: the q, k, v of each head), which is megazero's order, so the
+shards concatenate; SwiGLU's ``dense_h_to_4h`` shard is ``[gate_r; up_r]`` (stride 2).
+Checkpoints older than checkpoint_version 2 (another QKV order) are refused.
+
+Megatron's GeLU is the tanh approximation with bias-gelu fusion (its default) and
+``erf`` with ``--no-bias-gelu-fusion``/``--openai-gelu`` off; megazero's is tanh, so the
+latter imports with a ~1e-3 activation difference (reported by the tool).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any, Optional
+
+import torch
+
+from megazero.mpu.sharding import full_from_shards
+
+from .config import GPTConfig
+
+__all__ = ["import_megatron", "config_from_megatron_args"]
+
+# Megatron local-layer parameter names -> megazero names (within a layer).
+_LAYER_NAMES = {
+    "input_layernorm": "input_layernorm",
+    "self_attention.query_key_value": "self_attention.linear_qkv",
+    "self_attention.linear_qkv": "self_attention.linear_qkv",
+    "self_attention.dense": "self_attention.linear_proj",
+    "self_attention.linear_proj": "self_attention.linear_proj",
+    "self_attention.q_layernorm": "self_attention.q_layernorm",
+    "self_attention.k_layernorm": "self_attention.k_layernorm",
+    "post_attention_layernorm": "pre_mlp_layernorm",
+    "pre_mlp_layernorm": "pre_mlp_layernorm",
+    "mlp.dense_h_to_4h": "mlp.linear_fc1",
+    "mlp.linear_fc1": "mlp.linear_fc1",
+    "mlp.dense_4h_to_h": "mlp.linear_fc2",
+    "mlp.linear_fc2": "mlp.linear_fc2",
+}
+# (partition dim, stride) of the TP-sharded megazero weights; everything else is replicated.
+_COLUMN = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
+           "mlp.linear_fc1.bias"}
+_ROW = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
+
+
+def _get(args: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GPTConfig:
+    """GPTConfig for a Megatron ``args`` Namespace. ``vocab_size``: the tokenizer's (default: the
+    checkpoint's padded vocabulary, so every row is kept and nothing is masked, as in Megatron)."""
+    tp = int(_get(args, "tensor_model_parallel_size", default=1))
+    pos = _get(args, "position_embedding_type", default="learned_absolute")
+    if _get(args, "use_rotary_position_embeddings", default=False):
+        pos = "rope"
+    pos = {"learned_absolute": "learned"}.get(pos, pos)
+    norm = str(_get(args, "normalization", default="LayerNorm")).lower()
+    act = "swiglu" if _get(args, "swiglu", default=False) else "squared_relu" if _get(args, "squared_relu", default=False) else "gelu"
+    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", default=False) else None
+    groups = groups or _get(args, "num_key_value_heads")
+    heads = args.num_attention_heads
+    kv = _get(args, "kv_channels")
+    padded = int(_get(args, "padded_vocab_size"))
+    return GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        vocab_size=vocab_size or padded, ffn_hidden_size=_get(args, "ffn_hidden_size"),
+        num_query_groups=groups if groups not in (None, heads) else None,
+        kv_channels=kv if kv not in (None, args.hidden_size // heads) else None,
+        max_position_embeddings=_get(args, "max_position_embeddings", default=args.seq_length),
+        seq_length=args.seq_length, position_embedding_type=pos,
+        rotary_base=float(_get(args, "rotary_base", "rope_theta", default=10000.0)),
+        rotary_percent=float(_get(args, "rotary_percent", default=1.0)) if pos == "rope" else 1.0,
+        normalization="rmsnorm" if norm == "rmsnorm" else "layernorm", activation=act,
+        qk_layernorm=bool(_get(args, "qk_layernorm", default=False)),
+        apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
+        add_bias_linear=bool(_get(args, "add_bias_linear", default=True)),
+        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", default=False),
+        hidden_dropout=float(_get(args, "hidden_dropout", default=0.1)),
+        attention_dropout=float(_get(args, "attention_dropout", default=0.1)),
+        init_method_std=float(_get(args, "init_method_std", default=0.02)),
+        layernorm_epsilon=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
+        vocab_padding_tp=tp,
+    )
+
+
+# ---- reading the files ------------------------------------------------------------------------
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[prefix + k] = v
+    return out
+
+
+def _normalize(flat: dict[str, torch.Tensor], layer_offset: int) -> dict[str, torch.Tensor]:
+    """Megatron key names of one (tp, pp) shard -> megazero names with global layer numbers."""
+    out = {}
+    for k, v in flat.items():
+        k = k.removeprefix("language_model.").removeprefix("module.")
+        if k.endswith("_extra_state") or k.startswith("word_embeddings_for_head"):
+            continue  # TE metadata; the last stage's copy of the tied embedding
+        m = re.match(r"(?:encoder|transformer|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)$", k)
+        if m:
+            name = _LAYER_NAMES.get(m.group(2))
+            if name is None:
+                raise KeyError(f"unknown Megatron layer parameter {k!r}")
+            out[f"layers.{int(m.group(1)) + layer_offset}.{name}.{m.group(3)}"] = v
+            continue
+        m = re.match(r"(?:encoder|transformer|decoder)\.final_(?:layer)?norm\.(weight|bias)$", k)
+        if m:
+            out[f"final_norm.{m.group(1)}"] = v
+        elif k == "embedding.word_embeddings.weight":
+            out["embedding.weight"] = v
+        elif k == "embedding.position_embeddings.weight":
+            out["position_embeddings.weight"] = v
+        elif k == "output_layer.weight":
+            out["output_layer.weight"] = v
+        else:
+            raise KeyError(f"unknown Megatron parameter {k!r}")
+    return out
+
+
+def _deepspeed_layers(step_dir: str, tp: int, load) -> tuple[list[dict], Any]:
+    """Per TP rank, the megazero-named weights of a DeepSpeed pipeline checkpoint (layer_XX files)."""
+    per_rank = []
+    for r in range(tp):
+        files = sorted(glob.glob(os.path.join(step_dir, f"layer_*-model_{r:02d}-model_states.pt")),
+                       key=lambda p: int(re.search(r"layer_(\d+)", os.path.basename(p)).group(1)))
+        out, layer, seen_embedding = {}, 0, False
+        for f in files:
+            sd = load(f)
+            sd = sd.get("module", sd) if isinstance(sd, dict) else sd
+            flat = _flatten(sd)
+            if "word_embeddings.weight" in flat:
+                if not seen_embedding:
+                    out["embedding.weight"] = flat["word_embeddings.weight"]
+                    if "position_embeddings.weight" in flat:
+                        out["position_embeddings.weight"] = flat["position_embeddings.weight"]
+                    seen_embedding = True
+                continue  # later: the tied output embedding, the same tensor
+            if any(k.startswith(("self_attention.", "attention.")) for k in flat):
+                for k, v in flat.items():
+                    name, _, suffix = k.rpartition(".")
+                    mapped = _LAYER_NAMES.get(name.replace("attention.", "self_attention.", 1)
+                                              if name.startswith("attention.") else name)
+                    if mapped is None:
+                        raise KeyError(f"unknown Megatron-DeepSpeed layer parameter {k!r} in {f}")
+                    out[f"layers.{layer}.{mapped}.{suffix}"] = v
+                layer += 1
+            elif "lm_head.weight" in flat or "output_layer.weight" in flat:
+                out["output_layer.weight"] = flat.get("lm_head.weight", flat.get("output_layer.weight"))
+            elif set(flat) <= {"weight", "bias"}:
+                out.update({f"final_norm.{k}": v for k, v in flat.items()})
+            else:
+                raise KeyError(f"unrecognized Megatron-DeepSpeed layer file {f} with keys {sorted(flat)[:6]}")
+        per_rank.append(out)
+    args_file = glob.glob(os.path.join(step_dir, "mp_rank_00*_model_states.pt"))
+    args = load(args_file[0]).get("args") if args_file else None
+    return per_rank, args
+
+
+def _merge_tp(shards: list[dict[str, torch.Tensor]], config: GPTConfig) -> dict[str, torch.Tensor]:
+    full = {}
+    for k in shards[0]:
+        parts = [s[k] for s in shards]
+        local = k.split(".", 2)[-1] if k.startswith("layers.") else k
+        if len(parts) == 1:
+            full[k] = parts[0]
+        elif local in _COLUMN:
+            stride = 2 if local.startswith("mlp.linear_fc1") and config.activation == "swiglu" else 1
+            full[k] = full_from_shards(parts, 0, stride)
+        elif local in _ROW:
+            full[k] = torch.cat(parts, dim=1)
+        elif k in ("embedding.weight", "output_layer.weight"):
+            full[k] = torch.cat(parts, dim=0)
+        else:
+            full[k] = parts[0]  # replicated (norms, row-parallel biases, positions)
+    return full
+
+
+def import_megatron(path: str, vocab_size: Optional[int] = None, load=None) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
+    """Read a Megatron-LM legacy or Megatron-DeepSpeed checkpoint directory (or one iteration
+    directory) -> ``(GPTConfig, full megazero state dict, info)``."""
+    from megazero.training.megatron_ckpt import load_megatron_file
+
+    load = load or load_megatron_file
+    info: dict[str, Any] = {}
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    ds_latest = os.path.join(path, "latest")
+    step_dir = path
+    if os.path.isfile(tracker):
+        it = open(tracker).read().strip()
+        step_dir = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+        info["format"], info["iteration"] = "megatron-lm", it
+    elif os.path.isfile(ds_latest):
+        step_dir = os.path.join(path, open(ds_latest).read().strip())
+        info["format"] = "megatron-deepspeed"
+    if not os.path.isdir(step_dir):
+        raise FileNotFoundError(f"{step_dir} (named by the checkpoint's tracker file) does not exist")
+    layer_files = glob.glob(os.path.join(step_dir, "layer_*-model_*-model_states.pt"))
+    if layer_files:
+        tp = len({re.search(r"model_(\d+)-", os.path.basename(f)).group(1) for f in layer_files})
+        shards, args = _deepspeed_layers(step_dir, tp, load)
+        if args is None:
+            raise ValueError(f"{step_dir}: no mp_rank_00_model_states.pt with the run's args")
+        info.update(format="megatron-deepspeed-pipeline", tp=tp)
+    else:
+        rank_dirs = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*")))
+        ds_files = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*_model_states.pt")))
+        if rank_dirs and all(os.path.isdir(d) for d in rank_dirs):
+            files = {}
+            for d in rank_dirs:
+                m = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", os.path.basename(d))
+                files[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(d, "model_optim_rng.pt")
+        elif ds_files:
+            files = {(int(re.search(r"mp_rank_(\d+)", os.path.basename(f)).group(1)), 0): f for f in ds_files}
+        else:
+            raise FileNotFoundError(f"{step_dir} holds no Megatron mp_rank_* directories, mp_rank_*_model_states.pt "
+                                    f"or layer_*-model_*-model_states.pt files")
+        tp = 1 + max(t for t, _ in files)
+        pp = 1 + max(p for _, p in files)
+        ckpts = {key: load(f) for key, f in files.items()}
+        args = ckpts[(0, 0)].get("args")
+        if args is None:
+            raise ValueError(f"{files[(0, 0)]} has no 'args' (cannot tell the model's shape)")
+        version = ckpts[(0, 0)].get("checkpoint_version", 3.0)
+        if version is not None and float(version) < 2.0:
+            raise ValueError(f"checkpoint_version {version} stores QKV in an older order; load and re-save it with "
+                             f"a current Megatron-LM first")
+        if _get(args, "virtual_pipeline_model_parallel_size"):
+            raise ValueError("interleaved (virtual) pipeline checkpoints are not supported; re-save without "
+                             "--num-layers-per-virtual-pipeline-stage")
+        per_stage = args.num_layers // pp
+        shards = []
+        for t in range(tp):
+            merged = {}
+            for p in range(pp):
+                ck = ckpts[(t, p)]
+                model = ck.get("model", ck.get("module"))
+                if model is None:
+                    raise KeyError(f"{files[(t, p)]} has no 'model' or 'module' entry")
+                merged.update(_normalize(_flatten(model), p * per_stage))
+            shards.append(merged)
+        info.update(tp=tp, pp=pp)
+        info.setdefault("format", "megatron-lm")
+    config = config_from_megatron_args(args, vocab_size)
+    full = _merge_tp(shards, config)
+    if config.tie_embeddings:
+        full.pop("output_layer.weight", None)
+    elif "output_layer.weight" not in full:
+        raise KeyError("the run untied embeddings and output weights but the checkpoint has no output layer")
+    rows = full["embedding.weight"].shape[0]
+    if rows != config.padded_vocab_size:
+        raise ValueError(f"the checkpoint's embedding has {rows} rows but vocab_size {config.vocab_size} pads to "
+                         f"{config.padded_vocab_size}; pass the tokenizer's vocabulary size (--vocab-size)")
+    info["gelu"] = ("erf" if not _get(args, "bias_gelu_fusion", default=True) and not _get(args, "openai_gelu", default=False)
+                    and config.activation == "gelu" else "tanh")
+    return config, full, info
