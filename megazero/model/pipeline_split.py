@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-__all__ = ["PipelineSplitError", "stage_num_layers", "chunk_layer_range", "layers_per_chunk_table", "build_stage_chunks",
+__all__ = ["PipelineSplitError", "stage_num_layers", "chunk_layer_range", "layers_per_chunk_table", "build_stage_chunks", "build_pipeline_model",
            "virtual_stages_from_layers_per_stage", "local_to_global_name", "global_to_local_name"]
 
 
@@ -131,3 +131,20 @@ def build_stage_chunks(config, *, pp: int, pp_rank: int, v: int = 1, first: Opti
         chunks.append(GPTModel(config, tp_group=tp_group, device=device, pre_process=vs == 0,
                                post_process=vs == pp * v - 1, layers=table[c][pp_rank]))
     return chunks
+
+
+def build_pipeline_model(config, groups, *, first: Optional[int] = None, last: Optional[int] = None, device=None):
+    """This rank's model for ``groups`` (a :class:`megazero.mpu.ParallelGroups`): ``(module, chunks)``.
+
+    ``module`` is what to hand to ``zero.initialize``: the single chunk when
+    ``groups.virtual_pp_size == 1`` (parameter names as without a pipeline, layers
+    numbered locally), else a ``StageChunks`` holding every chunk. ``chunks`` go to
+    ``megazero.pipeline.PipelineStage``.
+    """
+    chunks = build_stage_chunks(config, pp=groups.pp_size, pp_rank=groups.pp_rank, v=groups.virtual_pp_size,
+                                first=first, last=last, tp_group=groups.tp_group, device=device)
+    if len(chunks) == 1:
+        return chunks[0], chunks
+    from megazero.pipeline.engine_step import StageChunks
+
+    return StageChunks(chunks), chunks

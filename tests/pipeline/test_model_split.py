@@ -124,3 +124,21 @@ def test_stage_without_input_tensor_says_what_to_do():
         m(None)
     with pytest.raises(ValueError, match="contiguous range"):
         GPTModel(tiny_config("gpt", num_layers=2), layers=range(1, 3), device="meta")
+
+
+def test_build_pipeline_model_from_groups():
+    from megazero.mpu import ParallelGroups
+    from megazero.model.pipeline_split import build_pipeline_model
+    from megazero.pipeline.engine_step import StageChunks
+
+    def groups(pp_rank, v):
+        return ParallelGroups(tp_size=1, pp_size=2, dp_size=1, tp_rank=0, pp_rank=pp_rank, dp_rank=0, tp_group=None,
+                              pp_group=None, dp_group=None, mp_group=None, tp_ranks=(0,), pp_ranks=(0, 1),
+                              dp_ranks=(0,), mp_ranks=(0, 1), virtual_pp_size=v)
+
+    cfg = tiny_config("gpt", num_layers=4)
+    module, chunks = build_pipeline_model(cfg, groups(1, 1), device="meta")
+    assert module is chunks[0] and chunks[0].layer_range == range(2, 4) and chunks[0].post_process
+    module, chunks = build_pipeline_model(cfg, groups(1, 2), device="meta")
+    assert isinstance(module, StageChunks) and [c.layer_range for c in chunks] == [range(1, 2), range(3, 4)]
+    assert not chunks[0].post_process and chunks[1].post_process
