@@ -90,8 +90,19 @@ class GPTModel(torch.nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device | str] = None) -> None:
+                 device: Optional[torch.device | str] = None, pre_process: bool = True, post_process: bool = True,
+                 layers: Optional[range] = None) -> None:
+        """Pipeline stages (Megatron's names): ``pre_process`` builds the embedding (first stage),
+        ``post_process`` the final norm, head and loss (last stage), ``layers`` the global indices of
+        the transformer layers this stage holds (default: all). A last stage with tied embeddings
+        and no ``pre_process`` holds a copy of the word embedding as its head, marked
+        ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it once."""
         super().__init__()
+        layers = range(config.num_layers) if layers is None else layers
+        if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
+            raise ValueError(f"layers {layers} must be a contiguous range inside 0..{config.num_layers}")
+        self.pre_process, self.post_process, self.layer_range = pre_process, post_process, layers
+        self._input_tensor: Optional[torch.Tensor] = None
         self.tp_group = mpu.mappings.resolve_tp_group(tp_group)
         self.tp_size = mpu.utils.group_size(self.tp_group)
         self.tp_rank = mpu.utils.group_rank(self.tp_group)
@@ -102,19 +113,25 @@ class GPTModel(torch.nn.Module):
         std = c.init_method_std
         init, _ = init_methods(c)
 
-        self.embedding = mpu.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, init_method=init,
-                                                    tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta")
+        # The embedding comes first in modules() order on every stage that has one, so a last
+        # stage's tied copy draws the same numbers as the first stage's embedding under one seed.
+        self.embedding = (mpu.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, init_method=init,
+                                                     tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta")
+                          if pre_process or (post_process and c.tie_embeddings) else None)
+        if self.embedding is not None and not pre_process:
+            self.embedding.weight.pipeline_shared_copy = True
+            self.embedding.weight.shared = True  # Megatron's name (param_is_not_shared)
         self.position_embeddings = (PositionEmbedding(c.max_position_embeddings, c.hidden_size, std,
                                                       params_dtype=c.params_dtype, device="meta", init_method=init)
-                                    if c.position_embedding_type == "learned" else None)
+                                    if c.position_embedding_type == "learned" and pre_process else None)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
-        self.layers = torch.nn.ModuleList(TransformerLayer(c, **kw) for _ in range(c.num_layers))
-        self.final_norm = build_norm(c, **kw)
+        self.layers = torch.nn.ModuleList(TransformerLayer(c, **kw) for _ in layers)
+        self.final_norm = build_norm(c, **kw) if post_process else None
         # Tied: the output layer owns no weight and is handed the embedding's (Megatron-core's way).
-        self.output_layer = mpu.ColumnParallelLinear(
+        self.output_layer = (mpu.ColumnParallelLinear(
             c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False, init_method=init,
             sequence_parallel=c.sequence_parallel, tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta",
-            skip_weight_param_allocation=c.tie_embeddings)
+            skip_weight_param_allocation=c.tie_embeddings) if post_process else None)
 
         # Padded vocabulary entries (ids >= vocab_size) are never predicted: their logits are -inf.
         per_rank = c.padded_vocab_size // self.tp_size
@@ -126,6 +143,10 @@ class GPTModel(torch.nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
 
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """Hidden states ``[s(/tp), b, h]`` from the previous stage for the next forward (no ``pre_process``)."""
+        self._input_tensor = input_tensor
+
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` -> per-token fp32 loss ``[b, s]`` if ``labels`` (``-100`` = ignored),
@@ -135,6 +156,8 @@ class GPTModel(torch.nn.Module):
         boolean ``[b, 1, s, s]`` or ``[s, s]``, True = masked out, on top of the causal mask.
         """
         c = self.config
+        if not self.pre_process:
+            return self._stage_forward(position_ids, attention_mask, labels)
         b, s = input_ids.shape
         if c.position_embedding_type == "learned" and s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({c.max_position_embeddings})")
@@ -155,6 +178,24 @@ class GPTModel(torch.nn.Module):
         rotary = self.rotary(position_ids) if self.rotary is not None else None
 
         x = self._run_layers(x, rotary, attention_mask)
+        if not self.post_process:
+            return x  # [s(/tp), b, h] for the next pipeline stage
+        return self._head(x, labels)
+
+    def _stage_forward(self, position_ids, attention_mask, labels) -> torch.Tensor:
+        """A later pipeline stage: start from the hidden states handed over by ``set_input_tensor``."""
+        x, self._input_tensor = self._input_tensor, None
+        if x is None:
+            raise RuntimeError("this pipeline stage has no embedding (pre_process=False): call set_input_tensor() "
+                               "with the previous stage's output before forward")
+        s = x.size(0) * (self.tp_size if self.sequence_parallel else 1)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=x.device)
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        x = self._run_layers(x, rotary, attention_mask)
+        return self._head(x, labels) if self.post_process else x
+
+    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.final_norm(x)
         logits = self._logits(x)  # [s, b, padded_vocab/tp]
         if labels is None:

@@ -23,6 +23,14 @@ Worked example, 16 ranks, tp=2, pp=4 (so dp=2)::
                     [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]
 
 Rank 5 is therefore tp_rank 1, dp_rank 0, pp_rank 1.
+
+Pipeline extras (Megatron's): the *embedding group* of each pipeline joins its first
+and last stage, which both hold the word embedding when input and output weights are
+tied (their gradients are all-reduced over it); above, [0, 12] [1, 13] [2, 14] [3, 15].
+The *position-embedding group* is the first stage alone ([0] [1] [2] [3]): a decoder-only
+GPT keeps learned positions there only. With ``v`` virtual stages (interleaving) rank
+``r`` holds model chunks ``c = 0..v-1``, virtual stage ``c * pp + r``; the chunk being run
+is passed explicitly (``virtual_rank=``) instead of Megatron's mutable global.
 """
 
 from __future__ import annotations
@@ -52,6 +60,12 @@ __all__ = [
     "get_pipeline_model_parallel_world_size",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
+    "get_virtual_pipeline_model_parallel_world_size",
+    "get_embedding_group",
+    "get_embedding_ranks",
+    "is_rank_in_embedding_group",
+    "get_position_embedding_group",
+    "is_rank_in_position_embedding_group",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
@@ -81,6 +95,26 @@ class ParallelGroups:
     pp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     mp_ranks: tuple[int, ...]
+    # Pipeline: the first+last stage pair of this pipeline (None / () on middle stages),
+    # the first stage alone for positions, and the number of model chunks per rank.
+    embedding_group: Optional[dist.ProcessGroup] = None
+    embedding_ranks: tuple[int, ...] = ()
+    position_embedding_group: Optional[dist.ProcessGroup] = None
+    position_embedding_ranks: tuple[int, ...] = ()
+    virtual_pp_size: int = 1
+
+    def is_first_stage(self, virtual_rank: Optional[int] = 0) -> bool:
+        """First virtual stage: pp rank 0 running chunk ``virtual_rank`` 0 (None ignores the chunk)."""
+        return self.pp_rank == 0 and (virtual_rank is None or virtual_rank == 0)
+
+    def is_last_stage(self, virtual_rank: Optional[int] = None) -> bool:
+        """Last virtual stage: last pp rank running its last chunk (None ignores the chunk)."""
+        last_chunk = virtual_rank is None or virtual_rank == self.virtual_pp_size - 1
+        return self.pp_rank == self.pp_size - 1 and last_chunk
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.embedding_group is not None
 
     @property
     def mp_size(self) -> int:
@@ -113,6 +147,8 @@ def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]
         "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),
         "pp": grid.permute(1, 2, 0).reshape(-1, pp_).tolist(),
         "mp": grid.permute(1, 0, 2).reshape(dp, pp_ * tp_).tolist(),
+        "embedding": [[line[0], line[-1]] if len(line) > 1 else [line[0]] for line in grid.permute(1, 2, 0).reshape(-1, pp_).tolist()],
+        "position_embedding": [[line[0]] for line in grid.permute(1, 2, 0).reshape(-1, pp_).tolist()],
     }
 
 
@@ -123,9 +159,10 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     *,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> ParallelGroups:
-    """Build the TP/PP/DP/MP groups (Megatron's layout) and register them.
+    """Build the TP/PP/DP/MP and embedding groups (Megatron's layout) and register them.
 
     ``torch.distributed`` must already be initialized; every rank must call this
     with the same sizes, because creating a group is a collective call.
@@ -140,11 +177,15 @@ def initialize_model_parallel(
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    vpp = virtual_pipeline_model_parallel_size or 1
+    if vpp < 1 or (vpp > 1 and pp < 2):
+        raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
+                         f"(got {pp}); leave it unset without a pipeline")
     layout = group_ranks(world, tp, pp)
     dp = world // (tp * pp)
 
     built: dict[str, tuple[Optional[dist.ProcessGroup], tuple[int, ...]]] = {}
-    for kind in ("tp", "dp", "pp", "mp"):
+    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
         # Every rank creates every group, in the same order (new_group is collective).
         for line in layout[kind]:
             g = dist.new_group(line, backend=backend)
@@ -152,6 +193,8 @@ def initialize_model_parallel(
                 built[kind] = (g, tuple(line))
     (tp_group, tp_ranks), (dp_group, dp_ranks) = built["tp"], built["dp"]
     (pp_group, pp_ranks), (mp_group, mp_ranks) = built["pp"], built["mp"]
+    emb_group, emb_ranks = built.get("embedding", (None, ()))
+    pos_group, pos_ranks = built.get("position_embedding", (None, ()))
 
     grid = rank_grid(world, tp, pp)
     pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
@@ -160,6 +203,9 @@ def initialize_model_parallel(
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
         tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, mp_group=mp_group,
         tp_ranks=tp_ranks, pp_ranks=pp_ranks, dp_ranks=dp_ranks, mp_ranks=mp_ranks,
+        embedding_group=emb_group, embedding_ranks=emb_ranks,
+        position_embedding_group=pos_group, position_embedding_ranks=pos_ranks,
+        virtual_pp_size=vpp,
     )
     return _GROUPS
 
@@ -174,7 +220,8 @@ def destroy_model_parallel() -> None:
     groups, _GROUPS = _GROUPS, None
     if groups is None or not dist.is_initialized():
         return
-    for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group}:
+    for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group, groups.embedding_group,
+              groups.position_embedding_group}:
         if g is not None:
             try:
                 dist.destroy_process_group(g)
@@ -218,12 +265,45 @@ def get_pipeline_model_parallel_world_size() -> int:
     return _GROUPS.pp_size if _GROUPS is not None else 1
 
 
-def is_pipeline_first_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == 0
+def is_pipeline_first_stage(ignore_virtual: bool = True, *, virtual_rank: int = 0) -> bool:
+    """First pipeline stage; with ``ignore_virtual=False`` also model chunk ``virtual_rank`` 0."""
+    if _GROUPS is None:
+        return True
+    return _GROUPS.is_first_stage(None if ignore_virtual else virtual_rank)
 
 
-def is_pipeline_last_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+def is_pipeline_last_stage(ignore_virtual: bool = True, *, virtual_rank: Optional[int] = None) -> bool:
+    """Last pipeline stage; with ``ignore_virtual=False`` also its last model chunk."""
+    if _GROUPS is None:
+        return True
+    if ignore_virtual:
+        return _GROUPS.is_last_stage(None)
+    return _GROUPS.is_last_stage(_GROUPS.virtual_pp_size - 1 if virtual_rank is None else virtual_rank)
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int:
+    return _GROUPS.virtual_pp_size if _GROUPS is not None else 1
+
+
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    """First and last stage of this rank's pipeline; None on a middle stage."""
+    return get_parallel_groups().embedding_group
+
+
+def get_embedding_ranks() -> tuple[int, ...]:
+    return get_parallel_groups().embedding_ranks
+
+
+def is_rank_in_embedding_group() -> bool:
+    return _GROUPS is None or _GROUPS.in_embedding_group
+
+
+def get_position_embedding_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().position_embedding_group
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    return _GROUPS is None or _GROUPS.position_embedding_group is not None
 
 
 def get_data_parallel_group() -> Optional[dist.ProcessGroup]:

@@ -91,3 +91,69 @@ def test_deepspeed_mpu_contract():
                  "get_tensor_model_parallel_group", "get_pipeline_model_parallel_rank",
                  "get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_group"]:
         assert callable(getattr(mpu, name)), name
+
+
+# ---- pipeline groups: embedding (first + last stage), position embedding, virtual stages -----------
+
+def test_embedding_groups_pure_layout():
+    g = group_ranks(16, tp=2, pp=4)
+    assert g["embedding"] == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert g["position_embedding"] == [[0], [1], [2], [3]]
+    # Without a pipeline every rank is its own first and last stage.
+    assert group_ranks(4, tp=2, pp=1)["embedding"] == [[0], [1], [2], [3]]
+
+
+def _pipeline_layout(tp, pp, vpp):
+    groups = mpu.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    import torch
+    sums = {}
+    for kind, group in [("emb", groups.embedding_group), ("pos", groups.position_embedding_group)]:
+        if group is None:
+            sums[kind] = None
+            continue
+        t = torch.tensor([dist.get_rank()])
+        dist.all_reduce(t, group=group)
+        sums[kind] = int(t)
+    return dict(emb=groups.embedding_ranks, pos=groups.position_embedding_ranks, sums=sums,
+                in_emb=mpu.is_rank_in_embedding_group(), in_pos=mpu.is_rank_in_position_embedding_group(),
+                vpp=mpu.get_virtual_pipeline_model_parallel_world_size(),
+                first=[mpu.is_pipeline_first_stage(ignore_virtual=False, virtual_rank=c) for c in range(vpp or 1)],
+                last=[mpu.is_pipeline_last_stage(ignore_virtual=False, virtual_rank=c) for c in range(vpp or 1)],
+                first_any=mpu.is_pipeline_first_stage(), last_any=mpu.is_pipeline_last_stage())
+
+
+def test_embedding_groups_8_ranks_tp2_pp2_dp2():
+    results = run_distributed(8, _pipeline_layout, 2, 2, None)
+    for rank, r in enumerate(results):
+        pp_rank = rank // 4
+        # Pipelines are [0,4] [1,5] [2,6] [3,7]: both ends of each hold the embedding.
+        assert r["emb"] == (rank % 4, rank % 4 + 4) and r["sums"]["emb"] == 2 * (rank % 4) + 4, rank
+        assert r["in_emb"]
+        assert r["pos"] == ((rank,) if pp_rank == 0 else ()) and r["in_pos"] == (pp_rank == 0), rank
+        assert r["vpp"] == 1 and r["first"] == [pp_rank == 0] and r["last"] == [pp_rank == 1]
+
+
+def test_embedding_groups_pp4_with_virtual_stages():
+    results = run_distributed(4, _pipeline_layout, 1, 4, 2)
+    for rank, r in enumerate(results):
+        end = rank in (0, 3)
+        assert r["emb"] == ((0, 3) if end else ()) and r["in_emb"] == end, rank
+        assert r["sums"]["emb"] == (3 if end else None)
+        assert r["sums"]["pos"] == (0 if rank == 0 else None)
+        assert r["vpp"] == 2
+        # Chunk 0 of rank 0 is the first virtual stage; chunk 1 of rank 3 the last.
+        assert r["first"] == [rank == 0, False] and r["last"] == [False, rank == 3], rank
+        assert r["first_any"] == (rank == 0) and r["last_any"] == (rank == 3)
+
+
+def _bad_virtual():
+    try:
+        mpu.initialize_model_parallel(1, 1, virtual_pipeline_model_parallel_size=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_virtual_stages_without_pipeline_refused():
+    msg = run_distributed(2, _bad_virtual)[0]
+    assert msg is not None and "needs pipeline_model_parallel_size > 1" in msg

@@ -1,0 +1,150 @@
+"""Which transformer layers each pipeline stage (and each of its virtual chunks) builds.
+
+Even split by default: ``num_layers / (pp * v)`` layers per model chunk. Megatron-core's
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` give the
+first and/or last stage a set number of layers (often fewer: those stages also hold the
+embedding and the output head); the other stages split the rest evenly. With ``v``
+virtual stages each stage's layers are split evenly over its ``v`` chunks, and chunk ``c``
+of rank ``r`` is virtual stage ``c * pp + r``, so its layers follow those of every
+chunk ``< c`` on every rank and of chunk ``c`` on ranks ``< r``.
+
+All functions are pure; errors say which numbers clash and what would work.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+__all__ = ["PipelineSplitError", "stage_num_layers", "chunk_layer_range", "layers_per_chunk_table", "build_stage_chunks", "build_pipeline_model",
+           "virtual_stages_from_layers_per_stage", "local_to_global_name", "global_to_local_name"]
+
+
+class PipelineSplitError(ValueError):
+    """The layers cannot be split over the requested pipeline."""
+
+
+def stage_num_layers(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list[int]:
+    """Layers of each pipeline stage (all chunks together)."""
+    if pp < 1 or num_layers < 1:
+        raise PipelineSplitError(f"num_layers ({num_layers}) and pipeline size ({pp}) must be >= 1")
+    if (first is not None or last is not None) and pp == 1:
+        raise PipelineSplitError("decoder_first/last_pipeline_num_layers need a pipeline (pp > 1)")
+    if first is None and last is None:
+        if num_layers % pp:
+            raise PipelineSplitError(
+                f"num_layers ({num_layers}) is not divisible by the pipeline size ({pp}); use a pipeline size that "
+                f"divides it, or set decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers for an "
+                f"uneven split")
+        return [num_layers // pp] * pp
+    for name, n in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+        if n is not None and n < 0:
+            raise PipelineSplitError(f"{name} must be >= 0, got {n}")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0) or (middle_stages and middle_layers % middle_stages):
+        raise PipelineSplitError(
+            f"num_layers ({num_layers}) minus decoder_first_pipeline_num_layers ({first}) and "
+            f"decoder_last_pipeline_num_layers ({last}) leaves {middle_layers} layers for the {middle_stages} other "
+            f"stage(s); that number must split evenly over them")
+    per_middle = middle_layers // middle_stages if middle_stages else 0
+    counts = [per_middle] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def layers_per_chunk_table(num_layers: int, pp: int, v: int = 1, first: Optional[int] = None,
+                           last: Optional[int] = None) -> list[list[range]]:
+    """``table[chunk][rank]`` = global layer indices of that model chunk."""
+    if v < 1:
+        raise PipelineSplitError(f"virtual pipeline size must be >= 1, got {v}")
+    counts = stage_num_layers(num_layers, pp, first, last)
+    for r, n in enumerate(counts):
+        if n % v:
+            raise PipelineSplitError(
+                f"stage {r} has {n} layers, not divisible by the {v} virtual pipeline stages; with v = {v} the "
+                f"layers of every stage must be a multiple of {v} (num_layers {num_layers}, pp {pp}, "
+                f"first {first}, last {last})")
+    table, start = [], 0
+    for _ in range(v):
+        row = []
+        for r in range(pp):
+            n = counts[r] // v
+            row.append(range(start, start + n))
+            start += n
+        table.append(row)
+    return table
+
+
+def chunk_layer_range(num_layers: int, pp: int, pp_rank: int, v: int = 1, chunk: int = 0,
+                      first: Optional[int] = None, last: Optional[int] = None) -> range:
+    """Global indices of the layers built by ``chunk`` of pipeline rank ``pp_rank``."""
+    if not 0 <= pp_rank < pp or not 0 <= chunk < v:
+        raise PipelineSplitError(f"pipeline rank {pp_rank} / chunk {chunk} outside pp {pp} x v {v}")
+    return layers_per_chunk_table(num_layers, pp, v, first, last)[chunk][pp_rank]
+
+
+def virtual_stages_from_layers_per_stage(num_layers: int, pp: int, layers_per_virtual_stage: int) -> int:
+    """Megatron's ``--num-layers-per-virtual-pipeline-stage`` -> number of chunks per rank."""
+    if layers_per_virtual_stage < 1 or num_layers % (pp * layers_per_virtual_stage):
+        raise PipelineSplitError(
+            f"num_layers ({num_layers}) must be divisible by pp ({pp}) x num_layers_per_virtual_pipeline_stage "
+            f"({layers_per_virtual_stage})")
+    return num_layers // (pp * layers_per_virtual_stage)
+
+
+_LAYER = re.compile(r"^((?:.*\.)?layers\.)(\d+)(\..*)$")
+
+
+def local_to_global_name(name: str, layers: range) -> str:
+    """``layers.{i}.x`` of a chunk holding ``layers`` -> ``layers.{layers[i]}.x``; other names unchanged."""
+    m = _LAYER.match(name)
+    return name if m is None else f"{m.group(1)}{layers[int(m.group(2))]}{m.group(3)}"
+
+
+def global_to_local_name(name: str, layers: range) -> Optional[str]:
+    """Inverse of :func:`local_to_global_name`; None for a layer this chunk does not hold."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name
+    i = int(m.group(2))
+    return f"{m.group(1)}{i - layers.start}{m.group(3)}" if i in layers else None
+
+
+def build_stage_chunks(config, *, pp: int, pp_rank: int, v: int = 1, first: Optional[int] = None,
+                       last: Optional[int] = None, tp_group=None, device=None) -> list:
+    """The model chunks (``GPTModel`` each) pipeline rank ``pp_rank`` holds, chunk 0 first.
+
+    Chunk ``c`` is virtual stage ``c * pp + pp_rank``: the first virtual stage has the
+    embedding, the last the final norm, head and loss (and, with tied embeddings and
+    pp > 1, its copy of the word embedding). ``device='meta'`` for ZeRO to materialize.
+    """
+    from .gpt import GPTModel  # the split itself stays importable without torch modules
+
+    table = layers_per_chunk_table(config.num_layers, pp, v, first, last)
+    chunks = []
+    for c in range(v):
+        vs = c * pp + pp_rank
+        chunks.append(GPTModel(config, tp_group=tp_group, device=device, pre_process=vs == 0,
+                               post_process=vs == pp * v - 1, layers=table[c][pp_rank]))
+    return chunks
+
+
+def build_pipeline_model(config, groups, *, first: Optional[int] = None, last: Optional[int] = None, device=None):
+    """This rank's model for ``groups`` (a :class:`megazero.mpu.ParallelGroups`): ``(module, chunks)``.
+
+    ``module`` is what to hand to ``zero.initialize``: the single chunk when
+    ``groups.virtual_pp_size == 1`` (parameter names as without a pipeline, layers
+    numbered locally), else a ``StageChunks`` holding every chunk. ``chunks`` go to
+    ``megazero.pipeline.PipelineStage``.
+    """
+    chunks = build_stage_chunks(config, pp=groups.pp_size, pp_rank=groups.pp_rank, v=groups.virtual_pp_size,
+                                first=first, last=last, tp_group=groups.tp_group, device=device)
+    if len(chunks) == 1:
+        return chunks[0], chunks
+    from megazero.pipeline.engine_step import StageChunks
+
+    return StageChunks(chunks), chunks

@@ -1,0 +1,184 @@
+"""One pipelined training step through a ZeRO engine's public API.
+
+Per micro-batch the last virtual stage calls ``engine.backward(loss)`` (scaled by the
+loss scale and 1 / micro-batches, exactly as without a pipeline); every other stage
+back-propagates the gradient it received with :func:`backward_step`, unscaled, since
+that gradient already carries the scale. After the schedule the tied word embedding's
+gradient is completed over the embedding group (first + last stage, Megatron's
+``_allreduce_word_embedding_grads``), then the engine steps once per micro-batch, so its
+accumulation boundary (and the gradient norm and overflow check, agreed over DP and
+then the TP x PP model-parallel group) comes after every rank's last backward.
+
+With ``v`` model chunks per rank the chunks live in one :class:`StageChunks` module
+under one engine, so the optimizer, the norm and the accumulation window cover them all.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .p2p import PipeP2P
+from .runner import ScheduleRunner
+
+__all__ = ["backward_step", "StageChunks", "TiedEmbeddingGradSync", "PipelineStage", "shared_copy_parameters"]
+
+
+def _engine_takes_output_grad(engine) -> bool:
+    try:
+        return len(inspect.signature(engine.backward).parameters) >= 2
+    except (TypeError, ValueError):
+        return False
+
+
+def backward_step(engine, output: torch.Tensor, output_grad: Optional[torch.Tensor] = None) -> None:
+    """Back-propagate through ``engine``: ``backward(loss)`` on the last stage, else ``output_grad`` into ``output``.
+
+    Uses ``engine.backward(output, output_grad)`` when the engine has it (autograd with the
+    engine's bookkeeping, no scaling). Older engines only take a scalar loss that they
+    multiply by ``loss_scale / accumulation_steps``; for those the same gradient is produced
+    by the scalar ``<output, output_grad> * accumulation_steps / loss_scale`` (exact up to
+    one rounding of the two scale factors), which keeps their per-backward bookkeeping
+    (ZeRO-2/3 reduce-scatters) intact.
+    """
+    if output_grad is None:
+        engine.backward(output)
+    elif _engine_takes_output_grad(engine):
+        engine.backward(output, output_grad)
+    else:
+        accum = engine.config.gradient_accumulation_steps
+        surrogate = torch.sum(output * output_grad.to(output.dtype)) * (accum / engine.get_loss_scale())
+        engine.backward(surrogate)
+
+
+class StageChunks(torch.nn.Module):
+    """The ``v`` model chunks of one pipeline rank as one module: ``forward(chunk, *args)``.
+
+    Chunks are plain attributes (not a ModuleList) so ZeRO still finds each chunk's
+    transformer layers as its units.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.num_chunks = len(chunks)
+        for i, c in enumerate(chunks):
+            self.add_module(f"chunk{i}", c)
+
+    def chunk(self, i: int) -> torch.nn.Module:
+        return getattr(self, f"chunk{i}")
+
+    def forward(self, chunk: int, *args, **kwargs):
+        return self.chunk(chunk)(*args, **kwargs)
+
+
+def shared_copy_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters that are a pipeline stage's copy of another stage's (the tied head's embedding)."""
+    return [p for p in module.parameters() if getattr(p, "pipeline_shared_copy", False)]
+
+
+class TiedEmbeddingGradSync:
+    """Completes the tied word embedding's gradient over the embedding group after each step's backwards.
+
+    Each micro-batch's gradient of the local copy is also added into a side buffer (a
+    tensor hook: it reads, never changes, what the engine accumulates). After the last
+    backward the buffers are exchanged over the embedding group and the other stage's
+    sum is back-propagated into the parameter through the engine, so first and last
+    stage end the step with the same, complete gradient. The exchange waits for the
+    end of the schedule because the two stages run their backwards at different times:
+    a collective inside a backward would deadlock the pipeline.
+    """
+
+    def __init__(self, param: torch.nn.Parameter, group: Optional[dist.ProcessGroup]) -> None:
+        self.param, self.group = param, group
+        self.stash: Optional[torch.Tensor] = None
+        self._injecting = False
+        self._handle = param.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        if self._injecting:
+            return
+        self.stash = grad.detach().clone() if self.stash is None else self.stash.add_(grad)
+
+    def sync(self, engine) -> None:
+        own = self.stash if self.stash is not None else torch.zeros_like(self.param)
+        self.stash = None
+        parts = [torch.empty_like(own) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, own.contiguous(), group=self.group)
+        me = dist.get_rank(self.group)
+        peer = sum(p for i, p in enumerate(parts) if i != me)
+        self._injecting = True
+        try:
+            backward_step(engine, self.param, peer)
+        finally:
+            self._injecting = False
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class PipelineStage:
+    """One pipeline rank's share of training: its chunks under a ZeRO engine, its schedule, its p2p.
+
+    ``engine`` wraps ``chunks[0]`` when ``v == 1`` or ``StageChunks(chunks)`` otherwise.
+    ``groups`` is the :class:`megazero.mpu.ParallelGroups`; ``micro_batch_size`` and
+    ``seq_length`` fix the shape of the activations crossing stage boundaries.
+    """
+
+    def __init__(self, engine, chunks: Sequence[torch.nn.Module], groups, *, micro_batch_size: int, seq_length: int,
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+        self.engine, self.chunks, self.groups = engine, list(chunks), groups
+        self.v = len(self.chunks)
+        c = self.chunks[0].config
+        sp = c.sequence_parallel and groups.tp_size > 1
+        shape = (seq_length // groups.tp_size if sp else seq_length, micro_batch_size, c.hidden_size)
+        dtype = getattr(engine, "compute_dtype", c.params_dtype)
+        self.p2p = PipeP2P(groups.pp_group, groups.pp_ranks, device=getattr(engine, "device", "cpu"))
+        self.runner = ScheduleRunner(self.p2p, groups.pp_size, groups.pp_rank, self.v, shape, dtype)
+        self.loss_fn = loss_fn or (lambda per_token, labels: per_token.mean())
+        self.tied: Optional[TiedEmbeddingGradSync] = None
+        if c.tie_embeddings and groups.pp_size > 1 and groups.in_embedding_group:
+            end = self.chunks[0] if groups.pp_rank == 0 else self.chunks[-1]
+            self.tied = TiedEmbeddingGradSync(end.embedding.weight, groups.embedding_group)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.groups.pp_rank == self.groups.pp_size - 1
+
+    def _forward(self, chunk: int, *args, **kwargs):
+        return self.engine(*args, **kwargs) if self.v == 1 else self.engine(chunk, *args, **kwargs)
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], bool]:
+        """Forward and backward every micro-batch ``(input_ids, labels)`` through the schedule, then step.
+
+        Returns the micro-batch losses (on the last stage; empty elsewhere) and whether
+        the parameters were updated. Every stage needs the micro-batches: the first for
+        the inputs, the last for the labels (a middle stage only needs their number).
+        """
+        m = len(micro_batches)
+        accum = self.engine.config.gradient_accumulation_steps
+        if m != accum:
+            raise ValueError(f"{m} micro-batches given, but the engine accumulates gradient_accumulation_steps="
+                             f"{accum}; with pipelining every micro-batch of a step goes through the schedule at once")
+
+        def forward_step(mb: int, chunk: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+            ids, labels = micro_batches[mb]
+            model = self.chunks[chunk]
+            last = self.runner.is_last(chunk)
+            if x is not None:
+                model.set_input_tensor(x)
+            out = self._forward(chunk, ids if x is None else None, labels=labels if last else None)
+            return self.loss_fn(out, labels) if last else out
+
+        def bwd(chunk: int, output: torch.Tensor, output_grad: Optional[torch.Tensor]) -> None:
+            backward_step(self.engine, output, output_grad)
+
+        losses = self.runner.run(m, forward_step, bwd)
+        if self.tied is not None:
+            self.tied.sync(self.engine)
+        updated = False
+        for _ in range(m):
+            updated = self.engine.step()
+        return [float(x) for x in losses], updated
