@@ -109,6 +109,9 @@ class TiedEmbeddingGradSync:
         dist.all_gather(parts, own.contiguous(), group=self.group)
         me = dist.get_rank(self.group)
         peer = sum(p for i, p in enumerate(parts) if i != me)
+        if hasattr(engine, "accumulate_grad_"):
+            engine.accumulate_grad_(self.param, peer)
+            return
         self._injecting = True
         try:
             backward_step(engine, self.param, peer)

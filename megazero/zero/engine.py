@@ -199,7 +199,7 @@ class ZeroEngine(torch.nn.Module):
 
         def model_post(module, args, out):
             if not self._in_backward:
-                self._forward_end(torch.zeros(0))
+                self._forward_end(torch.zeros(0), out)
 
         for m in hooked:
             if m is not model:
@@ -293,7 +293,7 @@ class ZeroEngine(torch.nn.Module):
         # Small persistent parameters sit in every layer: no module hook speaks for them.
         self._used = {id(u) for u in self.units if u.name == "persistent"}
 
-    def _forward_end(self, trace_flags: torch.Tensor) -> None:
+    def _forward_end(self, trace_flags: torch.Tensor, out=None) -> None:
         """Start the DP agreement on what this forward used (ZeRO-2/3; one tiny all-reduce)."""
         if not torch.is_grad_enabled() or self.stage < 2:
             return
@@ -301,13 +301,33 @@ class ZeroEngine(torch.nn.Module):
         flags = torch.cat([used, (trace_flags > 0).to(torch.uint8)]).to(self.device)
         work = self.comm.all_reduce(flags, "dp", op=dist.ReduceOp.MAX, async_op=True)
         trace = self.window.trace if self.window is not None else None
-        self._forwards.append((work, flags, set(self._used), trace))
+        outputs = {id(t.grad_fn) for t in _tensors(out) if t.grad_fn is not None}
+        self._forwards.append((work, flags, set(self._used), trace, outputs))
 
-    def _agree(self) -> None:
+    def _record_for(self, loss: torch.Tensor):
+        """The forward a backward belongs to. Pipelines keep several forwards in flight and the
+        interleaved schedule runs their backwards out of order: find the forward whose output
+        ``loss`` was computed from (a few autograd nodes up), else take the oldest."""
+        if len(self._forwards) > 1 and loss.grad_fn is not None:
+            owner = {gid: i for i, rec in enumerate(self._forwards) for gid in rec[4]}
+            frontier, seen = [loss.grad_fn], set()
+            while frontier and len(seen) < 256:
+                fn = frontier.pop(0)
+                if fn is None or id(fn) in seen:
+                    continue
+                seen.add(id(fn))
+                if id(fn) in owner:
+                    rec = self._forwards[owner[id(fn)]]
+                    del self._forwards[owner[id(fn)]]
+                    return rec
+                frontier.extend(f for f, _ in fn.next_functions)
+        return self._forwards.popleft()
+
+    def _agree(self, loss: torch.Tensor) -> None:
         if not self._forwards:
             raise RuntimeError("ZeroEngine.backward() without a forward through the engine: run "
                                "engine(batch) (or the wrapped model) with gradients enabled first")
-        work, flags, local_used, trace = self._forwards.popleft()
+        work, flags, local_used, trace, _ = self._record_for(loss)
         if work is not None:
             work.wait()
         flags = flags.cpu()
@@ -331,7 +351,7 @@ class ZeroEngine(torch.nn.Module):
         it already carries the scaling.
         """
         if self.stage >= 2:
-            self._agree()
+            self._agree(loss)
         self._in_backward = True
         try:
             if output_grad is None:
@@ -344,6 +364,32 @@ class ZeroEngine(torch.nn.Module):
                 self.window.end_backward()
         if self.reducer is not None:
             self.reducer.finish()
+
+    @torch.no_grad()
+    def accumulate_grad_(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` (already carrying the loss scale) to ``param``'s gradient for this step.
+
+        For gradients that arrive outside autograd, such as a tied embedding's contribution
+        from another pipeline stage. Call it after the step's backwards and before
+        :meth:`step`; every DP peer must call it for the same parameters (ZeRO-2/3 reduce
+        the parameter's group once more).
+        """
+        g, slot = self.slot_of[id(param)]
+        if not g.trainable:
+            raise ValueError(f"{slot.name} is frozen (requires_grad=False): it has no gradient to add to")
+        if tuple(grad.shape) != tuple(slot.shape):
+            raise ValueError(f"{slot.name}: gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(slot.shape)}")
+        if self.stage <= 1:
+            self.grad_full[g].narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
+            return
+        for s in g.slots:
+            s.param.grad = None
+        slot.param.grad = grad.to(g.compute_dtype)
+        buf = torch.empty(g.partitions, g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        g.grads_into(buf)
+        out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        self.comm.reduce_scatter(out, buf.view(-1), "dp")
+        self.grad_shard[g].add_(out)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.accum == 0
@@ -537,6 +583,17 @@ class ZeroEngine(torch.nn.Module):
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
         return out
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
 
 
 def _default_device() -> torch.device:

@@ -98,7 +98,7 @@ class GatherWindow:
         agree: Callable[[torch.Tensor], object],
         in_backward: Callable[[], bool],
         on_forward_begin: Callable[[], None],
-        on_forward_end: Callable[[torch.Tensor], None],
+        on_forward_end: Callable[[torch.Tensor, object], None],
         mark_used: Callable[[Unit], None],
         prefetch_numel: int,
         max_live_numel: int,
@@ -245,7 +245,7 @@ class GatherWindow:
             if not self.active.get(id(u)):
                 self.release(u)
         flags = torch.tensor([1.0 if e.saved else 0.0 for e in self.trace])
-        self.on_forward_end(flags)
+        self.on_forward_end(flags, out)
 
     def _units_for(self, module, args, kwargs) -> list[Unit]:
         units = list(self.needs.get(id(module), ()))
