@@ -58,6 +58,7 @@ class GPTConfig:
     attention_dropout: float = 0.1  # on attention probabilities
     init_method_std: float = 0.02  # N(0, std); residual-output projections use std/sqrt(2*layers)
     layernorm_epsilon: float = 1e-5
+    label_smoothing: float = 0.0  # of the training loss, over the unpadded vocabulary (Megatron's --label-smoothing)
     make_vocab_size_divisible_by: int = 128
     # --- execution -------------------------------------------------------------------------
     # Megatron 2022 sequence parallelism: norms/dropout/residuals on [s/tp, b, h] shards.
@@ -135,7 +136,7 @@ class GPTConfig:
                              f"({self.max_position_embeddings}) of the learned position table")
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ValueError(f"RoPE needs an even head dimension, got kv_channels={self.kv_channels}")
-        for name in ("hidden_dropout", "attention_dropout"):
+        for name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
