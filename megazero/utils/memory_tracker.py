@@ -22,14 +22,17 @@ CPU: the allocator keeps no statistics, so the tracker accounts storages itself:
 - ``UntypedStorage.resize_`` is wrapped while a CPU tracker is active, so in-place
   shrinking and regrowing is seen when it happens;
 - at entry, the tensors Python can reach (``gc``: parameters, gradients, optimizer
-  states, ...) form the baseline; a storage found later, as the input or view of an
-  operator, existed before entry and joins the baseline.
+  states, ...) form the baseline.
 
 Exactness (CPU): figures change at operator boundaries. Not counted: temporaries an
-operator allocates and frees inside its own kernel, and storages created without an
-ATen operator (``torch.from_numpy``, unpickling) until an operator uses them; they
-then count as baseline. Work done on other threads than the one that entered is not
-seen (CPU autograd runs backward on the calling thread, so it is).
+operator allocates inside its kernel (also when they outlive it, as gloo's
+reduce-scatter buffer does until ``wait()``), storages created without an ATen
+operator (``torch.from_numpy``, unpickling), and storages that only C++ held at entry
+(an earlier graph's saved tensors): neither their bytes nor their release, so the
+figures never drift below the truth. Work done on other threads than the one that entered is not
+seen (CPU autograd runs backward on the calling thread, so it is), but frees are, from
+any thread: a collective's buffers die when the backend's thread lets go of them, a
+moment after ``wait()`` (see ``settle()``).
 
 Usage::
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -163,12 +167,35 @@ class LiveMemoryTracker:
         baseline, _, peak = self._read()
         return peak - baseline
 
-    def mark(self, name: str) -> MemoryMark:
-        """Record (and return) the live bytes now under ``name`` (a later mark of the same name replaces it)."""
+    def mark(self, name: str, *, settle: bool = False) -> MemoryMark:
+        """Record (and return) the live bytes now under ``name`` (a later mark of the same name
+        replaces it); ``settle=True`` first waits for communication buffers to be released."""
+        if settle:
+            self.settle()
         baseline, live, peak = self._read()
         m = MemoryMark(name, live - baseline, live, peak - baseline)
         self.marks[name] = m
         return m
+
+    def settle(self, quiet_s: float = 0.02, timeout_s: float = 2.0) -> int:
+        """Wait until the live bytes have not changed for ``quiet_s`` (at most ``timeout_s``);
+        return ``current_bytes``.
+
+        A finished collective's tensors are released a moment *after* ``wait()`` returns:
+        gloo's worker thread (and NCCL's watchdog) drop their reference to the work, and with
+        it to its input and output tensors, on their own schedule. Call this before an exact
+        reading that follows communication.
+        """
+        deadline = time.monotonic() + timeout_s
+        last, since = self.current_bytes, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s / 4)
+            now = self.current_bytes
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return last
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes (e.g. per step or log interval)."""
@@ -254,7 +281,14 @@ def _rss_bytes() -> int:
 
 
 class _StorageAccounting:
-    """Bytes of the CPU storages seen, kept current by weak-reference callbacks.
+    """Bytes of the CPU storages known to us, kept current by weak-reference callbacks.
+
+    Known storages: those reachable from Python at entry (the baseline), those an
+    operator returned as a new allocation since, and any resized in place. A storage
+    first met later as an operator's input or view is ignored, alive or freed: it may
+    predate the region (held by C++ only, e.g. an earlier graph's saved tensors) or have
+    been made inside a kernel or a backend's thread (gloo's reduce-scatter buffer), and
+    counting its free without its allocation would drift below the truth.
 
     Keyed by the storage's C++ address (``_cdata``): a storage's callback runs when it
     dies, before that address can be reused.
@@ -270,50 +304,54 @@ class _StorageAccounting:
         for obj in gc.get_objects():
             # issubclass(type(...)): isinstance would consult __class__ of proxies (and their warnings).
             if issubclass(type(obj), torch.Tensor):
-                self.see(obj, fresh=False)
+                self._scan(obj)
                 if obj.is_leaf:  # autograd-made gradients may have no Python object yet: this makes one
                     grad = obj._grad
                     if grad is not None:
-                        self.see(grad, fresh=False)
+                        self._scan(grad)
 
-    def see(self, t: torch.Tensor, fresh: bool) -> None:
-        """Register ``t``'s storage if new to us: ``fresh`` = allocated just now, else it predates us."""
-        if not t.is_cpu:
-            return
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse tensors, wrapper subclasses: no storage
-            return
-        self.see_storage(storage, fresh)
+    def _scan(self, t: torch.Tensor) -> None:
+        storage = _cpu_storage(t)
+        if storage is not None and storage._cdata not in self._storages:
+            self.add(storage, storage.nbytes(), pre_existing=True)
 
-    def see_storage(self, storage: torch.UntypedStorage, fresh: bool, nbytes: Optional[int] = None) -> None:
+    def add(self, storage: torch.UntypedStorage, nbytes: int, pre_existing: bool) -> None:
         key = storage._cdata
-        n = storage.nbytes() if nbytes is None else nbytes
+        ref = weakref.ref(storage, functools.partial(_on_storage_freed, weakref.ref(self), key))
         with self._lock:
-            entry = self._storages.get(key)
-            if entry is None:
-                ref = weakref.ref(storage, functools.partial(_on_storage_freed, weakref.ref(self), key))
-                self._storages[key] = [ref, n]
-                self._live += n
-                if fresh:
-                    self._peak = max(self._peak, self._live)
-                else:  # alive since before entry, hence at every moment since: part of every figure
-                    self._baseline += n
-                    self._peak += n
-            elif entry[1] != n:  # resized by an operator (aten::resize_, set_)
+            self._storages[key] = [ref, nbytes]
+            self._live += nbytes
+            if pre_existing:  # alive since before entry, hence at every moment since: part of every figure
+                self._baseline += nbytes
+                self._peak += nbytes
+            else:
+                self._peak = max(self._peak, self._live)
+
+    def observe(self, storage: torch.UntypedStorage, fresh: bool, input_keys) -> None:
+        """An operator returned a tensor on ``storage``; ``fresh``: its schema says a new one."""
+        key = storage._cdata
+        entry = self._storages.get(key)
+        if entry is not None:
+            n = storage.nbytes()
+            if entry[1] != n:  # resized by the operator (aten::resize_, set_)
                 self._resized(entry, n)
+        elif fresh and key not in input_keys():  # aten::_unsafe_view shares its input's storage unannounced
+            self.add(storage, storage.nbytes(), pre_existing=False)
 
     def note_resize(self, storage: torch.UntypedStorage, old_nbytes: int) -> None:
-        self.see_storage(storage, fresh=False, nbytes=old_nbytes)
         with self._lock:
             entry = self._storages.get(storage._cdata)
-            if entry is not None and entry[1] != storage.nbytes():
+            if entry is None:  # it had old_nbytes before this call: a storage that predates us
+                self.add(storage, old_nbytes, pre_existing=True)
+                entry = self._storages[storage._cdata]
+            if entry[1] != storage.nbytes():
                 self._resized(entry, storage.nbytes())
 
     def _resized(self, entry: list, n: int) -> None:
-        self._live += n - entry[1]
-        entry[1] = n
-        self._peak = max(self._peak, self._live)
+        with self._lock:
+            self._live += n - entry[1]
+            entry[1] = n
+            self._peak = max(self._peak, self._live)
 
     def freed(self, key: int) -> None:
         with self._lock:
@@ -332,6 +370,15 @@ class _StorageAccounting:
     def close(self) -> None:
         with self._lock:
             self._storages.clear()  # drops the weak references, and with them the callbacks
+
+
+def _cpu_storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    if not t.is_cpu:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse tensors, wrapper subclasses: no storage
+        return None
 
 
 def _on_storage_freed(acc_ref: "weakref.ref[_StorageAccounting]", key: int, _storage_ref: Any) -> None:
@@ -359,25 +406,30 @@ class _AccountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        see = self.acc.see
+        observe = self.acc.observe
         if func is _LIFT_FRESH:  # torch.tensor(data) built its tensor outside the dispatcher just now
-            see(out, True)
+            storage = _cpu_storage(out)
+            if storage is not None:
+                observe(storage, True, tuple)
             return out
-        # Inputs first: a storage we have not met is older than this operator, even if an
-        # un-annotated return (aten::_unsafe_view) shares it.
-        for t in _tensors(args):
-            see(t, False)
-        if kwargs:
-            for t in _tensors(kwargs.values()):
-                see(t, False)
+        keys: Optional[set] = None
+
+        def input_keys() -> set:  # only needed for a storage we do not know yet: computed lazily
+            nonlocal keys
+            if keys is None:
+                keys = {st._cdata for st in map(_cpu_storage, _tensors((args, kwargs.values() if kwargs else ())))
+                        if st is not None}
+            return keys
+
         fresh = _fresh_returns(func)
         if len(fresh) > 1 and isinstance(out, (tuple, list)) and len(out) == len(fresh):
-            for flag, o in zip(fresh, out):
-                for t in _tensors((o,)):
-                    see(t, flag)
+            pairs = ((flag, t) for flag, o in zip(fresh, out) for t in _tensors((o,)))
         else:
-            for t in _tensors((out,)):
-                see(t, fresh[0])
+            pairs = ((fresh[0], t) for t in _tensors((out,)))
+        for flag, t in pairs:
+            storage = _cpu_storage(t)
+            if storage is not None:
+                observe(storage, flag, input_keys)
         return out
 
 
