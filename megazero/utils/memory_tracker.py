@@ -76,16 +76,16 @@ class LiveMemoryTracker:
     Figures (all in bytes; the ``*_bytes`` without ``absolute`` are relative to entry):
 
     - ``baseline_bytes``: live at entry (on CPU: the storages Python could reach then,
-      plus pre-existing ones discovered later);
+      plus any older storage resized in place since);
     - ``current_bytes`` / ``absolute_current_bytes``: live now (frozen at exit);
       ``current_bytes`` is negative if more pre-existing memory was freed than allocated;
     - ``peak_bytes`` / ``absolute_peak_bytes``: the maximum since entry or ``reset_peak()``;
     - ``marks``: ``name -> MemoryMark`` recorded by ``mark(name)``.
 
-    ``scan_existing=False`` (CPU) skips the ``gc`` walk at entry (faster for very large
-    Python heaps); pre-existing storages then join the baseline only when an operator
-    touches them, so a pre-existing tensor freed untouched is not seen.
-    Trackers nest; each counts independently.
+    ``scan_existing=False`` (CPU) skips the ``gc`` walk at entry (tens of ms on a large
+    Python heap): only what the region allocates is counted (and older storages it resizes).
+    CPU trackers nest and count independently. CUDA trackers share the device's peak
+    statistics: entering one, ``reset_peak()`` or ``step_peak_memory()`` restarts them for all.
     """
 
     def __init__(self, device: DeviceLike = "cpu", *, scan_existing: bool = True) -> None:

@@ -191,3 +191,19 @@ def test_cuda_reads_allocator_statistics():
         assert t.current_bytes == 1 << 20
         del a, b
     assert t.peak_bytes == 4 << 20 and t.current_bytes == 0
+
+
+def test_without_the_entry_scan_only_the_region_counts():
+    old = torch.empty(2000)
+    flat = torch.empty(300)
+    with LiveMemoryTracker(scan_existing=False) as t:
+        assert t.baseline_bytes == 0
+        del old  # unknown to this tracker: its release is not counted either
+        new = old_view = flat.view(3, 100)  # a view of an unknown storage is not an allocation
+        assert t.current_bytes == 0
+        flat.untyped_storage().resize_(0)  # a resize reveals the storage and its previous size
+        assert t.baseline_bytes == 300 * F32 and t.current_bytes == -300 * F32
+        # 3-d matmul returns mm's output through aten::_unsafe_view (no alias annotation): counted once.
+        new = torch.ones(2, 3, 10) @ torch.ones(10, 7)
+        assert t.current_bytes == -300 * F32 + 2 * 3 * 7 * F32
+        del new, old_view
