@@ -152,18 +152,24 @@ def test_gpt_step_is_exact_and_overhead_is_printed():
         loss = model(ids, labels=labels).mean()
         loss.backward()
 
-    step()
-    model.zero_grad(set_to_none=True)
-    with LiveMemoryTracker() as t:
-        loss = model(ids, labels=labels).mean()
-        fwd = t.mark("after_forward")
-        loss.backward()
-        del loss
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # Everything the step allocated is gone except the new gradients.
-    assert t.current_bytes == grad_bytes
-    assert t.peak_bytes > fwd.current_bytes > 0
-    assert t.baseline_bytes >= grad_bytes  # the parameters (same sizes as their gradients)
+    after_forward = {}
+    for recompute in (None, "full"):
+        model.config.recompute_granularity = recompute
+        model.zero_grad(set_to_none=True)
+        with LiveMemoryTracker() as t:
+            loss = model(ids, labels=labels).mean()
+            fwd = t.mark("after_forward")
+            loss.backward()
+            del loss
+        # Everything the step allocated is gone except the new gradients.
+        assert t.current_bytes == grad_bytes
+        assert t.peak_bytes > fwd.current_bytes > 0
+        assert t.baseline_bytes >= grad_bytes  # the parameters (same sizes as their gradients)
+        after_forward[recompute] = fwd.current_bytes
+    assert after_forward["full"] < after_forward[None] / 4  # full recompute keeps only layer inputs
+    model.config.recompute_granularity = None
+    step()
 
     def per_step(ctx, n=10):
         with ctx:
