@@ -45,15 +45,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(local_vocab, rank, world)
         # Columns [valid, local_vocab) of this shard are padding (may be all of them on the last ranks).
         valid = min(max(vocab - start, 0), local_vocab)
-        if valid < local_vocab:
-            # Out of place: for fp32 input, z is the caller's tensor.
-            z = z.clone()
-            z[..., valid:] = float("-inf")
-
-        m = z.max(dim=-1, keepdim=True)[0]
+        if valid > 0:
+            m = z[..., :valid].max(dim=-1, keepdim=True)[0]
+        else:
+            m = z.new_full(z.shape[:-1] + (1,), float("-inf"))
         if world > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z - m
+        z = z - m  # a new tensor (for fp32 input z was the caller's): masking it in place is safe
+        if valid < local_vocab:
+            z[..., valid:] = float("-inf")
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= end) | ignored

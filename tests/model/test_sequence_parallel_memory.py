@@ -35,8 +35,8 @@ def _after_forward_bytes(tp, gathered_inputs_saved):
 
 def test_sequence_parallel_saves_shards_for_qkv_fc1_and_head():
     tp = 2
-    new = run_distributed(2, _after_forward_bytes, tp, False)
-    old = run_distributed(2, _after_forward_bytes, tp, True)
+    new = run_distributed(4, _after_forward_bytes, tp, False)
+    old = run_distributed(4, _after_forward_bytes, tp, True)
     config = tiny_config("gpt")
     gathered = SEQ * BATCH * config.hidden_size * 4
     shard = gathered // tp

@@ -75,6 +75,7 @@ def _padded_case(tp, label_smoothing, dtype, pad_fill):
 
     logits = chunk(logits_full, -1, rank, tp).requires_grad_()
     loss = mpu.vocab_parallel_cross_entropy(logits, target, label_smoothing, vocab_size=VALID)
+    assert torch.equal(logits.detach(), chunk(logits_full, -1, rank, tp)), "the caller's logits must not change"
     (loss * g).sum().backward()
 
     ref_logits = logits_full[..., :VALID].detach().float().requires_grad_()
