@@ -79,6 +79,7 @@ class GPTConfig:
     # its full (unsharded) shape, so the result does not depend on tp.
     init_method: str = "normal"
     layernorm_epsilon: float = 1e-5  # epsilon of every norm (Megatron's --norm-epsilon)
+    label_smoothing: float = 0.0  # of the training loss, over the unpadded vocabulary (Megatron's --label-smoothing)
     make_vocab_size_divisible_by: int = 128
     # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp. Set this
     # to the run's tp to get Megatron's shape (GPT-2 at tp 4: 50688); 1 keeps the embedding shape
@@ -185,7 +186,7 @@ class GPTConfig:
         elif self.rotary_percent != 1.0:
             raise ValueError(f"rotary_percent={self.rotary_percent} needs position_embedding_type='rope', "
                              f"got {self.position_embedding_type!r}")
-        for name in ("hidden_dropout", "attention_dropout"):
+        for name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")

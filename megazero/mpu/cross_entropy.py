@@ -9,6 +9,13 @@ the target) the target logit; two all-reduces (one MAX, one SUM of a stacked
 tensor) make them global. Math runs in fp32 whatever the input dtype, so bf16
 logits and very large logits stay stable. The gradient ``softmax - onehot`` is
 formed locally in backward with no further communication.
+
+Padded vocabulary: with ``vocab_size`` (the unpadded size) the columns at global
+ids ``>= vocab_size`` do not exist for the loss: they are left out of the softmax,
+of label smoothing's mean over the vocabulary and of the gradient (0 there), so the
+result equals ``F.cross_entropy(logits[..., :vocab_size], ...)``. Without it a
+model that masks padded logits to -inf would get an infinite smoothed loss
+(the mean of the log-probabilities includes -inf).
 """
 
 from __future__ import annotations
@@ -26,24 +33,34 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size):
         world, rank = _size(group), _rank(group)
         z = logits.float()
         local_vocab = z.size(-1)
-        vocab = local_vocab * world
+        padded_vocab = local_vocab * world
+        vocab = padded_vocab if vocab_size is None else vocab_size
+        if not 1 <= vocab <= padded_vocab:
+            raise ValueError(f"vocab_size ({vocab_size}) must be in [1, {padded_vocab}] (the padded vocabulary: "
+                             f"{local_vocab} logits per rank x {world} tensor parallel ranks)")
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(local_vocab, rank, world)
-
-        m = z.max(dim=-1, keepdim=True)[0]
+        # Columns [valid, local_vocab) of this shard are padding (may be all of them on the last ranks).
+        valid = min(max(vocab - start, 0), local_vocab)
+        if valid > 0:
+            m = z[..., :valid].max(dim=-1, keepdim=True)[0]
+        else:
+            m = z.new_full(z.shape[:-1] + (1,), float("-inf"))
         if world > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z - m
+        z = z - m  # a new tensor (for fp32 input z was the caller's): masking it in place is safe
+        if valid < local_vocab:
+            z[..., valid:] = float("-inf")
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= end) | ignored
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp_z = z.exp()
-        stats = torch.stack([target_logit, exp_z.sum(dim=-1), z.sum(dim=-1)], dim=0)
+        stats = torch.stack([target_logit, exp_z.sum(dim=-1), z[..., :valid].sum(dim=-1)], dim=0)
         if world > 1:
             dist.all_reduce(stats, group=group)
         target_logit, sum_exp, sum_z = stats.unbind(0)
@@ -57,7 +74,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(ignored, 0.0)
 
         softmax = exp_z.div_(sum_exp.unsqueeze(-1))
-        ctx.label_smoothing, ctx.vocab, ctx.input_dtype = label_smoothing, vocab, logits.dtype
+        ctx.label_smoothing, ctx.vocab, ctx.valid, ctx.input_dtype = label_smoothing, vocab, valid, logits.dtype
         ctx.save_for_backward(softmax, local_target, outside, ignored)
         return loss
 
@@ -69,9 +86,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - a) * hit.unsqueeze(-1))
         if a > 0.0:
-            grad.sub_(a / ctx.vocab)
+            # Padded columns are outside the smoothing mean: their softmax is 0, and so stays their gradient.
+            grad[..., :ctx.valid].sub_(a / ctx.vocab)
         grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -81,12 +99,19 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Per-token loss ``[...]`` (fp32) from logits ``[..., vocab / tp]`` and global ``target`` ids.
 
     Positions whose target equals ``ignore_index`` get loss 0 and no gradient,
     as ``F.cross_entropy(..., reduction="none")`` does.
+
+    ``vocab_size``: the number of real vocabulary entries when the logits are padded
+    (Megatron's ``padded_vocab_size``); ids ``>= vocab_size`` are then ignored by the
+    softmax, the label-smoothing mean and the gradient. ``None``: every column is real.
+    A target id in the padded range has probability 0 and an infinite loss.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, ignore_index, resolve_tp_group(group))
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, ignore_index,
+                                            resolve_tp_group(group), vocab_size)

@@ -9,7 +9,9 @@ Under sequence parallelism the activations entering/leaving the layers are
 ``[s/tp, b, h]`` shards. Replicated parameters that then see only a sequence
 shard (the row-parallel bias) get their gradient all-reduced over TP by the
 layer itself, through ``copy_to_tensor_model_parallel_region``, so no optimizer
-has to remember to do it.
+has to remember to do it. A sequence-parallel column-parallel layer keeps only its
+input shard for backward and re-gathers it there, so sequence parallelism saves
+activation memory for QKV, FC1 and the LM head too.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ from .initializers import InitMethod, init_method_normal, initialize_sharded_, s
 from .mappings import (
     _rank,
     _size,
+    all_gather_first_dim,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     resolve_tp_group,
     scatter_to_tensor_model_parallel_region,
 )
-from .utils import VocabUtility, divide
+from .utils import VocabUtility, all_gather_flat, divide, reduce_scatter_flat
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -76,6 +78,53 @@ class _LinearWithAsyncInputGradAllReduce(torch.autograd.Function):
         grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1])) if weight.requires_grad else None
         grad_bias = g2.sum(dim=0) if ctx.has_bias else None
         work.wait()
+        return grad_input, grad_weight, grad_bias, None
+
+
+class _LinearWithSequenceParallelGather(torch.autograd.Function):
+    """``F.linear(all_gather_seq(x), w, b)`` for a sequence-parallel input ``x`` ``[s/tp, b, h]``
+    that saves the shard, not the gathered ``[s, b, h]`` (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication).
+
+    Forward gathers into a temporary freed on return. Backward re-gathers the saved
+    shard asynchronously while it computes the input gradient of the full sequence,
+    then reduce-scatters that gradient asynchronously while it computes the weight
+    gradient. The weight is saved as the tensor passed in (the parameter itself), so
+    an engine that swaps a parameter's data between forward and backward is seen.
+    A weight that does not require grad (frozen) gets no gradient and backward skips
+    the re-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        x = x.contiguous()
+        total = all_gather_first_dim(x, group)
+        out = F.linear(total, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        group, world = ctx.group, _size(ctx.group)
+        if need_weight:
+            total = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            gather = all_gather_flat(total, x, group=group, async_op=True)
+        grad_input = scatter = None
+        if need_input:
+            grad_total = grad_out.matmul(weight)  # [s, b, h]: each rank's partial sum over its output columns
+            grad_input = torch.empty_like(x)
+        if need_weight:
+            gather.wait()
+        if need_input:
+            scatter = reduce_scatter_flat(grad_input, grad_total, group=group, async_op=True)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = g2.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
+        grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if scatter is not None:
+            scatter.wait()
         return grad_input, grad_weight, grad_bias, None
 
 
@@ -153,8 +202,11 @@ class ColumnParallelLinear(_TPModule):
                              f"{(self.output_size_per_partition, self.input_size)}")
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-            out = F.linear(x, weight, bias)
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                            or (bias is not None and bias.requires_grad)):
+                out = _LinearWithSequenceParallelGather.apply(x, weight, bias, self.tp_group)
+            else:
+                out = F.linear(all_gather_first_dim(x, self.tp_group), weight, bias)
         elif self.tp_size > 1 and torch.is_grad_enabled() and x.requires_grad:
             out = _LinearWithAsyncInputGradAllReduce.apply(x, weight, bias, self.tp_group)
         else:

@@ -27,12 +27,13 @@ import json
 import logging
 import math
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
+
+from megazero.utils.memory_tracker import step_peak_memory
 
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
@@ -52,18 +53,12 @@ def metric_key(name: str) -> str:
 
 
 def memory_mb(device: Optional[torch.device] = None) -> Optional[float]:
-    """Peak memory in MiB: ``torch.cuda.max_memory_allocated`` on a GPU, the process's
-    resident set (``/proc/self/status`` VmRSS, else peak RSS from ``getrusage``) on CPU."""
-    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    """The peak memory in MiB since the previous call (call it once per log interval):
+    ``max_memory_allocated`` on a GPU (whose peak statistics this call resets); on CPU the
+    peak live tensor bytes of the active ``megazero.utils.LiveMemoryTracker`` (whose peak
+    window restarts), else the current resident set size. ``megazero.utils.peak_memory_source(device)``
+    names which one it is, for the log line's label."""
+    return step_peak_memory(device)[0] / 2 ** 20
 
 
 @dataclass

@@ -56,3 +56,60 @@ def test_large_logits_and_bf16_are_stable(tp):
 def test_label_smoothing_range_is_checked():
     with pytest.raises(ValueError, match="label_smoothing"):
         mpu.vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 1.5)
+
+
+VALID = 21  # of V=32 padded columns: at tp 4 rank 2 holds 5 real columns and rank 3 none
+
+
+def _padded_case(tp, label_smoothing, dtype, pad_fill):
+    mpu.initialize_model_parallel(tp)
+    rank = mpu.get_tensor_model_parallel_rank()
+    logits_full = randn(S, B, V, seed=21, scale=3.0)
+    # GPTModel writes -inf into the padded columns; arbitrary values there must not matter either.
+    logits_full[..., VALID:] = pad_fill
+    logits_full = logits_full.to(dtype)
+    target = torch.randint(0, VALID, (S, B), generator=torch.Generator().manual_seed(22))
+    target[0, :] = torch.tensor([0, VALID - 1, 16])[:B]  # the last real id; the first id of rank 2 at tp 4
+    target[1, 1] = -100
+    g = randn(S, B, seed=23)
+
+    logits = chunk(logits_full, -1, rank, tp).requires_grad_()
+    loss = mpu.vocab_parallel_cross_entropy(logits, target, label_smoothing, vocab_size=VALID)
+    assert torch.equal(logits.detach(), chunk(logits_full, -1, rank, tp)), "the caller's logits must not change"
+    (loss * g).sum().backward()
+
+    ref_logits = logits_full[..., :VALID].detach().float().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, VALID), target.view(-1), reduction="none",
+                          label_smoothing=label_smoothing).view(S, B)
+    (ref * g).sum().backward()
+
+    assert torch.isfinite(loss).all() and torch.isfinite(logits.grad.float()).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    d_loss = assert_close(loss, ref, "loss", atol=tol, rtol=tol)
+    ref_grad = F.pad(ref_logits.grad, (0, V - VALID))  # padded columns: gradient exactly 0
+    d_grad = assert_close(logits.grad.float(), chunk(ref_grad, -1, rank, tp), "logit grads", atol=tol, rtol=tol)
+    pad_grad = chunk(torch.arange(V) >= VALID, -1, rank, tp)
+    assert torch.all(logits.grad[..., pad_grad] == 0)
+    return d_loss, d_grad
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_label_smoothing_ignores_padded_vocabulary(tp):
+    for pad_fill in (float("-inf"), 7.0):
+        for a in (0.0, 0.1):
+            run_distributed(4, _padded_case, tp, a, torch.float32, pad_fill)
+    run_distributed(4, _padded_case, tp, 0.1, torch.bfloat16, float("-inf"))
+
+
+def test_padded_logits_without_vocab_size_give_inf_smoothed_loss():
+    # The failure vocab_size exists for: the smoothing mean over all columns includes -inf.
+    logits = torch.randn(2, 8)
+    logits[:, 6:] = float("-inf")
+    target = torch.tensor([1, 5])
+    assert torch.isinf(mpu.vocab_parallel_cross_entropy(logits, target, 0.1)).all()
+    assert torch.isfinite(mpu.vocab_parallel_cross_entropy(logits, target, 0.1, vocab_size=6)).all()
+
+
+def test_vocab_size_range_is_checked():
+    with pytest.raises(ValueError, match=r"vocab_size \(9\) must be in \[1, 8\]"):
+        mpu.vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), vocab_size=9)

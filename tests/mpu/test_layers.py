@@ -184,3 +184,126 @@ def test_pad_vocab_size():
     assert mpu.pad_vocab_size(50257, 1) == 50304
     assert mpu.pad_vocab_size(50257, 4) == 50688
     assert mpu.pad_vocab_size(512, 4, make_vocab_size_divisible_by=128) == 512
+
+
+# ---- sequence parallelism: the column-parallel layer saves the shard, not the gathered input -----
+
+
+def _sp_layer(tp, rank, w_full, b_full, **kw):
+    layer = mpu.ColumnParallelLinear(IN, OUT, gather_output=False, sequence_parallel=True, **kw)
+    with torch.no_grad():
+        if layer.weight is not None:
+            layer.weight.copy_(chunk(w_full, 0, rank, tp))
+        if layer.bias is not None:
+            layer.bias.copy_(chunk(b_full, 0, rank, tp))
+    return layer
+
+
+def _sp_column_case(tp):
+    mpu.initialize_model_parallel(tp)
+    rank, group = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_group()
+    w_full, b_full = randn(OUT, IN, seed=8), randn(OUT, seed=9)
+    x_full, g_full = randn(S, B, IN, seed=1), randn(S, B, OUT, seed=2)
+    g = chunk(g_full, -1, rank, tp)
+    x_shard = lambda: chunk(x_full, 0, rank, tp).clone().requires_grad_()  # noqa: E731
+
+    xr, wr, br = x_full.clone().requires_grad_(), w_full.clone().requires_grad_(), b_full.clone().requires_grad_()
+    ref = F.linear(xr, wr, br)
+    (ref * g_full).sum().backward()
+    ref_out, ref_x, ref_w, ref_b = (chunk(ref, -1, rank, tp), chunk(xr.grad, 0, rank, tp), chunk(wr.grad, 0, rank, tp),
+                                    chunk(br.grad, 0, rank, tp))
+    diffs = {}
+
+    # The layer against single-process F.linear and against the previous implementation
+    # (all-gather with autograd, then F.linear), which saved the gathered input.
+    layer, x = _sp_layer(tp, rank, w_full, b_full), x_shard()
+    out, _ = layer(x)
+    (out * g).sum().backward()
+    w_old, b_old, x_old = (layer.weight.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_(),
+                           x_shard())
+    out_old = F.linear(mpu.gather_from_sequence_parallel_region(x_old, group, True), w_old, b_old)
+    (out_old * g).sum().backward()
+    for name, new, old, want in (("out", out, out_old, ref_out), ("x grad", x.grad, x_old.grad, ref_x),
+                                 ("w grad", layer.weight.grad, w_old.grad, ref_w), ("b grad", layer.bias.grad, b_old.grad, ref_b)):
+        diffs[f"{name} vs previous"] = assert_close(new, old, f"{name} vs previous implementation", atol=1e-6, rtol=1e-6)
+        diffs[f"{name} vs F.linear"] = assert_close(new, want, f"{name} vs F.linear")
+
+    # Tied output layer: the weight is handed to forward (a parameter of another module).
+    tied = _sp_layer(tp, rank, w_full, b_full, bias=False, skip_weight_param_allocation=True)
+    weight, x = torch.nn.Parameter(chunk(w_full, 0, rank, tp)), x_shard()
+    out, _ = tied(x, weight=weight)
+    (out * g).sum().backward()
+    ref_nb = F.linear(x_full, w_full)
+    diffs["tied out"] = assert_close(out, chunk(ref_nb, -1, rank, tp), "tied output")
+    diffs["tied x grad"] = assert_close(x.grad, ref_x, "tied input grad")
+    diffs["tied w grad"] = assert_close(weight.grad, ref_w, "tied weight grad")
+
+    # Frozen weight: no weight gradient (None, not zeros); input and bias gradients unchanged.
+    frozen, x = _sp_layer(tp, rank, w_full, b_full), x_shard()
+    frozen.weight.requires_grad_(False)
+    out, _ = frozen(x)
+    (out * g).sum().backward()
+    assert frozen.weight.grad is None
+    assert_close(x.grad, ref_x, "frozen-weight input grad")
+    assert_close(frozen.bias.grad, ref_b, "frozen-weight bias grad")
+
+    # Input without grad (first layer of a frozen trunk): weight gradient only.
+    layer2 = _sp_layer(tp, rank, w_full, b_full)
+    x = chunk(x_full, 0, rank, tp)
+    out, _ = layer2(x)
+    (out * g).sum().backward()
+    assert_close(layer2.weight.grad, ref_w, "weight grad with a no-grad input")
+
+    with torch.no_grad():  # inference: plain gather + linear
+        out, _ = layer(chunk(x_full, 0, rank, tp))
+    assert_close(out, ref_out, "no-grad output")
+    return {k: v for k, v in diffs.items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_column_linear_gradients(tp):
+    for d in run_distributed(4, _sp_column_case, tp):
+        assert max(d.values()) < 1e-5, d
+
+
+def _sp_memory_case(tp, legacy):
+    from megazero.utils import LiveMemoryTracker
+
+    mpu.initialize_model_parallel(tp)
+    rank, group = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_group()
+    layer = _sp_layer(tp, rank, randn(OUT, IN, seed=8), randn(OUT, seed=9))
+    x = chunk(randn(S, B, IN, seed=1), 0, rank, tp).clone().requires_grad_()  # own storage, not x_full's
+    saved = []
+
+    def pack(t):
+        # The weight (or a transposed view of it) is a parameter, not an activation.
+        if t.untyped_storage()._cdata != layer.weight.untyped_storage()._cdata:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with LiveMemoryTracker() as tracker:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if legacy:
+                out = F.linear(mpu.gather_from_sequence_parallel_region(x, group, True), layer.weight, layer.bias)
+            else:
+                out, _ = layer(x)
+        after_forward = tracker.mark("after_forward", settle=True)
+        out.sum().backward()
+        del out
+        after_backward = tracker.mark("after_backward", settle=True)
+    shard, gathered = S // tp * B * IN * 4, S * B * IN * 4
+    out_bytes = S * B * (OUT // tp) * 4
+    grads = (OUT // tp * IN + OUT // tp) * 4 + shard  # weight, bias, input
+    return dict(saved=sum(saved), after_forward=after_forward.current_bytes, forward_peak=after_forward.peak_bytes,
+                after_backward=after_backward.current_bytes, shard=shard, gathered=gathered, out=out_bytes, grads=grads)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_column_linear_saves_only_the_shard(tp):
+    for m in run_distributed(4, _sp_memory_case, tp, False):
+        assert m["saved"] == m["shard"], m  # s/tp * b * h * 4 bytes
+        assert m["after_forward"] == m["out"], m  # nothing but the output survives forward
+        assert m["forward_peak"] == m["out"] + m["gathered"], m  # the gathered input was a temporary
+        assert m["after_backward"] == m["grads"], m
+    for m in run_distributed(4, _sp_memory_case, tp, True):  # what the previous implementation kept
+        assert m["saved"] == m["gathered"] and m["after_forward"] == m["out"] + m["gathered"], m
