@@ -196,6 +196,7 @@ class GPTModel(torch.nn.Module):
         return self._head(x, labels) if self.post_process else x
 
     def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        c = self.config
         x = self.final_norm(x)
         logits = self._logits(x)  # [s, b, padded_vocab/tp]
         if labels is None:
