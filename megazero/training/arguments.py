@@ -41,6 +41,7 @@ from megazero.training.config import (
     PrecisionConfig,
     ScheduleConfig,
     TrainConfig,
+    rampup_global_batch_size,
 )
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe"]
@@ -365,12 +366,7 @@ def _merge_deepspeed_scheduler(ns: argparse.Namespace, ds: dict[str, Any], path:
 
 
 def _rampup_batch(rampup: tuple[int, int, int], gbs: int, consumed: int) -> int:
-    """Megatron's ramp: START + INCR * floor(consumed / (SAMPLES / ((gbs - START) / INCR)))."""
-    start, incr, ramp = rampup
-    if consumed > ramp:
-        return gbs
-    per_increment = ramp / ((gbs - start) // incr)
-    return min(gbs, start + int(consumed / per_increment) * incr)
+    return rampup_global_batch_size(rampup, gbs, consumed)
 
 
 def _rampup_iterations(rampup: tuple[int, int, int], gbs: int, train_samples: int) -> int:
@@ -561,7 +557,7 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
                    tokenizer_model=ns.tokenizer_model, vocab_file=ns.vocab_file, merge_file=ns.merge_file,
                    vocab_size=ns.vocab_size, train_data_path=list(ns.train_data_path or []),
                    valid_data_path=list(ns.valid_data_path or []), test_data_path=list(ns.test_data_path or []),
-                   data_cache_path=ns.data_cache_path, num_workers=_default(ns.num_workers, 2),
+                   data_cache_path=ns.data_cache_path, num_workers=_default(ns.num_workers, 0),
                    reset_position_ids=bool(ns.reset_position_ids), reset_attention_mask=bool(ns.reset_attention_mask),
                    eod_mask_loss=bool(ns.eod_mask_loss), vocab_extra_ids=_default(ns.vocab_extra_ids, 0))
     if d.num_workers < 0 or d.vocab_extra_ids < 0:

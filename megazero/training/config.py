@@ -127,6 +127,22 @@ class ScheduleConfig:
     def lr_warmup_iters(self) -> float:
         return self.lr_warmup_samples / self.global_batch_size
 
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after ``consumed_samples`` (ramp-up aware)."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        return rampup_global_batch_size(self.rampup_batch_size, self.global_batch_size, consumed_samples)
+
+
+def rampup_global_batch_size(rampup: tuple[int, int, int], global_batch_size: int, consumed_samples: int) -> int:
+    """Megatron's --rampup-batch-size START INCR SAMPLES: START + INCR * floor(consumed / (SAMPLES /
+    ((global - START) / INCR))) until SAMPLES were consumed, then the full global batch."""
+    start, incr, ramp = rampup
+    if consumed_samples > ramp:
+        return global_batch_size
+    per_increment = ramp / ((global_batch_size - start) // incr)
+    return min(global_batch_size, start + int(consumed_samples / per_increment) * incr)
+
 
 @dataclass
 class DataConfig:
@@ -147,7 +163,7 @@ class DataConfig:
     valid_data_path: list[str] = field(default_factory=list)
     test_data_path: list[str] = field(default_factory=list)
     data_cache_path: Optional[str] = None
-    num_workers: int = 2  # Megatron's default
+    num_workers: int = 0  # DataLoader workers (Megatron defaults to 2; 0 reads in the training process)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False

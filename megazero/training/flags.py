@@ -274,7 +274,7 @@ g(H, "--data-impl", "dataset implementation: megazero reads .bin/.idx by mmap", 
   choices=("mmap", "infer", "lazy", "cached"),
   refuse_values=tuple((v, f"--data-impl {v} does not exist in megazero: .bin/.idx files are read by mmap "
                           "(the same files); pass --data-impl mmap or drop the flag") for v in ("lazy", "cached")))
-g(H, "--num-workers", "DataLoader worker processes", int)
+g(H, "--num-workers", "DataLoader worker processes (default 0 here: reads in the training process)", int)
 g(H, "--reset-position-ids", "restart position ids after each end-of-document token")
 g(H, "--reset-attention-mask", "no attention across end-of-document tokens")
 g(H, "--eod-mask-loss", "no loss on end-of-document tokens")
