@@ -26,6 +26,7 @@ from .config import TrainConfig
 from .lr_schedule import LRScheduler
 from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
                       memory_mb)
+from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
 
@@ -133,16 +134,38 @@ def _dp_mean(values: list[float], device: torch.device) -> float:
     return float(t) / mpu.get_data_parallel_world_size()
 
 
-def _train_step(engine, batches: list[dict], device) -> tuple[float, bool]:
+def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = None) -> tuple[float, bool]:
+    """One iteration; with ``timers`` (a dict) adds the seconds spent in fwd / bwd / step to it."""
     losses = []
     updated = False
+    clock = _PhaseClock(timers, device)
     for batch in batches:
         text = batch["text"].to(device)
         loss = engine(text[:, :-1], labels=text[:, 1:]).mean()
+        clock.lap("fwd")
         engine.backward(loss)
+        clock.lap("bwd")
         updated = engine.step()
+        clock.lap("step")
         losses.append(float(loss.detach()))
     return _dp_mean(losses, device), updated
+
+
+class _PhaseClock:
+    """Wall time per phase (DeepSpeed's wall_clock_breakdown); a no-op without a ``timers`` dict."""
+
+    def __init__(self, timers: Optional[dict], device) -> None:
+        self.timers, self.device = timers, device
+        self.t = time.perf_counter() if timers is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.timers is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.timers[name] = self.timers.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 @torch.no_grad()
@@ -271,11 +294,14 @@ def pretrain(config: TrainConfig) -> TrainResult:
     train_it = _loader(train_ds, consumed, config) if not config.schedule.skip_train else None
 
     s, log = config.schedule, config.logging
-    writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank())
+    writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank(), options=log)
+    timers: Optional[dict] = {} if (log.wall_clock_breakdown or log.log_timers_to_tensorboard) else None
+    zeros = count_zeros_in_grads(engine) if log.log_num_zeros_in_grad else None
     throughput = Throughput.from_config(config)
     meter = IntervalMeter()
     result = TrainResult(iteration, consumed, {}, {})
     signals = _SignalFlag(s.exit_signal_handler)
+    last_log = iteration
     per_micro = s.micro_batch_size * config.parallel.dp
     tokens = consumed * config.model.seq_length  # no curriculum: every sample is seq_length tokens
     try:
@@ -287,7 +313,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
             if s.rampup_batch_size is not None:
                 _set_accumulation(engine, batch_size // per_micro)
             batches = [next(train_it) for _ in range(batch_size // per_micro)]
-            loss, updated = _train_step(engine, batches, device)
+            loss, updated = (_train_step(engine, batches, device, timers) if timers is not None
+                             else _train_step(engine, batches, device))
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length
@@ -310,6 +337,22 @@ def pretrain(config: TrainConfig) -> TrainResult:
                     lr=scheduler.lr, global_batch_size=batch_size, throughput=throughput,
                     loss_scale=engine.get_loss_scale(), grad_norm=engine.get_global_grad_norm(),
                     memory=memory_mb(device))
+                if batch_size != s.global_batch_size:
+                    stats.tokens_per_second = throughput.at_batch(batch_size, s.global_batch_size) \
+                        .tokens_per_second(stats.seconds_per_iteration)
+                    stats.tflops_per_rank = throughput.at_batch(batch_size, s.global_batch_size) \
+                        .tflops_per_rank(stats.seconds_per_iteration)
+                if timers is not None:
+                    n = max(iteration - last_log, 1)
+                    stats.timers_ms = {k: v * 1000.0 / n for k, v in timers.items()}
+                    timers.clear()
+                last_log = iteration
+                if log.log_params_norm:
+                    stats.extra["params_norm"] = params_norm(engine)
+                if zeros is not None and zeros.zeros is not None:
+                    stats.extra["num_zeros"] = zeros.zeros
+                if log.log_optimizer_states_to_tensorboard:
+                    stats.extra.update(optimizer_state_stats(engine))
                 _print0(format_log_line(stats))
                 writer.write(iteration, stats.to_record())
             if s.eval_interval and iteration % s.eval_interval == 0:
