@@ -89,7 +89,6 @@ _DS_KEYS: list[tuple[str, str, str, Callable[[Any], Any]]] = [
     ("bfloat16.enabled", "bf16", "--bf16", bool),  # DeepSpeed's older spelling
     ("fp16.enabled", "fp16", "--fp16", bool),
     ("optimizer.params.momentum", "sgd_momentum", "--sgd-momentum", float),
-    ("activation_checkpointing.number_checkpoints", "recompute_num_layers", "--recompute-num-layers", int),
     # The fp16 loss-scaler keys are resolved in _resolve_precision: there the JSON's block governs.
 ]
 
@@ -549,6 +548,23 @@ def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[f
         raise ConfigError(f"{flag_name}: {e}") from None
 
 
+# Data semantics that the data pipeline implements (issue 12's data half); a build without that
+# support refuses them rather than training without them.
+_DATA_SEMANTICS = (("reset_position_ids", "--reset-position-ids"), ("reset_attention_mask", "--reset-attention-mask"),
+                   ("eod_mask_loss", "--eod-mask-loss"), ("vocab_extra_ids", "--vocab-extra-ids"))
+
+
+def _check_data_support(d: DataConfig) -> None:
+    import megazero.data.gpt_dataset as gpt_dataset
+
+    if hasattr(gpt_dataset, "get_ltor_masks_and_position_ids"):
+        return
+    asked = [flag_name for attr, flag_name in _DATA_SEMANTICS if getattr(d, attr)]
+    if asked:
+        raise ConfigError(f"{', '.join(asked)}: not supported by this build's data pipeline "
+                          f"(megazero.data has no get_ltor_masks_and_position_ids); drop the flag")
+
+
 def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     from megazero.data.gpt_dataset import parse_split  # lazy: numpy etc.
 
@@ -590,11 +606,17 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
                 raise ConfigError(f"data prefix '{prefix}': missing {' and '.join(missing)}; give the prefix "
                                   f"without extension, as written by tools/preprocess_data.py (or use --mock-data)")
 
+    _check_data_support(d)
     t = d.tokenizer_type
     if t is None:
         if d.mock_data and d.vocab_file is None:
             return d
         t = d.tokenizer_type = DEFAULT_TOKENIZER
+    from megazero.data.tokenizer import TOKENIZER_TYPES as built
+
+    if t not in built:
+        raise ConfigError(f"--tokenizer-type {t} is not available in this build's megazero.data (it has "
+                          f"{', '.join(built)}); use one of those")
     model_file = ("--tokenizer-model", d.tokenizer_model, "file")
     needs = {"SentencePieceTokenizer": [model_file], "GPTSentencePieceTokenizer": [model_file],
              "Llama2Tokenizer": [model_file],
@@ -908,6 +930,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         _merge_deepspeed_json(ns, ds, ns.deepspeed_config)
         _merge_deepspeed_scheduler(ns, ds, ns.deepspeed_config, notes)
         ac = ds.get("activation_checkpointing") or {}
+        full = ns.checkpoint_activations or ns.recompute_granularity == "full"
+        if full and ac.get("number_checkpoints") is not None:
+            n = int(ac["number_checkpoints"])
+            if ns.recompute_num_layers not in (None, n) or ns.checkpoint_num_layers not in (None, n):
+                raise ConfigError(f"--deepspeed_config {ns.deepspeed_config} has activation_checkpointing."
+                                  f"number_checkpoints={n} but the command line gives another --recompute-num-layers "
+                                  f"/ --checkpoint-num-layers; make them agree")
+            ns.recompute_num_layers = n
         if ac and not (ns.checkpoint_activations or ns.recompute_granularity or ns.recompute_activations):
             notes.append("DeepSpeed activation_checkpointing block: it configures the checkpoint function; "
                          "recompute runs with --checkpoint-activations or --recompute-granularity, as in "

@@ -82,8 +82,32 @@ def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
                 MockGPTDataset(max(num_samples[2], 1), config.model.seq_length, vocab, config.seed + 2))
     from ..data import build_train_valid_test_datasets
 
-    return build_train_valid_test_datasets(config.data.data_path, config.data.split, config.model.seq_length,
-                                           config.seed, num_samples)
+    d = config.data
+    if d.train_data_path:
+        # Megatron's separate split files: each path list is a whole split of its own.
+        out = []
+        for paths, n in ((d.train_data_path, num_samples[0]), (d.valid_data_path, num_samples[1]),
+                         (d.test_data_path, num_samples[2])):
+            out.append(build_train_valid_test_datasets(_weighted(paths), "100,0,0", config.model.seq_length,
+                                                       config.seed, (max(n, 1), 0, 0), cache_dir=d.data_cache_path)[0]
+                       if paths and n else None)
+        return tuple(out)
+    return build_train_valid_test_datasets(_weighted(d.data_path), d.split, config.model.seq_length,
+                                           config.seed, num_samples, cache_dir=d.data_cache_path)
+
+
+def _weighted(paths: list[str]) -> list[str]:
+    """Megatron's unweighted multi-prefix form 'A B' as equal weights '1 A 1 B'."""
+    def number(x: str) -> bool:
+        try:
+            float(x)
+            return True
+        except ValueError:
+            return False
+
+    if len(paths) > 1 and not any(number(p) for p in paths):
+        return [x for p in paths for x in ("1", p)]
+    return list(paths)
 
 
 class _SignalFlag:
