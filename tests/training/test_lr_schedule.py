@@ -147,3 +147,14 @@ def test_resume_override_and_use_checkpoint():
     assert b.max_lr == 2.0 and b.num_steps == 5
     b.load_state_dict(a.state_dict(), use_checkpoint_values=True)
     assert b.max_lr == 1.0 and b.get_lr() == a.get_lr()
+
+
+def test_token_schedule_from_config_counts_tokens():
+    base = ("--model-preset gpt-tiny --micro-batch-size 2 --lr 1.0 --min-lr 0 --mock-data --lr-decay-style linear "
+            "--train-samples 64 --lr-warmup-tokens 256 --lr-decay-tokens 2048").split()
+    cfg = parse_args(base, 4)  # seq 64, global batch 8: one iteration = 512 tokens
+    s = LRScheduler.from_config(cfg)
+    assert LRScheduler.increment(cfg, 8) == 512
+    lrs = [s.step(LRScheduler.increment(cfg, 8)) for _ in range(4)]
+    # tokens 512, 1024, 1536, 2048: past the 256-token warmup, linear to 0 at 2048
+    assert lrs == pytest.approx([1 - (512 - 256) / 1792, 1 - (1024 - 256) / 1792, 1 - (1536 - 256) / 1792, 0.0])

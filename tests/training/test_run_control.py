@@ -79,3 +79,45 @@ def test_skip_train_only_evaluates(dataset):  # noqa: F811
     args = argv(dataset, "--skip-train", "--split", "80,10,10", tp=1, stage=1, iters=5)
     losses, it, _, _, final = run_distributed(2, _pretrain, args, 2)[0]
     assert losses == {} and it == 0 and set(final) == {"valid", "test"}
+
+
+def test_resume_in_the_middle_of_a_ramp_is_exact(dataset, tmp_path):  # noqa: F811
+    ramp = ["--rampup-batch-size", "8", "8", "24"]  # batches 8, 8, 8, 16 (24 not > 24 but floor(24/24)=1), 16, 16
+    common = dict(tp=1, stage=2, iters=6)
+    full, _, consumed_full, *_ = run_distributed(2, _pretrain, argv(dataset, *ramp, **common), 2)[0]
+    save = str(tmp_path / "ckpt")
+    ckpt = [*ramp, "--save", save, "--load", save]
+    first, it, consumed, *_ = run_distributed(2, _pretrain, argv(dataset, *ckpt, "--exit-interval", "2", **common),
+                                              2)[0]
+    assert it == 2 and consumed == 16  # stopped with the batch still ramping
+    rest, it, consumed, *_ = run_distributed(2, _pretrain, argv(dataset, *ckpt, **common), 2)[0]
+    assert it == 6 and consumed == consumed_full == 8 + 8 + 8 + 16 + 16 + 16
+    assert {**first, **rest} == full
+
+
+def test_finetune_and_no_load_optim(dataset, tmp_path):  # noqa: F811
+    save = str(tmp_path / "ckpt")
+    common = dict(tp=1, stage=1, iters=4)
+    run_distributed(2, _pretrain, argv(dataset, "--save", save, "--exit-interval", "2", **common), 2)
+    resumed, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, **common), 2)[0]
+    fresh_optim, it, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, "--no-load-optim", **common),
+                                          2)[0]
+    assert it == 4 and fresh_optim[3] == resumed[3]  # same weights, same first batch
+    assert fresh_optim[4] != resumed[4]  # the Adam moments started afresh
+    tuned, it, consumed, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, "--finetune", **common),
+                                              2)[0]
+    scratch, *_ = run_distributed(2, _pretrain, argv(dataset, **common), 2)[0]
+    assert it == 4 and sorted(tuned) == [1, 2, 3, 4] and consumed == 4 * 16  # counters start afresh
+    assert tuned[1] < scratch[1]  # the same first batch, from the trained weights
+
+
+def test_train_tokens_stops_the_run(dataset):  # noqa: F811
+    args = argv(dataset, tp=1, stage=1, iters=8)
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    # 16 samples x 16 tokens = 256 tokens per iteration: 600 tokens stop after 3 iterations
+    args += ["--train-samples", "128", "--train-tokens", "600", "--lr-warmup-tokens", "256",
+             "--lr-decay-tokens", "2048"]
+    _, it, consumed, reason, _ = run_distributed(2, _pretrain, args, 2)[0]
+    assert it == 3 and consumed == 48 and reason == "--train-tokens 600 reached"
