@@ -1023,9 +1023,12 @@ def describe(config: TrainConfig) -> str:
         f"recompute {m.recompute_granularity or 'none'}, attention {m.attention_backend}",
         f"batch: global {s.global_batch_size} = micro {s.micro_batch_size} x dp {p.dp} x accumulation "
         f"{s.grad_accum_steps}; {s.train_iters} iterations ({s.train_samples} samples, "
-        f"{s.train_samples * m.seq_length:,} tokens)",
-        f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} samples, decay "
-        f"{s.lr_decay_samples} samples; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
+        f"{s.train_samples * m.seq_length:,} tokens)"
+        + (f"; ramp-up {s.rampup_batch_size[0]} +{s.rampup_batch_size[1]} over {s.rampup_batch_size[2]} samples"
+           if s.rampup_batch_size else "")
+        + (f"; stop at {s.train_tokens:,} tokens" if s.train_tokens else ""),
+        f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} {s.lr_unit}, decay "
+        f"{s.lr_decay_samples} {s.lr_unit}; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
         f"wd {o.weight_decay}, clip {o.clip_grad}",
     ]
     return "\n".join(lines)

@@ -121,3 +121,20 @@ def test_train_tokens_stops_the_run(dataset):  # noqa: F811
              "--lr-decay-tokens", "2048"]
     _, it, consumed, reason, _ = run_distributed(2, _pretrain, args, 2)[0]
     assert it == 3 and consumed == 48 and reason == "--train-tokens 600 reached"
+
+
+def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):  # noqa: F811
+    from megazero.training import parse_args
+
+    save = str(tmp_path / "ckpt")
+    common = dict(tp=1, stage=1, iters=3, dropout=0.1)
+    run_distributed(2, _pretrain, argv(dataset, "--save", save, "--exit-interval", "2", **common), 2)
+    resumed, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, **common), 2)[0]
+    fresh_rng, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, "--no-load-rng", **common), 2)[0]
+    assert fresh_rng[3] != resumed[3]  # other dropout masks: the saved RNG streams were not loaded
+    # --use-checkpoint-args: the checkpoint's architecture wins over the command line's
+    args = argv(dataset, "--load", save, "--use-checkpoint-args", tp=1, stage=1)
+    args[args.index("--num-layers") + 1] = "5"
+    args[args.index("--hidden-size") + 1] = "64"
+    m = parse_args(args, 2).model
+    assert (m.num_layers, m.hidden_size) == (2, 32)
