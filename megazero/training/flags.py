@@ -209,7 +209,9 @@ g = _group("batch and schedule")
 g(H, "--micro-batch-size", "sequences per rank per forward", int)
 g(H, "--global-batch-size", "sequences per optimizer step", int)
 g(H, "--rampup-batch-size", "START INCR SAMPLES: the global batch grows from START by INCR every "
-  "SAMPLES / ((global - START) / INCR) consumed samples", int, nargs=3, metavar=("START", "INCR", "SAMPLES"))
+  "SAMPLES / ((global - START) / INCR) consumed samples; the LR schedule advances by the samples consumed. "
+  "Also with --train-iters (Megatron-LM asserts against that, yet its GPT-3 175B example combines them)",
+  int, nargs=3, metavar=("START", "INCR", "SAMPLES"))
 g(H, "--train-iters", "iterations to train", int)
 g(H, "--train-samples", "samples to train (sample-based schedule)", int)
 g(H, "--train-tokens", "Megatron-DeepSpeed: stop once this many tokens were consumed (with --train-samples)", int)

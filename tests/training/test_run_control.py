@@ -138,3 +138,11 @@ def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):  # noqa: F811
     args[args.index("--hidden-size") + 1] = "64"
     m = parse_args(args, 2).model
     assert (m.num_layers, m.hidden_size) == (2, 32)
+
+
+def test_separate_split_paths(dataset):  # noqa: F811
+    args = argv(dataset, tp=1, stage=1, iters=2)
+    i = args.index("--data-path")
+    args[i:i + 2] = ["--train-data-path", dataset, "--valid-data-path", dataset, "--test-data-path", dataset]
+    _, it, _, _, final = run_distributed(2, _pretrain, args, 2)[0]
+    assert it == 2 and set(final) == {"valid", "test"} and final["valid"] == final["test"]  # the same files
