@@ -332,6 +332,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
         while iteration < s.train_iters and not s.skip_train:
             if s.train_tokens is not None and tokens >= s.train_tokens:
                 result.exit_reason = f"--train-tokens {s.train_tokens} reached"
+                _print0(f"> stopping at iteration {iteration}: {tokens:,} tokens consumed, "
+                        f"--train-tokens {s.train_tokens:,} reached")
                 break
             batch_size = s.global_batch_size_at(consumed)
             if s.rampup_batch_size is not None:

@@ -38,14 +38,14 @@ def files(tmp_path_factory):
     return dict(DATA=prefix, VOCAB=str(d / "gpt2-vocab.json"), MERGE=str(d / "gpt2-merges.txt"))
 
 
-def _launch(cmd, tmp_path):
+def _launch(cmd, tmp_path, done=r"iteration\s+3/\s+3"):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=420)
     log = proc.stdout
     (tmp_path / "log.txt").write_text(log)
     assert proc.returncode == 0, log[-6000:]
-    assert re.search(r"iteration\s+3/\s+3", log), log[-4000:]
+    assert re.search(done, log), log[-4000:]
     train = [float(x) for x in re.findall(r"lm loss: ([-+0-9.naNEinf]+)", log)]
     valid = [float(x) for x in re.findall(r"end of training for validation data: loss at iteration 3: (\S+)", log)]
     assert len(valid) == 1 and all(math.isfinite(x) for x in train + valid), log[-4000:]
@@ -71,3 +71,12 @@ def test_pretrain_gpt_distributed_with_mp_with_torchrun(files, tmp_path):
     # Megatron (hysteresis 2, then halving), so these 3 iterations log no training loss.
     assert "number of skipped iterations:   3" in log and "loss scale: 1073741824.0" in log
     assert os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+def test_ds_pretrain_gpt_1_3b_token_schedule_with_the_deepspeed_launcher(files, tmp_path):
+    args = script_args("ds_pretrain_gpt_1.3B", CKPT=str(tmp_path / "ckpt"), TB=str(tmp_path / "tb"), **files)
+    log, _ = _launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", "29733",
+                      os.path.join(ROOT, "pretrain_gpt.py"), *args], tmp_path,
+                     done=r"stopping at iteration 3: 768 tokens consumed, --train-tokens 768 reached")
+    assert "warmup 64 tokens, decay 768 tokens" in log and "tp 2 x pp 1 x dp 2" in log
+    assert os.path.exists(tmp_path / "ckpt" / "iter_0000003")
