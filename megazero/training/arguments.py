@@ -42,6 +42,7 @@ from megazero.training.config import (
     ScheduleConfig,
     TrainConfig,
     rampup_global_batch_size,
+    with_equal_weights,
 )
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe"]
@@ -364,15 +365,11 @@ def _merge_deepspeed_scheduler(ns: argparse.Namespace, ds: dict[str, Any], path:
     notes.append(f"DeepSpeed scheduler {kind} -> " + " ".join(f"{f} {v}" for f, v in values.values()))
 
 
-def _rampup_batch(rampup: tuple[int, int, int], gbs: int, consumed: int) -> int:
-    return rampup_global_batch_size(rampup, gbs, consumed)
-
-
 def _rampup_iterations(rampup: tuple[int, int, int], gbs: int, train_samples: int) -> int:
     """Megatron's update_train_iters for a sample-based run with ramp-up (drops a partial last batch)."""
     iterations = consumed = 0
     while consumed <= rampup[2] and consumed <= train_samples:
-        consumed += _rampup_batch(rampup, gbs, consumed)
+        consumed += rampup_global_batch_size(rampup, gbs, consumed)
         iterations += 1
     if train_samples > consumed:
         iterations += (train_samples - consumed) // gbs
@@ -385,7 +382,7 @@ def _rampup_samples(rampup: tuple[int, int, int], gbs: int, iterations: int) -> 
     for done in range(iterations):
         if consumed > rampup[2]:
             return consumed + (iterations - done) * gbs
-        consumed += _rampup_batch(rampup, gbs, consumed)
+        consumed += rampup_global_batch_size(rampup, gbs, consumed)
     return consumed
 
 
@@ -533,17 +530,8 @@ def _resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[
 def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[float]]:
     from megazero.data.gpt_dataset import parse_data_prefix  # lazy: numpy etc.
 
-    def number(x: str) -> bool:
-        try:
-            float(x)
-            return True
-        except ValueError:
-            return False
-
-    if len(items) > 1 and not any(number(x) for x in items):
-        return list(items), [1.0 / len(items)] * len(items)  # Megatron: prefixes without weights blend equally
     try:
-        return parse_data_prefix(items)
+        return parse_data_prefix(with_equal_weights(items))
     except ValueError as e:
         raise ConfigError(f"{flag_name}: {e}") from None
 

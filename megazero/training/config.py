@@ -134,6 +134,21 @@ class ScheduleConfig:
         return rampup_global_batch_size(self.rampup_batch_size, self.global_batch_size, consumed_samples)
 
 
+def with_equal_weights(paths: list[str]) -> list[str]:
+    """Megatron's unweighted multi-prefix ``--data-path A B`` as ``1 A 1 B`` (equal weights); any other
+    form is returned as given."""
+    def number(x: str) -> bool:
+        try:
+            float(x)
+            return True
+        except ValueError:
+            return False
+
+    if len(paths) > 1 and not any(number(p) for p in paths):
+        return [x for p in paths for x in ("1", p)]
+    return list(paths)
+
+
 def rampup_global_batch_size(rampup: tuple[int, int, int], global_batch_size: int, consumed_samples: int) -> int:
     """Megatron's --rampup-batch-size START INCR SAMPLES: START + INCR * floor(consumed / (SAMPLES /
     ((global - START) / INCR))) until SAMPLES were consumed, then the full global batch."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import time
 from typing import Iterator, Optional
 
@@ -22,11 +21,12 @@ from .. import mpu, zero
 from ..model import GPTModel, num_parameters
 from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, with_equal_weights
 from .lr_schedule import LRScheduler
 from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
                       memory_mb)
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
+from .run_control import PhaseClock, SignalFlag, any_rank, set_accumulation
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
 
@@ -88,59 +88,12 @@ def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
         out = []
         for paths, n in ((d.train_data_path, num_samples[0]), (d.valid_data_path, num_samples[1]),
                          (d.test_data_path, num_samples[2])):
-            out.append(build_train_valid_test_datasets(_weighted(paths), "100,0,0", config.model.seq_length,
+            out.append(build_train_valid_test_datasets(with_equal_weights(paths), "100,0,0", config.model.seq_length,
                                                        config.seed, (max(n, 1), 0, 0), cache_dir=d.data_cache_path)[0]
                        if paths and n else None)
         return tuple(out)
-    return build_train_valid_test_datasets(_weighted(d.data_path), d.split, config.model.seq_length,
+    return build_train_valid_test_datasets(with_equal_weights(d.data_path), d.split, config.model.seq_length,
                                            config.seed, num_samples, cache_dir=d.data_cache_path)
-
-
-def _weighted(paths: list[str]) -> list[str]:
-    """Megatron's unweighted multi-prefix form 'A B' as equal weights '1 A 1 B'."""
-    def number(x: str) -> bool:
-        try:
-            float(x)
-            return True
-        except ValueError:
-            return False
-
-    if len(paths) > 1 and not any(number(p) for p in paths):
-        return [x for p in paths for x in ("1", p)]
-    return list(paths)
-
-
-class _SignalFlag:
-    """--exit-signal-handler: remember a SIGTERM; the loop agrees on it across ranks each iteration
-    (a cluster may signal only some ranks) and then saves and exits, as Megatron's handler does."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
-        self.enabled = enabled
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def restore(self) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGTERM, self._previous)
-            self.enabled = False
-
-
-def _any_rank(flag: bool, device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def _set_accumulation(engine, micro_batches: int) -> None:
-    """Ramp-up changes the number of micro-batches per step; the engine scales the loss by
-    1/accum and steps at the accumulation boundary, so both must follow the current batch."""
-    if hasattr(engine, "set_gradient_accumulation_steps"):
-        engine.set_gradient_accumulation_steps(micro_batches)
-    else:  # until the engine has the API: called only between steps, where micro_steps is a boundary
-        engine.accum, engine.micro_steps = micro_batches, 0
 
 
 def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
@@ -162,7 +115,7 @@ def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = No
     """One iteration; with ``timers`` (a dict) adds the seconds spent in fwd / bwd / step to it."""
     losses = []
     updated = False
-    clock = _PhaseClock(timers, device)
+    clock = PhaseClock(timers, device)
     for batch in batches:
         text = batch["text"].to(device)
         loss = engine(text[:, :-1], labels=text[:, 1:]).mean()
@@ -173,23 +126,6 @@ def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = No
         clock.lap("step")
         losses.append(float(loss.detach()))
     return _dp_mean(losses, device), updated
-
-
-class _PhaseClock:
-    """Wall time per phase (DeepSpeed's wall_clock_breakdown); a no-op without a ``timers`` dict."""
-
-    def __init__(self, timers: Optional[dict], device) -> None:
-        self.timers, self.device = timers, device
-        self.t = time.perf_counter() if timers is not None else 0.0
-
-    def lap(self, name: str) -> None:
-        if self.timers is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.timers[name] = self.timers.get(name, 0.0) + now - self.t
-        self.t = now
 
 
 @torch.no_grad()
@@ -324,7 +260,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
     throughput = Throughput.from_config(config)
     meter = IntervalMeter()
     result = TrainResult(iteration, consumed, {}, {})
-    signals = _SignalFlag(s.exit_signal_handler)
+    signals = SignalFlag(s.exit_signal_handler)
     last_log = iteration
     per_micro = s.micro_batch_size * config.parallel.dp
     tokens = consumed * config.model.seq_length  # no curriculum: every sample is seq_length tokens
@@ -337,7 +273,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 break
             batch_size = s.global_batch_size_at(consumed)
             if s.rampup_batch_size is not None:
-                _set_accumulation(engine, batch_size // per_micro)
+                set_accumulation(engine, batch_size // per_micro)
             batches = [next(train_it) for _ in range(batch_size // per_micro)]
             loss, updated = (_train_step(engine, batches, device, timers) if timers is not None
                              else _train_step(engine, batches, device))
@@ -390,9 +326,9 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 _save(config, iteration, consumed, engine, scheduler)
                 saved = True
             reason = None
-            if s.exit_signal_handler and _any_rank(signals.received, device):
+            if s.exit_signal_handler and any_rank(signals.received, device):
                 reason = "a SIGTERM (--exit-signal-handler)"
-            elif s.exit_duration_in_mins is not None and _any_rank(
+            elif s.exit_duration_in_mins is not None and any_rank(
                     (time.time() - train_start) / 60.0 > s.exit_duration_in_mins, device):
                 reason = f"--exit-duration-in-mins {s.exit_duration_in_mins:g}"
             elif s.exit_interval and iteration % s.exit_interval == 0:
