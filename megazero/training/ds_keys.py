@@ -173,7 +173,9 @@ def classify(ds: dict[str, Any], source: str = "--deepspeed_config") -> list[str
 
 
 def strip_ignored(ds: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``ds`` without ignored keys (and without refused keys that were accepted as harmless)."""
+    """A copy of ``ds`` for the ZeRO engine: without ignored keys, without refused keys that were
+    accepted because harmless (offload with device 'none', a disabled profiler), and without the
+    blocks the training layer consumed."""
     out = copy.deepcopy(ds)
     for path, value in list(_walk(ds)):
         row = _lookup(path) if not path.endswith(".*") else _BY_PATH[path]
@@ -184,11 +186,11 @@ def strip_ignored(ds: dict[str, Any]) -> dict[str, Any]:
             for k in keys[:-1]:
                 node = node.get(k, {})
             node.pop(keys[-1], None)
-    for block in ("zero_optimization", "activation_checkpointing", "optimizer"):
-        if block in out and not out[block] and block != "optimizer":
-            out.pop(block)
-    out.pop("scheduler", None)  # the training loop's LR schedule; resolved from it up front
-    for block in ("tensorboard", "csv_monitor", "wandb", "activation_checkpointing", "steps_per_print",
+    if "zero_optimization" in out and not out["zero_optimization"]:
+        out.pop("zero_optimization")
+    # Consumed by the training layer when the command line was resolved (LR schedule, monitors,
+    # recompute, log interval); the engine has no use for them.
+    for block in ("scheduler", "tensorboard", "csv_monitor", "wandb", "activation_checkpointing", "steps_per_print",
                   "memory_breakdown"):
-        out.pop(block, None)  # consumed by the training layer
+        out.pop(block, None)
     return out

@@ -21,7 +21,7 @@ A row may also refuse some *values* of an otherwise honoured flag (``refuse_valu
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "refusals", "flags_markdown", "add_to_parser"]

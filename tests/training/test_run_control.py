@@ -4,7 +4,6 @@
 import os
 import signal
 
-import pytest
 import torch
 
 from megazero.training.config import rampup_global_batch_size
