@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -38,6 +39,12 @@ def files(tmp_path_factory):
     return dict(DATA=prefix, VOCAB=str(d / "gpt2-vocab.json"), MERGE=str(d / "gpt2-merges.txt"))
 
 
+def _free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def _launch(cmd, tmp_path, done=r"iteration\s+3/\s+3"):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -54,7 +61,7 @@ def _launch(cmd, tmp_path, done=r"iteration\s+3/\s+3"):
 
 def test_run_deepspeed_example_with_the_deepspeed_launcher(files, tmp_path):
     args = script_args("run_deepspeed_example", TB=str(tmp_path / "tb"), **files)
-    log, train = _launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", "29731",
+    log, train = _launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", _free_port(),
                    os.path.join(ROOT, "pretrain_gpt.py"), *args], tmp_path)
     assert len(train) == 3  # log interval 1, no step skipped at a 4096 scale
     assert "--loss-scale 12 is superseded by the DeepSpeed JSON's fp16 block" in log
@@ -75,7 +82,7 @@ def test_pretrain_gpt_distributed_with_mp_with_torchrun(files, tmp_path):
 
 def test_ds_pretrain_gpt_1_3b_token_schedule_with_the_deepspeed_launcher(files, tmp_path):
     args = script_args("ds_pretrain_gpt_1.3B", CKPT=str(tmp_path / "ckpt"), TB=str(tmp_path / "tb"), **files)
-    log, _ = _launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", "29733",
+    log, _ = _launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", _free_port(),
                       os.path.join(ROOT, "pretrain_gpt.py"), *args], tmp_path,
                      done=r"stopping at iteration 3: 768 tokens consumed, --train-tokens 768 reached")
     assert "warmup 64 tokens, decay 768 tokens" in log and "tp 2 x pp 1 x dp 2" in log
