@@ -717,12 +717,14 @@ def _checkpoint_model(load: str) -> dict[str, Any]:
         raise ConfigError(f"--use-checkpoint-args: cannot read the model config from {path}: {e}") from None
 
 
-# Set from the checkpoint by --use-checkpoint-args: what the weights' shapes and meaning depend on.
-_ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
-                        "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
-                        "normalization", "activation", "add_bias_linear", "tie_embeddings", "layernorm_epsilon",
-                        "norm_epsilon", "make_vocab_size_divisible_by", "rotary_percent", "kv_channels",
-                        "qk_layernorm", "apply_layernorm_1p", "apply_query_key_layer_scaling")
+# --use-checkpoint-args, as Megatron's load_args_from_checkpoint: shapes fill what the command line
+# left unset; the architecture is forced to the checkpoint's (the weights only mean something with it).
+_CHECKPOINT_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
+                            "max_position_embeddings", "seq_length", "kv_channels", "layernorm_epsilon",
+                            "norm_epsilon", "make_vocab_size_divisible_by")
+_CHECKPOINT_FORCED_FIELDS = ("num_query_groups", "position_embedding_type", "rotary_base", "rotary_percent",
+                             "add_bias_linear", "activation", "tie_embeddings", "apply_layernorm_1p", "normalization",
+                             "qk_layernorm", "apply_query_key_layer_scaling")
 
 
 def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionConfig, data: DataConfig,
@@ -734,15 +736,14 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         if key not in PRESETS:
             raise ConfigError(f"unknown --model-preset {ns.model_preset!r}; choose one of {', '.join(PRESETS)}")
         preset = dict(PRESETS[key])
+    forced: dict[str, Any] = {}
     if ns.use_checkpoint_args:
         if ns.load is None:
             raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose model arguments to use)")
         if check_files:
             saved = _checkpoint_model(ns.load)
-            preset.update({k: v for k, v in saved.items() if k in _ARCHITECTURE_FIELDS})
-            for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-                if k in preset:
-                    setattr(ns, k, None if k != "seq_length" else ns.seq_length)  # the checkpoint's shape wins
+            preset.update({k: v for k, v in saved.items() if k in _CHECKPOINT_SHAPE_FIELDS})
+            forced = {k: v for k, v in saved.items() if k in _CHECKPOINT_FORCED_FIELDS}
             notes.append(f"--use-checkpoint-args: model architecture from {ns.load}")
     if ns.num_key_value_heads is not None:
         if ns.num_query_groups is not None and ns.num_query_groups != ns.num_key_value_heads:
@@ -797,7 +798,7 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         backend = "flash"
     activation = "swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else preset.get("activation", "gelu")
     kw.update(
-        vocab_size=preset["vocab_size"] if ns.use_checkpoint_args and "vocab_size" in preset
+        vocab_size=preset["vocab_size"] if forced and "vocab_size" in preset and ns.vocab_size is None
         else _model_vocab_size(ns, data, preset, check_files),
         normalization=_default(ns.normalization, preset.get("normalization", "layernorm")),
         activation=activation,
@@ -819,10 +820,11 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         value = _default(getattr(ns, ns_attr), preset.get(attr))
         if value is not None:
             kw[attr] = value
-    for key, value in preset.items():  # architecture fields of a checkpoint (--use-checkpoint-args)
-        if key in _ARCHITECTURE_FIELDS and key not in kw and key in fields:
-            kw[key] = value
     kw.update(model_field_kwargs(ns))
+    for key in ("kv_channels", eps_field):
+        if key in preset and key not in kw and key in fields:
+            kw[key] = preset[key]
+    kw.update({k: v for k, v in forced.items() if k in fields})
     if backend == "flash" and check_files:  # a real launch on this machine, not a plan for another
         _check_flash_attn(prec)
     config = build_gpt_config(kw)

@@ -131,17 +131,14 @@ def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):  # noqa: F811
     resumed, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, **common), 2)[0]
     fresh_rng, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, "--no-load-rng", **common), 2)[0]
     assert fresh_rng[3] != resumed[3]  # other dropout masks: the saved RNG streams were not loaded
-    # --use-checkpoint-args: the checkpoint's architecture wins over the command line's
-    args = argv(dataset, "--load", save, "--use-checkpoint-args", tp=1, stage=1)
-    args[args.index("--num-layers") + 1] = "5"
-    args[args.index("--hidden-size") + 1] = "64"
+    # --use-checkpoint-args (Megatron's semantics): the checkpoint's architecture is forced, its shapes
+    # fill what the command line leaves unset
+    args = argv(dataset, "--load", save, "--use-checkpoint-args", "--swiglu", "--normalization", "rmsnorm",
+                tp=1, stage=1)
+    for flag in ("--num-layers", "--hidden-size"):
+        i = args.index(flag)
+        del args[i:i + 2]
     m = parse_args(args, 2).model
-    assert (m.num_layers, m.hidden_size) == (2, 32)
-
-
-def test_separate_split_paths(dataset):  # noqa: F811
-    args = argv(dataset, tp=1, stage=1, iters=2)
-    i = args.index("--data-path")
-    args[i:i + 2] = ["--train-data-path", dataset, "--valid-data-path", dataset, "--test-data-path", dataset]
-    _, it, _, _, final = run_distributed(2, _pretrain, args, 2)[0]
-    assert it == 2 and set(final) == {"valid", "test"} and final["valid"] == final["test"]  # the same files
+    assert (m.num_layers, m.hidden_size, m.activation, m.normalization) == (2, 32, "gelu", "layernorm")
+    args[args.index("--num-attention-heads") + 1] = "8"
+    assert parse_args(args, 2).model.num_attention_heads == 8  # given on the command line: it wins
