@@ -11,6 +11,7 @@ impossible configuration exits with a message instead of hanging a collective.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -24,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     from megazero.zero.checkpoint import CheckpointError
 
     config = parse_args_or_exit(argv)
+    if config.parallel.local_rank is not None:  # `deepspeed` / torch.distributed.launch pass --local_rank=N
+        os.environ.setdefault("LOCAL_RANK", str(config.parallel.local_rank))
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
-    mpu.init_distributed()
+    mpu.init_distributed(config.parallel.distributed_backend)
     if dist.get_rank() == 0:
         print(describe(config), flush=True)
     try:

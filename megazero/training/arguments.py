@@ -18,6 +18,7 @@ built-in default. A value given on the command line *and* in the JSON must agree
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,8 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import torch
 
 from megazero.model.config import PRESETS, GPTConfig
+from megazero.training.ds_keys import classify as classify_ds_keys
+from megazero.training.flags import add_to_parser, refusals
 from megazero.training.config import (
     CheckpointConfig,
     ConfigError,
@@ -38,11 +41,15 @@ from megazero.training.config import (
     PrecisionConfig,
     ScheduleConfig,
     TrainConfig,
+    rampup_global_batch_size,
+    with_equal_weights,
 )
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe"]
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
+                   "HuggingFaceTokenizer", "HFTokenizer", "NullTokenizer")
+DEFAULT_TOKENIZER = "GPT2BPETokenizer"  # Megatron's pretrain_gpt.py args_defaults
 GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE (50,000 merges + 256 bytes + <|endoftext|>)
 
 
@@ -54,103 +61,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flag set. Defaults are None on purpose: "not given" must be told apart from
-    "given as the default" to merge presets and the DeepSpeed JSON correctly."""
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with tensor parallelism and ZeRO.",
-                allow_abbrev=False)
-    flag = dict(action="store_true", default=None)
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int)
-    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int)
-    g.add_argument("--zero-stage", type=int, help="ZeRO stage 0-3 (default 1, as Megatron-DeepSpeed)")
-    g.add_argument("--sequence-parallel", **flag)
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
-                   help="DeepSpeed JSON; its values are merged, conflicts with flags are errors")
-    g.add_argument("--deepspeed", **flag, help="accepted for Megatron-DeepSpeed compatibility")
-    g.add_argument("--no-pipeline-parallel", **flag, help="accepted for Megatron-DeepSpeed compatibility")
-    g.add_argument("--deepspeed-activation-checkpointing", **flag, help="accepted for compatibility")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model-preset", help=f"one of {', '.join(PRESETS)} ('gpt-' optional); shape flags override it")
-    for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
-                 "--ffn-hidden-size", "--seq-length", "--max-position-embeddings"):
-        g.add_argument(name, type=int)
-    g.add_argument("--group-query-attention", **flag, help="accepted; --num-query-groups alone enables GQA")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "learned", "rope"))
-    g.add_argument("--rotary-base", type=float)
-    g.add_argument("--normalization", type=str.lower, choices=("layernorm", "rmsnorm"))
-    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float)
-    g.add_argument("--swiglu", **flag)
-    g.add_argument("--disable-bias-linear", **flag)
-    g.add_argument("--untie-embeddings-and-output-weights", **flag)
-    g.add_argument("--init-method-std", type=float)
-    g.add_argument("--hidden-dropout", type=float)
-    g.add_argument("--attention-dropout", type=float)
-    g.add_argument("--make-vocab-size-divisible-by", type=int)
-    g.add_argument("--recompute-granularity", choices=("full", "selective"))
-    g.add_argument("--recompute-method", choices=("uniform", "block"))
-    g.add_argument("--recompute-num-layers", type=int)
-    g.add_argument("--checkpoint-activations", **flag, help="Megatron-DeepSpeed alias of --recompute-granularity full")
-    g.add_argument("--recompute-activations", **flag, help="Megatron alias of --recompute-granularity selective")
-    g.add_argument("--use-flash-attn", "--use-flash-attn-v2", dest="use_flash_attn", **flag)
-
-    g = p.add_argument_group("batch and schedule")
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--train-samples", type=int)
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"))
-    g.add_argument("--lr-warmup-iters", type=int)
-    g.add_argument("--lr-warmup-fraction", type=float)
-    g.add_argument("--lr-warmup-samples", type=int)
-    g.add_argument("--lr-decay-iters", type=int)
-    g.add_argument("--lr-decay-samples", type=int)
-    g.add_argument("--eval-interval", type=int)
-    g.add_argument("--eval-iters", type=int)
-    g.add_argument("--exit-interval", type=int)
-
-    g = p.add_argument_group("optimizer and precision")
-    g.add_argument("--optimizer", type=str.lower, choices=("adam", "adamw"),
-                   help="Megatron's 'adam' has decoupled weight decay: both mean AdamW")
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--clip-grad", type=float)
-    g.add_argument("--adam-beta1", type=float)
-    g.add_argument("--adam-beta2", type=float)
-    g.add_argument("--adam-eps", type=float)
-    g.add_argument("--bf16", **flag)
-    g.add_argument("--fp16", **flag)
-    g.add_argument("--loss-scale", type=float, help="static fp16 loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, help="dynamic scaler start, a power of 2 (default 2**16)")
-    g.add_argument("--min-loss-scale", type=float)
-    g.add_argument("--loss-scale-window", type=int)
-    g.add_argument("--hysteresis", type=int)
-    g.add_argument("--seed", type=int)
-
-    g = p.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", nargs="+", help="PREFIX or 'W1 PREFIX1 W2 PREFIX2 ...' (files PREFIX.bin/.idx)")
-    g.add_argument("--split", help="train,valid,test weights (default 969,30,1)")
-    g.add_argument("--mock-data", **flag, help="synthetic tokens; no data files needed")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary; with other tokenizers an override")
-
-    g = p.add_argument_group("checkpoints, logging, sampling")
-    g.add_argument("--save")
-    g.add_argument("--load")
-    g.add_argument("--pretrained-checkpoint", default=None,
-                   help="initialize the weights from a full checkpoint (model_full.safetensors + config.json, "
-                        "e.g. from tools/convert_from_hf.py); ignored when --load finds a checkpoint")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument("--log-interval", type=int)
-    g.add_argument("--tensorboard-dir")
-    g.add_argument("--metrics-file", help="JSONL metrics (default: SAVE/metrics.jsonl when --save is given)")
-    g.add_argument("--generate-prompt")
-    g.add_argument("--generate-tokens", type=int)
+    """The flag set, built from the table in ``megazero.training.flags``. Defaults are None
+    on purpose: "not given" must be told apart from "given as the default" to merge presets
+    and the DeepSpeed JSON correctly, and to find refused flags."""
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with tensor parallelism and ZeRO. "
+                "[honoured]: Megatron's meaning; [mapped]: met by the megazero mechanism named; "
+                "[refused]: stops before any process group starts.", allow_abbrev=False)
+    add_to_parser(p)
     return p
 
 
@@ -172,12 +89,8 @@ _DS_KEYS: list[tuple[str, str, str, Callable[[Any], Any]]] = [
     ("bf16.enabled", "bf16", "--bf16", bool),
     ("bfloat16.enabled", "bf16", "--bf16", bool),  # DeepSpeed's older spelling
     ("fp16.enabled", "fp16", "--fp16", bool),
-    # DeepSpeed's loss_scale 0 means "dynamic", i.e. no --loss-scale.
-    ("fp16.loss_scale", "loss_scale", "--loss-scale", lambda v: float(v) if float(v) > 0 else None),
-    ("fp16.initial_scale_power", "initial_loss_scale", "--initial-loss-scale", lambda v: 2.0 ** int(v)),
-    ("fp16.loss_scale_window", "loss_scale_window", "--loss-scale-window", int),
-    ("fp16.hysteresis", "hysteresis", "--hysteresis", int),
-    ("fp16.min_loss_scale", "min_loss_scale", "--min-loss-scale", float),
+    ("optimizer.params.momentum", "sgd_momentum", "--sgd-momentum", float),
+    # The fp16 loss-scaler keys are resolved in _resolve_precision: there the JSON's block governs.
 ]
 
 
@@ -247,7 +160,16 @@ def _default(value: Any, fallback: Any) -> Any:
     return fallback if value is None else value
 
 
-def _resolve_parallel(ns: argparse.Namespace, world_size: int) -> ParallelConfig:
+def _check_local_rank(ns: argparse.Namespace) -> None:
+    """The `deepspeed` launcher and torch.distributed.launch pass --local_rank=N and also set LOCAL_RANK;
+    the environment is what megazero reads, so the two must agree."""
+    env = os.environ.get("LOCAL_RANK")
+    if ns.local_rank is not None and env is not None and int(env) != ns.local_rank:
+        raise ConfigError(f"--local_rank={ns.local_rank} disagrees with LOCAL_RANK={env} in the environment; "
+                          f"launch with torchrun, deepspeed or srun, which set both consistently")
+
+
+def _resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], check_files: bool) -> ParallelConfig:
     tp, pp = _default(ns.tp, 1), _default(ns.pp, 1)
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
@@ -259,25 +181,69 @@ def _resolve_parallel(ns: argparse.Namespace, world_size: int) -> ParallelConfig
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}; "
                           f"launch a multiple of {tp * pp} processes or change --tp")
-    zero_stage = _default(ns.zero_stage, 1)
+    zero_stage = ns.zero_stage
+    if ns.use_distributed_optimizer:
+        if zero_stage == 0:
+            raise ConfigError("--use-distributed-optimizer (optimizer states sharded over data parallel, i.e. "
+                              "ZeRO-1) contradicts --zero-stage 0; drop one of them")
+        if zero_stage is None:
+            zero_stage = 1
+            notes.append("--use-distributed-optimizer: ZeRO stage 1 (optimizer states sharded over data parallel)")
+    zero_stage = _default(zero_stage, 1)
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
     sp = bool(ns.sequence_parallel)
     if sp and tp == 1:
         raise ConfigError("--sequence-parallel needs --tp > 1 (it shards activations over the tensor-parallel "
                           "group); drop --sequence-parallel or raise --tp")
+    backend = ns.distributed_backend
+    if backend == "nccl" and check_files and not torch.cuda.is_available():
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
+                          "--distributed-backend gloo to run on CPUs")
     return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
-                          zero_stage=zero_stage, sequence_parallel=sp)
+                          zero_stage=zero_stage, sequence_parallel=sp, distributed_backend=backend)
 
 
-def _resolve_precision(ns: argparse.Namespace) -> PrecisionConfig:
+# DeepSpeed's fp16 block: (JSON key, DeepSpeed's default, namespace attribute, flag, JSON -> PrecisionConfig value)
+_FP16_KEYS: list[tuple[str, Any, str, str, Callable[[Any], Any]]] = [
+    ("loss_scale", 0, "loss_scale", "--loss-scale", lambda v: float(v) if float(v) > 0 else None),
+    ("initial_scale_power", 16, "initial_loss_scale", "--initial-loss-scale", lambda v: 2.0 ** int(v)),
+    ("loss_scale_window", 1000, "loss_scale_window", "--loss-scale-window", int),
+    ("hysteresis", 2, "hysteresis", "--hysteresis", int),
+    ("min_loss_scale", 1, "min_loss_scale", "--min-loss-scale", float),
+]
+
+
+def _resolve_precision(ns: argparse.Namespace, ds: Optional[dict[str, Any]], ds_path: Optional[str],
+                       notes: list[str]) -> PrecisionConfig:
     if ns.bf16 and ns.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive; choose one (bf16 needs no loss scaling)")
     dtype = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32"
-    prec = PrecisionConfig(dtype=dtype, loss_scale=ns.loss_scale)
-    for attr in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
-        if getattr(ns, attr) is not None:
-            setattr(prec, attr, getattr(ns, attr))
+    prec = PrecisionConfig(dtype=dtype, accumulate_grads_fp32=bool(ns.accumulate_allreduce_grads_in_fp32))
+    block = (ds or {}).get("fp16")
+    if dtype == "fp16" and isinstance(block, dict):
+        # As in Megatron-DeepSpeed, the JSON's fp16 block drives DeepSpeed's loss scaler and the
+        # --loss-scale family is not read; DeepSpeed's defaults fill what the block leaves out.
+        for key, ds_default, attr, flag_name, convert in _FP16_KEYS:
+            explicit = key in block and block[key] != "auto"
+            value = convert(block[key] if explicit else ds_default)
+            setattr(prec, attr, value)
+            given = getattr(ns, attr)
+            if given is None or _same(given, value):
+                continue
+            static_pair = attr == "loss_scale" and value is not None
+            if explicit and (attr != "loss_scale" or static_pair):
+                raise ConfigError(f"--deepspeed_config {ds_path} has fp16.{key}={json.dumps(block[key])} but the "
+                                  f"command line has {flag_name} {given:g}; make them agree or set it in one place")
+            shown = "dynamic" if value is None else f"{value:g}"
+            notes.append(f"{flag_name} {given:g} is superseded by the DeepSpeed JSON's fp16 block "
+                         f"({key} {'=' if explicit else 'default'} {shown}), as in Megatron-DeepSpeed")
+        prec.consecutive_hysteresis = bool(block.get("consecutive_hysteresis", False))
+    else:
+        prec.loss_scale = ns.loss_scale
+        for attr in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+            if getattr(ns, attr) is not None:
+                setattr(prec, attr, getattr(ns, attr))
     if prec.loss_scale is not None and prec.loss_scale <= 0:
         raise ConfigError(f"--loss-scale must be > 0 (omit it for dynamic scaling), got {prec.loss_scale}")
     power = math.log2(prec.initial_loss_scale) if prec.initial_loss_scale > 0 else 0.5
@@ -296,10 +262,20 @@ def _resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Opti
     o = OptimConfig(lr=ns.lr)
     ds_type = _json_get(ds or {}, "optimizer.type")
     if ds_type is not None:
-        if str(ds_type).lower() not in ("adam", "adamw"):
-            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} is not supported; use Adam or AdamW")
-        o.type = str(ds_type)
-    for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+        if str(ds_type).lower() not in ("adam", "adamw", "fusedadam", "sgd"):
+            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} is not supported; use Adam, AdamW "
+                              f"or SGD")
+        if ns.optimizer is not None and (ns.optimizer == "sgd") != (str(ds_type).lower() == "sgd"):
+            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} disagrees with --optimizer "
+                              f"{ns.optimizer}; set it in one place")
+        o.type = "SGD" if str(ds_type).lower() == "sgd" else str(ds_type)
+    if ns.optimizer == "sgd":
+        o.type = "SGD"
+    if o.type == "SGD":
+        _check_engine_has_sgd()
+    elif ns.sgd_momentum is not None:
+        raise ConfigError("--sgd-momentum needs --optimizer sgd")
+    for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
         if getattr(ns, attr) is not None:
             setattr(o, attr, getattr(ns, attr))
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
@@ -307,13 +283,111 @@ def _resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Opti
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1) or o.adam_eps <= 0:
         raise ConfigError(f"Adam needs betas in [0, 1) and eps > 0, got --adam-beta1 {o.adam_beta1} "
                           f"--adam-beta2 {o.adam_beta2} --adam-eps {o.adam_eps}")
+    if not 0 <= o.sgd_momentum < 1:
+        raise ConfigError(f"--sgd-momentum must be in [0, 1), got {o.sgd_momentum}")
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError(f"--weight-decay and --clip-grad must be >= 0, got {o.weight_decay} and {o.clip_grad}")
+    style = _default(ns.weight_decay_incr_style, "constant")
+    o.weight_decay_incr_style = style
+    if style == "constant":
+        # Megatron: a constant schedule is --weight-decay; start/end belong to the other styles.
+        if ns.start_weight_decay is not None or ns.end_weight_decay is not None:
+            raise ConfigError("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+                              "cosine (with the default 'constant', use --weight-decay)")
+    else:
+        if ns.start_weight_decay is None or ns.end_weight_decay is None:
+            raise ConfigError(f"--weight-decay-incr-style {style} needs both --start-weight-decay and "
+                              f"--end-weight-decay")
+        if ns.start_weight_decay < 0 or ns.end_weight_decay < 0:
+            raise ConfigError(f"weight decays must be >= 0, got --start-weight-decay {ns.start_weight_decay} "
+                              f"--end-weight-decay {ns.end_weight_decay}")
+        o.start_weight_decay, o.end_weight_decay = ns.start_weight_decay, ns.end_weight_decay
+        # The engine puts parameters into the decayed group when its weight decay is > 0; the
+        # schedule then sets the value every step.
+        o.weight_decay = max(o.start_weight_decay, o.end_weight_decay)
     return o
 
 
+def _check_engine_has_sgd() -> None:
+    """SGD needs the ZeRO engine to build torch.optim.SGD over its fp32 partitions; refuse it up
+    front on a build whose engine config does not know the type (rather than train with Adam)."""
+    from megazero.zero.config import ZeroConfigError, load_config
+
+    try:
+        load_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
+    except ZeroConfigError as e:
+        raise ConfigError(f"--optimizer sgd is not available in this build's ZeRO engine ({e}); use --optimizer "
+                          f"adam") from None
+
+
+_DS_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+
+
+def _merge_deepspeed_scheduler(ns: argparse.Namespace, ds: dict[str, Any], path: str, notes: list[str]) -> None:
+    """DeepSpeed's `scheduler` block -> the --lr* flags (in iterations), refusing disagreements."""
+    sched = ds.get("scheduler")
+    if not sched:
+        return
+    kind = sched.get("type")
+    if kind not in _DS_SCHEDULERS:
+        raise ConfigError(f"--deepspeed_config {path}: scheduler.type {kind!r} is not supported; remove the "
+                          f"scheduler block and use --lr-decay-style (constant, linear, cosine, "
+                          f"inverse-square-root, WSD) with --lr-warmup-iters/--lr-decay-iters")
+    p = dict(sched.get("params", {}))
+    if p.get("warmup_type", "log") != "linear" and int(p.get("warmup_num_steps", 1000)) > 0:
+        raise ConfigError(f"--deepspeed_config {path}: scheduler.params.warmup_type "
+                          f"{p.get('warmup_type', 'log')!r} (DeepSpeed's default is 'log') is not supported; set "
+                          f"\"warmup_type\": \"linear\" (Megatron's warmup) or use --lr-warmup-iters")
+    lr = ns.lr if ns.lr is not None else _json_get(ds, "optimizer.params.lr")
+    values: dict[str, tuple[str, Any]] = {"lr_decay_style": ("--lr-decay-style", _DS_SCHEDULERS[kind]),
+                                          "lr_warmup_iters": ("--lr-warmup-iters", int(p.get("warmup_num_steps", 1000)))}
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        values["lr_warmup_init"] = ("--lr-warmup-init", float(p.get("warmup_min_lr", 0.0)))
+        values["lr"] = ("--lr", float(p.get("warmup_max_lr", 0.001)))
+        if kind == "WarmupDecayLR":
+            values["min_lr"] = ("--min-lr", float(p.get("warmup_min_lr", 0.0)))
+    else:
+        if lr is None:
+            raise ConfigError(f"--deepspeed_config {path}: WarmupCosineLR scales the optimizer's lr; give --lr")
+        values["lr_warmup_init"] = ("--lr-warmup-init", float(lr) * float(p.get("warmup_min_ratio", 0.0)))
+        values["min_lr"] = ("--min-lr", float(lr) * float(p.get("cos_min_ratio", 0.0001)))
+    if kind != "WarmupLR":
+        if "total_num_steps" not in p:
+            raise ConfigError(f"--deepspeed_config {path}: scheduler {kind} needs params.total_num_steps")
+        values["lr_decay_iters"] = ("--lr-decay-iters", int(p["total_num_steps"]))
+    for attr, (flag_name, value) in values.items():
+        given = getattr(ns, attr)
+        if given is None:
+            setattr(ns, attr, value)
+        elif not _same(given, value):
+            raise ConfigError(f"--deepspeed_config {path} scheduler {kind} gives {flag_name} {value} but the command "
+                              f"line has {flag_name} {given}; make them agree or drop the scheduler block")
+    notes.append(f"DeepSpeed scheduler {kind} -> " + " ".join(f"{f} {v}" for f, v in values.values()))
+
+
+def _rampup_iterations(rampup: tuple[int, int, int], gbs: int, train_samples: int) -> int:
+    """Megatron's update_train_iters for a sample-based run with ramp-up (drops a partial last batch)."""
+    iterations = consumed = 0
+    while consumed <= rampup[2] and consumed <= train_samples:
+        consumed += rampup_global_batch_size(rampup, gbs, consumed)
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // gbs
+    return iterations
+
+
+def _rampup_samples(rampup: tuple[int, int, int], gbs: int, iterations: int) -> int:
+    """Samples consumed by ``iterations`` iterations under the ramp."""
+    consumed = 0
+    for done in range(iterations):
+        if consumed > rampup[2]:
+            return consumed + (iterations - done) * gbs
+        consumed += rampup_global_batch_size(rampup, gbs, consumed)
+    return consumed
+
+
 def _resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[dict[str, Any]],
-                      ds_path: Optional[str]) -> ScheduleConfig:
+                      ds_path: Optional[str], seq_length: int) -> ScheduleConfig:
     mbs = ns.micro_batch_size
     if mbs is None:
         raise ConfigError("--micro-batch-size is required (sequences per rank per forward pass), or set "
@@ -335,6 +409,19 @@ def _resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[
         raise ConfigError(f"--deepspeed-config {ds_path} has gradient_accumulation_steps={ds_accum} but the command "
                           f"line gives {accum} (= --global-batch-size {gbs} / (--micro-batch-size {mbs} x dp {dp})); "
                           f"make them agree or drop gradient_accumulation_steps from the JSON")
+    rampup = tuple(ns.rampup_batch_size) if ns.rampup_batch_size is not None else None
+    if rampup is not None:
+        start, incr, ramp = rampup
+        if start < 1 or incr < 1 or ramp < 0:
+            raise ConfigError(f"--rampup-batch-size START INCR SAMPLES needs START >= 1, INCR >= 1, SAMPLES >= 0; "
+                              f"got {start} {incr} {ramp}")
+        if start >= gbs or (gbs - start) % incr:
+            raise ConfigError(f"--rampup-batch-size {start} {incr} {ramp}: --global-batch-size {gbs} minus START "
+                              f"must be a positive multiple of INCR {incr}")
+        if start % (mbs * dp) or incr % (mbs * dp):
+            raise ConfigError(f"--rampup-batch-size {start} {incr} {ramp}: START and INCR must be multiples of "
+                              f"micro batch {mbs} x data-parallel size {dp} = {mbs * dp}, so every ramp batch "
+                              f"splits into whole micro-batches")
 
     if (ns.train_iters is None) == (ns.train_samples is None):
         raise ConfigError("give exactly one of --train-iters and --train-samples "
@@ -342,94 +429,194 @@ def _resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[
     frac = ns.lr_warmup_fraction
     if frac is not None and not 0.0 <= frac <= 1.0:
         raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {frac}")
+    wsd = None
     if ns.train_iters is not None:
         # Iteration-based run: LR flags in iterations too (Megatron refuses the mix).
-        if ns.lr_decay_samples is not None or ns.lr_warmup_samples is not None:
+        if ns.lr_decay_samples is not None or ns.lr_warmup_samples is not None or ns.lr_wsd_decay_samples is not None:
             raise ConfigError("with --train-iters give the LR schedule in iterations (--lr-decay-iters, "
-                              "--lr-warmup-iters or --lr-warmup-fraction), not in samples")
+                              "--lr-warmup-iters or --lr-warmup-fraction, --lr-wsd-decay-iters), not in samples")
         if ns.lr_warmup_iters is not None and frac is not None:
             raise ConfigError("give only one of --lr-warmup-iters and --lr-warmup-fraction")
         train_iters = ns.train_iters
-        train_samples = train_iters * gbs
+        train_samples = train_iters * gbs if rampup is None else _rampup_samples(rampup, gbs, train_iters)
+        # Megatron counts the schedule in samples of the *final* global batch here, ramp or not.
         decay_iters = _default(ns.lr_decay_iters, train_iters)
         decay = decay_iters * gbs
         warmup = int(frac * decay) if frac is not None else _default(ns.lr_warmup_iters, 0) * gbs
+        if ns.lr_wsd_decay_iters is not None:
+            wsd = ns.lr_wsd_decay_iters * gbs
         warmup_flag = (f"--lr-warmup-fraction {frac}" if frac is not None else
                        f"--lr-warmup-iters {_default(ns.lr_warmup_iters, 0)}")
         decay_flag = f"--lr-decay-iters {decay_iters}"
     else:
-        if ns.lr_decay_iters is not None or ns.lr_warmup_iters is not None:
+        if ns.lr_decay_iters is not None or ns.lr_warmup_iters is not None or ns.lr_wsd_decay_iters is not None:
             raise ConfigError("with --train-samples give the LR schedule in samples (--lr-decay-samples, "
-                              "--lr-warmup-samples or --lr-warmup-fraction), not in iterations")
+                              "--lr-warmup-samples or --lr-warmup-fraction, --lr-wsd-decay-samples), not in "
+                              "iterations")
         if ns.lr_warmup_samples is not None and frac is not None:
             raise ConfigError("give only one of --lr-warmup-samples and --lr-warmup-fraction")
         train_samples = ns.train_samples
-        train_iters = train_samples // gbs
+        train_iters = train_samples // gbs if rampup is None else _rampup_iterations(rampup, gbs, train_samples)
         if train_iters < 1:
             raise ConfigError(f"--train-samples {train_samples} is less than one global batch ({gbs})")
         decay = _default(ns.lr_decay_samples, train_samples)
         warmup = int(frac * decay) if frac is not None else _default(ns.lr_warmup_samples, 0)
+        wsd = ns.lr_wsd_decay_samples
         warmup_flag = (f"--lr-warmup-fraction {frac}" if frac is not None else f"--lr-warmup-samples {warmup}")
         decay_flag = f"--lr-decay-samples {decay}"
+    unit = "samples"
+    if ns.lr_decay_tokens is not None or ns.lr_warmup_tokens is not None:
+        # Megatron-DeepSpeed's token schedule. Without curriculum learning a sample is exactly
+        # seq_length tokens, so the sample-counted parts convert exactly.
+        unit = "tokens"
+        if ns.lr_decay_tokens is not None:
+            decay, decay_flag = ns.lr_decay_tokens, f"--lr-decay-tokens {ns.lr_decay_tokens}"
+        else:
+            decay *= seq_length
+        if ns.lr_warmup_tokens is not None:
+            if frac is not None:
+                raise ConfigError("give only one of --lr-warmup-tokens and --lr-warmup-fraction")
+            warmup, warmup_flag = ns.lr_warmup_tokens, f"--lr-warmup-tokens {ns.lr_warmup_tokens}"
+        else:
+            warmup = int(frac * decay) if frac is not None else warmup * seq_length
+        if wsd is not None:
+            wsd *= seq_length
+    if ns.train_tokens is not None and ns.train_tokens < 1:
+        raise ConfigError(f"--train-tokens must be >= 1, got {ns.train_tokens}")
     if train_iters < 1:
         raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
     if decay < 1 or warmup < 0:
         raise ConfigError(f"the LR decay must be >= 1 step and warmup >= 0; got {decay_flag}, {warmup_flag}")
     if warmup > decay:
-        raise ConfigError(f"LR warmup ({warmup_flag} = {warmup} samples) is longer than the LR decay "
-                          f"({decay_flag} = {decay} samples); shorten the warmup or lengthen the decay")
+        raise ConfigError(f"LR warmup ({warmup_flag} = {warmup} {unit}) is longer than the LR decay "
+                          f"({decay_flag} = {decay} {unit}); shorten the warmup or lengthen the decay")
+    style = _default(ns.lr_decay_style, "linear")
+    if style == "WSD":
+        if wsd is None:
+            raise ConfigError("--lr-decay-style WSD needs the length of its final decay: --lr-wsd-decay-iters "
+                              "(with --train-iters) or --lr-wsd-decay-samples (with --train-samples)")
+        if not 0 < wsd <= decay - warmup:
+            raise ConfigError(f"the WSD decay ({wsd} {unit}) must be > 0 and fit between the end of warmup "
+                              f"({warmup}) and the end of the LR decay ({decay})")
+    elif wsd is not None or ns.lr_wsd_decay_style is not None:
+        raise ConfigError("--lr-wsd-decay-style/--lr-wsd-decay-iters/--lr-wsd-decay-samples need "
+                          "--lr-decay-style WSD")
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                          "each other; the first keeps the command line's schedule, the second the checkpoint's")
     sched = ScheduleConfig(
         micro_batch_size=mbs, global_batch_size=gbs, grad_accum_steps=accum,
         train_iters=train_iters, train_samples=train_samples,
-        lr_decay_style=_default(ns.lr_decay_style, "linear"),
-        lr_warmup_samples=warmup, lr_decay_samples=decay,
+        lr_decay_style=style, lr_unit=unit,
+        lr_warmup_samples=warmup, lr_decay_samples=decay, lr_warmup_init=_default(ns.lr_warmup_init, 0.0),
+        lr_wsd_decay_style=_default(ns.lr_wsd_decay_style, "exponential"), lr_wsd_decay_samples=wsd,
+        rampup_batch_size=rampup, train_tokens=ns.train_tokens,
         eval_interval=_default(ns.eval_interval, 1000), eval_iters=_default(ns.eval_iters, 100),
-        exit_interval=ns.exit_interval)
+        exit_interval=ns.exit_interval, exit_duration_in_mins=ns.exit_duration_in_mins,
+        exit_signal_handler=bool(ns.exit_signal_handler), skip_train=bool(ns.skip_train),
+        override_opt_param_scheduler=bool(ns.override_opt_param_scheduler),
+        use_checkpoint_opt_param_scheduler=bool(ns.use_checkpoint_opt_param_scheduler))
+    if sched.lr_warmup_init < 0:
+        raise ConfigError(f"--lr-warmup-init must be >= 0, got {sched.lr_warmup_init}")
     if sched.eval_interval < 0 or sched.eval_iters < 0:
         raise ConfigError(f"--eval-interval and --eval-iters must be >= 0, got {sched.eval_interval}, {sched.eval_iters}")
     if sched.exit_interval is not None and sched.exit_interval < 1:
         raise ConfigError(f"--exit-interval must be >= 1, got {sched.exit_interval}")
+    if sched.exit_duration_in_mins is not None and sched.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins must be > 0, got {sched.exit_duration_in_mins}")
     return sched
 
 
+def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[float]]:
+    from megazero.data.gpt_dataset import parse_data_prefix  # lazy: numpy etc.
+
+    try:
+        return parse_data_prefix(with_equal_weights(items))
+    except ValueError as e:
+        raise ConfigError(f"{flag_name}: {e}") from None
+
+
+# Data semantics that the data pipeline implements (issue 12's data half); a build without that
+# support refuses them rather than training without them.
+_DATA_SEMANTICS = (("reset_position_ids", "--reset-position-ids"), ("reset_attention_mask", "--reset-attention-mask"),
+                   ("eod_mask_loss", "--eod-mask-loss"), ("vocab_extra_ids", "--vocab-extra-ids"))
+
+
+def _check_data_support(d: DataConfig) -> None:
+    import megazero.data.gpt_dataset as gpt_dataset
+
+    if hasattr(gpt_dataset, "get_ltor_masks_and_position_ids"):
+        return
+    asked = [flag_name for attr, flag_name in _DATA_SEMANTICS if getattr(d, attr)]
+    if asked:
+        raise ConfigError(f"{', '.join(asked)}: not supported by this build's data pipeline "
+                          f"(megazero.data has no get_ltor_masks_and_position_ids); drop the flag")
+
+
 def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
-    from megazero.data.gpt_dataset import parse_data_prefix, parse_split  # lazy: numpy etc.
+    from megazero.data.gpt_dataset import parse_split  # lazy: numpy etc.
 
     d = DataConfig(data_path=list(ns.data_path or []), split=_default(ns.split, "969,30,1"),
                    mock_data=bool(ns.mock_data), tokenizer_type=ns.tokenizer_type,
                    tokenizer_model=ns.tokenizer_model, vocab_file=ns.vocab_file, merge_file=ns.merge_file,
-                   vocab_size=ns.vocab_size)
+                   vocab_size=ns.vocab_size, train_data_path=list(ns.train_data_path or []),
+                   valid_data_path=list(ns.valid_data_path or []), test_data_path=list(ns.test_data_path or []),
+                   data_cache_path=ns.data_cache_path, num_workers=_default(ns.num_workers, 0),
+                   reset_position_ids=bool(ns.reset_position_ids), reset_attention_mask=bool(ns.reset_attention_mask),
+                   eod_mask_loss=bool(ns.eod_mask_loss), vocab_extra_ids=_default(ns.vocab_extra_ids, 0))
+    if d.num_workers < 0 or d.vocab_extra_ids < 0:
+        raise ConfigError(f"--num-workers and --vocab-extra-ids must be >= 0, got {d.num_workers}, {d.vocab_extra_ids}")
     try:
         parse_split(d.split)
     except ValueError as e:
         raise ConfigError(f"--split: {e}") from None
-    if not d.data_path and not d.mock_data:
+    separate = d.train_data_path or d.valid_data_path or d.test_data_path
+    if separate and d.data_path:
+        raise ConfigError("give either --data-path (split by --split) or --train-data-path/--valid-data-path/"
+                          "--test-data-path, not both")
+    if separate and not d.train_data_path:
+        raise ConfigError("--valid-data-path/--test-data-path need --train-data-path")
+    if not d.data_path and not separate and not d.mock_data:
         raise ConfigError("--data-path is required (a prefix of PREFIX.bin/PREFIX.idx from tools/preprocess_data.py), "
-                          "or pass --mock-data for synthetic tokens")
+                          "or --train-data-path, or --mock-data for synthetic tokens")
+    prefixes = []
     if d.data_path:
-        try:
-            d.prefixes, d.weights = parse_data_prefix(d.data_path)
-        except ValueError as e:
-            raise ConfigError(f"--data-path: {e}") from None
+        d.prefixes, d.weights = _parse_prefixes("--data-path", d.data_path)
+        prefixes += d.prefixes
+    for flag_name, items in (("--train-data-path", d.train_data_path), ("--valid-data-path", d.valid_data_path),
+                             ("--test-data-path", d.test_data_path)):
+        if items:
+            prefixes += _parse_prefixes(flag_name, items)[0]
     if check_files and not d.mock_data:
-        for prefix in d.prefixes:
+        for prefix in prefixes:
             missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
-                raise ConfigError(f"--data-path prefix '{prefix}': missing {' and '.join(missing)}; give the prefix "
+                raise ConfigError(f"data prefix '{prefix}': missing {' and '.join(missing)}; give the prefix "
                                   f"without extension, as written by tools/preprocess_data.py (or use --mock-data)")
 
+    _check_data_support(d)
     t = d.tokenizer_type
     if t is None:
-        if not d.mock_data:
-            raise ConfigError(f"--tokenizer-type is required with --data-path; one of {', '.join(TOKENIZER_TYPES)}")
-        return d
-    needs = {"SentencePieceTokenizer": [("--tokenizer-model", d.tokenizer_model, "file")],
+        if d.mock_data and d.vocab_file is None:
+            return d
+        t = d.tokenizer_type = DEFAULT_TOKENIZER
+    from megazero.data.tokenizer import TOKENIZER_TYPES as built
+
+    if t not in built:
+        raise ConfigError(f"--tokenizer-type {t} is not available in this build's megazero.data (it has "
+                          f"{', '.join(built)}); use one of those")
+    model_file = ("--tokenizer-model", d.tokenizer_model, "file")
+    needs = {"SentencePieceTokenizer": [model_file], "GPTSentencePieceTokenizer": [model_file],
+             "Llama2Tokenizer": [model_file],
              "HuggingFaceTokenizer": [("--tokenizer-model", d.tokenizer_model, "directory")],
+             "HFTokenizer": [("--tokenizer-model", d.tokenizer_model, "directory")],
              "GPT2BPETokenizer": [("--vocab-file", d.vocab_file, "file"), ("--merge-file", d.merge_file, "file")],
              "NullTokenizer": []}[t]
+    default_note = " (the default without --tokenizer-type, as Megatron's pretrain_gpt.py)" \
+        if ns.tokenizer_type is None else ""
     for flag_name, value, kind in needs:
         if value is None:
-            raise ConfigError(f"--tokenizer-type {t} needs {flag_name}")
+            raise ConfigError(f"--tokenizer-type {t}{default_note} needs {flag_name}")
         if check_files and not os.path.exists(value):
             raise ConfigError(f"{flag_name} '{value}' does not exist (the {kind} of the {t})")
     if t == "NullTokenizer" and (d.vocab_size is None or d.vocab_size < 1):
@@ -467,8 +654,81 @@ def _model_vocab_size(ns: argparse.Namespace, data: DataConfig, preset: dict[str
                       "or a --model-preset)")
 
 
+# Model options whose GPTConfig fields come with the model work of issue 12 (the "megaworld" branch):
+# (GPTConfig field, flag, value that means "off"). A flag is passed only when set; a build whose
+# GPTConfig lacks the field refuses the flag instead of dropping it.
+MODEL_FIELD_FLAGS: tuple[tuple[str, str, Any], ...] = (
+    ("rotary_percent", "--rotary-percent", 1.0),
+    ("kv_channels", "--kv-channels", None),
+    ("qk_layernorm", "--qk-layernorm", False),
+    ("apply_layernorm_1p", "--apply-layernorm-1p", False),
+    ("init_method", "--init-method-xavier-uniform", "normal"),
+    ("fp32_residual_connection", "--fp32-residual-connection", False),
+    ("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling", False),
+)
+
+
+def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """GPTConfig keyword arguments of the newer model flags that the command line set."""
+    kw: dict[str, Any] = {}
+    if ns.rotary_percent is not None:
+        kw["rotary_percent"] = ns.rotary_percent
+    if ns.kv_channels is not None:
+        kw["kv_channels"] = ns.kv_channels
+    for attr in ("qk_layernorm", "apply_layernorm_1p", "fp32_residual_connection"):
+        if getattr(ns, attr):
+            kw[attr] = True
+    if ns.init_method_xavier_uniform:
+        kw["init_method"] = "xavier_uniform"
+    if ns.apply_query_key_layer_scaling is not None:
+        kw["apply_query_key_layer_scaling"] = bool(ns.apply_query_key_layer_scaling)
+    return kw
+
+
+def build_gpt_config(kw: dict[str, Any]) -> GPTConfig:
+    """GPTConfig(**kw), refusing (not dropping) options this build's GPTConfig has no field for."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    flag_of = {name: flag_name for name, flag_name, _ in MODEL_FIELD_FLAGS}
+    off = {name: value for name, _, value in MODEL_FIELD_FLAGS}
+    for name in [k for k in kw if k not in fields]:
+        if name in off and kw[name] == off[name]:
+            kw.pop(name)  # asks for what this model does anyway
+        else:
+            raise ConfigError(f"{flag_of.get(name, name)} is not supported by this build's model "
+                              f"(GPTConfig has no field '{name}')")
+    return GPTConfig(**kw)
+
+
+_ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "sdpa", "unfused": "math", "local": "math"}
+
+
+def _checkpoint_model(load: str) -> dict[str, Any]:
+    """The model section of the config saved with the latest checkpoint in ``load`` (--use-checkpoint-args)."""
+    from megazero.training.checkpointing import checkpoint_dir, latest_iteration
+
+    iteration = latest_iteration(load) if os.path.isdir(load) else None
+    if iteration is None:
+        raise ConfigError(f"--use-checkpoint-args: {load} holds no megazero checkpoint ('latest' is missing)")
+    path = os.path.join(checkpoint_dir(load, iteration), "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)["model"]
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--use-checkpoint-args: cannot read the model config from {path}: {e}") from None
+
+
+# --use-checkpoint-args, as Megatron's load_args_from_checkpoint: shapes fill what the command line
+# left unset; the architecture is forced to the checkpoint's (the weights only mean something with it).
+_CHECKPOINT_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
+                            "max_position_embeddings", "seq_length", "kv_channels", "layernorm_epsilon",
+                            "norm_epsilon", "make_vocab_size_divisible_by")
+_CHECKPOINT_FORCED_FIELDS = ("num_query_groups", "position_embedding_type", "rotary_base", "rotary_percent",
+                             "add_bias_linear", "activation", "tie_embeddings", "apply_layernorm_1p", "normalization",
+                             "qk_layernorm", "apply_query_key_layer_scaling")
+
+
 def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionConfig, data: DataConfig,
-                   check_files: bool) -> GPTConfig:
+                   check_files: bool, notes: list[str]) -> GPTConfig:
     preset: dict[str, Any] = {}
     if ns.model_preset is not None:
         key = ns.model_preset.lower()
@@ -476,6 +736,20 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         if key not in PRESETS:
             raise ConfigError(f"unknown --model-preset {ns.model_preset!r}; choose one of {', '.join(PRESETS)}")
         preset = dict(PRESETS[key])
+    forced: dict[str, Any] = {}
+    if ns.use_checkpoint_args:
+        if ns.load is None:
+            raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose model arguments to use)")
+        if check_files:
+            saved = _checkpoint_model(ns.load)
+            preset.update({k: v for k, v in saved.items() if k in _CHECKPOINT_SHAPE_FIELDS})
+            forced = {k: v for k, v in saved.items() if k in _CHECKPOINT_FORCED_FIELDS}
+            notes.append(f"--use-checkpoint-args: model architecture from {ns.load}")
+    if ns.num_key_value_heads is not None:
+        if ns.num_query_groups is not None and ns.num_query_groups != ns.num_key_value_heads:
+            raise ConfigError(f"--num-key-value-heads {ns.num_key_value_heads} disagrees with --num-query-groups "
+                              f"{ns.num_query_groups}; they are the same setting")
+        ns.num_query_groups = ns.num_key_value_heads
     kw: dict[str, Any] = {}
     for attr in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         kw[attr] = _default(getattr(ns, attr), preset.get(attr))
@@ -485,12 +759,18 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
     kw["num_query_groups"] = _default(ns.num_query_groups, preset.get("num_query_groups"))
     kw["ffn_hidden_size"] = _default(ns.ffn_hidden_size, preset.get("ffn_hidden_size"))
     pos = {"learned_absolute": "learned"}.get(ns.position_embedding_type, ns.position_embedding_type)
+    for alias, flag_name, value in ((ns.use_rotary_position_embeddings, "--use-rotary-position-embeddings", "rope"),
+                                    (ns.no_position_embedding, "--no-position-embedding", "none")):
+        if alias:
+            if pos not in (None, value):
+                raise ConfigError(f"{flag_name} contradicts --position-embedding-type {ns.position_embedding_type}")
+            pos = value
     kw["position_embedding_type"] = _default(pos, preset.get("position_embedding_type", "learned"))
     max_pos = _default(ns.max_position_embeddings, preset.get("max_position_embeddings", kw["seq_length"]))
-    if kw["position_embedding_type"] == "rope" and ns.max_position_embeddings is None:
-        max_pos = max(max_pos, kw["seq_length"])  # RoPE has no position table to outgrow
+    if kw["position_embedding_type"] != "learned" and ns.max_position_embeddings is None:
+        max_pos = max(max_pos, kw["seq_length"])  # no position table to outgrow
     kw["max_position_embeddings"] = max_pos
-    if kw["seq_length"] > max_pos:
+    if kw["position_embedding_type"] == "learned" and kw["seq_length"] > max_pos:
         raise ConfigError(f"--seq-length {kw['seq_length']} exceeds --max-position-embeddings {max_pos}; "
                           f"raise --max-position-embeddings to at least {kw['seq_length']}")
     granularity = ns.recompute_granularity
@@ -500,38 +780,62 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
             raise ConfigError("conflicting recompute flags: --checkpoint-activations means --recompute-granularity "
                               "full and --recompute-activations means selective; pass one")
         granularity = alias
-    if granularity != "full" and (ns.recompute_method is not None or ns.recompute_num_layers is not None):
-        raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if ns.checkpoint_num_layers is not None:
+        if ns.recompute_num_layers not in (None, ns.checkpoint_num_layers):
+            raise ConfigError(f"--checkpoint-num-layers {ns.checkpoint_num_layers} disagrees with "
+                              f"--recompute-num-layers {ns.recompute_num_layers}; they are the same setting")
+        ns.recompute_num_layers = ns.checkpoint_num_layers
+    if granularity != "full" and ns.recompute_method is not None:
+        raise ConfigError("--recompute-method needs --recompute-granularity full")
+    if granularity != "full" and ns.recompute_num_layers is not None and not ns.checkpoint_num_layers:
+        raise ConfigError("--recompute-num-layers needs --recompute-granularity full")
+    if ns.squared_relu and ns.swiglu:
+        raise ConfigError("--squared-relu and --swiglu are two different MLP activations; pass one")
+    backend = _ATTENTION_BACKENDS[_default(ns.attention_backend, "auto")]
+    if ns.use_flash_attn:
+        if backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn contradicts --attention-backend {ns.attention_backend}")
+        backend = "flash"
+    activation = "swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else preset.get("activation", "gelu")
     kw.update(
-        vocab_size=_model_vocab_size(ns, data, preset, check_files),
+        vocab_size=preset["vocab_size"] if forced and "vocab_size" in preset and ns.vocab_size is None
+        else _model_vocab_size(ns, data, preset, check_files),
         normalization=_default(ns.normalization, preset.get("normalization", "layernorm")),
-        activation="swiglu" if ns.swiglu else preset.get("activation", "gelu"),
+        activation=activation,
         add_bias_linear=not ns.disable_bias_linear and preset.get("add_bias_linear", True),
         tie_embeddings=not ns.untie_embeddings_and_output_weights and preset.get("tie_embeddings", True),
         sequence_parallel=par.sequence_parallel,
         recompute_granularity=granularity,
         recompute_method=_default(ns.recompute_method, "uniform"),
         recompute_num_layers=_default(ns.recompute_num_layers, 1),
-        attention_backend="flash" if ns.use_flash_attn else "auto",
+        attention_backend=backend,
         params_dtype=prec.torch_dtype,  # as Megatron: compute weights in the training dtype
     )
-    for attr, ns_attr in (("rotary_base", "rotary_base"), ("layernorm_epsilon", "norm_epsilon"),
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    eps_field = "norm_epsilon" if "norm_epsilon" in fields else "layernorm_epsilon"
+    for attr, ns_attr in (("rotary_base", "rotary_base"), (eps_field, "norm_epsilon"),
                           ("init_method_std", "init_method_std"), ("hidden_dropout", "hidden_dropout"),
                           ("attention_dropout", "attention_dropout"),
                           ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
         value = _default(getattr(ns, ns_attr), preset.get(attr))
         if value is not None:
             kw[attr] = value
-    if ns.use_flash_attn and check_files:  # a real launch on this machine, not a plan for another
+    kw.update(model_field_kwargs(ns))
+    for key in ("kv_channels", eps_field):
+        if key in preset and key not in kw and key in fields:
+            kw[key] = preset[key]
+    kw.update({k: v for k, v in forced.items() if k in fields})
+    if backend == "flash" and check_files:  # a real launch on this machine, not a plan for another
         _check_flash_attn(prec)
+    config = build_gpt_config(kw)
     try:
-        return GPTConfig(**kw).validate(par.tp)
+        return config.validate(par.tp)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
 
 
 def _check_flash_attn(prec: PrecisionConfig) -> None:
-    """Refuse --use-flash-attn up front where it cannot run (it would fail at the first forward)."""
+    """Refuse flash attention up front where it cannot run (it would fail at the first forward)."""
     from megazero.model.attention import flash_attn_available
 
     problems = []
@@ -544,6 +848,50 @@ def _check_flash_attn(prec: PrecisionConfig) -> None:
     if problems:
         raise ConfigError("--use-flash-attn cannot run here: " + "; ".join(problems)
                           + "; drop the flag to use PyTorch's scaled_dot_product_attention")
+
+
+def _resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes: list[str],
+                     check_files: bool) -> LoggingConfig:
+    ds = ds or {}
+    log_interval = _default(ns.log_interval, _json_get(ds, "steps_per_print") or 100)
+    if log_interval < 1:
+        raise ConfigError(f"--log-interval must be >= 1, got {log_interval}")
+    metrics_file = ns.metrics_file
+    if metrics_file is None and ns.save is not None:
+        metrics_file = os.path.join(ns.save, "metrics.jsonl")
+    tb_dir = ns.tensorboard_dir
+    tb = ds.get("tensorboard") or {}
+    if tb.get("enabled") and tb_dir is None:
+        tb_dir = os.path.join(tb.get("output_path") or ".", tb.get("job_name") or "DeepSpeedJobName")
+    csv = ds.get("csv_monitor") or {}
+    csv_dir = os.path.join(csv.get("output_path") or ".", csv.get("job_name") or "DeepSpeedJobName") \
+        if csv.get("enabled") else None
+    wandb_block = ds.get("wandb") or {}
+    wandb_project = ns.wandb_project or (wandb_block.get("project") or "deepspeed" if wandb_block.get("enabled")
+                                         else None)
+    if (wandb_project or ns.wandb_exp_name or ns.wandb_save_dir) and check_files:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("Weights & Biases logging (--wandb-project or the JSON's wandb block) needs the "
+                              "wandb package, which is not installed: pip install wandb (WANDB_MODE=offline "
+                              "works without a network), or drop the wandb options")
+    if (ns.wandb_exp_name or ns.wandb_save_dir) and not wandb_project:
+        raise ConfigError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
+    cfg = LoggingConfig(
+        log_interval=log_interval, tensorboard_dir=tb_dir, metrics_file=metrics_file,
+        wall_clock_breakdown=bool(_json_get(ds, "wall_clock_breakdown") or False),
+        tensorboard_log_interval=_default(ns.tensorboard_log_interval, 1),
+        tensorboard_queue_size=_default(ns.tensorboard_queue_size, 1000), csv_dir=csv_dir,
+        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir)
+    for name in ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
+                 "log_memory_to_tensorboard", "log_optimizer_states_to_tensorboard", "log_params_norm",
+                 "log_num_zeros_in_grad", "log_throughput"):
+        setattr(cfg, name, bool(getattr(ns, name)))
+    if cfg.tensorboard_log_interval < 1 or cfg.tensorboard_queue_size < 1:
+        raise ConfigError(f"--tensorboard-log-interval and --tensorboard-queue-size must be >= 1, got "
+                          f"{cfg.tensorboard_log_interval}, {cfg.tensorboard_queue_size}")
+    return cfg
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, *,
@@ -559,40 +907,68 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ns = build_parser().parse_args(argv)
+    refused = refusals(ns)
+    if refused:
+        raise ConfigError("refused before any process starts:\n  " + "\n  ".join(refused))
+    _check_local_rank(ns)
+    notes: list[str] = []
     ds = _load_deepspeed_json(ns.deepspeed_config)
     if ds is not None:
+        ignored = classify_ds_keys(ds, f"--deepspeed_config {ns.deepspeed_config}")
+        if ignored:
+            notes.append("DeepSpeed JSON keys ignored (they tune DeepSpeed's own internals): " + ", ".join(ignored))
         _merge_deepspeed_json(ns, ds, ns.deepspeed_config)
-    parallel = _resolve_parallel(ns, world_size)
-    precision = _resolve_precision(ns)
+        _merge_deepspeed_scheduler(ns, ds, ns.deepspeed_config, notes)
+        ac = ds.get("activation_checkpointing") or {}
+        full = ns.checkpoint_activations or ns.recompute_granularity == "full"
+        if full and ac.get("number_checkpoints") is not None:
+            n = int(ac["number_checkpoints"])
+            if ns.recompute_num_layers not in (None, n) or ns.checkpoint_num_layers not in (None, n):
+                raise ConfigError(f"--deepspeed_config {ns.deepspeed_config} has activation_checkpointing."
+                                  f"number_checkpoints={n} but the command line gives another --recompute-num-layers "
+                                  f"/ --checkpoint-num-layers; make them agree")
+            ns.recompute_num_layers = n
+        if ac and not (ns.checkpoint_activations or ns.recompute_granularity or ns.recompute_activations):
+            notes.append("DeepSpeed activation_checkpointing block: it configures the checkpoint function; "
+                         "recompute runs with --checkpoint-activations or --recompute-granularity, as in "
+                         "Megatron-DeepSpeed")
+    parallel = _resolve_parallel(ns, world_size, notes, check_files)
+    parallel.local_rank = ns.local_rank
+    precision = _resolve_precision(ns, ds, ns.deepspeed_config, notes)
     optim = _resolve_optim(ns, ds)
-    schedule = _resolve_schedule(ns, parallel, ds, ns.deepspeed_config)
     data = _resolve_data(ns, check_files)
-    model = _resolve_model(ns, parallel, precision, data, check_files)
+    model = _resolve_model(ns, parallel, precision, data, check_files, notes)
+    schedule = _resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     if ns.pretrained_checkpoint is not None and check_files and not os.path.exists(
             os.path.join(ns.pretrained_checkpoint, "model_full.safetensors")):
         raise ConfigError(f"--pretrained-checkpoint {ns.pretrained_checkpoint} has no model_full.safetensors "
                           "(make one with tools/convert_from_hf.py)")
-    if ns.save_interval is not None and ns.save is None:
-        raise ConfigError(f"--save-interval {ns.save_interval} needs --save DIR (where to write checkpoints)")
-    if ns.save_interval is not None and ns.save_interval < 1:
-        raise ConfigError(f"--save-interval must be >= 1, got {ns.save_interval}")
-    log_interval = _default(ns.log_interval, 100)
-    if log_interval < 1:
-        raise ConfigError(f"--log-interval must be >= 1, got {log_interval}")
-    metrics_file = ns.metrics_file
-    if metrics_file is None and ns.save is not None:
-        metrics_file = os.path.join(ns.save, "metrics.jsonl")
+    save_interval = ns.save_interval
+    if save_interval is not None and save_interval < 1:
+        raise ConfigError(f"--save-interval must be >= 1, got {save_interval}")
+    if save_interval is not None and ns.save is None:
+        notes.append(f"warning: --save-interval {save_interval} without --save: no checkpoints will be written "
+                     "(as in Megatron)")
+        save_interval = None
+    for flag_name, value in (("--finetune", ns.finetune), ("--no-load-optim", ns.no_load_optim),
+                             ("--no-load-rng", ns.no_load_rng)):
+        if value and ns.load is None and ns.pretrained_checkpoint is None:
+            raise ConfigError(f"{flag_name} needs --load (the checkpoint it changes how to load)")
+    logging_cfg = _resolve_logging(ns, ds, notes, check_files)
     generate = GenerateConfig(prompt=ns.generate_prompt, tokens=_default(ns.generate_tokens, 32))
     if generate.tokens < 0:
         raise ConfigError(f"--generate-tokens must be >= 0, got {generate.tokens}")
+    for note_flag, text in (("overlap_param_gather", "--overlap-param-gather: ZeRO-3 prefetches one unit ahead; "
+                             "at stages 1/2 the post-step all-gather runs after the step"),):
+        if getattr(ns, note_flag):
+            notes.append(text)
     cfg = TrainConfig(
         model=model, parallel=parallel, precision=precision, optim=optim, schedule=schedule, data=data,
-        checkpoint=CheckpointConfig(save=ns.save, load=ns.load, save_interval=ns.save_interval,
-                                    pretrained=ns.pretrained_checkpoint),
-        logging=LoggingConfig(log_interval=log_interval, tensorboard_dir=ns.tensorboard_dir,
-                              metrics_file=metrics_file,
-                              wall_clock_breakdown=bool(_json_get(ds or {}, "wall_clock_breakdown") or False)),
-        generate=generate, seed=_default(ns.seed, 1234), deepspeed_json=ds)
+        checkpoint=CheckpointConfig(save=ns.save, load=ns.load, save_interval=save_interval,
+                                    pretrained=ns.pretrained_checkpoint, finetune=bool(ns.finetune),
+                                    no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
+                                    use_checkpoint_args=bool(ns.use_checkpoint_args)),
+        logging=logging_cfg, generate=generate, seed=_default(ns.seed, 1234), deepspeed_json=ds, notes=notes)
     return cfg
 
 
@@ -637,9 +1013,12 @@ def describe(config: TrainConfig) -> str:
         f"recompute {m.recompute_granularity or 'none'}, attention {m.attention_backend}",
         f"batch: global {s.global_batch_size} = micro {s.micro_batch_size} x dp {p.dp} x accumulation "
         f"{s.grad_accum_steps}; {s.train_iters} iterations ({s.train_samples} samples, "
-        f"{s.train_samples * m.seq_length:,} tokens)",
-        f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} samples, decay "
-        f"{s.lr_decay_samples} samples; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
+        f"{s.train_samples * m.seq_length:,} tokens)"
+        + (f"; ramp-up {s.rampup_batch_size[0]} +{s.rampup_batch_size[1]} over {s.rampup_batch_size[2]} samples"
+           if s.rampup_batch_size else "")
+        + (f"; stop at {s.train_tokens:,} tokens" if s.train_tokens else ""),
+        f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} {s.lr_unit}, decay "
+        f"{s.lr_decay_samples} {s.lr_unit}; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
         f"wd {o.weight_decay}, clip {o.clip_grad}",
     ]
     return "\n".join(lines)

@@ -47,6 +47,8 @@ class ParallelConfig:
     world_size: int = 1
     zero_stage: int = 1  # 0: plain DP, 1: optimizer states, 2: + grads, 3: + params partitioned
     sequence_parallel: bool = False  # Megatron 2022 SP (needs tp > 1)
+    distributed_backend: Optional[str] = None  # None: nccl on CUDA, gloo otherwise
+    local_rank: Optional[int] = None  # --local_rank as the launcher passed it (LOCAL_RANK is what is read)
 
 
 @dataclass
@@ -55,10 +57,12 @@ class PrecisionConfig:
 
     dtype: str = "fp32"  # 'bf16' | 'fp16' | 'fp32'
     loss_scale: Optional[float] = None  # fp16 static loss scale; None -> dynamic
-    initial_loss_scale: float = 2.0 ** 16  # dynamic scaler start (DeepSpeed's default 2**16)
+    initial_loss_scale: float = 2.0 ** 32  # dynamic scaler start (Megatron's default; DeepSpeed's JSON: 2**16)
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000  # good steps before the dynamic scale is raised
     hysteresis: int = 2  # overflows tolerated before the scale is lowered
+    consecutive_hysteresis: bool = False  # DeepSpeed's fp16.consecutive_hysteresis
+    accumulate_grads_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -72,9 +76,10 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
-    """Adam(W) hyper-parameters. ``lr`` is the peak LR the schedule warms up to."""
+    """Optimizer hyper-parameters. ``lr`` is the peak LR the schedule warms up to."""
 
-    type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW
+    type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW; or 'SGD'
+    sgd_momentum: float = 0.9
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -82,6 +87,10 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+    # Weight-decay schedule (Megatron): from start to end over the run; 'constant' keeps weight_decay.
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
 
 
 @dataclass
@@ -93,16 +102,61 @@ class ScheduleConfig:
     grad_accum_steps: int = 1
     train_iters: int = 0  # resolved even when --train-samples was given (floor division)
     train_samples: int = 0  # = train_iters * global_batch_size unless given explicitly
-    lr_decay_style: str = "linear"  # 'constant' | 'linear' | 'cosine'
+    lr_decay_style: str = "linear"  # 'constant' | 'linear' | 'cosine' | 'inverse-square-root' | 'WSD'
+    # The LR schedule's unit: 'samples' (Megatron) or 'tokens' (Megatron-DeepSpeed's --lr-*-tokens).
+    # lr_warmup_samples / lr_decay_samples / lr_wsd_decay_samples are counted in that unit.
+    lr_unit: str = "samples"
     lr_warmup_samples: int = 0
     lr_decay_samples: int = 0  # the decay ends here (counted from sample 0, warmup included)
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_samples: Optional[int] = None
+    # Batch-size ramp-up (start, increment, ramp samples), Megatron's --rampup-batch-size.
+    rampup_batch_size: Optional[tuple[int, int, int]] = None
+    train_tokens: Optional[int] = None  # Megatron-DeepSpeed: stop once this many tokens were consumed
     eval_interval: int = 1000  # iterations between evaluations; 0 disables
     eval_iters: int = 100  # batches per evaluation
     exit_interval: Optional[int] = None  # stop (after saving) when iteration % exit_interval == 0
+    exit_duration_in_mins: Optional[float] = None  # stop (after saving) after this much training time
+    exit_signal_handler: bool = False  # SIGTERM -> save and exit
+    skip_train: bool = False  # evaluate only
+    override_opt_param_scheduler: bool = False  # on resume: the command line's schedule wins
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
 
     @property
     def lr_warmup_iters(self) -> float:
         return self.lr_warmup_samples / self.global_batch_size
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after ``consumed_samples`` (ramp-up aware)."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        return rampup_global_batch_size(self.rampup_batch_size, self.global_batch_size, consumed_samples)
+
+
+def with_equal_weights(paths: list[str]) -> list[str]:
+    """Megatron's unweighted multi-prefix ``--data-path A B`` as ``1 A 1 B`` (equal weights); any other
+    form is returned as given."""
+    def number(x: str) -> bool:
+        try:
+            float(x)
+            return True
+        except ValueError:
+            return False
+
+    if len(paths) > 1 and not any(number(p) for p in paths):
+        return [x for p in paths for x in ("1", p)]
+    return list(paths)
+
+
+def rampup_global_batch_size(rampup: tuple[int, int, int], global_batch_size: int, consumed_samples: int) -> int:
+    """Megatron's --rampup-batch-size START INCR SAMPLES: START + INCR * floor(consumed / (SAMPLES /
+    ((global - START) / INCR))) until SAMPLES were consumed, then the full global batch."""
+    start, incr, ramp = rampup
+    if consumed_samples > ramp:
+        return global_batch_size
+    per_increment = ramp / ((global_batch_size - start) // incr)
+    return min(global_batch_size, start + int(consumed_samples / per_increment) * incr)
 
 
 @dataclass
@@ -119,6 +173,16 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     vocab_size: Optional[int] = None  # the --vocab-size flag as given (NullTokenizer's argument)
+    # Separate split files (Megatron's --train/valid/test-data-path), each like data_path.
+    train_data_path: list[str] = field(default_factory=list)
+    valid_data_path: list[str] = field(default_factory=list)
+    test_data_path: list[str] = field(default_factory=list)
+    data_cache_path: Optional[str] = None
+    num_workers: int = 0  # DataLoader workers (Megatron defaults to 2; 0 reads in the training process)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    vocab_extra_ids: int = 0
 
     def tokenizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``megazero.data.build_tokenizer(self.tokenizer_type, **kw)``."""
@@ -132,6 +196,10 @@ class CheckpointConfig:
     load: Optional[str] = None  # directory to resume from; None -> start fresh
     save_interval: Optional[int] = None  # iterations between saves (needs save)
     pretrained: Optional[str] = None  # full weights to start from (model_full.safetensors + config.json)
+    finetune: bool = False  # load weights only; iteration/samples/optimizer/RNG start afresh
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    use_checkpoint_args: bool = False
 
 
 @dataclass
@@ -140,6 +208,20 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     metrics_file: Optional[str] = None  # JSONL; defaults to {save}/metrics.jsonl when --save is given
     wall_clock_breakdown: bool = False  # per-phase timers (DeepSpeed's key)
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_batch_size_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_optimizer_states_to_tensorboard: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_throughput: bool = False
+    csv_dir: Optional[str] = None  # DeepSpeed csv_monitor: one CSV per metric
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
 
 
 @dataclass
@@ -168,6 +250,9 @@ class TrainConfig:
     # command line does not own (bucket sizes, stage-3 knobs, ...) pass through
     # to_deepspeed_config() untouched.
     deepspeed_json: Optional[dict[str, Any]] = None
+    # One line each, printed by rank 0 at start-up: what a flag or JSON key was mapped to
+    # or superseded by, and the DeepSpeed-internal JSON keys that were ignored.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -181,15 +266,20 @@ class TrainConfig:
         conflicting values). ``optimizer.params.lr`` is the peak LR; the LR schedule
         (megazero.training.lr_schedule) sets the per-step value.
         """
-        ds = copy.deepcopy(self.deepspeed_json) if self.deepspeed_json else {}
+        from megazero.training.ds_keys import strip_ignored
+
+        ds = strip_ignored(self.deepspeed_json) if self.deepspeed_json else {}
         s, o, p = self.schedule, self.optim, self.precision
         ds["train_batch_size"] = s.global_batch_size
         ds["train_micro_batch_size_per_gpu"] = s.micro_batch_size
         ds["gradient_accumulation_steps"] = s.grad_accum_steps
         opt = ds.setdefault("optimizer", {})
         opt["type"] = o.type
-        opt.setdefault("params", {}).update(
-            lr=o.lr, betas=[o.adam_beta1, o.adam_beta2], eps=o.adam_eps, weight_decay=o.weight_decay)
+        if o.type == "SGD":
+            opt["params"] = dict(lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
+        else:
+            opt.setdefault("params", {}).update(
+                lr=o.lr, betas=[o.adam_beta1, o.adam_beta2], eps=o.adam_eps, weight_decay=o.weight_decay)
         ds.setdefault("zero_optimization", {})["stage"] = self.parallel.zero_stage
         ds.setdefault("bf16", {})["enabled"] = p.dtype == "bf16"
         fp16 = ds.setdefault("fp16", {})
@@ -198,6 +288,10 @@ class TrainConfig:
             loss_scale=p.loss_scale if p.loss_scale is not None else 0,  # DeepSpeed: 0 = dynamic
             initial_scale_power=int(round(math.log2(p.initial_loss_scale))),
             loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis, min_loss_scale=p.min_loss_scale)
+        if p.consecutive_hysteresis:
+            fp16["consecutive_hysteresis"] = True
+        if p.accumulate_grads_fp32:
+            ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
         ds["gradient_clipping"] = o.clip_grad
         ds.setdefault("steps_per_print", self.logging.log_interval)
         ds["wall_clock_breakdown"] = self.logging.wall_clock_breakdown

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
 __all__ = ["Throughput", "IterationStats", "IntervalMeter", "IntervalSummary", "MetricsWriter",
-           "format_log_line", "memory_mb", "metric_key", "TRAIN_LOSS_KEY", "EVAL_LOSS_KEY"]
+           "format_log_line", "memory_mb", "metric_key", "megatron_scalars", "TRAIN_LOSS_KEY", "EVAL_LOSS_KEY"]
 
 TRAIN_LOSS_KEY = "lm_loss"
 EVAL_LOSS_KEY = "eval_lm_loss"
@@ -79,6 +79,11 @@ class Throughput:
                                                            recompute_full=m.recompute_granularity == "full"),
                    tokens_per_iteration=s.global_batch_size * m.seq_length,
                    world_size=config.parallel.world_size)
+
+    def at_batch(self, global_batch_size: int, full_batch_size: int) -> "Throughput":
+        """The same model at another global batch (a ramp-up iteration): FLOPs and tokens scale with it."""
+        f = global_batch_size / full_batch_size
+        return Throughput(self.flops_per_iteration * f, int(round(self.tokens_per_iteration * f)), self.world_size)
 
     def tokens_per_second(self, seconds_per_iteration: float) -> float:
         return self.tokens_per_iteration / seconds_per_iteration
@@ -159,6 +164,9 @@ class IterationStats:
     tokens_per_second: Optional[float] = None
     tflops_per_rank: Optional[float] = None
     memory_mb: Optional[float] = None
+    # ms per iteration of each phase (--wall-clock breakdown / --log-timers-to-tensorboard): fwd, bwd, step
+    timers_ms: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)  # params_norm, num_zeros, optimizer/... when asked
 
     @classmethod
     def from_summary(cls, summary: IntervalSummary, *, iteration: int, train_iters: int, consumed_samples: int,
@@ -184,6 +192,8 @@ class IterationStats:
                    elapsed_ms_per_iteration=self.seconds_per_iteration * 1000.0,
                    tokens_per_s=self.tokens_per_second, tflops_per_rank=self.tflops_per_rank,
                    memory_mb=self.memory_mb)
+        rec.update({f"{k}_ms": v for k, v in self.timers_ms.items()})
+        rec.update(self.extra)
         return rec
 
 
@@ -208,7 +218,64 @@ def format_log_line(stats: IterationStats) -> str:
               f" number of nan iterations: {stats.nan_iterations:3d}"]
     if stats.memory_mb is not None:
         parts.append(f" memory (MB): {stats.memory_mb:.0f}")
+    for key in ("params_norm", "num_zeros"):
+        if key in stats.extra:
+            parts.append(f" {key.replace('_', ' ')}: {stats.extra[key]:.3f}" if key == "params_norm"
+                         else f" {key.replace('_', ' ')}: {stats.extra[key]:.1f}")
+    if stats.timers_ms:
+        # DeepSpeed's wall_clock_breakdown: where the iteration's time went
+        parts.append(" time (ms) " + " ".join(f"{k}: {v:.1f}" for k, v in stats.timers_ms.items()))
     return " |".join(parts) + " |"
+
+
+# JSONL key -> Megatron's TensorBoard tag, and the logging option that enables it (None: always, as
+# Megatron's --log-learning-rate-to-tensorboard / --log-loss-scale-to-tensorboard default on).
+_TB_TAGS: dict[str, tuple[str, Optional[str]]] = {
+    "lr": ("learning-rate", None),
+    "lm_loss": ("lm loss", None),
+    "loss_scale": ("loss-scale", None),
+    "grad_norm": ("grad-norm", None),
+    "global_batch_size": ("batch-size", "log_batch_size_to_tensorboard"),
+    "params_norm": ("params-norm", "log_params_norm"),
+    "num_zeros": ("num-zeros", "log_num_zeros_in_grad"),
+    "eval_lm_loss": ("lm loss validation", None),
+    "eval_ppl": ("lm loss validation ppl", "log_validation_ppl_to_tensorboard"),
+    "tflops_per_rank": ("throughput", "log_throughput"),
+    "fwd_ms": ("forward-compute-time", "log_timers_to_tensorboard"),
+    "bwd_ms": ("backward-compute-time", "log_timers_to_tensorboard"),
+    "step_ms": ("optimizer-time", "log_timers_to_tensorboard"),
+    "elapsed_ms_per_iteration": ("iteration-time", "log_timers_to_tensorboard"),
+}
+_VS_SAMPLES = {"learning-rate", "lm loss", "loss-scale", "grad-norm", "batch-size", "params-norm", "num-zeros",
+               "lm loss validation", "lm loss validation ppl"}
+
+
+def megatron_scalars(record: Mapping[str, Any], options: Any) -> list[tuple[str, float, str]]:
+    """``(tag, value, axis)`` with Megatron's TensorBoard tag names; axis 'iteration' or 'samples'
+    (Megatron writes most scalars twice: by iteration and '<tag> vs samples'). ``options`` is a
+    LoggingConfig (its log_* switches gate the optional tags)."""
+    out = []
+    for key, value in record.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value is None:
+            continue
+        if key.startswith("optimizer/"):
+            if getattr(options, "log_optimizer_states_to_tensorboard", False):
+                out.append((key, float(value), "iteration"))
+            continue
+        if key == "memory_mb":
+            if getattr(options, "log_memory_to_tensorboard", False):
+                out.append(("mem-max-allocated-bytes", float(value) * 2 ** 20, "iteration"))
+            continue
+        if key not in _TB_TAGS:
+            continue
+        tag, switch = _TB_TAGS[key]
+        if switch is not None and not getattr(options, switch, False):
+            continue
+        value = float(value) / 1000.0 if key == "elapsed_ms_per_iteration" else float(value)
+        out.append((tag, value, "iteration"))
+        if tag in _VS_SAMPLES and "consumed_samples" in record:
+            out.append((f"{tag} vs samples", value, "samples"))
+    return out
 
 
 def _clean(value: Any) -> Any:
@@ -224,10 +291,17 @@ class MetricsWriter:
     resumed run continues the same file) and, when ``tensorboard_dir`` is given and
     TensorBoard is installed, the numeric values as scalars. Other ranks do nothing."""
 
-    def __init__(self, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None, rank: int = 0) -> None:
+    def __init__(self, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None, rank: int = 0,
+                 options: Any = None) -> None:
+        """``options`` (a LoggingConfig) switches TensorBoard to Megatron's tag names and enables the
+        DeepSpeed csv_monitor files and Weights & Biases; without it, scalars use the JSONL keys."""
         self.rank = rank
         self._file = None
         self._tb = None
+        self._wandb = None
+        self.options = options
+        self._csv_dir = getattr(options, "csv_dir", None)
+        self._consumed = 0
         if rank != 0:
             return
         if jsonl_path:
@@ -240,7 +314,17 @@ class MetricsWriter:
             except Exception as e:  # ImportError, or a tensorboard/protobuf version clash
                 _log.warning("TensorBoard logging disabled (%s); pip install tensorboard to enable it", e)
             else:
-                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+                self._tb = SummaryWriter(log_dir=tensorboard_dir,
+                                         max_queue=getattr(options, "tensorboard_queue_size", 10))
+        if self._csv_dir:
+            os.makedirs(self._csv_dir, exist_ok=True)
+        if getattr(options, "wandb_project", None):
+            import wandb  # presence checked when the command line was parsed
+
+            save_dir = options.wandb_save_dir or (os.path.join(tensorboard_dir, "wandb") if tensorboard_dir else None)
+            if save_dir:
+                os.makedirs(save_dir, exist_ok=True)
+            self._wandb = wandb.init(project=options.wandb_project, name=options.wandb_exp_name, dir=save_dir)
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -255,11 +339,31 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()  # a crash keeps everything up to the last log line
-        if self._tb is not None:
+        if isinstance(record.get("consumed_samples"), int):
+            self._consumed = record["consumed_samples"]
+        every = getattr(self.options, "tensorboard_log_interval", 1)
+        if self._tb is not None and self.options is not None and int(iteration) % every == 0:
+            for tag, value, axis in megatron_scalars({**record, "consumed_samples": self._consumed}, self.options):
+                self._tb.add_scalar(tag, value, int(iteration) if axis == "iteration" else self._consumed)
+        elif self._tb is not None and self.options is None:
             for key, value in record.items():
                 if key not in ("iteration", "timestamp") and isinstance(value, (int, float)) \
                         and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, int(iteration))
+        if self._csv_dir:
+            # DeepSpeed's csv_monitor: one file per metric, 'step,value' rows
+            for key, value in record.items():
+                if key not in ("iteration", "timestamp") and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
+                    path = os.path.join(self._csv_dir, key.replace("/", "_") + ".csv")
+                    new = not os.path.exists(path)
+                    with open(path, "a", encoding="utf-8") as f:
+                        if new:
+                            f.write("step,value\n")
+                        f.write(f"{int(iteration)},{value}\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k not in ("iteration", "timestamp") and v is not None},
+                            step=int(iteration))
 
     def close(self) -> None:
         if self._file is not None:
@@ -268,6 +372,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self

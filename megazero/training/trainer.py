@@ -21,10 +21,12 @@ from .. import mpu, zero
 from ..model import GPTModel, num_parameters
 from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, with_equal_weights
 from .lr_schedule import LRScheduler
 from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
                       memory_mb)
+from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
+from .run_control import PhaseClock, SignalFlag, any_rank, set_accumulation
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
 
@@ -40,6 +42,8 @@ class TrainResult:
     losses: dict[int, float]  # iteration -> lm loss (DP mean) of the iterations run in this process
     eval_losses: dict[int, float]
     sample: Optional[str] = None
+    final_eval: dict[str, float] = dataclasses.field(default_factory=dict)  # 'valid'/'test' -> loss at the end
+    exit_reason: Optional[str] = None  # why the loop stopped before train_iters (signal, duration, interval, tokens)
 
 
 def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -68,24 +72,36 @@ class MockGPTDataset(torch.utils.data.Dataset):
 
 def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
     s = config.schedule
-    # Every evaluation reads the same first eval_iters global batches of the validation split.
-    eval_samples = s.eval_iters * s.global_batch_size if s.eval_interval else 0
+    # Every evaluation reads the same first eval_iters global batches of the validation (or test) split.
+    eval_samples = s.eval_iters * s.global_batch_size
     num_samples = (s.train_samples, eval_samples, eval_samples)
     if config.data.mock_data:
         vocab = tokenizer_vocab or config.model.vocab_size
         return (MockGPTDataset(num_samples[0], config.model.seq_length, vocab, config.seed),
-                MockGPTDataset(max(num_samples[1], 1), config.model.seq_length, vocab, config.seed + 1), None)
+                MockGPTDataset(max(num_samples[1], 1), config.model.seq_length, vocab, config.seed + 1),
+                MockGPTDataset(max(num_samples[2], 1), config.model.seq_length, vocab, config.seed + 2))
     from ..data import build_train_valid_test_datasets
 
-    return build_train_valid_test_datasets(config.data.data_path, config.data.split, config.model.seq_length,
-                                           config.seed, num_samples)
+    d = config.data
+    if d.train_data_path:
+        # Megatron's separate split files: each path list is a whole split of its own.
+        out = []
+        for paths, n in ((d.train_data_path, num_samples[0]), (d.valid_data_path, num_samples[1]),
+                         (d.test_data_path, num_samples[2])):
+            out.append(build_train_valid_test_datasets(with_equal_weights(paths), "100,0,0", config.model.seq_length,
+                                                       config.seed, (max(n, 1), 0, 0), cache_dir=d.data_cache_path)[0]
+                       if paths and n else None)
+        return tuple(out)
+    return build_train_valid_test_datasets(with_equal_weights(d.data_path), d.split, config.model.seq_length,
+                                           config.seed, num_samples, cache_dir=d.data_cache_path)
 
 
 def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
     from ..data import build_pretraining_data_loader
 
     loader = build_pretraining_data_loader(dataset, consumed, config.schedule.micro_batch_size,
-                                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+                                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+                                           num_workers=config.data.num_workers)
     return iter(loader) if loader is not None else None
 
 
@@ -95,14 +111,19 @@ def _dp_mean(values: list[float], device: torch.device) -> float:
     return float(t) / mpu.get_data_parallel_world_size()
 
 
-def _train_step(engine, batches: list[dict], device) -> tuple[float, bool]:
+def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = None) -> tuple[float, bool]:
+    """One iteration; with ``timers`` (a dict) adds the seconds spent in fwd / bwd / step to it."""
     losses = []
     updated = False
+    clock = PhaseClock(timers, device)
     for batch in batches:
         text = batch["text"].to(device)
         loss = engine(text[:, :-1], labels=text[:, 1:]).mean()
+        clock.lap("fwd")
         engine.backward(loss)
+        clock.lap("bwd")
         updated = engine.step()
+        clock.lap("step")
         losses.append(float(loss.detach()))
     return _dp_mean(losses, device), updated
 
@@ -154,9 +175,20 @@ def _init_from_pretrained(engine, directory: str) -> None:
     _print0(f"> initialized the weights from {path}")
 
 
+def _run_eval(engine, dataset, config: TrainConfig, device, iteration: int, writer, label: str,
+              key: str = EVAL_LOSS_KEY) -> Optional[float]:
+    val = evaluate(engine, dataset, config, device)
+    if val is not None:
+        ppl = math.exp(min(val, 50))
+        _print0(f" {label} loss at iteration {iteration}: {val:.6E} | perplexity: {ppl:.4E}")
+        writer.write(iteration, {"iteration": iteration, key: val, key.replace("lm_loss", "ppl"): ppl})
+    return val
+
+
 def pretrain(config: TrainConfig) -> TrainResult:
     """Run (or resume) a training job described by ``config``; collective over all ranks."""
-    mpu.init_distributed()
+    train_start = time.time()
+    mpu.init_distributed(config.parallel.distributed_backend)
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
     device = mpu.get_device()
@@ -174,44 +206,81 @@ def pretrain(config: TrainConfig) -> TrainResult:
     model = GPTModel(config.model, device="meta")
     engine = zero.initialize(model, config.to_deepspeed_config(), mpu=mpu,
                              no_weight_decay=megatron_no_weight_decay, device=device)
+    if config.optim.type == "SGD" and not isinstance(engine.optimizer, torch.optim.SGD):
+        raise RuntimeError(f"--optimizer sgd: the ZeRO engine built {type(engine.optimizer).__name__}; this build's "
+                           "engine does not construct SGD yet")
     scheduler = LRScheduler.from_config(config, engine.optimizer)
+    for note in config.notes:
+        _print0(f"> {note}")
     _print0(f"> model: {num_parameters(config.model):,} parameters "
             f"(per TP rank {engine.num_local_parameters():,}); tp={config.parallel.tp} dp={config.parallel.dp} "
             f"ZeRO-{engine.stage} {config.precision.dtype}; model state per rank "
             f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
 
     iteration, consumed = 0, 0
-    state = load_checkpoint(config.checkpoint.load, engine) if config.checkpoint.load else None
-    if state is None and config.checkpoint.pretrained:
-        _init_from_pretrained(engine, config.checkpoint.pretrained)
-    if config.checkpoint.load:
+    ck = config.checkpoint
+    fresh_rng = mpu.get_cuda_rng_tracker().get_states() if hasattr(mpu, "get_cuda_rng_tracker") else None
+    fresh_cpu_rng = torch.get_rng_state()
+    state = load_checkpoint(ck.load, engine) if ck.load else None
+    if state is None and ck.pretrained:
+        _init_from_pretrained(engine, ck.pretrained)
+    if ck.load:
         if state is None:
-            _print0(f"> no checkpoint in {config.checkpoint.load}: starting from "
-                    + ("the pretrained weights" if config.checkpoint.pretrained else "scratch"))
+            _print0(f"> no checkpoint in {ck.load}: starting from "
+                    + ("the pretrained weights" if ck.pretrained else "scratch"))
         else:
-            iteration, consumed = state["iteration"], state["consumed_samples"]
-            try:
-                scheduler.load_state_dict(state["lr_scheduler"])
-            except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
-                raise CheckpointError(str(e)) from None
-            _print0(f"> resumed from iteration {iteration} ({consumed} samples)"
-                    + (" with a new tp x dp layout" if state["resharded"] else ""))
+            if ck.finetune or ck.no_load_optim:
+                # Megatron's --finetune / --no-load-optim: keep the loaded weights, start the optimizer afresh.
+                engine.optimizer.state.clear()
+            if ck.finetune or ck.no_load_rng:
+                torch.set_rng_state(fresh_cpu_rng)
+                if fresh_rng is not None:
+                    mpu.get_cuda_rng_tracker().set_states(fresh_rng)
+            if ck.finetune:
+                _print0(f"> --finetune: weights from iteration {state['iteration']} of {ck.load}; iteration, "
+                        f"samples, optimizer and RNG start afresh")
+            else:
+                iteration, consumed = state["iteration"], state["consumed_samples"]
+                try:
+                    scheduler.load_state_dict(state["lr_scheduler"],
+                                              use_checkpoint_values=config.schedule.use_checkpoint_opt_param_scheduler,
+                                              override=config.schedule.override_opt_param_scheduler)
+                except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
+                    raise CheckpointError(str(e)) from None
+                _print0(f"> resumed from iteration {iteration} ({consumed} samples)"
+                        + (" with a new tp x dp layout" if state["resharded"] else ""))
 
-    train_ds, valid_ds, _ = _datasets(config, tokenizer.vocab_size if tokenizer else None)
-    train_it = _loader(train_ds, consumed, config)
+    train_ds, valid_ds, test_ds = _datasets(config, tokenizer.vocab_size if tokenizer else None)
+    train_it = _loader(train_ds, consumed, config) if not config.schedule.skip_train else None
 
     s, log = config.schedule, config.logging
-    writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank())
+    writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank(), options=log)
+    timers: Optional[dict] = {} if (log.wall_clock_breakdown or log.log_timers_to_tensorboard) else None
+    zeros = count_zeros_in_grads(engine) if log.log_num_zeros_in_grad else None
     throughput = Throughput.from_config(config)
     meter = IntervalMeter()
     result = TrainResult(iteration, consumed, {}, {})
+    signals = SignalFlag(s.exit_signal_handler)
+    last_log = iteration
+    per_micro = s.micro_batch_size * config.parallel.dp
+    tokens = consumed * config.model.seq_length  # no curriculum: every sample is seq_length tokens
     try:
-        while iteration < s.train_iters:
-            batches = [next(train_it) for _ in range(s.grad_accum_steps)]
-            loss, updated = _train_step(engine, batches, device)
+        while iteration < s.train_iters and not s.skip_train:
+            if s.train_tokens is not None and tokens >= s.train_tokens:
+                result.exit_reason = f"--train-tokens {s.train_tokens} reached"
+                _print0(f"> stopping at iteration {iteration}: {tokens:,} tokens consumed, "
+                        f"--train-tokens {s.train_tokens:,} reached")
+                break
+            batch_size = s.global_batch_size_at(consumed)
+            if s.rampup_batch_size is not None:
+                set_accumulation(engine, batch_size // per_micro)
+            batches = [next(train_it) for _ in range(batch_size // per_micro)]
+            loss, updated = (_train_step(engine, batches, device, timers) if timers is not None
+                             else _train_step(engine, batches, device))
             iteration += 1
-            consumed += s.global_batch_size
-            scheduler.step(s.global_batch_size)
+            consumed += batch_size
+            tokens += batch_size * config.model.seq_length
+            scheduler.step(LRScheduler.increment(config, batch_size))
             result.losses[iteration] = loss
             skipped = not updated
             if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":
@@ -227,30 +296,58 @@ def pretrain(config: TrainConfig) -> TrainResult:
                     torch.cuda.synchronize()
                 stats = IterationStats.from_summary(
                     meter.pop(), iteration=iteration, train_iters=s.train_iters, consumed_samples=consumed,
-                    lr=scheduler.lr, global_batch_size=s.global_batch_size, throughput=throughput,
+                    lr=scheduler.lr, global_batch_size=batch_size, throughput=throughput,
                     loss_scale=engine.get_loss_scale(), grad_norm=engine.get_global_grad_norm(),
                     memory=memory_mb(device))
+                if batch_size != s.global_batch_size:
+                    stats.tokens_per_second = throughput.at_batch(batch_size, s.global_batch_size) \
+                        .tokens_per_second(stats.seconds_per_iteration)
+                    stats.tflops_per_rank = throughput.at_batch(batch_size, s.global_batch_size) \
+                        .tflops_per_rank(stats.seconds_per_iteration)
+                if timers is not None:
+                    n = max(iteration - last_log, 1)
+                    stats.timers_ms = {k: v * 1000.0 / n for k, v in timers.items()}
+                    timers.clear()
+                last_log = iteration
+                if log.log_params_norm:
+                    stats.extra["params_norm"] = params_norm(engine)
+                if zeros is not None and zeros.zeros is not None:
+                    stats.extra["num_zeros"] = zeros.zeros
+                if log.log_optimizer_states_to_tensorboard:
+                    stats.extra.update(optimizer_state_stats(engine))
                 _print0(format_log_line(stats))
                 writer.write(iteration, stats.to_record())
             if s.eval_interval and iteration % s.eval_interval == 0:
-                val = evaluate(engine, valid_ds, config, device)
+                val = _run_eval(engine, valid_ds, config, device, iteration, writer, "validation")
                 if val is not None:
                     result.eval_losses[iteration] = val
-                    _print0(f" validation loss at iteration {iteration}: {val:.6E} | "
-                            f"perplexity: {math.exp(min(val, 50)):.4E}")
-                    writer.write(iteration, {"iteration": iteration, EVAL_LOSS_KEY: val, "eval_ppl": math.exp(min(val, 50))})
             saved = False
             if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
                 _save(config, iteration, consumed, engine, scheduler)
                 saved = True
-            if s.exit_interval and iteration % s.exit_interval == 0:
+            reason = None
+            if s.exit_signal_handler and any_rank(signals.received, device):
+                reason = "a SIGTERM (--exit-signal-handler)"
+            elif s.exit_duration_in_mins is not None and any_rank(
+                    (time.time() - train_start) / 60.0 > s.exit_duration_in_mins, device):
+                reason = f"--exit-duration-in-mins {s.exit_duration_in_mins:g}"
+            elif s.exit_interval and iteration % s.exit_interval == 0:
+                reason = f"--exit-interval {s.exit_interval}"
+            if reason is not None:
                 if config.checkpoint.save and not saved:
                     _save(config, iteration, consumed, engine, scheduler)
-                _print0(f"exiting at iteration {iteration} (--exit-interval {s.exit_interval})")
+                _print0(f"exiting at iteration {iteration} after {reason}")
+                result.exit_reason = reason
                 break
-        else:
-            if config.checkpoint.save and latest_iteration(config.checkpoint.save) != iteration:
+        if result.exit_reason is None or result.exit_reason.startswith("--train-tokens"):
+            if config.checkpoint.save and not s.skip_train and latest_iteration(config.checkpoint.save) != iteration:
                 _save(config, iteration, consumed, engine, scheduler)
+            # Megatron ends training (or --skip-train) with an evaluation on the validation and test splits.
+            for label, dataset, name in (("validation", valid_ds, "valid"), ("test", test_ds, "test")):
+                val = _run_eval(engine, dataset, config, device, iteration, writer,
+                                f"the end of training for {label} data:", key=f"{name}_end_lm_loss")
+                if val is not None:
+                    result.final_eval[name] = val
         if config.generate.prompt is not None and tokenizer is not None:
             from ..model.sampling import generate_text
 
@@ -258,6 +355,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                                           max_new_tokens=config.generate.tokens, seed=config.seed)
             _print0(f"> sample: {config.generate.prompt!r} ->\n{result.sample}")
     finally:
+        signals.restore()
         writer.close()
     result.iteration, result.consumed_samples = iteration, consumed
     return result

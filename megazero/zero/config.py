@@ -94,6 +94,11 @@ class ZeroConfig:
     communication_data_type: Optional[str] = None
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    # Gradient-reduction numerics (DeepSpeed's keys): the dtype the reduction runs in (None:
+    # the gradient dtype), divide by the DP size before reducing, and DeepSpeed's pre-divide factor.
+    communication_data_type: Optional[str] = None
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
 
     @property
     def stage(self) -> int:
@@ -144,8 +149,7 @@ _UNSUPPORTED = {
     "zero_quantized_weights": "quantized ZeRO++ weights",
     "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
 }
-_IGNORED_TOP = {"wall_clock_breakdown", "steps_per_print", "zero_allow_untested_optimizer", "prescale_gradients",
-                "gradient_predivide_factor", "communication_data_type", "aio", "activation_checkpointing",
+_IGNORED_TOP = {"wall_clock_breakdown", "steps_per_print", "zero_allow_untested_optimizer", "aio", "activation_checkpointing",
                 "flops_profiler", "tensorboard", "csv_monitor", "wandb", "scheduler", "data_types", "zero_force_ds_cpu_optimizer"}
 
 
@@ -235,6 +239,16 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
     accum = int(cfg.get("gradient_accumulation_steps", 1))
     if accum < 1:
         raise ZeroConfigError(f"gradient_accumulation_steps must be >= 1, got {accum}")
+    comm_dtype = cfg.get("communication_data_type")
+    if comm_dtype is not None:
+        comm_dtype = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
+                      "bfloat16": "bf16"}.get(str(comm_dtype).lower())
+        if comm_dtype is None:
+            raise ZeroConfigError(f"communication_data_type must be fp32, fp16 or bf16, got "
+                                  f"{cfg['communication_data_type']!r}")
+    predivide = float(cfg.get("gradient_predivide_factor", 1.0))
+    if predivide <= 0:
+        raise ZeroConfigError(f"gradient_predivide_factor must be > 0, got {predivide}")
     clip = float(cfg.get("gradient_clipping", 0.0))
     if clip < 0:
         raise ZeroConfigError(f"gradient_clipping must be >= 0, got {clip}")
@@ -251,4 +265,7 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
         communication_data_type=comm_dtype,
         steps_per_print=int(cfg.get("steps_per_print", 10)),
         wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)),
+        communication_data_type=comm_dtype,
+        prescale_gradients=bool(cfg.get("prescale_gradients", False)),
+        gradient_predivide_factor=predivide,
     )

@@ -127,7 +127,6 @@ def test_compatibility_flags_accepted():
     ("--sequence-parallel", 4, r"--sequence-parallel needs --tp > 1"),
     ("--seq-length 128", 4, r"--seq-length 128 exceeds --max-position-embeddings 64"),
     ("--bf16 --fp16", 4, r"--bf16 and --fp16 are mutually exclusive"),
-    ("--save-interval 10", 4, r"--save-interval 10 needs --save"),
     ("--train-samples 100", 4, r"exactly one of --train-iters and --train-samples \(got both\)"),
     ("--zero-stage 4", 4, r"--zero-stage must be 0, 1, 2 or 3, got 4"),
     ("--lr-warmup-iters 20", 4, r"LR warmup \(--lr-warmup-iters 20 = 160 samples\) is longer than the LR decay "
@@ -181,7 +180,10 @@ def test_deepspeed_json_values_are_merged(tmp_path):
         ("Adam", 3e-4, 0.9, 0.95, 1e-6, 0.1, 0.5)
     assert cfg.parallel.zero_stage == 3 and cfg.precision.dtype == "bf16"
     ds = cfg.to_deepspeed_config()
-    assert ds["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "overlap_comm": True}
+    # A DeepSpeed-internal knob is accepted, named once at start-up, and not passed on.
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert "DeepSpeed JSON keys ignored (they tune DeepSpeed's own internals): " \
+        "zero_optimization.stage3_prefetch_bucket_size" in cfg.notes
     assert ds["steps_per_print"] == 7 and ds["gradient_accumulation_steps"] == 4
     assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
     assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
@@ -191,7 +193,7 @@ def test_to_deepspeed_config_without_json():
     ds = parse("--fp16 --loss-scale 1024 --clip-grad 0 --zero-stage 0 --weight-decay 0.1").to_deepspeed_config()
     assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 1 and ds["zero_optimization"] == {"stage": 0}
-    assert ds["fp16"] == {"enabled": True, "loss_scale": 1024.0, "initial_scale_power": 16, "loss_scale_window": 1000,
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 1024.0, "initial_scale_power": 32, "loss_scale_window": 1000,
                           "hysteresis": 2, "min_loss_scale": 1.0}
     assert ds["gradient_clipping"] == 0 and ds["optimizer"] == {
         "type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}
@@ -243,3 +245,174 @@ def test_flash_attention_refused_where_it_cannot_run():
         pytest.skip("this check is about machines without CUDA")
     with pytest.raises(ConfigError, match="--use-flash-attn cannot run here: no CUDA device.*needs --bf16 or --fp16"):
         parse("--use-flash-attn")
+
+
+# ---- issue 12: Megatron / Megatron-DeepSpeed flags ------------------------------------------------
+
+def test_fp16_json_block_governs_and_real_conflicts_are_refused(tmp_path):
+    path = write_json(tmp_path, {"fp16": {"enabled": True, "initial_scale_power": 12}})
+    cfg = parse(f"--fp16 --loss-scale 12 --deepspeed_config {path}")
+    assert cfg.precision.loss_scale is None and cfg.precision.initial_loss_scale == 4096
+    assert cfg.precision.loss_scale_window == 1000 and cfg.precision.hysteresis == 2  # DeepSpeed's defaults
+    path = write_json(tmp_path, {"fp16": {"enabled": True, "loss_scale": 1024}})
+    with pytest.raises(ConfigError, match=r"fp16.loss_scale=1024 but the command line has --loss-scale 12"):
+        parse(f"--fp16 --loss-scale 12 --deepspeed_config {path}")
+    path = write_json(tmp_path, {"fp16": {"enabled": True, "initial_scale_power": 12}})
+    with pytest.raises(ConfigError, match=r"fp16.initial_scale_power=12 but the command line has "
+                                          r"--initial-loss-scale 65536"):
+        parse(f"--fp16 --initial-loss-scale 65536 --deepspeed_config {path}")
+    assert parse("--fp16").precision.initial_loss_scale == 2.0 ** 32  # Megatron's default without a JSON
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 2,
+                                     "warmup_type": "linear"}}, ("constant", 1e-4, 0.0, 16, 80)),
+    ({"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 2,
+                                          "total_num_steps": 8, "warmup_type": "linear"}}, ("linear", 0.0, 0.0, 16, 64)),
+    ({"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1, "cos_min_ratio": 0.01, "warmup_num_steps": 2,
+                                           "total_num_steps": 8, "warmup_type": "linear"}},
+     ("cosine", 1e-4, 1e-5, 16, 64)),
+])
+def test_deepspeed_scheduler_block_maps_to_the_lr_flags(tmp_path, block, expected):
+    cfg = parse(f"--deepspeed_config {write_json(tmp_path, {'scheduler': block})}")
+    s = cfg.schedule
+    assert (s.lr_decay_style, s.lr_warmup_init, cfg.optim.min_lr, s.lr_warmup_samples, s.lr_decay_samples) == \
+        pytest.approx(expected)
+
+
+@pytest.mark.parametrize("block, pattern", [
+    ({"type": "OneCycle"}, r"scheduler.type 'OneCycle' is not supported; remove the scheduler block and use "
+                           r"--lr-decay-style"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, r"warmup_type 'log' .* set \"warmup_type\": \"linear\""),
+])
+def test_deepspeed_scheduler_refusals(tmp_path, block, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse(f"--deepspeed_config {write_json(tmp_path, {'scheduler': block})}")
+
+
+@pytest.mark.parametrize("obj, pattern", [
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, r"offload_optimizer.*does not exist"),
+    ({"flops_profiler": {"enabled": True}}, r"flops_profiler: DeepSpeed's flops profiler does not exist"),
+    ({"activation_checkpointing": {"partition_activations": True}}, r"use --sequence-parallel"),
+    ({"curriculum_learning": {"enabled": True}}, r"curriculum learning does not exist"),
+    ({"trian_batch_size": 8}, r"unknown key 'trian_batch_size'"),
+    ({"zero_optimization": {"stgae": 1}}, r"unknown key 'zero_optimization.stgae'"),
+])
+def test_deepspeed_json_refused_and_unknown_keys(tmp_path, obj, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse(f"--deepspeed_config {write_json(tmp_path, obj)}")
+
+
+def test_deepspeed_json_harmless_and_comm_keys(tmp_path):
+    cfg = parse(f"--deepspeed_config " + write_json(tmp_path, {
+        "flops_profiler": {"enabled": False}, "zero_optimization": {"allgather_partitions": True,
+                                                                    "elastic_checkpoint": False},
+        "activation_checkpointing": {"partition_activations": False, "number_checkpoints": 1},
+        "communication_data_type": "fp32", "prescale_gradients": True}))
+    assert cfg.notes[0] == ("DeepSpeed JSON keys ignored (they tune DeepSpeed's own internals): "
+                            "zero_optimization.allgather_partitions, zero_optimization.elastic_checkpoint")
+    from megazero.zero.config import load_config
+
+    z = load_config(cfg.to_deepspeed_config())
+    assert z.communication_data_type == "fp32" and z.prescale_gradients
+
+
+def test_rampup_with_train_samples_counts_iterations_like_megatron():
+    # micro 2 x dp 4 = 8; ramp 8 -> 32 by 8 over 60 samples (one increment per 20): batches 8, 8, 8 (c=24 -> 16),
+    # 16 (40 -> 24), 24 (64 > 60 -> 32), ... Megatron's update_train_iters: ramp phase while consumed <= 60.
+    s = parse("--global-batch-size 32 --rampup-batch-size 8 8 60 --train-samples 200", base=[
+        a for a in TINY if a not in ("--train-iters", "10")]).schedule
+    # consumed: 0 ->8, 8 ->16, 16 ->24 (16/20=0 -> 8), 24 -> 40 (16), 40 -> 64 (24), then (200 - 64) // 32 = 4
+    assert s.train_iters == 5 + 4 and s.rampup_batch_size == (8, 8, 60)
+    with pytest.raises(ConfigError, match="START and INCR must be multiples of micro batch 2 x data-parallel size 4"):
+        parse("--global-batch-size 32 --rampup-batch-size 4 4 60")
+    with pytest.raises(ConfigError, match="minus START must be a positive multiple of INCR 16"):
+        parse("--global-batch-size 32 --rampup-batch-size 8 16 60")
+
+
+def test_token_schedule_and_wsd_flags():
+    base = [a for a in TINY if a not in ("--train-iters", "10")]  # seq 64 from the preset
+    s = parse("--train-samples 80 --train-tokens 4000 --lr-warmup-tokens 640 --lr-decay-tokens 5120", base=base).schedule
+    assert (s.lr_unit, s.lr_warmup_samples, s.lr_decay_samples, s.train_tokens) == ("tokens", 640, 5120, 4000)
+    s = parse("--train-samples 80 --lr-decay-tokens 5120 --lr-warmup-samples 8", base=base).schedule
+    assert (s.lr_warmup_samples, s.lr_decay_samples) == (8 * 64, 5120)  # samples convert exactly to tokens
+    s = parse("--lr-decay-style WSD --lr-wsd-decay-style cosine --lr-wsd-decay-iters 3 --lr-warmup-iters 1").schedule
+    assert (s.lr_decay_style, s.lr_wsd_decay_style, s.lr_wsd_decay_samples) == ("WSD", "cosine", 24)
+    with pytest.raises(ConfigError, match="WSD needs the length of its final decay"):
+        parse("--lr-decay-style WSD")
+    with pytest.raises(ConfigError, match="need --lr-decay-style WSD"):
+        parse("--lr-wsd-decay-iters 3")
+
+
+def test_weight_decay_schedule_and_sgd_flags():
+    o = parse("--weight-decay-incr-style cosine --start-weight-decay 0.01 --end-weight-decay 0.1").optim
+    assert (o.start_weight_decay, o.end_weight_decay, o.weight_decay) == (0.01, 0.1, 0.1)
+    with pytest.raises(ConfigError, match="needs both --start-weight-decay and --end-weight-decay"):
+        parse("--weight-decay-incr-style linear --start-weight-decay 0.01")
+    with pytest.raises(ConfigError, match="need --weight-decay-incr-style linear or cosine"):
+        parse("--start-weight-decay 0.01 --end-weight-decay 0.1")
+    with pytest.raises(ConfigError, match="--sgd-momentum needs --optimizer sgd"):
+        parse("--sgd-momentum 0.5")
+    from megazero.zero.config import ZeroConfigError, load_config
+
+    try:
+        load_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
+    except ZeroConfigError:
+        with pytest.raises(ConfigError, match="--optimizer sgd is not available in this build's ZeRO engine"):
+            parse("--optimizer sgd")
+    else:
+        o = parse("--optimizer sgd --sgd-momentum 0.8").optim
+        assert o.type == "SGD" and o.sgd_momentum == 0.8
+
+
+def test_run_control_flags():
+    s = parse("--exit-duration-in-mins 5 --exit-signal-handler --skip-train").schedule
+    assert (s.exit_duration_in_mins, s.exit_signal_handler, s.skip_train) == (5, True, True)
+    with pytest.raises(ConfigError, match="contradict each other"):
+        parse("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler")
+    with pytest.raises(ConfigError, match="--finetune needs --load"):
+        parse("--finetune")
+    cfg = parse("--save-interval 10")
+    assert cfg.checkpoint.save_interval is None and cfg.notes == [
+        "warning: --save-interval 10 without --save: no checkpoints will be written (as in Megatron)"]
+
+
+def test_default_tokenizer_is_gpt2_bpe(dataset, gpt2_files):
+    base = [a for a in TINY if a != "--mock-data"]
+    with pytest.raises(ConfigError, match=r"GPT2BPETokenizer \(the default without --tokenizer-type, as Megatron's "
+                                          r"pretrain_gpt.py\) needs --vocab-file"):
+        parse(f"--data-path {dataset}", base=base)
+    vocab, merges = gpt2_files
+    cfg = parse(f"--data-path {dataset} {dataset} --vocab-file {vocab} --merge-file {merges}", base=base)
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.data.weights == [0.5, 0.5]
+
+
+def test_model_flags_map_to_gpt_config_fields():
+    """The mapping to the model's new fields (GPTConfig fields from the model half of issue 12)."""
+    import dataclasses
+
+    from megazero.model import GPTConfig
+    from megazero.training.arguments import MODEL_FIELD_FLAGS
+
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    if not {name for name, _, _ in MODEL_FIELD_FLAGS} <= fields:
+        with pytest.raises(ConfigError, match=r"--qk-layernorm is not supported by this build's model"):
+            parse("--qk-layernorm")
+        pytest.skip("needs megaworld branch")
+    m = parse("--rotary-percent 0.5 --position-embedding-type rope --kv-channels 8 --qk-layernorm "
+              "--apply-layernorm-1p --init-method-xavier-uniform --fp32-residual-connection "
+              "--apply-query-key-layer-scaling").model
+    assert (m.rotary_percent, m.kv_channels, m.qk_layernorm, m.apply_layernorm_1p, m.init_method,
+            m.fp32_residual_connection, m.apply_query_key_layer_scaling) == (0.5, 8, True, True, "xavier_uniform",
+                                                                           True, True)
+
+
+def test_position_and_activation_aliases():
+    m = parse("--use-rotary-position-embeddings --num-key-value-heads 2").model
+    assert m.position_embedding_type == "rope" and m.num_query_groups == 2
+    from megazero.model.config import _ENUMS
+
+    if "none" not in _ENUMS["position_embedding_type"] or "squared_relu" not in _ENUMS["activation"]:
+        pytest.skip("needs megaworld branch")
+    assert parse("--no-position-embedding").model.position_embedding_type == "none"
+    assert parse("--squared-relu").model.activation == "squared_relu"

@@ -1,0 +1,196 @@
+"""DeepSpeed JSON keys as data: honoured, mapped, refused, or ignored (DeepSpeed-internal tuning).
+
+``classify(ds)`` walks a loaded ``--deepspeed_config`` before ``torch.distributed``
+starts and returns the ignored keys (for one start-up line) or raises ``ConfigError``
+for refused and unknown keys. ``strip_ignored(ds)`` removes the ignored keys before
+the JSON goes to the ZeRO engine, so the engine sees only keys with a meaning.
+The table is also printed in docs/flags.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from megazero.training.config import ConfigError
+
+__all__ = ["DSKey", "DS_KEYS", "classify", "strip_ignored"]
+
+HONOURED, MAPPED, REFUSED, IGNORED = "honoured", "mapped", "refused", "ignored"
+
+
+@dataclass(frozen=True)
+class DSKey:
+    path: str  # dotted; a path ending in '.*' covers every key of that block
+    status: str
+    meaning: str
+    # For conditionally refused keys: value -> refuse? (e.g. offload with device 'none' is fine).
+    refuse_if: Optional[Callable[[Any], bool]] = None
+
+
+def _enabled(v: Any) -> bool:
+    return bool(v.get("enabled", False)) if isinstance(v, dict) else bool(v)
+
+
+def _offloads(v: Any) -> bool:
+    return isinstance(v, dict) and str(v.get("device", "none")).lower() not in ("none", "null")
+
+
+_K = DSKey
+_INTERNAL = "tunes DeepSpeed's own internals; megazero communicates per unit (a layer) and has no such knob"
+DS_KEYS: tuple[DSKey, ...] = (
+    _K("train_batch_size", HONOURED, "= --global-batch-size (must agree)"),
+    _K("train_micro_batch_size_per_gpu", HONOURED, "= --micro-batch-size (must agree)"),
+    _K("gradient_accumulation_steps", HONOURED, "derives the global batch when --global-batch-size is absent"),
+    _K("optimizer.type", HONOURED, "Adam, AdamW, FusedAdam or SGD"),
+    _K("optimizer.params.lr", HONOURED, "= --lr"),
+    _K("optimizer.params.betas", HONOURED, "= --adam-beta1/--adam-beta2"),
+    _K("optimizer.params.eps", HONOURED, "= --adam-eps"),
+    _K("optimizer.params.weight_decay", HONOURED, "= --weight-decay"),
+    _K("optimizer.params.momentum", HONOURED, "= --sgd-momentum"),
+    _K("optimizer.params.torch_adam", IGNORED, "selects DeepSpeed's Adam kernel; megazero uses torch's/apex's"),
+    _K("optimizer.params.adam_w_mode", HONOURED, "decoupled weight decay (true, the default) or L2 (false)"),
+    _K("scheduler.type", MAPPED, "WarmupLR / WarmupDecayLR / WarmupCosineLR become --lr-decay-style constant / "
+       "linear / cosine with their warmup (linear warmup_type only); other types are refused"),
+    _K("scheduler.params.*", MAPPED, "warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, "
+       "warmup_min_ratio, cos_min_ratio, warmup_type -> the --lr* flags (in iterations)"),
+    _K("zero_optimization.stage", HONOURED, "= --zero-stage"),
+    _K("zero_optimization.overlap_comm", HONOURED, "asynchronous gradient reduce-scatter"),
+    _K("zero_optimization.stage3_param_persistence_threshold", HONOURED, "small parameters stay gathered"),
+    *(_K(f"zero_optimization.{k}", IGNORED, _INTERNAL) for k in (
+        "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
+        "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size",
+        "allgather_partitions", "elastic_checkpoint", "round_robin_gradients", "load_from_fp32_weights",
+        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "ignore_unused_parameters", "cpu_offload_params", "cpu_offload_use_pin_memory", "memory_efficient_linear",
+        "use_multi_rank_bucket_allreduce", "mics_shard_size", "mics_hierarchical_params_gather",
+        "legacy_stage1", "pipeline_loading_checkpoint")),
+    _K("zero_optimization.offload_optimizer.*", REFUSED, "CPU/NVMe optimizer offload does not exist in megazero "
+       "(accepted only with device 'none'); use --zero-stage 3 over more ranks", refuse_if=_offloads),
+    _K("zero_optimization.offload_param.*", REFUSED, "CPU/NVMe parameter offload does not exist in megazero "
+       "(accepted only with device 'none')", refuse_if=_offloads),
+    _K("zero_optimization.cpu_offload", REFUSED, "CPU offload does not exist in megazero", refuse_if=bool),
+    *(_K(f"zero_optimization.{k}", REFUSED, "ZeRO++ quantization/hierarchical partitioning does not exist in "
+         "megazero; remove it", refuse_if=lambda v: bool(v) and v != 1) for k in (
+        "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")),
+    _K("fp16.enabled", HONOURED, "= --fp16"),
+    _K("fp16.loss_scale", HONOURED, "0 = dynamic; > 0 a static scale. With --deepspeed_config the fp16 block "
+       "governs the loss scaler (as Megatron-DeepSpeed): --loss-scale beside a dynamic block is superseded "
+       "with a note; an explicit disagreement is refused"),
+    _K("fp16.initial_scale_power", HONOURED, "dynamic scale starts at 2**power (DeepSpeed default 16)"),
+    _K("fp16.loss_scale_window", HONOURED, "= --loss-scale-window"),
+    _K("fp16.hysteresis", HONOURED, "= --hysteresis"),
+    _K("fp16.min_loss_scale", HONOURED, "= --min-loss-scale"),
+    _K("fp16.consecutive_hysteresis", HONOURED, "reset hysteresis after a good step"),
+    _K("fp16.auto_cast", REFUSED, "automatic input casting is not implemented; inputs are token ids",
+       refuse_if=bool),
+    _K("bf16.enabled", HONOURED, "= --bf16"),
+    _K("bfloat16.enabled", HONOURED, "older spelling of bf16.enabled"),
+    _K("bf16.immediate_grad_update", IGNORED, _INTERNAL),
+    _K("gradient_clipping", HONOURED, "= --clip-grad"),
+    _K("data_types.grad_accum_dtype", HONOURED, "fp32 = --accumulate-allreduce-grads-in-fp32"),
+    _K("communication_data_type", HONOURED, "dtype of gradient reductions (parsed into the ZeRO config)"),
+    _K("prescale_gradients", HONOURED, "divide gradients by the data-parallel size before the reduction "
+       "(parsed into the ZeRO config)"),
+    _K("gradient_predivide_factor", HONOURED, "pre-division factor of the gradient reduction (ZeRO config)"),
+    _K("steps_per_print", MAPPED, "the --log-interval when that flag is absent"),
+    _K("wall_clock_breakdown", HONOURED, "forward/backward/step time breakdown in every log line"),
+    _K("memory_breakdown", MAPPED, "memory is in every log line; accepted"),
+    _K("tensorboard.*", HONOURED, "enabled/output_path/job_name: --tensorboard-dir output_path/job_name"),
+    _K("csv_monitor.*", HONOURED, "enabled/output_path/job_name: one CSV file per metric, as DeepSpeed writes"),
+    _K("wandb.*", HONOURED, "enabled/project/group/team: --wandb-project (wandb must be installed)"),
+    _K("activation_checkpointing.partition_activations", REFUSED, "partitioned activations do not exist in "
+       "megazero; use --sequence-parallel", refuse_if=bool),
+    _K("activation_checkpointing.contiguous_memory_optimization", REFUSED, "needs partition_activations, which "
+       "megazero does not implement", refuse_if=bool),
+    _K("activation_checkpointing.cpu_checkpointing", REFUSED, "CPU activation checkpointing does not exist in "
+       "megazero", refuse_if=bool),
+    _K("activation_checkpointing.number_checkpoints", MAPPED, "= --recompute-num-layers"),
+    _K("activation_checkpointing.synchronize_checkpoint_boundary", IGNORED, _INTERNAL),
+    _K("activation_checkpointing.profile", IGNORED, _INTERNAL),
+    _K("zero_allow_untested_optimizer", IGNORED, "DeepSpeed's guard for foreign optimizers; megazero builds its own"),
+    _K("zero_force_ds_cpu_optimizer", IGNORED, "DeepSpeed's CPU-optimizer guard; no offload here"),
+    _K("aio.*", IGNORED, "NVMe async I/O tuning; no NVMe offload here"),
+    _K("checkpoint.*", IGNORED, "DeepSpeed checkpoint-engine options; megazero writes its own checkpoints"),
+    _K("comms_logger.*", IGNORED, "DeepSpeed's communication logger; megazero counts bytes per collective itself"),
+    _K("dump_state", IGNORED, "DeepSpeed debug print"),
+    _K("flops_profiler.*", REFUSED, "DeepSpeed's flops profiler does not exist in megazero; the log line reports "
+       "TFLOP/s per rank", refuse_if=_enabled),
+    _K("amp.*", REFUSED, "NVIDIA apex AMP does not exist in megazero; use --bf16 or --fp16", refuse_if=_enabled),
+    _K("sparse_attention.*", REFUSED, "sparse attention does not exist in megazero"),
+    _K("compression_training.*", REFUSED, "compression training does not exist in megazero"),
+    _K("curriculum_learning.*", REFUSED, "curriculum learning does not exist in megazero", refuse_if=_enabled),
+    _K("data_efficiency.*", REFUSED, "DeepSpeed data efficiency does not exist in megazero", refuse_if=_enabled),
+    _K("elasticity.*", REFUSED, "elastic batch sizes do not exist in megazero; use --rampup-batch-size",
+       refuse_if=_enabled),
+    _K("pipeline.*", IGNORED, "DeepSpeed pipeline-engine tuning; megazero has no pipeline yet (pp 1)"),
+    _K("sparse_gradients", REFUSED, "sparse embedding gradients do not exist in megazero", refuse_if=bool),
+)
+_BY_PATH = {k.path: k for k in DS_KEYS}
+
+
+def _lookup(path: str) -> Optional[DSKey]:
+    if path in _BY_PATH:
+        return _BY_PATH[path]
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        block = _BY_PATH.get(".".join(parts[:i]) + ".*")
+        if block is not None:
+            return block
+    return None
+
+
+def _walk(d: dict, prefix: str = ""):
+    """(path, value) for leaves, and for blocks that a '.*' row covers as a whole."""
+    for key, value in d.items():
+        path = f"{prefix}{key}"
+        if f"{path}.*" in _BY_PATH:
+            yield path + ".*", value
+        elif isinstance(value, dict) and path not in _BY_PATH:
+            if not value:
+                continue
+            yield from _walk(value, path + ".")
+        else:
+            yield path, value
+
+
+def classify(ds: dict[str, Any], source: str = "--deepspeed_config") -> list[str]:
+    """Refuse unknown and refused keys (all at once); return the ignored keys' paths."""
+    problems, ignored = [], []
+    for path, value in _walk(ds):
+        row = _lookup(path) if not path.endswith(".*") else _BY_PATH[path]
+        shown = path[:-2] if path.endswith(".*") else path
+        if row is None:
+            problems.append(f"unknown key {shown!r} (not a DeepSpeed key megazero knows; see docs/flags.md)")
+        elif row.status == REFUSED and (row.refuse_if is None or row.refuse_if(value)):
+            problems.append(f"{shown}: {row.meaning}")
+        elif row.status == IGNORED:
+            ignored.append(shown)
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
+    return ignored
+
+
+def strip_ignored(ds: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``ds`` for the ZeRO engine: without ignored keys, without refused keys that were
+    accepted because harmless (offload with device 'none', a disabled profiler), and without the
+    blocks the training layer consumed."""
+    out = copy.deepcopy(ds)
+    for path, value in list(_walk(ds)):
+        row = _lookup(path) if not path.endswith(".*") else _BY_PATH[path]
+        harmless_refused = row is not None and row.status == REFUSED
+        if row is not None and (row.status == IGNORED or harmless_refused):
+            keys = (path[:-2] if path.endswith(".*") else path).split(".")
+            node = out
+            for k in keys[:-1]:
+                node = node.get(k, {})
+            node.pop(keys[-1], None)
+    if "zero_optimization" in out and not out["zero_optimization"]:
+        out.pop("zero_optimization")
+    # Consumed by the training layer when the command line was resolved (LR schedule, monitors,
+    # recompute, log interval); the engine has no use for them.
+    for block in ("scheduler", "tensorboard", "csv_monitor", "wandb", "activation_checkpointing", "steps_per_print",
+                  "memory_breakdown"):
+        out.pop(block, None)
+    return out

@@ -1,0 +1,414 @@
+"""The command-line surface as data: every flag, what it means in Megatron, and what megazero does with it.
+
+One row per flag. ``build_parser`` (in ``arguments``) makes argparse from these rows,
+``refusals`` turns every refused flag (or refused value) found on a command line into
+one message naming the megazero way, and ``flags_markdown`` writes docs/flags.md, so
+the code and the documentation cannot drift (tests/training/test_flags.py checks the
+file against the table).
+
+Status of a row:
+
+- ``honoured``: megazero implements Megatron's meaning.
+- ``mapped``: Megatron's intent is met by a megazero mechanism of another name (the
+  row says which): ``--use-distributed-optimizer`` is ZeRO-1, ``--checkpoint-activations``
+  is ``--recompute-granularity full``, a ``--no-*-fusion`` flag asks for the unfused
+  computation, which is the only one megazero has.
+- ``refused``: stops the run before any process group starts, with the message given.
+
+A row may also refuse some *values* of an otherwise honoured flag (``refuse_values``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+__all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "refusals", "flags_markdown", "add_to_parser"]
+
+HONOURED, MAPPED, REFUSED = "honoured", "mapped", "refused"
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]
+    status: str
+    meaning: str  # Megatron's meaning and megazero's handling (or the refusal message for REFUSED)
+    group: str
+    type: Optional[Callable[[str], Any]] = None  # None: a switch (store_true / store_false)
+    nargs: Optional[Any] = None
+    choices: Optional[tuple] = None
+    dest: Optional[str] = None
+    store_false: bool = False  # a '--no-x' switch writing False into the dest of '--x'
+    refuse_values: tuple[tuple[Any, str], ...] = ()  # (value, message) pairs refused for an honoured flag
+    metavar: Optional[str] = None
+
+    @property
+    def attr(self) -> str:
+        return self.dest or self.names[0].lstrip("-").replace("-", "_")
+
+    def argparse_kwargs(self) -> dict[str, Any]:
+        if self.type is None and self.nargs is None:
+            return dict(action="store_false" if self.store_false else "store_true", default=None, dest=self.attr)
+        kw: dict[str, Any] = dict(dest=self.attr, default=None)
+        if self.type is not None:
+            kw["type"] = self.type
+        for key in ("nargs", "choices", "metavar"):
+            if getattr(self, key) is not None:
+                kw[key] = getattr(self, key)
+        return kw
+
+
+def _lower(s: str) -> str:
+    return s.lower()
+
+
+_ROWS: list[Flag] = []
+
+
+def _row(group: str, status: str, names, meaning: str, type=None, **kw) -> None:
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if status == REFUSED and len(names) > 1:  # one row each, so the message names the flag the user wrote
+        for name in names:
+            _ROWS.append(Flag(names=(name,), status=status, meaning=meaning, group=group, type=type, **kw))
+        return
+    _ROWS.append(Flag(names=names, status=status, meaning=meaning, group=group, type=type, **kw))
+
+
+def _group(name: str):
+    def add(status, names, meaning, type=None, **kw):
+        _row(name, status, names, meaning, type, **kw)
+    return add
+
+
+H, M, R = HONOURED, MAPPED, REFUSED
+_NO_TE = "Transformer Engine does not exist in megazero; its layers are megazero's own (megazero.mpu)"
+_NO_MOE = "mixture-of-experts does not exist in megazero (dense GPT only); drop the MoE flags"
+_NO_FP8 = "FP8 training does not exist in megazero; use --bf16 (or --fp16)"
+_NO_PP = ("pipeline parallelism is not implemented yet; use --pipeline-model-parallel-size 1 and scale with "
+          "--tensor-model-parallel-size and --zero-stage 3")
+
+# ------------------------------------------------------------------------------------------- launcher
+g = _group("launcher and parallelism")
+g(M, ("--local_rank", "--local-rank"), "rank on this node, passed by the `deepspeed` launcher and "
+  "`torch.distributed.launch`; megazero reads LOCAL_RANK from the environment and refuses a value that disagrees",
+  int, dest="local_rank")
+g(H, ("--tensor-model-parallel-size", "--tp"), "tensor-parallel size", int, dest="tp")
+g(H, ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: 1 runs; larger is refused until "
+  "pipeline parallelism lands", int, dest="pp")
+g(R, ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"), _NO_PP, int)
+g(R, "--context-parallel-size", "context parallelism does not exist in megazero; use --sequence-parallel "
+  "(activations sharded over the tensor-parallel group) and --recompute-granularity", int,
+  )
+g(H, "--sequence-parallel", "Megatron 2022 sequence parallelism (needs tensor parallelism > 1)")
+g(H, "--zero-stage", "ZeRO stage 0-3 over the data-parallel group (Megatron-DeepSpeed; default 1)", int)
+g(M, "--use-distributed-optimizer", "Megatron's distributed optimizer (optimizer states sharded over data "
+  "parallel) is ZeRO stage 1: sets --zero-stage 1 unless a stage >= 1 is given; --zero-stage 0 beside it is refused")
+g(M, "--overlap-grad-reduce", "overlap the gradient reduction with backward: megazero's ZeRO always does "
+  "(zero_optimization.overlap_comm, reduce-scatter per unit as backward leaves it)")
+g(M, "--overlap-param-gather", "overlap the parameter all-gather with forward: megazero's ZeRO-3 prefetches one "
+  "unit ahead; at stages 1/2 the post-step all-gather is not overlapped (a speed difference only)")
+g(H, "--distributed-backend", "torch.distributed backend (nccl needs CUDA; gloo runs on CPU)", str,
+  choices=("nccl", "gloo", "ccl"), refuse_values=(("ccl", "--distributed-backend ccl (oneCCL) is not supported; "
+                                                   "use nccl on GPUs or gloo on CPUs"),))
+g(H, ("--deepspeed_config", "--deepspeed-config"), "DeepSpeed JSON: its keys are honoured, mapped, refused or "
+  "ignored as listed in docs/flags.md; a value given both there and as a flag must agree", str,
+  dest="deepspeed_config")
+g(M, "--deepspeed", "use DeepSpeed: megazero's ZeRO engine takes its place; accepted")
+g(M, "--no-pipeline-parallel", "Megatron-DeepSpeed's 'no DeepSpeed pipeline engine': pipeline size 1")
+g(M, ("--use-mcore-models", "--use-legacy-models"), "which of Megatron's two model implementations: megazero "
+  "has one GPT implementation; accepted")
+g(H, "--transformer-impl", "layer implementation: 'local' is megazero's own layers", str,
+  choices=("local", "transformer_engine"),
+  refuse_values=(("transformer_engine", f"--transformer-impl transformer_engine: {_NO_TE}; "
+                                        "pass --transformer-impl local"),))
+g(M, "--no-async-tensor-model-parallel-allreduce", "synchronous tensor-parallel all-reduce: megazero's is "
+  "synchronous; accepted")
+g(M, ("--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+      "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm"),
+  "turn a fused CUDA kernel off: megazero computes these steps unfused (PyTorch ops); accepted")
+g(R, ("--cpu-optimizer", "--cpu-torch-adam"), "optimizer offload to CPU does not exist in megazero; use "
+  "--zero-stage 3 over more data-parallel ranks to cut per-GPU optimizer memory")
+g(R, ("--tp-comm-overlap", "--te-rng-tracker"), f"{_NO_TE}; drop the flag")
+g(R, "--tp-comm-overlap-cfg", f"{_NO_TE}; drop the flag", str)
+
+# --------------------------------------------------------------------------------------------- model
+g = _group("model")
+g(M, "--model-preset", "megazero only: a named shape (gpt-tiny ... gpt-175b); shape flags override it", str)
+for _n in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+           "--max-position-embeddings"):
+    g(H, _n, "model shape", int)
+g(H, "--num-query-groups", "key/value heads for grouped-query attention", int)
+g(M, "--num-key-value-heads", "Megatron-DeepSpeed's name for --num-query-groups", int)
+g(M, "--group-query-attention", "enable GQA: --num-query-groups alone does it; accepted")
+g(H, "--kv-channels", "per-head dimension (default hidden / heads)", int)
+g(H, "--position-embedding-type", "learned_absolute, rope or none", str,
+  choices=("learned_absolute", "learned", "rope", "none"))
+g(M, "--use-rotary-position-embeddings", "Megatron-DeepSpeed's --position-embedding-type rope")
+g(M, "--no-position-embedding", "no position embedding (--position-embedding-type none)")
+g(H, "--rotary-base", "RoPE theta", float)
+g(H, "--rotary-percent", "fraction of each head's dimensions rotated by RoPE", float)
+g(H, "--normalization", "LayerNorm or RMSNorm", _lower, choices=("layernorm", "rmsnorm"))
+g(H, ("--norm-epsilon", "--layernorm-epsilon"), "epsilon of every norm", float, dest="norm_epsilon")
+g(H, "--apply-layernorm-1p", "LayerNorm with weight stored as (1 + w), zero-centred")
+g(H, "--qk-layernorm", "normalize queries and keys per head")
+g(H, "--swiglu", "SwiGLU MLP; without --ffn-hidden-size Megatron's size int(4h*2/3 / 64) * 64")
+g(H, "--squared-relu", "squared-ReLU MLP activation")
+g(H, "--disable-bias-linear", "no biases on linear layers")
+g(H, "--untie-embeddings-and-output-weights", "a separate output layer")
+g(H, "--init-method-std", "N(0, std) initialization", float)
+g(H, "--init-method-xavier-uniform", "Xavier-uniform initialization")
+g(M, "--use-cpu-initialization", "initialize on CPU so weights do not depend on the GPU layout: megazero's "
+  "initialization already gives the same values at every tp x dp layout; accepted")
+g(H, "--fp32-residual-connection", "keep the residual stream in fp32")
+g(M, ("--apply-query-key-layer-scaling",), "Megatron's 1/layer scaling of QK^T undone inside an fp32 softmax "
+  "(numerically the identity up to fp16 rounding); passed to the model as apply_query_key_layer_scaling",
+  dest="apply_query_key_layer_scaling")
+g(M, "--no-query-key-layer-scaling", "see --apply-query-key-layer-scaling", dest="apply_query_key_layer_scaling",
+  store_false=True)
+g(M, "--attention-softmax-in-fp32", "megazero's attention softmax is always computed in fp32; accepted")
+g(H, ("--hidden-dropout",), "dropout on embeddings and residual branches", float)
+g(H, "--attention-dropout", "dropout on attention probabilities", float)
+g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x tensor-parallel size", int)
+g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (PyTorch SDPA), unfused/local "
+  "(PyTorch math)", _lower, choices=("auto", "flash", "fused", "unfused", "local"))
+g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
+g(R, ("--num-experts", "--expert-model-parallel-size", "--moe-router-topk", "--moe-ffn-hidden-size",
+      "--moe-expert-parallel-size", "--topk", "--expert-interval"), _NO_MOE, str, nargs="+")
+g(R, ("--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-load-balancing-type",
+      "--moe-token-dispatcher-type", "--moe-layer-freq", "--moe-train-capacity-factor",
+      "--moe-eval-capacity-factor", "--moe-min-capacity", "--moe-loss-coeff", "--mlp-type"), _NO_MOE, str)
+g(R, ("--moe-grouped-gemm", "--disable-moe-token-dropping", "--create-moe-param-group", "--moe-token-dropping"),
+  _NO_MOE)
+g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
+      "--fp8-amax-compute-algo"), _NO_FP8, str)
+g(R, ("--fp8-param-gather", "--no-fp8-wgrad"), _NO_FP8)
+
+# ---------------------------------------------------------------------------------------- recompute
+g = _group("activation recompute")
+g(H, "--recompute-granularity", "full (whole layers) or selective (core attention)", str,
+  choices=("full", "selective"))
+g(H, "--recompute-method", "uniform or block", str, choices=("uniform", "block"))
+g(H, "--recompute-num-layers", "layers per recompute chunk (uniform) or recomputed layers (block)", int)
+g(M, "--checkpoint-activations", "Megatron-DeepSpeed's --recompute-granularity full")
+g(M, "--recompute-activations", "Megatron's --recompute-granularity selective")
+g(M, "--checkpoint-num-layers", "Megatron-DeepSpeed's --recompute-num-layers", int)
+g(M, "--deepspeed-activation-checkpointing", "use DeepSpeed's checkpointing implementation for recompute: "
+  "megazero's RNG-correct checkpoint (megazero.mpu.random) is the one used; alone it recomputes nothing, as in "
+  "Megatron-DeepSpeed")
+g(R, "--partition-activations", "partitioning checkpointed activations across tensor-parallel ranks does not "
+  "exist in megazero; use --sequence-parallel, which shards activations over the tensor-parallel group")
+g(R, "--contigious-checkpointing", "contiguous buffers for partitioned activations only work with "
+  "--partition-activations, which megazero does not implement; drop both (--sequence-parallel shards "
+  "activations instead)")
+g(R, ("--checkpoint-in-cpu", "--synchronize-each-layer", "--profile-backward"),
+  "DeepSpeed activation-checkpointing internals that megazero does not have; drop the flag")
+
+# ------------------------------------------------------------------------------------- batch/schedule
+g = _group("batch and schedule")
+g(H, "--micro-batch-size", "sequences per rank per forward", int)
+g(H, "--global-batch-size", "sequences per optimizer step", int)
+g(H, "--rampup-batch-size", "START INCR SAMPLES: the global batch grows from START by INCR every "
+  "SAMPLES / ((global - START) / INCR) consumed samples; the LR schedule advances by the samples consumed. "
+  "Also with --train-iters (Megatron-LM asserts against that, yet its GPT-3 175B example combines them)",
+  int, nargs=3, metavar=("START", "INCR", "SAMPLES"))
+g(H, "--train-iters", "iterations to train", int)
+g(H, "--train-samples", "samples to train (sample-based schedule)", int)
+g(H, "--train-tokens", "Megatron-DeepSpeed: stop once this many tokens were consumed (with --train-samples)", int)
+g(H, "--lr", "peak learning rate", float)
+g(H, "--min-lr", "learning rate floor after decay", float)
+g(H, "--lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD", str,
+  choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+g(H, "--lr-wsd-decay-style", "WSD's final annealing: exponential, linear, cosine or minus_sqrt", str,
+  choices=("exponential", "linear", "cosine", "minus_sqrt"))
+g(H, "--lr-wsd-decay-iters", "length of WSD's annealing phase in iterations", int)
+g(H, "--lr-wsd-decay-samples", "length of WSD's annealing phase in samples", int)
+g(H, "--lr-warmup-iters", "linear warmup, in iterations", int)
+g(H, "--lr-warmup-samples", "linear warmup, in samples", int)
+g(H, "--lr-warmup-fraction", "warmup as a fraction of the decay", float)
+g(H, "--lr-warmup-tokens", "Megatron-DeepSpeed: warmup in tokens", int)
+g(H, "--lr-warmup-init", "learning rate at the start of warmup", float)
+g(H, "--lr-decay-iters", "decay ends here (iterations, warmup included)", int)
+g(H, "--lr-decay-samples", "decay ends here (samples, warmup included)", int)
+g(H, "--lr-decay-tokens", "Megatron-DeepSpeed: decay ends here (tokens, warmup included)", int)
+g(H, ("--override-opt_param-scheduler", "--override-lr-scheduler"), "on resume, take the LR/WD schedule from "
+  "the command line instead of checking it against the checkpoint's", dest="override_opt_param_scheduler")
+g(H, ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"), "on resume, take the LR/WD "
+  "schedule from the checkpoint", dest="use_checkpoint_opt_param_scheduler")
+
+# ------------------------------------------------------------------------------------------ optimizer
+g = _group("optimizer and precision")
+g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, or sgd", _lower,
+  choices=("adam", "adamw", "sgd"))
+g(H, "--sgd-momentum", "momentum of --optimizer sgd (default 0.9)", float)
+g(H, "--weight-decay", "decoupled weight decay (not on biases and norms)", float)
+g(H, "--start-weight-decay", "weight decay at the start of the weight-decay schedule", float)
+g(H, "--end-weight-decay", "weight decay at the end of training", float)
+g(H, "--weight-decay-incr-style", "constant, linear or cosine increase from start to end", str,
+  choices=("constant", "linear", "cosine"))
+g(H, "--clip-grad", "global gradient-norm clip (0 disables)", float)
+g(H, "--adam-beta1", "Adam beta1", float)
+g(H, "--adam-beta2", "Adam beta2", float)
+g(H, "--adam-eps", "Adam epsilon", float)
+g(H, "--bf16", "bf16 training with fp32 master weights")
+g(H, "--fp16", "fp16 training with fp32 master weights and loss scaling")
+g(H, "--loss-scale", "static fp16 loss scale (default dynamic); with --deepspeed_config the JSON's fp16 block "
+  "governs, as in Megatron-DeepSpeed", float)
+g(H, "--initial-loss-scale", "dynamic loss scale start (default 2**32)", float)
+g(H, "--min-loss-scale", "dynamic loss scale floor", float)
+g(H, "--loss-scale-window", "good steps before the scale grows", int)
+g(H, "--hysteresis", "overflows tolerated before the scale shrinks", int)
+g(H, "--accumulate-allreduce-grads-in-fp32", "accumulate and reduce gradients in fp32 "
+  "(data_types.grad_accum_dtype fp32)")
+g(H, "--seed", "random seed", int)
+
+# ----------------------------------------------------------------------------------------------- data
+g = _group("data and tokenizer")
+g(H, "--data-path", "PREFIX, 'P1 P2 ...' (equal weights) or 'W1 P1 W2 P2 ...'", str, nargs="+")
+g(H, "--train-data-path", "training data only (with --valid-data-path/--test-data-path instead of --split)",
+  str, nargs="+")
+g(H, "--valid-data-path", "validation data", str, nargs="+")
+g(H, "--test-data-path", "test data", str, nargs="+")
+g(H, "--data-cache-path", "where the sample indices are cached", str)
+g(H, "--split", "train,valid,test weights (default 969,30,1)", str)
+g(H, "--mock-data", "synthetic tokens, no files")
+g(H, "--data-impl", "dataset implementation: megazero reads .bin/.idx by mmap", str,
+  choices=("mmap", "infer", "lazy", "cached"),
+  refuse_values=tuple((v, f"--data-impl {v} does not exist in megazero: .bin/.idx files are read by mmap "
+                          "(the same files); pass --data-impl mmap or drop the flag") for v in ("lazy", "cached")))
+g(H, "--num-workers", "DataLoader worker processes (default 0 here: reads in the training process)", int)
+g(H, "--reset-position-ids", "restart position ids after each end-of-document token")
+g(H, "--reset-attention-mask", "no attention across end-of-document tokens")
+g(H, "--eod-mask-loss", "no loss on end-of-document tokens")
+g(H, "--tokenizer-type", "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, GPT2BPETokenizer "
+  "(default, as Megatron's pretrain_gpt.py), HuggingFaceTokenizer, HFTokenizer, NullTokenizer", str,
+  choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
+           "HuggingFaceTokenizer", "HFTokenizer", "NullTokenizer"))
+g(H, "--tokenizer-model", "SentencePiece model file or Hugging Face tokenizer directory", str)
+g(H, "--vocab-file", "GPT-2 BPE vocab.json", str)
+g(H, "--merge-file", "GPT-2 BPE merges.txt", str)
+g(H, "--vocab-size", "NullTokenizer's vocabulary; with other tokenizers an override", int)
+g(H, "--vocab-extra-ids", "extra sentinel tokens added to the tokenizer", int)
+
+# ---------------------------------------------------------------------------------------- checkpoints
+g = _group("checkpoints and run control")
+g(H, "--save", "checkpoint directory", str)
+g(H, "--load", "resume from this directory", str)
+g(H, "--save-interval", "iterations between checkpoints (without --save: no checkpoints, one warning)", int)
+g(M, "--pretrained-checkpoint", "megazero: initial weights from a full checkpoint (tools/convert_from_hf.py)", str)
+g(H, "--finetune", "load only the weights from --load; iteration, samples, optimizer and RNG start afresh")
+g(H, "--no-load-optim", "do not load the optimizer state (moments) from --load")
+g(H, "--no-load-rng", "do not load the RNG states from --load")
+g(R, "--no-save-optim", "megazero checkpoints always hold the optimizer partitions (they make resharded reloads "
+  "exact); drop the flag, and export weights only with tools/convert_to_hf.py")
+g(R, "--no-save-rng", "megazero checkpoints always hold every rank's RNG states (exact resume); drop the flag")
+g(H, "--use-checkpoint-args", "model arguments from the checkpoint in --load: its architecture is forced, its "
+  "shapes fill what the command line leaves unset (Megatron's load_args_from_checkpoint)")
+g(M, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format: megazero writes its own format, which "
+  "reloads at any tp x dp x ZeRO stage; accepted", str)
+g(M, "--use-dist-ckpt", "sharded checkpoints: megazero's checkpoints are sharded and reshardable; accepted")
+g(H, "--exit-interval", "save and exit when iteration % N == 0", int)
+g(H, "--exit-duration-in-mins", "save and exit after this many minutes of training", float)
+g(H, "--exit-signal-handler", "on SIGTERM: save a checkpoint and exit")
+g(H, "--skip-train", "no training: only evaluate (validation and test) the loaded model")
+g(H, "--eval-interval", "iterations between validations", int)
+g(H, "--eval-iters", "batches per validation and test evaluation", int)
+
+# -------------------------------------------------------------------------------------------- logging
+g = _group("logging")
+g(H, "--log-interval", "iterations between log lines", int)
+g(H, "--tensorboard-dir", "TensorBoard event files", str)
+g(H, "--tensorboard-log-interval", "iterations between TensorBoard writes", int)
+g(H, "--tensorboard-queue-size", "events queued before a flush", int)
+g(H, "--log-timers-to-tensorboard", "forward-backward / optimizer times (Megatron's '-time' tags)")
+g(H, "--log-batch-size-to-tensorboard", "'batch-size' tag")
+g(H, "--log-validation-ppl-to-tensorboard", "'lm loss validation ppl' tag")
+g(H, "--log-memory-to-tensorboard", "'mem-...' tags")
+g(H, "--log-optimizer-states-to-tensorboard", "norms and max-abs of the optimizer moments "
+  "(Megatron-DeepSpeed's 'optimizer/...' tags)")
+g(H, "--log-params-norm", "the parameters' global norm ('params-norm')")
+g(H, "--log-num-zeros-in-grad", "zeros in the gradient ('num-zeros')")
+g(H, "--log-throughput", "TFLOP/s in the log line ('throughput')")
+g(M, ("--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-world-size-to-tensorboard"),
+  "on by default in megazero (loss scale and learning rate are always logged); accepted")
+g(H, "--wandb-project", "Weights & Biases project (needs wandb; WANDB_MODE=offline works without network)", str)
+g(H, "--wandb-exp-name", "Weights & Biases run name", str)
+g(H, "--wandb-save-dir", "Weights & Biases directory", str)
+g(M, "--metrics-file", "megazero: JSONL metrics (default SAVE/metrics.jsonl)", str)
+g(M, "--generate-prompt", "megazero: sample from the model at the end of training", str)
+g(M, "--generate-tokens", "megazero: tokens to sample", int)
+
+FLAGS: tuple[Flag, ...] = tuple(_ROWS)
+del _ROWS, g
+
+
+def add_to_parser(parser: argparse.ArgumentParser) -> None:
+    groups: dict[str, Any] = {}
+    for f in FLAGS:
+        grp = groups.get(f.group) or groups.setdefault(f.group, parser.add_argument_group(f.group))
+        help_text = f"[{f.status}] {f.meaning}".replace("%", "%%")
+        grp.add_argument(*f.names, help=help_text, **f.argparse_kwargs())
+
+
+def _given(ns: argparse.Namespace, flag: Flag) -> bool:
+    return getattr(ns, flag.attr, None) is not None
+
+
+def refusals(ns: argparse.Namespace) -> list[str]:
+    """Messages for every refused flag or refused value present in ``ns`` (empty: nothing refused)."""
+    out = []
+    seen = set()
+    for f in FLAGS:
+        value = getattr(ns, f.attr, None)
+        if value is None:
+            continue
+        if f.status == REFUSED and f.attr not in seen:
+            seen.add(f.attr)
+            out.append(f"{f.names[0]}: {f.meaning}")
+        for bad, message in f.refuse_values:
+            if value == bad:
+                out.append(message)
+    return out
+
+
+def _spelling(f: Flag) -> str:
+    names = ", ".join(f"`{n}`" for n in f.names)
+    if f.metavar:
+        names += " " + " ".join(f.metavar)
+    elif f.choices:
+        names += " {" + ",".join(str(c) for c in f.choices) + "}"
+    elif f.type is not None:
+        names += " N" if f.type in (int, float) else " X"
+    return names
+
+
+def flags_markdown() -> str:
+    """docs/flags.md: the flag table and the DeepSpeed JSON key table."""
+    from megazero.training.ds_keys import DS_KEYS
+
+    lines = ["# Command-line flags and DeepSpeed JSON keys", "",
+             "Generated from `megazero/training/flags.py` and `megazero/training/ds_keys.py` by "
+             "`python -m megazero.training.flags > docs/flags.md`; a test fails when this file and the tables differ.",
+             "", "**honoured**: Megatron's meaning, implemented. **mapped**: Megatron's intent, met by the megazero "
+             "mechanism named. **refused**: the run stops before any process group starts, with the message shown. "
+             "Nothing is silently ignored.", ""]
+    current = None
+    for f in FLAGS:
+        if f.group != current:
+            current = f.group
+            lines += ["", f"## {current}", "", "| flag | status | meaning / megazero |", "|---|---|---|"]
+        meaning = f.meaning
+        if f.refuse_values:
+            meaning += " Refused values: " + "; ".join(f"`{v}`" for v, _ in f.refuse_values) + "."
+        lines.append(f"| {_spelling(f)} | {f.status} | {meaning.replace('|', '/')} |")
+    lines += ["", "## DeepSpeed JSON keys (`--deepspeed_config`)", "",
+              "**ignored** keys tune DeepSpeed's own internals and mean nothing here: they are accepted and listed "
+              "in one line at start-up. Any key not in this table is refused as unknown.", "",
+              "| key | status | meaning / megazero |", "|---|---|---|"]
+    for k in DS_KEYS:
+        lines.append(f"| `{k.path}` | {k.status} | {k.meaning.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")

@@ -1,0 +1,84 @@
+"""Model-wide statistics of ZeRO-partitioned tensors, for --log-params-norm, --log-num-zeros-in-grad
+and --log-optimizer-states-to-tensorboard.
+
+Every rank holds a data-parallel partition of its tensor-parallel shard; a model-wide number
+counts each element once: partitions are disjoint, TP shards are disjoint, and TP-replicated
+parameters (norms, row-parallel biases) are counted on TP rank 0 only (``FlatGroup.norm_ranges``,
+the rule the engine's gradient norm uses).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import mpu
+
+__all__ = ["partition_stats", "params_norm", "optimizer_state_stats", "count_zeros_in_grads"]
+
+
+def _ranges(engine, group):
+    return group.norm_ranges(count_replicated=engine.tp_rank == 0, count_any=engine.stage > 0 or engine.dp_rank == 0)
+
+
+def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]]) -> tuple[float, float, float]:
+    """(L2 norm, L1 norm, max |x|) over the whole model of ``tensor_of(group)`` (aligned with the
+    group's fp32 master partition; None for groups without it)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    peak = torch.zeros(1, dtype=torch.float64, device=engine.device)
+    for g in engine.groups:
+        t = tensor_of(g)
+        if t is None:
+            continue
+        for lo, hi in _ranges(engine, g):
+            x = t[lo:hi].double()
+            sums[0] += x.pow(2).sum()
+            sums[1] += x.abs().sum()
+            peak = torch.maximum(peak, x.abs().max(dim=0, keepdim=True)[0]) if hi > lo else peak
+    for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return float(sums[0].sqrt()), float(sums[1]), float(peak)
+
+
+def params_norm(engine) -> float:
+    """Megatron's 'params-norm': the L2 norm of all (fp32 master) parameters."""
+    return partition_stats(engine, lambda g: g.master)[0]
+
+
+def optimizer_state_stats(engine) -> dict[str, float]:
+    """Megatron-DeepSpeed's --log-optimizer-states-to-tensorboard scalars (Adam's moments and weights)."""
+    out: dict[str, float] = {}
+    state = engine.optimizer.state
+    for name, of in (("momentum", lambda g: state.get(g.master, {}).get("exp_avg")),
+                     ("variance", lambda g: state.get(g.master, {}).get("exp_avg_sq")),
+                     ("variance_sqrt", lambda g: state[g.master]["exp_avg_sq"].sqrt()
+                      if "exp_avg_sq" in state.get(g.master, {}) else None),
+                     ("weight", lambda g: g.master)):
+        l2, l1, peak = partition_stats(engine, of)
+        out.update({f"optimizer/{name}_l2": l2, f"optimizer/{name}_l1": l1, f"optimizer/{name}_abs_max": peak})
+    return out
+
+
+class count_zeros_in_grads:
+    """--log-num-zeros-in-grad: count the zeros of the (reduced, unscaled) gradient when the
+    optimizer steps. The engine sets ``master.grad`` just before ``optimizer.step()`` and drops
+    it after, so the count is taken by wrapping that one call."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.zeros = engine, None
+        self._step = engine.optimizer.step
+        engine.optimizer.step = self._counting_step
+
+    def _counting_step(self, *args, **kwargs):
+        local = torch.zeros(1, dtype=torch.float64, device=self.engine.device)
+        for g in self.engine.groups:
+            if g.master.grad is not None:
+                for lo, hi in _ranges(self.engine, g):
+                    local += (g.master.grad[lo:hi] == 0).sum()
+        for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
+            dist.all_reduce(local, group=group)
+        self.zeros = float(local)
+        return self._step(*args, **kwargs)

@@ -1,0 +1,63 @@
+"""Run control pieces of the training loop: SIGTERM save-and-exit, agreeing on a stop across ranks,
+the per-iteration micro-batch count under batch ramp-up, and the per-phase wall clock."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SignalFlag", "any_rank", "set_accumulation", "PhaseClock"]
+
+
+class SignalFlag:
+    """--exit-signal-handler: remember a SIGTERM; the loop agrees on it across ranks each iteration
+    (a cluster may signal only some ranks) and then saves and exits, as Megatron's handler does."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
+        self.enabled = enabled
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)
+            self.enabled = False
+
+
+def any_rank(flag: bool, device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def set_accumulation(engine, micro_batches: int) -> None:
+    """Ramp-up changes the number of micro-batches per step; the engine scales the loss by
+    1/accum and steps at the accumulation boundary, so both must follow the current batch."""
+    if hasattr(engine, "set_gradient_accumulation_steps"):
+        engine.set_gradient_accumulation_steps(micro_batches)
+    else:  # until the engine has the API: called only between steps, where micro_steps is a boundary
+        engine.accum, engine.micro_steps = micro_batches, 0
+
+
+class PhaseClock:
+    """Wall time per phase (DeepSpeed's wall_clock_breakdown); a no-op without a ``timers`` dict."""
+
+    def __init__(self, timers: Optional[dict], device) -> None:
+        self.timers, self.device = timers, device
+        self.t = time.perf_counter() if timers is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.timers is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.timers[name] = self.timers.get(name, 0.0) + now - self.t
+        self.t = now
