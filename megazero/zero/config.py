@@ -91,7 +91,6 @@ class ZeroConfig:
     fp16: Optional[FP16Config] = None
     gradient_clipping: float = 0.0
     grad_accum_dtype: Optional[str] = None
-    communication_data_type: Optional[str] = None
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     # Gradient-reduction numerics (DeepSpeed's keys): the dtype the reduction runs in (None:
@@ -230,17 +229,6 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
 
     comm_dtype = cfg.get("communication_data_type")
     if comm_dtype is not None:
-        comm_dtype = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16",
-                      "bf16": "bf16"}.get(str(comm_dtype).lower())
-        if comm_dtype is None:
-            raise ZeroConfigError(f"communication_data_type must be fp32, fp16 or bf16, got {cfg['communication_data_type']!r}")
-
-    micro = cfg.get("train_micro_batch_size_per_gpu")
-    accum = int(cfg.get("gradient_accumulation_steps", 1))
-    if accum < 1:
-        raise ZeroConfigError(f"gradient_accumulation_steps must be >= 1, got {accum}")
-    comm_dtype = cfg.get("communication_data_type")
-    if comm_dtype is not None:
         comm_dtype = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
                       "bfloat16": "bf16"}.get(str(comm_dtype).lower())
         if comm_dtype is None:
@@ -262,7 +250,6 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
         fp16=fp16,
         gradient_clipping=clip,
         grad_accum_dtype=grad_accum_dtype,
-        communication_data_type=comm_dtype,
         steps_per_print=int(cfg.get("steps_per_print", 10)),
         wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)),
         communication_data_type=comm_dtype,

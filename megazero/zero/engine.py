@@ -119,6 +119,9 @@ class ZeroEngine(torch.nn.Module):
         self.loss_scaler = LossScaler(config.fp16)
 
         self._in_backward = False
+        # DeepSpeed's prescale_gradients: divide by gradient_predivide_factor before the DP sum
+        # (keeps fp16 sums in range), multiply back in the step.
+        self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
         zc = config.zero_optimization
         self.reducer: Optional[GradReducer] = None
         if self.stage >= 2:
@@ -126,7 +129,7 @@ class ZeroEngine(torch.nn.Module):
                 self.units, self.grad_shard,
                 reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm),
                 partitions=self.dp_size, reduce_dtype=self.reduce_dtype, device=self.device,
-                bucket_numel=zc.reduce_bucket_size, max_in_flight=zc.max_reduce_in_flight)
+                bucket_numel=zc.reduce_bucket_size, max_in_flight=zc.max_reduce_in_flight, predivide=self._predivide)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
                        for g in self.trainable_groups for s in g.slots]
         self._forwards: collections.deque = collections.deque()  # per forward awaiting its backward
@@ -391,6 +394,15 @@ class ZeroEngine(torch.nn.Module):
         self.comm.reduce_scatter(out, buf.view(-1), "dp")
         self.grad_shard[g].add_(out)
 
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Change the micro-batches per step (batch-size ramp-up). Only between steps."""
+        if self.micro_steps % self.accum:
+            raise RuntimeError(f"set_gradient_accumulation_steps({steps}) inside an accumulation window "
+                               f"({self.micro_steps % self.accum} of {self.accum} micro-batches done)")
+        if steps < 1:
+            raise ValueError(f"gradient accumulation steps must be >= 1, got {steps}")
+        self.accum, self.micro_steps = steps, 0
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.accum == 0
 
@@ -413,7 +425,7 @@ class ZeroEngine(torch.nn.Module):
             self.skipped_steps += 1
             self._global_grad_norm = float("nan")
         else:
-            inv = 1.0 / (self.loss_scaler.scale * self.dp_size)
+            inv = self._predivide / (self.loss_scaler.scale * self.dp_size)
             norm = math.sqrt(self._sum_squares(grads)) * inv
             self._global_grad_norm = norm
             coef = inv
@@ -435,6 +447,9 @@ class ZeroEngine(torch.nn.Module):
     # ------------------------------------------------------------------ step internals
 
     def _reduce_at_boundary(self) -> None:
+        if self._predivide != 1.0 and self.stage <= 1:
+            for buf in self.grad_full.values():
+                buf.div_(self._predivide)
         if self.stage == 0:
             for g, buf in self.grad_full.items():
                 self.comm.all_reduce(buf, "dp")

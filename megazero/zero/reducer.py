@@ -46,6 +46,7 @@ class GradReducer:
         device: torch.device,
         bucket_numel: int,
         max_in_flight: int,
+        predivide: float = 1.0,
     ) -> None:
         persistent = [u for u in units if u.resident and u.name == "persistent"]
         ordered = [u for u in reversed(units) if u not in persistent] + persistent
@@ -54,6 +55,7 @@ class GradReducer:
         self.reduce_scatter, self.partitions = reduce_scatter, partitions
         self.reduce_dtype, self.device = reduce_dtype, device
         self.bucket_numel, self.max_in_flight = max(1, bucket_numel), max(1, max_in_flight)
+        self.predivide = predivide  # DeepSpeed's gradient_predivide_factor (undone by the optimizer step)
         self.local_used: set[int] = set()
         self.global_used: Optional[set[int]] = None
         self._reset()
@@ -124,6 +126,8 @@ class GradReducer:
         for g in groups:
             g.grads_into(buf[:, col:col + g.shard_numel])
             col += g.shard_numel
+        if self.predivide != 1.0:
+            buf.div_(self.predivide)
         out = torch.empty(columns, dtype=self.reduce_dtype, device=self.device)
         work = self.reduce_scatter(out, buf.view(-1))
         self.in_flight.append((work, out, buf, groups))
