@@ -227,6 +227,10 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
     if grad_accum_dtype not in (None, "fp32", "fp16", "bf16"):
         raise ZeroConfigError(f"data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {grad_accum_dtype!r}")
 
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    accum = int(cfg.get("gradient_accumulation_steps", 1))
+    if accum < 1:
+        raise ZeroConfigError(f"gradient_accumulation_steps must be >= 1, got {accum}")
     comm_dtype = cfg.get("communication_data_type")
     if comm_dtype is not None:
         comm_dtype = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
