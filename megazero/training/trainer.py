@@ -22,6 +22,7 @@ from ..model import GPTModel, num_parameters
 from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
+from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
                       memory_mb)
@@ -166,8 +167,12 @@ def pretrain(config: TrainConfig) -> TrainResult:
     if config.data.tokenizer_type is not None:
         from ..data import build_tokenizer
 
-        tokenizer = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
-        check_vocab(config, tokenizer.vocab_size)
+        def build():
+            tok = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
+            check_vocab(config, tok.vocab_size)
+            return tok
+
+        tokenizer = agree("tokenizer set-up", build, user_errors=(ValueError, OSError))
 
     # Built on the meta device: every ZeRO stage materializes it partition by partition,
     # with values identical to a full initialization.
@@ -196,8 +201,11 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 raise CheckpointError(str(e)) from None
             _print0(f"> resumed from iteration {iteration} ({consumed} samples)"
                     + (" with a new tp x dp layout" if state["resharded"] else ""))
+            if state.get("scaler_note"):
+                _print0(f"> {state['scaler_note']}")
 
-    train_ds, valid_ds, _ = _datasets(config, tokenizer.vocab_size if tokenizer else None)
+    train_ds, valid_ds, _ = agree("data set-up", lambda: _datasets(config, tokenizer.vocab_size if tokenizer else None),
+                                  user_errors=(ValueError, OSError))
     train_it = _loader(train_ds, consumed, config)
 
     s, log = config.schedule, config.logging
@@ -211,7 +219,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
             loss, updated = _train_step(engine, batches, device)
             iteration += 1
             consumed += s.global_batch_size
-            scheduler.step(s.global_batch_size)
+            if updated:  # Megatron and DeepSpeed: a skipped fp16 step does not advance the schedule
+                scheduler.step(s.global_batch_size)
             result.losses[iteration] = loss
             skipped = not updated
             if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":
