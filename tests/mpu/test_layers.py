@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero import mpu
+from megazero.mpu.initializers import initialize_sharded_
 from tests.distributed import run_distributed
 from tests.helpers import assert_close, chunk, randn
 
@@ -21,9 +22,10 @@ INIT_SEED = 77
 
 
 def _master(shape):
+    """The weight a tp=1 layer draws after seeding (the counter-based N(0, 0.02) of initializers)."""
     torch.manual_seed(INIT_SEED)
     w = torch.empty(shape)
-    mpu.init_method_normal(0.02)(w)
+    initialize_sharded_(w, shape, 0, 0, 1, mpu.init_method_normal(0.02))
     return w
 
 
