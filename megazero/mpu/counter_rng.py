@@ -43,28 +43,30 @@ def chunk_width(cols: int) -> int:
     return min(cols, _MAX_W)
 
 
-def normal_at(key: int, cols: int, fidx: torch.Tensor, std: float, mean: float = 0.0) -> torch.Tensor:
-    """Values at the full flat indices ``fidx`` (non-decreasing; each row's indices contiguous),
-    drawing only the chunks they touch. fp32, CPU."""
-    out = torch.empty(fidx.numel(), dtype=torch.float32)
-    if fidx.numel() == 0:
-        return out
+def normal_at(key: int, cols: int, ranges: list[tuple[int, int]], std: float, mean: float = 0.0) -> torch.Tensor:
+    """Values at the full flat index ranges ``[f0, f1)`` (in order, concatenated), drawing only
+    the chunks they touch. fp32, CPU."""
+    total = sum(f1 - f0 for f0, f1 in ranges)
+    out = torch.empty(total, dtype=torch.float32)
     w = chunk_width(cols)
     per_row = -(-cols // w)
-    row, col = fidx // cols, fidx % cols
-    chunk = row * per_row + col // w
-    ids, counts = torch.unique_consecutive(chunk, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
     g = torch.Generator()
+    cached_id, cached = -1, None
     pos = 0
-    for c, n, s in zip(ids.tolist(), counts.tolist(), starts.tolist()):
-        j = c % per_row
-        width = min(w, cols - j * w)
-        off = int(col[s]) - j * w
-        g.manual_seed(_mix(key ^ _mix(c)) >> 1)
-        vals = torch.randn(width, generator=g)
-        out[pos:pos + n] = vals[off:off + n]
-        pos += n
+    for f0, f1 in ranges:
+        at = f0
+        while at < f1:
+            row, col = divmod(at, cols)
+            j = col // w
+            end_col = min((j + 1) * w, cols)
+            take = min(f1 - at, end_col - col)
+            c = row * per_row + j
+            if c != cached_id:
+                g.manual_seed(_mix(key ^ _mix(c)) >> 1)
+                cached_id, cached = c, torch.randn(end_col - j * w, generator=g)
+            out[pos:pos + take] = cached[col - j * w:col - j * w + take]
+            pos += take
+            at += take
     if std != 1.0:
         out.mul_(std)
     if mean:

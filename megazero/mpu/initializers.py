@@ -105,18 +105,23 @@ class InitSpec:
         shape[self.partition_dim] //= self.world
         return tuple(shape)
 
-    def full_indices(self, lo: int, hi: int) -> torch.Tensor:
-        """Full (tp=1) flat indices of elements ``[lo, hi)`` of the flattened local shard."""
-        idx = torch.arange(lo, hi, dtype=torch.long)
-        if self.world == 1:
-            return idx
+    def full_ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Elements ``[lo, hi)`` of the flattened local shard as contiguous ranges of the full
+        (tp=1) flat tensor. A unit of ``blk * B`` local elements (one block of the partition
+        dim, see ``mpu.sharding``) maps to one contiguous full range."""
+        if self.world == 1 or hi <= lo:
+            return [(lo, hi)] if hi > lo else []
         shape, d = self.full_shape, self.partition_dim
-        a_, s_, b_ = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
-        sl, blk = s_ // self.world, s_ // (self.stride * self.world)
-        a, rem = idx // (sl * b_), idx % (sl * b_)
-        j, b = rem // b_, rem % b_
-        big_j = ((j // blk) * self.world + self.rank) * blk + j % blk
-        return (a * s_ + big_j) * b_ + b
+        s_, b_ = shape[d], math.prod(shape[d + 1:])
+        blk = s_ // (self.stride * self.world)
+        unit = blk * b_
+        out = []
+        for u in range(lo // unit, (hi - 1) // unit + 1):
+            a, s = divmod(u, self.stride)
+            start = (a * s_ + (s * self.world + self.rank) * blk) * b_
+            x, y = max(lo, u * unit), min(hi, (u + 1) * unit)
+            out.append((start + x - u * unit, start + y - u * unit))
+        return out
 
     def draw(self, key: Optional[int], lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened local shard, fp32 on the CPU."""
@@ -124,7 +129,7 @@ class InitSpec:
             return torch.full((hi - lo,), self.value, dtype=torch.float32)
         if self.kind == "normal":
             cols = self.full_shape[-1] if self.full_shape else 1
-            return normal_at(key, cols, self.full_indices(lo, hi), self.std, self.mean)
+            return normal_at(key, cols, self.full_ranges(lo, hi), self.std, self.mean)
         from .sharding import shard_of_full
 
         master = torch.empty(self.full_shape, dtype=torch.float32)
