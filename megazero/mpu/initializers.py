@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .counter_rng import normal_at, param_key
+from .counter_rng import FLAT_CHUNK, chunk_width, normal_at, param_key
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -128,8 +128,11 @@ class InitSpec:
         if self.kind == "fill":
             return torch.full((hi - lo,), self.value, dtype=torch.float32)
         if self.kind == "normal":
-            cols = self.full_shape[-1] if self.full_shape else 1
-            return normal_at(key, cols, self.full_ranges(lo, hi), self.std, self.mean)
+            numel = math.prod(self.full_shape)
+            if len(self.full_shape) >= 2 and self.partition_dim == len(self.full_shape) - 1:
+                cols = self.full_shape[-1]
+                return normal_at(key, cols, chunk_width(cols), self.full_ranges(lo, hi), self.std, self.mean)
+            return normal_at(key, numel, FLAT_CHUNK, self.full_ranges(lo, hi), self.std, self.mean)
         from .sharding import shard_of_full
 
         master = torch.empty(self.full_shape, dtype=torch.float32)

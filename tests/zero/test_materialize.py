@@ -19,9 +19,9 @@ def _init(tp, stage, arch):
     drawn = [0]
     original = initializers.normal_at
 
-    def counting(key, cols, ranges, std, mean=0.0):
+    def counting(key, cols, w, ranges, std, mean=0.0):
         drawn[0] += sum(b - a for a, b in ranges)
-        return original(key, cols, ranges, std, mean)
+        return original(key, cols, w, ranges, std, mean)
 
     initializers.normal_at = counting
     try:
