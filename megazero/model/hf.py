@@ -283,6 +283,18 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
     """Write a transformers directory (``config.json`` + ``model.safetensors``) loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name."""
     from safetensors.torch import save_file
+
+    hf_config = build_hf_config(config)
+    hf_sd = to_hf_state_dict(full_state_dict, config)
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config.save_pretrained(out_dir)
+    save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    return hf_config.architectures[0]
+
+
+def build_hf_config(config: GPTConfig):
+    """The transformers config object (``GPT2Config`` or ``LlamaConfig``) for ``config``."""
     import transformers
 
     kw = hf_config_dict(config)
@@ -295,12 +307,7 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
         hf_config = transformers.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         if getattr(hf_config, "rope_theta", None) is not None:
             hf_config.rope_theta = theta
-    hf_sd = to_hf_state_dict(full_state_dict, config)
-    os.makedirs(out_dir, exist_ok=True)
-    hf_config.save_pretrained(out_dir)
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    return hf_config.architectures[0]
+    return hf_config
 
 
 def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:

@@ -39,7 +39,7 @@ from ..zero.shard_io import digest_file, fsync_path, sha256_file
 from .failures import agree
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir",
-           "load_full_model", "read_manifest", "resolve_checkpoint_dir"]
+           "load_full_model", "read_manifest", "resolve_checkpoint_dir", "open_checkpoint"]
 
 LATEST = "latest"
 MANIFEST_FORMAT = "megazero-manifest-2"
@@ -275,3 +275,16 @@ def resolve_checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
     if iteration is None:
         raise CheckpointError(f"{load} holds no checkpoint ('latest' is missing); pass an iter_* directory")
     return checkpoint_dir(load, iteration)
+
+
+def open_checkpoint(load: str, iteration: Optional[int] = None):
+    """``(GPTConfig, CheckpointReader, saved TrainConfig dict)`` of a training checkpoint: the reader
+    gives any tensor's full value or TP shard (``full``, ``tp_shard``), reading and verifying only
+    its bytes. ``load`` is the --save directory or one iter_* directory."""
+    from ..model import GPTConfig
+    from ..zero.checkpoint import CheckpointReader
+
+    directory = resolve_checkpoint_dir(load, iteration)
+    manifest = read_manifest(directory)
+    saved = json.load(open(_verified(directory, manifest, "config.json")))
+    return GPTConfig.from_dict(saved["model"]), CheckpointReader(directory, manifest), saved

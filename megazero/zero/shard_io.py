@@ -29,6 +29,9 @@ __all__ = ["CheckpointError", "digest_file", "ShardFile", "ReadCounter", "fsync_
 _MAX_CHUNKS, _MAX_CHUNK, _MIN_CHUNK = 256, 64 << 20, 4096
 
 
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, truncated, tampered with, or does not fit the model."""
 
@@ -150,6 +153,32 @@ class ShardFile:
 
     def keys(self) -> list[str]:
         return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self.tensors[name]["dtype"]
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {code}, which megazero does not read")
+        return _DTYPES[code]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A whole tensor, any floating dtype, read with plain reads (no mmap: the pages read do not
+        stay resident in this process)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path} has no tensor {name}")
+        lo, hi = info["data_offsets"]
+        buf = bytearray(hi - lo)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_offset + lo)
+            if f.readinto(buf) < len(buf):
+                raise CheckpointError(f"cannot read {self.path}: tensor {name} is truncated")
+        self.counter.bytes += len(buf)
+        if not buf:
+            return torch.empty(self.shape(name), dtype=self.dtype(name))
+        return torch.frombuffer(buf, dtype=self.dtype(name)).view(self.shape(name))
 
     def _chunk(self, f, c: int) -> memoryview:
         f.seek(self.data_offset + c * self.chunk)
