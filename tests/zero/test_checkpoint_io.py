@@ -4,6 +4,7 @@ failure anywhere stops every rank with the failing rank's message."""
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -132,7 +133,9 @@ def test_corrupt_manifest_stops_every_rank(saved, tmp_path):
 
 @pytest.mark.parametrize("fail_rank", [0, 1])
 def test_failure_during_save_stops_every_rank(tmp_path, fail_rank):
+    t0 = time.time()
     out = run_distributed(4, _save, str(tmp_path), fail_rank, timeout_s=60)
+    assert time.time() - t0 < 30
     for o in out:
         assert f"injected on rank {fail_rank}" in o and f"rank {fail_rank}" in o, o
     assert not os.path.exists(tmp_path / "latest")
@@ -141,7 +144,9 @@ def test_failure_during_save_stops_every_rank(tmp_path, fail_rank):
 @pytest.mark.parametrize("fail_rank", [0, 1])
 def test_failure_during_load_stops_every_rank(saved, fail_rank):
     directory, _ = saved
+    t0 = time.time()
     out = run_distributed(4, _load_failing, directory, fail_rank, timeout_s=60)
+    assert time.time() - t0 < 30
     assert all(f"injected on rank {fail_rank}" in o for o in out), out
 
 
