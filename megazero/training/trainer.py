@@ -139,19 +139,11 @@ def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler:
 
 
 def _init_from_pretrained(engine, directory: str) -> None:
-    """Start from full weights (e.g. an imported Hugging Face model), read lazily per tensor."""
-    from safetensors import safe_open
+    """Start from full weights (e.g. an imported Hugging Face model); each rank reads only its rows."""
+    from ..zero.checkpoint import load_full_weights_file
 
     path = os.path.join(directory, "model_full.safetensors")
-    with safe_open(path, framework="pt") as f:
-        names = set(f.keys())
-        wanted = {s.name for g in engine.groups for s in g.slots}
-        if wanted - names:
-            raise CheckpointError(f"{path} lacks {sorted(wanted - names)[:8]}: it was made for another model shape")
-        try:
-            engine.load_full_weights(lambda name: f.get_tensor(name).float())
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+    agree("pretrained weights load", lambda: load_full_weights_file(engine, path))
     _print0(f"> initialized the weights from {path}")
 
 

@@ -375,3 +375,78 @@ def load_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     meta["scaler_note"] = publish_loaded_state(engine, meta)
     return meta
 
+
+
+def _read_local_rows(sl, full_shape: list[int], sharded: bool, dim: int, stride: int, rank: int, world: int,
+                     lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flattened TP shard ``(rank, world)`` of a safetensors slice
+    handle, reading only the rows (dim 0) that hold them."""
+    local = list(full_shape)
+    if sharded:
+        local[dim] //= world
+    row = math.prod(local[1:])
+    r0, r1 = lo // row, -(-hi // row)
+    if not sharded:
+        rows = sl[r0:r1]
+    elif dim == 0:
+        blk = full_shape[0] // (stride * world)
+        pieces = []
+        for s in range(stride):
+            a, b = max(r0, s * blk), min(r1, (s + 1) * blk)
+            if a < b:
+                base = (s * world + rank) * blk
+                pieces.append(sl[base + a - s * blk:base + b - s * blk])
+        rows = torch.cat(pieces)
+    elif dim == len(full_shape) - 1:
+        blk = full_shape[dim] // (stride * world)
+        rows = torch.cat([sl[r0:r1, (s * world + rank) * blk:(s * world + rank + 1) * blk] for s in range(stride)],
+                         dim=-1)
+    else:  # a middle partition dim (no such parameter in megazero's models): read the rows whole
+        from ..mpu.sharding import shard_of_full
+
+        rows = shard_of_full(sl[r0:r1], dim, stride, rank, world)
+    return rows.reshape(-1)[lo - r0 * row:hi - r0 * row].float()
+
+
+@torch.no_grad()
+def load_full_weights_file(engine: ZeroEngine, path: str) -> None:
+    """Set every parameter from a full (tp=1) safetensors state dict (``model_full.safetensors``),
+    reading only this rank's rows: its DP partition of its TP shard with ZeRO-3, its TP shard
+    where the group keeps full compute parameters. Collective-free."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises several types for bad headers/sizes
+        raise CheckpointError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
+    wanted = {s.name for g in engine.groups for s in g.slots}
+    if wanted - set(f.keys()):
+        raise CheckpointError(f"{path} lacks {sorted(wanted - set(f.keys()))[:8]}: it was made for another model shape")
+    for g in engine.groups:
+        for s in g.slots:
+            sl = f.get_slice(s.name)
+            full_shape = list(sl.get_shape())
+            p = s.param
+            sharded = bool(getattr(p, "tensor_model_parallel", False)) and engine.tp_size > 1
+            dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+            local = list(full_shape)
+            if sharded:
+                local[dim] //= engine.tp_size
+            if local != list(s.shape):
+                raise CheckpointError(f"{path}: {s.name} has shape {tuple(full_shape)}, which gives {tuple(local)} on "
+                                      f"this rank; the model has {tuple(s.shape)}: was it configured differently?")
+            if g.resident:
+                values = _read_local_rows(sl, full_shape, sharded, dim, stride, engine.tp_rank, engine.tp_size, 0, s.numel)
+                g.load_param_values(s, values.view(s.shape))
+                continue
+            p0, s0, n = g.owned_range(s)
+            if n:
+                values = _read_local_rows(sl, full_shape, sharded, dim, stride, engine.tp_rank, engine.tp_size,
+                                          p0, p0 + n)
+                g.master[s0:s0 + n].copy_(values)
+                if g.master is not g.shard:
+                    g.shard[s0:s0 + n].copy_(values)
+        if g.resident:
+            g.bind_views()
+    for unit in engine.units:
+        release(unit)

@@ -175,3 +175,25 @@ def test_manifest_is_durable_and_chunked(saved):
     assert (entry["tp_rank"], entry["dp_rank"]) == (1, 1) and len(entry["chunks"]) > 1
     assert read_full_parameters(checkpoint_dir(directory, 1), manifest=manifest).keys() == set(
         n for n, _ in GPTModel(tiny_config(**MODEL), device="meta").named_parameters())
+
+
+def _from_full_file(path, tp, stage):
+    from megazero.zero.checkpoint import load_full_weights_file
+
+    engine = _engine(tp, stage, seed=77)
+    load_full_weights_file(engine, path)
+    return engine.consolidated_state_dict()
+
+
+@pytest.mark.parametrize("tp,stage", [(2, 3), (4, 1), (1, 2)])
+def test_pretrained_full_weights_are_read_row_by_row_into_any_layout(tmp_path, tp, stage):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(11)
+    ref = GPTModel(tiny_config(**MODEL))
+    sd = {k: v.detach().to(torch.bfloat16).float().to(torch.bfloat16) for k, v in ref.state_dict().items()}
+    path = str(tmp_path / "model_full.safetensors")
+    save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    out = run_distributed(4, _from_full_file, path, tp, stage)[0]
+    for k, v in sd.items():
+        torch.testing.assert_close(out[k], v.float(), atol=0, rtol=0, msg=lambda m: f"{k}: {m}")
