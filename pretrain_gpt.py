@@ -21,8 +21,8 @@ import torch.distributed as dist
 def main(argv: list[str] | None = None) -> int:
     from megazero import mpu
     from megazero.training import describe, parse_args_or_exit
+    from megazero.training.failures import report
     from megazero.training.trainer import TrainingDiverged, pretrain
-    from megazero.zero.checkpoint import CheckpointError
 
     config = parse_args_or_exit(argv)
     if config.parallel.local_rank is not None:  # `deepspeed` / torch.distributed.launch pass --local_rank=N
@@ -34,9 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(config), flush=True)
     try:
         pretrain(config)
-    except (TrainingDiverged, CheckpointError) as e:
+    except TrainingDiverged as e:
         print(f"error on rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
         return 1
+    except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
+        return report(e, "pretrain_gpt.py")
     finally:
         mpu.destroy_model_parallel()
         if dist.is_initialized():

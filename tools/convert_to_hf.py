@@ -10,11 +10,15 @@ of its ``iter_*`` directories; any tp x dp x ZeRO stage), a directory with
 architecture) or LlamaForCausalLM (rope + rmsnorm + swiglu). Example::
 
     python tools/convert_to_hf.py --input ckpt/full --output hf/my-gpt
+
+Safetensors inputs are converted one layer at a time and streamed into the output file,
+so memory stays at about one layer's tensors whatever the model size (13B included).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,9 +26,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megazero.model.hf import export_to_hf  # noqa: E402
-from megazero.model.state_dict import load_full  # noqa: E402
-from megazero.training.checkpointing import CheckpointError, load_full_model  # noqa: E402
+import torch  # noqa: E402
+
+from megazero.model import GPTConfig  # noqa: E402
+from megazero.model.hf import build_hf_config, export_to_hf, export_tokenizer_and_ids, to_hf_state_dict  # noqa: E402
+from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full  # noqa: E402
+from megazero.training.checkpointing import CheckpointError, open_checkpoint  # noqa: E402
+from megazero.zero.shard_io import ReadCounter, ShardFile  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,21 +46,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _source(args):
+    """(config, names, read, meta) of a streamable input; None for a .pt state dict."""
+    if os.path.isdir(args.input) and not os.path.exists(os.path.join(args.input, FULL_WEIGHTS_NAME)):
+        config, reader, _ = open_checkpoint(args.input)
+        # Training-only settings do not describe the exported network.
+        config = config.replace(recompute_granularity=None, sequence_parallel=False)
+        return (config, reader.names, reader.full,
+                lambda n: torch.empty(reader.full_shape(n), dtype=torch.float32, device="meta"))
+    weights = os.path.join(args.input, FULL_WEIGHTS_NAME) if os.path.isdir(args.input) else args.input
+    if not weights.endswith(".safetensors"):
+        return None
+    config_path = args.config or os.path.join(os.path.dirname(weights), CONFIG_NAME)
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"no config at {config_path}; pass --config")
+    config = GPTConfig.from_dict(json.load(open(config_path)))
+    f = ShardFile(weights, None, ReadCounter())
+    return config, f.keys(), f.tensor, lambda n: torch.empty(f.shape(n), dtype=f.dtype(n), device="meta")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if os.path.isdir(args.input) and not os.path.exists(os.path.join(args.input, "model_full.safetensors")):
-            config, full_sd, _ = load_full_model(args.input)
-            # Training-only settings do not describe the exported network.
-            config = config.replace(recompute_granularity=None, sequence_parallel=False)
-        else:
-            config, full_sd = load_full(args.input, args.config)
+        source = _source(args)
         tokenizer_dir = args.tokenizer_dir
         if tokenizer_dir is None:
             base = args.input if os.path.isdir(args.input) else os.path.dirname(args.input)
             found = os.path.join(base, "tokenizer")
             tokenizer_dir = found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
-        arch = export_to_hf(full_sd, config, args.output, tokenizer_dir=tokenizer_dir)
+        if source is None:
+            config, full_sd = load_full(args.input, args.config)
+            arch = export_to_hf(full_sd, config, args.output, tokenizer_dir=tokenizer_dir)
+        else:
+            config, names, read, meta = source
+            hf_config = build_hf_config(config)
+            os.makedirs(args.output, exist_ok=True)
+            convert_streaming(lambda sd: to_hf_state_dict(sd, config), names, read, meta,
+                              os.path.join(args.output, "model.safetensors"), metadata={"format": "pt"})
+            export_tokenizer_and_ids(hf_config, tokenizer_dir, args.output)
+            hf_config.save_pretrained(args.output)
+            arch = hf_config.architectures[0]
     except (ValueError, KeyError, FileNotFoundError, CheckpointError) as e:
         print(f"convert_to_hf: error: {e}", file=sys.stderr)
         return 1

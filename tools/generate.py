@@ -3,8 +3,9 @@
     python tools/generate.py --load CKPT_DIR --prompt "ROMEO:" --max-new-tokens 80
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tp 2 --prompt "ROMEO:"
 
-The model shape and the tokenizer come from the checkpoint's config.json; the
-weights are reassembled from the ZeRO shards whatever tp x dp saved them.
+The model shape and the tokenizer come from the checkpoint's config.json. Each
+process reads (and verifies) only its own TP shard of every weight, straight
+from the ZeRO shards whatever tp x dp saved them: nothing holds the whole model.
 """
 
 from __future__ import annotations
@@ -20,10 +21,24 @@ import torch.distributed as dist  # noqa: E402
 
 from megazero import mpu  # noqa: E402
 from megazero.data import build_tokenizer  # noqa: E402
-from megazero.model import GPTModel  # noqa: E402
+from megazero.model import GPTModel, materialize_  # noqa: E402
 from megazero.model.sampling import generate_text  # noqa: E402
-from megazero.model.state_dict import load_full_state_dict  # noqa: E402
-from megazero.training.checkpointing import CheckpointError, load_full_model  # noqa: E402
+from megazero.training.checkpointing import CheckpointError, open_checkpoint  # noqa: E402
+from megazero.training.failures import agree, report  # noqa: E402
+
+
+@torch.no_grad()
+def load_tp_shard(config, reader) -> torch.nn.Module:
+    """This process's TP shard of the model, read slice by slice from the checkpoint."""
+    model = materialize_(GPTModel(config, device="meta"), mpu.get_device())
+    rank, world = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+
+    def load() -> None:
+        for name, p in model.named_parameters():
+            p.copy_(reader.tp_shard(name, rank, world))
+
+    agree("checkpoint load", load)
+    return model.eval()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        config, full_sd, saved = load_full_model(args.load, args.iteration)
+        config, reader, saved = open_checkpoint(args.load, args.iteration)
     except CheckpointError as e:
         p.error(str(e))
     config = config.replace(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
@@ -54,10 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     mpu.init_distributed()
     mpu.initialize_model_parallel(args.tp)
     mpu.model_parallel_manual_seed(args.seed)
-    model = GPTModel(config, device=mpu.get_device())
-    load_full_state_dict(model, full_sd)
-    text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    try:
+        model = load_tp_shard(config, reader)
+        text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except Exception as e:  # noqa: BLE001 - one line, every rank stops
+        status = report(e, "generate.py")
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+        return status
     if dist.get_rank() == 0:
         print(text)
     mpu.destroy_model_parallel()

@@ -23,6 +23,7 @@
 #   SAVE_DIR [checkpoints/gpt_13b]  checkpoints, ds_config, metrics.jsonl, tensorboard/
 #   MICRO_BATCH [2] GLOBAL_BATCH [1024] TRAIN_ITERS [143051 = 300B tokens] LR_WARMUP_ITERS [1430 = 3B tokens]
 #   TP [4] ZERO_STAGE [3] SEQUENCE_PARALLEL [0] GPU_MEMORY_GB [80]
+#   READ_GBPS_PER_RANK [1] FS_GBPS [40]  filesystem read bandwidth for the dry run's start-up estimate
 # Extra arguments are passed on to pretrain_gpt.py (later flags win).
 set -euo pipefail
 
@@ -139,6 +140,10 @@ if [[ "$DRY_RUN" == 1 ]]; then
     rc=0
     "$PYTHON" "$ROOT/tools/estimate_memory.py" --world-size "$WORLD_SIZE" --gpu-memory-gb "$GPU_MEMORY_GB" \
         --train-args "${ARGS[@]}" || rc=$?
+    # Time to first step: per-rank bytes read at resume and values drawn at a fresh start.
+    "$PYTHON" "$ROOT/tools/estimate_startup.py" --world-size "$WORLD_SIZE" \
+        --read-gbps-per-rank "${READ_GBPS_PER_RANK:-1}" --fs-gbps "${FS_GBPS:-40}" \
+        --train-args "${ARGS[@]}" >&2 || true
     exit "$rc"
 fi
 

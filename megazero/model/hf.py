@@ -314,6 +314,19 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
     and generation config's ``bos_token_id``/``eos_token_id`` come from it (eos = its EOD),
     so ``generate()`` stops at the document end instead of transformers' defaults."""
     from safetensors.torch import save_file
+
+    hf_config = build_hf_config(config)
+    hf_sd = to_hf_state_dict(full_state_dict, config)
+    os.makedirs(out_dir, exist_ok=True)
+    export_tokenizer_and_ids(hf_config, tokenizer_dir, out_dir)
+    hf_config.save_pretrained(out_dir)
+    save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    return hf_config.architectures[0]
+
+
+def build_hf_config(config: GPTConfig):
+    """The transformers config object (``GPT2Config`` or ``LlamaConfig``) for ``config``."""
     import transformers
 
     kw = hf_config_dict(config)
@@ -326,16 +339,19 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
         hf_config = transformers.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         if getattr(hf_config, "rope_theta", None) is not None:
             hf_config.rope_theta = theta
-    hf_sd = to_hf_state_dict(full_state_dict, config)
-    os.makedirs(out_dir, exist_ok=True)
-    if tokenizer_dir is not None:
-        bos, eos = _export_tokenizer(tokenizer_dir, out_dir)
-        hf_config.bos_token_id, hf_config.eos_token_id = bos, eos
-        transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out_dir)
-    hf_config.save_pretrained(out_dir)
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    return hf_config.architectures[0]
+    return hf_config
+
+
+def export_tokenizer_and_ids(hf_config, tokenizer_dir: str | None, out_dir: str) -> None:
+    """Write the recorded tokenizer's HF form and set bos/eos ids in ``hf_config`` and the
+    generation config (no-op without a tokenizer)."""
+    if tokenizer_dir is None:
+        return
+    import transformers
+
+    bos, eos = _export_tokenizer(tokenizer_dir, out_dir)
+    hf_config.bos_token_id, hf_config.eos_token_id = bos, eos
+    transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out_dir)
 
 
 def _export_tokenizer(tokenizer_dir: str, out_dir: str) -> tuple[int | None, int]:

@@ -13,8 +13,12 @@ and ``config.json`` (``GPTConfig.to_dict()``).
 from __future__ import annotations
 
 import json
+import math
 import os
-from typing import Optional
+import re
+import struct
+from collections.abc import Mapping
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -146,3 +150,105 @@ def load_full(path: str, config_path: Optional[str] = None) -> tuple[GPTConfig, 
         sd = torch.load(weights, map_location="cpu", weights_only=True)
         sd = sd.get("model", sd) if isinstance(sd, dict) else sd
     return config, sd
+
+
+# ---- streaming conversion (export/import at 13B without holding the model) ------------------------
+
+_LAYER = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+def layer_of(name: str) -> int:
+    """The transformer layer a (megazero, GPT-2 or Llama) tensor name belongs to; -1 for the rest."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else -1
+
+
+class _LazyStateDict(Mapping):
+    """A state dict whose values are produced on access: real tensors for one layer, meta for the rest."""
+
+    def __init__(self, names: list[str], value: Callable[[str], torch.Tensor]) -> None:
+        self._names, self._value, self._cache = list(names), value, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            if name not in self._names:
+                raise KeyError(name)
+            self._cache[name] = self._value(name)
+        return self._cache[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class SafetensorsStreamWriter:
+    """Writes a safetensors file tensor by tensor: the header (names, dtypes, shapes) first, then
+    each tensor's bytes as it is produced, in header order. The file appears (renamed from
+    ``.tmp``, fsync'd) only when complete."""
+
+    def __init__(self, path: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: Optional[dict[str, str]] = None) -> None:
+        self.path, self.layout, self._next = path, layout, 0
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        for name, shape, dtype in layout:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data region to 8 bytes
+        self._f = open(path + ".tmp", "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want, shape, dtype = self.layout[self._next]
+        if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ValueError(f"expected {want} {tuple(shape)} {dtype} next, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        t = tensor.detach().cpu().contiguous()
+        if t.numel():
+            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self.layout):
+            raise ValueError(f"{self.path}: {len(self.layout) - self._next} tensors were never written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.path + ".tmp", self.path)
+
+
+def convert_streaming(convert: Callable[[Mapping], dict[str, torch.Tensor]], names: list[str],
+                      read: Callable[[str], torch.Tensor], meta: Callable[[str], torch.Tensor], out_path: str,
+                      metadata: Optional[dict[str, str]] = None) -> list[str]:
+    """Apply a whole-model state-dict converter (``to_hf_state_dict``, ``from_hf_state_dict``...) one
+    layer at a time and stream the result into ``out_path``.
+
+    The converter runs once on meta tensors (names, shapes, dtypes of the output; no data), then
+    once per layer with that layer's inputs real (``read``) and every other input on the meta
+    device (``meta``), and once for the tensors outside the layers. Each output depends on one
+    layer's inputs, so peak memory is one layer's inputs and outputs, not the model's.
+    Returns the output names in file order.
+    """
+    dry = convert(_LazyStateDict(names, meta))
+    groups = sorted({layer_of(k) for k in dry}, key=lambda g: (g < 0, g))
+    order = [k for g in groups for k in dry if layer_of(k) == g]
+    writer = SafetensorsStreamWriter(out_path, [(k, tuple(dry[k].shape), dry[k].dtype) for k in order], metadata)
+    try:
+        for g in groups:
+            out = convert(_LazyStateDict(names, lambda n, g=g: read(n) if layer_of(n) == g else meta(n)))
+            for k in order:
+                if layer_of(k) == g:
+                    writer.write(k, out[k])
+            del out
+        writer.close()
+    except BaseException:
+        writer._f.close()
+        if os.path.exists(out_path + ".tmp"):
+            os.remove(out_path + ".tmp")
+        raise
+    return order

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero import mpu
-from megazero.mpu.initializers import init_method_normal, scaled_init_method_normal
+from megazero.mpu.initializers import init_method_normal, initialize_sharded_, scaled_init_method_normal
 
 from .attention import core_attention
 from .config import GPTConfig
@@ -70,14 +70,11 @@ class GatedColumnParallelLinear(mpu.ColumnParallelLinear):
             p.partition_stride = 2
 
     def reset_parameters(self) -> None:
-        # Draw the full [gate; up] master on the CPU (TP-invariant) and keep [gate_r; up_r].
-        with torch.no_grad():
-            master = torch.empty(self.output_size, self.input_size, dtype=torch.float32)
-            self.init_method(master)
-            if self.tp_size > 1:
-                master = master.view(2, self.tp_size, -1, self.input_size)[:, self.tp_rank].reshape(-1, self.input_size)
-            self.weight.copy_(master.to(dtype=self.weight.dtype, device=self.weight.device))
-            if self.bias is not None:
+        # The full [gate; up] weight, of which this rank holds [gate_r; up_r] (TP-invariant).
+        initialize_sharded_(self.weight, (self.output_size, self.input_size), 0, self.tp_rank, self.tp_size,
+                            self.init_method, stride=2)
+        if self.bias is not None:
+            with torch.no_grad():
                 self.bias.zero_()
 
 

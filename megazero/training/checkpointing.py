@@ -7,18 +7,23 @@ Layout (a shared filesystem, as Megatron assumes)::
     SAVE/iter_0000100/train_state.json iteration, consumed samples, LR schedule
     SAVE/iter_0000100/rng_rank00003.safetensors   every rank's RNG states
     SAVE/iter_0000100/zero_rank00003.safetensors  ZeRO partitions (any-layout reload)
-    SAVE/iter_0000100/manifest.json    sha256 of every file above
+    SAVE/iter_0000100/manifest.json    sha256 of every file above (and of every data chunk of the shards)
 
-A save goes to ``iter_0000100.partial`` and is renamed when every rank has
-finished and the manifest is written; only then does ``latest`` move. A crash
-or kill during a save leaves the previous checkpoint and ``latest`` intact.
-Loading checks the manifest first, so a truncated or edited file is refused
-with its name; nothing is unpickled (safetensors and JSON only).
+A save goes to ``iter_0000100.partial`` (every rank creates it: a shared
+filesystem's attribute cache may not show another node's mkdir), every file is
+fsync'd, the directory is renamed once every rank has finished and the manifest
+is written, and only then does ``latest`` move. A crash or kill during a save
+leaves the previous checkpoint and ``latest`` intact.
+
+Loading is parallel: each rank reads only the bytes it will own and verifies
+them against the manifest, so a truncated or edited file is refused with its
+name without any rank hashing the whole checkpoint. Nothing is unpickled
+(safetensors and JSON only). A failure on any rank, in a save or a load, stops
+every rank with that rank's message (``failures.agree``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,12 +33,16 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..zero.checkpoint import CheckpointError, load_zero_state, save_zero_state
+from ..zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state, save_zero_state
 from ..zero.engine import ZeroEngine
+from ..zero.shard_io import digest_file, fsync_path, sha256_file
+from .failures import agree
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir", "load_full_model"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir",
+           "load_full_model", "read_manifest", "resolve_checkpoint_dir", "open_checkpoint"]
 
 LATEST = "latest"
+MANIFEST_FORMAT = "megazero-manifest-2"
 
 
 def checkpoint_dir(save: str, iteration: int) -> str:
@@ -47,14 +56,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
@@ -87,51 +88,75 @@ def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(
     save: str, iteration: int, engine: ZeroEngine, *, train_state: dict[str, Any], config: dict[str, Any]
 ) -> str:
-    """Collective: write the checkpoint of ``iteration`` and point ``latest`` at it."""
-    from safetensors.torch import save_file
+    """Collective: write the checkpoint of ``iteration`` and point ``latest`` at it.
 
+    Every file is fsync'd, then the manifest, then the directory is renamed and the
+    parent fsync'd, and only then does ``latest`` move (and get fsync'd): a crash at any
+    point leaves the previous checkpoint in force. A failure on any rank stops every
+    rank with that rank's message (:class:`RunAborted`).
+    """
     final = checkpoint_dir(save, iteration)
     partial = final + ".partial"
-    if _rank() == 0:
-        os.makedirs(save, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    _barrier()
-    rank = _rank()
-    paths = [save_zero_state(engine, partial)]
-    rng_path = os.path.join(partial, f"rng_rank{rank:05d}.safetensors")
-    save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, rng_path)
-    paths.append(rng_path)
-    if rank == 0:
-        for name, obj in (("train_state.json", train_state), ("config.json", config)):
-            path = os.path.join(partial, name)
-            _write_json_atomic(path, obj)
-            paths.append(path)
-    hashes = {os.path.basename(p): _sha256(p) for p in paths}
+
+    def prepare() -> None:
+        if _rank() == 0:
+            os.makedirs(save, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+
+    agree("checkpoint save", prepare)  # also the barrier: nobody writes before the stale partial is gone
+
+    def write() -> dict[str, dict]:
+        from safetensors.torch import save_file
+
+        rank = _rank()
+        os.makedirs(partial, exist_ok=True)  # every rank: NFS attribute caches may not show rank 0's mkdir
+        zero_path = save_zero_state(engine, partial)
+        rng_path = os.path.join(partial, f"rng_rank{rank:05d}.safetensors")
+        save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, rng_path)
+        fsync_path(rng_path)
+        paths = [rng_path]
+        if rank == 0:
+            for name, obj in (("train_state.json", train_state), ("config.json", config)):
+                path = os.path.join(partial, name)
+                _write_json_atomic(path, obj)
+                paths.append(path)
+        entries = {os.path.basename(p): digest_file(p) for p in [zero_path] + paths}
+        entries[os.path.basename(zero_path)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank)
+        return entries
+
+    entries = agree("checkpoint save", write)
     gathered: list[Optional[dict]] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        dist.all_gather_object(gathered, hashes)
+        dist.all_gather_object(gathered, entries)
     else:
-        gathered = [hashes]
-    if rank == 0:
-        manifest = {k: v for h in gathered for k, v in h.items()}
-        _commit(save, partial, final, iteration, manifest)
-    _barrier()
+        gathered = [entries]
+
+    def commit() -> None:
+        if _rank() == 0:
+            manifest = {"format": MANIFEST_FORMAT,
+                        "layout": {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage},
+                        "files": {k: v for e in gathered for k, v in e.items()}}
+            _commit(save, partial, final, manifest)
+
+    agree("checkpoint save", commit)
     return final
 
 
-def _commit(save: str, partial: str, final: str, iteration: int, manifest: dict[str, str]) -> None:
-    """Rank 0: seal the checkpoint directory, then move ``latest`` (the only visible switch)."""
+def _commit(save: str, partial: str, final: str, manifest: dict) -> None:
+    """Rank 0: seal the checkpoint directory durably, then move ``latest`` (the only visible switch)."""
     _write_json_atomic(os.path.join(partial, "manifest.json"), manifest)
+    fsync_path(partial)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(partial, final)
+    fsync_path(save)  # the rename is durable before latest points at it
     tmp = os.path.join(save, LATEST + ".tmp")
     with open(tmp, "w") as f:
         f.write(os.path.basename(final) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(save, LATEST))
+    fsync_path(save)
 
 
 def latest_iteration(load: str) -> Optional[int]:
@@ -145,69 +170,121 @@ def latest_iteration(load: str) -> Optional[int]:
     return int(name[5:])
 
 
-def _verify(directory: str) -> None:
-    manifest_path = os.path.join(directory, "manifest.json")
-    if not os.path.exists(manifest_path):
+def read_manifest(directory: str) -> dict:
+    """The manifest of a checkpoint directory, in the current form (older ones: name -> sha256)."""
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.exists(path):
         raise CheckpointError(f"{directory} has no manifest.json: it is incomplete (a save was interrupted?)")
-    manifest = json.load(open(manifest_path))
-    for name, digest in manifest.items():
-        path = os.path.join(directory, name)
-        if not os.path.exists(path):
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        if _sha256(path) != digest:
-            raise CheckpointError(f"checkpoint file {path} does not match its sha256 in manifest.json: "
-                                  "it was truncated or modified; restore it or load an earlier iteration")
+    try:
+        manifest = json.load(open(path))
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}): the checkpoint is damaged; load an earlier "
+                              "iteration") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} does not hold a megazero manifest")
+    if "files" not in manifest:
+        manifest = {"files": {k: {"sha256": v} for k, v in manifest.items()}}
+    for name, entry in manifest["files"].items():
+        p = os.path.join(directory, name)
+        if not os.path.exists(p):
+            raise CheckpointError(f"checkpoint file {p} is missing")
+        if "size" in entry and os.path.getsize(p) != entry["size"]:
+            raise CheckpointError(f"checkpoint file {p} does not match its sha256 in manifest.json (size "
+                                  f"{os.path.getsize(p)} instead of {entry['size']}): it was truncated or modified; "
+                                  "restore it or load an earlier iteration")
+    return manifest
+
+
+def _verified(directory: str, manifest: dict, name: str) -> str:
+    """Path of a small file of the checkpoint after checking its whole-file sha256."""
+    path = os.path.join(directory, name)
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{path} is not listed in {directory}/manifest.json")
+    if sha256_file(path) != entry["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} does not match its sha256 in manifest.json: "
+                              "it was truncated or modified; restore it or load an earlier iteration")
+    return path
 
 
 def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = None) -> Optional[dict[str, Any]]:
     """Collective: restore ``engine`` and this rank's RNG; return the saved train state
-    (None when ``load`` holds no checkpoint yet, so a fresh run can start)."""
-    if iteration is None:
-        iteration = latest_iteration(load)
-        if iteration is None:
-            return None
-    directory = checkpoint_dir(load, iteration)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    # Rank 0 checks every file once; everyone raises the same error.
-    error = [None]
-    if _rank() == 0:
-        try:
-            _verify(directory)
-        except CheckpointError as e:
-            error[0] = str(e)
-    if dist.is_initialized():
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(error[0])
-    meta = load_zero_state(engine, directory)
-    rng_path = os.path.join(directory, f"rng_rank{_rank():05d}.safetensors")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    saved_world = meta["tp_size"] * meta["dp_size"]
-    if os.path.exists(rng_path) and saved_world == world and meta["tp_size"] == engine.tp_size:
-        # Same layout: every rank continues its own RNG streams (exact resume). After a
-        # reshard the saved streams belong to other ranks; the fresh seeding stands.
-        from safetensors.torch import load_file
+    (None when ``load`` holds no checkpoint yet, so a fresh run can start).
 
-        _restore_rng(load_file(rng_path))
-    state = json.load(open(os.path.join(directory, "train_state.json")))
-    state["resharded"] = saved_world != world or meta["tp_size"] != engine.tp_size
+    Every rank reads (and verifies against the manifest) only the bytes it will own;
+    a failure on any rank stops all of them with that rank's message.
+    """
+    def read() -> Optional[dict[str, Any]]:
+        it = latest_iteration(load) if iteration is None else iteration
+        if it is None:
+            return None
+        directory = checkpoint_dir(load, it)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"checkpoint directory {directory} does not exist")
+        manifest = read_manifest(directory)
+        meta = read_zero_state(engine, directory, manifest)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        saved_world = meta["tp_size"] * meta["dp_size"]
+        same_layout = saved_world == world and meta["tp_size"] == engine.tp_size
+        rng = None
+        rng_name = f"rng_rank{_rank():05d}.safetensors"
+        if same_layout and rng_name in manifest["files"]:
+            # Same layout: every rank continues its own RNG streams (exact resume). After a
+            # reshard the saved streams belong to other ranks; the fresh seeding stands.
+            from safetensors.torch import load_file
+
+            rng = load_file(_verified(directory, manifest, rng_name))
+        state = json.load(open(_verified(directory, manifest, "train_state.json")))
+        state["resharded"] = not same_layout
+        state["bytes_read"] = meta["bytes_read"]
+        return {"state": state, "meta": meta, "rng": rng}
+
+    loaded = agree("checkpoint load", read)
+    if loaded is None:
+        return None
+    note = publish_loaded_state(engine, loaded["meta"])
+    if loaded["rng"] is not None:
+        _restore_rng(loaded["rng"])
+    state = loaded["state"]
+    state["scaler_note"] = note
     return state
 
 
-def load_full_model(load: str, iteration: Optional[int] = None):
+def load_full_model(load: str, iteration: Optional[int] = None, *, stream: bool = False):
     """``(GPTConfig, full fp32 state dict with tp=1 names, saved TrainConfig dict)`` of a training checkpoint, for
-    export and inference at any TP size. ``load`` is the --save directory or one iter_* directory."""
-    from ..model import GPTConfig
-    from ..zero.checkpoint import read_full_parameters
+    export and inference at any TP size. ``load`` is the --save directory or one iter_* directory.
 
+    With ``stream=True`` the state dict is an iterator of ``(name, tensor)`` read one tensor at a
+    time (peak memory: one full tensor), verified chunk by chunk against the manifest.
+    """
+    from ..model import GPTConfig
+    from ..zero.checkpoint import iter_full_parameters
+
+    directory = resolve_checkpoint_dir(load, iteration)
+    manifest = read_manifest(directory)
+    saved = json.load(open(_verified(directory, manifest, "config.json")))
+    params = iter_full_parameters(directory, manifest=manifest)
+    return GPTConfig.from_dict(saved["model"]), (params if stream else dict(params)), saved
+
+
+def resolve_checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
+    """``load`` itself when it is an iter_* directory, else the one ``iteration`` (default: latest) names."""
     if os.path.exists(os.path.join(load, "train_state.json")):
-        directory = load
-    else:
-        iteration = iteration if iteration is not None else latest_iteration(load)
-        if iteration is None:
-            raise CheckpointError(f"{load} holds no checkpoint ('latest' is missing); pass an iter_* directory")
-        directory = checkpoint_dir(load, iteration)
-    _verify(directory)
-    saved = json.load(open(os.path.join(directory, "config.json")))
-    return GPTConfig.from_dict(saved["model"]), read_full_parameters(directory), saved
+        return load
+    iteration = iteration if iteration is not None else latest_iteration(load)
+    if iteration is None:
+        raise CheckpointError(f"{load} holds no checkpoint ('latest' is missing); pass an iter_* directory")
+    return checkpoint_dir(load, iteration)
+
+
+def open_checkpoint(load: str, iteration: Optional[int] = None):
+    """``(GPTConfig, CheckpointReader, saved TrainConfig dict)`` of a training checkpoint: the reader
+    gives any tensor's full value or TP shard (``full``, ``tp_shard``), reading and verifying only
+    its bytes. ``load`` is the --save directory or one iter_* directory."""
+    from ..model import GPTConfig
+    from ..zero.checkpoint import CheckpointReader
+
+    directory = resolve_checkpoint_dir(load, iteration)
+    manifest = read_manifest(directory)
+    saved = json.load(open(_verified(directory, manifest, "config.json")))
+    return GPTConfig.from_dict(saved["model"]), CheckpointReader(directory, manifest), saved

@@ -22,6 +22,7 @@ from ..model import GPTModel, num_parameters
 from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig, with_equal_weights
+from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
                       memory_mb)
@@ -159,19 +160,11 @@ def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler:
 
 
 def _init_from_pretrained(engine, directory: str) -> None:
-    """Start from full weights (e.g. an imported Hugging Face model), read lazily per tensor."""
-    from safetensors import safe_open
+    """Start from full weights (e.g. an imported Hugging Face model); each rank reads only its rows."""
+    from ..zero.checkpoint import load_full_weights_file
 
     path = os.path.join(directory, "model_full.safetensors")
-    with safe_open(path, framework="pt") as f:
-        names = set(f.keys())
-        wanted = {s.name for g in engine.groups for s in g.slots}
-        if wanted - names:
-            raise CheckpointError(f"{path} lacks {sorted(wanted - names)[:8]}: it was made for another model shape")
-        try:
-            engine.load_full_weights(lambda name: f.get_tensor(name).float())
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+    agree("pretrained weights load", lambda: load_full_weights_file(engine, path))
     _print0(f"> initialized the weights from {path}")
 
 
@@ -198,8 +191,12 @@ def pretrain(config: TrainConfig) -> TrainResult:
     if config.data.tokenizer_type is not None:
         from ..data import build_tokenizer
 
-        tokenizer = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
-        check_vocab(config, tokenizer.vocab_size)
+        def build():
+            tok = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
+            check_vocab(config, tok.vocab_size)
+            return tok
+
+        tokenizer = agree("tokenizer set-up", build, user_errors=(ValueError, OSError))
 
     # Built on the meta device: every ZeRO stage materializes it partition by partition,
     # with values identical to a full initialization.
@@ -249,8 +246,12 @@ def pretrain(config: TrainConfig) -> TrainResult:
                     raise CheckpointError(str(e)) from None
                 _print0(f"> resumed from iteration {iteration} ({consumed} samples)"
                         + (" with a new tp x dp layout" if state["resharded"] else ""))
+            if state.get("scaler_note"):
+                _print0(f"> {state['scaler_note']}")
 
-    train_ds, valid_ds, test_ds = _datasets(config, tokenizer.vocab_size if tokenizer else None)
+    train_ds, valid_ds, test_ds = agree("data set-up",
+                                        lambda: _datasets(config, tokenizer.vocab_size if tokenizer else None),
+                                        user_errors=(ValueError, OSError))
     train_it = _loader(train_ds, consumed, config) if not config.schedule.skip_train else None
 
     s, log = config.schedule, config.logging
@@ -280,7 +281,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length
-            scheduler.step(LRScheduler.increment(config, batch_size))
+            if updated:  # Megatron and DeepSpeed: a skipped fp16 step does not advance the schedule
+                scheduler.step(LRScheduler.increment(config, batch_size))
             result.losses[iteration] = loss
             skipped = not updated
             if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":

@@ -1,12 +1,23 @@
-"""Sharded ZeRO checkpoints that load at any tp x dp x ZeRO stage.
+"""Sharded ZeRO checkpoints that load at any tp x dp x ZeRO stage, reading only what a rank owns.
 
 Each rank writes one safetensors file with its fp32 master partitions and Adam
 moments, plus JSON metadata saying which parameter (by its tp=1 name) lies
-where in each flat partition and how it is TP-sharded. Loading reads, lazily
-and one parameter at a time, the slices it needs from every saved file,
-reassembles the full (tp=1) tensor, and keeps the part the loading rank owns
-under *its* layout. So a checkpoint written at tp=2 x dp=2 with ZeRO-3 resumes
-at tp=1 x dp=4 with ZeRO-1, weights and optimizer state identical.
+where in each flat partition and how it is TP-sharded.
+
+Loading plans, for every element range this rank will own under *its* layout,
+where those elements lie in the saved files: same tp x dp x stage, that is the
+rank's own file; another layout, the slices of the saved shards overlapping
+this rank's TP shard and DP partition. It then reads only those byte ranges
+(verified chunk by chunk, see :mod:`shard_io`). So a rank reads about its own
+state, never the whole model, and a checkpoint written at tp=2 x dp=2 with
+ZeRO-3 resumes at tp=1 x dp=4 with ZeRO-1, weights and optimizer state
+identical.
+
+Element mapping. A TP-sharded tensor of full shape ``[A, S, B]`` (``S`` the
+partition dim) with stride ``k`` over ``T`` ranks is cut into ``k*T`` blocks
+along ``S``; rank ``t`` holds blocks ``s*T + t``. Local and saved flat indices
+are related through the full (tp=1) flat index; equal TP layouts and
+replicated tensors need no index arithmetic at all.
 
 Nothing here unpickles: tensors come from safetensors, metadata from JSON.
 """
@@ -14,22 +25,20 @@ Nothing here unpickles: tensors come from safetensors, metadata from JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
-from typing import Iterable, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..mpu.sharding import full_from_shards
 from .engine import ZeroEngine
+from .shard_io import CheckpointError, ReadCounter, ShardFile, fsync_path
 
-__all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_full_parameters", "ShardedReader"]
+__all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_zero_state", "publish_loaded_state",
+           "read_full_parameters", "CheckpointReader", "ReadCounter", "shard_file"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, truncated, tampered with, or does not fit the model."""
 
 
 def shard_file(directory: str, rank: int) -> str:
@@ -37,7 +46,7 @@ def shard_file(directory: str, rank: int) -> str:
 
 
 def save_zero_state(engine: ZeroEngine, directory: str) -> str:
-    """Write this rank's partitions (collective-free); returns the file path."""
+    """Write this rank's partitions (collective-free, fsync'd); returns the file path."""
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -53,6 +62,7 @@ def save_zero_state(engine: ZeroEngine, directory: str) -> str:
                 tensors[f"g{i}.{key}"] = value.detach().float().contiguous().cpu()
         groups_meta.append({
             "partitions": g.partitions, "shard_start": g.shard_start, "shard_numel": g.shard_numel,
+            "padded_numel": g.padded_numel,
             "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel,
                        "tp_sharded": bool(getattr(s.param, "tensor_model_parallel", False)),
                        "partition_dim": int(getattr(s.param, "partition_dim", 0)),
@@ -63,135 +73,376 @@ def save_zero_state(engine: ZeroEngine, directory: str) -> str:
         "tp_rank": engine.tp_rank, "tp_size": engine.tp_size, "dp_rank": engine.dp_rank, "dp_size": engine.dp_size,
         "stage": engine.stage, "optimizer_step": step, "groups": groups_meta,
         "loss_scaler": engine.loss_scaler.state_dict(),
+        "precision": str(engine.compute_dtype).replace("torch.", ""),
         "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                    "micro_steps": engine.micro_steps},
     }
+    os.makedirs(directory, exist_ok=True)  # every rank: a shared filesystem may not show rank 0's mkdir yet
     path = shard_file(directory, rank)
     save_file(tensors, path, metadata={"megazero": json.dumps(meta)})
+    fsync_path(path)
     return path
 
 
-class ShardedReader:
-    """Index over every rank file of a checkpoint; rebuilds full tp=1 tensors on demand."""
+# ---------------------------------------------------------------------------- element mapping
 
-    def __init__(self, directory: str) -> None:
-        from safetensors import safe_open
 
-        files = sorted(f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".safetensors"))
-        if not files:
-            raise CheckpointError(f"{directory} holds no zero_rank*.safetensors files: not a megazero checkpoint")
-        self.handles, self.meta = [], []
-        for f in files:
-            path = os.path.join(directory, f)
-            try:
-                h = safe_open(path, framework="pt")
-                meta = json.loads(h.metadata()["megazero"])
-            except Exception as e:  # safetensors raises several types for bad headers/sizes
-                raise CheckpointError(f"cannot read {path}: {e} (truncated or not a megazero shard?)") from e
-            self.handles.append(h)
-            self.meta.append(meta)
-        self.tp_size = self.meta[0]["tp_size"]
-        # name -> tp_rank -> list of (file index, group index, slot)
-        self.where: dict[str, dict[int, list]] = {}
-        for fi, meta in enumerate(self.meta):
-            for gi, g in enumerate(meta["groups"]):
-                if g["partitions"] == 1 and meta["dp_rank"] != 0:
-                    continue  # ZeRO-0 keeps full copies on every DP rank: one is enough
-                for slot in g["slots"]:
-                    self.where.setdefault(slot["name"], {}).setdefault(meta["tp_rank"], []).append((fi, gi, slot))
-        found = {m["tp_rank"] for m in self.meta}
-        if found != set(range(self.tp_size)):
-            raise CheckpointError(f"{directory}: files for TP ranks {sorted(set(range(self.tp_size)) - found)} are missing")
+def _abs(shape: list[int], dim: int) -> tuple[int, int, int]:
+    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.where)
+
+def _local_to_full(idx: torch.Tensor, full: list[int], dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
+    a_, s_, b_ = _abs(full, dim)
+    sl, blk = s_ // world, s_ // (stride * world)
+    a, rem = idx // (sl * b_), idx % (sl * b_)
+    j, b = rem // b_, rem % b_
+    big_j = ((j // blk) * world + rank) * blk + j % blk
+    return (a * s_ + big_j) * b_ + b
+
+
+def _full_to_local(fidx: torch.Tensor, full: list[int], dim: int, stride: int, world: int):
+    a_, s_, b_ = _abs(full, dim)
+    sl, blk = s_ // world, s_ // (stride * world)
+    a, rem = fidx // (s_ * b_), fidx % (s_ * b_)
+    big_j, b = rem // b_, rem % b_
+    block = big_j // blk
+    j = (block // world) * blk + big_j % blk
+    return block % world, (a * sl + j) * b_ + b
+
+
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal ``(src_start, dst_start, length)`` runs where both index lists advance by one."""
+    if src.numel() == 0:
+        return []
+    brk = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(brk).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([src.numel()])])
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), (ends - starts).tolist()))
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+class CheckpointReader:
+    """The saved layout of one checkpoint directory, and planned reads of any element range.
+
+    Headers are read lazily: one file per saved TP rank (they share the group
+    structure), preferring ``prefer_dp``'s file so that a rank of an unchanged
+    layout opens its own file only.
+    """
+
+    def __init__(self, directory: str, manifest: Optional[dict] = None, *, prefer_dp: int = 0,
+                 counter: Optional[ReadCounter] = None) -> None:
+        self.directory = directory
+        self.counter = counter or ReadCounter()
+        self.entries: dict[str, dict] = (manifest or {}).get("files", {}) if manifest is not None else {}
+        self.verify = manifest is not None
+        self._files: dict[str, ShardFile] = {}
+        self.by_rank: dict[tuple[int, int], str] = {}  # (tp_rank, dp_rank) -> file name
+        layout = (manifest or {}).get("layout")
+        if layout is not None:
+            self.tp_size, self.dp_size = layout["tp_size"], layout["dp_size"]
+            for name, e in self.entries.items():
+                if "tp_rank" in e:
+                    self.by_rank[(e["tp_rank"], e["dp_rank"])] = name
+        else:  # no layout in a manifest: learn it from every shard's header
+            names = sorted(f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".safetensors"))
+            if not names:
+                raise CheckpointError(f"{directory} holds no zero_rank*.safetensors files: not a megazero checkpoint")
+            for n in names:
+                meta = self._open(n).meta
+                if meta is None:
+                    raise CheckpointError(f"cannot read {os.path.join(directory, n)}: no megazero metadata "
+                                          "(not a megazero shard?)")
+                self.by_rank[(meta["tp_rank"], meta["dp_rank"])] = n
+            meta0 = self._open(names[0]).meta
+            self.tp_size, self.dp_size = meta0["tp_size"], meta0["dp_size"]
+        missing = [(t, d) for t in range(self.tp_size) for d in range(self.dp_size) if (t, d) not in self.by_rank]
+        if missing:
+            raise CheckpointError(f"{directory}: the shard files of (tp rank, dp rank) {missing[:8]} are missing")
+        self.prefer_dp = prefer_dp % self.dp_size
+        self._groups: dict[int, list[dict]] = {}
+        self._where: dict[int, dict[str, tuple[int, dict]]] = {}
+
+    def _open(self, name: str) -> ShardFile:
+        f = self._files.get(name)
+        if f is None:
+            entry = self.entries.get(name)
+            if self.verify and entry is None:
+                raise CheckpointError(f"{os.path.join(self.directory, name)} is not listed in manifest.json")
+            f = self._files[name] = ShardFile(os.path.join(self.directory, name), entry, self.counter)
+            if f.meta is None:
+                raise CheckpointError(f"cannot read {f.path}: no megazero metadata (not a megazero shard?)")
+        return f
+
+    def file_of(self, tp_rank: int, dp_rank: int) -> ShardFile:
+        return self._open(self.by_rank[(tp_rank, dp_rank)])
 
     @property
     def first_meta(self) -> dict:
-        return self.meta[0]
+        return self.file_of(0, self.prefer_dp).meta
 
-    def _local(self, name: str, tp_rank: int, key: str) -> Optional[torch.Tensor]:
-        """One TP rank's shard of parameter ``name`` assembled from the DP partitions."""
-        entries = self.where[name][tp_rank]
-        slot0 = entries[0][2]
-        out = torch.zeros(slot0["numel"], dtype=torch.float32)
-        covered = 0
-        for fi, gi, slot in entries:
-            g = self.meta[fi]["groups"][gi]
-            lo = max(slot["offset"], g["shard_start"])
-            hi = min(slot["offset"] + slot["numel"], g["shard_start"] + g["shard_numel"])
-            if hi <= lo:
-                continue
-            tensor_name = f"g{gi}.{key}"
-            if tensor_name not in self.handles[fi].keys():
-                return None  # e.g. Adam moments before the first step
-            try:
-                piece = self.handles[fi].get_slice(tensor_name)[lo - g["shard_start"]:hi - g["shard_start"]]
-            except Exception as e:
-                raise CheckpointError(f"cannot read {tensor_name} of shard file {fi}: {e}") from e
-            out[lo - slot["offset"]:hi - slot["offset"]] = piece
-            covered += hi - lo
-        if covered != slot0["numel"]:
-            raise CheckpointError(f"parameter {name} (TP rank {tp_rank}) is only partly present: "
-                                  f"{covered} of {slot0['numel']} elements; a shard file is missing")
-        return out.view(slot0["shape"])
+    def where(self, tp_rank: int) -> dict[str, tuple[int, dict]]:
+        """name -> (group index, slot metadata) in the files of saved TP rank ``tp_rank``."""
+        if tp_rank not in self._where:
+            meta = self.file_of(tp_rank, self.prefer_dp).meta
+            self._groups[tp_rank] = meta["groups"]
+            self._where[tp_rank] = {s["name"]: (gi, s) for gi, g in enumerate(meta["groups"]) for s in g["slots"]}
+        return self._where[tp_rank]
 
-    def full(self, name: str, key: str = "master") -> Optional[torch.Tensor]:
-        """The full (tp=1) fp32 tensor of ``name`` for ``key`` in master/exp_avg/exp_avg_sq."""
-        if name not in self.where:
+    @property
+    def names(self) -> list[str]:
+        return list(self.where(0))
+
+    def slot(self, name: str) -> dict:
+        hit = self.where(0).get(name)
+        if hit is None:
             raise CheckpointError(f"parameter {name} is not in the checkpoint")
-        slot = self.where[name][0][0][2]
-        shards = [self._local(name, t, key) for t in range(self.tp_size)]
-        if any(s is None for s in shards):
-            return None
-        if not slot["tp_sharded"]:
-            return shards[0]
-        return full_from_shards(shards, slot["partition_dim"], slot["partition_stride"])
+        return hit[1]
+
+    def full_shape(self, name: str) -> list[int]:
+        s = self.slot(name)
+        shape = list(s["shape"])
+        if s["tp_sharded"]:
+            shape[s["partition_dim"]] *= self.tp_size
+        return shape
+
+    def has_moments(self) -> bool:
+        return "g0.exp_avg" in self.file_of(0, self.prefer_dp).tensors
+
+    # ---- planning
+
+    def _split_dp(self, plan: dict, tp_rank: int, name: str, key: str, lo: int, hi: int, dest: torch.Tensor) -> None:
+        """Queue saved-local elements ``[lo, hi)`` of ``name`` (saved TP rank ``tp_rank``) for ``dest``."""
+        gi, slot = self.where(tp_rank)[name]
+        g = self._groups[tp_rank][gi]
+        a, b = slot["offset"] + lo, slot["offset"] + hi
+        if g["partitions"] == 1:  # ZeRO-0: every DP rank holds the whole group; read the preferred one
+            plan.setdefault(self.by_rank[(tp_rank, self.prefer_dp)], []).append((f"g{gi}.{key}", a, b, dest))
+            return
+        sn = g["shard_numel"]
+        for d in range(a // sn, (b - 1) // sn + 1):
+            x, y = max(a, d * sn), min(b, (d + 1) * sn)
+            plan.setdefault(self.by_rank[(tp_rank, d)], []).append(
+                (f"g{gi}.{key}", x - d * sn, y - d * sn, dest[x - a:y - a]))
+
+    def plan(self, plan: dict, name: str, key: str, local_shape: list[int], tp_sharded: bool, dim: int,
+             stride: int, rank: int, world: int, lo: int, hi: int, dest: torch.Tensor) -> None:
+        """Queue the elements ``[lo, hi)`` of the flattened local TP shard ``(rank, world)`` of
+        ``name`` (a tp=1 shape when ``world == 1``) for ``dest`` (1-D, ``hi - lo`` elements)."""
+        saved = self.slot(name)
+        full = list(local_shape)
+        if tp_sharded:
+            full[dim] *= world
+        if full != self.full_shape(name):
+            raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(self.full_shape(name))} (tp=1), the model "
+                                  f"{tuple(full)}; was the model configured differently?")
+        if saved["tp_sharded"] and self.tp_size > 1:
+            sdim, sstride = saved["partition_dim"], saved["partition_stride"]
+        else:
+            sdim, sstride = dim, stride
+        same = (not saved["tp_sharded"] or self.tp_size == 1) and (not tp_sharded or world == 1)
+        same = same or (saved["tp_sharded"] and tp_sharded and world == self.tp_size and (sdim, sstride) == (dim, stride))
+        if same:
+            t = rank if saved["tp_sharded"] and self.tp_size > 1 else rank % self.tp_size
+            self._split_dp(plan, t, name, key, lo, hi, dest)
+            return
+        idx = torch.arange(lo, hi, dtype=torch.long)
+        fidx = _local_to_full(idx, full, dim, stride, rank, world) if tp_sharded and world > 1 else idx
+        if saved["tp_sharded"] and self.tp_size > 1:
+            owner, loc = _full_to_local(fidx, full, sdim, sstride, self.tp_size)
+        else:
+            owner, loc = torch.full_like(fidx, rank % self.tp_size), fidx
+        pos = idx - lo
+        for t in torch.unique(owner).tolist():
+            mask = owner == t
+            for s0, d0, n in _runs(loc[mask], pos[mask]):
+                self._split_dp(plan, t, name, key, s0, s0 + n, dest[d0:d0 + n])
+
+    def execute(self, plan: dict) -> None:
+        for name, requests in plan.items():
+            self._open(name).read(requests)
+        plan.clear()
+
+    # ---- whole tensors (export, inference)
+
+    def full(self, name: str, key: str = "master") -> torch.Tensor:
+        """The full (tp=1) fp32 tensor of ``name``."""
+        return self.tp_shard(name, 0, 1, key)
+
+    def tp_shard(self, name: str, rank: int, world: int, key: str = "master") -> torch.Tensor:
+        """TP rank ``rank`` of ``world``'s shard of ``name``, reading only its elements."""
+        s = self.slot(name)
+        shape = self.full_shape(name)
+        sharded = s["tp_sharded"] and world > 1
+        if sharded:
+            shape[s["partition_dim"]] //= world
+        out = torch.empty(shape, dtype=torch.float32)
+        plan: dict = {}
+        self.plan(plan, name, key, shape, sharded, s["partition_dim"], s["partition_stride"], rank, world, 0,
+                  out.numel(), out.view(-1))
+        self.execute(plan)
+        return out
 
 
-def read_full_parameters(directory: str, names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
-    """Full fp32 weights (tp=1 names and shapes) from a sharded checkpoint, for export and inference."""
-    reader = ShardedReader(directory)
-    return {n: reader.full(n) for n in (names or reader.names)}
+def read_full_parameters(directory: str, names: Optional[list[str]] = None,
+                         manifest: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (tp=1 names and shapes) from a sharded checkpoint (all in memory: small models only;
+    :func:`iter_full_parameters` streams)."""
+    return dict(iter_full_parameters(directory, names, manifest))
+
+
+def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
+                         manifest: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full fp32 tensor)`` one at a time: peak memory is one full tensor."""
+    reader = CheckpointReader(directory, manifest)
+    for n in names or reader.names:
+        yield n, reader.full(n)
 
 
 @torch.no_grad()
-def load_zero_state(engine: ZeroEngine, directory: str) -> dict:
-    """Load masters, Adam moments and the loss scaler into ``engine``, whatever layout saved them.
+def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
+                    counter: Optional[ReadCounter] = None) -> dict:
+    """Collective-free part of a load: fill this rank's fp32 masters and Adam moments from ``directory``.
 
-    Returns the saved metadata. Parameter names must match; shapes must match
-    after undoing the saved TP sharding.
+    Reads only the saved elements that this rank owns under its own layout. Returns the
+    saved metadata, with ``bytes_read`` and ``files_read`` of this rank added. Follow with
+    :func:`publish_loaded_state` (a collective) before using the engine.
     """
-    reader = ShardedReader(directory)
+    reader = CheckpointReader(directory, manifest, prefer_dp=engine.dp_rank, counter=counter)
     mine = {s.name for g in engine.groups for s in g.slots}
-    missing, unexpected = sorted(mine - set(reader.names)), sorted(set(reader.names) - mine)
+    saved = set(reader.names)
+    missing, unexpected = sorted(mine - saved), sorted(saved - mine)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    step = reader.first_meta["optimizer_step"]
-    try:
-        engine.load_full_weights(lambda name: reader.full(name, "master"))
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    meta = dict(reader.first_meta)
+    keys = STATES if reader.has_moments() else STATES[:1]
     fused = bool(engine.optimizer.defaults.get("fused"))  # torch keeps fused Adam's step on the device
     for g in engine.groups:
-        moments = {}
-        for key in STATES[1:]:
-            for s in g.slots:
-                full = reader.full(s.name, key)
-                if full is None:
-                    break  # no Adam state yet (saved before the first step)
-                local = engine.tp_local(s.param, full)
-                p0, s0, n = g.owned_range(s)
-                buf = moments.setdefault(key, torch.zeros_like(g.master))
-                if n:
-                    buf[s0:s0 + n].copy_(local.reshape(-1)[p0:p0 + n])
-        if moments:
+        bufs = {"master": g.master}
+        for key in keys[1:]:
+            bufs[key] = torch.zeros_like(g.master)
+        # One DP partition at a time: the CPU staging memory is one group's partition.
+        stage = {k: torch.zeros(g.shard_numel, dtype=torch.float32) for k in keys}
+        plan: dict = {}
+        for s in g.slots:
+            p0, s0, n = g.owned_range(s)
+            if not n:
+                continue
+            p = s.param
+            for key in keys:
+                reader.plan(plan, s.name, key, list(s.shape), bool(getattr(p, "tensor_model_parallel", False)),
+                            int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1)),
+                            engine.tp_rank, engine.tp_size, p0, p0 + n, stage[key][s0:s0 + n])
+        reader.execute(plan)
+        for key in keys:
+            bufs[key].copy_(stage[key])
+        if len(keys) > 1:
             state = engine.optimizer.state[g.master]
-            state["step"] = torch.tensor(float(step), device=g.master.device if fused else "cpu")
-            state.update(moments)
-    engine.loss_scaler.load_state_dict(reader.first_meta["loss_scaler"])
-    counters = reader.first_meta["engine"]
+            state["step"] = torch.tensor(float(meta["optimizer_step"]), device=g.master.device if fused else "cpu")
+            state.update({k: bufs[k] for k in keys[1:]})
+    meta["bytes_read"] = reader.counter.bytes
+    meta["files_read"] = len(reader.counter.files)
+    return meta
+
+
+@torch.no_grad()
+def publish_loaded_state(engine: ZeroEngine, meta: dict, *, initial_scale_on_precision_change: bool = True) -> Optional[str]:
+    """Collective part of a load: masters -> compute-dtype parameters (all-gathered over DP where
+    replicated), loss scaler and counters. Returns a note when the loss scaler was not restored."""
+    engine.publish_params()  # also drops gathered copies of the old values
+    note = None
+    saved_precision = meta.get("precision")
+    mine = str(engine.compute_dtype).replace("torch.", "")
+    if saved_precision is not None and saved_precision != mine and initial_scale_on_precision_change:
+        note = (f"the checkpoint was saved in {saved_precision}, this run uses {mine}: the loss scaler starts from "
+                f"its configured initial scale ({engine.loss_scaler.scale:g}) instead of the saved one")
+    else:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    counters = meta["engine"]
     engine.global_steps, engine.skipped_steps = counters["global_steps"], counters["skipped_steps"]
     engine.micro_steps = 0  # checkpoints are taken at accumulation boundaries
-    return reader.first_meta
+    return note
+
+
+def load_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None) -> dict:
+    """Load masters, Adam moments and the loss scaler into ``engine``, whatever layout saved them
+    (collective over the engine's groups). Returns the saved metadata (+ ``bytes_read``)."""
+    meta = read_zero_state(engine, directory, manifest)
+    meta["scaler_note"] = publish_loaded_state(engine, meta)
+    return meta
+
+
+
+def _read_local_rows(sl, full_shape: list[int], sharded: bool, dim: int, stride: int, rank: int, world: int,
+                     lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flattened TP shard ``(rank, world)`` of a safetensors slice
+    handle, reading only the rows (dim 0) that hold them."""
+    local = list(full_shape)
+    if sharded:
+        local[dim] //= world
+    row = math.prod(local[1:])
+    r0, r1 = lo // row, -(-hi // row)
+    if not sharded:
+        rows = sl[r0:r1]
+    elif dim == 0:
+        blk = full_shape[0] // (stride * world)
+        pieces = []
+        for s in range(stride):
+            a, b = max(r0, s * blk), min(r1, (s + 1) * blk)
+            if a < b:
+                base = (s * world + rank) * blk
+                pieces.append(sl[base + a - s * blk:base + b - s * blk])
+        rows = torch.cat(pieces)
+    elif dim == len(full_shape) - 1:
+        blk = full_shape[dim] // (stride * world)
+        rows = torch.cat([sl[r0:r1, (s * world + rank) * blk:(s * world + rank + 1) * blk] for s in range(stride)],
+                         dim=-1)
+    else:  # a middle partition dim (no such parameter in megazero's models): read the rows whole
+        from ..mpu.sharding import shard_of_full
+
+        rows = shard_of_full(sl[r0:r1], dim, stride, rank, world)
+    return rows.reshape(-1)[lo - r0 * row:hi - r0 * row].float()
+
+
+@torch.no_grad()
+def load_full_weights_file(engine: ZeroEngine, path: str) -> None:
+    """Set every parameter from a full (tp=1) safetensors state dict (``model_full.safetensors``),
+    reading only this rank's rows: its DP partition of its TP shard with ZeRO-3, its TP shard
+    where the group keeps full compute parameters. Collective-free."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises several types for bad headers/sizes
+        raise CheckpointError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
+    wanted = {s.name for g in engine.groups for s in g.slots}
+    if wanted - set(f.keys()):
+        raise CheckpointError(f"{path} lacks {sorted(wanted - set(f.keys()))[:8]}: it was made for another model shape")
+    for g in engine.groups:
+        for s in g.slots:
+            sl = f.get_slice(s.name)
+            full_shape = list(sl.get_shape())
+            p = s.param
+            sharded = bool(getattr(p, "tensor_model_parallel", False)) and engine.tp_size > 1
+            dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+            local = list(full_shape)
+            if sharded:
+                local[dim] //= engine.tp_size
+            if local != list(s.shape):
+                raise CheckpointError(f"{path}: {s.name} has shape {tuple(full_shape)}, which gives {tuple(local)} on "
+                                      f"this rank; the model has {tuple(s.shape)}: was it configured differently?")
+            if g.resident:
+                values = _read_local_rows(sl, full_shape, sharded, dim, stride, engine.tp_rank, engine.tp_size, 0, s.numel)
+                g.load_param_values(s, values.view(s.shape))
+                continue
+            p0, s0, n = g.owned_range(s)
+            if n:
+                values = _read_local_rows(sl, full_shape, sharded, dim, stride, engine.tp_rank, engine.tp_size,
+                                          p0, p0 + n)
+                g.master[s0:s0 + n].copy_(values)
+                if g.master is not g.shard:
+                    g.shard[s0:s0 + n].copy_(values)
+        if g.resident:
+            g.bind_views()
+    engine.release_gathered()

@@ -45,7 +45,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu.initializers import modules_with_direct_parameters
 from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
 from .comm import CommCounter
 from .config import ZeroConfig
@@ -214,45 +213,13 @@ class ZeroEngine(torch.nn.Module):
     def _materialize(self) -> None:
         """Move parameter values into the flat groups.
 
-        A model built on the meta device is initialized here one module at a time,
-        through each module's ``reset_parameters()`` in ``modules()`` order (the
-        order ``mpu.reset_parameters_in_order`` uses), so every rank draws the same
-        numbers a full initialization would and keeps only its partition: the
-        whole model never exists on one rank.
+        A model built on the meta device is initialized partition by partition: each
+        rank draws only what it keeps, and the values equal a full tp=1 initialization
+        (see :mod:`megazero.zero.materialize`).
         """
-        for g in self.groups:
-            g.allocate()
-        on_meta = any(s.param.is_meta for g in self.groups for s in g.slots)
-        if not on_meta:
-            for g in self.groups:
-                for s in g.slots:
-                    g.load_param_values(s, s.param.data)
-            return
-        replaced: dict[int, torch.nn.Parameter] = {}  # meta parameter -> its real one (tied ones once)
-        for m in modules_with_direct_parameters(self.module):
-            reset = getattr(m, "reset_parameters", None)
-            if reset is None:
-                raise TypeError(f"{type(m).__name__} was built on the meta device but has no reset_parameters(); "
-                                "give it one so ZeRO can initialize it partition by partition")
-            own = []
-            for name, p in list(m.named_parameters(recurse=False)):
-                if id(p) not in replaced:
-                    # A meta tensor cannot take real storage in place: swap in a new Parameter
-                    # that keeps the Megatron attributes, and point the flat group at it.
-                    new = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=self.device),
-                                             requires_grad=p.requires_grad)
-                    new.__dict__.update(p.__dict__)
-                    g, s = self.slot_of.pop(id(p))
-                    s.param = new
-                    self.slot_of[id(new)] = (g, s)
-                    replaced[id(p)] = new
-                    own.append(new)
-                setattr(m, name, replaced[id(p)])
-            reset()
-            for p in own:
-                g, s = self.slot_of[id(p)]
-                g.load_param_values(s, p.data)
-                p.data = torch.empty(0, device=self.device)
+        from .materialize import materialize_partitions
+
+        materialize_partitions(self.module, self.groups, self.slot_of, self.device)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         oc = self.config.optimizer
@@ -488,9 +455,21 @@ class ZeroEngine(torch.nn.Module):
         return float(total.item())
 
     @torch.no_grad()
-    def _publish_params(self) -> None:
+    def publish_params(self) -> None:
+        """After values were written into the fp32 masters (a checkpoint load): refresh every
+        group's compute-dtype copy, frozen ones included, and drop gathered ZeRO-3 copies."""
+        self._publish_params(self.groups)
+        self.release_gathered()
+
+    def release_gathered(self) -> None:
+        """Free every gathered ZeRO-3 unit (their values may be stale)."""
+        if self.window is not None:
+            self.window.release_all()
+
+    @torch.no_grad()
+    def _publish_params(self, groups: Optional[list[FlatGroup]] = None) -> None:
         """Copy the updated fp32 masters into the compute-dtype parameters."""
-        for g in self.trainable_groups:
+        for g in self.trainable_groups if groups is None else groups:
             if g.master is not g.shard:
                 g.shard.copy_(g.master)
             if g.resident and g.partitions > 1:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megazero import mpu
+from megazero.mpu.initializers import parameter_naming
 from megazero.model import GPTModel, materialize_
 from megazero.model.attention import core_attention, resolve_backend
 from megazero.model.state_dict import gather_full_state_dict, load_full_state_dict
@@ -85,9 +86,14 @@ def test_meta_then_module_by_module_materialization_gives_the_same_weights(arch)
     whole = GPTModel(config)
     meta = GPTModel(config, device="meta")
     torch.manual_seed(42)
-    for module in mpu.modules_with_direct_parameters(meta):
-        materialize_(module, "cpu", recurse=False)
-        module.reset_parameters()
+    names: dict = {}  # normal weights are keyed by their names in the model (mpu.initializers)
+    owners = {id(m): n for n, m in meta.named_modules()}
+    with parameter_naming(names):
+        for module in mpu.modules_with_direct_parameters(meta):
+            materialize_(module, "cpu", recurse=False)
+            prefix = owners[id(module)]
+            names.update({id(p): f"{prefix}.{n}" if prefix else n for n, p in module.named_parameters(recurse=False)})
+            module.reset_parameters()
     for (name, a), (_, b) in zip(whole.named_parameters(), meta.named_parameters()):
         assert torch.equal(a, b), name
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel"):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero import mpu
+from megazero.mpu.initializers import initialize_sharded_
 from tests.distributed import run_distributed
 from tests.helpers import assert_close, chunk, randn
 
@@ -20,10 +21,11 @@ S, B, IN, OUT, VOCAB = 8, 3, 12, 16, 40
 INIT_SEED = 77
 
 
-def _master(shape):
+def _master(shape, partition_dim=0):
+    """The weight a tp=1 layer draws after seeding (the counter-based N(0, 0.02) of initializers)."""
     torch.manual_seed(INIT_SEED)
     w = torch.empty(shape)
-    mpu.init_method_normal(0.02)(w)
+    initialize_sharded_(w, shape, partition_dim, 0, 1, mpu.init_method_normal(0.02))
     return w
 
 
@@ -67,7 +69,7 @@ def _check_row(tp, bias, input_is_parallel, skip_bias_add, sequence_parallel):
     torch.manual_seed(INIT_SEED)
     layer = mpu.RowParallelLinear(IN, OUT, bias=bias, input_is_parallel=input_is_parallel,
                                   skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
-    w_full, b_full = _master((OUT, IN)), randn(OUT, seed=5)
+    w_full, b_full = _master((OUT, IN), partition_dim=1), randn(OUT, seed=5)
     assert layer.weight.shape == (OUT, IN // tp)
     assert_close(layer.weight.detach(), chunk(w_full, 1, rank, tp), "TP-invariant init of the row weight", atol=0, rtol=0)
     if bias:

@@ -1,0 +1,115 @@
+"""Failure on one rank stops every rank, promptly, with that rank's message.
+
+A rank that raises while its peers wait in a collective leaves them there until
+the collective timeout (30 minutes by default), and a user mistake (a bad
+path, a corrupt file) reaches the terminal as one traceback per rank. So each
+collective-free phase of a run (checkpoint read and write, data set-up) goes
+through :func:`agree`: every rank runs the phase, then all of them take part in
+one small all-reduce of an error flag; if any rank failed, the first failing
+rank's message is broadcast and every rank raises :class:`RunAborted` with it.
+No rank is ever left inside a collective its peers will not join, because the
+phase body itself must not communicate.
+
+Errors are either *user* errors (a message says everything; no traceback) or
+*internal* ones (a traceback, printed once, by the rank where it happened).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from typing import Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RunAborted", "agree", "is_user_error", "report"]
+
+T = TypeVar("T")
+
+
+@functools.lru_cache(maxsize=None)
+def _user_error_types() -> tuple[type, ...]:
+    from ..data.indexed_dataset import IndexedDatasetError
+    from ..zero.shard_io import CheckpointError
+    from .arguments import ConfigError
+
+    return (CheckpointError, IndexedDatasetError, ConfigError, FileNotFoundError, NotADirectoryError,
+            IsADirectoryError, PermissionError)
+
+
+def is_user_error(e: BaseException, extra: tuple[type, ...] = ()) -> bool:
+    return isinstance(e, _user_error_types() + extra) or isinstance(e, RunAborted) and e.user
+
+
+class RunAborted(RuntimeError):
+    """Raised on every rank when a phase failed somewhere; ``rank`` is where it failed."""
+
+    def __init__(self, phase: str, rank: int, message: str, user: bool, tb: Optional[str] = None) -> None:
+        super().__init__(f"{phase} failed on rank {rank}: {message}")
+        self.phase, self.rank, self.message, self.user, self.tb = phase, rank, message, user, tb
+
+
+def _flag_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(phase: str, fn: Callable[[], T], *, user_errors: tuple[type, ...] = (),
+          group: Optional[dist.ProcessGroup] = None) -> T:
+    """Run the collective-free ``fn`` on every rank, then agree that it succeeded everywhere.
+
+    ``user_errors`` adds exception types that count as user errors in this phase
+    (e.g. ``ValueError`` from data set-up, whose messages name the bad file).
+    """
+    error: Optional[tuple[str, bool, str]] = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        user = is_user_error(e, user_errors)
+        message = e.message if isinstance(e, RunAborted) else str(e) or type(e).__name__
+        if not user and not isinstance(e, RunAborted):
+            message = f"{type(e).__name__}: {message}"
+        error = (message, user, "" if user else traceback.format_exc())
+        original = e
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise RunAborted(phase, dist.get_rank() if dist.is_initialized() else 0, error[0], error[1],
+                             error[2]) from original
+        return result
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flag = torch.tensor([world - rank if error is not None else 0], dtype=torch.int64, device=_flag_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) == 0:
+        return result
+    src = world - int(flag.item())  # the lowest failing rank speaks for all
+    box = [error if rank == src else None]
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    message, user, tb = box[0]
+    aborted = RunAborted(phase, global_src, message, user, tb if rank == src else None)
+    if error is not None:
+        raise aborted from original
+    raise aborted
+
+
+def report(e: BaseException, prog: str = "error") -> int:
+    """Print one line for ``e`` (plus the traceback of an internal error, on the rank where it
+    happened) and return the exit status. The line is printed by the failing rank; the other
+    ranks stay silent, so the launching terminal shows it once."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if isinstance(e, RunAborted):
+        if rank == e.rank:
+            if not e.user and e.tb:
+                print(e.tb, file=sys.stderr, end="", flush=True)
+            print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        return 1
+    if is_user_error(e):
+        print(f"{prog}: {e} (rank {rank})", file=sys.stderr, flush=True)
+        return 1
+    traceback.print_exception(e, file=sys.stderr)
+    print(f"{prog}: internal error on rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return 1
