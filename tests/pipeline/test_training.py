@@ -77,7 +77,7 @@ def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False
     return dict(pp_rank=groups.pp_rank, losses=losses, norms=norms, weights=weights, max_live=pipe.runner.max_live)
 
 
-def _check(results, num_layers, tied, m):
+def _check(results, num_layers, tied, m, tol=1e-5):
     ref_losses, ref_norms, ref_emb, ref_w = reference(num_layers, tied, m)
     pp = max(r["pp_rank"] for r in results) + 1
     diffs = [0.0]
@@ -88,18 +88,19 @@ def _check(results, num_layers, tied, m):
         # The last stage's tied copy (`pipeline_shared_copy`) is counted once, by its owner.
         assert all(abs(a - b) <= 1e-5 * max(1, b) for a, b in zip(r["norms"], ref_norms)), (r["norms"], ref_norms)
         for k, w in r["weights"].items():
-            torch.testing.assert_close(w, ref_w[k], atol=1e-5, rtol=1e-5, msg=lambda s: f"{k}: {s}")
+            torch.testing.assert_close(w, ref_w[k], atol=tol, rtol=1e-5, msg=lambda s: f"{k}: {s}")
             diffs.append(float((w - ref_w[k]).abs().max()))
             seen.add(k)
     assert seen == set(ref_w), set(ref_w) ^ seen
-    assert max(diffs) <= 1e-5, max(diffs)
+    assert max(diffs) <= tol, max(diffs)
     return max(diffs)
 
 
 def _case(world, tp, pp, v, stage, m, tied, num_layers, sp=False):
     results = run_distributed(world, _pipeline_run, tp, pp, v, stage, m, tied, num_layers, sp)
     assert any(r["losses"] for r in results)
-    return results, _check(results, num_layers, tied, m)
+    # TP sums partial products in another order than one process: 5 Adam steps amplify that to ~1e-5.
+    return results, _check(results, num_layers, tied, m, tol=1e-5 if tp == 1 else 2e-5)
 
 
 # pp 2 on 2 ranks: 1F1B with m = pp and 2 pp + 1, interleaved, tied and untied, ZeRO 0-3.
