@@ -572,6 +572,9 @@ class ZeroEngine(torch.nn.Module):
                 dist.all_gather(parts, value.contiguous(), group=self.tp_group)
                 value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
             out[name] = value.cpu()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in out and id(p) in self.slot_of:  # a shared weight under its other names
+                out[name] = out[self.slot_of[id(p)][1].name]
         for name, b in self.module.named_buffers():
             out.setdefault(name, b.detach().cpu().clone())
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:

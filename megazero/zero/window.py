@@ -139,6 +139,7 @@ class GatherWindow:
         self.last_entry: dict[int, int] = {}
         self.sequence: Optional[list[Unit]] = None  # backward gather order, once agreed
         self.bcursor = -1
+        self.issued: set[int] = set()  # units issued in sequence order in this pass (forward, then backward)
         self.agreement = None
 
     # ---- gather / release ---------------------------------------------------------------
@@ -196,16 +197,22 @@ class GatherWindow:
         self.after_backward.clear()
 
     def _prefetch(self, seq: list[Unit], start: int) -> None:
+        """Issue the next units of ``seq`` within the window. A unit already issued in this
+        pass is never issued again here: every rank must issue the same gathers."""
         budget = self.prefetch_numel
         for q in range(start, len(seq)):
             if budget <= 0:
                 break
             u = seq[q]
-            if not (u.gathered or u.pending):
+            if id(u) not in self.issued:
                 if self.live_numel + u.numel() > self.max_live_numel:
                     break
-                self.issue(u)
+                self._issue_once(u)
             budget -= u.numel()
+
+    def _issue_once(self, unit: Unit) -> None:
+        self.issued.add(id(unit))
+        self.issue(unit)
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -314,6 +321,8 @@ class GatherWindow:
             self._catch_up(pos)
             self.cursor = pos
             self._record(unit, saved, skipped=False)
+            if id(unit) not in self.issued:
+                self._issue_once(unit)
             self.wait(unit)
             self._prefetch(self.units, pos + 1)
         else:  # used again out of order (a tied weight): every rank does the same
@@ -325,6 +334,8 @@ class GatherWindow:
         for q in range(self.cursor + 1, pos):
             u = self.units[q]
             self._record(u, False, skipped=True)
+            if id(u) not in self.issued:
+                self._issue_once(u)
             self.wait(u)
             if not self.active.get(id(u)):
                 self.release(u)
@@ -388,23 +399,28 @@ class GatherWindow:
                 seen.add(id(entry.unit))
                 seq.append(entry.unit)
         self.sequence, self.bcursor = seq, -1
+        self.issued = set()
 
     def _request_backward(self, unit: Unit) -> None:
-        if unit.gathered or unit.pending:
-            self.wait(unit)
-            return
         seq = self.sequence or []
         for j in range(self.bcursor + 1, len(seq)):
             if seq[j] is unit:
                 for q in range(self.bcursor + 1, j):  # needed by another rank before this one
-                    self.wait(seq[q])
-                    if not self.active.get(id(seq[q])) and not self.after_backward.get(id(seq[q])):
-                        self.release(seq[q])
+                    u = seq[q]
+                    if id(u) not in self.issued:
+                        self._issue_once(u)
+                    self.wait(u)
+                    if not self.active.get(id(u)) and not self.after_backward.get(id(u)):
+                        self.release(u)
                 self.bcursor = j
+                if id(unit) not in self.issued:
+                    self._issue_once(unit)
                 self.wait(unit)
                 self._prefetch(seq, j + 1)
                 return
-        self.wait(unit)  # not in the agreed order: identical on every rank for a deterministic model
+        # Passed already (another saved tensor of a unit in use), or outside the agreed order:
+        # the latter is identical on every rank for a deterministic model.
+        self.wait(unit)
 
     def remove(self) -> None:
         for h in self.handles:
