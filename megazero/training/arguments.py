@@ -815,7 +815,7 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
     eps_field = "norm_epsilon" if "norm_epsilon" in fields else "layernorm_epsilon"
     for attr, ns_attr in (("rotary_base", "rotary_base"), (eps_field, "norm_epsilon"),
                           ("init_method_std", "init_method_std"), ("hidden_dropout", "hidden_dropout"),
-                          ("attention_dropout", "attention_dropout"),
+                          ("attention_dropout", "attention_dropout"), ("label_smoothing", "label_smoothing"),
                           ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
         value = _default(getattr(ns, ns_attr), preset.get(attr))
         if value is not None:
@@ -825,6 +825,9 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]
     kw.update({k: v for k, v in forced.items() if k in fields})
+    kw["vocab_padding_tp"] = par.tp  # Megatron pads to make_vocab_size_divisible_by x tp
+    if check_files:
+        _keep_saved_vocab_padding(ns, kw, par.tp, notes)
     if backend == "flash" and check_files:  # a real launch on this machine, not a plan for another
         _check_flash_attn(prec)
     config = build_gpt_config(kw)
@@ -832,6 +835,60 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         return config.validate(par.tp)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
+
+
+def _saved_model_fields(ns: argparse.Namespace) -> Optional[tuple[str, dict[str, Any]]]:
+    """``(where, saved GPTConfig dict)`` of the weights this run starts from: the latest checkpoint in
+    --load, else --pretrained-checkpoint's config.json; None for a fresh start."""
+    from megazero.training.checkpointing import checkpoint_dir, latest_iteration
+
+    if ns.load is not None and os.path.isdir(ns.load):
+        try:
+            iteration = latest_iteration(ns.load)
+        except Exception:  # a damaged 'latest' is the load's to report, with its own message
+            iteration = None
+        if iteration is not None:
+            path = os.path.join(checkpoint_dir(ns.load, iteration), "config.json")
+            try:
+                with open(path) as f:
+                    return path, json.load(f)["model"]
+            except (OSError, KeyError, ValueError, TypeError):
+                return None  # the checkpoint load names what is wrong with it
+    if ns.pretrained_checkpoint is not None:
+        path = os.path.join(ns.pretrained_checkpoint, "config.json")
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return (path, saved) if isinstance(saved, dict) else None
+    return None
+
+
+def _keep_saved_vocab_padding(ns: argparse.Namespace, kw: dict[str, Any], tp: int, notes: list[str]) -> None:
+    """A resume at another tp keeps the embedding rows of the checkpoint: Megatron's padding depends
+    on the tp of the run that *created* the weights, and the weights cannot change shape."""
+    found = _saved_model_fields(ns)
+    if found is None:
+        return
+    where, saved = found
+    from megazero.mpu.utils import pad_vocab_size
+
+    if saved.get("vocab_size") != kw["vocab_size"]:
+        return  # another vocabulary altogether: the weight load reports the shape mismatch by name
+    divisible = int(saved.get("make_vocab_size_divisible_by", 128))
+    saved_tp = int(saved.get("vocab_padding_tp", 1))
+    saved_padded = pad_vocab_size(kw["vocab_size"], saved_tp, divisible)
+    padded = pad_vocab_size(kw["vocab_size"], kw["vocab_padding_tp"], kw.get("make_vocab_size_divisible_by", 128))
+    if saved_padded == padded:
+        return
+    if saved_padded % tp:
+        raise ConfigError(f"the weights in {os.path.dirname(where)} have a padded vocabulary of {saved_padded} rows "
+                          f"({kw['vocab_size']} padded to a multiple of {divisible} x tp {saved_tp}), which does not "
+                          f"split over --tp {tp}; resume with a --tp that divides {saved_padded}")
+    kw["make_vocab_size_divisible_by"], kw["vocab_padding_tp"] = divisible, saved_tp
+    notes.append(f"padded vocabulary {saved_padded} kept from {os.path.dirname(where)} (made at tp {saved_tp}); "
+                 f"a fresh run at --tp {tp} would pad to {padded}")
 
 
 def _check_flash_attn(prec: PrecisionConfig) -> None:
