@@ -536,23 +536,6 @@ def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[f
         raise ConfigError(f"{flag_name}: {e}") from None
 
 
-# Data semantics that the data pipeline implements (issue 12's data half); a build without that
-# support refuses them rather than training without them.
-_DATA_SEMANTICS = (("reset_position_ids", "--reset-position-ids"), ("reset_attention_mask", "--reset-attention-mask"),
-                   ("eod_mask_loss", "--eod-mask-loss"), ("vocab_extra_ids", "--vocab-extra-ids"))
-
-
-def _check_data_support(d: DataConfig) -> None:
-    import megazero.data.gpt_dataset as gpt_dataset
-
-    if hasattr(gpt_dataset, "get_ltor_masks_and_position_ids"):
-        return
-    asked = [flag_name for attr, flag_name in _DATA_SEMANTICS if getattr(d, attr)]
-    if asked:
-        raise ConfigError(f"{', '.join(asked)}: not supported by this build's data pipeline "
-                          f"(megazero.data has no get_ltor_masks_and_position_ids); drop the flag")
-
-
 def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     from megazero.data.gpt_dataset import parse_split  # lazy: numpy etc.
 
@@ -594,7 +577,6 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
                 raise ConfigError(f"data prefix '{prefix}': missing {' and '.join(missing)}; give the prefix "
                                   f"without extension, as written by tools/preprocess_data.py (or use --mock-data)")
 
-    _check_data_support(d)
     t = d.tokenizer_type
     if t is None:
         if d.mock_data and d.vocab_file is None:
@@ -619,6 +601,10 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
             raise ConfigError(f"--tokenizer-type {t}{default_note} needs {flag_name}")
         if check_files and not os.path.exists(value):
             raise ConfigError(f"{flag_name} '{value}' does not exist (the {kind} of the {t})")
+    if d.vocab_extra_ids and t != "SentencePieceTokenizer":
+        raise ConfigError(f"--vocab-extra-ids {d.vocab_extra_ids}: Megatron adds the <extra_id_N> sentinels to "
+                          f"SentencePieceTokenizer only ({t} would ignore them); drop the flag or use "
+                          f"--tokenizer-type SentencePieceTokenizer")
     if t == "NullTokenizer" and (d.vocab_size is None or d.vocab_size < 1):
         raise ConfigError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1 (got {d.vocab_size})")
     return d

@@ -187,7 +187,7 @@ class DataConfig:
     def tokenizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``megazero.data.build_tokenizer(self.tokenizer_type, **kw)``."""
         return dict(tokenizer_model=self.tokenizer_model, vocab_file=self.vocab_file,
-                    merge_file=self.merge_file, vocab_size=self.vocab_size)
+                    merge_file=self.merge_file, vocab_size=self.vocab_size, vocab_extra_ids=self.vocab_extra_ids)
 
 
 @dataclass

@@ -450,3 +450,29 @@ def test_resume_keeps_the_saved_padded_vocabulary(tmp_path):
     # --finetune starts from the same weights: same rule; a directory without a checkpoint: fresh padding
     assert parse(f"--vocab-size 50257 --tp 4 --load {load} --finetune", world=4).model.padded_vocab_size == 50432
     assert parse(f"--vocab-size 50257 --tp 4 --load {tmp_path}", world=4).model.padded_vocab_size == 50688
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    from megazero.data.tokenizer_training import train_sentencepiece
+    from tests.data.conftest import SAMPLE_TEXTS
+
+    return train_sentencepiece(SAMPLE_TEXTS, str(tmp_path_factory.mktemp("spm") / "tiny"), 320, num_threads=1)
+
+
+def test_megatron_tokenizer_types_and_vocab_extra_ids(spm_model):
+    from megazero.data import build_tokenizer
+    from megazero.training.arguments import TOKENIZER_TYPES
+
+    assert {"GPTSentencePieceTokenizer", "Llama2Tokenizer", "HFTokenizer"} <= set(TOKENIZER_TYPES)
+    base = [a for a in TINY if a != "--mock-data"] + ["--mock-data", "--tokenizer-model", spm_model]
+    for name in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        cfg = parse(f"--tokenizer-type {name}", base=base)
+        assert cfg.data.tokenizer_type == name and cfg.model.vocab_size == 320
+    cfg = parse("--tokenizer-type SentencePieceTokenizer --vocab-extra-ids 3", base=base)
+    assert cfg.model.vocab_size == 323 and cfg.data.tokenizer_kwargs()["vocab_extra_ids"] == 3
+    tok = build_tokenizer(cfg.data.tokenizer_type, **cfg.data.tokenizer_kwargs())  # what the trainer builds
+    assert tok.vocab_size == 323 and tok.detokenize([322]) == "<extra_id_2>"
+    with pytest.raises(ConfigError, match="--vocab-extra-ids 3: Megatron adds the <extra_id_N> sentinels to "
+                                          "SentencePieceTokenizer only"):
+        parse("--tokenizer-type GPTSentencePieceTokenizer --vocab-extra-ids 3", base=base)
