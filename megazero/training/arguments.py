@@ -580,6 +580,12 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     t = d.tokenizer_type
     if t is None:
         if d.mock_data and d.vocab_file is None:
+            asked = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
+                                     ("--reset-attention-mask", d.reset_attention_mask),
+                                     ("--eod-mask-loss", d.eod_mask_loss)) if on]
+            if asked:
+                raise ConfigError(f"{', '.join(asked)} need the end-of-document token of a tokenizer; with "
+                                  f"--mock-data pass --tokenizer-type (e.g. NullTokenizer --vocab-size N)")
             return d
         t = d.tokenizer_type = DEFAULT_TOKENIZER
     from megazero.data.tokenizer import TOKENIZER_TYPES as built

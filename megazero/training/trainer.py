@@ -84,17 +84,18 @@ def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
     from ..data import build_train_valid_test_datasets
 
     d = config.data
+    # vocab_size: a token id outside the tokenizer's vocabulary is an error naming the dataset and
+    # document when it is read (the embedding would otherwise take it silently at tp > 1).
+    common = dict(cache_dir=d.data_cache_path, vocab_size=tokenizer_vocab)
     if d.train_data_path:
         # Megatron's separate split files: each path list is a whole split of its own.
-        out = []
-        for paths, n in ((d.train_data_path, num_samples[0]), (d.valid_data_path, num_samples[1]),
-                         (d.test_data_path, num_samples[2])):
-            out.append(build_train_valid_test_datasets(with_equal_weights(paths), "100,0,0", config.model.seq_length,
-                                                       config.seed, (max(n, 1), 0, 0), cache_dir=d.data_cache_path)[0]
-                       if paths and n else None)
-        return tuple(out)
+        return build_train_valid_test_datasets(
+            None, d.split, config.model.seq_length, config.seed, num_samples,
+            train_data_path=with_equal_weights(d.train_data_path),
+            valid_data_path=with_equal_weights(d.valid_data_path) or None,
+            test_data_path=with_equal_weights(d.test_data_path) or None, **common)
     return build_train_valid_test_datasets(with_equal_weights(d.data_path), d.split, config.model.seq_length,
-                                           config.seed, num_samples, cache_dir=d.data_cache_path)
+                                           config.seed, num_samples, **common)
 
 
 def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
@@ -112,14 +113,34 @@ def _dp_mean(values: list[float], device: torch.device) -> float:
     return float(t) / mpu.get_data_parallel_world_size()
 
 
-def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = None) -> tuple[float, bool]:
+def _micro_batch(text: torch.Tensor, config: TrainConfig, eod: Optional[int], device):
+    """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch."""
+    from ..data import build_batch
+
+    d = config.data
+    b = build_batch(text.to(device), eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
+    position_ids = b.position_ids if d.reset_position_ids else None
+    return b, position_ids
+
+
+def _lm_loss(engine, text: torch.Tensor, config: TrainConfig, eod: Optional[int], device) -> torch.Tensor:
+    """The micro-batch's loss: mean per-token loss over the loss mask (Megatron's loss_func)."""
+    from ..data import masked_mean
+
+    b, position_ids = _micro_batch(text, config, eod, device)
+    per_token = engine(b.tokens, position_ids=position_ids, attention_mask=b.attention_mask, labels=b.labels)
+    return masked_mean(per_token, b.loss_mask)
+
+
+def _train_step(engine, batches: list[dict], device, config: TrainConfig, eod: Optional[int],
+                timers: Optional[dict] = None) -> tuple[float, bool]:
     """One iteration; with ``timers`` (a dict) adds the seconds spent in fwd / bwd / step to it."""
     losses = []
     updated = False
     clock = PhaseClock(timers, device)
     for batch in batches:
-        text = batch["text"].to(device)
-        loss = engine(text[:, :-1], labels=text[:, 1:]).mean()
+        loss = _lm_loss(engine, batch["text"], config, eod, device)
         clock.lap("fwd")
         engine.backward(loss)
         clock.lap("bwd")
@@ -130,7 +151,7 @@ def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = No
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, config: TrainConfig, device) -> Optional[float]:
+def evaluate(engine, dataset, config: TrainConfig, device, eod: Optional[int] = None) -> Optional[float]:
     """Mean validation loss over ``eval_iters`` global batches (always the same ones)."""
     if dataset is None or config.schedule.eval_iters == 0:
         return None
@@ -139,10 +160,10 @@ def evaluate(engine, dataset, config: TrainConfig, device) -> Optional[float]:
     losses = []
     try:
         for _ in range(config.schedule.eval_iters * config.schedule.grad_accum_steps):
-            text = next(it)["text"].to(device)
-            losses.append(float(engine(text[:, :-1], labels=text[:, 1:]).mean()))
-    except StopIteration:
-        pass
+            batch = agree("evaluation data read", lambda: next(it, None), user_errors=(ValueError,))
+            if batch is None:
+                break
+            losses.append(float(_lm_loss(engine, batch["text"], config, eod, device)))
     finally:
         engine.train()
     return _dp_mean(losses, device) if losses else None
@@ -169,8 +190,8 @@ def _init_from_pretrained(engine, directory: str) -> None:
 
 
 def _run_eval(engine, dataset, config: TrainConfig, device, iteration: int, writer, label: str,
-              key: str = EVAL_LOSS_KEY) -> Optional[float]:
-    val = evaluate(engine, dataset, config, device)
+              key: str = EVAL_LOSS_KEY, eod: Optional[int] = None) -> Optional[float]:
+    val = evaluate(engine, dataset, config, device, eod)
     if val is not None:
         ppl = math.exp(min(val, 50))
         _print0(f" {label} loss at iteration {iteration}: {val:.6E} | perplexity: {ppl:.4E}")
@@ -253,6 +274,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                                         lambda: _datasets(config, tokenizer.vocab_size if tokenizer else None),
                                         user_errors=(ValueError, OSError))
     train_it = _loader(train_ds, consumed, config) if not config.schedule.skip_train else None
+    eod = tokenizer.eod if tokenizer is not None else None
 
     s, log = config.schedule, config.logging
     writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank(), options=log)
@@ -275,9 +297,10 @@ def pretrain(config: TrainConfig) -> TrainResult:
             batch_size = s.global_batch_size_at(consumed)
             if s.rampup_batch_size is not None:
                 set_accumulation(engine, batch_size // per_micro)
-            batches = [next(train_it) for _ in range(batch_size // per_micro)]
-            loss, updated = (_train_step(engine, batches, device, timers) if timers is not None
-                             else _train_step(engine, batches, device))
+            # Agreed: a bad sample (a token outside the vocabulary) raises on the ranks that read it only.
+            batches = agree("training data read", lambda: [next(train_it) for _ in range(batch_size // per_micro)],
+                            user_errors=(ValueError,))
+            loss, updated = _train_step(engine, batches, device, config, eod, timers)
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length
@@ -320,7 +343,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 _print0(format_log_line(stats))
                 writer.write(iteration, stats.to_record())
             if s.eval_interval and iteration % s.eval_interval == 0:
-                val = _run_eval(engine, valid_ds, config, device, iteration, writer, "validation")
+                val = _run_eval(engine, valid_ds, config, device, iteration, writer, "validation", eod=eod)
                 if val is not None:
                     result.eval_losses[iteration] = val
             saved = False
@@ -347,7 +370,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
             # Megatron ends training (or --skip-train) with an evaluation on the validation and test splits.
             for label, dataset, name in (("validation", valid_ds, "valid"), ("test", test_ds, "test")):
                 val = _run_eval(engine, dataset, config, device, iteration, writer,
-                                f"the end of training for {label} data:", key=f"{name}_end_lm_loss")
+                                f"the end of training for {label} data:", key=f"{name}_end_lm_loss", eod=eod)
                 if val is not None:
                     result.final_eval[name] = val
         if config.generate.prompt is not None and tokenizer is not None:
