@@ -170,14 +170,24 @@ def evaluate(engine, dataset, config: TrainConfig, device, eod: Optional[int] = 
 
 
 def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler: LRScheduler,
-          save_dir: Optional[str] = None) -> None:
+          save_dir: Optional[str] = None, tokenizer=None) -> None:
     save = save_dir or config.checkpoint.save
     t0 = time.perf_counter()
     save_checkpoint(save, iteration, engine,
                     train_state={"iteration": iteration, "consumed_samples": consumed,
                                  "lr_scheduler": scheduler.state_dict()},
-                    config=config.to_dict())
+                    config=config.to_dict(), tokenizer=tokenizer)
     _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
+
+
+def _refuse_foreign_checkpoint(load: str) -> None:
+    """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
+    instead of finding no megazero checkpoint there and silently starting from scratch."""
+    from .megatron_ckpt import detect_foreign_checkpoint
+
+    message = detect_foreign_checkpoint(load)
+    if message is not None:
+        raise CheckpointError(message)
 
 
 def _init_from_pretrained(engine, directory: str) -> None:
@@ -239,6 +249,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
     ck = config.checkpoint
     fresh_rng = mpu.get_cuda_rng_tracker().get_states() if hasattr(mpu, "get_cuda_rng_tracker") else None
     fresh_cpu_rng = torch.get_rng_state()
+    if ck.load:
+        agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
     state = load_checkpoint(ck.load, engine) if ck.load else None
     if state is None and ck.pretrained:
         _init_from_pretrained(engine, ck.pretrained)
@@ -310,7 +322,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
             skipped = not updated
             if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":
                 debug = os.path.join(config.checkpoint.save or ".", "debug")
-                _save(config, iteration, consumed, engine, scheduler, save_dir=debug)
+                _save(config, iteration, consumed, engine, scheduler, save_dir=debug, tokenizer=tokenizer)
                 raise TrainingDiverged(
                     f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at iteration {iteration} "
                     f"(loss {loss}); state saved to {checkpoint_dir(debug, iteration)} for debugging. "
@@ -348,7 +360,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                     result.eval_losses[iteration] = val
             saved = False
             if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
-                _save(config, iteration, consumed, engine, scheduler)
+                _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
                 saved = True
             reason = None
             if s.exit_signal_handler and any_rank(signals.received, device):
@@ -360,13 +372,13 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 reason = f"--exit-interval {s.exit_interval}"
             if reason is not None:
                 if config.checkpoint.save and not saved:
-                    _save(config, iteration, consumed, engine, scheduler)
+                    _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
                 _print0(f"exiting at iteration {iteration} after {reason}")
                 result.exit_reason = reason
                 break
         if result.exit_reason is None or result.exit_reason.startswith("--train-tokens"):
             if config.checkpoint.save and not s.skip_train and latest_iteration(config.checkpoint.save) != iteration:
-                _save(config, iteration, consumed, engine, scheduler)
+                _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
             # Megatron ends training (or --skip-train) with an evaluation on the validation and test splits.
             for label, dataset, name in (("validation", valid_ds, "valid"), ("test", test_ds, "test")):
                 val = _run_eval(engine, dataset, config, device, iteration, writer,
