@@ -932,7 +932,8 @@ def _resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes
         wall_clock_breakdown=bool(_json_get(ds, "wall_clock_breakdown") or False),
         tensorboard_log_interval=_default(ns.tensorboard_log_interval, 1),
         tensorboard_queue_size=_default(ns.tensorboard_queue_size, 1000), csv_dir=csv_dir,
-        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir)
+        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
+        track_memory=bool(ns.track_memory))
     for name in ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
                  "log_memory_to_tensorboard", "log_optimizer_states_to_tensorboard", "log_params_norm",
                  "log_num_zeros_in_grad", "log_throughput"):

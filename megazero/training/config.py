@@ -222,6 +222,9 @@ class LoggingConfig:
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
+    # CPU: track live tensor storages (megazero.utils.LiveMemoryTracker) so the log line's memory is the
+    # interval's peak; about 4x per op, hence off by default. CUDA reports its allocator's peak anyway.
+    track_memory: bool = False
 
 
 @dataclass

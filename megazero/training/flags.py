@@ -336,6 +336,8 @@ g(M, ("--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "
 g(H, "--wandb-project", "Weights & Biases project (needs wandb; WANDB_MODE=offline works without network)", str)
 g(H, "--wandb-exp-name", "Weights & Biases run name", str)
 g(H, "--wandb-save-dir", "Weights & Biases directory", str)
+g(M, "--track-memory", "megazero: on CPU, track live tensors so the log line's memory is the step's peak "
+  "(costs about 4x per op; CUDA always reports its allocator's peak)")
 g(M, "--metrics-file", "megazero: JSONL metrics (default SAVE/metrics.jsonl)", str)
 g(M, "--generate-prompt", "megazero: sample from the model at the end of training", str)
 g(M, "--generate-tokens", "megazero: tokens to sample", int)

@@ -8,6 +8,7 @@ stops the run with the iteration number after saving a debug checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,10 +25,10 @@ from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, lo
 from .config import TrainConfig, with_equal_weights
 from .failures import agree
 from .lr_schedule import LRScheduler
-from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
-                      memory_mb)
+from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
 from .run_control import PhaseClock, SignalFlag, any_rank, set_accumulation
+from ..utils.memory_tracker import step_peak_memory
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
 
@@ -299,6 +300,12 @@ def pretrain(config: TrainConfig) -> TrainResult:
     last_log = iteration
     per_micro = s.micro_batch_size * config.parallel.dp
     tokens = consumed * config.model.seq_length  # no curriculum: every sample is seq_length tokens
+    tracking = contextlib.ExitStack()
+    if log.track_memory and device.type == "cpu":
+        from ..utils.memory_tracker import LiveMemoryTracker
+
+        # Entered after the engine exists, so its state is part of the baseline and the peak is absolute.
+        tracking.enter_context(LiveMemoryTracker("cpu"))
     try:
         while iteration < s.train_iters and not s.skip_train:
             if s.train_tokens is not None and tokens >= s.train_tokens:
@@ -331,11 +338,13 @@ def pretrain(config: TrainConfig) -> TrainResult:
             if iteration % log.log_interval == 0 or iteration == s.train_iters:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+                peak_bytes, memory_source = step_peak_memory(device)
                 stats = IterationStats.from_summary(
                     meter.pop(), iteration=iteration, train_iters=s.train_iters, consumed_samples=consumed,
                     lr=scheduler.lr, global_batch_size=batch_size, throughput=throughput,
                     loss_scale=engine.get_loss_scale(), grad_norm=engine.get_global_grad_norm(),
-                    memory=memory_mb(device))
+                    memory=peak_bytes / 2 ** 20)
+                stats.peak_memory_source = memory_source
                 if batch_size != s.global_batch_size:
                     stats.tokens_per_second = throughput.at_batch(batch_size, s.global_batch_size) \
                         .tokens_per_second(stats.seconds_per_iteration)
@@ -392,6 +401,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                                           max_new_tokens=config.generate.tokens, seed=config.seed)
             _print0(f"> sample: {config.generate.prompt!r} ->\n{result.sample}")
     finally:
+        tracking.close()
         signals.restore()
         writer.close()
     result.iteration, result.consumed_samples = iteration, consumed
