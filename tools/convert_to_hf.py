@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from megazero.model import GPTConfig  # noqa: E402
 from megazero.model.hf import build_hf_config, export_to_hf, export_tokenizer_and_ids, to_hf_state_dict  # noqa: E402
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full  # noqa: E402
-from megazero.training.checkpointing import CheckpointError, open_checkpoint  # noqa: E402
+from megazero.training.checkpointing import CheckpointError, open_checkpoint, resolve_checkpoint_dir  # noqa: E402
 from megazero.zero.shard_io import ReadCounter, ShardFile  # noqa: E402
 
 
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir = args.tokenizer_dir
         if tokenizer_dir is None:
             base = args.input if os.path.isdir(args.input) else os.path.dirname(args.input)
+            if source is not None and os.path.isdir(args.input) and not os.path.exists(
+                    os.path.join(args.input, FULL_WEIGHTS_NAME)):
+                base = resolve_checkpoint_dir(args.input)  # a --save directory: its latest iteration
             found = os.path.join(base, "tokenizer")
             tokenizer_dir = found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
         if source is None:

@@ -273,6 +273,11 @@ def _resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Opti
         o.type = "SGD"
     if o.type == "SGD":
         _check_engine_has_sgd()
+        if ns.save is not None or ns.load is not None:
+            # megazero.zero.checkpoint saves Adam's moments only: a resume would silently drop the momentum.
+            raise ConfigError("--optimizer sgd with --save/--load: checkpoints do not hold SGD's momentum buffer "
+                              "yet, so a resume would not be exact; train without --save/--load or use "
+                              "--optimizer adam")
     elif ns.sgd_momentum is not None:
         raise ConfigError("--sgd-momentum needs --optimizer sgd")
     for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
@@ -536,23 +541,6 @@ def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[f
         raise ConfigError(f"{flag_name}: {e}") from None
 
 
-# Data semantics that the data pipeline implements (issue 12's data half); a build without that
-# support refuses them rather than training without them.
-_DATA_SEMANTICS = (("reset_position_ids", "--reset-position-ids"), ("reset_attention_mask", "--reset-attention-mask"),
-                   ("eod_mask_loss", "--eod-mask-loss"), ("vocab_extra_ids", "--vocab-extra-ids"))
-
-
-def _check_data_support(d: DataConfig) -> None:
-    import megazero.data.gpt_dataset as gpt_dataset
-
-    if hasattr(gpt_dataset, "get_ltor_masks_and_position_ids"):
-        return
-    asked = [flag_name for attr, flag_name in _DATA_SEMANTICS if getattr(d, attr)]
-    if asked:
-        raise ConfigError(f"{', '.join(asked)}: not supported by this build's data pipeline "
-                          f"(megazero.data has no get_ltor_masks_and_position_ids); drop the flag")
-
-
 def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     from megazero.data.gpt_dataset import parse_split  # lazy: numpy etc.
 
@@ -594,10 +582,15 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
                 raise ConfigError(f"data prefix '{prefix}': missing {' and '.join(missing)}; give the prefix "
                                   f"without extension, as written by tools/preprocess_data.py (or use --mock-data)")
 
-    _check_data_support(d)
     t = d.tokenizer_type
     if t is None:
         if d.mock_data and d.vocab_file is None:
+            asked = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
+                                     ("--reset-attention-mask", d.reset_attention_mask),
+                                     ("--eod-mask-loss", d.eod_mask_loss)) if on]
+            if asked:
+                raise ConfigError(f"{', '.join(asked)} need the end-of-document token of a tokenizer; with "
+                                  f"--mock-data pass --tokenizer-type (e.g. NullTokenizer --vocab-size N)")
             return d
         t = d.tokenizer_type = DEFAULT_TOKENIZER
     from megazero.data.tokenizer import TOKENIZER_TYPES as built
@@ -619,6 +612,10 @@ def _resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
             raise ConfigError(f"--tokenizer-type {t}{default_note} needs {flag_name}")
         if check_files and not os.path.exists(value):
             raise ConfigError(f"{flag_name} '{value}' does not exist (the {kind} of the {t})")
+    if d.vocab_extra_ids and t != "SentencePieceTokenizer":
+        raise ConfigError(f"--vocab-extra-ids {d.vocab_extra_ids}: Megatron adds the <extra_id_N> sentinels to "
+                          f"SentencePieceTokenizer only ({t} would ignore them); drop the flag or use "
+                          f"--tokenizer-type SentencePieceTokenizer")
     if t == "NullTokenizer" and (d.vocab_size is None or d.vocab_size < 1):
         raise ConfigError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1 (got {d.vocab_size})")
     return d
@@ -815,7 +812,7 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
     eps_field = "norm_epsilon" if "norm_epsilon" in fields else "layernorm_epsilon"
     for attr, ns_attr in (("rotary_base", "rotary_base"), (eps_field, "norm_epsilon"),
                           ("init_method_std", "init_method_std"), ("hidden_dropout", "hidden_dropout"),
-                          ("attention_dropout", "attention_dropout"),
+                          ("attention_dropout", "attention_dropout"), ("label_smoothing", "label_smoothing"),
                           ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
         value = _default(getattr(ns, ns_attr), preset.get(attr))
         if value is not None:
@@ -825,6 +822,9 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]
     kw.update({k: v for k, v in forced.items() if k in fields})
+    kw["vocab_padding_tp"] = par.tp  # Megatron pads to make_vocab_size_divisible_by x tp
+    if check_files:
+        _keep_saved_vocab_padding(ns, kw, par.tp, notes)
     if backend == "flash" and check_files:  # a real launch on this machine, not a plan for another
         _check_flash_attn(prec)
     config = build_gpt_config(kw)
@@ -832,6 +832,60 @@ def _resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionC
         return config.validate(par.tp)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
+
+
+def _saved_model_fields(ns: argparse.Namespace) -> Optional[tuple[str, dict[str, Any]]]:
+    """``(where, saved GPTConfig dict)`` of the weights this run starts from: the latest checkpoint in
+    --load, else --pretrained-checkpoint's config.json; None for a fresh start."""
+    from megazero.training.checkpointing import checkpoint_dir, latest_iteration
+
+    if ns.load is not None and os.path.isdir(ns.load):
+        try:
+            iteration = latest_iteration(ns.load)
+        except Exception:  # a damaged 'latest' is the load's to report, with its own message
+            iteration = None
+        if iteration is not None:
+            path = os.path.join(checkpoint_dir(ns.load, iteration), "config.json")
+            try:
+                with open(path) as f:
+                    return path, json.load(f)["model"]
+            except (OSError, KeyError, ValueError, TypeError):
+                return None  # the checkpoint load names what is wrong with it
+    if ns.pretrained_checkpoint is not None:
+        path = os.path.join(ns.pretrained_checkpoint, "config.json")
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return (path, saved) if isinstance(saved, dict) else None
+    return None
+
+
+def _keep_saved_vocab_padding(ns: argparse.Namespace, kw: dict[str, Any], tp: int, notes: list[str]) -> None:
+    """A resume at another tp keeps the embedding rows of the checkpoint: Megatron's padding depends
+    on the tp of the run that *created* the weights, and the weights cannot change shape."""
+    found = _saved_model_fields(ns)
+    if found is None:
+        return
+    where, saved = found
+    from megazero.mpu.utils import pad_vocab_size
+
+    if saved.get("vocab_size") != kw["vocab_size"]:
+        return  # another vocabulary altogether: the weight load reports the shape mismatch by name
+    divisible = int(saved.get("make_vocab_size_divisible_by", 128))
+    saved_tp = int(saved.get("vocab_padding_tp", 1))
+    saved_padded = pad_vocab_size(kw["vocab_size"], saved_tp, divisible)
+    padded = pad_vocab_size(kw["vocab_size"], kw["vocab_padding_tp"], kw.get("make_vocab_size_divisible_by", 128))
+    if saved_padded == padded:
+        return
+    if saved_padded % tp:
+        raise ConfigError(f"the weights in {os.path.dirname(where)} have a padded vocabulary of {saved_padded} rows "
+                          f"({kw['vocab_size']} padded to a multiple of {divisible} x tp {saved_tp}), which does not "
+                          f"split over --tp {tp}; resume with a --tp that divides {saved_padded}")
+    kw["make_vocab_size_divisible_by"], kw["vocab_padding_tp"] = divisible, saved_tp
+    notes.append(f"padded vocabulary {saved_padded} kept from {os.path.dirname(where)} (made at tp {saved_tp}); "
+                 f"a fresh run at --tp {tp} would pad to {padded}")
 
 
 def _check_flash_attn(prec: PrecisionConfig) -> None:
@@ -883,7 +937,8 @@ def _resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes
         wall_clock_breakdown=bool(_json_get(ds, "wall_clock_breakdown") or False),
         tensorboard_log_interval=_default(ns.tensorboard_log_interval, 1),
         tensorboard_queue_size=_default(ns.tensorboard_queue_size, 1000), csv_dir=csv_dir,
-        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir)
+        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
+        track_memory=bool(ns.track_memory))
     for name in ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
                  "log_memory_to_tensorboard", "log_optimizer_states_to_tensorboard", "log_params_norm",
                  "log_num_zeros_in_grad", "log_throughput"):

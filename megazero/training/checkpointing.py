@@ -42,6 +42,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iter
            "load_full_model", "read_manifest", "resolve_checkpoint_dir", "open_checkpoint"]
 
 LATEST = "latest"
+TOKENIZER_DIR = "tokenizer"  # the run's tokenizer, by content (megazero.data.save_tokenizer_files)
 MANIFEST_FORMAT = "megazero-manifest-2"
 
 
@@ -86,9 +87,13 @@ def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def save_checkpoint(
-    save: str, iteration: int, engine: ZeroEngine, *, train_state: dict[str, Any], config: dict[str, Any]
+    save: str, iteration: int, engine: ZeroEngine, *, train_state: dict[str, Any], config: dict[str, Any],
+    tokenizer: Optional[Any] = None,
 ) -> str:
     """Collective: write the checkpoint of ``iteration`` and point ``latest`` at it.
+
+    ``tokenizer`` is recorded by content in ``tokenizer/`` (its defining files, listed in the
+    manifest like every other file), so the checkpoint does not depend on where they lived.
 
     Every file is fsync'd, then the manifest, then the directory is renamed and the
     parent fsync'd, and only then does ``latest`` move (and get fsync'd): a crash at any
@@ -120,8 +125,17 @@ def save_checkpoint(
                 path = os.path.join(partial, name)
                 _write_json_atomic(path, obj)
                 paths.append(path)
-        entries = {os.path.basename(p): digest_file(p) for p in [zero_path] + paths}
-        entries[os.path.basename(zero_path)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank)
+            if tokenizer is not None:
+                from ..data import save_tokenizer_files
+
+                tok_dir = os.path.join(partial, TOKENIZER_DIR)
+                save_tokenizer_files(tokenizer, tok_dir)
+                for name in sorted(os.listdir(tok_dir)):
+                    fsync_path(os.path.join(tok_dir, name))
+                    paths.append(os.path.join(tok_dir, name))
+                fsync_path(tok_dir)
+        entries = {os.path.relpath(p, partial): digest_file(p) for p in [zero_path] + paths}
+        entries[os.path.relpath(zero_path, partial)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank)
         return entries
 
     entries = agree("checkpoint save", write)

@@ -187,7 +187,7 @@ class DataConfig:
     def tokenizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``megazero.data.build_tokenizer(self.tokenizer_type, **kw)``."""
         return dict(tokenizer_model=self.tokenizer_model, vocab_file=self.vocab_file,
-                    merge_file=self.merge_file, vocab_size=self.vocab_size)
+                    merge_file=self.merge_file, vocab_size=self.vocab_size, vocab_extra_ids=self.vocab_extra_ids)
 
 
 @dataclass
@@ -222,6 +222,9 @@ class LoggingConfig:
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
+    # CPU: track live tensor storages (megazero.utils.LiveMemoryTracker) so the log line's memory is the
+    # interval's peak; about 4x per op, hence off by default. CUDA reports its allocator's peak anyway.
+    track_memory: bool = False
 
 
 @dataclass

@@ -157,6 +157,7 @@ g(H, "--squared-relu", "squared-ReLU MLP activation")
 g(H, "--disable-bias-linear", "no biases on linear layers")
 g(H, "--untie-embeddings-and-output-weights", "a separate output layer")
 g(H, "--init-method-std", "N(0, std) initialization", float)
+g(H, "--label-smoothing", "label smoothing of the training loss, over the unpadded vocabulary", float)
 g(H, "--init-method-xavier-uniform", "Xavier-uniform initialization")
 g(M, "--use-cpu-initialization", "initialize on CPU so weights do not depend on the GPU layout: megazero's "
   "initialization already gives the same values at every tp x dp layout; accepted")
@@ -169,7 +170,8 @@ g(M, "--no-query-key-layer-scaling", "see --apply-query-key-layer-scaling", dest
 g(M, "--attention-softmax-in-fp32", "megazero's attention softmax is always computed in fp32; accepted")
 g(H, ("--hidden-dropout",), "dropout on embeddings and residual branches", float)
 g(H, "--attention-dropout", "dropout on attention probabilities", float)
-g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x tensor-parallel size", int)
+g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x tensor-parallel size (GPT-2 "
+  "at tp 4: 50688); a resume keeps the padded size of the checkpoint in --load", int)
 g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (PyTorch SDPA), unfused/local "
   "(PyTorch math)", _lower, choices=("auto", "flash", "fused", "unfused", "local"))
 g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
@@ -334,6 +336,8 @@ g(M, ("--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "
 g(H, "--wandb-project", "Weights & Biases project (needs wandb; WANDB_MODE=offline works without network)", str)
 g(H, "--wandb-exp-name", "Weights & Biases run name", str)
 g(H, "--wandb-save-dir", "Weights & Biases directory", str)
+g(M, "--track-memory", "megazero: on CPU, track live tensors so the log line's memory is the step's peak "
+  "(costs about 4x per op; CUDA always reports its allocator's peak)")
 g(M, "--metrics-file", "megazero: JSONL metrics (default SAVE/metrics.jsonl)", str)
 g(M, "--generate-prompt", "megazero: sample from the model at the end of training", str)
 g(M, "--generate-tokens", "megazero: tokens to sample", int)

@@ -164,6 +164,8 @@ class IterationStats:
     tokens_per_second: Optional[float] = None
     tflops_per_rank: Optional[float] = None
     memory_mb: Optional[float] = None
+    # where memory_mb comes from (megazero.utils.peak_memory_source): the log line names it
+    peak_memory_source: Optional[str] = None
     # ms per iteration of each phase (--wall-clock breakdown / --log-timers-to-tensorboard): fwd, bwd, step
     timers_ms: dict[str, float] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)  # params_norm, num_zeros, optimizer/... when asked
@@ -192,9 +194,18 @@ class IterationStats:
                    elapsed_ms_per_iteration=self.seconds_per_iteration * 1000.0,
                    tokens_per_s=self.tokens_per_second, tflops_per_rank=self.tflops_per_rank,
                    memory_mb=self.memory_mb)
+        if self.peak_memory_source is not None:
+            rec["peak_memory_source"] = self.peak_memory_source
         rec.update({f"{k}_ms": v for k, v in self.timers_ms.items()})
         rec.update(self.extra)
         return rec
+
+
+# The log line says what its memory figure measures: a CPU allocator keeps no peak, so without
+# --track-memory the figure there is the resident set size, not a peak.
+MEMORY_LABELS = {"cuda_peak_allocated": "peak memory (MB, CUDA max allocated)",
+                 "tracked_peak_live": "peak memory (MB, tracked live tensors)",
+                 "rss": "memory (MB, RSS)"}
 
 
 def format_log_line(stats: IterationStats) -> str:
@@ -217,7 +228,8 @@ def format_log_line(stats: IterationStats) -> str:
     parts += [f" number of skipped iterations: {stats.skipped_iterations:3d}",
               f" number of nan iterations: {stats.nan_iterations:3d}"]
     if stats.memory_mb is not None:
-        parts.append(f" memory (MB): {stats.memory_mb:.0f}")
+        label = MEMORY_LABELS.get(stats.peak_memory_source, "memory (MB)")
+        parts.append(f" {label}: {stats.memory_mb:.0f}")
     for key in ("params_norm", "num_zeros"):
         if key in stats.extra:
             parts.append(f" {key.replace('_', ' ')}: {stats.extra[key]:.3f}" if key == "params_norm"

@@ -8,6 +8,7 @@ stops the run with the iteration number after saving a debug checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,10 +25,10 @@ from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, lo
 from .config import TrainConfig, with_equal_weights
 from .failures import agree
 from .lr_schedule import LRScheduler
-from .metrics import (EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line,
-                      memory_mb)
+from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
 from .run_control import PhaseClock, SignalFlag, any_rank, set_accumulation
+from ..utils.memory_tracker import step_peak_memory
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
 
@@ -84,17 +85,18 @@ def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
     from ..data import build_train_valid_test_datasets
 
     d = config.data
+    # vocab_size: a token id outside the tokenizer's vocabulary is an error naming the dataset and
+    # document when it is read (the embedding would otherwise take it silently at tp > 1).
+    common = dict(cache_dir=d.data_cache_path, vocab_size=tokenizer_vocab)
     if d.train_data_path:
         # Megatron's separate split files: each path list is a whole split of its own.
-        out = []
-        for paths, n in ((d.train_data_path, num_samples[0]), (d.valid_data_path, num_samples[1]),
-                         (d.test_data_path, num_samples[2])):
-            out.append(build_train_valid_test_datasets(with_equal_weights(paths), "100,0,0", config.model.seq_length,
-                                                       config.seed, (max(n, 1), 0, 0), cache_dir=d.data_cache_path)[0]
-                       if paths and n else None)
-        return tuple(out)
+        return build_train_valid_test_datasets(
+            None, d.split, config.model.seq_length, config.seed, num_samples,
+            train_data_path=with_equal_weights(d.train_data_path),
+            valid_data_path=with_equal_weights(d.valid_data_path) or None,
+            test_data_path=with_equal_weights(d.test_data_path) or None, **common)
     return build_train_valid_test_datasets(with_equal_weights(d.data_path), d.split, config.model.seq_length,
-                                           config.seed, num_samples, cache_dir=d.data_cache_path)
+                                           config.seed, num_samples, **common)
 
 
 def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
@@ -112,14 +114,34 @@ def _dp_mean(values: list[float], device: torch.device) -> float:
     return float(t) / mpu.get_data_parallel_world_size()
 
 
-def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = None) -> tuple[float, bool]:
+def _micro_batch(text: torch.Tensor, config: TrainConfig, eod: Optional[int], device):
+    """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch."""
+    from ..data import build_batch
+
+    d = config.data
+    b = build_batch(text.to(device), eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
+    position_ids = b.position_ids if d.reset_position_ids else None
+    return b, position_ids
+
+
+def _lm_loss(engine, text: torch.Tensor, config: TrainConfig, eod: Optional[int], device) -> torch.Tensor:
+    """The micro-batch's loss: mean per-token loss over the loss mask (Megatron's loss_func)."""
+    from ..data import masked_mean
+
+    b, position_ids = _micro_batch(text, config, eod, device)
+    per_token = engine(b.tokens, position_ids=position_ids, attention_mask=b.attention_mask, labels=b.labels)
+    return masked_mean(per_token, b.loss_mask)
+
+
+def _train_step(engine, batches: list[dict], device, config: TrainConfig, eod: Optional[int],
+                timers: Optional[dict] = None) -> tuple[float, bool]:
     """One iteration; with ``timers`` (a dict) adds the seconds spent in fwd / bwd / step to it."""
     losses = []
     updated = False
     clock = PhaseClock(timers, device)
     for batch in batches:
-        text = batch["text"].to(device)
-        loss = engine(text[:, :-1], labels=text[:, 1:]).mean()
+        loss = _lm_loss(engine, batch["text"], config, eod, device)
         clock.lap("fwd")
         engine.backward(loss)
         clock.lap("bwd")
@@ -130,7 +152,7 @@ def _train_step(engine, batches: list[dict], device, timers: Optional[dict] = No
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, config: TrainConfig, device) -> Optional[float]:
+def evaluate(engine, dataset, config: TrainConfig, device, eod: Optional[int] = None) -> Optional[float]:
     """Mean validation loss over ``eval_iters`` global batches (always the same ones)."""
     if dataset is None or config.schedule.eval_iters == 0:
         return None
@@ -139,24 +161,34 @@ def evaluate(engine, dataset, config: TrainConfig, device) -> Optional[float]:
     losses = []
     try:
         for _ in range(config.schedule.eval_iters * config.schedule.grad_accum_steps):
-            text = next(it)["text"].to(device)
-            losses.append(float(engine(text[:, :-1], labels=text[:, 1:]).mean()))
-    except StopIteration:
-        pass
+            batch = agree("evaluation data read", lambda: next(it, None), user_errors=(ValueError,))
+            if batch is None:
+                break
+            losses.append(float(_lm_loss(engine, batch["text"], config, eod, device)))
     finally:
         engine.train()
     return _dp_mean(losses, device) if losses else None
 
 
 def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler: LRScheduler,
-          save_dir: Optional[str] = None) -> None:
+          save_dir: Optional[str] = None, tokenizer=None) -> None:
     save = save_dir or config.checkpoint.save
     t0 = time.perf_counter()
     save_checkpoint(save, iteration, engine,
                     train_state={"iteration": iteration, "consumed_samples": consumed,
                                  "lr_scheduler": scheduler.state_dict()},
-                    config=config.to_dict())
+                    config=config.to_dict(), tokenizer=tokenizer)
     _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
+
+
+def _refuse_foreign_checkpoint(load: str) -> None:
+    """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
+    instead of finding no megazero checkpoint there and silently starting from scratch."""
+    from .megatron_ckpt import detect_foreign_checkpoint
+
+    message = detect_foreign_checkpoint(load)
+    if message is not None:
+        raise CheckpointError(message)
 
 
 def _init_from_pretrained(engine, directory: str) -> None:
@@ -169,8 +201,8 @@ def _init_from_pretrained(engine, directory: str) -> None:
 
 
 def _run_eval(engine, dataset, config: TrainConfig, device, iteration: int, writer, label: str,
-              key: str = EVAL_LOSS_KEY) -> Optional[float]:
-    val = evaluate(engine, dataset, config, device)
+              key: str = EVAL_LOSS_KEY, eod: Optional[int] = None) -> Optional[float]:
+    val = evaluate(engine, dataset, config, device, eod)
     if val is not None:
         ppl = math.exp(min(val, 50))
         _print0(f" {label} loss at iteration {iteration}: {val:.6E} | perplexity: {ppl:.4E}")
@@ -218,6 +250,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
     ck = config.checkpoint
     fresh_rng = mpu.get_cuda_rng_tracker().get_states() if hasattr(mpu, "get_cuda_rng_tracker") else None
     fresh_cpu_rng = torch.get_rng_state()
+    if ck.load:
+        agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
     state = load_checkpoint(ck.load, engine) if ck.load else None
     if state is None and ck.pretrained:
         _init_from_pretrained(engine, ck.pretrained)
@@ -253,6 +287,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                                         lambda: _datasets(config, tokenizer.vocab_size if tokenizer else None),
                                         user_errors=(ValueError, OSError))
     train_it = _loader(train_ds, consumed, config) if not config.schedule.skip_train else None
+    eod = tokenizer.eod if tokenizer is not None else None
 
     s, log = config.schedule, config.logging
     writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank(), options=log)
@@ -265,6 +300,12 @@ def pretrain(config: TrainConfig) -> TrainResult:
     last_log = iteration
     per_micro = s.micro_batch_size * config.parallel.dp
     tokens = consumed * config.model.seq_length  # no curriculum: every sample is seq_length tokens
+    tracking = contextlib.ExitStack()
+    if log.track_memory and device.type == "cpu":
+        from ..utils.memory_tracker import LiveMemoryTracker
+
+        # Entered after the engine exists, so its state is part of the baseline and the peak is absolute.
+        tracking.enter_context(LiveMemoryTracker("cpu"))
     try:
         while iteration < s.train_iters and not s.skip_train:
             if s.train_tokens is not None and tokens >= s.train_tokens:
@@ -275,9 +316,10 @@ def pretrain(config: TrainConfig) -> TrainResult:
             batch_size = s.global_batch_size_at(consumed)
             if s.rampup_batch_size is not None:
                 set_accumulation(engine, batch_size // per_micro)
-            batches = [next(train_it) for _ in range(batch_size // per_micro)]
-            loss, updated = (_train_step(engine, batches, device, timers) if timers is not None
-                             else _train_step(engine, batches, device))
+            # Agreed: a bad sample (a token outside the vocabulary) raises on the ranks that read it only.
+            batches = agree("training data read", lambda: [next(train_it) for _ in range(batch_size // per_micro)],
+                            user_errors=(ValueError,))
+            loss, updated = _train_step(engine, batches, device, config, eod, timers)
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length
@@ -287,7 +329,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
             skipped = not updated
             if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":
                 debug = os.path.join(config.checkpoint.save or ".", "debug")
-                _save(config, iteration, consumed, engine, scheduler, save_dir=debug)
+                _save(config, iteration, consumed, engine, scheduler, save_dir=debug, tokenizer=tokenizer)
                 raise TrainingDiverged(
                     f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at iteration {iteration} "
                     f"(loss {loss}); state saved to {checkpoint_dir(debug, iteration)} for debugging. "
@@ -296,11 +338,13 @@ def pretrain(config: TrainConfig) -> TrainResult:
             if iteration % log.log_interval == 0 or iteration == s.train_iters:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+                peak_bytes, memory_source = step_peak_memory(device)
                 stats = IterationStats.from_summary(
                     meter.pop(), iteration=iteration, train_iters=s.train_iters, consumed_samples=consumed,
                     lr=scheduler.lr, global_batch_size=batch_size, throughput=throughput,
                     loss_scale=engine.get_loss_scale(), grad_norm=engine.get_global_grad_norm(),
-                    memory=memory_mb(device))
+                    memory=peak_bytes / 2 ** 20)
+                stats.peak_memory_source = memory_source
                 if batch_size != s.global_batch_size:
                     stats.tokens_per_second = throughput.at_batch(batch_size, s.global_batch_size) \
                         .tokens_per_second(stats.seconds_per_iteration)
@@ -320,12 +364,12 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 _print0(format_log_line(stats))
                 writer.write(iteration, stats.to_record())
             if s.eval_interval and iteration % s.eval_interval == 0:
-                val = _run_eval(engine, valid_ds, config, device, iteration, writer, "validation")
+                val = _run_eval(engine, valid_ds, config, device, iteration, writer, "validation", eod=eod)
                 if val is not None:
                     result.eval_losses[iteration] = val
             saved = False
             if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
-                _save(config, iteration, consumed, engine, scheduler)
+                _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
                 saved = True
             reason = None
             if s.exit_signal_handler and any_rank(signals.received, device):
@@ -337,17 +381,17 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 reason = f"--exit-interval {s.exit_interval}"
             if reason is not None:
                 if config.checkpoint.save and not saved:
-                    _save(config, iteration, consumed, engine, scheduler)
+                    _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
                 _print0(f"exiting at iteration {iteration} after {reason}")
                 result.exit_reason = reason
                 break
         if result.exit_reason is None or result.exit_reason.startswith("--train-tokens"):
             if config.checkpoint.save and not s.skip_train and latest_iteration(config.checkpoint.save) != iteration:
-                _save(config, iteration, consumed, engine, scheduler)
+                _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
             # Megatron ends training (or --skip-train) with an evaluation on the validation and test splits.
             for label, dataset, name in (("validation", valid_ds, "valid"), ("test", test_ds, "test")):
                 val = _run_eval(engine, dataset, config, device, iteration, writer,
-                                f"the end of training for {label} data:", key=f"{name}_end_lm_loss")
+                                f"the end of training for {label} data:", key=f"{name}_end_lm_loss", eod=eod)
                 if val is not None:
                     result.final_eval[name] = val
         if config.generate.prompt is not None and tokenizer is not None:
@@ -357,6 +401,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                                           max_new_tokens=config.generate.tokens, seed=config.seed)
             _print0(f"> sample: {config.generate.prompt!r} ->\n{result.sample}")
     finally:
+        tracking.close()
         signals.restore()
         writer.close()
     result.iteration, result.consumed_samples = iteration, consumed

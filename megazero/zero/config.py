@@ -32,6 +32,7 @@ class OptimizerConfig:
     # DeepSpeed's "Adam" is decoupled (AdamW) unless adam_w_mode is false.
     adam_w_mode: bool = True
     torch_adam: bool = False
+    momentum: float = 0.0  # type "SGD": torch.optim.SGD's momentum; weight decay is coupled (L2), as Megatron's SGD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +189,15 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
     if "betas" in opt_params:
         opt_params["betas"] = tuple(float(b) for b in opt_params["betas"])
     opt_type = opt.get("type", "AdamW")
-    if opt_type.lower() not in ("adam", "adamw", "fusedadam"):
-        raise ZeroConfigError(f"optimizer.type {opt_type!r} is not supported; use Adam or AdamW")
+    if opt_type.lower() not in ("adam", "adamw", "fusedadam", "sgd"):
+        raise ZeroConfigError(f"optimizer.type {opt_type!r} is not supported; use Adam, AdamW or SGD")
+    if opt_type.lower() != "sgd" and "momentum" in opt_params:
+        raise ZeroConfigError(f"unknown key optimizer.params.momentum for optimizer.type {opt_type!r} (it is SGD's; "
+                              f"Adam's momentum is betas[0])")
+    if opt_type.lower() == "sgd":
+        opt_type = "SGD"
+        if not 0.0 <= float(opt_params.get("momentum", 0.0)) < 1.0:
+            raise ZeroConfigError(f"optimizer.params.momentum must be in [0, 1), got {opt_params['momentum']}")
     if set(opt) - {"type", "params"}:
         raise ZeroConfigError(f"unknown keys in optimizer: {sorted(set(opt) - {'type', 'params'})}")
     if opt_type.lower() == "adamw":

@@ -228,6 +228,9 @@ class ZeroEngine(torch.nn.Module):
         param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})
+        if oc.type == "SGD":  # Megatron's SGD: weight decay added to the gradient (coupled L2)
+            return torch.optim.SGD(param_groups, lr=oc.lr, momentum=oc.momentum,
+                                   foreach=self.device.type != "cuda" or None)
         kwargs = dict(lr=oc.lr, betas=oc.betas, eps=oc.eps)
         if self.device.type == "cuda":
             try:  # apex's multi-tensor Adam, when NVIDIA apex is installed

@@ -83,12 +83,6 @@ def test_run_175b_ignored_keys_are_named_once():
 def test_pretrain_llama2_distributed():
     # Without the tokenizer file (check_files=False) its vocabulary size must be given to plan the model.
     args = script_args("pretrain_llama2_distributed") + ["--vocab-size", "512"]
-    from megazero.data.tokenizer import TOKENIZER_TYPES
-
-    if "GPTSentencePieceTokenizer" not in TOKENIZER_TYPES:
-        with pytest.raises(ConfigError, match="--tokenizer-type GPTSentencePieceTokenizer is not available"):
-            parse_args(args, 4, check_files=False)
-        pytest.skip("needs megaworld branch")
     cfg = parse_args(args, 4, check_files=False)
     m = cfg.model
     assert (m.position_embedding_type, m.normalization, m.activation, m.add_bias_linear, m.tie_embeddings) == \

@@ -395,10 +395,7 @@ def test_model_flags_map_to_gpt_config_fields():
     from megazero.training.arguments import MODEL_FIELD_FLAGS
 
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    if not {name for name, _, _ in MODEL_FIELD_FLAGS} <= fields:
-        with pytest.raises(ConfigError, match=r"--qk-layernorm is not supported by this build's model"):
-            parse("--qk-layernorm")
-        pytest.skip("needs megaworld branch")
+    assert {name for name, _, _ in MODEL_FIELD_FLAGS} <= fields
     m = parse("--rotary-percent 0.5 --position-embedding-type rope --kv-channels 8 --qk-layernorm "
               "--apply-layernorm-1p --init-method-xavier-uniform --fp32-residual-connection "
               "--apply-query-key-layer-scaling").model
@@ -410,9 +407,72 @@ def test_model_flags_map_to_gpt_config_fields():
 def test_position_and_activation_aliases():
     m = parse("--use-rotary-position-embeddings --num-key-value-heads 2").model
     assert m.position_embedding_type == "rope" and m.num_query_groups == 2
-    from megazero.model.config import _ENUMS
-
-    if "none" not in _ENUMS["position_embedding_type"] or "squared_relu" not in _ENUMS["activation"]:
-        pytest.skip("needs megaworld branch")
     assert parse("--no-position-embedding").model.position_embedding_type == "none"
     assert parse("--squared-relu").model.activation == "squared_relu"
+
+
+def test_remaining_model_flags_reach_gpt_config():
+    m = parse("--squared-relu --norm-epsilon 1e-6 --label-smoothing 0.1 --no-query-key-layer-scaling").model
+    assert (m.activation, m.layernorm_epsilon, m.label_smoothing, m.apply_query_key_layer_scaling) == \
+        ("squared_relu", 1e-6, 0.1, False)
+    assert parse("--layernorm-epsilon 1e-7").model.layernorm_epsilon == 1e-7
+    assert parse("--no-position-embedding").model.position_embedding_type == "none"
+    with pytest.raises(ConfigError, match=r"label_smoothing must be in \[0, 1\)"):
+        parse("--label-smoothing 1.5")
+
+
+def test_vocab_padded_by_tp_as_megatron():
+    # GPT-2's 50257 tokens: a multiple of 128 x tp (Megatron's _vocab_size_with_padding)
+    assert parse("--vocab-size 50257", world=1).model.padded_vocab_size == 50304
+    assert parse("--vocab-size 50257 --tp 4", world=4).model.padded_vocab_size == 50688
+    m = parse("--vocab-size 50257 --tp 4 --make-vocab-size-divisible-by 2", world=4).model
+    assert (m.padded_vocab_size, m.vocab_padding_tp) == (50264, 4)
+
+
+def _fake_checkpoint(root, **model):
+    it = root / "iter_0000005"
+    it.mkdir(parents=True)
+    (root / "latest").write_text("iter_0000005\n")
+    (it / "config.json").write_text(json.dumps({"model": model}))
+    return str(root)
+
+
+def test_resume_keeps_the_saved_padded_vocabulary(tmp_path):
+    load = _fake_checkpoint(tmp_path / "a", vocab_size=50257, make_vocab_size_divisible_by=128, vocab_padding_tp=2)
+    cfg = parse(f"--vocab-size 50257 --tp 4 --load {load}", world=4)
+    assert (cfg.model.padded_vocab_size, cfg.model.vocab_padding_tp) == (50432, 2)  # tp 2's padding, not 50688
+    assert any("padded vocabulary 50432 kept" in n and "would pad to 50688" in n for n in cfg.notes)
+    assert parse(f"--vocab-size 50257 --tp 2 --load {load}", world=4).notes == []  # same padding: nothing to say
+    odd = _fake_checkpoint(tmp_path / "b", vocab_size=50257, make_vocab_size_divisible_by=1, vocab_padding_tp=1)
+    with pytest.raises(ConfigError, match=r"padded vocabulary of 50257 rows .* does not split over --tp 2; resume "
+                                          r"with a --tp that divides 50257"):
+        parse(f"--vocab-size 50257 --tp 2 --load {odd}", world=4)
+    # --finetune starts from the same weights: same rule; a directory without a checkpoint: fresh padding
+    assert parse(f"--vocab-size 50257 --tp 4 --load {load} --finetune", world=4).model.padded_vocab_size == 50432
+    assert parse(f"--vocab-size 50257 --tp 4 --load {tmp_path}", world=4).model.padded_vocab_size == 50688
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    from megazero.data.tokenizer_training import train_sentencepiece
+    from tests.data.conftest import SAMPLE_TEXTS
+
+    return train_sentencepiece(SAMPLE_TEXTS, str(tmp_path_factory.mktemp("spm") / "tiny"), 320, num_threads=1)
+
+
+def test_megatron_tokenizer_types_and_vocab_extra_ids(spm_model):
+    from megazero.data import build_tokenizer
+    from megazero.training.arguments import TOKENIZER_TYPES
+
+    assert {"GPTSentencePieceTokenizer", "Llama2Tokenizer", "HFTokenizer"} <= set(TOKENIZER_TYPES)
+    base = [a for a in TINY if a != "--mock-data"] + ["--mock-data", "--tokenizer-model", spm_model]
+    for name in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        cfg = parse(f"--tokenizer-type {name}", base=base)
+        assert cfg.data.tokenizer_type == name and cfg.model.vocab_size == 320
+    cfg = parse("--tokenizer-type SentencePieceTokenizer --vocab-extra-ids 3", base=base)
+    assert cfg.model.vocab_size == 323 and cfg.data.tokenizer_kwargs()["vocab_extra_ids"] == 3
+    tok = build_tokenizer(cfg.data.tokenizer_type, **cfg.data.tokenizer_kwargs())  # what the trainer builds
+    assert tok.vocab_size == 323 and tok.detokenize([322]) == "<extra_id_2>"
+    with pytest.raises(ConfigError, match="--vocab-extra-ids 3: Megatron adds the <extra_id_N> sentinels to "
+                                          "SentencePieceTokenizer only"):
+        parse("--tokenizer-type GPTSentencePieceTokenizer --vocab-extra-ids 3", base=base)

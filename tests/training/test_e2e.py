@@ -52,9 +52,9 @@ def _pretrain(args, world_size, patch_save_failure=False, nan_at_iteration=None)
 
         original_step, calls = trainer._train_step, [0]
 
-        def poisoned(engine, batches, device):
+        def poisoned(engine, batches, device, *rest):
             calls[0] += 1
-            loss, updated = original_step(engine, batches, device)
+            loss, updated = original_step(engine, batches, device, *rest)
             return (float("nan"), updated) if calls[0] == nan_at_iteration else (loss, updated)
 
         trainer._train_step = poisoned

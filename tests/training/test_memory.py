@@ -132,10 +132,11 @@ def test_13b_script_dry_run_fits_and_counts_parameters():
     assert r.returncode == 0, r.stdout + r.stderr
     printed = int(re.search(r"parameters: ([\d,]+)", r.stdout).group(1).replace(",", ""))
     l, h, s = 40, 5120, 2048
-    v = gpt_preset("13b").padded_vocab_size
-    assert v == 50304
+    planned = gpt_preset("13b", vocab_padding_tp=4)  # the script's tp 4 pads as Megatron: 50688 rows
+    v = planned.padded_vocab_size
+    assert v == 50688
     closed = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))  # Narayanan et al. 2021
-    assert printed == num_parameters(gpt_preset("13b")) == 12_853_626_880
+    assert printed == num_parameters(planned) == 12_853_626_880 + (50688 - 50304) * h == 12_855_592_960
     assert printed - closed == pytest.approx(2 * h)  # the formula leaves out the final LayerNorm
     assert "world 16 = tp 4 x pp 1 x dp 4, ZeRO stage 3" in r.stdout
     for row in ("weights", "gradients", "optimizer states", "activations", "FLOPs per iteration"):

@@ -34,11 +34,11 @@ def _pretrain(args, world, sigterm_at=None):
     torch.manual_seed(0)
     original, calls = trainer._train_step, [0]
 
-    def step(engine, batches, device):
+    def step(engine, batches, device, *rest):
         calls[0] += 1
         if calls[0] == sigterm_at and dist.get_rank() == 1:  # the cluster signals one rank only
             os.kill(os.getpid(), signal.SIGTERM)
-        return original(engine, batches, device)
+        return original(engine, batches, device, *rest)
 
     trainer._train_step = step
     try:

@@ -37,7 +37,7 @@ def test_megatron_deepspeed_azure_config_is_accepted(tmp_path):
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
     ({"zero_optimization": {"stgae": 2}}, "unknown key zero_optimization.stgae"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one precision"),
-    ({"optimizer": {"type": "SGD"}}, "not supported"),
+    ({"optimizer": {"type": "Lamb"}}, "not supported"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, "unknown key optimizer.params.momentum"),
     ({"fp16": {"enabled": True, "scale": 4}}, "unknown key fp16.scale"),
     ({"train_micro_batch": 4}, "unknown top-level key 'train_micro_batch'"),
