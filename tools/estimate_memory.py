@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     add("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    add("--virtual-pipeline-model-parallel-size", dest="virtual_pp", type=int, default=1,
+        help="model chunks per pipeline rank (interleaved 1F1B)")
     add("--dp", type=int, help="data-parallel size (default: --world-size / (tp x pp))")
     add("--world-size", type=int, help="total GPUs (gives dp when --dp is absent)")
     add("--zero-stage", type=int, default=1)
@@ -88,7 +90,7 @@ def _plan_from_flags(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
     plan = dict(tp=a.tp, dp=dp, pp=a.pp, zero_stage=a.zero_stage, micro_batch_size=a.micro_batch_size,
                 precision="bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", recompute=a.recompute,
                 sequence_parallel=a.sequence_parallel, flash_attn=a.flash_attn, grad_accum_dtype=a.grad_accum_dtype,
-                global_batch_size=a.global_batch_size)
+                global_batch_size=a.global_batch_size, virtual_pp=a.virtual_pp)
     return config, plan
 
 
@@ -103,7 +105,8 @@ def _plan_from_train_args(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
     plan = dict(tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=cfg.schedule.micro_batch_size,
                 precision=cfg.precision.dtype, recompute=m.recompute_granularity,
                 sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
-                grad_accum_dtype=a.grad_accum_dtype, global_batch_size=cfg.schedule.global_batch_size)
+                grad_accum_dtype=a.grad_accum_dtype, global_batch_size=cfg.schedule.global_batch_size,
+                virtual_pp=p.virtual_pp, num_microbatches=cfg.schedule.grad_accum_steps)
     return m, plan
 
 

@@ -234,7 +234,7 @@ def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = No
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         manifest = read_manifest(directory)
         pk = _pipeline_kwargs(pipeline)
-        meta = read_zero_state(engine, directory, manifest, name_of=pk.get("name_of"))
+        meta = read_zero_state(engine, directory, manifest, **({"name_of": pk["name_of"]} if pk else {}))
         world = dist.get_world_size() if dist.is_initialized() else 1
         saved_world = meta["tp_size"] * meta["dp_size"] * meta.get("pp_size", 1)
         same_layout = (saved_world == world and meta["tp_size"] == engine.tp_size
