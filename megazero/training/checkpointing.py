@@ -137,7 +137,7 @@ def save_checkpoint(
         if _rank() == 0:
             manifest = {"format": MANIFEST_FORMAT,
                         "layout": {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage,
-                                   "pp_size": _pipeline_kwargs(pipeline).get("pp_size", 1)},
+                                   **({"pp_size": pipeline.groups.pp_size} if pipeline is not None else {})},
                         "files": {k: v for e in gathered for k, v in e.items()}}
             _commit(save, partial, final, manifest)
 

@@ -52,7 +52,7 @@ from megazero.model.flops import flops_per_iteration, num_parameters
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
+__all__ = ["traffic_bytes_per_step", "MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
            "activation_bytes_per_layer", "replicated_parameters", "GiB"]
 
 GiB = 2 ** 30
@@ -78,6 +78,7 @@ class MemoryEstimate:
     plan: dict = field(default_factory=dict)  # the inputs, for printing
     activation_detail: dict = field(default_factory=dict)  # per_layer, layers, outside_layers bytes
     pipeline: dict = field(default_factory=dict)  # pp > 1: stages, bubble, p2p bytes per step (see estimate_memory)
+    traffic: dict = field(default_factory=dict)  # bytes sent per GPU per step: dp, tp, pp, total
 
     @property
     def model_states(self) -> float:
@@ -118,6 +119,10 @@ class MemoryEstimate:
                 lines.append(f"  stage {st['stage']}: {st['layers']} layers{st['ends']}, "
                              f"{st['params']:,.0f} params/GPU, {st['in_flight']} micro-batch(es) in flight, "
                              f"{st['total'] / GiB:.2f} GiB")
+        t = self.traffic
+        if t:
+            lines.append(f"sent per GPU per step: data parallel {t['dp'] / GiB:.2f} GiB, tensor parallel "
+                         f"{t['tp'] / GiB:.2f} GiB, pipeline {t['pp'] / GiB:.2f} GiB (total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         if gpu_memory_gib is not None:
@@ -255,7 +260,12 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                          seq_length=s, sequence_parallel=sequence_parallel and tp > 1)
         psi, (weights, grads, optim) = stage["params"], stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
+    m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
+    traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=dp, zero_stage=zero_stage, microbatches=m_steps,
+                                     micro_batch_size=micro_batch_size, seq_length=s, precision=precision,
+                                     layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0))
     return MemoryEstimate(
+        traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
         params_total=total, params_per_rank=psi,
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
@@ -263,6 +273,32 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs),
         activation_detail=act, pipeline=pipeline)
+
+
+def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, zero_stage: int, microbatches: int,
+                           micro_batch_size: int, seq_length: int, precision: str, layers: int,
+                           pp_bytes: float = 0.0) -> dict[str, float]:
+    """Bytes one GPU sends per step (ring collectives: an all-gather or reduce-scatter of X bytes sends
+    X (n-1)/n, an all-reduce twice that).
+
+    Data parallel over the ``psi`` parameters this GPU's stage holds: ZeRO-0 all-reduces the
+    gradients once per step (2 psi); ZeRO-1 reduce-scatters them and all-gathers the updated
+    weights (2 psi); ZeRO-2 reduce-scatters each micro-batch's gradients as backward frees them
+    (m + 1 psi); ZeRO-3 as megazero runs it gathers every unit in forward and again in backward
+    for each micro-batch and reduce-scatters its gradients ((2 + 1) m psi: traffic x micro-batches,
+    least memory). Keeping a stage's units gathered across the step's micro-batches would cost
+    3 psi like DeepSpeed's ZeRO-3 without pipelining, holding the stage's full weights and
+    gradients (not implemented). Tensor parallel: 2 all-reduces of [s, b, h] per layer forward
+    and 2 backward per micro-batch (Megatron), or the same bytes as all-gather + reduce-scatter
+    under sequence parallelism.
+    """
+    e = _DTYPE_BYTES[precision]
+    dp_frac = (dp - 1) / dp
+    units = {0: 2, 1: 2, 2: microbatches + 1, 3: 3 * microbatches}[zero_stage]
+    dp_bytes = units * psi * e * dp_frac
+    act = e * seq_length * micro_batch_size * config.hidden_size
+    tp_bytes = 4 * layers * microbatches * 2 * act * (tp - 1) / tp if tp > 1 else 0.0
+    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "total": dp_bytes + tp_bytes + pp_bytes}
 
 
 def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,

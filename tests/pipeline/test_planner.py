@@ -52,3 +52,25 @@ def test_p2p_bytes_per_step():
 def test_layers_must_divide():
     with pytest.raises(ValueError, match=r"num_layers \(12\) is not divisible by pp \(5\)"):
         _plan(pp=5)
+
+
+def test_13b_script_compares_the_megatron_deepspeed_layout():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NNODES="4", DRY_RUN="1", LAYOUT="tp4pp8z1")
+    r = subprocess.run(["bash", str(root / "examples" / "azure" / "run_gpt_13b.sh")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "world 32 = tp 4 x pp 8 x dp 1, ZeRO stage 1" in r.stdout
+    assert "stage 0: layers 0-4 (embedding)" in r.stdout and "stage 7: layers 35-39 (head)" in r.stdout
+    table = r.stdout[r.stdout.index("layouts compared"):]
+    assert "tp4z3" in table and "tp4pp8z1" in table
+    bubble = [line for line in table.splitlines() if "pipeline bubble" in line][0].split()
+    assert bubble[-2:] == ["0.000", f"{7 / 512:.3f}"]
+    env["LAYOUT"] = "tp4pp4"
+    bad = subprocess.run(["bash", str(root / "examples" / "azure" / "run_gpt_13b.sh")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "LAYOUT must be tp4z3 or tp4pp8z1" in bad.stderr
