@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     add("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    add("--virtual-pipeline-model-parallel-size", dest="virtual_pp", type=int, default=1,
+        help="model chunks per pipeline rank (interleaved 1F1B)")
     add("--dp", type=int, help="data-parallel size (default: --world-size / (tp x pp))")
     add("--world-size", type=int, help="total GPUs (gives dp when --dp is absent)")
     add("--zero-stage", type=int, default=1)
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--flash-attn", "--use-flash-attn", dest="flash_attn", action="store_true")
     add("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), help="gradient dtype (default: weights' dtype)")
     add("--gpu-memory-gb", type=float, help="GPU capacity in GiB (an '80GB' GPU is 80 GiB); enables the fit check")
+    add("--compare", nargs="+", metavar="NAME:FLAGS",
+        help="several layouts side by side, each 'name:--tp 4 --pp 8 --zero-stage 1' over the other flags")
     add("--train-args", nargs=argparse.REMAINDER,
         help="the rest of the line is pretrain_gpt.py's arguments; needs --world-size")
     return p
@@ -88,7 +92,7 @@ def _plan_from_flags(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
     plan = dict(tp=a.tp, dp=dp, pp=a.pp, zero_stage=a.zero_stage, micro_batch_size=a.micro_batch_size,
                 precision="bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", recompute=a.recompute,
                 sequence_parallel=a.sequence_parallel, flash_attn=a.flash_attn, grad_accum_dtype=a.grad_accum_dtype,
-                global_batch_size=a.global_batch_size)
+                global_batch_size=a.global_batch_size, virtual_pp=a.virtual_pp)
     return config, plan
 
 
@@ -103,7 +107,8 @@ def _plan_from_train_args(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
     plan = dict(tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=cfg.schedule.micro_batch_size,
                 precision=cfg.precision.dtype, recompute=m.recompute_granularity,
                 sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
-                grad_accum_dtype=a.grad_accum_dtype, global_batch_size=cfg.schedule.global_batch_size)
+                grad_accum_dtype=a.grad_accum_dtype, global_batch_size=cfg.schedule.global_batch_size,
+                virtual_pp=p.virtual_pp, num_microbatches=cfg.schedule.grad_accum_steps)
     return m, plan
 
 
@@ -135,8 +140,38 @@ def suggestions(config: GPTConfig, plan: dict, gpu_memory_gib: float) -> list[st
     return out
 
 
+def compare(argv: Sequence[str], layouts: Sequence[str]) -> str:
+    """A table of several layouts (memory per GPU by kind, bubble, bytes sent per GPU per step)."""
+    rows = []
+    for item in layouts:
+        name, _, flags = item.partition(":")
+        a = build_parser().parse_args(list(argv) + flags.split())
+        config, plan = _plan_from_flags(a)
+        rows.append((name, estimate_memory(config, **plan)))
+    kinds = [("weights", lambda e: e.params), ("gradients", lambda e: e.grads),
+             ("optimizer states", lambda e: e.optimizer), ("activations", lambda e: e.activations),
+             ("ZeRO-3 gather buffers", lambda e: e.buffers), ("total memory", lambda e: e.total)]
+    out = [f"{'per GPU':<34}" + "".join(f"{n:>14}" for n, _ in rows)]
+    out += [f"  {k + ' (GiB)':<32}" + "".join(f"{f(e) / GiB:>14.2f}" for _, e in rows) for k, f in kinds]
+    out.append(f"  {'pipeline bubble':<32}" + "".join(f"{e.pipeline.get('bubble', 0.0):>14.3f}" for _, e in rows))
+    for key, label in (("dp", "sent, data parallel (GiB)"), ("tp", "sent, tensor parallel (GiB)"),
+                       ("pp", "sent, pipeline p2p (GiB)"), ("total", "sent per step (GiB)")):
+        out.append(f"  {label:<32}" + "".join(f"{e.traffic[key] / GiB:>14.2f}" for _, e in rows))
+    return "\n".join(out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.compare:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        i = argv.index("--compare")
+        j = i + 1 + len(a.compare)
+        try:
+            print(compare(argv[:i] + argv[j:], a.compare))
+        except (ConfigError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         config, plan = _plan_from_train_args(a) if a.train_args is not None else _plan_from_flags(a)
         est: MemoryEstimate = estimate_memory(config, **plan)

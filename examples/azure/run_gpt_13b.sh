@@ -10,10 +10,16 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.4 DATA_PATH=/data/pile_text_document \
 #   TOKENIZER=/data/gpt2 SAVE_DIR=/mnt/ckpt/gpt13b bash examples/azure/run_gpt_13b.sh
 #
+# Two layouts (LAYOUT):
+#   tp4z3    [default] tensor parallel 4 x ZeRO-3 over all the other GPUs (no pipeline)
+#   tp4pp8z1 Megatron-DeepSpeed's 13B layout: tensor parallel 4 x pipeline 8 (1F1B, 5 layers
+#            per stage) x ZeRO-1 over the rest; needs a multiple of 32 GPUs (4 nodes)
+#
 # Plan it first, on any machine (no GPU, no data needed):
-#   NNODES=2 bash examples/azure/run_gpt_13b.sh --dry-run      # or DRY_RUN=1
-# prints the parameter count, per-GPU memory (weights/grads/optimizer/activations)
-# and FLOPs per iteration, and exits non-zero when the plan does not fit GPU_MEMORY_GB.
+#   NNODES=4 bash examples/azure/run_gpt_13b.sh --dry-run      # or DRY_RUN=1
+# prints the parameter count, per-GPU memory (weights/grads/optimizer/activations),
+# FLOPs per iteration, then both layouts side by side (memory per GPU by kind, pipeline
+# bubble, bytes sent per GPU per step), and exits non-zero when LAYOUT does not fit GPU_MEMORY_GB.
 #
 # Environment (defaults in brackets):
 #   NNODES [1] NODE_RANK [0] MASTER_ADDR [localhost] MASTER_PORT [6000] GPUS_PER_NODE [8]
@@ -22,7 +28,7 @@
 #               or "VOCAB_FILE,MERGE_FILE"
 #   SAVE_DIR [checkpoints/gpt_13b]  checkpoints, ds_config, metrics.jsonl, tensorboard/
 #   MICRO_BATCH [2] GLOBAL_BATCH [1024] TRAIN_ITERS [143051 = 300B tokens] LR_WARMUP_ITERS [1430 = 3B tokens]
-#   TP [4] ZERO_STAGE [3] SEQUENCE_PARALLEL [0] GPU_MEMORY_GB [80]
+#   LAYOUT [tp4z3] TP [4] PP [per LAYOUT] ZERO_STAGE [per LAYOUT] SEQUENCE_PARALLEL [0] GPU_MEMORY_GB [80]
 #   READ_GBPS_PER_RANK [1] FS_GBPS [40]  filesystem read bandwidth for the dry run's start-up estimate
 # Extra arguments are passed on to pretrain_gpt.py (later flags win).
 set -euo pipefail
@@ -34,7 +40,7 @@ EXTRA_ARGS=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) EXTRA_ARGS+=("$arg") ;;
     esac
 done
@@ -46,8 +52,12 @@ MASTER_PORT="${MASTER_PORT:-6000}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
 
-TP="${TP:-4}"
-ZERO_STAGE="${ZERO_STAGE:-3}"
+LAYOUT="${LAYOUT:-tp4z3}"
+case "$LAYOUT" in
+    tp4z3) TP="${TP:-4}"; PP="${PP:-1}"; ZERO_STAGE="${ZERO_STAGE:-3}" ;;
+    tp4pp8z1) TP="${TP:-4}"; PP="${PP:-8}"; ZERO_STAGE="${ZERO_STAGE:-1}" ;;
+    *) echo "error: LAYOUT must be tp4z3 or tp4pp8z1, got '$LAYOUT'" >&2; exit 2 ;;
+esac
 SEQUENCE_PARALLEL="${SEQUENCE_PARALLEL:-0}"
 MICRO_BATCH="${MICRO_BATCH:-2}"
 GLOBAL_BATCH="${GLOBAL_BATCH:-1024}"
@@ -112,7 +122,7 @@ ARGS=(
     --seq-length 2048 --max-position-embeddings 2048
     --init-method-std 0.008 --hidden-dropout 0.1 --attention-dropout 0.1
     # parallelism and memory
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size 1 --no-pipeline-parallel
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
     --zero-stage "$ZERO_STAGE" --deepspeed --deepspeed_config "$DS_CONFIG"
     --bf16 --use-flash-attn
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
@@ -130,11 +140,12 @@ ARGS=(
     --log-interval 10 --eval-interval 1000 --eval-iters 40
     --tensorboard-dir "$TENSORBOARD_DIR"
 )
+if [[ "$PP" == 1 ]]; then ARGS+=(--no-pipeline-parallel); fi
 if [[ "$SEQUENCE_PARALLEL" == 1 ]]; then ARGS+=(--sequence-parallel); fi
 ARGS+=("${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}")
 
 if [[ "$DRY_RUN" == 1 ]]; then
-    echo "dry run: $NNODES node(s) x $GPUS_PER_NODE GPUs = $WORLD_SIZE GPUs, tp $TP, ZeRO-$ZERO_STAGE, GPU memory ${GPU_MEMORY_GB} GiB"
+    echo "dry run: $NNODES node(s) x $GPUS_PER_NODE GPUs = $WORLD_SIZE GPUs, layout $LAYOUT: tp $TP x pp $PP, ZeRO-$ZERO_STAGE, GPU memory ${GPU_MEMORY_GB} GiB"
     # Same arguments as the real launch, validated as pretrain_gpt.py would (minus file checks).
     # (not exec: the EXIT trap removes the temporary ds_config)
     rc=0
@@ -144,6 +155,13 @@ if [[ "$DRY_RUN" == 1 ]]; then
     "$PYTHON" "$ROOT/tools/estimate_startup.py" --world-size "$WORLD_SIZE" \
         --read-gbps-per-rank "${READ_GBPS_PER_RANK:-1}" --fs-gbps "${FS_GBPS:-40}" \
         --train-args "${ARGS[@]}" >&2 || true
+    # The two layouts side by side, on this many GPUs (or 32, the least tp 4 x pp 8 needs).
+    CMP_WORLD=$(( WORLD_SIZE % 32 == 0 ? WORLD_SIZE : 32 ))
+    echo "layouts compared on $CMP_WORLD GPUs (global batch $GLOBAL_BATCH, micro batch $MICRO_BATCH):"
+    "$PYTHON" "$ROOT/tools/estimate_memory.py" --compare "tp4z3:--tp 4 --zero-stage 3" \
+        "tp4pp8z1:--tp 4 --pp 8 --zero-stage 1" --world-size "$CMP_WORLD" --num-layers 40 --hidden-size 5120 \
+        --num-attention-heads 40 --seq-length 2048 --vocab-size 50257 --micro-batch-size "$MICRO_BATCH" \
+        --global-batch-size "$GLOBAL_BATCH" --bf16 --recompute full --flash-attn || true
     exit "$rc"
 fi
 

@@ -146,6 +146,17 @@ class PipelineStage:
             end = self.chunks[0] if groups.pp_rank == 0 else self.chunks[-1]
             self.tied = TiedEmbeddingGradSync(end.embedding.weight, groups.embedding_group)
 
+    def global_name(self, name: str) -> str:
+        """The pp = 1 name of a parameter of the engine's module (``chunk{c}.`` dropped, layers numbered
+        globally): how checkpoints name it, so they load at any pipeline layout."""
+        from megazero.model.pipeline_split import local_to_global_name
+
+        chunk = 0
+        if self.v > 1:
+            head, name = name.split(".", 1)
+            chunk = int(head[len("chunk"):])
+        return local_to_global_name(name, self.chunks[chunk].layer_range)
+
     @property
     def is_last_stage(self) -> bool:
         return self.groups.pp_rank == self.groups.pp_size - 1
@@ -185,3 +196,33 @@ class PipelineStage:
         for _ in range(m):
             updated = self.engine.step()
         return [float(x) for x in losses], updated
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Forward every micro-batch through the pipeline without backward (evaluation).
+
+        Micro-batch by micro-batch, virtual stage by virtual stage: each rank receives a
+        micro-batch's activation, runs its chunk and sends the result on, so with one chunk
+        per rank consecutive micro-batches overlap across stages as in Megatron's
+        forward-only schedule, and every send meets a receive its peer posts next (no
+        deadlock whatever the order of blocking sends). Returns the per-micro-batch losses
+        on the last stage (empty elsewhere); no gradient and no engine state change.
+        """
+        pp, rank = self.groups.pp_size, self.groups.pp_rank
+        losses = []
+        for mb, (ids, labels) in enumerate(micro_batches):
+            for chunk in range(self.v):
+                first = rank == 0 and chunk == 0
+                last = self.runner.is_last(chunk)
+                model = self.chunks[chunk]
+                if not first:
+                    prev = (rank - 1) % pp
+                    x = self.p2p.exchange([], [(prev, self.runner.tensor_shape, self.runner.dtype)])[0]
+                    model.set_input_tensor(x)
+                out = self._forward(chunk, ids if first else None, labels=labels if last else None)
+                if last:
+                    losses.append(float(self.loss_fn(out, labels)))
+                else:
+                    self.p2p.exchange([((rank + 1) % pp, out)], [])
+        return losses
+

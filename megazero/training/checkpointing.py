@@ -89,6 +89,7 @@ def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(
     save: str, iteration: int, engine: ZeroEngine, *, train_state: dict[str, Any], config: dict[str, Any],
     tokenizer: Optional[Any] = None,
+    pipeline=None,
 ) -> str:
     """Collective: write the checkpoint of ``iteration`` and point ``latest`` at it.
 
@@ -115,7 +116,7 @@ def save_checkpoint(
 
         rank = _rank()
         os.makedirs(partial, exist_ok=True)  # every rank: NFS attribute caches may not show rank 0's mkdir
-        zero_path = save_zero_state(engine, partial)
+        zero_path = save_zero_state(engine, partial, **_pipeline_kwargs(pipeline))
         rng_path = os.path.join(partial, f"rng_rank{rank:05d}.safetensors")
         save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, rng_path)
         fsync_path(rng_path)
@@ -135,7 +136,8 @@ def save_checkpoint(
                     paths.append(os.path.join(tok_dir, name))
                 fsync_path(tok_dir)
         entries = {os.path.relpath(p, partial): digest_file(p) for p in [zero_path] + paths}
-        entries[os.path.relpath(zero_path, partial)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank)
+        entries[os.path.relpath(zero_path, partial)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank,
+                                                            pp_rank=_pipeline_kwargs(pipeline).get("pp_rank", 0))
         return entries
 
     entries = agree("checkpoint save", write)
@@ -148,12 +150,20 @@ def save_checkpoint(
     def commit() -> None:
         if _rank() == 0:
             manifest = {"format": MANIFEST_FORMAT,
-                        "layout": {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage},
+                        "layout": {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage,
+                                   **({"pp_size": pipeline.groups.pp_size} if pipeline is not None else {})},
                         "files": {k: v for e in gathered for k, v in e.items()}}
             _commit(save, partial, final, manifest)
 
     agree("checkpoint save", commit)
     return final
+
+
+def _pipeline_kwargs(pipeline) -> dict[str, Any]:
+    """A pipeline stage (``megazero.pipeline.PipelineStage``) saves and loads under pp = 1 names."""
+    if pipeline is None:
+        return {}
+    return {"name_of": pipeline.global_name, "pp_rank": pipeline.groups.pp_rank, "pp_size": pipeline.groups.pp_size}
 
 
 def _commit(save: str, partial: str, final: str, manifest: dict) -> None:
@@ -221,7 +231,8 @@ def _verified(directory: str, manifest: dict, name: str) -> str:
     return path
 
 
-def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = None) -> Optional[dict[str, Any]]:
+def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = None, *,
+                    pipeline=None) -> Optional[dict[str, Any]]:
     """Collective: restore ``engine`` and this rank's RNG; return the saved train state
     (None when ``load`` holds no checkpoint yet, so a fresh run can start).
 
@@ -236,10 +247,12 @@ def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = No
         if not os.path.isdir(directory):
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         manifest = read_manifest(directory)
-        meta = read_zero_state(engine, directory, manifest)
+        pk = _pipeline_kwargs(pipeline)
+        meta = read_zero_state(engine, directory, manifest, **({"name_of": pk["name_of"]} if pk else {}))
         world = dist.get_world_size() if dist.is_initialized() else 1
-        saved_world = meta["tp_size"] * meta["dp_size"]
-        same_layout = saved_world == world and meta["tp_size"] == engine.tp_size
+        saved_world = meta["tp_size"] * meta["dp_size"] * meta.get("pp_size", 1)
+        same_layout = (saved_world == world and meta["tp_size"] == engine.tp_size
+                       and meta.get("pp_size", 1) == pk.get("pp_size", 1))
         rng = None
         rng_name = f"rng_rank{_rank():05d}.safetensors"
         if same_layout and rng_name in manifest["files"]:

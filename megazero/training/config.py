@@ -39,10 +39,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: world = tp x pp x dp (pp is 1 for now)."""
+    """How the world is split: world = tp x pp x dp."""
 
     tp: int = 1  # tensor-model-parallel size
-    pp: int = 1  # pipeline-model-parallel size (only 1 is supported)
+    pp: int = 1  # pipeline-model-parallel size
+    virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven split: layers of the first stage
+    decoder_last_pipeline_num_layers: Optional[int] = None  # uneven split: layers of the last stage
     dp: int = 1  # data-parallel size = world_size // (tp * pp); ZeRO partitions over it
     world_size: int = 1
     zero_stage: int = 1  # 0: plain DP, 1: optimizer states, 2: + grads, 3: + params partitioned

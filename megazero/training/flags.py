@@ -85,8 +85,6 @@ H, M, R = HONOURED, MAPPED, REFUSED
 _NO_TE = "Transformer Engine does not exist in megazero; its layers are megazero's own (megazero.mpu)"
 _NO_MOE = "mixture-of-experts does not exist in megazero (dense GPT only); drop the MoE flags"
 _NO_FP8 = "FP8 training does not exist in megazero; use --bf16 (or --fp16)"
-_NO_PP = ("pipeline parallelism is not implemented yet; use --pipeline-model-parallel-size 1 and scale with "
-          "--tensor-model-parallel-size and --zero-stage 3")
 
 # ------------------------------------------------------------------------------------------- launcher
 g = _group("launcher and parallelism")
@@ -94,9 +92,17 @@ g(M, ("--local_rank", "--local-rank"), "rank on this node, passed by the `deepsp
   "`torch.distributed.launch`; megazero reads LOCAL_RANK from the environment and refuses a value that disagrees",
   int, dest="local_rank")
 g(H, ("--tensor-model-parallel-size", "--tp"), "tensor-parallel size", int, dest="tp")
-g(H, ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: 1 runs; larger is refused until "
-  "pipeline parallelism lands", int, dest="pp")
-g(R, ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"), _NO_PP, int)
+g(H, ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: each of pp stages holds a contiguous "
+  "block of layers (the embedding on the first, final norm and head on the last), trained with 1F1B "
+  "(PipeDream-Flush); world = tp x pp x dp", int, dest="pp")
+g(H, "--virtual-pipeline-model-parallel-size", "model chunks per pipeline rank (interleaved 1F1B, Narayanan et al. "
+  "2021): bubble (pp-1)/(v m) instead of (pp-1)/m, for v times more p2p messages; micro-batches per step must be a "
+  "multiple of pp", int)
+g(H, "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B given as layers per model chunk: v = num_layers / "
+  "(pp x this)", int)
+g(H, "--decoder-first-pipeline-num-layers", "layers of the first pipeline stage (Megatron-core's uneven split; "
+  "the other stages share the rest evenly)", int)
+g(H, "--decoder-last-pipeline-num-layers", "layers of the last pipeline stage (Megatron-core's uneven split)", int)
 g(R, "--context-parallel-size", "context parallelism does not exist in megazero; use --sequence-parallel "
   "(activations sharded over the tensor-parallel group) and --recompute-granularity", int,
   )
@@ -115,7 +121,8 @@ g(H, ("--deepspeed_config", "--deepspeed-config"), "DeepSpeed JSON: its keys are
   "ignored as listed in docs/flags.md; a value given both there and as a flag must agree", str,
   dest="deepspeed_config")
 g(M, "--deepspeed", "use DeepSpeed: megazero's ZeRO engine takes its place; accepted")
-g(M, "--no-pipeline-parallel", "Megatron-DeepSpeed's 'no DeepSpeed pipeline engine': pipeline size 1")
+g(M, "--no-pipeline-parallel", "Megatron-DeepSpeed's 'no DeepSpeed pipeline engine': pipeline size 1 (a --pp > 1 "
+  "beside it is refused as a contradiction)")
 g(M, ("--use-mcore-models", "--use-legacy-models"), "which of Megatron's two model implementations: megazero "
   "has one GPT implementation; accepted")
 g(H, "--transformer-impl", "layer implementation: 'local' is megazero's own layers", str,

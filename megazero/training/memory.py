@@ -24,6 +24,17 @@ scores, softmax and its dropout); full recompute keeps each layer's input, 2sbh
 Outside the layers: the embedding dropout mask, the final norm and output-layer
 inputs and the fp32 logits of the loss, 4 s b V / t bytes.
 
+Pipeline parallelism (pp stages, v chunks per rank, m micro-batches per step) is
+planned per stage and the largest stage is reported: a stage holds its layers' share
+of the transformer, the first also the embedding (and position table), the last the
+final norm and the head (with tied embeddings, a copy of the word embedding). Under
+1F1B stage r keeps min(pp - r, m) micro-batches' activations (the first stage pp);
+under interleaving the first stage keeps (pp - 1) * 2 + (v - 1) * pp + 1 chunk
+micro-batches of L / (pp v) layers, i.e. L (1 + (pp - 1) / (pp v)) layers' worth
+(Korthikanti et al. 2022, Sec. 4.2.3). The bubble is (pp - 1) / (v m) of the ideal
+step time; PP traffic per GPU per step is each micro-batch's boundary activation
+[s(/t under SP), b, h] sent forward and its gradient sent back, on each of v chunks.
+
 Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), NCCL
 buffers and ZeRO-1/2 reduce buckets. GPU capacities are in GiB (2**30 bytes), which
 is what an "80 GB" GPU has.
@@ -41,7 +52,7 @@ from megazero.model.flops import flops_per_iteration, num_parameters
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
+__all__ = ["traffic_bytes_per_step", "MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
            "activation_bytes_per_layer", "replicated_parameters", "GiB"]
 
 GiB = 2 ** 30
@@ -66,6 +77,8 @@ class MemoryEstimate:
     flops_per_iteration: Optional[float] = None  # training FLOPs of one global batch (Narayanan 2021 Eq. 3)
     plan: dict = field(default_factory=dict)  # the inputs, for printing
     activation_detail: dict = field(default_factory=dict)  # per_layer, layers, outside_layers bytes
+    pipeline: dict = field(default_factory=dict)  # pp > 1: stages, bubble, p2p bytes per step (see estimate_memory)
+    traffic: dict = field(default_factory=dict)  # bytes sent per GPU per step: dp, tp, pp, total
 
     @property
     def model_states(self) -> float:
@@ -97,6 +110,19 @@ class MemoryEstimate:
         if self.flops_per_iteration is not None:
             lines.append(f"FLOPs per iteration (global batch {p.get('global_batch_size')}): "
                          f"{self.flops_per_iteration:.4e} ({self.flops_per_iteration / 1e15:,.1f} PFLOP)")
+        pl = self.pipeline
+        if pl:
+            lines.append(f"pipeline: pp {p.get('pp')} x v {pl['v']}, {pl['microbatches']} micro-batches per step, "
+                         f"bubble (pp-1)/(v m) = {pl['bubble']:.3f}; p2p sent per GPU per step "
+                         f"{pl['p2p_bytes_per_step'] / GiB:.2f} GiB; largest stage: {pl['worst_stage']}")
+            for st in pl["stages"]:
+                lines.append(f"  stage {st['stage']}: {st['layers']} layers{st['ends']}, "
+                             f"{st['params']:,.0f} params/GPU, {st['in_flight']} micro-batch(es) in flight, "
+                             f"{st['total'] / GiB:.2f} GiB")
+        t = self.traffic
+        if t:
+            lines.append(f"sent per GPU per step: data parallel {t['dp'] / GiB:.2f} GiB, tensor parallel "
+                         f"{t['tp'] / GiB:.2f} GiB, pipeline {t['pp'] / GiB:.2f} GiB (total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         if gpu_memory_gib is not None:
@@ -192,14 +218,16 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     seq_length: Optional[int] = None, precision: str = "bf16", recompute: Optional[str] = None,
                     sequence_parallel: bool = False, flash_attn: bool = False,
                     grad_accum_dtype: Optional[str] = None,
-                    global_batch_size: Optional[int] = None) -> MemoryEstimate:
+                    global_batch_size: Optional[int] = None, virtual_pp: int = 1,
+                    num_microbatches: Optional[int] = None) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
     fields (so one config can be evaluated under several plans), except
-    ``recompute_method``/``recompute_num_layers``. ``pp > 1`` is approximated: model
-    states / pp, activations as for pp = 1 (1F1B's first stage holds pp micro-batches
-    of L/pp layers). ``global_batch_size`` (default micro x dp) only sets the FLOPs.
+    ``recompute_method``/``recompute_num_layers``. With ``pp > 1`` every stage is planned
+    (even split, ``virtual_pp`` chunks per rank, ``num_microbatches`` per step, default
+    global batch / (micro x dp)) and the largest is returned, with all of them in
+    ``.pipeline``. ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
     """
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
@@ -223,14 +251,101 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         unit = max(layer, config.padded_vocab_size * config.hidden_size / tp)
         buffers = 2 * unit * _STATE_BYTES[precision][0]
     gbs = global_batch_size or micro_batch_size * dp
+    pipeline: dict = {}
+    if pp > 1:
+        m = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
+        pipeline, stage = _pipeline_plan(config, total=total, replicated=replicated, tp=tp, dp=dp, pp=pp,
+                                         v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
+                                         grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
+                                         seq_length=s, sequence_parallel=sequence_parallel and tp > 1)
+        psi, (weights, grads, optim) = stage["params"], stage["states"]
+        act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
+    m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
+    traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=dp, zero_stage=zero_stage, microbatches=m_steps,
+                                     micro_batch_size=micro_batch_size, seq_length=s, precision=precision,
+                                     layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0))
     return MemoryEstimate(
+        traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
         params_total=total, params_per_rank=psi,
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
         plan=dict(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, micro_batch_size=micro_batch_size, seq_length=s,
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs),
-        activation_detail=act)
+        activation_detail=act, pipeline=pipeline)
+
+
+def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, zero_stage: int, microbatches: int,
+                           micro_batch_size: int, seq_length: int, precision: str, layers: int,
+                           pp_bytes: float = 0.0) -> dict[str, float]:
+    """Bytes one GPU sends per step (ring collectives: an all-gather or reduce-scatter of X bytes sends
+    X (n-1)/n, an all-reduce twice that).
+
+    Data parallel over the ``psi`` parameters this GPU's stage holds: ZeRO-0 all-reduces the
+    gradients once per step (2 psi); ZeRO-1 reduce-scatters them and all-gathers the updated
+    weights (2 psi); ZeRO-2 reduce-scatters each micro-batch's gradients as backward frees them
+    (m + 1 psi); ZeRO-3 as megazero runs it gathers every unit in forward and again in backward
+    for each micro-batch and reduce-scatters its gradients ((2 + 1) m psi: traffic x micro-batches,
+    least memory). Keeping a stage's units gathered across the step's micro-batches would cost
+    3 psi like DeepSpeed's ZeRO-3 without pipelining, holding the stage's full weights and
+    gradients (not implemented). Tensor parallel: 2 all-reduces of [s, b, h] per layer forward
+    and 2 backward per micro-batch (Megatron), or the same bytes as all-gather + reduce-scatter
+    under sequence parallelism.
+    """
+    e = _DTYPE_BYTES[precision]
+    dp_frac = (dp - 1) / dp
+    units = {0: 2, 1: 2, 2: microbatches + 1, 3: 3 * microbatches}[zero_stage]
+    dp_bytes = units * psi * e * dp_frac
+    act = e * seq_length * micro_batch_size * config.hidden_size
+    tp_bytes = 4 * layers * microbatches * 2 * act * (tp - 1) / tp if tp > 1 else 0.0
+    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "total": dp_bytes + tp_bytes + pp_bytes}
+
+
+def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,
+                   zero_stage: int, precision: str, grad_accum_dtype: Optional[str], act: dict,
+                   micro_batch_size: int, seq_length: int, sequence_parallel: bool) -> tuple[dict, dict]:
+    """Per-stage parameters, model states and activations in flight; the bubble and p2p bytes."""
+    c = config
+    L, h = c.num_layers, c.hidden_size
+    if L % (pp * v):
+        raise ValueError(f"num_layers ({L}) is not divisible by pp ({pp}) x virtual stages ({v})")
+    norm = h * (2 if c.normalization == "layernorm" else 1)
+    pos = c.max_position_embeddings * h if c.position_embedding_type == "learned" else 0
+    word = c.padded_vocab_size * h / tp
+    layer = (total - replicated - _embedding_params(c)) / L / tp + (replicated - pos - norm) / L
+    per_layer_act = act["layers"] / L  # with recompute, the average saved bytes of a layer
+    stages, worst = [], None
+    for r in range(pp):
+        n = L // pp
+        params = n * layer
+        ends = []
+        if r == 0:
+            params += word + pos
+            ends.append("embedding")
+        if r == pp - 1:
+            params += norm + word  # the head: its own weight, or the tied copy of the embedding
+            ends.append("head")
+        if v == 1:
+            in_flight = min(pp - r, m)
+            acts = in_flight * n * per_layer_act
+        else:
+            chunk_mbs = min((pp - r - 1) * 2 + (v - 1) * pp + 1, m * v)
+            in_flight = chunk_mbs
+            acts = chunk_mbs * (n // v) * per_layer_act
+        if r == pp - 1:
+            acts += act["outside_layers"]  # the loss's logits: one micro-batch at a time
+        states = model_state_bytes(params, dp=dp, zero_stage=zero_stage, precision=precision,
+                                   grad_accum_dtype=grad_accum_dtype)
+        st = dict(stage=r, layers=n, ends=f" + {' + '.join(ends)}" if ends else "", params=params, states=states,
+                  activations=acts, in_flight=in_flight, total=sum(states) + acts)
+        stages.append(st)
+        if worst is None or st["total"] > worst["total"]:
+            worst = st
+    e = _DTYPE_BYTES[precision]
+    boundary = e * seq_length * micro_batch_size * h / (tp if sequence_parallel else 1)
+    info = dict(v=v, microbatches=m, bubble=(pp - 1) / (v * m), p2p_bytes_per_step=2 * m * v * boundary,
+                boundary_bytes=boundary, stages=stages, worst_stage=worst["stage"])
+    return info, worst
 
 
 def _embedding_params(config: GPTConfig) -> int:
@@ -245,4 +360,5 @@ def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str
         m, tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
-        grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size)
+        grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size,
+        virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps)

@@ -212,6 +212,10 @@ def _run_eval(engine, dataset, config: TrainConfig, device, iteration: int, writ
 
 def pretrain(config: TrainConfig) -> TrainResult:
     """Run (or resume) a training job described by ``config``; collective over all ranks."""
+    if config.parallel.pp > 1:
+        from .pipeline_trainer import pretrain_pipeline
+
+        return pretrain_pipeline(config)
     train_start = time.time()
     mpu.init_distributed(config.parallel.distributed_backend)
     if not mpu.model_parallel_is_initialized():

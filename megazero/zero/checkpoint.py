@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,15 @@ def shard_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"zero_rank{rank:05d}.safetensors")
 
 
-def save_zero_state(engine: ZeroEngine, directory: str) -> str:
-    """Write this rank's partitions (collective-free, fsync'd); returns the file path."""
+def save_zero_state(engine: ZeroEngine, directory: str, *, name_of: Optional[Callable[[str], str]] = None,
+                    pp_rank: int = 0, pp_size: int = 1) -> str:
+    """Write this rank's partitions (collective-free, fsync'd); returns the file path.
+
+    A pipeline stage passes ``name_of`` (its parameter name -> the pp = 1 name) and its
+    ``pp_rank`` / ``pp_size``: the slots are listed under pp = 1 names, and a stage's copy
+    of another stage's parameter (``pipeline_shared_copy``: the tied head's embedding) is
+    not listed, since it equals the original and loads from it.
+    """
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -63,15 +70,16 @@ def save_zero_state(engine: ZeroEngine, directory: str) -> str:
         groups_meta.append({
             "partitions": g.partitions, "shard_start": g.shard_start, "shard_numel": g.shard_numel,
             "padded_numel": g.padded_numel,
-            "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel,
-                       "tp_sharded": bool(getattr(s.param, "tensor_model_parallel", False)),
+            "slots": [{"name": name_of(s.name) if name_of else s.name, "shape": list(s.shape), "offset": s.offset,
+                       "numel": s.numel, "tp_sharded": bool(getattr(s.param, "tensor_model_parallel", False)),
                        "partition_dim": int(getattr(s.param, "partition_dim", 0)),
-                       "partition_stride": int(getattr(s.param, "partition_stride", 1))} for s in g.slots],
+                       "partition_stride": int(getattr(s.param, "partition_stride", 1))} for s in g.slots
+                      if not getattr(s.param, "pipeline_shared_copy", False)],
         })
     meta = {
         "format": "megazero-zero-1",
         "tp_rank": engine.tp_rank, "tp_size": engine.tp_size, "dp_rank": engine.dp_rank, "dp_size": engine.dp_size,
-        "stage": engine.stage, "optimizer_step": step, "groups": groups_meta,
+        "stage": engine.stage, "optimizer_step": step, "groups": groups_meta, "pp_rank": pp_rank, "pp_size": pp_size,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "precision": str(engine.compute_dtype).replace("torch.", ""),
         "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
@@ -138,31 +146,43 @@ class CheckpointReader:
         self.entries: dict[str, dict] = (manifest or {}).get("files", {}) if manifest is not None else {}
         self.verify = manifest is not None
         self._files: dict[str, ShardFile] = {}
-        self.by_rank: dict[tuple[int, int], str] = {}  # (tp_rank, dp_rank) -> file name
+        # (tp_rank, dp_rank) -> file name, per pipeline stage (one stage unless saved with pp > 1)
+        self.stages: list[dict[tuple[int, int], str]] = [{}]
+        self.by_rank = self.stages[0]
         layout = (manifest or {}).get("layout")
         if layout is not None:
             self.tp_size, self.dp_size = layout["tp_size"], layout["dp_size"]
+            self.stages = [{} for _ in range(layout.get("pp_size", 1))]
             for name, e in self.entries.items():
                 if "tp_rank" in e:
-                    self.by_rank[(e["tp_rank"], e["dp_rank"])] = name
+                    self.stages[e.get("pp_rank", 0)][(e["tp_rank"], e["dp_rank"])] = name
         else:  # no layout in a manifest: learn it from every shard's header
             names = sorted(f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".safetensors"))
             if not names:
                 raise CheckpointError(f"{directory} holds no zero_rank*.safetensors files: not a megazero checkpoint")
+            meta0 = self._open(names[0]).meta
+            if meta0 is None:
+                raise CheckpointError(f"cannot read {os.path.join(directory, names[0])}: no megazero metadata "
+                                      "(not a megazero shard?)")
+            self.stages = [{} for _ in range(meta0.get("pp_size", 1))]
             for n in names:
                 meta = self._open(n).meta
                 if meta is None:
                     raise CheckpointError(f"cannot read {os.path.join(directory, n)}: no megazero metadata "
                                           "(not a megazero shard?)")
-                self.by_rank[(meta["tp_rank"], meta["dp_rank"])] = n
-            meta0 = self._open(names[0]).meta
+                self.stages[meta.get("pp_rank", 0)][(meta["tp_rank"], meta["dp_rank"])] = n
             self.tp_size, self.dp_size = meta0["tp_size"], meta0["dp_size"]
-        missing = [(t, d) for t in range(self.tp_size) for d in range(self.dp_size) if (t, d) not in self.by_rank]
+        self.by_rank = self.stages[0]
+        self.pp_size = len(self.stages)
+        missing = [(t, d, pp) for pp, files in enumerate(self.stages) for t in range(self.tp_size)
+                   for d in range(self.dp_size) if (t, d) not in files]
         if missing:
-            raise CheckpointError(f"{directory}: the shard files of (tp rank, dp rank) {missing[:8]} are missing")
+            raise CheckpointError(f"{directory}: the shard files of (tp rank, dp rank, pp rank) {missing[:8]} are "
+                                  "missing")
         self.prefer_dp = prefer_dp % self.dp_size
-        self._groups: dict[int, list[dict]] = {}
+        self._groups: dict[tuple[int, int], list[dict]] = {}  # (pp rank, tp rank) -> saved groups
         self._where: dict[int, dict[str, tuple[int, dict]]] = {}
+        self._stage_of: dict[str, int] = {}  # name -> saved pipeline stage holding it
 
     def _open(self, name: str) -> ShardFile:
         f = self._files.get(name)
@@ -175,8 +195,8 @@ class CheckpointReader:
                 raise CheckpointError(f"cannot read {f.path}: no megazero metadata (not a megazero shard?)")
         return f
 
-    def file_of(self, tp_rank: int, dp_rank: int) -> ShardFile:
-        return self._open(self.by_rank[(tp_rank, dp_rank)])
+    def file_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> ShardFile:
+        return self._open(self.stages[pp_rank][(tp_rank, dp_rank)])
 
     @property
     def first_meta(self) -> dict:
@@ -185,9 +205,15 @@ class CheckpointReader:
     def where(self, tp_rank: int) -> dict[str, tuple[int, dict]]:
         """name -> (group index, slot metadata) in the files of saved TP rank ``tp_rank``."""
         if tp_rank not in self._where:
-            meta = self.file_of(tp_rank, self.prefer_dp).meta
-            self._groups[tp_rank] = meta["groups"]
-            self._where[tp_rank] = {s["name"]: (gi, s) for gi, g in enumerate(meta["groups"]) for s in g["slots"]}
+            where: dict[str, tuple[int, dict]] = {}
+            for pp in range(self.pp_size):  # every stage's names (pp = 1 names when saved by a pipeline)
+                meta = self.file_of(tp_rank, self.prefer_dp, pp).meta
+                self._groups[(pp, tp_rank)] = meta["groups"]
+                for gi, g in enumerate(meta["groups"]):
+                    for s in g["slots"]:
+                        where[s["name"]] = (gi, s)
+                        self._stage_of[s["name"]] = pp
+            self._where[tp_rank] = where
         return self._where[tp_rank]
 
     @property
@@ -215,15 +241,17 @@ class CheckpointReader:
     def _split_dp(self, plan: dict, tp_rank: int, name: str, key: str, lo: int, hi: int, dest: torch.Tensor) -> None:
         """Queue saved-local elements ``[lo, hi)`` of ``name`` (saved TP rank ``tp_rank``) for ``dest``."""
         gi, slot = self.where(tp_rank)[name]
-        g = self._groups[tp_rank][gi]
+        pp = self._stage_of[name]
+        files = self.stages[pp]
+        g = self._groups[(pp, tp_rank)][gi]
         a, b = slot["offset"] + lo, slot["offset"] + hi
         if g["partitions"] == 1:  # ZeRO-0: every DP rank holds the whole group; read the preferred one
-            plan.setdefault(self.by_rank[(tp_rank, self.prefer_dp)], []).append((f"g{gi}.{key}", a, b, dest))
+            plan.setdefault(files[(tp_rank, self.prefer_dp)], []).append((f"g{gi}.{key}", a, b, dest))
             return
         sn = g["shard_numel"]
         for d in range(a // sn, (b - 1) // sn + 1):
             x, y = max(a, d * sn), min(b, (d + 1) * sn)
-            plan.setdefault(self.by_rank[(tp_rank, d)], []).append(
+            plan.setdefault(files[(tp_rank, d)], []).append(
                 (f"g{gi}.{key}", x - d * sn, y - d * sn, dest[x - a:y - a]))
 
     def plan(self, plan: dict, name: str, key: str, local_shape: list[int], tp_sharded: bool, dim: int,
@@ -302,17 +330,23 @@ def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
 
 @torch.no_grad()
 def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
-                    counter: Optional[ReadCounter] = None) -> dict:
+                    counter: Optional[ReadCounter] = None, *, name_of: Optional[Callable[[str], str]] = None) -> dict:
     """Collective-free part of a load: fill this rank's fp32 masters and Adam moments from ``directory``.
 
     Reads only the saved elements that this rank owns under its own layout. Returns the
     saved metadata, with ``bytes_read`` and ``files_read`` of this rank added. Follow with
-    :func:`publish_loaded_state` (a collective) before using the engine.
+    :func:`publish_loaded_state` (a collective) before using the engine. A pipeline stage
+    passes ``name_of`` (its parameter name -> the pp = 1 name): it then holds part of the
+    saved names, and its copy of the tied embedding loads from the embedding itself.
     """
     reader = CheckpointReader(directory, manifest, prefer_dp=engine.dp_rank, counter=counter)
-    mine = {s.name for g in engine.groups for s in g.slots}
+    stage_of_pipeline = name_of is not None
+    name_of = name_of or (lambda n: n)
+    mine = {name_of(s.name) for g in engine.groups for s in g.slots}
     saved = set(reader.names)
     missing, unexpected = sorted(mine - saved), sorted(saved - mine)
+    if stage_of_pipeline:
+        unexpected = []  # a pipeline stage holds part of the model; the other stages load the rest
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)
@@ -331,7 +365,7 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
                 continue
             p = s.param
             for key in keys:
-                reader.plan(plan, s.name, key, list(s.shape), bool(getattr(p, "tensor_model_parallel", False)),
+                reader.plan(plan, name_of(s.name), key, list(s.shape), bool(getattr(p, "tensor_model_parallel", False)),
                             int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1)),
                             engine.tp_rank, engine.tp_size, p0, p0 + n, stage[key][s0:s0 + n])
         reader.execute(plan)

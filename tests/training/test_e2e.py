@@ -154,7 +154,7 @@ def test_tampered_checkpoint_is_refused(dataset, reshard_source, tmp_path):
     ({"--tp": "3"}, "world size 4 is not divisible"),
     ({"--global-batch-size": "10"}, "10"),
     ({"--tp": "1", "--sequence-parallel": None}, "--tp > 1"),
-    ({"--pp": "2"}, "not supported yet"),
+    ({"--pp": "2", "--num-layers": "3"}, "num_layers (3) is not divisible by the pipeline size (2)"),
     ({"--num-attention-heads": "6"}, "6"),
     ({"--data-path": "/nonexistent/prefix"}, "/nonexistent/prefix"),
 ])

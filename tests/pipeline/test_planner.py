@@ -1,0 +1,76 @@
+"""The planner's pipeline terms: per-stage parameters, activations in flight, bubble, p2p bytes."""
+
+import pytest
+
+from megazero.model.config import gpt_preset
+from megazero.model.flops import num_parameters
+from megazero.training.memory import activation_bytes_per_layer, estimate_memory, replicated_parameters
+
+
+def _plan(pp, v=1, m=16, tp=2, **kw):
+    cfg = gpt_preset("125m")
+    return cfg, estimate_memory(cfg, tp=tp, dp=2, pp=pp, zero_stage=1, micro_batch_size=2, precision="bf16",
+                                global_batch_size=2 * 2 * m, virtual_pp=v, **kw)
+
+
+def test_stages_partition_the_model_plus_the_tied_copy():
+    cfg, est = _plan(pp=4)
+    stages = est.pipeline["stages"]
+    total_tp = (num_parameters(cfg) - replicated_parameters(cfg)) / 2 + replicated_parameters(cfg)
+    tied_copy = cfg.padded_vocab_size * cfg.hidden_size / 2
+    assert sum(s["params"] for s in stages) == pytest.approx(total_tp + tied_copy)
+    assert stages[0]["params"] > stages[1]["params"] == stages[2]["params"] < stages[3]["params"]
+
+
+def test_1f1b_in_flight_and_bubble():
+    cfg, est = _plan(pp=4, m=16)
+    assert [s["in_flight"] for s in est.pipeline["stages"]] == [4, 3, 2, 1]
+    per_layer = activation_bytes_per_layer(cfg, micro_batch_size=2, seq_length=cfg.seq_length, tp=2)
+    first = est.pipeline["stages"][0]
+    assert first["activations"] == pytest.approx(4 * (cfg.num_layers // 4) * per_layer)
+    assert est.pipeline["bubble"] == pytest.approx(3 / 16)
+    _, few = _plan(pp=4, m=2)
+    assert [s["in_flight"] for s in few.pipeline["stages"]] == [2, 2, 2, 1]
+
+
+def test_interleaved_first_stage_holds_L_times_1_plus_pp_minus_1_over_pp_v_layers():
+    cfg, est = _plan(pp=4, v=3, m=16)
+    per_layer = activation_bytes_per_layer(cfg, micro_batch_size=2, seq_length=cfg.seq_length, tp=2)
+    L, pp, v = cfg.num_layers, 4, 3
+    assert est.pipeline["stages"][0]["activations"] == pytest.approx(L * (1 + (pp - 1) / (pp * v)) * per_layer)
+    assert est.pipeline["bubble"] == pytest.approx(3 / (3 * 16))
+
+
+def test_p2p_bytes_per_step():
+    cfg, est = _plan(pp=2, v=2, m=8)
+    boundary = 2 * cfg.seq_length * 2 * cfg.hidden_size  # bf16 [s, b, h]
+    assert est.pipeline["p2p_bytes_per_step"] == 2 * 8 * 2 * boundary
+    _, sp = _plan(pp=2, v=2, m=8, sequence_parallel=True)
+    assert sp.pipeline["p2p_bytes_per_step"] == est.pipeline["p2p_bytes_per_step"] / 2  # shards, tp 2
+
+
+def test_layers_must_divide():
+    with pytest.raises(ValueError, match=r"num_layers \(12\) is not divisible by pp \(5\)"):
+        _plan(pp=5)
+
+
+def test_13b_script_compares_the_megatron_deepspeed_layout():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NNODES="4", DRY_RUN="1", LAYOUT="tp4pp8z1")
+    r = subprocess.run(["bash", str(root / "examples" / "azure" / "run_gpt_13b.sh")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "world 32 = tp 4 x pp 8 x dp 1, ZeRO stage 1" in r.stdout
+    assert "stage 0: layers 0-4 (embedding)" in r.stdout and "stage 7: layers 35-39 (head)" in r.stdout
+    table = r.stdout[r.stdout.index("layouts compared"):]
+    assert "tp4z3" in table and "tp4pp8z1" in table
+    bubble = [line for line in table.splitlines() if "pipeline bubble" in line][0].split()
+    assert bubble[-2:] == ["0.000", f"{7 / 512:.3f}"]
+    env["LAYOUT"] = "tp4pp4"
+    bad = subprocess.run(["bash", str(root / "examples" / "azure" / "run_gpt_13b.sh")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "LAYOUT must be tp4z3 or tp4pp8z1" in bad.stderr
