@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import math
 import resource
 import sys
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per DP rank per step")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (megazero and DeepSpeed)")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="ZeRO-3 stage3_param_persistence_threshold (megazero and DeepSpeed)")
     p.add_argument("--out", required=True)
@@ -75,7 +77,7 @@ def ds_config(args) -> dict:
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD,
                                                   "torch_adam": True}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": args.persistence_threshold},
+        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": args.persistence_threshold},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
     }
@@ -243,6 +245,11 @@ def setup_fsdp2(args):
 
 # ------------------------------------------------------------------------------------ main
 
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -251,11 +258,16 @@ def main(argv=None) -> int:
     step, state_bytes, dp, dp_rank = setup(args)
     rows = args.micro_batch
     losses, times, cpu = [], [], []
+    rss_rise = 0
     for i in range(args.warmup + args.steps):
         tokens = batch(i, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
         dist.barrier()
+        rss_before = _rss_now()
         t0, c0 = time.perf_counter(), time.process_time()
         loss = step(tokens)
+        # RSS at the step's high-water mark above RSS before it (with MALLOC_MMAP_THRESHOLD_ set,
+        # freed tensors leave RSS, so this is the step's transient)
+        rss_rise = max(rss_rise, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before)
         c1 = time.process_time()  # this process's CPU time (all its threads), before the barrier's wait
         dist.barrier()
         times.append(time.perf_counter() - t0)
@@ -272,6 +284,7 @@ def main(argv=None) -> int:
         "timed_tokens": tokens_per_step * args.steps,
         "model_state": state_bytes(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_rss_rise_bytes": rss_rise,
         "loss": losses,
         "dp": dp,
         "tp": dist.get_world_size() // dp,

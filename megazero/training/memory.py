@@ -59,7 +59,9 @@ GiB = 2 ** 30
 
 # bytes per parameter: (weights, gradients, optimizer states) — ZeRO paper's 2 + 2 + K with K = 12
 # (fp32 master copy 4 + Adam m 4 + v 4); in fp32 the master copy is the weight itself.
-_STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+# bf16 gradients are accumulated and reduced in fp32 by default (megazero.zero, as Megatron's
+# main_grad): 2 + 4 + 12 = 18 bytes; fp16 keeps fp16 gradients under the loss scale.
+_STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -79,6 +81,7 @@ class MemoryEstimate:
     activation_detail: dict = field(default_factory=dict)  # per_layer, layers, outside_layers bytes
     pipeline: dict = field(default_factory=dict)  # pp > 1: stages, bubble, p2p bytes per step (see estimate_memory)
     traffic: dict = field(default_factory=dict)  # bytes sent per GPU per step: dp, tp, pp, total
+    grad_buckets: float = 0.0  # gradients in flight: autograd's full-size grads of a unit + reduce buckets
 
     @property
     def model_states(self) -> float:
@@ -86,7 +89,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.grad_buckets
 
     def fits(self, gpu_memory_gib: float) -> bool:
         return self.total <= gpu_memory_gib * GiB
@@ -98,6 +101,8 @@ class MemoryEstimate:
                 ("activations", self.activations)]
         if self.buffers:
             rows.append(("ZeRO-3 gather buffers", self.buffers))
+        if self.grad_buckets:
+            rows.append(("gradients in flight", self.grad_buckets))
         rows.append(("total", self.total))
         lines = [
             f"parameters: {self.params_total:,} ({self.params_total / 1e9:.2f}B); "
@@ -151,8 +156,9 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = 
                       grad_accum_dtype: Optional[str] = None) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per rank for ``psi`` parameters (ZeRO paper, Sec. 3.1/5).
 
-    ``grad_accum_dtype='fp32'`` keeps 4-byte gradients under mixed precision (Megatron's
-    fp32 main grads); by default gradients have the weights' dtype, as in the paper.
+    Gradients are fp32 for bf16 (the engine's default, Megatron's fp32 main grads) and
+    have the weights' dtype otherwise; ``grad_accum_dtype`` overrides (``'bf16'``: the
+    paper's 2 + 2 + 12).
     """
     if precision not in _STATE_BYTES:
         raise ValueError(f"precision must be one of {sorted(_STATE_BYTES)}, got {precision!r}")
@@ -184,9 +190,12 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
     h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
     gate = 2 if c.activation == "swiglu" else 1
-    replicated = s * b * h * (4 * e + 2)
+    # Dropout masks (1 byte) and dropout outputs exist only with dropout > 0 (the paper assumes it).
+    hidden_masks = 2 if c.hidden_dropout > 0 else 0
+    replicated = s * b * h * (4 * e + hidden_masks)
     sharded = e * s * b * (n * d + 2 * g * d + n * d + gate * f + f)
-    scores = n * s * s * b * (2 * e + 1) if keep_attention_scores else 0
+    score_bytes = 2 * e + 1 if c.attention_dropout > 0 else e
+    scores = n * s * s * b * score_bytes if keep_attention_scores else 0
     return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t
 
 
@@ -210,7 +219,8 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
     else:
         layers = L * per_layer
     # Embedding dropout mask (1 byte), final norm and output-layer inputs, fp32 logits for the loss.
-    outside = s * b * h / sp_div + 2 * act_bytes * s * b * h / sp_div + 4 * s * b * c.padded_vocab_size / t
+    mask = s * b * h / sp_div if c.hidden_dropout > 0 else 0
+    outside = mask + 2 * act_bytes * s * b * h / sp_div + 4 * s * b * c.padded_vocab_size / t
     return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside}
 
 
@@ -219,7 +229,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     sequence_parallel: bool = False, flash_attn: bool = False,
                     grad_accum_dtype: Optional[str] = None,
                     global_batch_size: Optional[int] = None, virtual_pp: int = 1,
-                    num_microbatches: Optional[int] = None) -> MemoryEstimate:
+                    num_microbatches: Optional[int] = None, reduce_bucket_size: float = 25e6,
+                    prefetch_bucket_size: float = 5e7) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -228,6 +239,12 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     (even split, ``virtual_pp`` chunks per rank, ``num_microbatches`` per step, default
     global batch / (micro x dp)) and the largest is returned, with all of them in
     ``.pipeline``. ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
+
+    Transients follow the engine (``megazero.zero``): ZeRO-3 holds the unit in use, the
+    units prefetched within ``prefetch_bucket_size`` elements, and (tied) the embedding
+    for the output layer; ZeRO-2/3 hold, at the step's peak (the start of backward, every
+    activation alive), one unit's full-size autograd gradients and one bucket of
+    ``reduce_bucket_size`` (or a unit, if larger) in the reduction dtype.
     """
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
@@ -248,8 +265,18 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         layer = (total - replicated - _embedding_params(config)) / config.num_layers / tp
         layer += (replicated - (config.max_position_embeddings * config.hidden_size
                                 if config.position_embedding_type == "learned" else 0)) / config.num_layers
-        unit = max(layer, config.padded_vocab_size * config.hidden_size / tp)
-        buffers = 2 * unit * _STATE_BYTES[precision][0]
+        emb = config.padded_vocab_size * config.hidden_size / tp
+        ahead = min(max(1, math.ceil(prefetch_bucket_size / layer)), config.num_layers - 1) if prefetch_bucket_size > 0 else 0
+        # the unit in use (the embedding, tied or not, while the head runs) and the prefetched ones
+        buffers = (max(layer, emb) + ahead * layer) * _STATE_BYTES[precision][0]
+    grad_buckets = 0.0
+    if zero_stage >= 2:
+        layer_local = (total - replicated - _embedding_params(config)) / config.num_layers / tp
+        unit = max(layer_local, config.padded_vocab_size * config.hidden_size / tp)
+        reduce_bytes = _DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else _STATE_BYTES[precision][1]
+        # At the step's peak (backward's start, all activations alive) one unit's autograd
+        # gradients and one bucket exist; later buckets in flight replace activations already freed.
+        grad_buckets = unit * _DTYPE_BYTES[precision] + min(max(reduce_bucket_size, unit), psi) * reduce_bytes
     gbs = global_batch_size or micro_batch_size * dp
     pipeline: dict = {}
     if pp > 1:
@@ -267,6 +294,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     return MemoryEstimate(
         traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
+        grad_buckets=grad_buckets,
         params_total=total, params_per_rank=psi,
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
         plan=dict(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, micro_batch_size=micro_batch_size, seq_length=s,

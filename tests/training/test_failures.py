@@ -82,7 +82,9 @@ def test_lr_schedule_counts_only_successful_updates(dataset, tmp_path):  # noqa:
     lrs = {}
     for name, overflow in (("clean", ()), ("skips", (2, 3, 5))):
         save = tmp_path / name
-        args = argv(dataset, "--fp16", "--save", str(save), "--save-interval", "100", "--log-interval", "1",
+        # a scale that never overflows by itself (Megatron's default, 2^32, skips the first ~20 steps)
+        args = argv(dataset, "--fp16", "--initial-loss-scale", "1024", "--save", str(save), "--save-interval", "100",
+                    "--log-interval", "1",
                     "--lr-warmup-iters", "4", "--eval-interval", "0", tp=1, stage=1, iters=8)
         run_distributed(2, _fp16_run, args, 2, set(overflow))
         records = [json.loads(line) for line in open(save / "metrics.jsonl")]

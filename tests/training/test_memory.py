@@ -29,7 +29,13 @@ def load_tool(name):
 
 @pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.40625), (2, 16.640625), (3, 1.875)])
 def test_zero_paper_example(stage, gb):
-    assert sum(model_state_bytes(7.5e9, dp=64, zero_stage=stage, precision="bf16")) == gb * 1e9
+    # The paper's 2 + 2 + K: bf16 gradients (megazero's default accumulates them in fp32).
+    assert sum(model_state_bytes(7.5e9, dp=64, zero_stage=stage, precision="bf16", grad_accum_dtype="bf16")) == gb * 1e9
+
+
+def test_bf16_gradients_default_to_fp32():
+    # Megatron's distributed-optimizer figure: 18 bytes per parameter without partitioning.
+    assert sum(model_state_bytes(100, dp=1, zero_stage=0, precision="bf16")) == 1800
 
 
 def test_state_split_fp32_and_fp32_grads():
