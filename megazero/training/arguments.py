@@ -1041,6 +1041,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     model = _resolve_model(ns, parallel, precision, data, check_files, notes)
     schedule = _resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     _resolve_pipeline(ns, parallel, model, schedule)
+    if parallel.pp > 1:
+        asked = [f for f, on in (("--reset-position-ids", data.reset_position_ids),
+                                 ("--reset-attention-mask", data.reset_attention_mask),
+                                 ("--eod-mask-loss", data.eod_mask_loss)) if on]
+        if asked:
+            raise ConfigError(f"{', '.join(asked)} with --pp {parallel.pp}: the pipeline stages do not carry "
+                              "per-document positions and masks yet; run them with --pp 1 (tensor parallelism "
+                              "and ZeRO-3 give the memory saving instead)")
     if ns.pretrained_checkpoint is not None and check_files and not os.path.exists(
             os.path.join(ns.pretrained_checkpoint, "model_full.safetensors")):
         raise ConfigError(f"--pretrained-checkpoint {ns.pretrained_checkpoint} has no model_full.safetensors "

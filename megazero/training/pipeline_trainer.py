@@ -98,7 +98,7 @@ def _save(config: TrainConfig, run: PipelineRun, iteration: int, consumed: int, 
     save_checkpoint(save, iteration, run.engine,
                     train_state={"iteration": iteration, "consumed_samples": consumed,
                                  "lr_scheduler": scheduler.state_dict()},
-                    config=config.to_dict(), pipeline=run.stage)
+                    config=config.to_dict(), pipeline=run.stage, tokenizer=getattr(run, "tokenizer", None))
     _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
 
 
@@ -163,6 +163,7 @@ def pretrain_pipeline(config: TrainConfig) -> TrainResult:
         tokenizer = agree("tokenizer set-up", build, user_errors=(ValueError, OSError))
 
     run = PipelineRun(config, groups, device)
+    run.tokenizer = tokenizer  # recorded by content in every checkpoint
     engine = run.engine
     scheduler = LRScheduler.from_config(config, engine.optimizer)
     for note in config.notes:
