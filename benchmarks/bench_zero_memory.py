@@ -12,7 +12,9 @@ follows live memory and a gathered weight that autograd keeps alive shows up.
 
 Columns (largest rank): step RSS rise = RSS at the step's high-water mark minus RSS just
 before the step (activations, gathered weights, gradients in flight); "x model" = that rise
-over the full fp32 model's bytes; peak RSS = the process's ``ru_maxrss``.
+over the full fp32 model's bytes (RSS sampled every millisecond by a thread during the measured
+step); peak RSS = the process's ``ru_maxrss`` (start-up included). ZeRO-3 prefetches one layer ahead,
+as FSDP2 does.
 
 Baseline (same invocation): PyTorch FSDP2, ``fully_shard`` per layer and on the root, which
 frees unsharded storage with ``untyped_storage().resize_(0)``.
@@ -45,7 +47,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     shape = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-heads", "8",
              "--seq-length", "256", "--vocab-size", "8192", "--micro-batch", "4", "--steps", "1", "--warmup", "1",
-             "--tp", "1", "--dtype", "fp32"]
+             "--tp", "1", "--dtype", "fp32",
+             # prefetch one layer ahead, as FSDP2 does (DeepSpeed's default 5e7 elements would be the
+             # whole of this small model)
+             "--prefetch-bucket-size", str(12 * a.hidden_size ** 2)]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     h, layers, vocab = a.hidden_size, a.num_layers, 8192
     params = layers * (12 * h * h + 13 * h) + (vocab + 256) * h + 2 * h

@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (megazero and DeepSpeed)")
+    p.add_argument("--prefetch-bucket-size", type=float, default=None,
+                   help="ZeRO-3 stage3_prefetch_bucket_size in elements (default: DeepSpeed's 5e7)")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="ZeRO-3 stage3_param_persistence_threshold (megazero and DeepSpeed)")
     p.add_argument("--out", required=True)
@@ -77,7 +79,9 @@ def ds_config(args) -> dict:
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD,
                                                   "torch_adam": True}},
-        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": args.persistence_threshold},
+        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": args.persistence_threshold,
+                              **({"stage3_prefetch_bucket_size": args.prefetch_bucket_size}
+                                 if args.prefetch_bucket_size is not None else {})},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
     }
@@ -250,6 +254,28 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _RssSampler:
+    """Highest RSS seen by a thread polling every millisecond while the block runs."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self._stop = _rss_now(), threading.Event()
+
+        def poll():
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, _rss_now())
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_now())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -263,11 +289,14 @@ def main(argv=None) -> int:
         tokens = batch(i, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
         dist.barrier()
         rss_before = _rss_now()
+        sampler = _RssSampler() if i >= args.warmup else contextlib.nullcontext()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = step(tokens)
-        # RSS at the step's high-water mark above RSS before it (with MALLOC_MMAP_THRESHOLD_ set,
-        # freed tensors leave RSS, so this is the step's transient)
-        rss_rise = max(rss_rise, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before)
+        with sampler:
+            loss = step(tokens)
+        if i >= args.warmup:
+            # the timed step's own RSS high-water mark above RSS before it (with MALLOC_MMAP_THRESHOLD_
+            # set, freed tensors leave RSS, so this is the step's transient)
+            rss_rise = max(rss_rise, sampler.peak - rss_before)
         c1 = time.process_time()  # this process's CPU time (all its threads), before the barrier's wait
         dist.barrier()
         times.append(time.perf_counter() - t0)
