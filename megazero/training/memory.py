@@ -229,7 +229,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     sequence_parallel: bool = False, flash_attn: bool = False,
                     grad_accum_dtype: Optional[str] = None,
                     global_batch_size: Optional[int] = None, virtual_pp: int = 1,
-                    num_microbatches: Optional[int] = None, reduce_bucket_size: float = 25e6,
+                    num_microbatches: Optional[int] = None, reduce_bucket_size: float = 5e6,
                     prefetch_bucket_size: float = 5e7) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 

@@ -62,12 +62,13 @@ class ZeroOptimizationConfig:
     machinery): ``allgather_bucket_size``, ``contiguous_gradients``,
     ``reduce_scatter``, ``stage3_max_reuse_distance``, ``sub_group_size``.
 
-    ``reduce_bucket_size`` defaults to 2.5e7 rather than DeepSpeed's 5e8, so that
-    at most a few layers' full-size gradients exist at once at 13B scale.
+    ``reduce_bucket_size`` defaults to 5e6 rather than DeepSpeed's 5e8: a 13B layer
+    (79M elements at tp 4) is a bucket of its own, and small models still reduce
+    several buckets while backward goes on instead of one at its end.
     """
 
     stage: int = 0
-    reduce_bucket_size: int = 25_000_000
+    reduce_bucket_size: int = 5_000_000
     max_reduce_in_flight: int = 2
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True

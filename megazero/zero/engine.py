@@ -388,7 +388,10 @@ class ZeroEngine(torch.nn.Module):
             return False
         self._reduce_at_boundary()
         grads = self._local_grads()
-        overflow = self._has_overflow(grads)
+        # One pair of all-reduces gives both the norm and the overflow check: an inf or nan
+        # anywhere makes the global sum of squares non-finite (Megatron and DeepSpeed do the same).
+        sum_sq = self._sum_squares(grads)
+        overflow = not math.isfinite(sum_sq)
         self.last_overflow = overflow
         updated = False
         if overflow:
@@ -396,7 +399,7 @@ class ZeroEngine(torch.nn.Module):
             self._global_grad_norm = float("nan")
         else:
             inv = self._predivide / (self.loss_scaler.scale * self.dp_size)
-            norm = math.sqrt(self._sum_squares(grads)) * inv
+            norm = math.sqrt(sum_sq) * inv
             self._global_grad_norm = norm
             coef = inv
             clip = self.config.gradient_clipping
@@ -432,16 +435,6 @@ class ZeroEngine(torch.nn.Module):
     def _local_grads(self) -> dict[FlatGroup, torch.Tensor]:
         return dict(self.grad_full) if self.stage == 0 else dict(self.grad_shard)
 
-    def _has_overflow(self, grads: dict[FlatGroup, torch.Tensor]) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        for t in grads.values():
-            if not torch.isfinite(t).all():
-                bad.fill_(1.0)
-                break
-        self.comm.all_reduce(bad, "dp", op=dist.ReduceOp.MAX)
-        self.comm.all_reduce(bad, "mp", op=dist.ReduceOp.MAX)
-        return bool(bad.item())
-
     def _sum_squares(self, grads: dict[FlatGroup, torch.Tensor]) -> float:
         """Squared L2 norm of the whole model's gradient (still scaled), summed over DP and TP.
 
@@ -451,6 +444,10 @@ class ZeroEngine(torch.nn.Module):
         """
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g, t in grads.items():
+            # Every element is checked for inf/nan, also those another rank counts in the norm.
+            if not torch.isfinite(t).all():
+                total.fill_(float("inf"))
+                break
             for lo, hi in g.norm_ranges(count_replicated=self.tp_rank == 0, count_any=self.stage > 0 or self.dp_rank == 0):
                 total += t[lo:hi].double().pow(2).sum()
         self.comm.all_reduce(total, "dp")
