@@ -314,9 +314,9 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
     weights (2 psi); ZeRO-2 reduce-scatters each micro-batch's gradients as backward frees them
     (m + 1 psi); ZeRO-3 as megazero runs it gathers every unit in forward and again in backward
     for each micro-batch and reduce-scatters its gradients ((2 + 1) m psi: traffic x micro-batches,
-    least memory). Keeping a stage's units gathered across the step's micro-batches would cost
-    3 psi like DeepSpeed's ZeRO-3 without pipelining, holding the stage's full weights and
-    gradients (not implemented). Tensor parallel: 2 all-reduces of [s, b, h] per layer forward
+    least memory). Keeping a stage's units gathered across the step's micro-batches
+    (``stage3_keep_gathered_in_step``) costs 2 psi per step, holding the stage's full weights
+    and gradients during the step. Tensor parallel: 2 all-reduces of [s, b, h] per layer forward
     and 2 backward per micro-batch (Megatron), or the same bytes as all-gather + reduce-scatter
     under sequence parallelism.
     """

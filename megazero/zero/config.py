@@ -57,7 +57,8 @@ class ZeroOptimizationConfig:
     ``max_reduce_in_flight`` (megazero's: buckets being reduced at once before the
     oldest is waited for); ``stage3_prefetch_bucket_size`` (elements all-gathered
     ahead of the unit in use); ``stage3_max_live_parameters`` (elements gathered at
-    once, the unit in use excepted); ``stage3_param_persistence_threshold``.
+    once, the unit in use excepted); ``stage3_param_persistence_threshold``;
+    ``stage3_keep_gathered_in_step`` (megazero's, see the field).
     Accepted so that DeepSpeed files load, with no effect (they tune DeepSpeed's own
     machinery): ``allgather_bucket_size``, ``contiguous_gradients``,
     ``reduce_scatter``, ``stage3_max_reuse_distance``, ``sub_group_size``.
@@ -79,6 +80,11 @@ class ZeroOptimizationConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
+    # megazero's: keep ZeRO-3 units gathered across a step's micro-batches and reduce-scatter the
+    # gradients once per step (the pipeline-friendly policy: all-gather Psi + reduce-scatter Psi
+    # per step instead of 3 Psi per micro-batch, at the cost of holding the stage's full
+    # parameters and gradients during the step).
+    stage3_keep_gathered_in_step: bool = False
     sub_group_size: int = 1_000_000_000
 
 

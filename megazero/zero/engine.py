@@ -105,10 +105,14 @@ class ZeroEngine(torch.nn.Module):
         self._slot_by_name = {s.name: (g, s) for g in self.groups for s in g.slots}
         self._materialize()
         self._bind_all()
-        self.grad_full = {}  # stage 0/1: full-size accumulated grads per group
+        # ZeRO-3 "keep gathered in step": gradients accumulate full-size, as in ZeRO-1, and are
+        # reduce-scattered once at the accumulation boundary.
+        self.hold = self.stage == 3 and config.zero_optimization.stage3_keep_gathered_in_step
+        self.accumulate_full = self.stage <= 1 or self.hold
+        self.grad_full = {}  # stage 0/1 (and hold): full-size accumulated grads per group
         self.grad_shard = {}  # stage 1-3: this rank's reduced grad partition per group
         for g in self.trainable_groups:
-            if self.stage <= 1:
+            if self.accumulate_full:
                 self.grad_full[g] = torch.zeros(g.padded_numel, dtype=self.grad_dtype, device=self.device)
             if self.stage == 1:  # the reduced partition lives in the full buffer's own slice
                 self.grad_shard[g] = self.grad_full[g].narrow(0, g.shard_start, g.shard_numel)
@@ -123,7 +127,7 @@ class ZeroEngine(torch.nn.Module):
         self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
         zc = config.zero_optimization
         self.reducer: Optional[GradReducer] = None
-        if self.stage >= 2:
+        if self.stage >= 2 and not self.hold:
             self.reducer = GradReducer(
                 self.units, self.grad_shard,
                 reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm),
@@ -144,7 +148,8 @@ class ZeroEngine(torch.nn.Module):
                 all_gather=lambda out, shard: self.comm.all_gather(out, shard, "dp", async_op=True),
                 agree=None, in_backward=lambda: self._in_backward,
                 on_forward_begin=self._forward_begin, on_forward_end=self._forward_end, mark_used=self._mark_used,
-                prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters)
+                prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
+                hold=self.hold)
         elif self.stage == 2:
             self._install_usage_hooks(model, needs, plan.hooked, unit_of_param)
         self.micro_steps = 0
@@ -250,7 +255,7 @@ class ZeroEngine(torch.nn.Module):
         unit = self._unit_of_group[id(group)]
 
         def hook(param: torch.Tensor) -> None:
-            if self.stage <= 1:
+            if self.accumulate_full:
                 # Accumulate locally (fp32 for bf16); communication waits for the accumulation boundary.
                 self.grad_full[group].narrow(0, slot.offset, slot.numel).add_(param.grad.reshape(-1))
                 param.grad = None
@@ -305,8 +310,9 @@ class ZeroEngine(torch.nn.Module):
             work.wait()
         flags = flags.cpu()
         n = len(self.units)
-        self.reducer.local_used = local_used
-        self.reducer.global_used = {id(u) for u, f in zip(self.units, flags[:n].tolist()) if f}
+        if self.reducer is not None:
+            self.reducer.local_used = local_used
+            self.reducer.global_used = {id(u) for u, f in zip(self.units, flags[:n].tolist()) if f}
         if self.window is not None:
             self.window.trace = trace
             self.window.set_agreed(flags[n:])
@@ -352,7 +358,7 @@ class ZeroEngine(torch.nn.Module):
             raise ValueError(f"{slot.name} is frozen (requires_grad=False): it has no gradient to add to")
         if tuple(grad.shape) != tuple(slot.shape):
             raise ValueError(f"{slot.name}: gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(slot.shape)}")
-        if self.stage <= 1:
+        if self.accumulate_full:
             self.grad_full[g].narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
             return
         for s in g.slots:
@@ -415,18 +421,20 @@ class ZeroEngine(torch.nn.Module):
             self.global_steps += 1
         self.loss_scaler.update(overflow)
         self._zero_grads()
+        if self.hold:
+            self.window.release_all(force=True)  # the step's gathered units end with it
         return updated
 
     # ------------------------------------------------------------------ step internals
 
     def _reduce_at_boundary(self) -> None:
-        if self._predivide != 1.0 and self.stage <= 1:
+        if self._predivide != 1.0 and self.accumulate_full:
             for buf in self.grad_full.values():
                 buf.div_(self._predivide)
         if self.stage == 0:
             for g, buf in self.grad_full.items():
                 self.comm.all_reduce(buf, "dp")
-        elif self.stage == 1:
+        elif self.stage == 1 or self.hold:
             for g, buf in self.grad_full.items():
                 out = torch.empty_like(self.grad_shard[g])
                 self.comm.reduce_scatter(out, buf, "dp")
@@ -464,7 +472,7 @@ class ZeroEngine(torch.nn.Module):
     def release_gathered(self) -> None:
         """Free every gathered ZeRO-3 unit (their values may be stale)."""
         if self.window is not None:
-            self.window.release_all()
+            self.window.release_all(force=True)
 
     @torch.no_grad()
     def _publish_params(self, groups: Optional[list[FlatGroup]] = None) -> None:
@@ -502,8 +510,9 @@ class ZeroEngine(torch.nn.Module):
         """Bytes of model state this rank holds: parameters, gradients, optimizer (master + moments)."""
         params = sum(g.full.numel() * g.full.element_size() if g.resident else g.shard.numel() * g.shard.element_size()
                      for g in self.groups)
-        grad_buffers = self.grad_full if self.stage <= 1 else self.grad_shard  # stage 1's shards are views
-        grads = sum(t.numel() * t.element_size() for t in grad_buffers.values())
+        grads = sum(t.numel() * t.element_size() for t in self.grad_full.values())
+        if self.stage >= 2:  # stage 1's shards are views of grad_full
+            grads += sum(t.numel() * t.element_size() for t in self.grad_shard.values())
         opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard)
         for state in self.optimizer.state.values():
             opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -536,8 +545,7 @@ class ZeroEngine(torch.nn.Module):
                     raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
                                      f"the model has {tuple(s.shape)}; was the model configured differently?")
                 g.load_param_values(s, local)
-        if self.window is not None:
-            self.window.release_all()  # drop gathered copies of the old values
+        self.release_gathered()  # drop gathered copies of the old values
 
     @torch.no_grad()
     def full_master_tensors(self, which: str = "master") -> dict[str, torch.Tensor]:

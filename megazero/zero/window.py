@@ -102,6 +102,7 @@ class GatherWindow:
         mark_used: Callable[[Unit], None],
         prefetch_numel: int,
         max_live_numel: int,
+        hold: bool = False,
     ) -> None:
         self.units = [u for u in units if not u.resident]
         self.index = {id(u): i for i, u in enumerate(self.units)}
@@ -109,6 +110,8 @@ class GatherWindow:
         self.all_gather, self.agree, self.in_backward = all_gather, agree, in_backward
         self.on_forward_begin, self.on_forward_end, self.mark_used = on_forward_begin, on_forward_end, mark_used
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        # hold: units stay gathered until the engine's step releases them (stage3_keep_gathered_in_step)
+        self.hold = hold
         self.by_ptr: dict[int, Unit] = {}
         self.live_numel = 0
         self.peak_live_numel = 0
@@ -174,8 +177,8 @@ class GatherWindow:
                 g.gathered = True
                 self.by_ptr[g.data_ptr()] = unit
 
-    def release(self, unit: Unit) -> None:
-        if unit.resident or not (unit.gathered or unit.pending):
+    def release(self, unit: Unit, force: bool = False) -> None:
+        if unit.resident or not (unit.gathered or unit.pending) or (self.hold and not force):
             return
         for w in unit.pending:
             w.wait()
@@ -186,9 +189,9 @@ class GatherWindow:
                 g.release()
         self.live_numel -= unit.numel()
 
-    def release_all(self) -> None:
+    def release_all(self, force: bool = False) -> None:
         for u in self.units:
-            self.release(u)
+            self.release(u, force)
         self.active.clear()
 
     def end_backward(self) -> None:

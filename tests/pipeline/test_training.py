@@ -42,7 +42,7 @@ def reference(num_layers: int, tied: bool, m: int):
     return losses, norms, emb_norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False):
+def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False, keep_gathered=False):
     groups = mpu.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=v if v > 1 else None)
     dp, dp_rank = groups.dp_size, groups.dp_rank
     cfg = tiny_config(num_layers=num_layers, tie_embeddings=tied, sequence_parallel=sequence_parallel)
@@ -51,7 +51,10 @@ def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False
     chunks = build_stage_chunks(cfg, pp=pp, pp_rank=groups.pp_rank, v=v, tp_group=groups.tp_group, device="meta")
     module = chunks[0] if v == 1 else StageChunks(chunks)
     micro = GLOBAL_MICRO_ROWS // dp
-    engine = zero.initialize(module, ds_config(stage, accum=m, micro=micro), mpu=mpu)
+    ds = ds_config(stage, accum=m, micro=micro)
+    ds["zero_optimization"]["stage3_keep_gathered_in_step"] = keep_gathered
+    engine = zero.initialize(module, ds, mpu=mpu)
+    engine.comm.reset()
 
     def global_name(name):
         if v == 1:
@@ -73,8 +76,10 @@ def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False
             dist.all_reduce(total, group=groups.dp_group)
             losses.append(float(total) / dp)
         norms.append(engine.get_global_grad_norm())
+    traffic = engine.comm.snapshot()
     weights = {global_name(k): v for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
-    return dict(pp_rank=groups.pp_rank, losses=losses, norms=norms, weights=weights, max_live=pipe.runner.max_live)
+    return dict(pp_rank=groups.pp_rank, losses=losses, norms=norms, weights=weights, max_live=pipe.runner.max_live,
+                traffic=traffic, local_bytes=engine.num_local_parameters() * 4)
 
 
 def _check(results, num_layers, tied, m, tol=1e-5):
@@ -96,8 +101,8 @@ def _check(results, num_layers, tied, m, tol=1e-5):
     return max(diffs)
 
 
-def _case(world, tp, pp, v, stage, m, tied, num_layers, sp=False):
-    results = run_distributed(world, _pipeline_run, tp, pp, v, stage, m, tied, num_layers, sp)
+def _case(world, tp, pp, v, stage, m, tied, num_layers, sp=False, keep_gathered=False):
+    results = run_distributed(world, _pipeline_run, tp, pp, v, stage, m, tied, num_layers, sp, keep_gathered)
     assert any(r["losses"] for r in results)
     # TP sums partial products in another order than one process: 5 Adam steps amplify that to ~1e-5.
     return results, _check(results, num_layers, tied, m, tol=1e-5 if tp == 1 else 2e-5)
@@ -126,3 +131,17 @@ def test_first_stage_holds_at_most_pp_microbatches():
     """1F1B bounds the activations the first stage keeps alive to pp micro-batches (here of m = 9)."""
     results, _ = _case(4, 1, 4, 1, 1, 9, False, num_layers=8)
     assert [r["max_live"] for r in sorted(results, key=lambda r: r["pp_rank"])] == [4, 3, 2, 1]
+
+
+# ZeRO-3 x PP, the second policy: units stay gathered across the step's micro-batches and
+# gradients are reduce-scattered once per step.
+@pytest.mark.parametrize("v,m", [(1, 5), (2, 4)])
+def test_zero3_keep_gathered_in_step_matches_pp1_with_one_gather_per_step(v, m):
+    results, _ = _case(4, 1, 2, v, 3, m, True, num_layers=4, keep_gathered=True)
+    for r in results:
+        per_step_gather = r["traffic"]["all_gather/dp"] / STEPS
+        per_step_reduce = r["traffic"]["reduce_scatter/dp"] / STEPS
+        # about one all-gather and one reduce-scatter of the stage's parameters per step, not m of each
+        # (the tied head's copy is gathered once more for the output layer)
+        assert per_step_reduce <= 1.05 * r["local_bytes"], (per_step_reduce, r["local_bytes"])
+        assert per_step_gather <= 2.0 * r["local_bytes"], (per_step_gather, r["local_bytes"])
