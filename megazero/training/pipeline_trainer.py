@@ -24,14 +24,15 @@ from .. import mpu, zero
 from ..model import num_parameters
 from ..model.pipeline_split import build_pipeline_model
 from ..pipeline import PipelineStage
-from .arguments import check_vocab, pipeline_plan_line
+from .arguments import pipeline_plan_line
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb
 from .run_control import SignalFlag, any_rank, set_accumulation
-from .trainer import TrainingDiverged, TrainResult, _datasets, _loader, _print0, megatron_no_weight_decay
+from .trainer import (TrainingDiverged, TrainResult, _datasets, _loader, _print0, build_tokenizer_agreed,
+                      megatron_no_weight_decay)
 
 __all__ = ["pretrain_pipeline", "PipelineRun"]
 
@@ -151,16 +152,7 @@ def pretrain_pipeline(config: TrainConfig) -> TrainResult:
                            f"the run asks pp {p.pp} x v {p.virtual_pp}")
     device = mpu.get_device()
     mpu.model_parallel_manual_seed(config.seed)
-    tokenizer = None
-    if config.data.tokenizer_type is not None:
-        from ..data import build_tokenizer
-
-        def build():
-            tok = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
-            check_vocab(config, tok.vocab_size)
-            return tok
-
-        tokenizer = agree("tokenizer set-up", build, user_errors=(ValueError, OSError))
+    tokenizer = build_tokenizer_agreed(config)
 
     run = PipelineRun(config, groups, device)
     run.tokenizer = tokenizer  # recorded by content in every checkpoint

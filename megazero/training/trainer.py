@@ -181,6 +181,21 @@ def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler:
     _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
 
 
+def build_tokenizer_agreed(config: TrainConfig):
+    """The run's tokenizer (None for mock data without one), built on every rank; a bad file on
+    any rank stops all of them with its message."""
+    if config.data.tokenizer_type is None:
+        return None
+    from ..data import build_tokenizer
+
+    def build():
+        tok = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
+        check_vocab(config, tok.vocab_size)
+        return tok
+
+    return agree("tokenizer set-up", build, user_errors=(ValueError, OSError))
+
+
 def _refuse_foreign_checkpoint(load: str) -> None:
     """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
     instead of finding no megazero checkpoint there and silently starting from scratch."""
@@ -223,16 +238,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
     device = mpu.get_device()
     mpu.model_parallel_manual_seed(config.seed)
 
-    tokenizer = None
-    if config.data.tokenizer_type is not None:
-        from ..data import build_tokenizer
-
-        def build():
-            tok = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())
-            check_vocab(config, tok.vocab_size)
-            return tok
-
-        tokenizer = agree("tokenizer set-up", build, user_errors=(ValueError, OSError))
+    tokenizer = build_tokenizer_agreed(config)
 
     # Built on the meta device: every ZeRO stage materializes it partition by partition,
     # with values identical to a full initialization.
