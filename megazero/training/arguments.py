@@ -42,7 +42,6 @@ from megazero.training.config import (
     ScheduleConfig,
     TrainConfig,
     rampup_global_batch_size,
-    with_equal_weights,
 )
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe"]
@@ -578,11 +577,11 @@ def _resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[
     return sched
 
 
-def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[float]]:
+def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], Optional[list[float]]]:
     from megazero.data.gpt_dataset import parse_data_prefix  # lazy: numpy etc.
 
     try:
-        return parse_data_prefix(with_equal_weights(items))
+        return parse_data_prefix(items)
     except ValueError as e:
         raise ConfigError(f"{flag_name}: {e}") from None
 
