@@ -318,11 +318,6 @@ def _resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Opti
         o.type = "SGD"
     if o.type == "SGD":
         _check_engine_has_sgd()
-        if ns.save is not None or ns.load is not None:
-            # megazero.zero.checkpoint saves Adam's moments only: a resume would silently drop the momentum.
-            raise ConfigError("--optimizer sgd with --save/--load: checkpoints do not hold SGD's momentum buffer "
-                              "yet, so a resume would not be exact; train without --save/--load or use "
-                              "--optimizer adam")
     elif ns.sgd_momentum is not None:
         raise ConfigError("--sgd-momentum needs --optimizer sgd")
     for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
