@@ -42,7 +42,6 @@ from megazero.training.config import (
     ScheduleConfig,
     TrainConfig,
     rampup_global_batch_size,
-    with_equal_weights,
 )
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe"]
@@ -319,11 +318,6 @@ def _resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Opti
         o.type = "SGD"
     if o.type == "SGD":
         _check_engine_has_sgd()
-        if ns.save is not None or ns.load is not None:
-            # megazero.zero.checkpoint saves Adam's moments only: a resume would silently drop the momentum.
-            raise ConfigError("--optimizer sgd with --save/--load: checkpoints do not hold SGD's momentum buffer "
-                              "yet, so a resume would not be exact; train without --save/--load or use "
-                              "--optimizer adam")
     elif ns.sgd_momentum is not None:
         raise ConfigError("--sgd-momentum needs --optimizer sgd")
     for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
@@ -578,11 +572,11 @@ def _resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[
     return sched
 
 
-def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], list[float]]:
+def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], Optional[list[float]]]:
     from megazero.data.gpt_dataset import parse_data_prefix  # lazy: numpy etc.
 
     try:
-        return parse_data_prefix(with_equal_weights(items))
+        return parse_data_prefix(items)
     except ValueError as e:
         raise ConfigError(f"{flag_name}: {e}") from None
 

@@ -137,21 +137,6 @@ class ScheduleConfig:
         return rampup_global_batch_size(self.rampup_batch_size, self.global_batch_size, consumed_samples)
 
 
-def with_equal_weights(paths: list[str]) -> list[str]:
-    """Megatron's unweighted multi-prefix ``--data-path A B`` as ``1 A 1 B`` (equal weights); any other
-    form is returned as given."""
-    def number(x: str) -> bool:
-        try:
-            float(x)
-            return True
-        except ValueError:
-            return False
-
-    if len(paths) > 1 and not any(number(p) for p in paths):
-        return [x for p in paths for x in ("1", p)]
-    return list(paths)
-
-
 def rampup_global_batch_size(rampup: tuple[int, int, int], global_batch_size: int, consumed_samples: int) -> int:
     """Megatron's --rampup-batch-size START INCR SAMPLES: START + INCR * floor(consumed / (SAMPLES /
     ((global - START) / INCR))) until SAMPLES were consumed, then the full global batch."""
@@ -168,7 +153,9 @@ class DataConfig:
 
     data_path: list[str] = field(default_factory=list)  # raw Megatron form: "[w1] p1 [w2] p2 ..."
     prefixes: list[str] = field(default_factory=list)  # parsed: dataset prefixes ({p}.bin/{p}.idx)
-    weights: list[float] = field(default_factory=list)  # parsed: normalised blend weights
+    # parsed: normalised blend weights; None without weights (one prefix, or 'P1 P2 ...': megatron-core
+    # blends unweighted prefixes in proportion to their sizes)
+    weights: Optional[list[float]] = None
     split: str = "969,30,1"
     mock_data: bool = False
     tokenizer_type: Optional[str] = None  # None only with mock data

@@ -273,7 +273,7 @@ g(H, "--seed", "random seed", int)
 
 # ----------------------------------------------------------------------------------------------- data
 g = _group("data and tokenizer")
-g(H, "--data-path", "PREFIX, 'P1 P2 ...' (equal weights) or 'W1 P1 W2 P2 ...'", str, nargs="+")
+g(H, "--data-path", "PREFIX, 'P1 P2 ...' (blended by size, as megatron-core) or 'W1 P1 W2 P2 ...'", str, nargs="+")
 g(H, "--train-data-path", "training data only (with --valid-data-path/--test-data-path instead of --split)",
   str, nargs="+")
 g(H, "--valid-data-path", "validation data", str, nargs="+")

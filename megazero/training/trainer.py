@@ -22,7 +22,7 @@ from .. import mpu, zero
 from ..model import GPTModel, num_parameters
 from .arguments import check_vocab
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
-from .config import TrainConfig, with_equal_weights
+from .config import TrainConfig
 from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
@@ -92,10 +92,10 @@ def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
         # Megatron's separate split files: each path list is a whole split of its own.
         return build_train_valid_test_datasets(
             None, d.split, config.model.seq_length, config.seed, num_samples,
-            train_data_path=with_equal_weights(d.train_data_path),
-            valid_data_path=with_equal_weights(d.valid_data_path) or None,
-            test_data_path=with_equal_weights(d.test_data_path) or None, **common)
-    return build_train_valid_test_datasets(with_equal_weights(d.data_path), d.split, config.model.seq_length,
+            train_data_path=d.train_data_path, valid_data_path=d.valid_data_path or None,
+            test_data_path=d.test_data_path or None, **common)
+    # Unweighted 'A B' passes through as is: megatron-core blends such prefixes by their sizes.
+    return build_train_valid_test_datasets(d.data_path, d.split, config.model.seq_length,
                                            config.seed, num_samples, **common)
 
 

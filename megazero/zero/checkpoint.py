@@ -1,7 +1,8 @@
 """Sharded ZeRO checkpoints that load at any tp x dp x ZeRO stage, reading only what a rank owns.
 
-Each rank writes one safetensors file with its fp32 master partitions and Adam
-moments, plus JSON metadata saying which parameter (by its tp=1 name) lies
+Each rank writes one safetensors file with its fp32 master partitions and the
+optimizer's per-element state (Adam's two moments, SGD's momentum buffer), plus
+JSON metadata saying which parameter (by its tp=1 name) lies
 where in each flat partition and how it is TP-sharded.
 
 Loading plans, for every element range this rank will own under *its* layout,
@@ -38,7 +39,15 @@ from .shard_io import CheckpointError, ReadCounter, ShardFile, fsync_path
 __all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_zero_state", "publish_loaded_state",
            "read_full_parameters", "CheckpointReader", "ReadCounter", "shard_file"]
 
-STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-element state tensors ``optimizer`` keeps beside each master (saved and resharded
+    like the master itself); scalar state such as Adam's step is saved as ``optimizer_step``."""
+    if isinstance(optimizer, torch.optim.SGD):
+        # torch's SGD keeps no buffer without momentum
+        return ("momentum_buffer",) if optimizer.defaults.get("momentum", 0) else ()
+    return ("exp_avg", "exp_avg_sq")
 
 
 def shard_file(directory: str, rank: int) -> str:
@@ -59,11 +68,12 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, name_of: Optional[Cal
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors, groups_meta = {}, []
     step = 0
+    keys = ("master",) + optimizer_state_keys(engine.optimizer)
     for i, g in enumerate(engine.groups):
         state = engine.optimizer.state.get(g.master, {})
         if "step" in state:
             step = int(state["step"])
-        for key in STATES:
+        for key in keys:
             value = g.master if key == "master" else state.get(key)
             if value is not None:
                 tensors[f"g{i}.{key}"] = value.detach().float().contiguous().cpu()
@@ -233,8 +243,10 @@ class CheckpointReader:
             shape[s["partition_dim"]] *= self.tp_size
         return shape
 
-    def has_moments(self) -> bool:
-        return "g0.exp_avg" in self.file_of(0, self.prefer_dp).tensors
+    def state_keys(self) -> tuple[str, ...]:
+        """The optimizer state keys saved beside the masters (none before the first step)."""
+        return tuple(sorted(k[3:] for k in self.file_of(0, self.prefer_dp).tensors
+                            if k.startswith("g0.") and k != "g0.master"))
 
     # ---- planning
 
@@ -331,7 +343,7 @@ def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
 @torch.no_grad()
 def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
                     counter: Optional[ReadCounter] = None, *, name_of: Optional[Callable[[str], str]] = None) -> dict:
-    """Collective-free part of a load: fill this rank's fp32 masters and Adam moments from ``directory``.
+    """Collective-free part of a load: fill this rank's fp32 masters and optimizer state from ``directory``.
 
     Reads only the saved elements that this rank owns under its own layout. Returns the
     saved metadata, with ``bytes_read`` and ``files_read`` of this rank added. Follow with
@@ -350,7 +362,12 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)
-    keys = STATES if reader.has_moments() else STATES[:1]
+    wanted, saved_keys = optimizer_state_keys(engine.optimizer), reader.state_keys()
+    if saved_keys and set(saved_keys) != set(wanted):
+        raise CheckpointError(f"{directory} holds optimizer state {list(saved_keys)}, this run's "
+                              f"{type(engine.optimizer).__name__} keeps {list(wanted)}: it was saved with another "
+                              "optimizer (or SGD momentum on/off); resume with the optimizer that saved it")
+    keys = ("master",) + (wanted if saved_keys else ())
     fused = bool(engine.optimizer.defaults.get("fused"))  # torch keeps fused Adam's step on the device
     for g in engine.groups:
         bufs = {"master": g.master}
@@ -373,7 +390,9 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
             bufs[key].copy_(stage[key])
         if len(keys) > 1:
             state = engine.optimizer.state[g.master]
-            state["step"] = torch.tensor(float(meta["optimizer_step"]), device=g.master.device if fused else "cpu")
+            if not isinstance(engine.optimizer, torch.optim.SGD):  # SGD keeps no step count
+                state["step"] = torch.tensor(float(meta["optimizer_step"]),
+                                             device=g.master.device if fused else "cpu")
             state.update({k: bufs[k] for k in keys[1:]})
     meta["bytes_read"] = reader.counter.bytes
     meta["files_read"] = len(reader.counter.files)
@@ -400,7 +419,7 @@ def publish_loaded_state(engine: ZeroEngine, meta: dict, *, initial_scale_on_pre
 
 
 def load_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None) -> dict:
-    """Load masters, Adam moments and the loss scaler into ``engine``, whatever layout saved them
+    """Load masters, optimizer state and the loss scaler into ``engine``, whatever layout saved them
     (collective over the engine's groups). Returns the saved metadata (+ ``bytes_read``)."""
     meta = read_zero_state(engine, directory, manifest)
     meta["scaler_note"] = publish_loaded_state(engine, meta)

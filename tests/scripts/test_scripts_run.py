@@ -87,3 +87,44 @@ def test_ds_pretrain_gpt_1_3b_token_schedule_with_the_deepspeed_launcher(files, 
                      done=r"stopping at iteration 3: 768 tokens consumed, --train-tokens 768 reached")
     assert "warmup 64 tokens, decay 768 tokens" in log and "tp 2 x pp 1 x dp 2" in log
     assert os.path.exists(tmp_path / "ckpt" / "iter_0000003")
+
+
+def test_train_gpt3_175b_distributed_with_torchrun(files, tmp_path):
+    args = script_args("train_gpt3_175b_distributed", CKPT=str(tmp_path / "ckpt"), TB=str(tmp_path / "tb"), **files)
+    log, train = _launch([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "4",
+                          os.path.join(ROOT, "pretrain_gpt.py"), *args], tmp_path)
+    assert "tp 2 x pp 1 x dp 2" in log
+    # Ramp 2 -> 8 by 2 every 4 samples: batches of 2, 2, 4 over the 3 iterations (8 samples consumed).
+    assert re.search(r"consumed samples:\s+8 \|.*global batch size:\s+4 \|", log), log[-4000:]
+    # fp16 at Megatron's 2**32 initial scale: the first steps overflow and are skipped, as in Megatron
+    # (hysteresis 2, then halving), so no training loss is logged; the validation loss is finite.
+    assert "number of skipped iterations:   3" in log and "loss scale: 1073741824.0" in log
+    assert os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+def test_run_175b_with_the_deepspeed_launcher(files, tmp_path):
+    args = script_args("run-175b", TB=str(tmp_path / "tb"), **files)
+    log, train = _launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", _free_port(),
+                          os.path.join(ROOT, "pretrain_gpt.py"), *args], tmp_path)
+    assert "tp 1 x pp 1 x dp 4" in log
+    assert "DeepSpeed JSON keys ignored" in log and "aio" in log
+    assert len(train) == 3 and "loss scale: 32768.0" in log  # "initial_scale_power": 15 supersedes --loss-scale 15
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    from megazero.data.tokenizer_training import train_sentencepiece
+    from tests.data.conftest import SAMPLE_TEXTS
+
+    return train_sentencepiece(SAMPLE_TEXTS, str(tmp_path_factory.mktemp("spm") / "tiny"), 320, num_threads=1)
+
+
+def test_pretrain_llama2_distributed_with_torchrun_at_tp2_pp2(files, spm_model, tmp_path):
+    # The script launches with torchrun (its DISTRIBUTED_ARGS), not the deepspeed launcher.
+    args = script_args("pretrain_llama2_distributed", CKPT=str(tmp_path / "ckpt"), TOKENIZER_MODEL=spm_model,
+                       **files)
+    log, train = _launch([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "4",
+                          os.path.join(ROOT, "pretrain_gpt.py"), *args], tmp_path)
+    assert "tp 2 x pp 2 x dp 1" in log
+    assert len(train) == 3  # bf16: no loss scale, no step skipped
+    assert os.path.exists(tmp_path / "ckpt" / "iter_0000003")

@@ -409,7 +409,7 @@ def test_default_tokenizer_is_gpt2_bpe(dataset, gpt2_files):
         parse(f"--data-path {dataset}", base=base)
     vocab, merges = gpt2_files
     cfg = parse(f"--data-path {dataset} {dataset} --vocab-file {vocab} --merge-file {merges}", base=base)
-    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.data.weights == [0.5, 0.5]
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.data.weights is None  # by size
 
 
 def test_model_flags_map_to_gpt_config_fields():
