@@ -232,7 +232,7 @@ def _verified(directory: str, manifest: dict, name: str) -> str:
 
 
 def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = None, *,
-                    pipeline=None) -> Optional[dict[str, Any]]:
+                    pipeline=None, load_optimizer: bool = True) -> Optional[dict[str, Any]]:
     """Collective: restore ``engine`` and this rank's RNG; return the saved train state
     (None when ``load`` holds no checkpoint yet, so a fresh run can start).
 
@@ -248,7 +248,8 @@ def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = No
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         manifest = read_manifest(directory)
         pk = _pipeline_kwargs(pipeline)
-        meta = read_zero_state(engine, directory, manifest, **({"name_of": pk["name_of"]} if pk else {}))
+        meta = read_zero_state(engine, directory, manifest, load_optimizer=load_optimizer,
+                               **({"name_of": pk["name_of"]} if pk else {}))
         world = dist.get_world_size() if dist.is_initialized() else 1
         saved_world = meta["tp_size"] * meta["dp_size"] * meta.get("pp_size", 1)
         same_layout = (saved_world == world and meta["tp_size"] == engine.tp_size

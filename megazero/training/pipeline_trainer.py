@@ -117,7 +117,8 @@ def _load(config: TrainConfig, run: PipelineRun, scheduler: LRScheduler) -> tupl
     if not ck.load:
         return 0, 0
     fresh_cpu_rng = torch.get_rng_state()
-    state = load_checkpoint(ck.load, run.engine, pipeline=run.stage)
+    state = load_checkpoint(ck.load, run.engine, pipeline=run.stage,
+                            load_optimizer=not (ck.finetune or ck.no_load_optim))
     if state is None:
         _print0(f"> no checkpoint in {ck.load}: starting from scratch")
         return 0, 0

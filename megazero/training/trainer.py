@@ -262,7 +262,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
     fresh_cpu_rng = torch.get_rng_state()
     if ck.load:
         agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
-    state = load_checkpoint(ck.load, engine) if ck.load else None
+    # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
+    state = load_checkpoint(ck.load, engine, load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
     if state is None and ck.pretrained:
         _init_from_pretrained(engine, ck.pretrained)
     if ck.load:

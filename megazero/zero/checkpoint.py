@@ -342,7 +342,8 @@ def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
 
 @torch.no_grad()
 def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
-                    counter: Optional[ReadCounter] = None, *, name_of: Optional[Callable[[str], str]] = None) -> dict:
+                    counter: Optional[ReadCounter] = None, *, name_of: Optional[Callable[[str], str]] = None,
+                    load_optimizer: bool = True) -> dict:
     """Collective-free part of a load: fill this rank's fp32 masters and optimizer state from ``directory``.
 
     Reads only the saved elements that this rank owns under its own layout. Returns the
@@ -350,6 +351,8 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     :func:`publish_loaded_state` (a collective) before using the engine. A pipeline stage
     passes ``name_of`` (its parameter name -> the pp = 1 name): it then holds part of the
     saved names, and its copy of the tied embedding loads from the embedding itself.
+    ``load_optimizer=False`` (Megatron's ``--finetune`` / ``--no-load-optim``) reads the weights
+    only: the optimizer starts afresh, whatever optimizer saved the checkpoint.
     """
     reader = CheckpointReader(directory, manifest, prefer_dp=engine.dp_rank, counter=counter)
     stage_of_pipeline = name_of is not None
@@ -363,6 +366,8 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)
     wanted, saved_keys = optimizer_state_keys(engine.optimizer), reader.state_keys()
+    if not load_optimizer:
+        saved_keys = ()
     if saved_keys and set(saved_keys) != set(wanted):
         raise CheckpointError(f"{directory} holds optimizer state {list(saved_keys)}, this run's "
                               f"{type(engine.optimizer).__name__} keeps {list(wanted)}: it was saved with another "

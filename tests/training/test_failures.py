@@ -103,8 +103,8 @@ def _resume_in_other_precision(src, save, extra):
     seen = {}
     original = trainer.load_checkpoint
 
-    def spy(load, engine, iteration=None):
-        state = original(load, engine, iteration)
+    def spy(load, engine, iteration=None, **kw):
+        state = original(load, engine, iteration, **kw)
         seen["scale"], seen["note"] = engine.get_loss_scale(), state.get("scaler_note")
         return state
 

@@ -48,3 +48,12 @@ def test_adam_refuses_an_sgd_checkpoint(dataset, tmp_path):
     run(2, argv(dataset, *SGD, "--save", str(tmp_path), "--save-interval", "2", tp=2, stage=1, iters=2))
     msg = run_distributed(2, _load_with_adam, argv(dataset, "--load", str(tmp_path), tp=2, stage=1, iters=3), 2)[0]
     assert msg is not None and "holds optimizer state ['momentum_buffer']" in msg and "Adam" in msg, msg
+
+
+def test_finetune_from_an_sgd_checkpoint_with_adam_reads_the_weights_only(dataset, tmp_path):
+    # Megatron's --finetune / --no-load-optim: the optimizer starts afresh, so its kind may change.
+    run(2, argv(dataset, *SGD, "--save", str(tmp_path), "--save-interval", "2", tp=2, stage=1, iters=2))
+    for flag in ("--finetune", "--no-load-optim"):
+        msg = run_distributed(2, _load_with_adam, argv(dataset, "--load", str(tmp_path), flag,
+                                                        "--override-opt_param-scheduler", tp=2, stage=1, iters=3), 2)[0]
+        assert msg is None, (flag, msg)
