@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb
-from .run_control import SignalFlag, any_rank, set_accumulation
+from .run_control import SignalFlag, exit_reason, set_accumulation
 from .trainer import (TrainingDiverged, TrainResult, _datasets, _loader, _print0, build_tokenizer_agreed,
                       megatron_no_weight_decay)
 
@@ -224,14 +224,7 @@ def pretrain_pipeline(config: TrainConfig) -> TrainResult:
                     iteration % config.checkpoint.save_interval == 0:
                 _save(config, run, iteration, consumed, scheduler)
                 saved = True
-            reason = None
-            if s.exit_signal_handler and any_rank(signals.received, device):
-                reason = "a SIGTERM (--exit-signal-handler)"
-            elif s.exit_duration_in_mins is not None and any_rank(
-                    (time.time() - train_start) / 60.0 > s.exit_duration_in_mins, device):
-                reason = f"--exit-duration-in-mins {s.exit_duration_in_mins:g}"
-            elif s.exit_interval and iteration % s.exit_interval == 0:
-                reason = f"--exit-interval {s.exit_interval}"
+            reason = exit_reason(s, iteration, signals, train_start, device)
             if reason is not None:
                 if config.checkpoint.save and not saved:
                     _save(config, run, iteration, consumed, scheduler)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["SignalFlag", "any_rank", "set_accumulation", "PhaseClock"]
+__all__ = ["SignalFlag", "any_rank", "set_accumulation", "PhaseClock", "exit_reason"]
 
 
 class SignalFlag:
@@ -61,3 +61,17 @@ class PhaseClock:
         now = time.perf_counter()
         self.timers[name] = self.timers.get(name, 0.0) + now - self.t
         self.t = now
+
+
+def exit_reason(schedule, iteration: int, signals: "SignalFlag", train_start: float, device) -> Optional[str]:
+    """Why the run should stop after ``iteration`` (agreed over ranks where it can differ), or None:
+    a SIGTERM (--exit-signal-handler), --exit-duration-in-mins, --exit-interval."""
+    s = schedule
+    if s.exit_signal_handler and any_rank(signals.received, device):
+        return "a SIGTERM (--exit-signal-handler)"
+    if s.exit_duration_in_mins is not None and any_rank((time.time() - train_start) / 60.0 > s.exit_duration_in_mins,
+                                                         device):
+        return f"--exit-duration-in-mins {s.exit_duration_in_mins:g}"
+    if s.exit_interval and iteration % s.exit_interval == 0:
+        return f"--exit-interval {s.exit_interval}"
+    return None

@@ -27,7 +27,7 @@ from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
-from .run_control import PhaseClock, SignalFlag, any_rank, set_accumulation
+from .run_control import PhaseClock, SignalFlag, exit_reason, set_accumulation
 from ..utils.memory_tracker import step_peak_memory
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
@@ -382,14 +382,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
             if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
                 _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
                 saved = True
-            reason = None
-            if s.exit_signal_handler and any_rank(signals.received, device):
-                reason = "a SIGTERM (--exit-signal-handler)"
-            elif s.exit_duration_in_mins is not None and any_rank(
-                    (time.time() - train_start) / 60.0 > s.exit_duration_in_mins, device):
-                reason = f"--exit-duration-in-mins {s.exit_duration_in_mins:g}"
-            elif s.exit_interval and iteration % s.exit_interval == 0:
-                reason = f"--exit-interval {s.exit_interval}"
+            reason = exit_reason(s, iteration, signals, train_start, device)
             if reason is not None:
                 if config.checkpoint.save and not saved:
                     _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
