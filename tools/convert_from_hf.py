@@ -26,6 +26,7 @@ import os  # noqa: E402
 
 import torch  # noqa: E402
 
+from megazero.model import GPTConfig  # noqa: E402
 from megazero.model.hf import config_from_hf, from_hf_state_dict, import_from_hf  # noqa: E402
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, save_full  # noqa: E402
 from megazero.zero.shard_io import CheckpointError, ReadCounter, ShardFile  # noqa: E402
@@ -58,7 +59,7 @@ def _safetensors_files(hf_dir: str) -> list[str]:
     return ["model.safetensors"] if os.path.isfile(os.path.join(hf_dir, "model.safetensors")) else []
 
 
-def import_streaming(hf_dir: str, out_dir: str, **overrides) -> "GPTConfig":  # noqa: F821
+def import_streaming(hf_dir: str, out_dir: str, **overrides) -> GPTConfig:
     """HF safetensors checkpoint -> ``model_full.safetensors`` + ``config.json``, one layer at a time."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = config_from_hf(json.load(f), **overrides)

@@ -10,7 +10,6 @@ Partial rotary (Megatron's ``--rotary-percent``): the tables cover only the firs
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

@@ -41,7 +41,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .utils import divide
 
 __all__ = [
     "ParallelGroups",

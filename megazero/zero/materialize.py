@@ -18,7 +18,6 @@ default generator, and sliced, as before: correct, but O(module) per rank.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -18,7 +18,6 @@ collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
