@@ -159,10 +159,10 @@ def _load_failing(directory, fail_rank):
 
     original = ck.read_zero_state
 
-    def failing(engine, d, manifest):
+    def failing(engine, d, manifest, **kw):
         if torch.distributed.get_rank() == fail_rank:
             raise RuntimeError(f"bug (injected on rank {fail_rank})")
-        return original(engine, d, manifest)
+        return original(engine, d, manifest, **kw)
 
     ck.read_zero_state = failing
     try:
