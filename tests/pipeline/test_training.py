@@ -145,3 +145,31 @@ def test_zero3_keep_gathered_in_step_matches_pp1_with_one_gather_per_step(v, m):
         # (the tied head's copy is gathered once more for the output layer)
         assert per_step_reduce <= 1.05 * r["local_bytes"], (per_step_reduce, r["local_bytes"])
         assert per_step_gather <= 2.0 * r["local_bytes"], (per_step_gather, r["local_bytes"])
+
+
+def _first_stage_peak(m):
+    from megazero.utils.memory_tracker import LiveMemoryTracker
+
+    groups = mpu.initialize_model_parallel(1, 4)
+    cfg = tiny_config(num_layers=8, hidden_size=64, num_attention_heads=4, tie_embeddings=False)
+    torch.manual_seed(SEED)
+    chunks = build_stage_chunks(cfg, pp=4, pp_rank=groups.pp_rank, v=1, tp_group=groups.tp_group, device="meta")
+    engine = zero.initialize(chunks[0], ds_config(1, accum=m, micro=4), mpu=mpu)
+    pipe = PipelineStage(engine, chunks, groups, micro_batch_size=4, seq_length=cfg.seq_length)
+    data = batches(2, m, 4)
+    mbs = [(data[0, a, :, :-1], data[0, a, :, 1:]) for a in range(m)]
+    pipe.train_step(mbs)  # Adam moments exist afterwards: the measured step allocates no state
+    mbs = [(data[1, a, :, :-1], data[1, a, :, 1:]) for a in range(m)]
+    with LiveMemoryTracker("cpu") as t:
+        pipe.train_step(mbs)
+    return groups.pp_rank, t.peak_bytes
+
+
+def test_first_stage_activation_bytes_do_not_grow_with_micro_batches():
+    """Measured with the live-bytes tracker: under 1F1B the first stage's peak is pp micro-batches'
+    activations whatever m is (all-forward-then-backward would grow with m)."""
+    peaks = {m: dict(run_distributed(4, _first_stage_peak, m)) for m in (4, 12)}
+    first4, first12 = peaks[4][0], peaks[12][0]
+    assert first12 <= 1.15 * first4, (first4, first12)
+    # and the first stage holds the most (pp - r micro-batches in flight on stage r)
+    assert peaks[12][0] > peaks[12][3], peaks[12]
