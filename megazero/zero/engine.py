@@ -51,7 +51,7 @@ from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot
 from .loss_scaler import LossScaler
 from .reducer import GradReducer
-from .units import Unit, find_unit_modules, plan_units
+from .units import Unit, find_unit_modules, plan_units, units_for_call
 from .window import GatherWindow
 
 __all__ = ["ZeroEngine"]
@@ -146,7 +146,7 @@ class ZeroEngine(torch.nn.Module):
             self.window = GatherWindow(
                 model, self.units, needs, plan.hooked, unit_of_param,
                 all_gather=lambda out, shard: self.comm.all_gather(out, shard, "dp", async_op=True),
-                agree=None, in_backward=lambda: self._in_backward,
+                in_backward=lambda: self._in_backward,
                 on_forward_begin=self._forward_begin, on_forward_end=self._forward_end, mark_used=self._mark_used,
                 prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
                 hold=self.hold)
@@ -193,11 +193,8 @@ class ZeroEngine(torch.nn.Module):
     def _install_usage_hooks(self, model, needs, hooked, unit_of_param) -> None:
         """ZeRO-2: note which units each forward used (for the DP-agreed reduction order)."""
         def pre(module, args, kwargs):
-            for u in needs.get(id(module), ()):
+            for u in units_for_call(needs, unit_of_param, module, args, kwargs):
                 self._mark_used(u)
-            for a in list(args) + list(kwargs.values()):
-                if isinstance(a, torch.nn.Parameter) and id(a) in unit_of_param:
-                    self._mark_used(unit_of_param[id(a)])
 
         def model_pre(module, args, kwargs):
             if not self._in_backward:

@@ -23,7 +23,7 @@ import torch
 
 from .flat import FlatGroup
 
-__all__ = ["Unit", "UnitPlan", "find_unit_modules", "plan_units"]
+__all__ = ["Unit", "UnitPlan", "find_unit_modules", "plan_units", "units_for_call"]
 
 
 class Unit:
@@ -143,3 +143,16 @@ def _module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
         if m is module:
             return name or "root"
     return type(module).__name__
+
+
+def units_for_call(needs: dict[int, list[Unit]], unit_of_param: dict[int, Unit], module: torch.nn.Module,
+                   args: tuple, kwargs: dict) -> list[Unit]:
+    """The units a call of ``module`` needs: those owning its parameters, and those of any
+    ZeRO parameter passed to it (a tied output layer receives the embedding's weight)."""
+    units = list(needs.get(id(module), ()))
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.nn.Parameter):
+            u = unit_of_param.get(id(a))
+            if u is not None and u not in units:
+                units.append(u)
+    return units

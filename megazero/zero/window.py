@@ -30,11 +30,11 @@ used it has finished (an identity autograd function on the module's inputs).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from .units import Unit
+from .units import Unit, units_for_call
 
 __all__ = ["GatherWindow"]
 
@@ -77,10 +77,10 @@ class _GatheringDict(dict):
 
 
 class _Entry:
-    __slots__ = ("unit", "saved", "skipped")
+    __slots__ = ("unit", "saved")
 
-    def __init__(self, unit: Unit, saved: bool, skipped: bool) -> None:
-        self.unit, self.saved, self.skipped = unit, saved, skipped
+    def __init__(self, unit: Unit, saved: bool) -> None:
+        self.unit, self.saved = unit, saved
 
 
 class GatherWindow:
@@ -95,7 +95,6 @@ class GatherWindow:
         unit_of_param: dict[int, Unit],
         *,
         all_gather: Callable[[torch.Tensor, torch.Tensor], object],
-        agree: Callable[[torch.Tensor], object],
         in_backward: Callable[[], bool],
         on_forward_begin: Callable[[], None],
         on_forward_end: Callable[[torch.Tensor, object], None],
@@ -107,14 +106,13 @@ class GatherWindow:
         self.units = [u for u in units if not u.resident]
         self.index = {id(u): i for i, u in enumerate(self.units)}
         self.needs, self.unit_of_param = needs, unit_of_param
-        self.all_gather, self.agree, self.in_backward = all_gather, agree, in_backward
+        self.all_gather, self.in_backward = all_gather, in_backward
         self.on_forward_begin, self.on_forward_end, self.mark_used = on_forward_begin, on_forward_end, mark_used
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         # hold: units stay gathered until the engine's step releases them (stage3_keep_gathered_in_step)
         self.hold = hold
         self.by_ptr: dict[int, Unit] = {}
         self.live_numel = 0
-        self.peak_live_numel = 0
         self.active: dict[int, int] = {}
         self.after_backward: dict[int, int] = {}
         self.depth = 0  # nesting of the model's own forward
@@ -143,7 +141,6 @@ class GatherWindow:
         self.sequence: Optional[list[Unit]] = None  # backward gather order, once agreed
         self.bcursor = -1
         self.issued: set[int] = set()  # units issued in sequence order in this pass (forward, then backward)
-        self.agreement = None
 
     # ---- gather / release ---------------------------------------------------------------
 
@@ -158,7 +155,6 @@ class GatherWindow:
                 if work is not None:
                     unit.pending.append(work)
         self.live_numel += unit.numel()
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         if not unit.pending:
             self._complete(unit)
 
@@ -257,17 +253,8 @@ class GatherWindow:
         flags = torch.tensor([1.0 if e.saved else 0.0 for e in self.trace])
         self.on_forward_end(flags, out)
 
-    def _units_for(self, module, args, kwargs) -> list[Unit]:
-        units = list(self.needs.get(id(module), ()))
-        for a in _flat(args, kwargs):
-            if isinstance(a, torch.nn.Parameter):
-                u = self.unit_of_param.get(id(a))
-                if u is not None and u not in units:
-                    units.append(u)
-        return units
-
     def _pre_forward(self, module, args, kwargs):
-        units = self._units_for(module, args, kwargs)
+        units = units_for_call(self.needs, self.unit_of_param, module, args, kwargs)
         if not units:
             self._module_units[id(module)] = []
             self.running.append(id(module))
@@ -323,20 +310,20 @@ class GatherWindow:
         if pos > self.cursor:
             self._catch_up(pos)
             self.cursor = pos
-            self._record(unit, saved, skipped=False)
+            self._record(unit, saved)
             if id(unit) not in self.issued:
                 self._issue_once(unit)
             self.wait(unit)
             self._prefetch(self.units, pos + 1)
         else:  # used again out of order (a tied weight): every rank does the same
-            self._record(unit, saved, skipped=False)
+            self._record(unit, saved)
             self.wait(unit)
 
     def _catch_up(self, pos: int) -> None:
         """Gather (and drop) the units before ``pos`` that this rank skipped, so that all-gathers pair up."""
         for q in range(self.cursor + 1, pos):
             u = self.units[q]
-            self._record(u, False, skipped=True)
+            self._record(u, False)
             if id(u) not in self.issued:
                 self._issue_once(u)
             self.wait(u)
@@ -344,9 +331,9 @@ class GatherWindow:
                 self.release(u)
         self.cursor = max(self.cursor, pos - 1)
 
-    def _record(self, unit: Unit, saved: bool, skipped: bool) -> None:
+    def _record(self, unit: Unit, saved: bool) -> None:
         self.last_entry[id(unit)] = len(self.trace)
-        self.trace.append(_Entry(unit, saved, skipped))
+        self.trace.append(_Entry(unit, saved))
 
     def _wrap_inputs(self, args, kwargs, units: list[Unit]):
         idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -429,10 +416,3 @@ class GatherWindow:
         for h in self.handles:
             h.remove()
         self.handles = []
-
-
-def _flat(args, kwargs) -> Iterable:
-    for a in args:
-        yield a
-    for a in kwargs.values():
-        yield a
