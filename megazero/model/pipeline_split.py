@@ -14,9 +14,12 @@ All functions are pure; errors say which numbers clash and what would work.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
-__all__ = ["PipelineSplitError", "stage_num_layers", "chunk_layer_range", "layers_per_chunk_table", "build_stage_chunks", "build_pipeline_model",
+import torch
+
+__all__ = ["PipelineSplitError", "stage_num_layers", "chunk_layer_range", "layers_per_chunk_table",
+           "build_stage_chunks", "build_pipeline_model", "StageChunks", "global_name_fn",
            "virtual_stages_from_layers_per_stage", "local_to_global_name", "global_to_local_name"]
 
 
@@ -114,6 +117,45 @@ def global_to_local_name(name: str, layers: range) -> Optional[str]:
     return f"{m.group(1)}{i - layers.start}{m.group(3)}" if i in layers else None
 
 
+class StageChunks(torch.nn.Module):
+    """The ``v`` model chunks of one pipeline rank as one module: ``forward(chunk, *args)``.
+
+    Chunks are plain attributes (not a ModuleList) so ZeRO still finds each chunk's
+    transformer layers as its units; parameters are named ``chunk{c}.<chunk's name>``.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.num_chunks = len(chunks)
+        for i, c in enumerate(chunks):
+            self.add_module(f"chunk{i}", c)
+
+    def chunk(self, i: int) -> torch.nn.Module:
+        return getattr(self, f"chunk{i}")
+
+    def forward(self, chunk: int, *args, **kwargs):
+        return self.chunk(chunk)(*args, **kwargs)
+
+
+def global_name_fn(chunks: Sequence) -> Callable[[str], str]:
+    """Name in this rank's module (one chunk, or :class:`StageChunks` of them) -> the pp = 1 name.
+
+    Initialization keys weights by these names and checkpoints list them, so a model is the
+    same function of the seed at every pipeline layout (``layers.0`` of the second stage of
+    a 4-layer pp = 2 model is ``layers.2``; the last stage's copy of the tied embedding is the
+    embedding itself).
+    """
+    ranges = [c.layer_range for c in chunks]
+    if len(ranges) == 1:
+        return lambda name: local_to_global_name(name, ranges[0])
+
+    def name_of(name: str) -> str:
+        head, rest = name.split(".", 1)
+        return local_to_global_name(rest, ranges[int(head[len("chunk"):])])
+
+    return name_of
+
+
 def build_stage_chunks(config, *, pp: int, pp_rank: int, v: int = 1, first: Optional[int] = None,
                        last: Optional[int] = None, tp_group=None, device=None) -> list:
     """The model chunks (``GPTModel`` each) pipeline rank ``pp_rank`` holds, chunk 0 first.
@@ -145,6 +187,4 @@ def build_pipeline_model(config, groups, *, first: Optional[int] = None, last: O
                                 first=first, last=last, tp_group=groups.tp_group, device=device)
     if len(chunks) == 1:
         return chunks[0], chunks
-    from megazero.pipeline.engine_step import StageChunks
-
     return StageChunks(chunks), chunks

@@ -15,17 +15,19 @@ Wiring for a trainer (one rank)::
 
     groups = mpu.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=v)
     module, chunks = model.pipeline_split.build_pipeline_model(gpt_config, groups, device="meta")
-    engine = zero.initialize(module, ds_config_with_accumulation_m, mpu=mpu)
+    engine = zero.initialize(module, ds_config, mpu=mpu, param_names=global_name_fn(chunks))
     stage = PipelineStage(engine, chunks, groups, micro_batch_size=mbs, seq_length=seq)
-    losses, updated = stage.train_step([(ids, labels) for each of the m micro-batches])
+    losses, updated = stage.train_step([GPTBatch or (ids, labels) for each of the m micro-batches])
+
+``pp = 1`` runs through the same object (the trivial schedule): megazero.training has one loop.
 """
 
-from .engine_step import PipelineStage, StageChunks, TiedEmbeddingGradSync, backward_step, shared_copy_parameters
+from .engine_step import MicroBatch, PipelineStage, TiedEmbeddingGradSync, backward_step, shared_copy_parameters
 from .p2p import PipeP2P
 from .runner import ScheduleRunner
 from .schedules import (Compute, Exchange, ScheduleError, Transfer, build_schedule, check_schedule_args,
                         num_warmup_microbatches, simulate)
 
 __all__ = ["Compute", "Exchange", "Transfer", "ScheduleError", "build_schedule", "check_schedule_args",
-           "num_warmup_microbatches", "simulate", "PipeP2P", "ScheduleRunner", "PipelineStage", "StageChunks",
+           "num_warmup_microbatches", "simulate", "PipeP2P", "ScheduleRunner", "PipelineStage", "MicroBatch",
            "TiedEmbeddingGradSync", "backward_step", "shared_copy_parameters"]

@@ -9,14 +9,19 @@ gradient is completed over the embedding group (first + last stage, Megatron's
 accumulation boundary (and the gradient norm and overflow check, agreed over DP and
 then the TP x PP model-parallel group) comes after every rank's last backward.
 
-With ``v`` model chunks per rank the chunks live in one :class:`StageChunks` module
-under one engine, so the optimizer, the norm and the accumulation window cover them all.
+With ``v`` model chunks per rank the chunks live in one module (the model side's
+``StageChunks``) under one engine, so the optimizer, the norm and the accumulation
+window cover them all. ``pp = 1`` is the trivial schedule of the same step (forward and
+backward of each micro-batch in turn, no transfers): one step for every layout.
+
+Losses stay on the device (no host synchronisation per micro-batch); the caller
+reduces them when it logs.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,7 +29,19 @@ import torch.distributed as dist
 from .p2p import PipeP2P
 from .runner import ScheduleRunner
 
-__all__ = ["backward_step", "StageChunks", "TiedEmbeddingGradSync", "PipelineStage", "shared_copy_parameters"]
+# A micro-batch: ``(input_ids, labels)`` or any object with ``tokens``, ``labels`` and optional
+# ``position_ids`` / ``attention_mask`` (megazero.data's GPTBatch): every stage gets the positions
+# and masks (rotary and per-document attention need them on every layer), the first stage the
+# tokens, the last the labels.
+MicroBatch = Union[tuple[torch.Tensor, torch.Tensor], Any]
+
+
+def _fields(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if isinstance(mb, (tuple, list)):
+        return mb[0], mb[1], None, None
+    return mb.tokens, mb.labels, getattr(mb, "position_ids", None), getattr(mb, "attention_mask", None)
+
+__all__ = ["backward_step", "TiedEmbeddingGradSync", "PipelineStage", "shared_copy_parameters", "MicroBatch"]
 
 
 def _engine_takes_output_grad(engine) -> bool:
@@ -49,29 +66,9 @@ def backward_step(engine, output: torch.Tensor, output_grad: Optional[torch.Tens
     elif _engine_takes_output_grad(engine):
         engine.backward(output, output_grad)
     else:
-        accum = engine.config.gradient_accumulation_steps
+        accum = getattr(engine, "accum", engine.config.gradient_accumulation_steps)
         surrogate = torch.sum(output * output_grad.to(output.dtype)) * (accum / engine.get_loss_scale())
         engine.backward(surrogate)
-
-
-class StageChunks(torch.nn.Module):
-    """The ``v`` model chunks of one pipeline rank as one module: ``forward(chunk, *args)``.
-
-    Chunks are plain attributes (not a ModuleList) so ZeRO still finds each chunk's
-    transformer layers as its units.
-    """
-
-    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
-        super().__init__()
-        self.num_chunks = len(chunks)
-        for i, c in enumerate(chunks):
-            self.add_module(f"chunk{i}", c)
-
-    def chunk(self, i: int) -> torch.nn.Module:
-        return getattr(self, f"chunk{i}")
-
-    def forward(self, chunk: int, *args, **kwargs):
-        return self.chunk(chunk)(*args, **kwargs)
 
 
 def shared_copy_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -100,10 +97,12 @@ class TiedEmbeddingGradSync:
     def _hook(self, grad: torch.Tensor) -> None:
         if self._injecting:
             return
-        self.stash = grad.detach().clone() if self.stash is None else self.stash.add_(grad)
+        # Summed in fp32 whatever the compute dtype: bf16 sums drift the two copies apart.
+        grad = grad.detach().float()
+        self.stash = grad.clone() if self.stash is None else self.stash.add_(grad)
 
     def sync(self, engine) -> None:
-        own = self.stash if self.stash is not None else torch.zeros_like(self.param)
+        own = self.stash if self.stash is not None else torch.zeros_like(self.param, dtype=torch.float32)
         self.stash = None
         parts = [torch.empty_like(own) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, own.contiguous(), group=self.group)
@@ -114,7 +113,7 @@ class TiedEmbeddingGradSync:
             return
         self._injecting = True
         try:
-            backward_step(engine, self.param, peer)
+            backward_step(engine, self.param, peer.to(self.param.dtype))
         finally:
             self._injecting = False
 
@@ -125,37 +124,31 @@ class TiedEmbeddingGradSync:
 class PipelineStage:
     """One pipeline rank's share of training: its chunks under a ZeRO engine, its schedule, its p2p.
 
-    ``engine`` wraps ``chunks[0]`` when ``v == 1`` or ``StageChunks(chunks)`` otherwise.
-    ``groups`` is the :class:`megazero.mpu.ParallelGroups`; ``micro_batch_size`` and
-    ``seq_length`` fix the shape of the activations crossing stage boundaries.
+    ``engine`` wraps ``chunks[0]`` when ``v == 1`` or a module holding every chunk otherwise
+    (``forward(chunk, *args)``). ``groups`` is the :class:`megazero.mpu.ParallelGroups`;
+    ``micro_batch_size`` and ``seq_length`` fix the shape of the activations crossing stage
+    boundaries. ``loss_fn(per_token_loss, micro_batch)`` reduces the last stage's output to the
+    micro-batch's scalar loss (default: the mean). With ``pp = 1`` the same object runs the
+    trivial schedule.
     """
 
     def __init__(self, engine, chunks: Sequence[torch.nn.Module], groups, *, micro_batch_size: int, seq_length: int,
-                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+                 loss_fn: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None) -> None:
         self.engine, self.chunks, self.groups = engine, list(chunks), groups
         self.v = len(self.chunks)
         c = self.chunks[0].config
         sp = c.sequence_parallel and groups.tp_size > 1
         shape = (seq_length // groups.tp_size if sp else seq_length, micro_batch_size, c.hidden_size)
-        dtype = getattr(engine, "compute_dtype", c.params_dtype)
+        # What crosses a stage boundary is the residual stream: fp32 under --fp32-residual-connection.
+        dtype = torch.float32 if getattr(c, "fp32_residual_connection", False) else \
+            getattr(engine, "compute_dtype", c.params_dtype)
         self.p2p = PipeP2P(groups.pp_group, groups.pp_ranks, device=getattr(engine, "device", "cpu"))
         self.runner = ScheduleRunner(self.p2p, groups.pp_size, groups.pp_rank, self.v, shape, dtype)
-        self.loss_fn = loss_fn or (lambda per_token, labels: per_token.mean())
+        self.loss_fn = loss_fn or (lambda per_token, mb: per_token.mean())
         self.tied: Optional[TiedEmbeddingGradSync] = None
         if c.tie_embeddings and groups.pp_size > 1 and groups.in_embedding_group:
             end = self.chunks[0] if groups.pp_rank == 0 else self.chunks[-1]
             self.tied = TiedEmbeddingGradSync(end.embedding.weight, groups.embedding_group)
-
-    def global_name(self, name: str) -> str:
-        """The pp = 1 name of a parameter of the engine's module (``chunk{c}.`` dropped, layers numbered
-        globally): how checkpoints name it, so they load at any pipeline layout."""
-        from megazero.model.pipeline_split import local_to_global_name
-
-        chunk = 0
-        if self.v > 1:
-            head, name = name.split(".", 1)
-            chunk = int(head[len("chunk"):])
-        return local_to_global_name(name, self.chunks[chunk].layer_range)
 
     @property
     def is_last_stage(self) -> bool:
@@ -164,30 +157,47 @@ class PipelineStage:
     def _forward(self, chunk: int, *args, **kwargs):
         return self.engine(*args, **kwargs) if self.v == 1 else self.engine(chunk, *args, **kwargs)
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], bool]:
-        """Forward and backward every micro-batch ``(input_ids, labels)`` through the schedule, then step.
+    def _chunk_forward(self, mb: MicroBatch, chunk: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+        tokens, labels, position_ids, attention_mask = _fields(mb)
+        last = self.runner.is_last(chunk)
+        if x is not None:
+            self.chunks[chunk].set_input_tensor(x)
+        out = self._forward(chunk, tokens if x is None else None, position_ids=position_ids,
+                            attention_mask=attention_mask, labels=labels if last else None)
+        return self.loss_fn(out, mb) if last else out
 
-        Returns the micro-batch losses (on the last stage; empty elsewhere) and whether
-        the parameters were updated. Every stage needs the micro-batches: the first for
-        the inputs, the last for the labels (a middle stage only needs their number).
+    def _set_accumulation(self, m: int) -> None:
+        """The step's micro-batches are its accumulation window (batch-size ramp-up changes it)."""
+        accum = getattr(self.engine, "accum", None)
+        if accum is None:
+            accum = self.engine.config.gradient_accumulation_steps
+        if accum != m:
+            if not hasattr(self.engine, "set_gradient_accumulation_steps"):
+                raise ValueError(f"{m} micro-batches given, but the engine accumulates {accum} and cannot change it")
+            self.engine.set_gradient_accumulation_steps(m)
+
+    def train_step(self, micro_batches: Sequence[MicroBatch],
+                   lap: Optional[Callable[[str], None]] = None) -> tuple[list[torch.Tensor], bool]:
+        """Forward and backward every micro-batch through the schedule, then step.
+
+        Returns the micro-batch losses (detached device tensors, on the last stage; empty
+        elsewhere) and whether the parameters were updated. Every stage needs the
+        micro-batches: the first for the inputs, the last for the labels, all of them for
+        positions and masks. ``lap(phase)`` is called after each forward ("fwd"), backward
+        ("bwd") and the optimizer step ("step"), for wall-clock breakdowns.
         """
         m = len(micro_batches)
-        accum = self.engine.config.gradient_accumulation_steps
-        if m != accum:
-            raise ValueError(f"{m} micro-batches given, but the engine accumulates gradient_accumulation_steps="
-                             f"{accum}; with pipelining every micro-batch of a step goes through the schedule at once")
+        self._set_accumulation(m)
+        tick = lap or (lambda phase: None)
 
-        def forward_step(mb: int, chunk: int, x: Optional[torch.Tensor]) -> torch.Tensor:
-            ids, labels = micro_batches[mb]
-            model = self.chunks[chunk]
-            last = self.runner.is_last(chunk)
-            if x is not None:
-                model.set_input_tensor(x)
-            out = self._forward(chunk, ids if x is None else None, labels=labels if last else None)
-            return self.loss_fn(out, labels) if last else out
+        def forward_step(i: int, chunk: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+            out = self._chunk_forward(micro_batches[i], chunk, x)
+            tick("fwd")
+            return out
 
         def bwd(chunk: int, output: torch.Tensor, output_grad: Optional[torch.Tensor]) -> None:
             backward_step(self.engine, output, output_grad)
+            tick("bwd")
 
         losses = self.runner.run(m, forward_step, bwd)
         if self.tied is not None:
@@ -195,10 +205,11 @@ class PipelineStage:
         updated = False
         for _ in range(m):
             updated = self.engine.step()
-        return [float(x) for x in losses], updated
+        tick("step")
+        return losses, updated
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    def forward_only(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
         """Forward every micro-batch through the pipeline without backward (evaluation).
 
         Micro-batch by micro-batch, virtual stage by virtual stage: each rank receives a
@@ -206,23 +217,20 @@ class PipelineStage:
         per rank consecutive micro-batches overlap across stages as in Megatron's
         forward-only schedule, and every send meets a receive its peer posts next (no
         deadlock whatever the order of blocking sends). Returns the per-micro-batch losses
-        on the last stage (empty elsewhere); no gradient and no engine state change.
+        (device tensors) on the last stage (empty elsewhere); no gradient and no engine state change.
         """
         pp, rank = self.groups.pp_size, self.groups.pp_rank
         losses = []
-        for mb, (ids, labels) in enumerate(micro_batches):
+        for mb in micro_batches:
             for chunk in range(self.v):
                 first = rank == 0 and chunk == 0
-                last = self.runner.is_last(chunk)
-                model = self.chunks[chunk]
+                x = None
                 if not first:
                     prev = (rank - 1) % pp
                     x = self.p2p.exchange([], [(prev, self.runner.tensor_shape, self.runner.dtype)])[0]
-                    model.set_input_tensor(x)
-                out = self._forward(chunk, ids if first else None, labels=labels if last else None)
-                if last:
-                    losses.append(float(self.loss_fn(out, labels)))
+                out = self._chunk_forward(mb, chunk, x)
+                if self.runner.is_last(chunk):
+                    losses.append(out.detach())
                 else:
                     self.p2p.exchange([((rank + 1) % pp, out)], [])
         return losses
-

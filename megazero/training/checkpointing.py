@@ -160,10 +160,11 @@ def save_checkpoint(
 
 
 def _pipeline_kwargs(pipeline) -> dict[str, Any]:
-    """A pipeline stage (``megazero.pipeline.PipelineStage``) saves and loads under pp = 1 names."""
-    if pipeline is None:
+    """A pipeline stage (``megazero.pipeline.PipelineStage``) records its place; its engine already
+    names every parameter as at pp = 1 (``zero.initialize(param_names=...)``)."""
+    if pipeline is None or pipeline.groups.pp_size == 1:
         return {}
-    return {"name_of": pipeline.global_name, "pp_rank": pipeline.groups.pp_rank, "pp_size": pipeline.groups.pp_size}
+    return {"pp_rank": pipeline.groups.pp_rank, "pp_size": pipeline.groups.pp_size}
 
 
 def _commit(save: str, partial: str, final: str, manifest: dict) -> None:
@@ -248,8 +249,7 @@ def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = No
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         manifest = read_manifest(directory)
         pk = _pipeline_kwargs(pipeline)
-        meta = read_zero_state(engine, directory, manifest, load_optimizer=load_optimizer,
-                               **({"name_of": pk["name_of"]} if pk else {}))
+        meta = read_zero_state(engine, directory, manifest, load_optimizer=load_optimizer, partial_model=bool(pk))
         world = dist.get_world_size() if dist.is_initialized() else 1
         saved_world = meta["tp_size"] * meta["dp_size"] * meta.get("pp_size", 1)
         same_layout = (saved_world == world and meta["tp_size"] == engine.tp_size

@@ -1,9 +1,15 @@
-"""The pre-training loop: TrainConfig -> groups -> partitioned model -> ZeRO -> data -> steps.
+"""The pre-training loop, one for every layout: TrainConfig -> groups -> this rank's model -> ZeRO -> data -> steps.
 
-Megatron's loop, without its globals: every piece receives what it needs.
-Checkpoints resume exactly (same losses iteration by iteration) and reload at
-a different tp x dp x ZeRO stage; a non-finite loss or gradient in bf16/fp32
-stops the run with the iteration number after saving a debug checkpoint.
+Megatron's loop, without its globals: every piece receives what it needs. A run at
+pp = 1 and one at pp = 8 differ only in the schedule the step hands its micro-batches to
+(:mod:`megazero.training.step`), so ramp-up, per-document masks, pretrained starts,
+Megatron-checkpoint refusal, RNG restore, logging flags and evaluation exist once.
+Checkpoints resume exactly (same losses iteration by iteration) and reload at a
+different tp x pp x dp x ZeRO stage; non-finite gradients in bf16/fp32 stop the run with
+the iteration number after saving a debug checkpoint.
+
+Host synchronisations: the loss stays on the device until the log interval; the step
+itself waits only for the gradient norm (clipping, fp16 overflow).
 """
 
 from __future__ import annotations
@@ -13,24 +19,28 @@ import dataclasses
 import math
 import os
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import mpu, zero
-from ..model import GPTModel, num_parameters
-from .arguments import check_vocab
+from .. import mpu
+from ..model import num_parameters
+from .arguments import check_vocab, pipeline_plan_line
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .failures import agree
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
-from .run_control import PhaseClock, SignalFlag, exit_reason, set_accumulation
+from .run_control import PhaseClock, SignalFlag, exit_reason
+from .step import LossLog, TrainModel, megatron_no_weight_decay
 from ..utils.memory_tracker import step_peak_memory
 
-__all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay"]
+__all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay", "evaluate"]
+
+# Megatron's _set_random_seed: each pipeline stage draws its own dropout masks.
+PIPELINE_SEED_OFFSET = 100
 
 
 class TrainingDiverged(RuntimeError):
@@ -46,11 +56,7 @@ class TrainResult:
     sample: Optional[str] = None
     final_eval: dict[str, float] = dataclasses.field(default_factory=dict)  # 'valid'/'test' -> loss at the end
     exit_reason: Optional[str] = None  # why the loop stopped before train_iters (signal, duration, interval, tokens)
-
-
-def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's rule: biases and normalization weights (1-D) train without weight decay."""
-    return param.dim() == 1 or name.endswith(".bias")
+    grad_norms: dict[int, float] = dataclasses.field(default_factory=dict)  # iteration -> global grad norm
 
 
 def _print0(msg: str) -> None:
@@ -108,76 +114,55 @@ def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
     return iter(loader) if loader is not None else None
 
 
-def _dp_mean(values: list[float], device: torch.device) -> float:
-    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=mpu.get_data_parallel_group())
-    return float(t) / mpu.get_data_parallel_world_size()
+def _train_step(run: TrainModel, batches: list[dict], eod: Optional[int],
+                lap: Optional[Callable[[str], None]] = None) -> tuple[torch.Tensor, bool]:
+    """One iteration: ``(this rank's loss on the device, parameters updated)``."""
+    return run.train_step(batches, eod, lap)
 
 
-def _micro_batch(text: torch.Tensor, config: TrainConfig, eod: Optional[int], device):
-    """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch."""
-    from ..data import build_batch
+def _read(it: Iterator, n: int, phase: str, partial: bool = False) -> Optional[list[dict]]:
+    """``n`` loader batches, agreed: a bad sample (a token outside the vocabulary) raises on the
+    ranks that read it only, and must stop every rank. When the loader runs out: what was read
+    (``partial``) or None."""
+    def read():
+        out = []
+        for _ in range(n):
+            b = next(it, None)
+            if b is None:
+                return out if partial and out else None
+            out.append(b)
+        return out
 
-    d = config.data
-    b = build_batch(text.to(device), eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
-    # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
-    position_ids = b.position_ids if d.reset_position_ids else None
-    return b, position_ids
-
-
-def _lm_loss(engine, text: torch.Tensor, config: TrainConfig, eod: Optional[int], device) -> torch.Tensor:
-    """The micro-batch's loss: mean per-token loss over the loss mask (Megatron's loss_func)."""
-    from ..data import masked_mean
-
-    b, position_ids = _micro_batch(text, config, eod, device)
-    per_token = engine(b.tokens, position_ids=position_ids, attention_mask=b.attention_mask, labels=b.labels)
-    return masked_mean(per_token, b.loss_mask)
-
-
-def _train_step(engine, batches: list[dict], device, config: TrainConfig, eod: Optional[int],
-                timers: Optional[dict] = None) -> tuple[float, bool]:
-    """One iteration; with ``timers`` (a dict) adds the seconds spent in fwd / bwd / step to it."""
-    losses = []
-    updated = False
-    clock = PhaseClock(timers, device)
-    for batch in batches:
-        loss = _lm_loss(engine, batch["text"], config, eod, device)
-        clock.lap("fwd")
-        engine.backward(loss)
-        clock.lap("bwd")
-        updated = engine.step()
-        clock.lap("step")
-        losses.append(float(loss.detach()))
-    return _dp_mean(losses, device), updated
+    return agree(phase, read, user_errors=(ValueError,))
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, config: TrainConfig, device, eod: Optional[int] = None) -> Optional[float]:
-    """Mean validation loss over ``eval_iters`` global batches (always the same ones)."""
-    if dataset is None or config.schedule.eval_iters == 0:
+def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] = None) -> Optional[float]:
+    """Mean validation loss over ``eval_iters`` global batches (always the same ones), forward only."""
+    s = config.schedule
+    if dataset is None or s.eval_iters == 0:
         return None
     it = _loader(dataset, 0, config)
-    engine.eval()
     losses = []
-    try:
-        for _ in range(config.schedule.eval_iters * config.schedule.grad_accum_steps):
-            batch = agree("evaluation data read", lambda: next(it, None), user_errors=(ValueError,))
-            if batch is None:
-                break
-            losses.append(float(_lm_loss(engine, batch["text"], config, eod, device)))
-    finally:
-        engine.train()
-    return _dp_mean(losses, device) if losses else None
+    for _ in range(s.eval_iters):
+        batches = _read(it, s.grad_accum_steps, "evaluation data read", partial=True) if it is not None else None
+        if not batches:
+            break
+        losses.append(run.eval_step(batches, eod))
+    if not losses:
+        return None
+    values = LossLog(run.groups).reduce(losses)
+    return sum(values) / len(values)
 
 
-def _save(config: TrainConfig, iteration: int, consumed: int, engine, scheduler: LRScheduler,
+def _save(config: TrainConfig, iteration: int, consumed: int, run: TrainModel, scheduler: LRScheduler,
           save_dir: Optional[str] = None, tokenizer=None) -> None:
     save = save_dir or config.checkpoint.save
     t0 = time.perf_counter()
-    save_checkpoint(save, iteration, engine,
+    save_checkpoint(save, iteration, run.engine,
                     train_state={"iteration": iteration, "consumed_samples": consumed,
                                  "lr_scheduler": scheduler.state_dict()},
-                    config=config.to_dict(), tokenizer=tokenizer)
+                    config=config.to_dict(), tokenizer=tokenizer, pipeline=run.stage)
     _print0(f"saved checkpoint {checkpoint_dir(save, iteration)} in {time.perf_counter() - t0:.2f}s")
 
 
@@ -207,7 +192,8 @@ def _refuse_foreign_checkpoint(load: str) -> None:
 
 
 def _init_from_pretrained(engine, directory: str) -> None:
-    """Start from full weights (e.g. an imported Hugging Face model); each rank reads only its rows."""
+    """Start from full weights (e.g. an imported Hugging Face model); each rank reads only its rows
+    (a pipeline stage only its own layers: the engine names them as at pp = 1)."""
     from ..zero.checkpoint import load_full_weights_file
 
     path = os.path.join(directory, "model_full.safetensors")
@@ -215,9 +201,9 @@ def _init_from_pretrained(engine, directory: str) -> None:
     _print0(f"> initialized the weights from {path}")
 
 
-def _run_eval(engine, dataset, config: TrainConfig, device, iteration: int, writer, label: str,
+def _run_eval(run: TrainModel, dataset, config: TrainConfig, iteration: int, writer, label: str,
               key: str = EVAL_LOSS_KEY, eod: Optional[int] = None) -> Optional[float]:
-    val = evaluate(engine, dataset, config, device, eod)
+    val = evaluate(run, dataset, config, eod)
     if val is not None:
         ppl = math.exp(min(val, 50))
         _print0(f" {label} loss at iteration {iteration}: {val:.6E} | perplexity: {ppl:.4E}")
@@ -225,91 +211,101 @@ def _run_eval(engine, dataset, config: TrainConfig, device, iteration: int, writ
     return val
 
 
-def pretrain(config: TrainConfig) -> TrainResult:
-    """Run (or resume) a training job described by ``config``; collective over all ranks."""
-    if config.parallel.pp > 1:
-        from .pipeline_trainer import pretrain_pipeline
-
-        return pretrain_pipeline(config)
-    train_start = time.time()
-    mpu.init_distributed(config.parallel.distributed_backend)
+def _set_up_groups(config: TrainConfig):
+    p = config.parallel
+    mpu.init_distributed(p.distributed_backend)
     if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    device = mpu.get_device()
-    mpu.model_parallel_manual_seed(config.seed)
+        return mpu.initialize_model_parallel(p.tp, p.pp, virtual_pipeline_model_parallel_size=p.virtual_pp
+                                             if p.virtual_pp > 1 else None)
+    groups = mpu.get_parallel_groups()
+    if (groups.tp_size, groups.pp_size, groups.virtual_pp_size) != (p.tp, p.pp, p.virtual_pp):
+        raise RuntimeError(f"model parallel groups were set up for tp {groups.tp_size} x pp {groups.pp_size} x "
+                           f"v {groups.virtual_pp_size}, the run asks tp {p.tp} x pp {p.pp} x v {p.virtual_pp}")
+    return groups
 
-    tokenizer = build_tokenizer_agreed(config)
 
-    # Built on the meta device: every ZeRO stage materializes it partition by partition,
-    # with values identical to a full initialization.
-    model = GPTModel(config.model, device="meta")
-    engine = zero.initialize(model, config.to_deepspeed_config(), mpu=mpu,
-                             no_weight_decay=megatron_no_weight_decay, device=device)
-    if config.optim.type == "SGD" and not isinstance(engine.optimizer, torch.optim.SGD):
-        raise RuntimeError(f"--optimizer sgd: the ZeRO engine built {type(engine.optimizer).__name__}; this build's "
-                           "engine does not construct SGD yet")
-    scheduler = LRScheduler.from_config(config, engine.optimizer)
-    for note in config.notes:
-        _print0(f"> {note}")
-    _print0(f"> model: {num_parameters(config.model):,} parameters "
-            f"(per TP rank {engine.num_local_parameters():,}); tp={config.parallel.tp} dp={config.parallel.dp} "
-            f"ZeRO-{engine.stage} {config.precision.dtype}; model state per rank "
-            f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
-
-    iteration, consumed = 0, 0
+def _load(config: TrainConfig, run: TrainModel, scheduler: LRScheduler) -> tuple[int, int]:
+    """--load / --pretrained-checkpoint / --finetune / --no-load-*: where the run starts."""
     ck = config.checkpoint
-    fresh_rng = mpu.get_cuda_rng_tracker().get_states() if hasattr(mpu, "get_cuda_rng_tracker") else None
+    engine = run.engine
+    fresh_rng = mpu.get_rng_tracker().get_states()
     fresh_cpu_rng = torch.get_rng_state()
     if ck.load:
         agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
     # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
-    state = load_checkpoint(ck.load, engine, load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
+    state = load_checkpoint(ck.load, engine, pipeline=run.stage,
+                            load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
     if state is None and ck.pretrained:
         _init_from_pretrained(engine, ck.pretrained)
-    if ck.load:
-        if state is None:
+    if state is None:
+        if ck.load:
             _print0(f"> no checkpoint in {ck.load}: starting from "
                     + ("the pretrained weights" if ck.pretrained else "scratch"))
-        else:
-            if ck.finetune or ck.no_load_optim:
-                # Megatron's --finetune / --no-load-optim: keep the loaded weights, start the optimizer afresh.
-                engine.optimizer.state.clear()
-            if ck.finetune or ck.no_load_rng:
-                torch.set_rng_state(fresh_cpu_rng)
-                if fresh_rng is not None:
-                    mpu.get_cuda_rng_tracker().set_states(fresh_rng)
-            if ck.finetune:
-                _print0(f"> --finetune: weights from iteration {state['iteration']} of {ck.load}; iteration, "
-                        f"samples, optimizer and RNG start afresh")
-            else:
-                iteration, consumed = state["iteration"], state["consumed_samples"]
-                try:
-                    scheduler.load_state_dict(state["lr_scheduler"],
-                                              use_checkpoint_values=config.schedule.use_checkpoint_opt_param_scheduler,
-                                              override=config.schedule.override_opt_param_scheduler)
-                except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
-                    raise CheckpointError(str(e)) from None
-                _print0(f"> resumed from iteration {iteration} ({consumed} samples)"
-                        + (" with a new tp x dp layout" if state["resharded"] else ""))
-            if state.get("scaler_note"):
-                _print0(f"> {state['scaler_note']}")
+        return 0, 0
+    if ck.finetune or ck.no_load_optim:
+        # Megatron's --finetune / --no-load-optim: keep the loaded weights, start the optimizer afresh.
+        engine.optimizer.state.clear()
+    if ck.finetune or ck.no_load_rng:
+        torch.set_rng_state(fresh_cpu_rng)
+        mpu.get_rng_tracker().set_states(fresh_rng)
+    if state.get("scaler_note"):
+        _print0(f"> {state['scaler_note']}")
+    if ck.finetune:
+        _print0(f"> --finetune: weights from iteration {state['iteration']} of {ck.load}; iteration, "
+                f"samples, optimizer and RNG start afresh")
+        return 0, 0
+    try:
+        scheduler.load_state_dict(state["lr_scheduler"],
+                                  use_checkpoint_values=config.schedule.use_checkpoint_opt_param_scheduler,
+                                  override=config.schedule.override_opt_param_scheduler)
+    except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
+        raise CheckpointError(str(e)) from None
+    _print0(f"> resumed from iteration {state['iteration']} ({state['consumed_samples']} samples)"
+            + (" with a new layout" if state["resharded"] else ""))
+    return state["iteration"], state["consumed_samples"]
 
+
+def pretrain(config: TrainConfig) -> TrainResult:
+    """Run (or resume) a training job described by ``config``, at any tp x pp x dp; collective over all ranks."""
+    train_start = time.time()
+    p = config.parallel
+    groups = _set_up_groups(config)
+    device = mpu.get_device()
+    # One seed for the weights on every rank: they are drawn by pp = 1 name, so any layout gets the same model.
+    mpu.model_parallel_manual_seed(config.seed)
+    tokenizer = build_tokenizer_agreed(config)
+    run = TrainModel(config, groups, device)
+    engine = run.engine
+    # Dropout streams: stage r draws from seed + 100 r (Megatron), layers of a stage in turn.
+    mpu.model_parallel_manual_seed(config.seed + PIPELINE_SEED_OFFSET * groups.pp_rank)
+    scheduler = LRScheduler.from_config(config, engine.optimizer)
+    for note in config.notes:
+        _print0(f"> {note}")
+    if p.pp > 1:
+        _print0(f"> pipeline: {pipeline_plan_line(config)}")
+    _print0(f"> model: {num_parameters(config.model):,} parameters (this rank {engine.num_local_parameters():,}); "
+            f"tp={p.tp} pp={p.pp} dp={p.dp} ZeRO-{engine.stage} {config.precision.dtype}; model state per rank "
+            f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
+
+    iteration, consumed = _load(config, run, scheduler)
     train_ds, valid_ds, test_ds = agree("data set-up",
                                         lambda: _datasets(config, tokenizer.vocab_size if tokenizer else None),
                                         user_errors=(ValueError, OSError))
-    train_it = _loader(train_ds, consumed, config) if not config.schedule.skip_train else None
+    s, log = config.schedule, config.logging
+    train_it = _loader(train_ds, consumed, config) if not s.skip_train else None
     eod = tokenizer.eod if tokenizer is not None else None
 
-    s, log = config.schedule, config.logging
     writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank(), options=log)
     timers: Optional[dict] = {} if (log.wall_clock_breakdown or log.log_timers_to_tensorboard) else None
     zeros = count_zeros_in_grads(engine) if log.log_num_zeros_in_grad else None
     throughput = Throughput.from_config(config)
     meter = IntervalMeter()
+    loss_log = LossLog(groups)
+    skipped_at: dict[int, bool] = {}
     result = TrainResult(iteration, consumed, {}, {})
     signals = SignalFlag(s.exit_signal_handler)
     last_log = iteration
-    per_micro = s.micro_batch_size * config.parallel.dp
+    per_micro = s.micro_batch_size * p.dp
     tokens = consumed * config.model.seq_length  # no curriculum: every sample is seq_length tokens
     tracking = contextlib.ExitStack()
     if log.track_memory and device.type == "cpu":
@@ -317,6 +313,23 @@ def pretrain(config: TrainConfig) -> TrainResult:
 
         # Entered after the engine exists, so its state is part of the baseline and the peak is absolute.
         tracking.enter_context(LiveMemoryTracker("cpu"))
+
+    def diverged(it: int, what: str, loss) -> TrainingDiverged:
+        """Save the current state (iteration ``iteration``) for debugging; ``it`` is where it went non-finite."""
+        debug = os.path.join(config.checkpoint.save or ".", "debug")
+        _save(config, iteration, consumed, run, scheduler, save_dir=debug, tokenizer=tokenizer)
+        return TrainingDiverged(
+            f"non-finite {what} at iteration {it} (loss {loss}); state saved to {checkpoint_dir(debug, iteration)} "
+            "for debugging. Lower --lr, raise --clip-grad or check the data of this iteration.")
+
+    def flush_losses() -> None:
+        """The interval's losses to the host (one collective, one synchronisation), into the meter."""
+        for it, loss in loss_log.flush().items():
+            result.losses[it] = loss
+            if not math.isfinite(loss) and config.precision.dtype != "fp16":
+                raise diverged(it, "loss", loss)
+            meter.update({"lm loss": loss}, skipped=skipped_at.pop(it, False))
+
     try:
         while iteration < s.train_iters and not s.skip_train:
             if s.train_tokens is not None and tokens >= s.train_tokens:
@@ -325,28 +338,25 @@ def pretrain(config: TrainConfig) -> TrainResult:
                         f"--train-tokens {s.train_tokens:,} reached")
                 break
             batch_size = s.global_batch_size_at(consumed)
-            if s.rampup_batch_size is not None:
-                set_accumulation(engine, batch_size // per_micro)
-            # Agreed: a bad sample (a token outside the vocabulary) raises on the ranks that read it only.
-            batches = agree("training data read", lambda: [next(train_it) for _ in range(batch_size // per_micro)],
-                            user_errors=(ValueError,))
-            loss, updated = _train_step(engine, batches, device, config, eod, timers)
+            batches = _read(train_it, batch_size // per_micro, "training data read")
+            if batches is None:
+                raise RuntimeError(f"the training data ran out at iteration {iteration + 1} ({consumed} samples)")
+            clock = PhaseClock(timers, device)
+            loss, updated = _train_step(run, batches, eod, clock.lap if timers is not None else None)
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length
             if updated:  # Megatron and DeepSpeed: a skipped fp16 step does not advance the schedule
                 scheduler.step(LRScheduler.increment(config, batch_size))
-            result.losses[iteration] = loss
-            skipped = not updated
-            if (not math.isfinite(loss) or engine.last_overflow) and config.precision.dtype != "fp16":
-                debug = os.path.join(config.checkpoint.save or ".", "debug")
-                _save(config, iteration, consumed, engine, scheduler, save_dir=debug, tokenizer=tokenizer)
-                raise TrainingDiverged(
-                    f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at iteration {iteration} "
-                    f"(loss {loss}); state saved to {checkpoint_dir(debug, iteration)} for debugging. "
-                    "Lower --lr, raise --clip-grad or check the data of this iteration.")
-            meter.update({"lm loss": loss}, skipped=skipped)
+            loss_log.add(iteration, loss)
+            skipped_at[iteration] = not updated
+            result.grad_norms[iteration] = engine.get_global_grad_norm()
+            if engine.last_overflow and config.precision.dtype != "fp16":
+                losses = loss_log.flush()  # every rank takes part; the loss is for the message
+                loss_value = losses.get(iteration, float("nan"))
+                raise diverged(iteration, "gradients" if math.isfinite(loss_value) else "loss", loss_value)
             if iteration % log.log_interval == 0 or iteration == s.train_iters:
+                flush_losses()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 peak_bytes, memory_source = step_peak_memory(device)
@@ -357,10 +367,9 @@ def pretrain(config: TrainConfig) -> TrainResult:
                     memory=peak_bytes / 2 ** 20)
                 stats.peak_memory_source = memory_source
                 if batch_size != s.global_batch_size:
-                    stats.tokens_per_second = throughput.at_batch(batch_size, s.global_batch_size) \
-                        .tokens_per_second(stats.seconds_per_iteration)
-                    stats.tflops_per_rank = throughput.at_batch(batch_size, s.global_batch_size) \
-                        .tflops_per_rank(stats.seconds_per_iteration)
+                    at = throughput.at_batch(batch_size, s.global_batch_size)
+                    stats.tokens_per_second = at.tokens_per_second(stats.seconds_per_iteration)
+                    stats.tflops_per_rank = at.tflops_per_rank(stats.seconds_per_iteration)
                 if timers is not None:
                     n = max(iteration - last_log, 1)
                     stats.timers_ms = {k: v * 1000.0 / n for k, v in timers.items()}
@@ -369,32 +378,34 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 if log.log_params_norm:
                     stats.extra["params_norm"] = params_norm(engine)
                 if zeros is not None and zeros.zeros is not None:
-                    stats.extra["num_zeros"] = zeros.zeros
+                    stats.extra["num_zeros"] = float(zeros.zeros)
                 if log.log_optimizer_states_to_tensorboard:
                     stats.extra.update(optimizer_state_stats(engine))
                 _print0(format_log_line(stats))
                 writer.write(iteration, stats.to_record())
             if s.eval_interval and iteration % s.eval_interval == 0:
-                val = _run_eval(engine, valid_ds, config, device, iteration, writer, "validation", eod=eod)
+                val = _run_eval(run, valid_ds, config, iteration, writer, "validation", eod=eod)
                 if val is not None:
                     result.eval_losses[iteration] = val
             saved = False
             if config.checkpoint.save and config.checkpoint.save_interval and iteration % config.checkpoint.save_interval == 0:
-                _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
+                _save(config, iteration, consumed, run, scheduler, tokenizer=tokenizer)
                 saved = True
             reason = exit_reason(s, iteration, signals, train_start, device)
             if reason is not None:
+                flush_losses()
                 if config.checkpoint.save and not saved:
-                    _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
+                    _save(config, iteration, consumed, run, scheduler, tokenizer=tokenizer)
                 _print0(f"exiting at iteration {iteration} after {reason}")
                 result.exit_reason = reason
                 break
+        flush_losses()
         if result.exit_reason is None or result.exit_reason.startswith("--train-tokens"):
             if config.checkpoint.save and not s.skip_train and latest_iteration(config.checkpoint.save) != iteration:
-                _save(config, iteration, consumed, engine, scheduler, tokenizer=tokenizer)
+                _save(config, iteration, consumed, run, scheduler, tokenizer=tokenizer)
             # Megatron ends training (or --skip-train) with an evaluation on the validation and test splits.
             for label, dataset, name in (("validation", valid_ds, "valid"), ("test", test_ds, "test")):
-                val = _run_eval(engine, dataset, config, device, iteration, writer,
+                val = _run_eval(run, dataset, config, iteration, writer,
                                 f"the end of training for {label} data:", key=f"{name}_end_lm_loss", eod=eod)
                 if val is not None:
                     result.final_eval[name] = val

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ def initialize(
     no_weight_decay: Optional[NoDecayFn] = None,
     device: Optional[torch.device] = None,
     unit_modules: Optional[list[torch.nn.Module]] = None,
+    param_names: Optional[Callable[[str], str]] = None,
 ) -> ZeroEngine:
     """Wrap ``model`` in a :class:`ZeroEngine` configured by a DeepSpeed-schema dict or JSON path.
 
@@ -37,7 +38,10 @@ def initialize(
     ``mpu`` every rank is a data-parallel peer. A model built on the meta device
     is materialized partition by partition (ZeRO-3 never holds it whole).
     ``no_weight_decay(name, param)`` selects parameters trained without weight
-    decay (Megatron excludes biases and norms).
+    decay (Megatron excludes biases and norms). ``param_names`` maps a parameter's name
+    in ``model`` to the name it is known by in the whole model (a pipeline stage's
+    ``layers.0`` is the model's ``layers.8``): initial values are keyed by it and
+    checkpoints list it, so every layout starts from the same weights.
     """
     cfg = load_config(config)
     tp_group = mp_group = None
@@ -49,4 +53,5 @@ def initialize(
     else:
         dp_group = dist.group.WORLD if dist.is_initialized() else None
     return ZeroEngine(model, cfg, dp_group=dp_group, tp_group=tp_group, mp_group=mp_group,
-                      no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules)
+                      no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules,
+                      param_names=param_names)

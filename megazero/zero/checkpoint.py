@@ -343,19 +343,20 @@ def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
 @torch.no_grad()
 def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
                     counter: Optional[ReadCounter] = None, *, name_of: Optional[Callable[[str], str]] = None,
-                    load_optimizer: bool = True) -> dict:
+                    load_optimizer: bool = True, partial_model: bool = False) -> dict:
     """Collective-free part of a load: fill this rank's fp32 masters and optimizer state from ``directory``.
 
     Reads only the saved elements that this rank owns under its own layout. Returns the
     saved metadata, with ``bytes_read`` and ``files_read`` of this rank added. Follow with
     :func:`publish_loaded_state` (a collective) before using the engine. A pipeline stage
     passes ``name_of`` (its parameter name -> the pp = 1 name): it then holds part of the
-    saved names, and its copy of the tied embedding loads from the embedding itself.
+    saved names, and its copy of the tied embedding loads from the embedding itself. An
+    engine already built with pp = 1 names passes ``partial_model=True`` instead.
     ``load_optimizer=False`` (Megatron's ``--finetune`` / ``--no-load-optim``) reads the weights
     only: the optimizer starts afresh, whatever optimizer saved the checkpoint.
     """
     reader = CheckpointReader(directory, manifest, prefer_dp=engine.dp_rank, counter=counter)
-    stage_of_pipeline = name_of is not None
+    stage_of_pipeline = name_of is not None or partial_model
     name_of = name_of or (lambda n: n)
     mine = {name_of(s.name) for g in engine.groups for s in g.slots}
     saved = set(reader.names)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
 from .comm import CommCounter
 from .config import ZeroConfig
-from .flat import FlatGroup, ParamSlot
+from .flat import FlatGroup, ParamSlot, fill_range
 from .loss_scaler import LossScaler
 from .reducer import GradReducer
 from .units import Unit, find_unit_modules, plan_units, units_for_call
@@ -79,9 +79,14 @@ class ZeroEngine(torch.nn.Module):
         no_weight_decay: Optional[NoDecayFn] = None,
         device: Optional[torch.device] = None,
         unit_modules: Optional[list[torch.nn.Module]] = None,
+        param_names: Optional[Callable[[str], str]] = None,
     ) -> None:
         super().__init__()
         self.module = model
+        # The name each parameter is known by outside this module: what initialization keys its
+        # values by and what checkpoints list. A pipeline stage maps its local names to the whole
+        # model's (pp = 1) names, so the model is a function of the seed, not of the layout.
+        self.param_name = param_names or (lambda n: n)
         self.config = config
         self.stage = config.stage
         self.dp_size, self.dp_rank = _group_info(dp_group)
@@ -170,7 +175,7 @@ class ZeroEngine(torch.nn.Module):
         for name, position, params, persistent in plan.units:
             groups = []
             for trainable, decay in ((True, True), (True, False), (False, False)):
-                chosen = [(n, p) for n, p in params
+                chosen = [(self.param_name(n), p) for n, p in params
                           if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
                 if chosen:
                     groups.append(FlatGroup(chosen, partitions=partitions, rank=rank, compute_dtype=self.compute_dtype,
@@ -356,13 +361,14 @@ class ZeroEngine(torch.nn.Module):
         if tuple(grad.shape) != tuple(slot.shape):
             raise ValueError(f"{slot.name}: gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(slot.shape)}")
         if self.accumulate_full:
-            self.grad_full[g].narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
+            self.grad_full[g].narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1).to(self.grad_dtype))
             return
-        for s in g.slots:
-            s.param.grad = None
-        slot.param.grad = grad.to(g.compute_dtype)
-        buf = torch.empty(g.partitions, g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        g.grads_into(buf)
+        # Written straight into the bucket in the reduction dtype (fp32 by default under bf16): the
+        # contribution is summed in the precision every other gradient is, and pre-divided like them.
+        buf = torch.zeros(g.partitions, g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        fill_range(buf, slot.offset, slot.offset + slot.numel, g.shard_numel, grad.reshape(-1).to(self.reduce_dtype))
+        if self._predivide != 1.0:
+            buf.div_(self._predivide)
         out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.comm.reduce_scatter(out, buf.view(-1), "dp")
         self.grad_shard[g].add_(out)
@@ -577,11 +583,12 @@ class ZeroEngine(torch.nn.Module):
                 dist.all_gather(parts, value.contiguous(), group=self.tp_group)
                 value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
             out[name] = value.cpu()
+        primary = {id(p): n for n, p in self.module.named_parameters()}
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            if name not in out and id(p) in self.slot_of:  # a shared weight under its other names
-                out[name] = out[self.slot_of[id(p)][1].name]
+            if name != primary[id(p)] and id(p) in self.slot_of:  # a shared weight under its other names
+                out.setdefault(self.param_name(name), out[self.slot_of[id(p)][1].name])
         for name, b in self.module.named_buffers():
-            out.setdefault(name, b.detach().cpu().clone())
+            out.setdefault(self.param_name(name), b.detach().cpu().clone())
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
         return out

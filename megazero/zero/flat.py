@@ -165,12 +165,12 @@ class FlatGroup:
             grad = s.param.grad
             lo, hi = s.offset, s.offset + s.numel
             if lo > covered:
-                _fill_range(rows, covered, lo, self.shard_numel, None)
-            _fill_range(rows, lo, hi, self.shard_numel, None if grad is None else grad.reshape(-1))
+                fill_range(rows, covered, lo, self.shard_numel, None)
+            fill_range(rows, lo, hi, self.shard_numel, None if grad is None else grad.reshape(-1))
             covered = hi
             s.param.grad = None
         if covered < self.padded_numel:
-            _fill_range(rows, covered, self.padded_numel, self.shard_numel, None)
+            fill_range(rows, covered, self.padded_numel, self.shard_numel, None)
 
     def norm_ranges(self, count_replicated: bool, count_any: bool) -> list[tuple[int, int]]:
         """Ranges of this rank's shard whose squared gradients enter the global norm.
@@ -195,7 +195,7 @@ class FlatGroup:
         return ranges
 
 
-def _fill_range(rows: torch.Tensor, lo: int, hi: int, width: int, src: Optional[torch.Tensor]) -> None:
+def fill_range(rows: torch.Tensor, lo: int, hi: int, width: int, src: Optional[torch.Tensor]) -> None:
     """Copy ``src`` (or zeros) into flat positions ``[lo, hi)`` of the row-major ``rows`` [N, width]."""
     pos = lo
     while pos < hi:

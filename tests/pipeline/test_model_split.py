@@ -129,7 +129,7 @@ def test_stage_without_input_tensor_says_what_to_do():
 def test_build_pipeline_model_from_groups():
     from megazero.mpu import ParallelGroups
     from megazero.model.pipeline_split import build_pipeline_model
-    from megazero.pipeline.engine_step import StageChunks
+    from megazero.model.pipeline_split import StageChunks
 
     def groups(pp_rank, v):
         return ParallelGroups(tp_size=1, pp_size=2, dp_size=1, tp_rank=0, pp_rank=pp_rank, dp_rank=0, tp_group=None,

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from megazero import mpu, zero
 from megazero.model import GPTModel
-from megazero.model.pipeline_split import build_stage_chunks, local_to_global_name
-from megazero.pipeline.engine_step import PipelineStage, StageChunks
+from megazero.model.pipeline_split import StageChunks, build_stage_chunks, global_name_fn
+from megazero.pipeline.engine_step import PipelineStage
 from tests.distributed import run_distributed
 from tests.zero.common import BETAS, EPS, GLOBAL_MICRO_ROWS, LR, SEED, WD, batches, ds_config, tiny_config
 
@@ -47,22 +47,16 @@ def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False
     dp, dp_rank = groups.dp_size, groups.dp_rank
     cfg = tiny_config(num_layers=num_layers, tie_embeddings=tied, sequence_parallel=sequence_parallel)
     torch.manual_seed(SEED)
-    full = GPTModel(cfg, tp_group=mpu.NO_GROUP).state_dict()  # the pp = 1 initial weights
     chunks = build_stage_chunks(cfg, pp=pp, pp_rank=groups.pp_rank, v=v, tp_group=groups.tp_group, device="meta")
     module = chunks[0] if v == 1 else StageChunks(chunks)
     micro = GLOBAL_MICRO_ROWS // dp
     ds = ds_config(stage, accum=m, micro=micro)
     ds["zero_optimization"]["stage3_keep_gathered_in_step"] = keep_gathered
-    engine = zero.initialize(module, ds, mpu=mpu)
+    # No weights loaded by hand: initialized under the pp = 1 names, each stage draws the
+    # reference model's values (the model is a function of the seed, not of the layout).
+    torch.manual_seed(SEED)
+    engine = zero.initialize(module, ds, mpu=mpu, param_names=global_name_fn(chunks))
     engine.comm.reset()
-
-    def global_name(name):
-        if v == 1:
-            return local_to_global_name(name, chunks[0].layer_range)
-        c, rest = name.split(".", 1)
-        return local_to_global_name(rest, chunks[int(c[len("chunk"):])].layer_range)
-
-    engine.load_full_weights(lambda name: full[global_name(name)])
     pipe = PipelineStage(engine, chunks, groups, micro_batch_size=micro, seq_length=cfg.seq_length)
     data = batches(STEPS, m, GLOBAL_MICRO_ROWS)
     losses, norms = [], []
@@ -72,12 +66,12 @@ def _pipeline_run(tp, pp, v, stage, m, tied, num_layers, sequence_parallel=False
         micro_losses, updated = pipe.train_step(mbs)
         assert updated
         if pipe.is_last_stage:
-            total = torch.tensor([sum(micro_losses) / m])
+            total = (torch.stack(micro_losses).sum() / m).reshape(1)
             dist.all_reduce(total, group=groups.dp_group)
             losses.append(float(total) / dp)
         norms.append(engine.get_global_grad_norm())
     traffic = engine.comm.snapshot()
-    weights = {global_name(k): v for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+    weights = engine.consolidated_state_dict(rank0_only=False)
     return dict(pp_rank=groups.pp_rank, losses=losses, norms=norms, weights=weights, max_live=pipe.runner.max_live,
                 traffic=traffic, local_bytes=engine.num_local_parameters() * 4)
 

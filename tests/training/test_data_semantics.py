@@ -63,7 +63,8 @@ def _run_with_reference(prefix, flags):
 
     original, seen = trainer._train_step, {}
 
-    def step(engine, batches, device, *rest):
+    def step(run, batches, *rest):
+        engine = run.engine
         if not seen:
             text = batches[0]["text"].long()
             engine.eval()
@@ -72,7 +73,7 @@ def _run_with_reference(prefix, flags):
                 seen["plain"] = float(engine(text[:, :-1], labels=text[:, 1:]).mean())
                 seen["eods"] = int((text[:, :-1] == VOCAB).sum())
             engine.train()
-        return original(engine, batches, device, *rest)
+        return original(run, batches, *rest)
 
     trainer._train_step = step
     try:

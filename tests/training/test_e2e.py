@@ -52,10 +52,17 @@ def _pretrain(args, world_size, patch_save_failure=False, nan_at_iteration=None)
 
         original_step, calls = trainer._train_step, [0]
 
-        def poisoned(engine, batches, device, *rest):
+        def poisoned(run, batches, *rest):
+            # A NaN in the loss of one iteration: its gradients are NaN, and the run must stop there.
             calls[0] += 1
-            loss, updated = original_step(engine, batches, device, *rest)
-            return (float("nan"), updated) if calls[0] == nan_at_iteration else (loss, updated)
+            if calls[0] != nan_at_iteration:
+                return original_step(run, batches, *rest)
+            loss_fn = run.stage.loss_fn
+            run.stage.loss_fn = lambda out, mb: loss_fn(out, mb) * float("nan")
+            try:
+                return original_step(run, batches, *rest)
+            finally:
+                run.stage.loss_fn = loss_fn
 
         trainer._train_step = poisoned
         try:

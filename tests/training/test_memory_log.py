@@ -32,9 +32,9 @@ def _train(metrics, track):
             "--metrics-file", metrics] + (["--track-memory"] if track else [])
     original, state = trainer._train_step, {}
 
-    def step(engine, *rest):
-        state["model_state"] = engine.model_state_bytes()["total"]
-        return original(engine, *rest)
+    def step(run, *rest):
+        state["model_state"] = run.engine.model_state_bytes()["total"]
+        return original(run, *rest)
 
     trainer._train_step = step
     out = io.StringIO()

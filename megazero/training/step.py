@@ -1,0 +1,126 @@
+"""One rank's model for any layout, and one training or evaluation step through it.
+
+Every layout goes through the same object: this rank's model chunks (``pp = 1``: the
+whole GPT; ``pp > 1``: its pipeline stage, ``v`` chunks with interleaving) under one
+ZeRO engine, driven by :class:`megazero.pipeline.PipelineStage`, whose schedule is the
+trivial one (forward, backward, next micro-batch) at ``pp = 1``. So per-document
+positions and masks, the loss, ramp-up, timers and evaluation exist once.
+
+Parameters are named as at ``pp = 1`` inside the engine (``param_names``), which is
+what makes the initial weights, and every checkpoint, independent of the layout.
+
+Losses stay on the device: :class:`LossLog` keeps each iteration's local loss and
+reduces a whole log interval with one collective and one host synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import mpu, zero
+from ..data import build_batch, masked_mean
+from ..model.pipeline_split import build_pipeline_model, global_name_fn
+from ..pipeline import PipelineStage
+from .config import TrainConfig
+
+__all__ = ["TrainModel", "LossLog", "megatron_no_weight_decay"]
+
+
+def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: biases and normalization weights (1-D) train without weight decay."""
+    return param.dim() == 1 or name.endswith(".bias")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True)
+
+
+def _loss(per_token: torch.Tensor, mb) -> torch.Tensor:
+    """Megatron's loss_func: the mean per-token loss over the micro-batch's loss mask."""
+    return masked_mean(per_token, mb.loss_mask)
+
+
+class TrainModel:
+    """This rank's chunks, their ZeRO engine and the schedule that runs them, for ``groups``."""
+
+    def __init__(self, config: TrainConfig, groups, device: torch.device) -> None:
+        p = config.parallel
+        self.config, self.groups, self.device = config, groups, device
+        # Built on the meta device: every ZeRO stage materializes it partition by partition,
+        # with values keyed by the pp = 1 names (equal to a full initialization at any layout).
+        module, self.chunks = build_pipeline_model(config.model, groups, first=p.decoder_first_pipeline_num_layers,
+                                                   last=p.decoder_last_pipeline_num_layers, device="meta")
+        self.engine = zero.initialize(module, config.to_deepspeed_config(), mpu=mpu,
+                                      no_weight_decay=megatron_no_weight_decay, device=device,
+                                      param_names=global_name_fn(self.chunks))
+        self.stage = PipelineStage(self.engine, self.chunks, groups, micro_batch_size=config.schedule.micro_batch_size,
+                                   seq_length=config.model.seq_length, loss_fn=_loss)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage.is_last_stage
+
+    def micro_batch(self, text: torch.Tensor, eod: Optional[int]):
+        """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch."""
+        d = self.config.data
+        b = build_batch(to_device(text, self.device), eod, d.reset_position_ids, d.reset_attention_mask,
+                        d.eod_mask_loss)
+        # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
+        return b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
+
+    def _local_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean micro-batch loss (0 elsewhere), on the device."""
+        if self.is_last_stage and losses:
+            return torch.stack([x.double() for x in losses]).mean()
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def train_step(self, batches: list[dict], eod: Optional[int],
+                   lap: Optional[Callable[[str], None]] = None) -> tuple[torch.Tensor, bool]:
+        """One iteration over the loader's ``batches``: ``(local loss on the device, updated)``."""
+        losses, updated = self.stage.train_step([self.micro_batch(b["text"], eod) for b in batches], lap)
+        return self._local_mean(losses), updated
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[dict], eod: Optional[int]) -> torch.Tensor:
+        """Forward only through the pipeline: the local mean loss on the device."""
+        self.engine.eval()
+        try:
+            losses = self.stage.forward_only([self.micro_batch(b["text"], eod) for b in batches])
+        finally:
+            self.engine.train()
+        return self._local_mean(losses)
+
+
+class LossLog:
+    """Per-iteration losses kept on the device until they are needed on the host.
+
+    ``reduce`` turns local losses (the last pipeline stage's; 0 elsewhere) into the DP mean on
+    every rank: one all-reduce over PP and one over DP for any number of iterations, then one
+    host synchronisation. Every rank calls it at the same iterations.
+    """
+
+    def __init__(self, groups) -> None:
+        self.groups = groups
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def add(self, iteration: int, local: torch.Tensor) -> None:
+        self.pending.append((iteration, local))
+
+    def reduce(self, values: list[torch.Tensor]) -> list[float]:
+        if not values:
+            return []
+        t = torch.stack(values).to(torch.float64)
+        if self.groups.pp_size > 1:
+            dist.all_reduce(t, group=self.groups.pp_group)  # only the last stage's are non-zero
+        if self.groups.dp_size > 1:
+            dist.all_reduce(t, group=self.groups.dp_group)
+        return (t / self.groups.dp_size).tolist()
+
+    def flush(self) -> dict[int, float]:
+        """Every pending iteration's DP-mean loss (``{iteration: loss}``); empties the log."""
+        pending, self.pending = self.pending, []
+        return dict(zip([i for i, _ in pending], self.reduce([t for _, t in pending])))
