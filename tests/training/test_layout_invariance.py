@@ -1,0 +1,185 @@
+"""The parallel layout never changes the model: what a user runs, compared with the one-process run.
+
+Every run here is ``torchrun ... pretrain_gpt.py FLAGS`` (or ``python pretrain_gpt.py FLAGS``
+for the one-process reference), as a subprocess, reading back what the run wrote: the
+per-iteration loss and grad norm from ``--metrics-file`` and the weights from ``--save``.
+fp32 with dropout 0, so the layouts must agree to float rounding (2e-5 relative):
+
+* pp 2, pp 4 (untied), pp 2 x dp 2 ZeRO-3 with both ZeRO-3 x PP policies, tp 2 x pp 2
+  interleaved with sequence parallelism, pp 2 with ramp-up and fp16, pp 2 with per-document
+  positions / masks / loss mask, pp 2 from --pretrained-checkpoint, bf16 pp 2 (bf16 tolerance);
+* the initial weights (``--train-iters 0 --save``) are bit-identical at pp 1, pp 2, pp 4 and
+  tp 2 x pp 2 x v 2 (read back through the checkpoint reader the export tools use);
+* a checkpoint saved at three layouts resumes at three others with the reference's next losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megazero.data import IndexedDatasetBuilder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
+ITERS = 4
+RTOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Short documents (several per sample, so the per-document flags have work) as .bin/.idx."""
+    d = tmp_path_factory.mktemp("layout_data")
+    prefix = str(d / "docs_text_document")
+    rng = np.random.default_rng(3)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(300):
+        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(3, 12)
+        builder.add_item(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def flags(prefix: str, *extra: str, layers: int = 4, iters: int = ITERS) -> list[str]:
+    return ["--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "5e-3", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--seed", "11", "--data-path", prefix, "--split", "98,2,0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "32",
+            "--log-interval", "1", "--eval-iters", "0", "--clip-grad", "1.0", *extra]
+
+
+def launch(world: int, args: list[str], out_dir, name: str) -> dict[int, dict]:
+    """Run pretrain_gpt.py as a user would; returns {iteration: metrics record}."""
+    metrics = os.path.join(str(out_dir), f"{name}.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(ROOT, "pretrain_gpt.py")
+    if world == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node",
+               str(world), script]
+    proc = subprocess.run(cmd + args + ["--metrics-file", metrics], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=str(out_dir))
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    records = {}
+    if os.path.exists(metrics):
+        for line in open(metrics):
+            rec = json.loads(line)
+            if "lm_loss" in rec:
+                records[rec["iteration"]] = rec
+    return records
+
+
+def assert_same_run(got: dict, ref: dict, rtol: float = RTOL, what: str = "") -> None:
+    assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
+    for it in ref:
+        for key in ("lm_loss", "grad_norm"):
+            a, b = got[it][key], ref[it][key]
+            assert abs(a - b) <= rtol * abs(b), f"{what}: iteration {it} {key} {a} vs one process {b}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("layout_runs")
+
+
+@pytest.fixture(scope="module")
+def reference(data, runs):
+    """The one-process runs the layouts are compared with (saved at iteration 2 for the resume test)."""
+    return {
+        "tied": launch(1, flags(data, "--save", str(runs / "ref_tied"), "--save-interval", "2"), runs, "ref_tied"),
+        "untied": launch(1, flags(data, "--untie-embeddings-and-output-weights"), runs, "ref_untied"),
+    }
+
+
+LAYOUTS = {
+    "pp2": (2, ["--pp", "2"], "tied"),
+    "pp4_untied": (4, ["--pp", "4", "--untie-embeddings-and-output-weights"], "untied"),
+    "pp2_dp2_z3": (4, ["--pp", "2", "--zero-stage", "3"], "tied"),
+    "tp2_pp2_v2_sp": (4, ["--tp", "2", "--pp", "2", "--virtual-pipeline-model-parallel-size", "2",
+                          "--sequence-parallel"], "tied"),
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(data, runs):
+    """Each layout's run, saved at iteration 2 (the resume test reloads them elsewhere)."""
+    return {name: launch(world, flags(data, *extra, "--save", str(runs / name), "--save-interval", "2"), runs, name)
+            for name, (world, extra, _) in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_matches_one_process(layouts, reference, name):
+    assert_same_run(layouts[name], reference[LAYOUTS[name][2]], what=name)
+
+
+def test_pp2_dp2_zero3_keep_gathered_policy(data, runs, reference):
+    ds = runs / "keep_gathered.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_keep_gathered_in_step": True}}))
+    got = launch(4, flags(data, "--pp", "2", "--zero-stage", "3", "--deepspeed_config", str(ds)), runs, "keep")
+    assert_same_run(got, reference["tied"], what="pp2 x dp2 ZeRO-3 keep-gathered")
+
+
+@pytest.mark.parametrize("name,world,extra,rtol", [
+    # Ramp-up 2 -> 8 samples over 8 samples: 1, 2, then 4 micro-batches per step through the pipeline.
+    ("rampup_fp16", 2, ["--rampup-batch-size", "2", "2", "8", "--fp16", "--initial-loss-scale", "1024"], RTOL),
+    ("documents", 2, ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"], RTOL),
+    ("bf16", 2, ["--bf16"], 2e-2),
+])
+def test_pp2_flags_match_one_process(data, runs, name, world, extra, rtol):
+    ref = launch(1, flags(data, *extra), runs, f"{name}_ref")
+    got = launch(world, flags(data, "--pp", str(world), *extra), runs, f"{name}_pp2")
+    assert_same_run(got, ref, rtol=rtol, what=name)
+
+
+def test_pp2_from_pretrained_checkpoint(data, runs, reference):
+    """--pretrained-checkpoint at pp 2 starts from the file's weights, as at pp 1."""
+    from safetensors.torch import save_file
+    from megazero.training.checkpointing import load_full_model
+
+    _, weights, _ = load_full_model(str(runs / "ref_tied"), 2)  # a trained model as the "pretrained" one
+    pre = runs / "pretrained"
+    pre.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(pre / "model_full.safetensors"))
+    ref = launch(1, flags(data, "--pretrained-checkpoint", str(pre)), runs, "pre_ref")
+    got = launch(2, flags(data, "--pp", "2", "--pretrained-checkpoint", str(pre)), runs, "pre_pp2")
+    assert_same_run(got, ref, what="pretrained pp2")
+    assert abs(ref[1]["lm_loss"] - reference["tied"][1]["lm_loss"]) > 1e-3  # the file was used, not the seed
+
+
+def test_initial_weights_bit_identical_across_layouts(data, runs):
+    from megazero.training.checkpointing import load_full_model
+
+    layouts = {"pp1": (1, []), "pp2": (2, ["--pp", "2"]), "pp4": (4, ["--pp", "4"]),
+               "tp2_pp2_v2": (4, ["--tp", "2", "--pp", "2", "--virtual-pipeline-model-parallel-size", "2"])}
+    weights = {}
+    for name, (world, extra) in layouts.items():
+        launch(world, flags(data, *extra, "--train-iters", "0", "--save", str(runs / f"init_{name}")),
+               runs, f"init_{name}")
+        _, weights[name], _ = load_full_model(str(runs / f"init_{name}"))
+    ref = weights["pp1"]
+    for name, w in weights.items():
+        assert sorted(w) == sorted(ref), name
+        for k in ref:
+            assert torch.equal(w[k], ref[k]), f"{name}: {k} differs from pp 1 at initialization"
+
+
+def test_checkpoints_resume_across_layouts(data, runs, reference, layouts):
+    """Saved at iteration 2 by pp 1 (one process), pp 2 x dp 2 ZeRO-3 and tp 2 x pp 2 x v 2; each resumes at
+    another layout, and iterations 3-4 equal the uninterrupted one-process run."""
+    resumes = [("ref_tied", 4, ["--tp", "2", "--pp", "2"]),
+               ("pp2_dp2_z3", 1, []),
+               ("tp2_pp2_v2_sp", 4, ["--pp", "4", "--zero-stage", "2"])]
+    for source, world, extra in resumes:
+        got = launch(world, flags(data, *extra, "--load", str(runs / source)), runs, f"resume_{source}")
+        tail = {it: r for it, r in reference["tied"].items() if it > 2}
+        assert_same_run(got, tail, what=f"{source} resumed at {extra or 'pp 1'}")
