@@ -36,13 +36,8 @@ ALLOWED_CIRCLES = {
 }
 
 
-# Moved out of megazero/model in the next commit (HF tokenizer export, Megatron checkpoint reading).
-_MOVING = {("megazero.model.hf", "megazero.data.tokenizer"), ("megazero.model.hf", "megazero.data.tokenizer_files"),
-           ("megazero.model.megatron_import", "megazero.training.megatron_ckpt")}
-
-
 def _allowed(a: str, b: str) -> bool:
-    return frozenset({a, b}) in ALLOWED_CIRCLES or (a, b) in _MOVING
+    return frozenset({a, b}) in ALLOWED_CIRCLES
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from megazero.model import GPTConfig  # noqa: E402
-from megazero.model.hf import build_hf_config, export_to_hf, export_tokenizer_and_ids, to_hf_state_dict  # noqa: E402
+from megazero.data.hf_tokenizer import export_tokenizer_to_hf  # noqa: E402
+from megazero.model.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict  # noqa: E402
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full  # noqa: E402
 from megazero.training.checkpointing import CheckpointError, open_checkpoint, resolve_checkpoint_dir  # noqa: E402
 from megazero.zero.shard_io import ReadCounter, ShardFile  # noqa: E402
@@ -79,14 +80,16 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_dir = found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
         if source is None:
             config, full_sd = load_full(args.input, args.config)
-            arch = export_to_hf(full_sd, config, args.output, tokenizer_dir=tokenizer_dir)
+            token_ids = None if tokenizer_dir is None else export_tokenizer_to_hf(tokenizer_dir, args.output)
+            arch = export_to_hf(full_sd, config, args.output, token_ids=token_ids)
         else:
             config, names, read, meta = source
             hf_config = build_hf_config(config)
             os.makedirs(args.output, exist_ok=True)
             convert_streaming(lambda sd: to_hf_state_dict(sd, config), names, read, meta,
                               os.path.join(args.output, "model.safetensors"), metadata={"format": "pt"})
-            export_tokenizer_and_ids(hf_config, tokenizer_dir, args.output)
+            token_ids = None if tokenizer_dir is None else export_tokenizer_to_hf(tokenizer_dir, args.output)
+            set_token_ids(hf_config, token_ids, args.output)
             hf_config.save_pretrained(args.output)
             arch = hf_config.architectures[0]
     except (ValueError, KeyError, FileNotFoundError, CheckpointError) as e:

@@ -45,6 +45,7 @@ def test_gpt2_and_null_round_trip(tmp_path):
 
 def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     transformers = pytest.importorskip("transformers")
+    from megazero.data.hf_tokenizer import export_tokenizer_to_hf
     from megazero.model import GPTModel
     from megazero.model.hf import export_to_hf
     from megazero.model.state_dict import gather_full_state_dict
@@ -53,8 +54,8 @@ def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     tok = build_tokenizer("Llama2Tokenizer", tokenizer_model=spm_model)
     save_tokenizer_files(tok, tmp_path / "tokenizer")
     config = tiny_config("llama", vocab_size=320)
-    export_to_hf(gather_full_state_dict(GPTModel(config)), config, str(tmp_path / "hf"),
-                 tokenizer_dir=str(tmp_path / "tokenizer"))
+    ids = export_tokenizer_to_hf(str(tmp_path / "tokenizer"), str(tmp_path / "hf"))
+    export_to_hf(gather_full_state_dict(GPTModel(config)), config, str(tmp_path / "hf"), token_ids=ids)
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"]) == (tok.bos, tok.eod) == (1, 2)
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
@@ -69,7 +70,8 @@ def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     bpe = build_tokenizer("GPT2BPETokenizer", vocab_file=tmp_path / "vocab.json", merge_file=tmp_path / "merges.txt")
     save_tokenizer_files(bpe, tmp_path / "bpe")
     gpt = tiny_config("gpt", vocab_size=bpe.vocab_size)
-    export_to_hf(gather_full_state_dict(GPTModel(gpt)), gpt, str(tmp_path / "hf2"), tokenizer_dir=str(tmp_path / "bpe"))
+    ids = export_tokenizer_to_hf(str(tmp_path / "bpe"), str(tmp_path / "hf2"))
+    export_to_hf(gather_full_state_dict(GPTModel(gpt)), gpt, str(tmp_path / "hf2"), token_ids=ids)
     cfg2 = json.loads((tmp_path / "hf2" / "config.json").read_text())
     assert cfg2["eos_token_id"] == cfg2["bos_token_id"] == bpe.eod
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf2"))(TEXT).input_ids == bpe.tokenize(TEXT)
