@@ -3,8 +3,11 @@ export to Hugging Face with bos/eos taken from the tokenizer."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,4 +78,29 @@ def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     cfg2 = json.loads((tmp_path / "hf2" / "config.json").read_text())
     assert cfg2["eos_token_id"] == cfg2["bos_token_id"] == bpe.eod
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf2"))(TEXT).input_ids == bpe.tokenize(TEXT)
+
+
+def test_convert_to_hf_names_protobuf_for_a_sentencepiece_tokenizer(spm_model, tmp_path, monkeypatch, capsys):
+    """Without protobuf, transformers' SentencePiece conversion fails asking for tiktoken; the tool says
+    protobuf, and how to install it, before writing anything."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers not installed (the tool would name it first)")
+    from megazero.model import GPTModel
+    from megazero.model.state_dict import gather_full_state_dict, save_full
+    from tests.model.common import tiny_config
+
+    config = tiny_config("llama", vocab_size=320)
+    save_full(str(tmp_path / "full"), gather_full_state_dict(GPTModel(config)), config)
+    save_tokenizer_files(build_tokenizer("Llama2Tokenizer", tokenizer_model=spm_model), tmp_path / "full" / "tokenizer")
+    spec = importlib.util.spec_from_file_location("convert_to_hf", Path(__file__).resolve().parents[2] / "tools"
+                                                  / "convert_to_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setitem(sys.modules, "google.protobuf", None)  # as if protobuf were not installed
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--input", str(tmp_path / "full"), "--output", str(tmp_path / "hf")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("convert_to_hf: error: exporting a SentencePiece tokenizer needs the protobuf "
+                                       "package, which is not installed: pip install 'megazero[hf]'\n")
+    assert not (tmp_path / "hf").exists()
 
