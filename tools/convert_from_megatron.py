@@ -19,8 +19,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megazero.model.megatron_import import import_megatron  # noqa: E402
 from megazero.model.state_dict import save_full  # noqa: E402
+from megazero.training.megatron_ckpt import import_megatron  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,11 +28,16 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
+from megazero.data.hf_tokenizer import export_tokenizer_to_hf  # noqa: E402
 from megazero.model import GPTConfig  # noqa: E402
-from megazero.model.hf import build_hf_config, export_to_hf, export_tokenizer_and_ids, to_hf_state_dict  # noqa: E402
+from megazero.model.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict  # noqa: E402
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full  # noqa: E402
 from megazero.training.checkpointing import CheckpointError, open_checkpoint, resolve_checkpoint_dir  # noqa: E402
+from megazero.utils.optional_deps import require_packages  # noqa: E402
 from megazero.zero.shard_io import ReadCounter, ShardFile  # noqa: E402
+
+TOOL = "convert_to_hf"
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +70,17 @@ def _source(args):
     return config, f.keys(), f.tensor, lambda n: torch.empty(f.shape(n), dtype=f.dtype(n), device="meta")
 
 
+def _tokenizer_type(tokenizer_dir: str) -> str | None:
+    try:
+        with open(os.path.join(tokenizer_dir, "megazero_tokenizer.json")) as f:
+            return json.load(f).get("type")
+    except (OSError, ValueError, AttributeError):
+        return None  # the export itself reports what is wrong with the directory
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_packages(TOOL, ["transformers"], "hf", "writing a Hugging Face model")
     try:
         source = _source(args)
         tokenizer_dir = args.tokenizer_dir
@@ -77,20 +91,25 @@ def main(argv: list[str] | None = None) -> int:
                 base = resolve_checkpoint_dir(args.input)  # a --save directory: its latest iteration
             found = os.path.join(base, "tokenizer")
             tokenizer_dir = found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
+        if tokenizer_dir is not None and _tokenizer_type(tokenizer_dir) in SENTENCEPIECE_TYPES:
+            # transformers converts the SentencePiece model to its tokenizer.json with protobuf
+            require_packages(TOOL, ["sentencepiece", "google.protobuf"], "hf", "exporting a SentencePiece tokenizer")
         if source is None:
             config, full_sd = load_full(args.input, args.config)
-            arch = export_to_hf(full_sd, config, args.output, tokenizer_dir=tokenizer_dir)
+            token_ids = None if tokenizer_dir is None else export_tokenizer_to_hf(tokenizer_dir, args.output)
+            arch = export_to_hf(full_sd, config, args.output, token_ids=token_ids)
         else:
             config, names, read, meta = source
             hf_config = build_hf_config(config)
             os.makedirs(args.output, exist_ok=True)
             convert_streaming(lambda sd: to_hf_state_dict(sd, config), names, read, meta,
                               os.path.join(args.output, "model.safetensors"), metadata={"format": "pt"})
-            export_tokenizer_and_ids(hf_config, tokenizer_dir, args.output)
+            token_ids = None if tokenizer_dir is None else export_tokenizer_to_hf(tokenizer_dir, args.output)
+            set_token_ids(hf_config, token_ids, args.output)
             hf_config.save_pretrained(args.output)
             arch = hf_config.architectures[0]
     except (ValueError, KeyError, FileNotFoundError, CheckpointError) as e:
-        print(f"convert_to_hf: error: {e}", file=sys.stderr)
+        print(f"{TOOL}: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {arch} to {args.output}")
     return 0

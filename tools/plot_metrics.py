@@ -11,10 +11,15 @@ that logged no eval simply has no eval line. Needs matplotlib (Agg backend, no d
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megazero.utils.optional_deps import require_packages  # noqa: E402  (stdlib only: no torch)
 
 TRAIN_LOSS, EVAL_LOSS, LR, TOKENS = "lm_loss", "eval_lm_loss", "lr", "tokens_per_s"
 
@@ -79,9 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--output", "-o", default="curves.png", help="image to write (default curves.png)")
     p.add_argument("--title")
     a = p.parse_args(argv)
-    if importlib.util.find_spec("matplotlib") is None:
-        print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
-        return 2
+    require_packages("plot_metrics", ["matplotlib"], "plot", "plotting")
     try:
         records = read_metrics(a.metrics)
     except (OSError, ValueError) as e:

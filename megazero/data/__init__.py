@@ -25,6 +25,7 @@ _EXPORTS = {
     "tokenizer_files": "tokenizer_files", "save_tokenizer_files": "tokenizer_files",
     "load_tokenizer_from_dir": "tokenizer_files",
     "train_sentencepiece": "tokenizer_training",
+    "export_tokenizer_to_hf": "hf_tokenizer",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # static tools see the real imports
     from megazero.data.gpt_dataset import (  # noqa: F401
         GPTDataset, build_train_valid_test_datasets, parse_data_prefix, split_ranges,
     )
+    from megazero.data.hf_tokenizer import export_tokenizer_to_hf  # noqa: F401
     from megazero.data.indexed_dataset import (  # noqa: F401
         IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,
     )

@@ -33,7 +33,7 @@ import torch
 from .config import GPTConfig
 
 __all__ = ["hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
-           "export_to_hf", "import_from_hf", "load_hf_state_dict"]
+           "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -305,20 +305,20 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
 
 
 def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, out_dir: str,
-                 tokenizer_dir: str | None = None) -> str:
+                 token_ids: tuple[int | None, int] | None = None) -> str:
     """Write a transformers directory (``config.json`` + ``model.safetensors``) loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)``. Returns the HF architecture name.
 
-    ``tokenizer_dir``: a tokenizer recorded by ``megazero.data.save_tokenizer_files`` (a
-    checkpoint's ``tokenizer/``). Its HF form is written beside the model, and the config's
-    and generation config's ``bos_token_id``/``eos_token_id`` come from it (eos = its EOD),
-    so ``generate()`` stops at the document end instead of transformers' defaults."""
+    ``token_ids``: ``(bos, eos)`` of the tokenizer exported beside the model (as
+    ``megazero.data.hf_tokenizer.export_tokenizer_to_hf`` returns them, eos = its EOD): they go into
+    the config and the generation config, so ``generate()`` stops at the document end instead of
+    transformers' defaults."""
     from safetensors.torch import save_file
 
     hf_config = build_hf_config(config)
     hf_sd = to_hf_state_dict(full_state_dict, config)
     os.makedirs(out_dir, exist_ok=True)
-    export_tokenizer_and_ids(hf_config, tokenizer_dir, out_dir)
+    set_token_ids(hf_config, token_ids, out_dir)
     hf_config.save_pretrained(out_dir)
     save_file({k: v.detach().cpu().contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
@@ -342,53 +342,16 @@ def build_hf_config(config: GPTConfig):
     return hf_config
 
 
-def export_tokenizer_and_ids(hf_config, tokenizer_dir: str | None, out_dir: str) -> None:
-    """Write the recorded tokenizer's HF form and set bos/eos ids in ``hf_config`` and the
-    generation config (no-op without a tokenizer)."""
-    if tokenizer_dir is None:
+def set_token_ids(hf_config, token_ids: tuple[int | None, int] | None, out_dir: str) -> None:
+    """Set ``(bos, eos)`` in ``hf_config`` and write the generation config with them into ``out_dir``
+    (no-op for ``None``: no tokenizer exported)."""
+    if token_ids is None:
         return
     import transformers
 
-    bos, eos = _export_tokenizer(tokenizer_dir, out_dir)
+    bos, eos = token_ids
     hf_config.bos_token_id, hf_config.eos_token_id = bos, eos
     transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(out_dir)
-
-
-def _export_tokenizer(tokenizer_dir: str, out_dir: str) -> tuple[int | None, int]:
-    """Write the HF form of a recorded megazero tokenizer into ``out_dir``; returns (bos, eos) ids."""
-    import shutil
-
-    import transformers
-
-    from megazero.data.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
-    from megazero.data.tokenizer_files import load_tokenizer_from_dir
-
-    tok = load_tokenizer_from_dir(tokenizer_dir)
-    eos, bos = tok.eod, tok.bos
-    if isinstance(tok, HuggingFaceTokenizer):
-        for name in os.listdir(tokenizer_dir):
-            if not name.startswith("megazero_"):
-                shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
-    elif isinstance(tok, GPT2BPETokenizer):
-        transformers.GPT2TokenizerFast(os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt"),
-                                       bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                       unk_token="<|endoftext|>").save_pretrained(out_dir)
-    elif isinstance(tok, SentencePieceTokenizer):
-        if getattr(tok, "vocab_extra_ids", 0):
-            raise ValueError("exporting a SentencePiece tokenizer with vocab_extra_ids to HF is not supported")
-        from megazero.data.tokenizer import Llama2Tokenizer
-
-        sp = tok._sp
-        shutil.copyfile(os.path.join(tokenizer_dir, "tokenizer.model"), os.path.join(out_dir, "tokenizer.model"))
-        piece = lambda i: None if i is None or i < 0 else sp.id_to_piece(int(i))  # noqa: E731
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": isinstance(tok, Llama2Tokenizer),
-                       "add_eos_token": False, "bos_token": piece(bos), "eos_token": piece(eos),
-                       "unk_token": piece(sp.unk_id())}, f, indent=1)
-        # Let transformers convert the SentencePiece model to its own files (tokenizer.json).
-        transformers.AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
-    # NullTokenizer: ids only, no tokenizer files; eos is still its EOD id.
-    return bos, eos
 
 
 def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:

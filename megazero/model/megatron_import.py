@@ -1,17 +1,14 @@
-"""Megatron-LM (legacy ``mp_rank_XX``) and Megatron-DeepSpeed GPT checkpoints -> full megazero weights.
+"""Megatron-LM / Megatron-DeepSpeed GPT weights -> megazero names, shapes and ``GPTConfig``.
 
-Layouts read (any tp, any pp):
+The pure tensor mapping; reading the checkpoint files (tracker files, ``mp_rank_XX`` and
+``layer_XX`` layouts, safe unpickling) is ``megazero.training.megatron_ckpt.import_megatron``.
 
-* Megatron-LM legacy: ``DIR/latest_checkpointed_iteration.txt`` and
-  ``DIR/iter_0000100/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` holding ``args`` and
-  ``model['language_model']`` = ``{'embedding': {'word_embeddings': {'weight'},
-  'position_embeddings': {'weight'}}, 'encoder': {'layers.N.<name>', 'final_layernorm.*'},
-  'output_layer': {'weight'}}`` (layer numbers are local to a pipeline stage); or the same
-  with flat mcore names (``embedding.word_embeddings.weight``, ``decoder.layers.N...``).
-* Megatron-DeepSpeed: ``DIR/latest`` = ``global_stepN`` and ``global_stepN/`` with either
-  ``mp_rank_{tp:02d}_model_states.pt`` (``module`` = the legacy model dict) or, for pipeline
-  engines, ``layer_{i:02d}-model_{tp:02d}-model_states.pt`` per layer (embedding, then the
-  transformer layers, then the final norm, numbered globally).
+* ``config_from_megatron_args``: a Megatron ``args`` Namespace -> ``GPTConfig``.
+* ``megatron_names``: one (tp, pp) shard, flattened, Megatron names (legacy ``language_model``
+  or flat mcore names) -> megazero names with global layer numbers.
+* ``deepspeed_layer_names``: the ``layer_XX`` files of one tp rank of a Megatron-DeepSpeed
+  pipeline checkpoint (embedding, transformer layers, final norm, in order) -> megazero names.
+* ``megatron_to_megazero``: the per-tp-rank shards + ``args`` -> ``(GPTConfig, full state dict)``.
 
 Tensor-parallel shards are joined as Megatron split them: the fused QKV per rank is whole
 query groups, ``[group, (heads/group + 2), head_dim]`` (for multi-head attention
@@ -26,10 +23,8 @@ latter imports with a ~1e-3 activation difference (reported by the tool).
 
 from __future__ import annotations
 
-import glob
-import os
 import re
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -37,7 +32,8 @@ from megazero.mpu.sharding import full_from_shards
 
 from .config import GPTConfig
 
-__all__ = ["import_megatron", "config_from_megatron_args"]
+__all__ = ["config_from_megatron_args", "flatten", "megatron_names", "deepspeed_layer_names",
+           "merge_tp_shards", "megatron_to_megazero"]
 
 # Megatron local-layer parameter names -> megazero names (within a layer).
 _LAYER_NAMES = {
@@ -107,20 +103,18 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
     )
 
 
-# ---- reading the files ------------------------------------------------------------------------
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+def flatten(d: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a nested state dict, under dotted names."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         elif isinstance(v, torch.Tensor):
             out[prefix + k] = v
     return out
 
 
-def _normalize(flat: dict[str, torch.Tensor], layer_offset: int) -> dict[str, torch.Tensor]:
+def megatron_names(flat: dict[str, torch.Tensor], layer_offset: int) -> dict[str, torch.Tensor]:
     """Megatron key names of one (tp, pp) shard -> megazero names with global layer numbers."""
     out = {}
     for k, v in flat.items():
@@ -148,46 +142,40 @@ def _normalize(flat: dict[str, torch.Tensor], layer_offset: int) -> dict[str, to
     return out
 
 
-def _deepspeed_layers(step_dir: str, tp: int, load) -> tuple[list[dict], Any]:
-    """Per TP rank, the megazero-named weights of a DeepSpeed pipeline checkpoint (layer_XX files)."""
-    per_rank = []
-    for r in range(tp):
-        files = sorted(glob.glob(os.path.join(step_dir, f"layer_*-model_{r:02d}-model_states.pt")),
-                       key=lambda p: int(re.search(r"layer_(\d+)", os.path.basename(p)).group(1)))
-        out, layer, seen_embedding = {}, 0, False
-        for f in files:
-            sd = load(f)
-            sd = sd.get("module", sd) if isinstance(sd, dict) else sd
-            flat = _flatten(sd)
-            if "word_embeddings.weight" in flat:
-                if not seen_embedding:
-                    out["embedding.weight"] = flat["word_embeddings.weight"]
-                    if "position_embeddings.weight" in flat:
-                        out["position_embeddings.weight"] = flat["position_embeddings.weight"]
-                    seen_embedding = True
-                continue  # later: the tied output embedding, the same tensor
-            if any(k.startswith(("self_attention.", "attention.")) for k in flat):
-                for k, v in flat.items():
-                    name, _, suffix = k.rpartition(".")
-                    mapped = _LAYER_NAMES.get(name.replace("attention.", "self_attention.", 1)
-                                              if name.startswith("attention.") else name)
-                    if mapped is None:
-                        raise KeyError(f"unknown Megatron-DeepSpeed layer parameter {k!r} in {f}")
-                    out[f"layers.{layer}.{mapped}.{suffix}"] = v
-                layer += 1
-            elif "lm_head.weight" in flat or "output_layer.weight" in flat:
-                out["output_layer.weight"] = flat.get("lm_head.weight", flat.get("output_layer.weight"))
-            elif set(flat) <= {"weight", "bias"}:
-                out.update({f"final_norm.{k}": v for k, v in flat.items()})
-            else:
-                raise KeyError(f"unrecognized Megatron-DeepSpeed layer file {f} with keys {sorted(flat)[:6]}")
-        per_rank.append(out)
-    args_file = glob.glob(os.path.join(step_dir, "mp_rank_00*_model_states.pt"))
-    args = load(args_file[0]).get("args") if args_file else None
-    return per_rank, args
+def deepspeed_layer_names(files: Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+    """One TP rank of a DeepSpeed pipeline checkpoint: its ``(file name, loaded layer_XX file)`` pairs, in
+    layer order -> the megazero-named weights."""
+    out, layer, seen_embedding = {}, 0, False
+    for f, sd in files:
+        sd = sd.get("module", sd) if isinstance(sd, dict) else sd
+        flat = flatten(sd)
+        if "word_embeddings.weight" in flat:
+            if not seen_embedding:
+                out["embedding.weight"] = flat["word_embeddings.weight"]
+                if "position_embeddings.weight" in flat:
+                    out["position_embeddings.weight"] = flat["position_embeddings.weight"]
+                seen_embedding = True
+            continue  # later: the tied output embedding, the same tensor
+        if any(k.startswith(("self_attention.", "attention.")) for k in flat):
+            for k, v in flat.items():
+                name, _, suffix = k.rpartition(".")
+                mapped = _LAYER_NAMES.get(name.replace("attention.", "self_attention.", 1)
+                                          if name.startswith("attention.") else name)
+                if mapped is None:
+                    raise KeyError(f"unknown Megatron-DeepSpeed layer parameter {k!r} in {f}")
+                out[f"layers.{layer}.{mapped}.{suffix}"] = v
+            layer += 1
+        elif "lm_head.weight" in flat or "output_layer.weight" in flat:
+            out["output_layer.weight"] = flat.get("lm_head.weight", flat.get("output_layer.weight"))
+        elif set(flat) <= {"weight", "bias"}:
+            out.update({f"final_norm.{k}": v for k, v in flat.items()})
+        else:
+            raise KeyError(f"unrecognized Megatron-DeepSpeed layer file {f} with keys {sorted(flat)[:6]}")
+    return out
 
 
-def _merge_tp(shards: list[dict[str, torch.Tensor]], config: GPTConfig) -> dict[str, torch.Tensor]:
+def merge_tp_shards(shards: list[dict[str, torch.Tensor]], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Per-TP-rank megazero-named shards -> full tensors, joined as Megatron split them."""
     full = {}
     for k in shards[0]:
         parts = [s[k] for s in shards]
@@ -206,73 +194,12 @@ def _merge_tp(shards: list[dict[str, torch.Tensor]], config: GPTConfig) -> dict[
     return full
 
 
-def import_megatron(path: str, vocab_size: Optional[int] = None, load=None) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
-    """Read a Megatron-LM legacy or Megatron-DeepSpeed checkpoint directory (or one iteration
-    directory) -> ``(GPTConfig, full megazero state dict, info)``."""
-    from megazero.training.megatron_ckpt import load_megatron_file
-
-    load = load or load_megatron_file
-    info: dict[str, Any] = {}
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    ds_latest = os.path.join(path, "latest")
-    step_dir = path
-    if os.path.isfile(tracker):
-        it = open(tracker).read().strip()
-        step_dir = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
-        info["format"], info["iteration"] = "megatron-lm", it
-    elif os.path.isfile(ds_latest):
-        step_dir = os.path.join(path, open(ds_latest).read().strip())
-        info["format"] = "megatron-deepspeed"
-    if not os.path.isdir(step_dir):
-        raise FileNotFoundError(f"{step_dir} (named by the checkpoint's tracker file) does not exist")
-    layer_files = glob.glob(os.path.join(step_dir, "layer_*-model_*-model_states.pt"))
-    if layer_files:
-        tp = len({re.search(r"model_(\d+)-", os.path.basename(f)).group(1) for f in layer_files})
-        shards, args = _deepspeed_layers(step_dir, tp, load)
-        if args is None:
-            raise ValueError(f"{step_dir}: no mp_rank_00_model_states.pt with the run's args")
-        info.update(format="megatron-deepspeed-pipeline", tp=tp)
-    else:
-        rank_dirs = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*")))
-        ds_files = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*_model_states.pt")))
-        if rank_dirs and all(os.path.isdir(d) for d in rank_dirs):
-            files = {}
-            for d in rank_dirs:
-                m = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", os.path.basename(d))
-                files[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(d, "model_optim_rng.pt")
-        elif ds_files:
-            files = {(int(re.search(r"mp_rank_(\d+)", os.path.basename(f)).group(1)), 0): f for f in ds_files}
-        else:
-            raise FileNotFoundError(f"{step_dir} holds no Megatron mp_rank_* directories, mp_rank_*_model_states.pt "
-                                    f"or layer_*-model_*-model_states.pt files")
-        tp = 1 + max(t for t, _ in files)
-        pp = 1 + max(p for _, p in files)
-        ckpts = {key: load(f) for key, f in files.items()}
-        args = ckpts[(0, 0)].get("args")
-        if args is None:
-            raise ValueError(f"{files[(0, 0)]} has no 'args' (cannot tell the model's shape)")
-        version = ckpts[(0, 0)].get("checkpoint_version", 3.0)
-        if version is not None and float(version) < 2.0:
-            raise ValueError(f"checkpoint_version {version} stores QKV in an older order; load and re-save it with "
-                             f"a current Megatron-LM first")
-        if _get(args, "virtual_pipeline_model_parallel_size"):
-            raise ValueError("interleaved (virtual) pipeline checkpoints are not supported; re-save without "
-                             "--num-layers-per-virtual-pipeline-stage")
-        per_stage = args.num_layers // pp
-        shards = []
-        for t in range(tp):
-            merged = {}
-            for p in range(pp):
-                ck = ckpts[(t, p)]
-                model = ck.get("model", ck.get("module"))
-                if model is None:
-                    raise KeyError(f"{files[(t, p)]} has no 'model' or 'module' entry")
-                merged.update(_normalize(_flatten(model), p * per_stage))
-            shards.append(merged)
-        info.update(tp=tp, pp=pp)
-        info.setdefault("format", "megatron-lm")
+def megatron_to_megazero(shards: list[dict[str, torch.Tensor]], args: Any, vocab_size: Optional[int] = None
+                         ) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+    """``(GPTConfig, full megazero state dict, GeLU kind "tanh"/"erf")`` from the per-TP-rank shards (megazero
+    names, global layer numbers) and the run's ``args``."""
     config = config_from_megatron_args(args, vocab_size)
-    full = _merge_tp(shards, config)
+    full = merge_tp_shards(shards, config)
     if config.tie_embeddings:
         full.pop("output_layer.weight", None)
     elif "output_layer.weight" not in full:
@@ -281,6 +208,6 @@ def import_megatron(path: str, vocab_size: Optional[int] = None, load=None) -> t
     if rows != config.padded_vocab_size:
         raise ValueError(f"the checkpoint's embedding has {rows} rows but vocab_size {config.vocab_size} pads to "
                          f"{config.padded_vocab_size}; pass the tokenizer's vocabulary size (--vocab-size)")
-    info["gelu"] = ("erf" if not _get(args, "bias_gelu_fusion", default=True) and not _get(args, "openai_gelu", default=False)
-                    and config.activation == "gelu" else "tanh")
-    return config, full, info
+    gelu = ("erf" if not _get(args, "bias_gelu_fusion", default=True) and not _get(args, "openai_gelu", default=False)
+            and config.activation == "gelu" else "tanh")
+    return config, full, gelu

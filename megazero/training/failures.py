@@ -33,7 +33,7 @@ T = TypeVar("T")
 def _user_error_types() -> tuple[type, ...]:
     from ..data.indexed_dataset import IndexedDatasetError
     from ..zero.shard_io import CheckpointError
-    from .arguments import ConfigError
+    from .config import ConfigError
 
     return (CheckpointError, IndexedDatasetError, ConfigError, FileNotFoundError, NotADirectoryError,
             IsADirectoryError, PermissionError)

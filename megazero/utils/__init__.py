@@ -1,5 +1,35 @@
-"""Lowest-layer utilities (importable by mpu, zero, model and training alike)."""
+"""Lowest-layer utilities (importable by mpu, zero, model and training alike).
 
-from .memory_tracker import LiveMemoryTracker, MemoryMark, active_tracker, peak_memory_source, step_peak_memory
+Names are imported on first use, so a tool that needs only ``optional_deps`` (the check for
+optional packages) does not pay for importing torch.
+"""
 
-__all__ = ["LiveMemoryTracker", "MemoryMark", "active_tracker", "peak_memory_source", "step_peak_memory"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LiveMemoryTracker": "memory_tracker", "MemoryMark": "memory_tracker", "active_tracker": "memory_tracker",
+    "peak_memory_source": "memory_tracker", "step_peak_memory": "memory_tracker",
+    "missing_packages": "optional_deps", "require_packages": "optional_deps",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # static tools see the real imports
+    from megazero.utils.memory_tracker import (  # noqa: F401
+        LiveMemoryTracker, MemoryMark, active_tracker, peak_memory_source, step_peak_memory,
+    )
+    from megazero.utils.optional_deps import missing_packages, require_packages  # noqa: F401
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megazero.utils' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"megazero.utils.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,8 +3,11 @@ export to Hugging Face with bos/eos taken from the tokenizer."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +48,7 @@ def test_gpt2_and_null_round_trip(tmp_path):
 
 def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     transformers = pytest.importorskip("transformers")
+    from megazero.data.hf_tokenizer import export_tokenizer_to_hf
     from megazero.model import GPTModel
     from megazero.model.hf import export_to_hf
     from megazero.model.state_dict import gather_full_state_dict
@@ -53,8 +57,8 @@ def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     tok = build_tokenizer("Llama2Tokenizer", tokenizer_model=spm_model)
     save_tokenizer_files(tok, tmp_path / "tokenizer")
     config = tiny_config("llama", vocab_size=320)
-    export_to_hf(gather_full_state_dict(GPTModel(config)), config, str(tmp_path / "hf"),
-                 tokenizer_dir=str(tmp_path / "tokenizer"))
+    ids = export_tokenizer_to_hf(str(tmp_path / "tokenizer"), str(tmp_path / "hf"))
+    export_to_hf(gather_full_state_dict(GPTModel(config)), config, str(tmp_path / "hf"), token_ids=ids)
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"]) == (tok.bos, tok.eod) == (1, 2)
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
@@ -69,8 +73,34 @@ def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     bpe = build_tokenizer("GPT2BPETokenizer", vocab_file=tmp_path / "vocab.json", merge_file=tmp_path / "merges.txt")
     save_tokenizer_files(bpe, tmp_path / "bpe")
     gpt = tiny_config("gpt", vocab_size=bpe.vocab_size)
-    export_to_hf(gather_full_state_dict(GPTModel(gpt)), gpt, str(tmp_path / "hf2"), tokenizer_dir=str(tmp_path / "bpe"))
+    ids = export_tokenizer_to_hf(str(tmp_path / "bpe"), str(tmp_path / "hf2"))
+    export_to_hf(gather_full_state_dict(GPTModel(gpt)), gpt, str(tmp_path / "hf2"), token_ids=ids)
     cfg2 = json.loads((tmp_path / "hf2" / "config.json").read_text())
     assert cfg2["eos_token_id"] == cfg2["bos_token_id"] == bpe.eod
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf2"))(TEXT).input_ids == bpe.tokenize(TEXT)
+
+
+def test_convert_to_hf_names_protobuf_for_a_sentencepiece_tokenizer(spm_model, tmp_path, monkeypatch, capsys):
+    """Without protobuf, transformers' SentencePiece conversion fails asking for tiktoken; the tool says
+    protobuf, and how to install it, before writing anything."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers not installed (the tool would name it first)")
+    from megazero.model import GPTModel
+    from megazero.model.state_dict import gather_full_state_dict, save_full
+    from tests.model.common import tiny_config
+
+    config = tiny_config("llama", vocab_size=320)
+    save_full(str(tmp_path / "full"), gather_full_state_dict(GPTModel(config)), config)
+    save_tokenizer_files(build_tokenizer("Llama2Tokenizer", tokenizer_model=spm_model), tmp_path / "full" / "tokenizer")
+    spec = importlib.util.spec_from_file_location("convert_to_hf", Path(__file__).resolve().parents[2] / "tools"
+                                                  / "convert_to_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setitem(sys.modules, "google.protobuf", None)  # as if protobuf were not installed
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--input", str(tmp_path / "full"), "--output", str(tmp_path / "hf")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("convert_to_hf: error: exporting a SentencePiece tokenizer needs the protobuf "
+                                       "package, which is not installed: pip install 'megazero[hf]'\n")
+    assert not (tmp_path / "hf").exists()
 

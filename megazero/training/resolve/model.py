@@ -1,0 +1,221 @@
+"""Model: GPTConfig from the model flags, --model-preset and (--use-checkpoint-args) the checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+
+from megazero.model.config import PRESETS, GPTConfig
+from megazero.training.config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
+from megazero.training.resolve.common import default
+from megazero.training.resolve.resume import (CHECKPOINT_FORCED_FIELDS, CHECKPOINT_SHAPE_FIELDS, checkpoint_model,
+                                              keep_saved_vocab_padding)
+
+GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE (50,000 merges + 256 bytes + <|endoftext|>)
+
+
+def _model_vocab_size(ns: argparse.Namespace, data: DataConfig, preset: dict[str, Any], check_files: bool) -> int:
+    """The model's (unpadded) vocabulary, Megatron's way: the tokenizer decides.
+
+    NullTokenizer: --vocab-size + 1 (its EOD id). Other tokenizers: read from the
+    tokenizer files (or --vocab-size, an explicit override that must not be smaller).
+    No tokenizer (mock data): --vocab-size, else the preset's.
+    """
+    t = data.tokenizer_type
+    if t == "NullTokenizer":
+        return data.vocab_size + 1
+    if t is not None and ns.vocab_size is None:
+        if check_files:
+            from megazero.data import build_tokenizer  # lazy: tokenizer libraries
+
+            try:
+                return build_tokenizer(t, **data.tokenizer_kwargs()).vocab_size
+            except (OSError, ValueError, RuntimeError) as e:
+                raise ConfigError(f"could not load the {t} to read its vocabulary size: {e}") from None
+        if t == "GPT2BPETokenizer":
+            return GPT2_VOCAB_SIZE
+    if ns.vocab_size is not None:
+        if ns.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {ns.vocab_size}")
+        return ns.vocab_size
+    if "vocab_size" in preset:
+        return preset["vocab_size"]
+    raise ConfigError("cannot tell the vocabulary size: pass --vocab-size (or --tokenizer-type with its files, "
+                      "or a --model-preset)")
+
+
+# Model options whose GPTConfig fields come with the model work of issue 12 (the "megaworld" branch):
+# (GPTConfig field, flag, value that means "off"). A flag is passed only when set; a build whose
+# GPTConfig lacks the field refuses the flag instead of dropping it.
+MODEL_FIELD_FLAGS: tuple[tuple[str, str, Any], ...] = (
+    ("rotary_percent", "--rotary-percent", 1.0),
+    ("kv_channels", "--kv-channels", None),
+    ("qk_layernorm", "--qk-layernorm", False),
+    ("apply_layernorm_1p", "--apply-layernorm-1p", False),
+    ("init_method", "--init-method-xavier-uniform", "normal"),
+    ("fp32_residual_connection", "--fp32-residual-connection", False),
+    ("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling", False),
+)
+
+
+def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """GPTConfig keyword arguments of the newer model flags that the command line set."""
+    kw: dict[str, Any] = {}
+    if ns.rotary_percent is not None:
+        kw["rotary_percent"] = ns.rotary_percent
+    if ns.kv_channels is not None:
+        kw["kv_channels"] = ns.kv_channels
+    for attr in ("qk_layernorm", "apply_layernorm_1p", "fp32_residual_connection"):
+        if getattr(ns, attr):
+            kw[attr] = True
+    if ns.init_method_xavier_uniform:
+        kw["init_method"] = "xavier_uniform"
+    if ns.apply_query_key_layer_scaling is not None:
+        kw["apply_query_key_layer_scaling"] = bool(ns.apply_query_key_layer_scaling)
+    return kw
+
+
+def build_gpt_config(kw: dict[str, Any]) -> GPTConfig:
+    """GPTConfig(**kw), refusing (not dropping) options this build's GPTConfig has no field for."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    flag_of = {name: flag_name for name, flag_name, _ in MODEL_FIELD_FLAGS}
+    off = {name: value for name, _, value in MODEL_FIELD_FLAGS}
+    for name in [k for k in kw if k not in fields]:
+        if name in off and kw[name] == off[name]:
+            kw.pop(name)  # asks for what this model does anyway
+        else:
+            raise ConfigError(f"{flag_of.get(name, name)} is not supported by this build's model "
+                              f"(GPTConfig has no field '{name}')")
+    return GPTConfig(**kw)
+
+
+_ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "sdpa", "unfused": "math", "local": "math"}
+
+
+def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionConfig, data: DataConfig,
+                   check_files: bool, notes: list[str]) -> GPTConfig:
+    preset: dict[str, Any] = {}
+    if ns.model_preset is not None:
+        key = ns.model_preset.lower()
+        key = key if key in PRESETS else "gpt-" + key
+        if key not in PRESETS:
+            raise ConfigError(f"unknown --model-preset {ns.model_preset!r}; choose one of {', '.join(PRESETS)}")
+        preset = dict(PRESETS[key])
+    forced: dict[str, Any] = {}
+    if ns.use_checkpoint_args:
+        if ns.load is None:
+            raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose model arguments to use)")
+        if check_files:
+            saved = checkpoint_model(ns.load)
+            preset.update({k: v for k, v in saved.items() if k in CHECKPOINT_SHAPE_FIELDS})
+            forced = {k: v for k, v in saved.items() if k in CHECKPOINT_FORCED_FIELDS}
+            notes.append(f"--use-checkpoint-args: model architecture from {ns.load}")
+    if ns.num_key_value_heads is not None:
+        if ns.num_query_groups is not None and ns.num_query_groups != ns.num_key_value_heads:
+            raise ConfigError(f"--num-key-value-heads {ns.num_key_value_heads} disagrees with --num-query-groups "
+                              f"{ns.num_query_groups}; they are the same setting")
+        ns.num_query_groups = ns.num_key_value_heads
+    kw: dict[str, Any] = {}
+    for attr in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        kw[attr] = default(getattr(ns, attr), preset.get(attr))
+    missing = [f"--{a.replace('_', '-')}" for a, v in kw.items() if v is None]
+    if missing:
+        raise ConfigError(f"missing {', '.join(missing)} (or pass --model-preset, e.g. --model-preset gpt-125m)")
+    kw["num_query_groups"] = default(ns.num_query_groups, preset.get("num_query_groups"))
+    kw["ffn_hidden_size"] = default(ns.ffn_hidden_size, preset.get("ffn_hidden_size"))
+    pos = {"learned_absolute": "learned"}.get(ns.position_embedding_type, ns.position_embedding_type)
+    for alias, flag_name, value in ((ns.use_rotary_position_embeddings, "--use-rotary-position-embeddings", "rope"),
+                                    (ns.no_position_embedding, "--no-position-embedding", "none")):
+        if alias:
+            if pos not in (None, value):
+                raise ConfigError(f"{flag_name} contradicts --position-embedding-type {ns.position_embedding_type}")
+            pos = value
+    kw["position_embedding_type"] = default(pos, preset.get("position_embedding_type", "learned"))
+    max_pos = default(ns.max_position_embeddings, preset.get("max_position_embeddings", kw["seq_length"]))
+    if kw["position_embedding_type"] != "learned" and ns.max_position_embeddings is None:
+        max_pos = max(max_pos, kw["seq_length"])  # no position table to outgrow
+    kw["max_position_embeddings"] = max_pos
+    if kw["position_embedding_type"] == "learned" and kw["seq_length"] > max_pos:
+        raise ConfigError(f"--seq-length {kw['seq_length']} exceeds --max-position-embeddings {max_pos}; "
+                          f"raise --max-position-embeddings to at least {kw['seq_length']}")
+    granularity = ns.recompute_granularity
+    if ns.checkpoint_activations or ns.recompute_activations:
+        alias = "full" if ns.checkpoint_activations else "selective"
+        if granularity not in (None, alias) or (ns.checkpoint_activations and ns.recompute_activations):
+            raise ConfigError("conflicting recompute flags: --checkpoint-activations means --recompute-granularity "
+                              "full and --recompute-activations means selective; pass one")
+        granularity = alias
+    if ns.checkpoint_num_layers is not None:
+        if ns.recompute_num_layers not in (None, ns.checkpoint_num_layers):
+            raise ConfigError(f"--checkpoint-num-layers {ns.checkpoint_num_layers} disagrees with "
+                              f"--recompute-num-layers {ns.recompute_num_layers}; they are the same setting")
+        ns.recompute_num_layers = ns.checkpoint_num_layers
+    if granularity != "full" and ns.recompute_method is not None:
+        raise ConfigError("--recompute-method needs --recompute-granularity full")
+    if granularity != "full" and ns.recompute_num_layers is not None and not ns.checkpoint_num_layers:
+        raise ConfigError("--recompute-num-layers needs --recompute-granularity full")
+    if ns.squared_relu and ns.swiglu:
+        raise ConfigError("--squared-relu and --swiglu are two different MLP activations; pass one")
+    backend = _ATTENTION_BACKENDS[default(ns.attention_backend, "auto")]
+    if ns.use_flash_attn:
+        if backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn contradicts --attention-backend {ns.attention_backend}")
+        backend = "flash"
+    activation = "swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else preset.get("activation", "gelu")
+    kw.update(
+        vocab_size=preset["vocab_size"] if forced and "vocab_size" in preset and ns.vocab_size is None
+        else _model_vocab_size(ns, data, preset, check_files),
+        normalization=default(ns.normalization, preset.get("normalization", "layernorm")),
+        activation=activation,
+        add_bias_linear=not ns.disable_bias_linear and preset.get("add_bias_linear", True),
+        tie_embeddings=not ns.untie_embeddings_and_output_weights and preset.get("tie_embeddings", True),
+        sequence_parallel=par.sequence_parallel,
+        recompute_granularity=granularity,
+        recompute_method=default(ns.recompute_method, "uniform"),
+        recompute_num_layers=default(ns.recompute_num_layers, 1),
+        attention_backend=backend,
+        params_dtype=prec.torch_dtype,  # as Megatron: compute weights in the training dtype
+    )
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    eps_field = "norm_epsilon" if "norm_epsilon" in fields else "layernorm_epsilon"
+    for attr, ns_attr in (("rotary_base", "rotary_base"), (eps_field, "norm_epsilon"),
+                          ("init_method_std", "init_method_std"), ("hidden_dropout", "hidden_dropout"),
+                          ("attention_dropout", "attention_dropout"), ("label_smoothing", "label_smoothing"),
+                          ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
+        value = default(getattr(ns, ns_attr), preset.get(attr))
+        if value is not None:
+            kw[attr] = value
+    kw.update(model_field_kwargs(ns))
+    for key in ("kv_channels", eps_field):
+        if key in preset and key not in kw and key in fields:
+            kw[key] = preset[key]
+    kw.update({k: v for k, v in forced.items() if k in fields})
+    kw["vocab_padding_tp"] = par.tp  # Megatron pads to make_vocab_size_divisible_by x tp
+    if check_files:
+        keep_saved_vocab_padding(ns, kw, par.tp, notes)
+    if backend == "flash" and check_files:  # a real launch on this machine, not a plan for another
+        _check_flash_attn(prec)
+    config = build_gpt_config(kw)
+    try:
+        return config.validate(par.tp)
+    except ValueError as e:
+        raise ConfigError(f"model config: {e}") from None
+
+
+def _check_flash_attn(prec: PrecisionConfig) -> None:
+    """Refuse flash attention up front where it cannot run (it would fail at the first forward)."""
+    from megazero.model.attention import flash_attn_available
+
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("no CUDA device is visible")
+    if not flash_attn_available():
+        problems.append("the flash-attn package is not installed (pip install flash-attn --no-build-isolation)")
+    if prec.dtype == "fp32":
+        problems.append("flash attention needs --bf16 or --fp16")
+    if problems:
+        raise ConfigError("--use-flash-attn cannot run here: " + "; ".join(problems)
+                          + "; drop the flag to use PyTorch's scaled_dot_product_attention")

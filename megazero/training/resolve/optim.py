@@ -1,0 +1,74 @@
+"""Optimizer: type (Adam/AdamW/SGD), lr, betas, eps, weight decay and its schedule, gradient clipping."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from megazero.training.config import ConfigError, OptimConfig
+from megazero.training.resolve.common import default, json_get
+
+
+def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> OptimConfig:
+    if ns.lr is None:
+        raise ConfigError("--lr is required (the peak learning rate, e.g. --lr 3e-4), or set "
+                          "optimizer.params.lr in --deepspeed-config")
+    o = OptimConfig(lr=ns.lr)
+    ds_type = json_get(ds or {}, "optimizer.type")
+    if ds_type is not None:
+        if str(ds_type).lower() not in ("adam", "adamw", "fusedadam", "sgd"):
+            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} is not supported; use Adam, AdamW "
+                              f"or SGD")
+        if ns.optimizer is not None and (ns.optimizer == "sgd") != (str(ds_type).lower() == "sgd"):
+            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} disagrees with --optimizer "
+                              f"{ns.optimizer}; set it in one place")
+        o.type = "SGD" if str(ds_type).lower() == "sgd" else str(ds_type)
+    if ns.optimizer == "sgd":
+        o.type = "SGD"
+    if o.type == "SGD":
+        _check_engine_has_sgd()
+    elif ns.sgd_momentum is not None:
+        raise ConfigError("--sgd-momentum needs --optimizer sgd")
+    for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
+        if getattr(ns, attr) is not None:
+            setattr(o, attr, getattr(ns, attr))
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got --lr {o.lr} --min-lr {o.min_lr}")
+    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1) or o.adam_eps <= 0:
+        raise ConfigError(f"Adam needs betas in [0, 1) and eps > 0, got --adam-beta1 {o.adam_beta1} "
+                          f"--adam-beta2 {o.adam_beta2} --adam-eps {o.adam_eps}")
+    if not 0 <= o.sgd_momentum < 1:
+        raise ConfigError(f"--sgd-momentum must be in [0, 1), got {o.sgd_momentum}")
+    if o.weight_decay < 0 or o.clip_grad < 0:
+        raise ConfigError(f"--weight-decay and --clip-grad must be >= 0, got {o.weight_decay} and {o.clip_grad}")
+    style = default(ns.weight_decay_incr_style, "constant")
+    o.weight_decay_incr_style = style
+    if style == "constant":
+        # Megatron: a constant schedule is --weight-decay; start/end belong to the other styles.
+        if ns.start_weight_decay is not None or ns.end_weight_decay is not None:
+            raise ConfigError("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+                              "cosine (with the default 'constant', use --weight-decay)")
+    else:
+        if ns.start_weight_decay is None or ns.end_weight_decay is None:
+            raise ConfigError(f"--weight-decay-incr-style {style} needs both --start-weight-decay and "
+                              f"--end-weight-decay")
+        if ns.start_weight_decay < 0 or ns.end_weight_decay < 0:
+            raise ConfigError(f"weight decays must be >= 0, got --start-weight-decay {ns.start_weight_decay} "
+                              f"--end-weight-decay {ns.end_weight_decay}")
+        o.start_weight_decay, o.end_weight_decay = ns.start_weight_decay, ns.end_weight_decay
+        # The engine puts parameters into the decayed group when its weight decay is > 0; the
+        # schedule then sets the value every step.
+        o.weight_decay = max(o.start_weight_decay, o.end_weight_decay)
+    return o
+
+
+def _check_engine_has_sgd() -> None:
+    """SGD needs the ZeRO engine to build torch.optim.SGD over its fp32 partitions; refuse it up
+    front on a build whose engine config does not know the type (rather than train with Adam)."""
+    from megazero.zero.config import ZeroConfigError, load_config
+
+    try:
+        load_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
+    except ZeroConfigError as e:
+        raise ConfigError(f"--optimizer sgd is not available in this build's ZeRO engine ({e}); use --optimizer "
+                          f"adam") from None

@@ -1,0 +1,123 @@
+"""Parallel layout: tp x pp x dp, ZeRO stage, sequence parallel, backend; the pipeline's stages and chunks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from megazero.model.config import GPTConfig
+from megazero.training.config import ConfigError, ParallelConfig, ScheduleConfig, TrainConfig
+from megazero.training.resolve.common import default
+
+
+def check_local_rank(ns: argparse.Namespace) -> None:
+    """The `deepspeed` launcher and torch.distributed.launch pass --local_rank=N and also set LOCAL_RANK;
+    the environment is what megazero reads, so the two must agree."""
+    env = os.environ.get("LOCAL_RANK")
+    if ns.local_rank is not None and env is not None and int(env) != ns.local_rank:
+        raise ConfigError(f"--local_rank={ns.local_rank} disagrees with LOCAL_RANK={env} in the environment; "
+                          f"launch with torchrun, deepspeed or srun, which set both consistently")
+
+
+def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], check_files: bool) -> ParallelConfig:
+    tp, pp = default(ns.tp, 1), default(ns.pp, 1)
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
+    if ns.no_pipeline_parallel and pp > 1:
+        raise ConfigError(f"--no-pipeline-parallel (Megatron-DeepSpeed: pipeline size 1) contradicts "
+                          f"--pipeline-model-parallel-size {pp}; drop one of them")
+    for flag_name, value in (("--virtual-pipeline-model-parallel-size", ns.virtual_pipeline_model_parallel_size),
+                             ("--num-layers-per-virtual-pipeline-stage", ns.num_layers_per_virtual_pipeline_stage),
+                             ("--decoder-first-pipeline-num-layers", ns.decoder_first_pipeline_num_layers),
+                             ("--decoder-last-pipeline-num-layers", ns.decoder_last_pipeline_num_layers)):
+        if value is not None and pp == 1:
+            raise ConfigError(f"{flag_name} {value} needs a pipeline (--pipeline-model-parallel-size > 1), got --pp 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}; "
+                          f"launch a multiple of {tp * pp} processes or change --tp")
+    zero_stage = ns.zero_stage
+    if ns.use_distributed_optimizer:
+        if zero_stage == 0:
+            raise ConfigError("--use-distributed-optimizer (optimizer states sharded over data parallel, i.e. "
+                              "ZeRO-1) contradicts --zero-stage 0; drop one of them")
+        if zero_stage is None:
+            zero_stage = 1
+            notes.append("--use-distributed-optimizer: ZeRO stage 1 (optimizer states sharded over data parallel)")
+    zero_stage = default(zero_stage, 1)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
+    sp = bool(ns.sequence_parallel)
+    if sp and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tp > 1 (it shards activations over the tensor-parallel "
+                          "group); drop --sequence-parallel or raise --tp")
+    backend = ns.distributed_backend
+    if backend == "nccl" and check_files and not torch.cuda.is_available():
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
+                          "--distributed-backend gloo to run on CPUs")
+    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
+                          zero_stage=zero_stage, sequence_parallel=sp, distributed_backend=backend,
+                          decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
+                          decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers)
+
+
+def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConfig, schedule: ScheduleConfig) -> None:
+    """Virtual stages and the layer split, checked against the layers and micro-batches before any collective."""
+    from megazero.model.pipeline_split import PipelineSplitError, layers_per_chunk_table, virtual_stages_from_layers_per_stage
+
+    if par.pp == 1:
+        return
+    v_given, per_chunk = ns.virtual_pipeline_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage
+    try:
+        v = 1 if v_given is None else v_given
+        if per_chunk is not None:
+            if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
+                raise ConfigError("--num-layers-per-virtual-pipeline-stage assumes an even split; with "
+                                  "--decoder-first/last-pipeline-num-layers give --virtual-pipeline-model-parallel-size")
+            v = virtual_stages_from_layers_per_stage(model.num_layers, par.pp, per_chunk)
+            if v_given is not None and v_given != v:
+                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} gives {v} model chunks per "
+                                  f"rank ({model.num_layers} layers / (pp {par.pp} x {per_chunk})) but "
+                                  f"--virtual-pipeline-model-parallel-size is {v_given}; give one of them")
+        if v < 1:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}")
+        layers_per_chunk_table(model.num_layers, par.pp, v, par.decoder_first_pipeline_num_layers,
+                               par.decoder_last_pipeline_num_layers)
+    except PipelineSplitError as e:
+        raise ConfigError(f"pipeline layout: {e}") from None
+    m = schedule.grad_accum_steps
+    if v > 1:
+        per_micro = schedule.micro_batch_size * par.dp
+        sizes = [m] + ([schedule.rampup_batch_size[0] // per_micro, schedule.rampup_batch_size[1] // per_micro]
+                       if schedule.rampup_batch_size else [])
+        for n in sizes:
+            if n % par.pp:
+                raise ConfigError(
+                    f"interleaved 1F1B (v = {v}) runs micro-batches in groups of pp = {par.pp}, but a step has {n} "
+                    f"micro-batches (global batch / (micro batch {schedule.micro_batch_size} x dp {par.dp})); use a "
+                    f"--global-batch-size giving a multiple of {par.pp} micro-batches, or drop the virtual stages")
+    par.virtual_pp = v
+
+
+def pipeline_plan_line(config: TrainConfig) -> str:
+    """The layers of each pipeline stage (and chunk), the schedule and its bubble, for the start-up plan."""
+    from megazero.model.pipeline_split import layers_per_chunk_table
+
+    p, m = config.parallel, config.schedule.grad_accum_steps
+    table = layers_per_chunk_table(config.model.num_layers, p.pp, p.virtual_pp, p.decoder_first_pipeline_num_layers,
+                                   p.decoder_last_pipeline_num_layers)
+
+    def span(r: range) -> str:
+        return f"{r.start}-{r.stop - 1}" if len(r) > 1 else (str(r.start) if len(r) else "none")
+
+    stages = []
+    for r in range(p.pp):
+        parts = "+".join(span(table[c][r]) for c in range(p.virtual_pp))
+        ends = ("embedding " if r == 0 else "") + ("head" if r == p.pp - 1 else "")
+        stages.append(f"stage {r}: layers {parts}" + (f" ({ends.strip()})" if ends else ""))
+    kind = "1F1B" if p.virtual_pp == 1 else f"interleaved 1F1B, {p.virtual_pp} chunks per rank"
+    return (f"{kind}, {m} micro-batches per step, bubble (pp-1)/(v m) = {(p.pp - 1) / (p.virtual_pp * m):.3f}; "
+            + "; ".join(stages))
