@@ -101,19 +101,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     schedule = resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     resolve_pipeline(ns, parallel, model, schedule)
-    if parallel.pp > 1:
-        asked = [f for f, on in (("--reset-position-ids", data.reset_position_ids),
-                                 ("--reset-attention-mask", data.reset_attention_mask),
-                                 ("--eod-mask-loss", data.eod_mask_loss)) if on]
-        if asked:
-            raise ConfigError(f"{', '.join(asked)} with --pp {parallel.pp}: the pipeline stages do not carry "
-                              "per-document positions and masks yet; run them with --pp 1 (tensor parallelism "
-                              "and ZeRO-3 give the memory saving instead)")
     checkpoint = resolve_checkpoint(ns, notes, check_files)
     logging_cfg = resolve_logging(ns, ds, notes, check_files)
     generate = GenerateConfig(prompt=ns.generate_prompt, tokens=default(ns.generate_tokens, 32))
     if generate.tokens < 0:
         raise ConfigError(f"--generate-tokens must be >= 0, got {generate.tokens}")
+    if generate.prompt is not None and parallel.pp > 1:
+        raise ConfigError(f"--generate-prompt with --pp {parallel.pp}: sampling runs the whole model on each TP "
+                          "group, which a pipeline stage does not hold; drop it and sample from the saved checkpoint "
+                          "with tools/generate.py --load SAVE_DIR (any tp, pp = 1)")
     for note_flag, text in (("overlap_param_gather", "--overlap-param-gather: ZeRO-3 prefetches one unit ahead; "
                              "at stages 1/2 the post-step all-gather runs after the step"),):
         if getattr(ns, note_flag):
