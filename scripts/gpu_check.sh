@@ -3,8 +3,13 @@
 # It uses that machine's own python3 and CUDA build of torch and installs nothing:
 #   1. CUDA numerics: SDPA vs math attention in bf16, flash-attn when importable, and one
 #      training step of the tiny GPT on the GPU against the CPU;
-#   2. pretrain_gpt.py on NCCL with ZeRO-3 and bf16 on every visible GPU, mock data,
+#   2. the CUDA review fixes (issue 16): the optimizer kernel chosen (apex FusedAdam or its torch
+#      fallback, with the reason) and an exact save/resume of its step count on the GPU; apex's
+#      fused norms or torch's; the loader's pinned batch and non_blocking copy (to_device); the
+#      RNG tracker forking the CUDA and the CPU generator in one process; the local rank resolved;
+#   3. pretrain_gpt.py on NCCL with ZeRO-3 and bf16 on every visible GPU, mock data,
 #      printing tokens/s and TFLOP/s per GPU (compare with the H200's ~990 dense bf16 peak).
+# GPU_CHECK_DEVICE=cpu runs step 2 on the CPU (a dry run of the script itself).
 # Usage: bash scripts/gpu_check.sh [PRESET] [ITERS]   (defaults: gpt-350m, 30)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -42,6 +47,88 @@ for device in ("cpu", "cuda"):
     losses[device] = loss.item()
 print(f"tiny GPT, 3 AdamW steps: loss cpu {losses['cpu']:.6f} cuda {losses['cuda']:.6f} "
       f"(|diff| {abs(losses['cpu'] - losses['cuda']):.2e})")
+PY
+python3 - <<'PY'
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from megazero import mpu, zero
+from megazero.data import build_pretraining_data_loader, to_device
+from megazero.model import GPTConfig, GPTModel, norms
+from megazero.mpu.distributed import resolve_local_rank
+from megazero.zero.checkpoint import load_zero_state, save_zero_state
+from megazero.zero.optim import optimizer_step
+
+dev = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda"))
+print("local rank:", resolve_local_rank(os.environ, torch.cuda.device_count()), "of",
+      torch.cuda.device_count(), "visible GPUs")
+
+# Optimizer kernel and its step count: 3 steps, save, resume in a fresh engine, 2 steps == 5 straight steps.
+cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
+                max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+data = torch.randint(0, 256, (5, 4, 33), generator=torch.Generator().manual_seed(0))
+
+
+def engine(seed):
+    torch.manual_seed(seed)
+    return zero.initialize(GPTModel(cfg, device="meta"), ds, device=dev)
+
+
+def train(e, steps):
+    for s in steps:
+        x = to_device(data[s], dev)
+        e.backward(e(x[:, :-1], labels=x[:, 1:]).mean())
+        e.step()
+    return e.consolidated_state_dict()
+
+
+with tempfile.TemporaryDirectory() as d:
+    a = engine(0)
+    train(a, range(3))
+    save_zero_state(a, d)
+    want = train(a, range(3, 5))
+    b = engine(1)
+    load_zero_state(b, d)
+    resumed_at = optimizer_step(b.optimizer)
+    got = train(b, range(3, 5))
+diff = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+kernel = type(b.optimizer)
+print(f"optimizer {kernel.__module__}.{kernel.__name__}: resumed at step {resumed_at} (want 3), "
+      f"max |resumed - uninterrupted| {diff:.2e}")
+assert resumed_at == 3 and diff < 1e-4, "optimizer step count not restored"
+
+ln = norms.LayerNorm(1024, sequence_parallel=False, tp_group=None, params_dtype=torch.bfloat16, device=dev)
+ln.reset_parameters()
+x = torch.randn(8, 1024, device=dev, dtype=torch.bfloat16)
+ref = F.layer_norm(x.float(), (1024,), ln.weight.float(), ln.bias.float(), ln.eps)
+print("norms:", "apex fused" if ln._fused is not None else "torch",
+      f"| LayerNorm bf16 vs fp32: max |diff| {(ln(x).float() - ref).abs().max().item():.3e}")
+
+loader = build_pretraining_data_loader([{"text": list(range(33))}] * 8, 0, 4, 0, 1, device=dev)
+batch = next(iter(loader))["text"]
+moved = to_device(batch, dev)
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+print(f"loader batch pinned: {batch.is_pinned()} | to_device -> {moved.device}, equal: {torch.equal(moved.cpu(), batch)}")
+assert batch.is_pinned() == (dev.type == "cuda") and torch.equal(moved.cpu(), batch)
+
+
+def masks():
+    mpu.model_parallel_manual_seed(5, tp_rank=0)
+    out = []
+    for device in (dev, torch.device("cpu")):
+        with mpu.get_rng_tracker().fork(device=device):
+            out.append(F.dropout(torch.ones(4096, device=device), 0.5))
+    return out
+
+
+first, again = masks(), masks()
+assert all(torch.equal(p, q) for p, q in zip(first, again))
+print(f"rng tracker: seeded for {mpu.get_rng_tracker().device_type}; {dev.type} and cpu forks reproducible")
 PY
 ngpu="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
 flash=()

@@ -12,7 +12,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "GPTBatch": "batch", "build_batch": "batch", "masked_mean": "batch",
+    "GPTBatch": "batch", "build_batch": "batch", "masked_mean": "batch", "to_device": "batch",
+    "pin_memory_for": "batch",
     "BlendedDataset": "blended_dataset", "build_blending_indices": "blended_dataset",
     "DEFAULT_VOCAB_SIZE": "corpus", "prepare_default_dataset": "corpus",
     "write_shakespeare_jsonl": "corpus",
@@ -31,7 +32,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # static tools see the real imports
-    from megazero.data.batch import GPTBatch, build_batch, masked_mean  # noqa: F401
+    from megazero.data.batch import GPTBatch, build_batch, masked_mean, pin_memory_for, to_device  # noqa: F401
     from megazero.data.blended_dataset import BlendedDataset, build_blending_indices  # noqa: F401
     from megazero.data.corpus import (  # noqa: F401
         DEFAULT_VOCAB_SIZE, prepare_default_dataset, write_shakespeare_jsonl,

@@ -15,6 +15,10 @@ The attention mask is boolean ``[b, 1, s, s]`` with True = masked out (causality
 included), the form ``GPTModel.forward`` takes; it is None without
 ``reset_attention_mask`` (the model applies plain causality itself, and flash attention
 can run). The loss of a batch is ``sum(loss * loss_mask) / sum(loss_mask)``.
+
+``to_device`` is the one host -> device move of a loader batch: on CUDA runs the loader
+pins its batches (``pin_memory_for``) and the copy is asynchronous (``non_blocking``), so it
+overlaps with the work already queued on the GPU instead of stalling the host.
 """
 
 from __future__ import annotations
@@ -24,7 +28,22 @@ from typing import Optional
 
 import torch
 
-__all__ = ["GPTBatch", "build_batch", "masked_mean"]
+__all__ = ["GPTBatch", "build_batch", "masked_mean", "to_device", "pin_memory_for"]
+
+
+def pin_memory_for(device) -> bool:
+    """Whether a loader feeding ``device`` should pin (page-lock) its batches: CUDA only,
+    where pinned memory is what lets :func:`to_device` copy asynchronously."""
+    return torch.device(device).type == "cuda"
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` (a loader batch) on ``device``: the same tensor when it is there already (the
+    CPU runs), else a copy, ``non_blocking`` on CUDA. From pinned memory (see
+    :func:`pin_memory_for`) that copy is asynchronous and ordered on the current stream
+    before the kernels that read it; from pageable memory torch copies synchronously."""
+    device = torch.device(device)
+    return tensor.to(device, non_blocking=device.type == "cuda")
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .batch import pin_memory_for
+
 
 class MegatronPretrainingSampler:
     """Yields this DP rank's micro-batches (lists of dataset indices).
@@ -83,9 +85,14 @@ def build_pretraining_data_loader(
     num_workers: int = 0,
     *,
     drop_last: bool = True,
+    device=None,
 ) -> torch.utils.data.DataLoader | None:
     """DataLoader over ``dataset`` yielding ``{"text": LongTensor [micro_batch, seq+1]}``
-    for this DP rank, starting after ``consumed_samples``. None for a None dataset."""
+    for this DP rank, starting after ``consumed_samples``. None for a None dataset.
+
+    ``device`` is where the batches go (with :func:`megazero.data.batch.to_device`): the
+    batches are pinned for a CUDA device only. Without it, they are pinned when CUDA exists.
+    """
     if dataset is None:
         return None
     sampler = MegatronPretrainingSampler(
@@ -98,5 +105,6 @@ def build_pretraining_data_loader(
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_text,
         generator=torch.Generator().manual_seed(0),
-        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available() if device is None else pin_memory_for(device),
+        persistent_workers=num_workers > 0,
     )

@@ -112,7 +112,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend
     """
     s, b, n, d = q.shape
     chosen = resolve_backend(backend, q, attention_mask is not None)
-    rng = get_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext()
+    rng = get_rng_tracker().fork(device=q.device) if dropout_p > 0.0 else contextlib.nullcontext()
     with rng:
         if chosen == "flash":
             return _flash(q, k, v, dropout_p).reshape(s, b, n * d)

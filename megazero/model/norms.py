@@ -6,7 +6,8 @@ gradient of its (replicated) weight is partial. Passing the weight through
 makes autograd sum it over TP, exactly as the row-parallel bias does; the params
 are also marked ``sequence_parallel=True`` for optimizers that want to know.
 
-apex's fused kernels are used on CUDA when apex is importable; torch's otherwise.
+apex's fused kernels are used on CUDA inputs when apex and its CUDA extension import
+(decided once per process, when the first norm is built); torch's otherwise.
 
 ``apply_layernorm_1p`` (Megatron's LayerNorm1P): the parameter stores ``gamma - 1`` and
 starts at zero; the norm multiplies by ``weight + 1``. Input in a wider dtype than the
@@ -16,6 +17,7 @@ and returned in the weights' dtype, as Megatron's mixed fused LayerNorm does.
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -27,12 +29,26 @@ from megazero.mpu.mappings import copy_to_tensor_model_parallel_region
 __all__ = ["LayerNorm", "RMSNorm", "build_norm"]
 
 
-def _apex_fns():
-    try:
-        from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
-    except Exception:  # apex absent or built without its CUDA extensions
-        return None, None
-    return fused_layer_norm_affine, fused_rms_norm_affine
+_APEX_FNS: Optional[tuple] = None  # (layer_norm, rms_norm) once decided for this process
+
+
+def _apex_fns() -> tuple:
+    """apex's fused ``(layer_norm_affine, rms_norm_affine)``, or ``(None, None)`` for torch's kernels.
+
+    apex's Python module imports without its CUDA extension and would only fail at the first
+    CUDA forward, so the extension (``fused_layer_norm_cuda``) is imported too. Decided once
+    per process: later calls (every norm module's construction) reuse the answer.
+    """
+    global _APEX_FNS
+    if _APEX_FNS is None:
+        try:
+            from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+
+            importlib.import_module("fused_layer_norm_cuda")  # what those functions call into
+            _APEX_FNS = (fused_layer_norm_affine, fused_rms_norm_affine)
+        except Exception:  # apex absent, or built without its CUDA extensions
+            _APEX_FNS = (None, None)
+    return _APEX_FNS
 
 
 class _Norm(torch.nn.Module):
@@ -72,15 +88,15 @@ class _Norm(torch.nn.Module):
 class LayerNorm(_Norm):
     def __init__(self, hidden_size: int, eps: float = 1e-5, **kw) -> None:
         super().__init__(hidden_size, eps, bias=True, **kw)
+        self._fused = _apex_fns()[0]  # None: torch's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._affine()
         if x.dtype != w.dtype:  # fp32 residual stream, low-precision weights
             out = F.layer_norm(x.float(), (self.hidden_size,), w.float(), None if b is None else b.float(), self.eps)
             return out.to(w.dtype)
-        fused, _ = _apex_fns() if x.is_cuda else (None, None)
-        if fused is not None:
-            return fused(x, w, b, (self.hidden_size,), self.eps)
+        if self._fused is not None and x.is_cuda:
+            return self._fused(x, w, b, (self.hidden_size,), self.eps)
         return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
 
 
@@ -89,12 +105,12 @@ class RMSNorm(_Norm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, **kw) -> None:
         super().__init__(hidden_size, eps, bias=False, **kw)
+        self._fused = _apex_fns()[1]  # None: torch's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, _ = self._affine()
-        _, fused = _apex_fns() if x.is_cuda and x.dtype == w.dtype else (None, None)
-        if fused is not None:
-            return fused(x, w, (self.hidden_size,), self.eps)
+        if self._fused is not None and x.is_cuda and x.dtype == w.dtype:
+            return self._fused(x, w, (self.hidden_size,), self.eps)
         # Normalize in fp32 (as HF Llama does), then scale in the parameter dtype.
         y = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(w.dtype)
         return y * w

@@ -47,7 +47,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     the default generator (identical on all TP ranks, as the math requires)."""
     if not training or p == 0.0:
         return x
-    with mpu.get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
+    with mpu.get_rng_tracker().fork(device=x.device) if sequence_parallel else contextlib.nullcontext():
         return F.dropout(x, p)
 
 

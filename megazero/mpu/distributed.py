@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "default_backend", "first_slurm_host"]
+__all__ = ["init_distributed", "default_backend", "first_slurm_host", "resolve_local_rank", "LOCAL_RANK_VARIABLES"]
+
+# Where launchers put a process's rank on its node, in order of trust: torchrun / deepspeed /
+# torch.distributed.launch, SLURM's srun, Open MPI, MVAPICH2, Intel MPI / MPICH (hydra),
+# PMI-based launchers, PALS (Cray/HPE mpiexec), Flux.
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                        "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID")
 
 
 def default_backend() -> str:
@@ -23,7 +29,8 @@ def _env_from_slurm() -> None:
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "SLURM_LOCALID" in os.environ:
+        os.environ["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
     os.environ.setdefault("MASTER_PORT", "29500")
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST", os.environ.get("SLURM_NODELIST", "127.0.0.1"))
@@ -37,6 +44,37 @@ def first_slurm_host(nodelist: str) -> str:
         return head.split(",")[0]
     first = rest.split("]")[0].split(",")[0].split("-")[0]
     return head + first
+
+
+def resolve_local_rank(env: Mapping[str, str], device_count: int) -> int:
+    """The CUDA device index of this process, out of ``device_count`` visible devices.
+
+    Taken from the first of :data:`LOCAL_RANK_VARIABLES` that the launcher set. With one
+    visible device it is device 0 whatever the local rank (launchers that give each process
+    its own GPU through ``CUDA_VISIBLE_DEVICES``), and so is a single process without a
+    launcher. Several processes (``WORLD_SIZE`` > 1) on several visible GPUs with none of the
+    variables set would all land on GPU 0: that, and a local rank without a visible device,
+    are refused with the variable to set.
+    """
+    found = next(((name, env[name]) for name in LOCAL_RANK_VARIABLES if env.get(name, "").strip()), None)
+    if device_count <= 1:
+        return 0
+    if found is None:
+        if int(env.get("WORLD_SIZE", "1") or 1) <= 1:
+            return 0
+        raise RuntimeError(
+            f"cannot tell which of the {device_count} visible GPUs is this process's: the launcher set RANK "
+            f"but none of {', '.join(LOCAL_RANK_VARIABLES)}; set LOCAL_RANK to the process's rank on its node "
+            "(or launch with torchrun)")
+    name, value = found
+    try:
+        local_rank = int(value)
+    except ValueError:
+        raise RuntimeError(f"{name}={value!r} is not an integer local rank") from None
+    if not 0 <= local_rank < device_count:
+        raise RuntimeError(f"{name}={local_rank} but only {device_count} GPUs are visible to this process; "
+                           "set LOCAL_RANK (or CUDA_VISIBLE_DEVICES) so that each process on a node gets its own GPU")
+    return local_rank
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
@@ -54,7 +92,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = backend or default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = resolve_local_rank(os.environ, torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         # After `torchrun --max-restarts` restarts the workers, the agent's store still holds

@@ -10,7 +10,8 @@ Two streams per rank, as in Megatron-LM:
   heads differ per rank) so those masks are independent across TP ranks.
 
 Unlike Megatron's ``CudaRNGStatesTracker`` the tracker works on any device: it
-forks the generator of the device that runs the computation (CUDA or CPU).
+forks the generator of the device that runs the computation (CUDA or CPU), decided
+at fork time (the tensors' device, else ``get_device()``), not at import.
 """
 
 from __future__ import annotations
@@ -37,58 +38,96 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
 
 
-def _device_rng_state(device_type: str) -> torch.Tensor:
-    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+def _run_device(device=None) -> torch.device:
+    """The device whose generator drives ``device``'s random ops (default: this rank's compute
+    device, ``parallel_state.get_device()``): a CUDA device, or the CPU for every other type."""
+    device = torch.device(device) if device is not None else parallel_state.get_device()
+    return device if device.type == "cuda" else torch.device("cpu")
 
 
-def _set_device_rng_state(device_type: str, state: torch.Tensor) -> None:
-    if device_type == "cuda":
-        torch.cuda.set_rng_state(state)
+def _device_rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
 
 
+def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
+    """The state of ``device``'s generator seeded with ``seed``; the live generators are untouched."""
+    return torch.Generator(device=device).manual_seed(seed).get_state()
+
+
 class RNGStatesTracker:
-    """Named RNG states that can be forked into the current device generator."""
+    """Named RNG states that can be forked into the generator of the device that computes.
+
+    A fork drives the generator of ``device`` (the tensors' device), by default the run's
+    (``parallel_state.get_device()`` at fork time), so CPU and CUDA runs in one process both
+    work. States are kept per device type: a stream continues on the device type it was
+    forked on, and starts from its seed the first time it is forked on another one.
+    ``get_states``/``set_states`` (checkpoints) carry the states of :attr:`device_type`, the
+    device type the streams were seeded for (the run's).
+    """
 
     def __init__(self) -> None:
-        self.states: dict[str, torch.Tensor] = {}
-        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.seeds: dict[str, int] = {}
+        self._states: dict[str, dict[str, torch.Tensor]] = {}  # device type -> name -> state
+        self.device_type: Optional[str] = None
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        return self._states.setdefault(self.device_type or _run_device().type, {})
 
     def reset(self) -> None:
-        self.states = {}
+        self.seeds, self._states, self.device_type = {}, {}, None
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {k: v.clone() for k, v in states.items()}
+        self.states.clear()
+        self.states.update({k: v.clone() for k, v in states.items()})
 
-    def add(self, name: str, seed: int) -> None:
-        if name in self.states:
+    def add(self, name: str, seed: int, device=None) -> None:
+        if name in self.seeds or name in self.states:
             raise ValueError(f"RNG state {name!r} already exists; call reset() before seeding again")
-        saved = _device_rng_state(self.device_type)
-        if self.device_type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-        self.states[name] = _device_rng_state(self.device_type)
-        _set_device_rng_state(self.device_type, saved)
+        dev = _run_device(device)
+        self.device_type = dev.type
+        self.seeds[name] = seed
+        self._states.setdefault(dev.type, {})[name] = _seeded_state(dev, seed)
+
+    def _state_for(self, name: str, dev: torch.device) -> dict[str, torch.Tensor]:
+        states = self._states.setdefault(dev.type, {})
+        if name not in states:
+            if name not in self.seeds:
+                raise RuntimeError(
+                    f"RNG state {name!r} is not set: call megazero.mpu.model_parallel_manual_seed(seed) first"
+                )
+            states[name] = _seeded_state(dev, self.seeds[name])
+        return states
 
     @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the block with the named state as the device RNG, then store its advance."""
-        if name not in self.states:
-            raise RuntimeError(
-                f"RNG state {name!r} is not set: call megazero.mpu.model_parallel_manual_seed(seed) first"
-            )
-        saved = _device_rng_state(self.device_type)
-        _set_device_rng_state(self.device_type, self.states[name])
+    def fork(self, name: str = MODEL_PARALLEL_RNG, device=None) -> Iterator[None]:
+        """Run the block with the named state as ``device``'s RNG (default: the run's device),
+        then store its advance."""
+        dev = _run_device(device)
+        states = self._state_for(name, dev)
+        saved = _device_rng_state(dev)
+        _set_device_rng_state(dev, states[name])
         try:
             yield
         finally:
-            self.states[name] = _device_rng_state(self.device_type)
-            _set_device_rng_state(self.device_type, saved)
+            states[name] = _device_rng_state(dev)
+            _set_device_rng_state(dev, saved)
+
+    def _snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {t: {k: v.clone() for k, v in st.items()} for t, st in self._states.items()}
+
+    def _restore(self, snapshot: dict[str, dict[str, torch.Tensor]]) -> None:
+        self._states = {t: {k: v.clone() for k, v in st.items()} for t, st in snapshot.items()}
 
 
 # The tracker is process state in the same sense as the groups registry: one per rank.
@@ -116,9 +155,10 @@ def model_parallel_manual_seed(seed: int, tp_rank: Optional[int] = None) -> None
 model_parallel_cuda_manual_seed = model_parallel_manual_seed  # Megatron's name
 
 
-def _rng_snapshot(device_type: str) -> tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]]:
-    cuda_state = torch.cuda.get_rng_state() if device_type == "cuda" else None
-    return torch.get_rng_state(), cuda_state, _TRACKER.get_states()
+def _rng_snapshot() -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+    # The CUDA generator matters wherever CUDA is in use, whatever the run's device.
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None, _TRACKER._snapshot()
 
 
 def _rng_restore(snapshot) -> None:
@@ -126,7 +166,7 @@ def _rng_restore(snapshot) -> None:
     torch.set_rng_state(cpu_state)
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state)
-    _TRACKER.set_states(tracker_states)
+    _TRACKER._restore(tracker_states)
 
 
 class _CheckpointFunction(torch.autograd.Function):
@@ -136,7 +176,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, function, num_tensor_args, *args):
         ctx.function = function
-        ctx.rng = _rng_snapshot(_TRACKER.device_type)
+        ctx.rng = _rng_snapshot()
         tensor_args = args[:num_tensor_args]
         ctx.other_args = args[num_tensor_args:]
         ctx.save_for_backward(*tensor_args)
@@ -146,7 +186,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        after_forward = _rng_snapshot(_TRACKER.device_type)
+        after_forward = _rng_snapshot()
         _rng_restore(ctx.rng)
         try:
             with torch.enable_grad():

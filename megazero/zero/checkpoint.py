@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import ZeroEngine
+from .optim import optimizer_step, set_optimizer_step
 from .shard_io import CheckpointError, ReadCounter, ShardFile, fsync_path
 
 __all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_zero_state", "publish_loaded_state",
@@ -67,12 +68,10 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, name_of: Optional[Cal
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors, groups_meta = {}, []
-    step = 0
+    step = optimizer_step(engine.optimizer)  # torch keeps it in the state, apex's FusedAdam in the group
     keys = ("master",) + optimizer_state_keys(engine.optimizer)
     for i, g in enumerate(engine.groups):
         state = engine.optimizer.state.get(g.master, {})
-        if "step" in state:
-            step = int(state["step"])
         for key in keys:
             value = g.master if key == "master" else state.get(key)
             if value is not None:
@@ -374,7 +373,6 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
                               f"{type(engine.optimizer).__name__} keeps {list(wanted)}: it was saved with another "
                               "optimizer (or SGD momentum on/off); resume with the optimizer that saved it")
     keys = ("master",) + (wanted if saved_keys else ())
-    fused = bool(engine.optimizer.defaults.get("fused"))  # torch keeps fused Adam's step on the device
     for g in engine.groups:
         bufs = {"master": g.master}
         for key in keys[1:]:
@@ -395,11 +393,9 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
         for key in keys:
             bufs[key].copy_(stage[key])
         if len(keys) > 1:
-            state = engine.optimizer.state[g.master]
-            if not isinstance(engine.optimizer, torch.optim.SGD):  # SGD keeps no step count
-                state["step"] = torch.tensor(float(meta["optimizer_step"]),
-                                             device=g.master.device if fused else "cpu")
-            state.update({k: bufs[k] for k in keys[1:]})
+            engine.optimizer.state[g.master].update({k: bufs[k] for k in keys[1:]})
+    if len(keys) > 1:  # after the moments: written where this run's kernel keeps it, whoever saved it
+        set_optimizer_step(engine.optimizer, int(meta["optimizer_step"]))
     meta["bytes_read"] = reader.counter.bytes
     meta["files_read"] = len(reader.counter.files)
     return meta

@@ -21,8 +21,9 @@ The pieces each live in their own file: ``flat.py`` (the flat, partitioned
 storage of a group of parameters), ``units.py`` (which parameters go together),
 ``window.py`` (ZeRO-3: what is gathered when, and the saved-tensor hooks that
 keep autograd from pinning gathered weights), ``reducer.py`` (ZeRO-2/3:
-gradient buckets reduce-scattered in a DP-agreed order). This file wires them
-to the optimizer step, loss scaling and the gradient norm.
+gradient buckets reduce-scattered in a DP-agreed order), ``optim.py`` (which
+optimizer kernel runs, and its step count). This file wires them to the
+optimizer step, loss scaling and the gradient norm.
 
 Precision: bf16 runs accumulate and reduce gradients in fp32 (Megatron's
 ``main_grad``, DeepSpeed's bf16 optimizer); ``communication_data_type`` and
@@ -50,6 +51,7 @@ from .comm import CommCounter
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, fill_range
 from .loss_scaler import LossScaler
+from .optim import build_optimizer
 from .reducer import GradReducer
 from .units import Unit, find_unit_modules, plan_units, units_for_call
 from .window import GatherWindow
@@ -229,27 +231,14 @@ class ZeroEngine(torch.nn.Module):
         materialize_partitions(self.module, self.groups, self.slot_of, self.device)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the trainable masters: decayed and undecayed groups (kernel: optim.py)."""
         oc = self.config.optimizer
         decay = [g.master for g in self.trainable_groups if g.weight_decay]
         no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
         param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})
-        if oc.type == "SGD":  # Megatron's SGD: weight decay added to the gradient (coupled L2)
-            return torch.optim.SGD(param_groups, lr=oc.lr, momentum=oc.momentum,
-                                   foreach=self.device.type != "cuda" or None)
-        kwargs = dict(lr=oc.lr, betas=oc.betas, eps=oc.eps)
-        if self.device.type == "cuda":
-            try:  # apex's multi-tensor Adam, when NVIDIA apex is installed
-                from apex.optimizers import FusedAdam
-
-                return FusedAdam(param_groups, adam_w_mode=oc.adam_w_mode, **kwargs)
-            except ImportError:
-                kwargs["fused"] = True
-        else:
-            kwargs["foreach"] = True
-        cls = torch.optim.AdamW if oc.adam_w_mode else torch.optim.Adam
-        return cls(param_groups, **kwargs)
+        return build_optimizer(param_groups, oc, self.device)
 
     # ------------------------------------------------------------------ hooks
 
