@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu, zero
-from ..data import build_batch, masked_mean
+from ..data import build_batch, masked_mean, to_device
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig
@@ -33,10 +33,6 @@ __all__ = ["TrainModel", "LossLog", "megatron_no_weight_decay"]
 def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     """Megatron's rule: biases and normalization weights (1-D) train without weight decay."""
     return param.dim() == 1 or name.endswith(".bias")
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device, non_blocking=True)
 
 
 def _loss(per_token: torch.Tensor, mb) -> torch.Tensor:

@@ -110,7 +110,7 @@ def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
 
     loader = build_pretraining_data_loader(dataset, consumed, config.schedule.micro_batch_size,
                                            mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
-                                           num_workers=config.data.num_workers)
+                                           num_workers=config.data.num_workers, device=mpu.get_device())
     return iter(loader) if loader is not None else None
 
 
