@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 
 from megazero.model.config import GPTConfig
+from megazero.training.ds_keys import strip_ignored
+from megazero.training.errors import ConfigError  # re-exported: `from megazero.training.config import ConfigError`
 
 __all__ = [
     "ConfigError",
@@ -31,10 +33,6 @@ __all__ = [
     "GenerateConfig",
     "TrainConfig",
 ]
-
-
-class ConfigError(ValueError):
-    """A command line / config that cannot run. The message says what and how to fix it."""
 
 
 @dataclass
@@ -259,8 +257,6 @@ class TrainConfig:
         conflicting values). ``optimizer.params.lr`` is the peak LR; the LR schedule
         (megazero.training.lr_schedule) sets the per-step value.
         """
-        from megazero.training.ds_keys import strip_ignored
-
         ds = strip_ignored(self.deepspeed_json) if self.deepspeed_json else {}
         s, o, p = self.schedule, self.optim, self.precision
         ds["train_batch_size"] = s.global_batch_size

@@ -13,7 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megazero.training.config import ConfigError
+from megazero.training.errors import ConfigError
 
 __all__ = ["DSKey", "DS_KEYS", "classify", "strip_ignored"]
 
@@ -56,11 +56,24 @@ DS_KEYS: tuple[DSKey, ...] = (
     _K("scheduler.params.*", MAPPED, "warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, "
        "warmup_min_ratio, cos_min_ratio, warmup_type -> the --lr* flags (in iterations)"),
     _K("zero_optimization.stage", HONOURED, "= --zero-stage"),
-    _K("zero_optimization.overlap_comm", HONOURED, "asynchronous gradient reduce-scatter"),
-    _K("zero_optimization.stage3_param_persistence_threshold", HONOURED, "small parameters stay gathered"),
+    _K("zero_optimization.overlap_comm", HONOURED, "ZeRO-2/3: gradient reduce-scatters run asynchronously while "
+       "backward goes on (default true)"),
+    _K("zero_optimization.reduce_bucket_size", HONOURED, "ZeRO-2/3: gradients of finished units are reduce-scattered "
+       "in buckets of at least this many elements (default 5e6; a larger unit is a bucket of its own)"),
+    _K("zero_optimization.max_reduce_in_flight", HONOURED, "megazero's: gradient buckets being reduced at once before "
+       "the oldest is waited for (default 2)"),
+    _K("zero_optimization.stage3_prefetch_bucket_size", HONOURED, "ZeRO-3: elements all-gathered ahead of the unit in "
+       "use (default 5e7)"),
+    _K("zero_optimization.stage3_max_live_parameters", HONOURED, "ZeRO-3: elements gathered at once, the unit in use "
+       "excepted; caps the prefetch (default 1e9)"),
+    _K("zero_optimization.stage3_param_persistence_threshold", HONOURED, "ZeRO-3: parameters of at most this many "
+       "elements stay gathered (default 1e5)"),
+    _K("zero_optimization.stage3_keep_gathered_in_step", HONOURED, "megazero's ZeRO-3 x pipeline policy: units stay "
+       "gathered across a step's micro-batches and gradients are reduce-scattered once per step (default false; "
+       "see README)"),
     *(_K(f"zero_optimization.{k}", IGNORED, _INTERNAL) for k in (
-        "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
-        "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size",
+        "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
+        "stage3_max_reuse_distance", "sub_group_size",
         "allgather_partitions", "elastic_checkpoint", "round_robin_gradients", "load_from_fp32_weights",
         "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
         "ignore_unused_parameters", "cpu_offload_params", "cpu_offload_use_pin_memory", "memory_efficient_linear",
@@ -89,11 +102,13 @@ DS_KEYS: tuple[DSKey, ...] = (
     _K("bfloat16.enabled", HONOURED, "older spelling of bf16.enabled"),
     _K("bf16.immediate_grad_update", IGNORED, _INTERNAL),
     _K("gradient_clipping", HONOURED, "= --clip-grad"),
-    _K("data_types.grad_accum_dtype", HONOURED, "fp32 = --accumulate-allreduce-grads-in-fp32"),
-    _K("communication_data_type", HONOURED, "dtype of gradient reductions (parsed into the ZeRO config)"),
-    _K("prescale_gradients", HONOURED, "divide gradients by the data-parallel size before the reduction "
-       "(parsed into the ZeRO config)"),
-    _K("gradient_predivide_factor", HONOURED, "pre-division factor of the gradient reduction (ZeRO config)"),
+    _K("data_types.grad_accum_dtype", HONOURED, "dtype gradients accumulate in: fp32, fp16 or bf16 (default fp32 "
+       "with bf16, else the compute dtype); fp32 = --accumulate-allreduce-grads-in-fp32"),
+    _K("communication_data_type", HONOURED, "dtype the gradient reductions run in: fp32, fp16 or bf16 (default: the "
+       "accumulation dtype)"),
+    _K("prescale_gradients", HONOURED, "divide gradients by gradient_predivide_factor before the data-parallel "
+       "reduction (keeps fp16 sums in range); the step multiplies it back"),
+    _K("gradient_predivide_factor", HONOURED, "the divisor of prescale_gradients (default 1; no effect without it)"),
     _K("steps_per_print", MAPPED, "the --log-interval when that flag is absent"),
     _K("wall_clock_breakdown", HONOURED, "forward/backward/step time breakdown in every log line"),
     _K("memory_breakdown", MAPPED, "memory is in every log line; accepted"),

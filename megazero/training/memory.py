@@ -382,11 +382,16 @@ def _embedding_params(config: GPTConfig) -> int:
 
 
 def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:
-    """``estimate_memory`` for a parsed ``TrainConfig`` (the plan pretrain_gpt.py would run)."""
+    """``estimate_memory`` for a parsed ``TrainConfig`` (the plan pretrain_gpt.py would run), with the
+    bucket sizes its ZeRO engine gets (the --deepspeed_config JSON's, else the engine's defaults)."""
+    from megazero.zero.config import load_config
+
     m, p = config.model, config.parallel
+    zc = load_config(config.to_deepspeed_config()).zero_optimization
     return estimate_memory(
         m, tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
         grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size,
-        virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps)
+        virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps,
+        reduce_bucket_size=zc.reduce_bucket_size, prefetch_bucket_size=zc.stage3_prefetch_bucket_size)

@@ -15,7 +15,62 @@ from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["ZeroConfigError", "OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "ZeroConfig", "load_config"]
+__all__ = ["ZeroConfigError", "OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "ZeroConfig", "load_config",
+           "HONOURED_KEYS", "NO_EFFECT_KEYS"]
+
+# Every DeepSpeed JSON key (dotted path) whose value changes what the engine does. ``load_config``
+# accepts a key only if it is here or in NO_EFFECT_KEYS (or is refused/ignored by name below), so a
+# new knob must be listed to be read at all; tests check that each path changes the parsed config
+# and that megazero.training.ds_keys classifies each as honoured and passes it to the engine.
+HONOURED_KEYS: tuple[str, ...] = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer.type",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "optimizer.params.adam_w_mode",
+    "optimizer.params.momentum",
+    "zero_optimization.stage",
+    "zero_optimization.overlap_comm",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.max_reduce_in_flight",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_keep_gathered_in_step",
+    "fp16.enabled",
+    "fp16.loss_scale",
+    "fp16.initial_scale_power",
+    "fp16.loss_scale_window",
+    "fp16.hysteresis",
+    "fp16.min_loss_scale",
+    "fp16.consecutive_hysteresis",
+    "bf16.enabled",
+    "bfloat16.enabled",
+    "gradient_clipping",
+    "data_types.grad_accum_dtype",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+)
+# Parsed so that DeepSpeed files load, without effect on the engine: they tune DeepSpeed's own
+# machinery, or (steps_per_print, wall_clock_breakdown) the training layer's logging.
+NO_EFFECT_KEYS: tuple[str, ...] = (
+    "optimizer.params.torch_adam",
+    "zero_optimization.allgather_bucket_size",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.sub_group_size",
+    "zero_optimization.round_robin_gradients",
+    "fp16.auto_cast",
+    "steps_per_print",
+    "wall_clock_breakdown",
+)
 
 
 class ZeroConfigError(ValueError):
@@ -156,18 +211,28 @@ _UNSUPPORTED = {
     "zero_quantized_weights": "quantized ZeRO++ weights",
     "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
 }
-_IGNORED_TOP = {"wall_clock_breakdown", "steps_per_print", "zero_allow_untested_optimizer", "aio", "activation_checkpointing",
-                "flops_profiler", "tensorboard", "csv_monitor", "wandb", "scheduler", "data_types", "zero_force_ds_cpu_optimizer"}
+# Blocks the engine accepts and does not read (the training layer's, or DeepSpeed's own tuning).
+_IGNORED_TOP = {"zero_allow_untested_optimizer", "aio", "activation_checkpointing", "flops_profiler", "tensorboard",
+                "csv_monitor", "wandb", "scheduler", "zero_force_ds_cpu_optimizer"}
+_ACCEPTED = HONOURED_KEYS + NO_EFFECT_KEYS
 
 
-def _pick(section: dict, cls, where: str, renames: Optional[dict] = None) -> dict:
-    fields = {f.name for f in dataclasses.fields(cls)}
+def _known(where: str) -> set[str]:
+    """The keys of block ``where`` (a dotted path) that HONOURED_KEYS and NO_EFFECT_KEYS list."""
+    prefix = where + "."
+    return {p[len(prefix):] for p in _ACCEPTED if p.startswith(prefix) and "." not in p[len(prefix):]}
+
+
+def _pick(section: dict, where: str, handled: tuple[str, ...] = ()) -> dict:
+    """``section``'s keys as dataclass keywords; refuses keys not listed for ``where``. ``handled``:
+    listed keys the caller reads itself (left out of the result)."""
+    known = _known(where)
     out = {}
     for key, value in section.items():
-        name = (renames or {}).get(key, key)
-        if name not in fields:
-            raise ZeroConfigError(f"unknown key {where}.{key}; known keys: {', '.join(sorted(fields))}")
-        out[name] = value
+        if key not in known:
+            raise ZeroConfigError(f"unknown key {where}.{key}; known keys: {', '.join(sorted(known))}")
+        if key not in handled:
+            out[key] = value
     return out
 
 
@@ -186,13 +251,13 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
         with open(config) as f:
             config = json.load(f)
     cfg = dict(config)
-    known_top = {f.name for f in dataclasses.fields(ZeroConfig)} | _IGNORED_TOP | {"fp16", "bf16", "bfloat16"}
+    known_top = {p.split(".")[0] for p in _ACCEPTED} | _IGNORED_TOP
     for key in cfg:
         if key not in known_top:
             raise ZeroConfigError(f"unknown top-level key {key!r} in the ZeRO/DeepSpeed config")
 
     opt = cfg.get("optimizer", {})
-    opt_params = _pick(opt.get("params", {}), OptimizerConfig, "optimizer.params")
+    opt_params = _pick(opt.get("params", {}), "optimizer.params")
     if "betas" in opt_params:
         opt_params["betas"] = tuple(float(b) for b in opt_params["betas"])
     opt_type = opt.get("type", "AdamW")
@@ -205,8 +270,8 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
         opt_type = "SGD"
         if not 0.0 <= float(opt_params.get("momentum", 0.0)) < 1.0:
             raise ZeroConfigError(f"optimizer.params.momentum must be in [0, 1), got {opt_params['momentum']}")
-    if set(opt) - {"type", "params"}:
-        raise ZeroConfigError(f"unknown keys in optimizer: {sorted(set(opt) - {'type', 'params'})}")
+    if set(opt) - _known("optimizer") - {"params"}:
+        raise ZeroConfigError(f"unknown keys in optimizer: {sorted(set(opt) - _known('optimizer') - {'params'})}")
     if opt_type.lower() == "adamw":
         opt_params["adam_w_mode"] = True
     optimizer = OptimizerConfig(type=opt_type, **opt_params)
@@ -218,8 +283,7 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
         ):
             raise ZeroConfigError(f"zero_optimization.{key} ({what}) is not supported by megazero.zero; remove it")
         zsec.pop(key, None)
-    zsec.pop("round_robin_gradients", None)
-    zfields = _pick(zsec, ZeroOptimizationConfig, "zero_optimization")
+    zfields = _pick(zsec, "zero_optimization", handled=("round_robin_gradients",))
     for key in ("reduce_bucket_size", "max_reduce_in_flight", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
         if key in zfields:
@@ -232,9 +296,8 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
     bf16 = bool(bf16_sec.get("enabled", False))
     fp16_sec = dict(cfg.get("fp16", {}))
     fp16 = None
-    if fp16_sec.pop("enabled", False):
-        fp16_sec.pop("auto_cast", None)
-        fp16 = FP16Config(**_pick(fp16_sec, FP16Config, "fp16"))
+    if fp16_sec.get("enabled", False):
+        fp16 = FP16Config(**_pick(fp16_sec, "fp16", handled=("enabled", "auto_cast")))
     if bf16 and fp16 is not None:
         raise ZeroConfigError("bf16.enabled and fp16.enabled are both true; choose one precision")
 

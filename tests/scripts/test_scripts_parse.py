@@ -73,11 +73,18 @@ def test_run_175b_ignored_keys_are_named_once():
     assert cfg.parallel.zero_stage == 3 and cfg.precision.initial_loss_scale == 2.0 ** 15
     ignored = [n for n in cfg.notes if n.startswith("DeepSpeed JSON keys ignored")]
     assert len(ignored) == 1
-    for key in ("zero_optimization.sub_group_size", "zero_optimization.reduce_bucket_size", "aio",
+    for key in ("zero_optimization.sub_group_size", "zero_optimization.stage3_max_reuse_distance", "aio",
                 "zero_allow_untested_optimizer"):
         assert key in ignored[0]
+    honoured = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_param_persistence_threshold", "overlap_comm")
+    assert not any(f"zero_optimization.{key}" in ignored[0] for key in honoured)
     ds = cfg.to_deepspeed_config()
     assert "aio" not in ds and "offload_optimizer" not in ds["zero_optimization"]
+    # The engine's knobs reach it as the JSON wrote them.
+    assert {k: ds["zero_optimization"][k] for k in honoured} == {
+        "reduce_bucket_size": 90000000, "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 3e9,
+        "stage3_param_persistence_threshold": 1e5, "overlap_comm": True}
 
 
 def test_pretrain_llama2_distributed():

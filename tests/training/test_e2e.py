@@ -209,3 +209,66 @@ def test_nan_loss_stops_with_iteration_and_debug_checkpoint(dataset, tmp_path):
     with pytest.raises(AssertionError, match="non-finite loss at iteration 3"):
         run(4, argv(dataset, "--save", str(tmp_path)), nan_at_iteration=3)
     assert os.path.exists(tmp_path / "debug" / "iter_0000003" / "manifest.json")
+
+
+def _pretrain_gpt_main(args):
+    """pretrain_gpt.py's main() on this rank of the pool (whose process group outlives the run);
+    returns its exit status and what the engine it built was given and uses."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megazero import zero
+
+    seen, built, initialize, destroy = [], [], zero.initialize, dist.destroy_process_group
+
+    def keep_world(group=None):  # main() ends by destroying the default group; the pool's must live on
+        if group is not None:
+            destroy(group)
+
+    def probe(*a, **k):
+        engine = initialize(*a, **k)
+        z = engine.config.zero_optimization
+        seen.append({"stage": engine.stage, "dp": engine.dp_size, "reduce_bucket_size": z.reduce_bucket_size,
+                     "stage3_prefetch_bucket_size": z.stage3_prefetch_bucket_size,
+                     "stage3_max_live_parameters": z.stage3_max_live_parameters,
+                     "stage3_param_persistence_threshold": z.stage3_param_persistence_threshold,
+                     "reducer.bucket_numel": engine.reducer.bucket_numel,
+                     "window.prefetch_numel": engine.window.prefetch_numel,
+                     "window.max_live_numel": engine.window.max_live_numel})
+        built.append(engine)
+        return engine
+
+    with mock.patch.object(zero, "initialize", probe), mock.patch.object(dist, "destroy_process_group", keep_world):
+        rc = pretrain_gpt.main(list(args))
+    # gradient reduce-scatters (one per bucket) per backward: the bucket size at work
+    return rc, seen, [e.comm.calls[("reduce_scatter", "dp")] / e.micro_steps for e in built]
+
+
+def test_deepspeed_json_zero3_knobs_reach_the_engine_of_pretrain_gpt(dataset, tmp_path):
+    """pretrain_gpt.py --deepspeed_config ds.json at dp 2, ZeRO-3: the JSON's bucket sizes reach the
+    engine; they change when gathers and reductions happen, not the numbers."""
+    # threshold 0: every layer is a unit of its own (the default 1e5 keeps this tiny model whole)
+    knobs = {"reduce_bucket_size": 3000, "stage3_prefetch_bucket_size": 2000, "stage3_max_live_parameters": 20000,
+             "stage3_param_persistence_threshold": 0}
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, **knobs}}))
+    base = argv(dataset, tp=1, iters=2)
+    base[base.index("--log-interval") + 1] = "1"
+    runs = {}
+    for name, extra in (("json", ["--deepspeed_config", str(ds)]), ("flags", [])):
+        metrics = tmp_path / f"{name}.jsonl"
+        out = run_distributed(2, _pretrain_gpt_main, base + extra + ["--metrics-file", str(metrics)])
+        assert [rc for rc, _, _ in out] == [0, 0]
+        losses = {m["iteration"]: m["lm_loss"] for m in map(json.loads, open(metrics)) if "lm_loss" in m}
+        runs[name] = ([engines for _, engines, _ in out], losses, out[0][2][0])
+    (engines, losses, buckets), (default_engines, reference, default_buckets) = runs["json"], runs["flags"]
+    assert engines == [[{"stage": 3, "dp": 2, **knobs, "reducer.bucket_numel": 3000, "window.prefetch_numel": 2000,
+                         "window.max_live_numel": 20000}]] * 2
+    assert default_engines[0][0]["reduce_bucket_size"] == 5_000_000  # the engine's defaults without the JSON
+    assert default_engines[0][0]["stage3_prefetch_bucket_size"] == 50_000_000
+    assert buckets > 1 and default_buckets == 1, (buckets, default_buckets)  # 3000 elements: a bucket per layer
+    assert sorted(losses) == sorted(reference) == [1, 2]
+    for i in (1, 2):
+        assert losses[i] == pytest.approx(reference[i], rel=1e-6), (i, losses, reference)

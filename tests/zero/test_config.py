@@ -53,3 +53,33 @@ def test_adam_type_follows_deepspeed_adam_w_mode():
     assert load_config({"optimizer": {"type": "Adam"}}).optimizer.adam_w_mode is True
     assert load_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer.adam_w_mode is False
     assert load_config({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"enabled": True}}).grad_dtype == torch.float32
+
+
+def test_listed_keys_are_the_parsed_fields():
+    """HONOURED_KEYS + NO_EFFECT_KEYS (what load_config accepts) name every field the parser fills,
+    so a new engine knob cannot be added without listing it (and tests/training/test_ds_keys.py then
+    requires the training layer to pass it on)."""
+    import dataclasses
+
+    from megazero.zero.config import (HONOURED_KEYS, NO_EFFECT_KEYS, FP16Config, OptimizerConfig, ZeroConfig,
+                                      ZeroOptimizationConfig)
+
+    def names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    blocks = {"optimizer": ["optimizer.type"] + [f"optimizer.params.{n}" for n in names(OptimizerConfig) if n != "type"],
+              "zero_optimization": [f"zero_optimization.{n}" for n in names(ZeroOptimizationConfig)],
+              "fp16": ["fp16.enabled"] + [f"fp16.{n}" for n in names(FP16Config)],
+              "bf16": ["bf16.enabled", "bfloat16.enabled"], "grad_accum_dtype": ["data_types.grad_accum_dtype"]}
+    from_fields = {p for n in names(ZeroConfig) for p in blocks.get(n, [n])}
+    listed = set(HONOURED_KEYS) | set(NO_EFFECT_KEYS)
+    assert len(listed) == len(HONOURED_KEYS) + len(NO_EFFECT_KEYS)  # no path in both, none twice
+    assert from_fields <= listed, sorted(from_fields - listed)
+    # accepted and dropped by the parser: DeepSpeed's own knobs that no field holds
+    assert listed - from_fields == {"zero_optimization.round_robin_gradients", "fp16.auto_cast"}
+    # each no-effect key is accepted (DeepSpeed files load)
+    load_config({"optimizer": {"params": {"torch_adam": True}}, "fp16": {"enabled": True, "auto_cast": False},
+                 "steps_per_print": 5, "wall_clock_breakdown": True,
+                 "zero_optimization": {p.split(".")[1]: 1 for p in NO_EFFECT_KEYS if p.startswith("zero_optimization.")}})
+    with pytest.raises(ZeroConfigError, match="unknown top-level key 'grad_accum_dtype'"):
+        load_config({"grad_accum_dtype": "fp32"})  # a field's name is not a key: data_types.grad_accum_dtype is

@@ -1,0 +1,175 @@
+"""Every DeepSpeed JSON key the ZeRO engine honours reaches it through the command line.
+
+The engine lists the keys it acts on (``megazero.zero.config.HONOURED_KEYS``). For each one,
+a ``--deepspeed_config`` JSON setting it is parsed by ``parse_args``; the key must be classified
+honoured by ``megazero.training.ds_keys``, survive ``TrainConfig.to_deepspeed_config()`` with
+its value, and change the engine that ``megazero.zero.initialize`` builds from that dict.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from megazero import zero
+from megazero.model import GPTModel
+from megazero.training import parse_args
+from megazero.training import ds_keys
+from megazero.zero.config import HONOURED_KEYS, NO_EFFECT_KEYS
+
+BASE = "--model-preset gpt-tiny --train-iters 2 --mock-data --hidden-dropout 0 --attention-dropout 0".split()
+# Filled in every JSON (the command line above gives neither): the run needs a micro-batch and an LR.
+CONTEXT = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"params": {"lr": 1e-3}}}
+Z3 = {"zero_optimization": {"stage": 3}}
+
+
+def _z3(**knobs):
+    return {"zero_optimization": {"stage": 3, **knobs}}
+
+
+def _fp16(**keys):
+    return {"fp16": {"enabled": True, **keys}}
+
+
+# path -> (JSON holding it, with a non-default value; what the engine built from it shows, expected)
+SAMPLES = {
+    "train_batch_size": ({"train_batch_size": 6}, lambda e: (e.config.train_batch_size, e.accum), (6, 3)),
+    "train_micro_batch_size_per_gpu": ({"train_micro_batch_size_per_gpu": 3},
+                                       lambda e: e.config.train_micro_batch_size_per_gpu, 3),
+    "gradient_accumulation_steps": ({"gradient_accumulation_steps": 3}, lambda e: e.accum, 3),
+    "optimizer.type": ({"optimizer": {"type": "SGD"}}, lambda e: type(e.optimizer), torch.optim.SGD),
+    "optimizer.params.lr": ({"optimizer": {"params": {"lr": 0.02}}},
+                            lambda e: (e.config.optimizer.lr, e.optimizer.param_groups[0]["lr"]), (0.02, 0.02)),
+    "optimizer.params.betas": ({"optimizer": {"params": {"betas": [0.8, 0.9]}}},
+                               lambda e: e.optimizer.param_groups[0]["betas"], (0.8, 0.9)),
+    "optimizer.params.eps": ({"optimizer": {"params": {"eps": 1e-5}}}, lambda e: e.optimizer.param_groups[0]["eps"],
+                             1e-5),
+    "optimizer.params.weight_decay": ({"optimizer": {"params": {"weight_decay": 0.2}}},
+                                      lambda e: e.optimizer.param_groups[0]["weight_decay"], 0.2),
+    "optimizer.params.adam_w_mode": ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}},
+                                     lambda e: type(e.optimizer), torch.optim.Adam),
+    "optimizer.params.momentum": ({"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}},
+                                  lambda e: e.optimizer.param_groups[0]["momentum"], 0.5),
+    "zero_optimization.stage": ({"zero_optimization": {"stage": 2}}, lambda e: (e.stage, e.window is None), (2, True)),
+    "zero_optimization.overlap_comm": (_z3(overlap_comm=False), lambda e: e.config.zero_optimization.overlap_comm,
+                                       False),
+    "zero_optimization.reduce_bucket_size": (_z3(reduce_bucket_size=1000), lambda e: e.reducer.bucket_numel, 1000),
+    "zero_optimization.max_reduce_in_flight": (_z3(max_reduce_in_flight=3), lambda e: e.reducer.max_in_flight, 3),
+    "zero_optimization.stage3_prefetch_bucket_size": (_z3(stage3_prefetch_bucket_size=1234),
+                                                      lambda e: e.window.prefetch_numel, 1234),
+    "zero_optimization.stage3_max_live_parameters": (_z3(stage3_max_live_parameters=5678),
+                                                     lambda e: e.window.max_live_numel, 5678),
+    # 0: nothing stays gathered, so every group of the model is released (resident only above the threshold)
+    "zero_optimization.stage3_param_persistence_threshold": (
+        _z3(stage3_param_persistence_threshold=0), lambda e: any(u.resident for u in e.units), False),
+    "zero_optimization.stage3_keep_gathered_in_step": (_z3(stage3_keep_gathered_in_step=True),
+                                                       lambda e: (e.hold, e.window.hold, e.reducer), (True, True, None)),
+    "fp16.enabled": (_fp16(), lambda e: e.compute_dtype, torch.float16),
+    "fp16.loss_scale": (_fp16(loss_scale=128), lambda e: (e.loss_scaler.dynamic, e.loss_scaler.scale), (False, 128.0)),
+    "fp16.initial_scale_power": (_fp16(initial_scale_power=10), lambda e: e.loss_scaler.scale, 1024.0),
+    "fp16.loss_scale_window": (_fp16(loss_scale_window=50), lambda e: e.loss_scaler.window, 50),
+    "fp16.hysteresis": (_fp16(hysteresis=3), lambda e: e.loss_scaler.hysteresis, 3),
+    "fp16.min_loss_scale": (_fp16(min_loss_scale=0.5), lambda e: e.loss_scaler.min_scale, 0.5),
+    "fp16.consecutive_hysteresis": (_fp16(consecutive_hysteresis=True),
+                                    lambda e: e.loss_scaler.consecutive_hysteresis, True),
+    "bf16.enabled": ({"bf16": {"enabled": True}}, lambda e: e.compute_dtype, torch.bfloat16),
+    "bfloat16.enabled": ({"bfloat16": {"enabled": True}}, lambda e: e.compute_dtype, torch.bfloat16),
+    "gradient_clipping": ({"gradient_clipping": 0.25}, lambda e: e.config.gradient_clipping, 0.25),
+    "data_types.grad_accum_dtype": ({"data_types": {"grad_accum_dtype": "bf16"}}, lambda e: e.grad_dtype,
+                                    torch.bfloat16),
+    "communication_data_type": ({"communication_data_type": "bf16"}, lambda e: e.reduce_dtype, torch.bfloat16),
+    "prescale_gradients": ({"prescale_gradients": True, "gradient_predivide_factor": 4.0},
+                           lambda e: (e.config.prescale_gradients, e._predivide), (True, 4.0)),
+    "gradient_predivide_factor": ({"prescale_gradients": True, "gradient_predivide_factor": 2.0},
+                                  lambda e: e.config.gradient_predivide_factor, 2.0),
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _get(d, path: str):
+    for part in path.split("."):
+        assert isinstance(d, dict) and part in d, f"{path} is missing (at {part!r})"
+        d = d[part]
+    return d
+
+
+def _same(a, b) -> bool:
+    """Equal values (a number may come back as int or float; a bool must stay a bool)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(b, (int, float)):
+        return isinstance(a, (int, float)) and a == pytest.approx(b)
+    return a == b
+
+
+def _parse(tmp_path, obj: dict):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_merge(CONTEXT, obj)))
+    return parse_args(BASE + ["--deepspeed_config", str(path)], 1)
+
+
+def test_every_engine_key_has_a_sample():
+    assert set(SAMPLES) == set(HONOURED_KEYS)
+
+
+def test_ds_keys_honours_exactly_the_engine_keys_plus_the_training_layers():
+    honoured = {k.path for k in ds_keys.DS_KEYS if k.status == ds_keys.HONOURED}
+    missing = [p for p in HONOURED_KEYS if p not in honoured]
+    assert not missing, f"engine keys not classified honoured in ds_keys: {missing}"
+    # What ds_keys honours beyond the engine's keys is the training layer's (logging, monitors).
+    assert honoured - set(HONOURED_KEYS) == {"wall_clock_breakdown", "tensorboard.*", "csv_monitor.*", "wandb.*"}
+    # Keys the engine parses without effect are not advertised as engine knobs.
+    for p in NO_EFFECT_KEYS:
+        row = ds_keys._lookup(p)
+        assert row is not None and (row.status != ds_keys.HONOURED or p == "wall_clock_breakdown"), p
+
+
+@pytest.mark.parametrize("path", HONOURED_KEYS)
+def test_engine_key_reaches_the_engine_through_parse_args(tmp_path, path):
+    obj, shown, expected = SAMPLES[path]
+    cfg = _parse(tmp_path, obj)
+    assert not any(path in n for n in cfg.notes if n.startswith("DeepSpeed JSON keys ignored")), cfg.notes
+    ds = cfg.to_deepspeed_config()
+    given = _get(_merge(CONTEXT, obj), path)
+    assert _same(_get(ds, path), given), f"{path}: the JSON's {given!r} became {_get(ds, path)!r}"
+    torch.manual_seed(0)
+    engine = zero.initialize(GPTModel(cfg.model, device="meta"), ds)
+    assert shown(engine) == expected, path
+
+
+def test_all_zero3_knobs_together_are_not_stripped(tmp_path):
+    knobs = dict(reduce_bucket_size=2000, stage3_prefetch_bucket_size=3000, stage3_max_live_parameters=40000,
+                 max_reduce_in_flight=1, stage3_keep_gathered_in_step=False, overlap_comm=False,
+                 stage3_param_persistence_threshold=10, allgather_bucket_size=5e8)  # the last one: DeepSpeed's own
+    cfg = _parse(tmp_path, _z3(**knobs))
+    z = cfg.to_deepspeed_config()["zero_optimization"]
+    assert z == {"stage": 3, **{k: v for k, v in knobs.items() if k != "allgather_bucket_size"}}
+    assert "DeepSpeed JSON keys ignored (they tune DeepSpeed's own internals): " \
+        "zero_optimization.allgather_bucket_size" in cfg.notes
+
+
+def test_memory_plan_uses_the_json_bucket_sizes(tmp_path):
+    from megazero.training import estimate_memory_for
+
+    default = estimate_memory_for(_parse(tmp_path, Z3))
+    # one unit per bucket instead of the whole (tiny) model; no prefetch instead of the next layer
+    est = estimate_memory_for(_parse(tmp_path, _z3(reduce_bucket_size=1, stage3_prefetch_bucket_size=0)))
+    assert est.grad_buckets < default.grad_buckets and est.buffers < default.buffers
+
+
+def test_ds_keys_does_not_import_the_config_module():
+    """config.py uses ds_keys; ds_keys must not import config back (ConfigError lives in errors.py)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(ds_keys))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("megazero")} == {"megazero.training.errors"}
