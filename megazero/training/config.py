@@ -187,6 +187,7 @@ class CheckpointConfig:
     finetune: bool = False  # load weights only; iteration/samples/optimizer/RNG start afresh
     no_load_optim: bool = False
     no_load_rng: bool = False
+    ckpt_step: Optional[int] = None  # --ckpt-step: load this iteration instead of the latest
     use_checkpoint_args: bool = False
 
 

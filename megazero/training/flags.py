@@ -307,6 +307,7 @@ g(H, "--save-interval", "iterations between checkpoints (without --save: no chec
 g(M, "--pretrained-checkpoint", "megazero: initial weights from a full checkpoint (tools/convert_from_hf.py)", str)
 g(H, "--finetune", "load only the weights from --load; iteration, samples, optimizer and RNG start afresh")
 g(H, "--no-load-optim", "do not load the optimizer state (moments) from --load")
+g(H, "--ckpt-step", "the iteration to load from --load instead of the latest (Megatron-LM's --ckpt-step)", int)
 g(H, "--no-load-rng", "do not load the RNG states from --load")
 g(R, "--no-save-optim", "megazero checkpoints always hold the optimizer partitions (they make resharded reloads "
   "exact); drop the flag, and export weights only with tools/convert_to_hf.py")

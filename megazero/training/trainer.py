@@ -233,7 +233,7 @@ def _load(config: TrainConfig, run: TrainModel, scheduler: LRScheduler) -> tuple
     if ck.load:
         agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
     # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
-    state = load_checkpoint(ck.load, engine, pipeline=run.stage,
+    state = load_checkpoint(ck.load, engine, ck.ckpt_step, pipeline=run.stage,
                             load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
     if state is None and ck.pretrained:
         _init_from_pretrained(engine, ck.pretrained)

@@ -8,7 +8,7 @@ fp32 with dropout 0, so the layouts must agree to float rounding (2e-5 relative)
 * pp 2, pp 4 (untied), pp 2 x dp 2 ZeRO-3 with both ZeRO-3 x PP policies, tp 2 x pp 2
   interleaved with sequence parallelism, pp 2 with ramp-up and fp16, pp 2 with per-document
   positions / masks / loss mask, pp 2 from --pretrained-checkpoint, bf16 pp 2 (bf16 tolerance);
-* the initial weights (``--train-iters 0 --save``) are bit-identical at pp 1, pp 2, pp 4 and
+* the initial weights (saved after one step at lr 0) are bit-identical at pp 1, pp 2, pp 4 and
   tp 2 x pp 2 x v 2 (read back through the checkpoint reader the export tools use);
 * a checkpoint saved at three layouts resumes at three others with the reference's next losses.
 """
@@ -163,8 +163,11 @@ def test_initial_weights_bit_identical_across_layouts(data, runs):
                "tp2_pp2_v2": (4, ["--tp", "2", "--pp", "2", "--virtual-pipeline-model-parallel-size", "2"])}
     weights = {}
     for name, (world, extra) in layouts.items():
-        launch(world, flags(data, *extra, "--train-iters", "0", "--save", str(runs / f"init_{name}")),
-               runs, f"init_{name}")
+        # The first step of a linear warmup from 0 runs at lr 0 and leaves every weight bit-identical
+        # (Adam adds 0, decay multiplies by 1): the saved weights are the initial ones, written as every
+        # layout writes its checkpoints.
+        launch(world, flags(data, *extra, "--train-iters", "1", "--lr-warmup-init", "0",
+                            "--save", str(runs / f"init_{name}")), runs, f"init_{name}")
         _, weights[name], _ = load_full_model(str(runs / f"init_{name}"))
     ref = weights["pp1"]
     for name, w in weights.items():
@@ -180,6 +183,7 @@ def test_checkpoints_resume_across_layouts(data, runs, reference, layouts):
                ("pp2_dp2_z3", 1, []),
                ("tp2_pp2_v2_sp", 4, ["--pp", "4", "--zero-stage", "2"])]
     for source, world, extra in resumes:
-        got = launch(world, flags(data, *extra, "--load", str(runs / source)), runs, f"resume_{source}")
+        got = launch(world, flags(data, *extra, "--load", str(runs / source), "--ckpt-step", "2"), runs,
+                     f"resume_{source}")
         tail = {it: r for it, r in reference["tied"].items() if it > 2}
         assert_same_run(got, tail, what=f"{source} resumed at {extra or 'pp 1'}")

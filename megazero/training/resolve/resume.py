@@ -104,10 +104,10 @@ def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bo
                      "(as in Megatron)")
         save_interval = None
     for flag_name, value in (("--finetune", ns.finetune), ("--no-load-optim", ns.no_load_optim),
-                             ("--no-load-rng", ns.no_load_rng)):
+                             ("--no-load-rng", ns.no_load_rng), ("--ckpt-step", ns.ckpt_step is not None)):
         if value and ns.load is None and ns.pretrained_checkpoint is None:
             raise ConfigError(f"{flag_name} needs --load (the checkpoint it changes how to load)")
     return CheckpointConfig(save=ns.save, load=ns.load, save_interval=save_interval,
                             pretrained=ns.pretrained_checkpoint, finetune=bool(ns.finetune),
                             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
-                            use_checkpoint_args=bool(ns.use_checkpoint_args))
+                            use_checkpoint_args=bool(ns.use_checkpoint_args), ckpt_step=ns.ckpt_step)
