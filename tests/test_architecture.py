@@ -27,14 +27,9 @@ FORBIDDEN = {
     "pipeline": {"training", "data", "zero"},
 }
 
-# TEMPORARY allow-list: circles that their owners are removing in other branches (issue 15).
-# Each owner deletes their entry with the fix; an entry that no longer matches an import fails
-# test_allow_list_is_current, so the list cannot outlive the circles.
-ALLOWED_CIRCLES = {
-    frozenset({"megazero.training.trainer", "megazero.training.pipeline_trainer"}),
-    frozenset({"megazero.pipeline.engine_step", "megazero.model.pipeline_split"}),  # also model -> pipeline
-    frozenset({"megazero.training.config", "megazero.training.ds_keys"}),
-}
+# No circle is allowed: the last three (trainer <-> pipeline_trainer, engine_step <-> pipeline_split,
+# config <-> ds_keys) went with the single training loop (issue 15).
+ALLOWED_CIRCLES: set[frozenset] = set()
 
 
 def _allowed(a: str, b: str) -> bool:
@@ -146,12 +141,3 @@ def test_no_import_cycles() -> None:
             seen.update(cycle)
             cycles.append("\n    ".join(_where(a, b) for a, b in zip(cycle, cycle[1:])))
     assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
-
-
-def test_allow_list_is_current() -> None:
-    """Every allowed circle still exists; a fixed one must leave ALLOWED_CIRCLES with its fix."""
-    graph = imports()
-    stale = [" <-> ".join(sorted(pair)) for pair in ALLOWED_CIRCLES
-             if not all(b in graph.get(a, {}) for a, b in (sorted(pair), sorted(pair)[::-1]))]
-    assert not stale, "circles fixed: remove them from ALLOWED_CIRCLES in tests/test_architecture.py:\n  " + \
-        "\n  ".join(stale)
