@@ -80,5 +80,5 @@ class count_zeros_in_grads:
                     local += (g.master.grad[lo:hi] == 0).sum()
         for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
             dist.all_reduce(local, group=group)
-        self.zeros = float(local)
+        self.zeros = local  # on the device: read (float) when the log line is written
         return self._step(*args, **kwargs)

@@ -187,3 +187,18 @@ def test_checkpoints_resume_across_layouts(data, runs, reference, layouts):
                      f"resume_{source}")
         tail = {it: r for it, r in reference["tied"].items() if it > 2}
         assert_same_run(got, tail, what=f"{source} resumed at {extra or 'pp 1'}")
+
+
+def test_pp2_logging_flags_match_one_process(data, runs):
+    """--log-params-norm, --log-num-zeros-in-grad and DeepSpeed's wall_clock_breakdown at pp 2, as at pp 1
+    (they were silently dropped by the old pipeline loop)."""
+    ds = runs / "wall_clock.json"
+    ds.write_text(json.dumps({"wall_clock_breakdown": True}))
+    extra = ["--log-params-norm", "--log-num-zeros-in-grad", "--deepspeed_config", str(ds)]
+    ref = launch(1, flags(data, *extra, iters=2), runs, "logflags_ref")
+    got = launch(2, flags(data, "--pp", "2", *extra, iters=2), runs, "logflags_pp2")
+    assert_same_run(got, ref, what="logging flags pp2")
+    for it in ref:
+        assert got[it]["params_norm"] == pytest.approx(ref[it]["params_norm"], rel=RTOL)
+        assert got[it]["num_zeros"] == ref[it]["num_zeros"]
+        assert {"fwd_ms", "bwd_ms", "step_ms"} <= set(got[it]), sorted(got[it])
