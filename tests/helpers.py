@@ -19,3 +19,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: 
     """assert_close that names the quantity and returns the max abs difference."""
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
     return float((actual.float() - expected.float()).abs().max()) if actual.numel() else 0.0
+
+
+def write_documents(prefix: str, docs) -> str:
+    """Write ``docs`` (token-id sequences, EOD included where wanted) as a Megatron ``.bin/.idx`` pair."""
+    import numpy as np
+
+    from megazero.data import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in docs:
+        builder.add_item(np.asarray(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix

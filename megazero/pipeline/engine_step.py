@@ -29,6 +29,8 @@ import torch.distributed as dist
 from .p2p import PipeP2P
 from .runner import ScheduleRunner
 
+__all__ = ["backward_step", "TiedEmbeddingGradSync", "PipelineStage", "shared_copy_parameters", "MicroBatch"]
+
 # A micro-batch: ``(input_ids, labels)`` or any object with ``tokens``, ``labels`` and optional
 # ``position_ids`` / ``attention_mask`` (megazero.data's GPTBatch): every stage gets the positions
 # and masks (rotary and per-document attention need them on every layer), the first stage the
@@ -40,8 +42,6 @@ def _fields(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.
     if isinstance(mb, (tuple, list)):
         return mb[0], mb[1], None, None
     return mb.tokens, mb.labels, getattr(mb, "position_ids", None), getattr(mb, "attention_mask", None)
-
-__all__ = ["backward_step", "TiedEmbeddingGradSync", "PipelineStage", "shared_copy_parameters", "MicroBatch"]
 
 
 def _engine_takes_output_grad(engine) -> bool:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["SignalFlag", "any_rank", "set_accumulation", "PhaseClock", "exit_reason"]
+__all__ = ["SignalFlag", "any_rank", "PhaseClock", "exit_reason"]
 
 
 class SignalFlag:
@@ -35,15 +35,6 @@ def any_rank(flag: bool, device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
-
-
-def set_accumulation(engine, micro_batches: int) -> None:
-    """Ramp-up changes the number of micro-batches per step; the engine scales the loss by
-    1/accum and steps at the accumulation boundary, so both must follow the current batch."""
-    if hasattr(engine, "set_gradient_accumulation_steps"):
-        engine.set_gradient_accumulation_steps(micro_batches)
-    else:  # until the engine has the API: called only between steps, where micro_steps is a boundary
-        engine.accum, engine.micro_steps = micro_batches, 0
 
 
 class PhaseClock:

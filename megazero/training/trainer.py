@@ -56,7 +56,6 @@ class TrainResult:
     sample: Optional[str] = None
     final_eval: dict[str, float] = dataclasses.field(default_factory=dict)  # 'valid'/'test' -> loss at the end
     exit_reason: Optional[str] = None  # why the loop stopped before train_iters (signal, duration, interval, tokens)
-    grad_norms: dict[int, float] = dataclasses.field(default_factory=dict)  # iteration -> global grad norm
 
 
 def _print0(msg: str) -> None:
@@ -350,7 +349,6 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 scheduler.step(LRScheduler.increment(config, batch_size))
             loss_log.add(iteration, loss)
             skipped_at[iteration] = not updated
-            result.grad_norms[iteration] = engine.get_global_grad_norm()
             if engine.last_overflow and config.precision.dtype != "fp16":
                 losses = loss_log.flush()  # every rank takes part; the loss is for the message
                 loss_value = losses.get(iteration, float("nan"))

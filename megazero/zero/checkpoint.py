@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,12 +55,11 @@ def shard_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"zero_rank{rank:05d}.safetensors")
 
 
-def save_zero_state(engine: ZeroEngine, directory: str, *, name_of: Optional[Callable[[str], str]] = None,
-                    pp_rank: int = 0, pp_size: int = 1) -> str:
+def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_size: int = 1) -> str:
     """Write this rank's partitions (collective-free, fsync'd); returns the file path.
 
-    A pipeline stage passes ``name_of`` (its parameter name -> the pp = 1 name) and its
-    ``pp_rank`` / ``pp_size``: the slots are listed under pp = 1 names, and a stage's copy
+    A pipeline stage passes its ``pp_rank`` / ``pp_size``; its slots already carry pp = 1
+    names (``zero.initialize(param_names=...)``), and a stage's copy
     of another stage's parameter (``pipeline_shared_copy``: the tied head's embedding) is
     not listed, since it equals the original and loads from it.
     """
@@ -79,7 +78,7 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, name_of: Optional[Cal
         groups_meta.append({
             "partitions": g.partitions, "shard_start": g.shard_start, "shard_numel": g.shard_numel,
             "padded_numel": g.padded_numel,
-            "slots": [{"name": name_of(s.name) if name_of else s.name, "shape": list(s.shape), "offset": s.offset,
+            "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset,
                        "numel": s.numel, "tp_sharded": bool(getattr(s.param, "tensor_model_parallel", False)),
                        "partition_dim": int(getattr(s.param, "partition_dim", 0)),
                        "partition_stride": int(getattr(s.param, "partition_stride", 1))} for s in g.slots
@@ -341,26 +340,23 @@ def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
 
 @torch.no_grad()
 def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
-                    counter: Optional[ReadCounter] = None, *, name_of: Optional[Callable[[str], str]] = None,
-                    load_optimizer: bool = True, partial_model: bool = False) -> dict:
+                    counter: Optional[ReadCounter] = None, *, load_optimizer: bool = True,
+                    partial_model: bool = False) -> dict:
     """Collective-free part of a load: fill this rank's fp32 masters and optimizer state from ``directory``.
 
     Reads only the saved elements that this rank owns under its own layout. Returns the
     saved metadata, with ``bytes_read`` and ``files_read`` of this rank added. Follow with
     :func:`publish_loaded_state` (a collective) before using the engine. A pipeline stage
-    passes ``name_of`` (its parameter name -> the pp = 1 name): it then holds part of the
-    saved names, and its copy of the tied embedding loads from the embedding itself. An
-    engine already built with pp = 1 names passes ``partial_model=True`` instead.
+    (its engine names parameters as at pp = 1) passes ``partial_model=True``: it holds part
+    of the saved names, and its copy of the tied embedding loads from the embedding itself.
     ``load_optimizer=False`` (Megatron's ``--finetune`` / ``--no-load-optim``) reads the weights
     only: the optimizer starts afresh, whatever optimizer saved the checkpoint.
     """
     reader = CheckpointReader(directory, manifest, prefer_dp=engine.dp_rank, counter=counter)
-    stage_of_pipeline = name_of is not None or partial_model
-    name_of = name_of or (lambda n: n)
-    mine = {name_of(s.name) for g in engine.groups for s in g.slots}
+    mine = {s.name for g in engine.groups for s in g.slots}
     saved = set(reader.names)
     missing, unexpected = sorted(mine - saved), sorted(saved - mine)
-    if stage_of_pipeline:
+    if partial_model:
         unexpected = []  # a pipeline stage holds part of the model; the other stages load the rest
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
@@ -386,7 +382,7 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
                 continue
             p = s.param
             for key in keys:
-                reader.plan(plan, name_of(s.name), key, list(s.shape), bool(getattr(p, "tensor_model_parallel", False)),
+                reader.plan(plan, s.name, key, list(s.shape), bool(getattr(p, "tensor_model_parallel", False)),
                             int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1)),
                             engine.tp_rank, engine.tp_size, p0, p0 + n, stage[key][s0:s0 + n])
         reader.execute(plan)

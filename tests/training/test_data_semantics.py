@@ -5,19 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.data import IndexedDatasetBuilder
 from tests.distributed import run_distributed
+from tests.helpers import write_documents as _write
 
 VOCAB = 50  # NullTokenizer: ids < 50, EOD = 50
-
-
-def _write(prefix, docs):
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for doc in docs:
-        builder.add_item(np.asarray(doc))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
-    return prefix
 
 
 @pytest.fixture(scope="module")

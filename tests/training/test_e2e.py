@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.data import IndexedDatasetBuilder
 from tests.distributed import run_distributed
+from tests.helpers import write_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
@@ -19,16 +19,12 @@ VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """Documents of arithmetic progressions (learnable) as a Megatron .bin/.idx pair."""
-    d = tmp_path_factory.mktemp("data")
-    prefix = str(d / "toy_text_document")
     rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    docs = []
     for _ in range(400):
         start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(20, 80)
-        builder.add_item(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
-    return prefix
+        docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
+    return write_documents(str(tmp_path_factory.mktemp("data") / "toy_text_document"), docs)
 
 
 def argv(prefix, *extra, tp=2, stage=3, iters=8, dropout=0.0):
