@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.data import IndexedDatasetBuilder
+from tests.helpers import write_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
@@ -35,16 +35,12 @@ RTOL = 2e-5
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Short documents (several per sample, so the per-document flags have work) as .bin/.idx."""
-    d = tmp_path_factory.mktemp("layout_data")
-    prefix = str(d / "docs_text_document")
     rng = np.random.default_rng(3)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    docs = []
     for _ in range(300):
         start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(3, 12)
-        builder.add_item(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
-    return prefix
+        docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
+    return write_documents(str(tmp_path_factory.mktemp("layout_data") / "docs_text_document"), docs)
 
 
 def flags(prefix: str, *extra: str, layers: int = 4, iters: int = ITERS) -> list[str]:
@@ -57,9 +53,8 @@ def flags(prefix: str, *extra: str, layers: int = 4, iters: int = ITERS) -> list
             "--log-interval", "1", "--eval-iters", "0", "--clip-grad", "1.0", *extra]
 
 
-def launch(world: int, args: list[str], out_dir, name: str) -> dict[int, dict]:
-    """Run pretrain_gpt.py as a user would; returns {iteration: metrics record}."""
-    metrics = os.path.join(str(out_dir), f"{name}.jsonl")
+def run_cli(world: int, args: list[str], out_dir, metrics: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py as a user starts it: ``torchrun --nproc_per_node world`` (plain python for 1)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = os.path.join(ROOT, "pretrain_gpt.py")
     if world == 1:
@@ -67,8 +62,14 @@ def launch(world: int, args: list[str], out_dir, name: str) -> dict[int, dict]:
     else:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node",
                str(world), script]
-    proc = subprocess.run(cmd + args + ["--metrics-file", metrics], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=str(out_dir))
+    return subprocess.run(cmd + args + ["--metrics-file", metrics], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(out_dir))
+
+
+def launch(world: int, args: list[str], out_dir, name: str) -> dict[int, dict]:
+    """Run pretrain_gpt.py as a user would; returns {iteration: metrics record}."""
+    metrics = os.path.join(str(out_dir), f"{name}.jsonl")
+    proc = run_cli(world, args, out_dir, metrics)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     records = {}
     if os.path.exists(metrics):
@@ -202,3 +203,35 @@ def test_pp2_logging_flags_match_one_process(data, runs):
         assert got[it]["params_norm"] == pytest.approx(ref[it]["params_norm"], rel=RTOL)
         assert got[it]["num_zeros"] == ref[it]["num_zeros"]
         assert {"fwd_ms", "bwd_ms", "step_ms"} <= set(got[it]), sorted(got[it])
+
+
+def test_uneven_pipeline_split_matches_one_process(data, runs):
+    """5 layers over pp 2 with --decoder-first-pipeline-num-layers 2 (stages of 2 and 3 layers): the
+    second stage's layers are the model's 2-4, by name and by value."""
+    ref = launch(1, flags(data, layers=5, iters=2), runs, "uneven_ref")
+    got = launch(2, flags(data, "--pp", "2", "--decoder-first-pipeline-num-layers", "2", layers=5, iters=2),
+                 runs, "uneven_pp2")
+    assert_same_run(got, ref, what="uneven pp2")
+
+
+def test_bad_token_at_pp2_stops_every_rank_with_one_message(runs):
+    """A token outside the vocabulary, read by every rank at pp 2: all ranks stop promptly (no rank left in
+    a collective), exit non-zero, and the message names the dataset and the document."""
+    rng = np.random.default_rng(5)
+    docs = [np.append(rng.integers(0, VOCAB, 12), VOCAB) for _ in range(80)]
+    docs[5][2] = VOCAB + 9
+    prefix = write_documents(str(runs / "bad_text_document"), docs)
+    proc = run_cli(2, flags(prefix, "--pp", "2", iters=3), runs, str(runs / "bad.jsonl"), timeout=120)
+    assert proc.returncode != 0
+    assert "document 5 holds token id 129" in proc.stderr, proc.stderr[-2000:]
+    # A user error: one line from one rank, no traceback from megazero (torchrun adds its own summary).
+    assert proc.stderr.count("document 5 holds token id 129") == 1, proc.stderr[-2000:]
+    assert "megazero/" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_generate_prompt_at_pp2_refused_before_any_process_group(data, runs):
+    proc = run_cli(2, flags(data, "--pp", "2", "--generate-prompt", "ROMEO:"), runs, str(runs / "gen.jsonl"),
+                   timeout=120)
+    # Each rank exits 2 at parse time (torchrun reports it as 1, with the ranks' exit codes).
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-2000:]
+    assert "--generate-prompt with --pp 2" in proc.stderr and "tools/generate.py" in proc.stderr
