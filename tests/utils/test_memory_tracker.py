@@ -130,8 +130,8 @@ def test_misuse_is_reported():
     t = LiveMemoryTracker()
     with pytest.raises(RuntimeError, match="enter the context"):
         t.peak_bytes
-    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
-        LiveMemoryTracker("meta")
+    with pytest.raises(ValueError, match="'cpu', 'meta' or 'cuda'"):
+        LiveMemoryTracker("xpu")
     with t:
         with pytest.raises(RuntimeError, match="not reentrant"):
             t.__enter__()
