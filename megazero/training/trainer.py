@@ -264,11 +264,14 @@ def _load(config: TrainConfig, run: TrainModel, scheduler: LRScheduler) -> tuple
     return state["iteration"], state["consumed_samples"]
 
 
-def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None) -> TrainResult:
+def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
+             on_iteration_end: Optional[Callable[[int, TrainModel], None]] = None) -> TrainResult:
     """Run (or resume) a training job described by ``config``, at any tp x pp x dp; collective over all ranks.
 
     ``device``: where this rank computes; by default ``mpu.get_device()`` (its CUDA device under
-    NCCL, else the CPU). A rehearsal (``megazero.training.rehearsal``) passes a fake CUDA device.
+    NCCL, else the CPU). A rehearsal (``megazero.training.rehearsal``) passes the meta device.
+    ``on_iteration_end(iteration, run)`` is called after each training iteration's step, before
+    its log line, evaluation and checkpoint: where a rehearsal or a benchmark measures.
     """
     train_start = time.time()
     p = config.parallel
@@ -353,6 +356,8 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None) -> T
                 scheduler.step(LRScheduler.increment(config, batch_size))
             loss_log.add(iteration, loss)
             skipped_at[iteration] = not updated
+            if on_iteration_end is not None:
+                on_iteration_end(iteration, run)
             if engine.last_overflow and config.precision.dtype != "fp16":
                 losses = loss_log.flush()  # every rank takes part; the loss is for the message
                 loss_value = losses.get(iteration, float("nan"))
