@@ -29,13 +29,15 @@ What is measured, per rank (:class:`RankReport`):
   or reduce-scatter of a full tensor of B bytes (and a broadcast, all-to-all, reduce, gather
   or scatter of B) sends B (n-1)/n, a send B, a receive nothing;
 - ``host_reads``: where the loop read a device value during iteration 2 (``.item()``,
-  ``.tolist()``, ``.cpu()``), by megazero source line. A meta tensor has no value; such a read
-  is answered with zeros (so a gradient norm reads 0 and an agreement flag "no") and counted:
-  on a GPU each one is a host synchronisation.
+  ``.tolist()``, ``.cpu()``), by megazero source line: answered with zeros (a meta tensor has
+  no value), on a GPU each one is a host synchronisation.
 
-The rehearsal's device stands for a GPU in one more way: ``scaled_dot_product_attention`` on
-meta tensors without a mask runs the kernel CUDA picks (flash attention, with its memory:
-output and log-sum-exp, no s x s scores) instead of the math fallback meta would decompose to.
+How the meta device stands in for a GPU (reads answered, meta kernels cached, flash attention
+chosen as CUDA would): :mod:`megazero.utils.meta_device`. The rest of what differs from a GPU:
+megazero picks its optimizer kernel by device type, and off CUDA that is torch's foreach
+AdamW, whose temporaries (a few fp32 copies of the master partition during the step) a
+GPU's fused kernel does not make; they show in ``peak_by_kind['other']`` when the step is
+the peak. The allocator's fragmentation, the CUDA context and NCCL buffers are not counted.
 """
 
 from __future__ import annotations
@@ -47,14 +49,14 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import mpu
 from ..utils.memory_tracker import LiveMemoryTracker
+from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
 from .arguments import parse_args
 from .config import ConfigError, TrainConfig
 from .memory import GiB
@@ -66,7 +68,8 @@ REHEARSAL_ITERATIONS = 2  # iteration 1 settles the state (optimizer moments app
 GROUP_NAMES = ("tp", "pp", "dp", "embedding")  # always reported; others only when used
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Frames of the measuring machinery, skipped when naming where a host read came from.
-_MEASURING_FILES = (os.path.abspath(__file__), os.path.join(_PACKAGE_DIR, "utils", "memory_tracker.py"))
+_MEASURING_FILES = tuple(os.path.join(_PACKAGE_DIR, *f) for f in (("training", "rehearsal.py"),
+                                                                 ("utils", "memory_tracker.py"), ("utils", "meta_device.py")))
 
 
 @dataclasses.dataclass
@@ -80,6 +83,7 @@ class RankReport:
     state_bytes: int  # live after iteration 1
     peak_bytes: int  # live peak during iteration 2
     peak_by_kind: dict[str, int]
+    peak_at: str  # the megazero source line running when the peak was reached
     sent_bytes: dict[str, int]  # group -> bytes sent
     sent_by_op: dict[str, int]  # "group/op" -> bytes sent
     calls_by_op: dict[str, int]  # "group/op" -> collectives issued
@@ -103,6 +107,8 @@ def rehearsal_config(argv: Sequence[str], world_size: int) -> tuple[TrainConfig,
     argv = list(argv)
     if not any(a.split("=")[0] in ("--train-iters", "--train-samples") for a in argv):
         argv += ["--train-iters", str(REHEARSAL_ITERATIONS)]  # the length of the run is the rehearsal's anyway
+    if not any(a.split("=")[0] in ("--data-path", "--train-data-path", "--mock-data") for a in argv):
+        argv.append("--mock-data")  # no data named: synthetic tokens (the shapes are all that matter)
     config = parse_args(argv, world_size, check_files=False)
     notes: list[str] = []
     s, d, ck, lg, m = config.schedule, config.data, config.checkpoint, config.logging, config.model
@@ -157,7 +163,7 @@ def default_ranks(config: TrainConfig) -> list[int]:
     return out
 
 
-# ---- what the rehearsal's device does -------------------------------------------------------
+# ---- what iteration 2 sends and reads ---------------------------------------------------------
 
 
 def _ring_factor(n: int) -> float:
@@ -191,7 +197,7 @@ def _nbytes(x: Any) -> int:
 
 def _caller() -> str:
     """The innermost megazero frame (outside the measuring code) that is running: where a read was made."""
-    f = sys._getframe(2)
+    f = sys._getframe(1)
     while f is not None:
         path = os.path.abspath(f.f_code.co_filename)
         if path.startswith(_PACKAGE_DIR) and path not in _MEASURING_FILES:
@@ -200,194 +206,49 @@ def _caller() -> str:
     return "outside megazero"
 
 
-_UNCACHEABLE = object()
-
-
-class _MetaKernelCache:
-    """Output metadata of meta kernels, by operator and input metadata (FakeTensorMode keeps the
-    same cache): most of torch's meta kernels are Python (type promotion and strides for every
-    elementwise op, 0.1-1.5 ms each), and a training step repeats the same few hundred calls
-    per layer and micro-batch. Only operators that mutate nothing and return new tensors, all
-    of their tensors on meta, are cached; their outputs are made anew with ``empty_strided``
-    (the same shapes, strides, dtypes and storage sizes as the kernel's)."""
+class _Counters:
+    """What iteration 2 does on the wire and on the host: bytes each collective sends, by
+    megazero group name (:data:`_C10D_VOLUME`), and where device values were read."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple, Any] = {}
-        self._eligible: dict[Any, bool] = {}
-        self.hits = self.misses = 0
-
-    def eligible(self, func) -> bool:
-        ok = self._eligible.get(func)
-        if ok is None:
-            schema = func._schema
-            ok = func.namespace == "aten" and not schema.is_mutable and all(
-                r.alias_info is None for r in schema.returns) and func is not torch.ops.aten._local_scalar_dense.default
-            self._eligible[func] = ok
-        return ok
-
-    @staticmethod
-    def _key(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if not x.is_meta:
-                raise _NotCacheable
-            return (x.dtype, tuple(x.shape), x.stride(), x.storage_offset())
-        if isinstance(x, (list, tuple)):
-            return tuple(_MetaKernelCache._key(v) for v in x)
-        if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                                       torch.memory_format)):
-            return (type(x), x)
-        raise _NotCacheable
-
-    def run(self, func, args: tuple, kwargs: dict) -> Any:
-        try:
-            key = (func, self._key(args), self._key(tuple(sorted(kwargs.items()))))
-        except _NotCacheable:
-            return func(*args, **kwargs)
-        entry = self.entries.get(key)
-        if entry is _UNCACHEABLE:
-            return func(*args, **kwargs)
-        if entry is not None:
-            self.hits += 1
-            return _rebuild(entry)
-        out = func(*args, **kwargs)
-        self.misses += 1
-        try:
-            entry = _describe(out)
-            again = _rebuild(entry)
-            if _storage_sizes(again) != _storage_sizes(out):
-                raise _NotCacheable
-        except _NotCacheable:
-            entry = _UNCACHEABLE
-        self.entries[key] = entry
-        return out
-
-
-class _NotCacheable(Exception):
-    pass
-
-
-def _describe(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        if not out.is_meta or out.is_sparse:
-            raise _NotCacheable
-        return ("T", tuple(out.shape), out.stride(), out.dtype, out.storage_offset(), out.untyped_storage().nbytes())
-    if isinstance(out, (list, tuple)):
-        return (type(out), tuple(_describe(o) for o in out))
-    if out is None or isinstance(out, (bool, int, float)):
-        return ("V", out)
-    raise _NotCacheable
-
-
-def _rebuild(entry: Any) -> Any:
-    if entry[0] == "T":
-        _, shape, stride, dtype, offset, nbytes = entry
-        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if offset == 0 and t.untyped_storage().nbytes() == nbytes:
-            return t
-        return torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta").as_strided(shape, stride, offset)
-    if entry[0] == "V":
-        return entry[1]
-    kind, items = entry
-    return kind(_rebuild(e) for e in items)
-
-
-def _storage_sizes(out: Any) -> list[int]:
-    if isinstance(out, torch.Tensor):
-        return [out.untyped_storage().nbytes()]
-    if isinstance(out, (list, tuple)):
-        return [n for o in out for n in _storage_sizes(o)]
-    return []
-
-
-class _MetaDevice(TorchDispatchMode):
-    """Answers reads of meta values with zeros (counting where they come from), counts the
-    bytes every collective sends, by megazero group name (both only while ``counting``), and
-    runs meta kernels through :class:`_MetaKernelCache` (with ``cache``)."""
-
-    def __init__(self, cache: bool = True) -> None:
-        super().__init__()
-        self.cache = _MetaKernelCache() if cache else None
         self.counting = False
         self.host_reads: dict[str, int] = {}
         self.sent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._names: dict[int, str] = {}
 
-    def reset(self) -> None:
-        self.host_reads, self.sent, self.calls = {}, {}, {}
+    def start(self) -> None:
+        self.host_reads, self.sent, self.calls, self.counting = {}, {}, {}, True
 
-    def _group_name(self, pg: dist.ProcessGroup) -> str:
-        if not self._names:
-            if mpu.model_parallel_is_initialized():
-                g = mpu.get_parallel_groups()
-                for name, group in (("tp", g.tp_group), ("pp", g.pp_group), ("dp", g.dp_group),
-                                    ("embedding", g.embedding_group), ("mp", g.mp_group),
-                                    ("position_embedding", g.position_embedding_group)):
-                    if group is not None:
-                        self._names.setdefault(id(group), name)
-            self._names.setdefault(id(dist.group.WORLD), "world")
-        return self._names.get(id(pg), "other")
-
-    def _read(self, value: Any) -> Any:
+    def on_read(self) -> None:
         if self.counting:
             where = _caller()
             self.host_reads[where] = self.host_reads.get(where, 0) + 1
-        return value
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:  # .item(), float(), bool()
-            dtype = args[0].dtype
-            return self._read(False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0)
-        if func is torch.ops.aten._to_copy.default and args[0].is_meta:  # .cpu(), .tolist()
-            device = kwargs.get("device")
-            if device is not None and torch.device(device).type != "meta":
-                return self._read(torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=device))
-        if func is torch.ops.aten.copy_.default and args[1].is_meta and not args[0].is_meta:
-            return self._read(args[0].zero_())
-        if func.namespace == "c10d":
-            if self.counting:
-                self._count(func, args)
-        elif self.cache is not None and self.cache.eligible(func):
-            return self.cache.run(func, args, kwargs)
-        return func(*args, **kwargs)
+    def _group_name(self, pg: dist.ProcessGroup) -> str:
+        if not self._names:
+            g = mpu.get_parallel_groups()
+            for name, group in (("tp", g.tp_group), ("pp", g.pp_group), ("dp", g.dp_group),
+                                ("embedding", g.embedding_group), ("mp", g.mp_group),
+                                ("position_embedding", g.position_embedding_group)):
+                if group is not None:
+                    self._names.setdefault(id(group), name)
+            self._names.setdefault(id(dist.group.WORLD), "world")
+        return self._names.get(id(pg), "other")
 
-    def _count(self, func, args) -> None:
+    def on_collective(self, func, args: tuple) -> None:
+        if not self.counting:
+            return
         pg = next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
         if pg is None:
             return
         group = dist.ProcessGroup.unbox(pg)
-        name, op = self._group_name(group), func._overloadpacket.__name__
-        key = f"{name}/{op.strip('_')}"
+        op = func._overloadpacket.__name__
+        key = f"{self._group_name(group)}/{op.strip('_')}"
         self.calls[key] = self.calls.get(key, 0) + 1
-        rule = _C10D_VOLUME.get(op)
-        n = group.size()
+        rule, n = _C10D_VOLUME.get(op), group.size()
         if rule is not None and n > 1:
-            index, factor = rule
-            self.sent[key] = self.sent.get(key, 0.0) + _nbytes(args[index]) * factor(n)
-
-
-@contextlib.contextmanager
-def _cuda_attention() -> Iterator[None]:
-    """While active, ``scaled_dot_product_attention`` on meta tensors runs the kernel CUDA picks:
-    flash attention (its meta kernel and backward: output and log-sum-exp, no s x s scores) for
-    unmasked fp16/bf16 inputs, instead of the math decomposition meta falls back to. Other
-    inputs keep the math path. Registered for meta's autograd key, so it holds in backward too
-    (activation recomputation), and removed on exit."""
-    lib = torch.library.Library("aten", "IMPL")
-
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and not enable_gqa:
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
-                                                                      scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal,
-                                                                 scale=scale, enable_gqa=enable_gqa)[0]
-
-    lib.impl("scaled_dot_product_attention", sdpa, "AutogradMeta")
-    try:
-        yield
-    finally:
-        lib._destroy()
+            self.sent[key] = self.sent.get(key, 0.0) + _nbytes(args[rule[0]]) * rule[1](n)
 
 
 class _Phases:
@@ -440,27 +301,34 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         raise ValueError(f"rank {rank} is outside the world of {p.world_size} ranks")
     t0 = time.perf_counter()
     measured: dict[str, Any] = {}
-    device_mode, phases = _MetaDevice(cache=cache_kernels), _Phases()
+    counters, phases = _Counters(), _Phases()
+    device_mode = MetaDeviceMode(cache=cache_kernels, on_read=counters.on_read, on_collective=counters.on_collective)
     cpu_rng = torch.get_rng_state()
     # Every storage the run makes is a meta one made while this tracker runs: no baseline scan.
-    tracker = LiveMemoryTracker("meta", scan_existing=False, kind_of=phases.kind_of)
+    tracker = LiveMemoryTracker("meta", scan_existing=False, kind_of=phases.kind_of, where=_caller)
 
     def on_iteration_end(iteration: int, run) -> None:
         if iteration == 1:
             measured["state"] = tracker.absolute_current_bytes
             measured["engine_state"] = run.engine.model_state_bytes()["total"]
             tracker.reset_peak(relabel="state")
-            device_mode.reset()
-            device_mode.counting = True
+            counters.start()
         elif iteration == 2:
-            device_mode.counting = False
+            counters.counting = False
             measured["peak"], measured["peak_by_kind"] = tracker.absolute_peak_bytes, tracker.peak_by_kind
+            measured["peak_at"] = tracker.peak_where or "before iteration 2 (its state)"
 
+    out = log or io.StringIO()
+    # One fake group serves the host tensors (agreement flags) and the meta ones.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     try:
-        with contextlib.redirect_stdout(log or io.StringIO()), phases, device_mode, tracker, _cuda_attention():
+        with contextlib.redirect_stdout(out), phases, device_mode, tracker, cuda_attention_on_meta():
             pretrain(config, device=torch.device("meta"), on_iteration_end=on_iteration_end)
         groups = mpu.get_parallel_groups()
+    except BaseException:
+        if log is None:  # what the run printed before it failed
+            sys.stderr.write(out.getvalue()[-4000:])
+        raise
     finally:
         mpu.destroy_model_parallel()
         dist.destroy_process_group()
@@ -468,13 +336,14 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     if "peak" not in measured:
         raise RuntimeError(f"rank {rank}: the run stopped before iteration {REHEARSAL_ITERATIONS} ended")
     sent = {name: 0 for name in GROUP_NAMES}
-    for key, value in device_mode.sent.items():
+    for key, value in counters.sent.items():
         sent[key.split("/")[0]] = sent.get(key.split("/")[0], 0) + int(value)
     return RankReport(
         rank=rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
         state_bytes=measured["state"], peak_bytes=measured["peak"], peak_by_kind=measured["peak_by_kind"],
-        sent_bytes=sent, sent_by_op={k: int(v) for k, v in sorted(device_mode.sent.items())},
-        calls_by_op=dict(sorted(device_mode.calls.items())), host_reads=device_mode.host_reads,
+        peak_at=measured["peak_at"],
+        sent_bytes=sent, sent_by_op={k: int(v) for k, v in sorted(counters.sent.items())},
+        calls_by_op=dict(sorted(counters.calls.items())), host_reads=counters.host_reads,
         engine_state_bytes=measured["engine_state"], micro_batches=config.schedule.grad_accum_steps,
         seconds=round(time.perf_counter() - t0, 2))
 
@@ -506,11 +375,12 @@ def _size(n: float) -> str:
 def format_report(r: RankReport) -> str:
     """A few readable lines for one rank."""
     kinds = " + ".join(f"{k} {_size(v)}" for k, v in sorted(r.peak_by_kind.items(), key=lambda kv: -kv[1]))
-    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}): {r.micro_batches} micro-batches "
+    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}): {r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''} "
              f"per iteration, rehearsed in {r.seconds:.1f} s",
              f"  state after iteration 1    {_size(r.state_bytes):>11}   (the ZeRO engine's own count: "
              f"{_size(r.engine_state_bytes)})",
-             f"  peak in iteration 2        {_size(r.peak_bytes):>11}   = {kinds}"]
+             f"  peak in iteration 2        {_size(r.peak_bytes):>11}   = {kinds}",
+             f"    reached in {r.peak_at}"]
     for group, total in r.sent_bytes.items():
         ops = ", ".join(f"{k.split('/')[1]} {_size(v)} ({r.calls_by_op[k]}x)" for k, v in r.sent_by_op.items()
                         if k.split("/")[0] == group)

@@ -99,26 +99,29 @@ class LiveMemoryTracker:
 
     ``kind_of(event)`` (CPU and meta): the label of a storage allocated (``event='alloc'``) or
     resized in place (``'resize'``) now; then ``live_by_kind`` / ``peak_by_kind`` split the
-    absolute figures by label (storages found at entry are ``'baseline'``).
+    absolute figures by label (storages found at entry are ``'baseline'``). ``where()`` (CPU
+    and meta): called whenever the peak rises; ``peak_where`` is what it said last (e.g. the
+    source line running then).
     """
 
     def __init__(self, device: DeviceLike = "cpu", *, scan_existing: bool = True,
-                 kind_of: Optional[Callable[[str], str]] = None) -> None:
+                 kind_of: Optional[Callable[[str], str]] = None, where: Optional[Callable[[], Any]] = None) -> None:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
         if self.device.type not in ACCOUNTED_DEVICE_TYPES + ("cuda",):
             raise ValueError(f"LiveMemoryTracker measures 'cpu', 'meta' or 'cuda' devices, got {self.device}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"LiveMemoryTracker({self.device}): CUDA is not available in this process")
-        if kind_of is not None and self.device.type == "cuda":
-            raise ValueError("LiveMemoryTracker(kind_of=...) needs storage accounting: 'cpu' or 'meta'")
+        if (kind_of is not None or where is not None) and self.device.type == "cuda":
+            raise ValueError("LiveMemoryTracker(kind_of=, where=) need storage accounting: 'cpu' or 'meta'")
         self.scan_existing = scan_existing
-        self.kind_of = kind_of
+        self.kind_of, self.where = kind_of, where
         self.marks: dict[str, MemoryMark] = {}
         self._acc: Optional[_StorageAccounting] = None
         self._mode: Optional[_AccountingMode] = None
         self._active = False
         self._frozen: Optional[tuple[int, int, int]] = None  # (baseline, live, peak) at exit
         self._frozen_kinds: Optional[tuple[dict[str, int], dict[str, int]]] = None  # (live, peak) by kind at exit
+        self._frozen_where: Any = None
         self._cuda_baseline = 0
 
     # ---- context ---------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class LiveMemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_baseline = torch.cuda.memory_allocated(self.device)
         else:
-            self._acc = _StorageAccounting(self.device.type, self.kind_of)
+            self._acc = _StorageAccounting(self.device.type, self.kind_of, self.where)
             if self.scan_existing:
                 self._acc.scan_reachable()
             self._mode = _AccountingMode(self._acc)
@@ -147,7 +150,7 @@ class LiveMemoryTracker:
         self._active = False
         _ACTIVE.remove(self)
         if self._acc is not None:
-            self._frozen_kinds = self._acc.kinds()
+            self._frozen_kinds, self._frozen_where = self._acc.kinds(), self._acc.peak_where
             _resize_hook.remove(self._acc)
             self._mode.__exit__(*exc)
             self._acc.close()
@@ -233,6 +236,11 @@ class LiveMemoryTracker:
         if self._acc is None:
             return dict(self._frozen_kinds[0]) if self._frozen_kinds else {}
         return self._acc.kinds()[0]
+
+    @property
+    def peak_where(self) -> Any:
+        """What ``where()`` returned when the peak was last raised (None before, or without ``where``)."""
+        return self._acc.peak_where if self._acc is not None else self._frozen_where
 
     @property
     def peak_by_kind(self) -> dict[str, int]:
@@ -336,8 +344,10 @@ class _StorageAccounting:
     label and the live bytes are kept per label, with a copy taken at every new peak.
     """
 
-    def __init__(self, device_type: str = "cpu", kind_of: Optional[Callable[[str], str]] = None) -> None:
-        self.device_type, self.kind_of = device_type, kind_of
+    def __init__(self, device_type: str = "cpu", kind_of: Optional[Callable[[str], str]] = None,
+                 where: Optional[Callable[[], Any]] = None) -> None:
+        self.device_type, self.kind_of, self.where = device_type, kind_of, where
+        self.peak_where: Any = None
         # RLock: a weak-reference callback can run on this thread while the lock is held.
         self._lock = threading.RLock()
         self._storages: dict[int, list] = {}  # key -> [weakref, nbytes, kind]
@@ -372,6 +382,8 @@ class _StorageAccounting:
             self._peak = self._live
             if self.kind_of is not None:
                 self._peak_by_kind = dict(self._by_kind)
+            if self.where is not None:
+                self.peak_where = self.where()
 
     def add(self, storage: torch.UntypedStorage, nbytes: int, pre_existing: bool) -> None:
         key = storage._cdata
@@ -443,6 +455,7 @@ class _StorageAccounting:
                 self._by_kind = {relabel: self._live}
             self._peak = self._live
             self._peak_by_kind = dict(self._by_kind)
+            self.peak_where = None
 
     def close(self) -> None:
         with self._lock:
