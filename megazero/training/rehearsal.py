@@ -375,8 +375,9 @@ def _size(n: float) -> str:
 def format_report(r: RankReport) -> str:
     """A few readable lines for one rank."""
     kinds = " + ".join(f"{k} {_size(v)}" for k, v in sorted(r.peak_by_kind.items(), key=lambda kv: -kv[1]))
-    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}): {r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''} "
-             f"per iteration, rehearsed in {r.seconds:.1f} s",
+    mbs = f"{r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''}"
+    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}): {mbs} per iteration, "
+             f"rehearsed in {r.seconds:.1f} s",
              f"  state after iteration 1    {_size(r.state_bytes):>11}   (the ZeRO engine's own count: "
              f"{_size(r.engine_state_bytes)})",
              f"  peak in iteration 2        {_size(r.peak_bytes):>11}   = {kinds}",
