@@ -68,8 +68,8 @@ REHEARSAL_ITERATIONS = 2  # iteration 1 settles the state (optimizer moments app
 GROUP_NAMES = ("tp", "pp", "dp", "embedding")  # always reported; others only when used
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Frames of the measuring machinery, skipped when naming where a host read came from.
-_MEASURING_FILES = tuple(os.path.join(_PACKAGE_DIR, *f) for f in (("training", "rehearsal.py"),
-                                                                 ("utils", "memory_tracker.py"), ("utils", "meta_device.py")))
+_MEASURING_FILES = tuple(os.path.join(_PACKAGE_DIR, *f) for f in (
+    ("training", "rehearsal.py"), ("utils", "memory_tracker.py"), ("utils", "meta_device.py")))
 
 
 @dataclasses.dataclass
@@ -136,7 +136,8 @@ def rehearsal_config(argv: Sequence[str], world_size: int) -> tuple[TrainConfig,
                      f"(vocabulary {m.vocab_size}); the shapes are the same")
         config.data = dataclasses.replace(d, mock_data=True, tokenizer_type=None, data_path=[], prefixes=[],
                                           train_data_path=[], valid_data_path=[], test_data_path=[])
-    note(bool(ck.save or ck.load or ck.pretrained), "no checkpoint saved or loaded (--save/--load/--pretrained dropped)")
+    note(bool(ck.save or ck.load or ck.pretrained),
+         "no checkpoint saved or loaded (--save/--load/--pretrained dropped)")
     config.checkpoint = dataclasses.replace(ck, save=None, load=None, save_interval=None, pretrained=None,
                                             finetune=False)
     note(bool(lg.tensorboard_dir or lg.metrics_file or lg.wandb_project or lg.csv_dir),

@@ -52,7 +52,8 @@ class MetaKernelCache:
         ok = self._eligible.get(func)
         if ok is None:
             schema = func._schema
-            ok = func.namespace == "aten" and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+            ok = func.namespace == "aten" and not schema.is_mutable and all(
+                r.alias_info is None for r in schema.returns)
             self._eligible[func] = ok
         return ok
 
