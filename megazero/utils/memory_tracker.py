@@ -356,7 +356,12 @@ class _StorageAccounting:
         self._peak_by_kind: dict[str, int] = {}
 
     def storage_of(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
-        return _storage_of(t, self.device_type)
+        if not (t.is_meta if self.device_type == "meta" else t.is_cpu):  # cheaper than t.device.type
+            return None
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse tensors, wrapper subclasses: no storage
+            return None
 
     def scan_reachable(self) -> None:
         for obj in gc.get_objects():
@@ -460,15 +465,6 @@ class _StorageAccounting:
     def close(self) -> None:
         with self._lock:
             self._storages.clear()  # drops the weak references, and with them the callbacks
-
-
-def _storage_of(t: torch.Tensor, device_type: str) -> Optional[torch.UntypedStorage]:
-    if t.device.type != device_type:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse tensors, wrapper subclasses: no storage
-        return None
 
 
 def _on_storage_freed(acc_ref: "weakref.ref[_StorageAccounting]", key: int, _storage_ref: Any) -> None:
