@@ -72,6 +72,7 @@ def _plan_from_flags(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
         shape["tie_embeddings"] = False
     if "seq_length" in shape:
         shape.setdefault("max_position_embeddings", shape["seq_length"])
+    shape["vocab_padding_tp"] = a.tp  # as training pads: to make_vocab_size_divisible_by x tp (Megatron)
     try:
         config = gpt_preset(a.model_preset, **shape) if a.model_preset else GPTConfig(**shape)
     except TypeError:

@@ -10,12 +10,18 @@ rank's message is broadcast and every rank raises :class:`RunAborted` with it.
 No rank is ever left inside a collective its peers will not join, because the
 phase body itself must not communicate.
 
+Inside the training loop an agreement per iteration would cost a collective and a host
+synchronisation each time; there the phase is :func:`attempt`-ed alone, a failure rides
+the step's own all-reduce (``ZeroEngine.flag_failure``), and only when that says some
+rank failed do all ranks :func:`conclude` together.
+
 Errors are either *user* errors (a message says everything; no traceback) or
 *internal* ones (a traceback, printed once, by the rank where it happened).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import traceback
@@ -24,7 +30,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunAborted", "agree", "is_user_error", "report"]
+__all__ = ["Failure", "RunAborted", "agree", "attempt", "conclude", "is_user_error", "report"]
 
 T = TypeVar("T")
 
@@ -57,6 +63,52 @@ def _flag_device() -> torch.device:
     return torch.device("cpu")
 
 
+@dataclasses.dataclass
+class Failure:
+    """What went wrong on this rank in a phase (see :func:`attempt`)."""
+
+    message: str
+    user: bool
+    tb: str
+    error: BaseException
+
+
+def attempt(fn: Callable[[], T], user_errors: tuple[type, ...] = ()) -> tuple[Optional[T], Optional[Failure]]:
+    """Run ``fn`` here only: ``(result, None)``, or ``(None, the failure)``. No communication."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        user = is_user_error(e, user_errors)
+        message = e.message if isinstance(e, RunAborted) else str(e) or type(e).__name__
+        if not user and not isinstance(e, RunAborted):
+            message = f"{type(e).__name__}: {message}"
+        return None, Failure(message, user, "" if user else traceback.format_exc(), e)
+
+
+def conclude(phase: str, failure: Optional[Failure], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Every rank of ``group`` calls this with its own :func:`attempt`'s failure (or None): if
+    any rank failed, all raise :class:`RunAborted` with the lowest failing rank's message."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise RunAborted(phase, dist.get_rank() if dist.is_initialized() else 0, failure.message, failure.user,
+                             failure.tb) from failure.error
+        return
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flag = torch.tensor([world - rank if failure is not None else 0], dtype=torch.int64, device=_flag_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) == 0:
+        return
+    src = world - int(flag.item())  # the lowest failing rank speaks for all
+    box = [(failure.message, failure.user, failure.tb) if rank == src else None]
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    message, user, tb = box[0]
+    aborted = RunAborted(phase, global_src, message, user, tb if rank == src else None)
+    if failure is not None:
+        raise aborted from failure.error
+    raise aborted
+
+
 def agree(phase: str, fn: Callable[[], T], *, user_errors: tuple[type, ...] = (),
           group: Optional[dist.ProcessGroup] = None) -> T:
     """Run the collective-free ``fn`` on every rank, then agree that it succeeded everywhere.
@@ -64,36 +116,9 @@ def agree(phase: str, fn: Callable[[], T], *, user_errors: tuple[type, ...] = ()
     ``user_errors`` adds exception types that count as user errors in this phase
     (e.g. ``ValueError`` from data set-up, whose messages name the bad file).
     """
-    error: Optional[tuple[str, bool, str]] = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        user = is_user_error(e, user_errors)
-        message = e.message if isinstance(e, RunAborted) else str(e) or type(e).__name__
-        if not user and not isinstance(e, RunAborted):
-            message = f"{type(e).__name__}: {message}"
-        error = (message, user, "" if user else traceback.format_exc())
-        original = e
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if error is not None:
-            raise RunAborted(phase, dist.get_rank() if dist.is_initialized() else 0, error[0], error[1],
-                             error[2]) from original
-        return result
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    flag = torch.tensor([world - rank if error is not None else 0], dtype=torch.int64, device=_flag_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag.item()) == 0:
-        return result
-    src = world - int(flag.item())  # the lowest failing rank speaks for all
-    box = [error if rank == src else None]
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast_object_list(box, src=global_src, group=group)
-    message, user, tb = box[0]
-    aborted = RunAborted(phase, global_src, message, user, tb if rank == src else None)
-    if error is not None:
-        raise aborted from original
-    raise aborted
+    result, failure = attempt(fn, user_errors)
+    conclude(phase, failure, group)
+    return result
 
 
 def report(e: BaseException, prog: str = "error") -> int:

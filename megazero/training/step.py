@@ -40,6 +40,11 @@ def _loss(per_token: torch.Tensor, mb) -> torch.Tensor:
     return masked_mean(per_token, mb.loss_mask)
 
 
+def _chunk_index(args: tuple, kwargs: dict) -> int:
+    """Which virtual chunk a call of :class:`~megazero.model.pipeline_split.StageChunks` runs."""
+    return args[0]
+
+
 class TrainModel:
     """This rank's chunks, their ZeRO engine and the schedule that runs them, for ``groups``."""
 
@@ -52,7 +57,8 @@ class TrainModel:
                                                    last=p.decoder_last_pipeline_num_layers, device="meta")
         self.engine = zero.initialize(module, config.to_deepspeed_config(), mpu=mpu,
                                       no_weight_decay=megatron_no_weight_decay, device=device,
-                                      param_names=global_name_fn(self.chunks))
+                                      param_names=global_name_fn(self.chunks),
+                                      forward_key=_chunk_index if len(self.chunks) > 1 else None)
         self.stage = PipelineStage(self.engine, self.chunks, groups, micro_batch_size=config.schedule.micro_batch_size,
                                    seq_length=config.model.seq_length, loss_fn=_loss)
 

@@ -29,7 +29,7 @@ from ..model import num_parameters
 from .arguments import check_vocab, pipeline_plan_line
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .failures import agree
+from .failures import Failure, agree, attempt, conclude
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
@@ -119,20 +119,34 @@ def _train_step(run: TrainModel, batches: list[dict], eod: Optional[int],
     return run.train_step(batches, eod, lap)
 
 
+def _take(it: Iterator, n: int, partial: bool = False) -> Optional[list[dict]]:
+    """``n`` loader batches; when the loader runs out (on every rank alike): what was read
+    (``partial``) or None."""
+    out = []
+    for _ in range(n):
+        b = next(it, None)
+        if b is None:
+            return out if partial and out else None
+        out.append(b)
+    return out
+
+
 def _read(it: Iterator, n: int, phase: str, partial: bool = False) -> Optional[list[dict]]:
     """``n`` loader batches, agreed: a bad sample (a token outside the vocabulary) raises on the
-    ranks that read it only, and must stop every rank. When the loader runs out: what was read
-    (``partial``) or None."""
-    def read():
-        out = []
-        for _ in range(n):
-            b = next(it, None)
-            if b is None:
-                return out if partial and out else None
-            out.append(b)
-        return out
+    ranks that read it only, and must stop every rank."""
+    return agree(phase, lambda: _take(it, n, partial), user_errors=(ValueError,))
 
-    return agree(phase, read, user_errors=(ValueError,))
+
+def _read_train(it: Iterator, n: int, run: TrainModel, config: TrainConfig) -> tuple[list[dict], Optional[Failure]]:
+    """A training iteration's batches, without an agreement of their own: a rank whose read
+    fails flags it into the step's all-reduce and steps on zeros (no rank updates), and the
+    loop then concludes on every rank (see ``failures.py``)."""
+    batches, failure = attempt(lambda: _take(it, n), user_errors=(ValueError,))
+    if failure is not None:
+        run.engine.flag_failure()
+        shape = (config.schedule.micro_batch_size, config.model.seq_length + 1)
+        return [{"text": torch.zeros(shape, dtype=torch.int64)} for _ in range(n)], failure
+    return batches, None
 
 
 @torch.no_grad()
@@ -344,11 +358,13 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
                         f"--train-tokens {s.train_tokens:,} reached")
                 break
             batch_size = s.global_batch_size_at(consumed)
-            batches = _read(train_it, batch_size // per_micro, "training data read")
+            batches, failure = _read_train(train_it, batch_size // per_micro, run, config)
             if batches is None:
                 raise RuntimeError(f"the training data ran out at iteration {iteration + 1} ({consumed} samples)")
             clock = PhaseClock(timers, device)
             loss, updated = _train_step(run, batches, eod, clock.lap if timers is not None else None)
+            if engine.failed_ranks:  # every rank knows from the step's all-reduce: they conclude together
+                conclude("training data read", failure)
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from typing import Callable, Hashable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ def initialize(
     device: Optional[torch.device] = None,
     unit_modules: Optional[list[torch.nn.Module]] = None,
     param_names: Optional[Callable[[str], str]] = None,
+    forward_key: Optional[Callable[[tuple, dict], Hashable]] = None,
 ) -> ZeroEngine:
     """Wrap ``model`` in a :class:`ZeroEngine` configured by a DeepSpeed-schema dict or JSON path.
 
@@ -41,7 +42,10 @@ def initialize(
     decay (Megatron excludes biases and norms). ``param_names`` maps a parameter's name
     in ``model`` to the name it is known by in the whole model (a pipeline stage's
     ``layers.0`` is the model's ``layers.8``): initial values are keyed by it and
-    checkpoints list it, so every layout starts from the same weights.
+    checkpoints list it, so every layout starts from the same weights. ``forward_key(args,
+    kwargs)`` tells apart model calls that use different parameters on every rank alike (a
+    pipeline stage's chunk index), so ZeRO-2/3 can stop agreeing on each forward
+    (``megazero/zero/agreement.py``).
     """
     cfg = load_config(config)
     tp_group = mp_group = None
@@ -54,4 +58,4 @@ def initialize(
         dp_group = dist.group.WORLD if dist.is_initialized() else None
     return ZeroEngine(model, cfg, dp_group=dp_group, tp_group=tp_group, mp_group=mp_group,
                       no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules,
-                      param_names=param_names)
+                      param_names=param_names, forward_key=forward_key)

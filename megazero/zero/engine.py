@@ -39,14 +39,14 @@ weight decay still shrinks it, where ``torch.optim.AdamW`` would skip it.
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
+from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max
 from .comm import CommCounter
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, fill_range
@@ -82,6 +82,7 @@ class ZeroEngine(torch.nn.Module):
         device: Optional[torch.device] = None,
         unit_modules: Optional[list[torch.nn.Module]] = None,
         param_names: Optional[Callable[[str], str]] = None,
+        forward_key: Optional[Callable[[tuple, dict], Hashable]] = None,
     ) -> None:
         super().__init__()
         self.module = model
@@ -142,8 +143,11 @@ class ZeroEngine(torch.nn.Module):
                 bucket_numel=zc.reduce_bucket_size, max_in_flight=zc.max_reduce_in_flight, predivide=self._predivide)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
                        for g in self.trainable_groups for s in g.slots]
-        self._forwards: collections.deque = collections.deque()  # per forward awaiting its backward
-        self._used: set[int] = set()
+        # ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync.
+        self.agreement = ForwardAgreement(self.units, all_reduce_max(self.comm), self.device, forward_key) \
+            if self.stage >= 2 else None
+        self.failed_ranks = 0  # ranks that flagged a failure into the last step (flag_failure)
+        self._failed_here = False
         unit_by_name = {u.name: u for u in self.units}
         needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}
         unit_of_param = {id(s.param): u for u in self.units for g in u.groups for s in g.slots}
@@ -154,7 +158,8 @@ class ZeroEngine(torch.nn.Module):
                 model, self.units, needs, plan.hooked, unit_of_param,
                 all_gather=lambda out, shard: self.comm.all_gather(out, shard, "dp", async_op=True),
                 in_backward=lambda: self._in_backward,
-                on_forward_begin=self._forward_begin, on_forward_end=self._forward_end, mark_used=self._mark_used,
+                on_forward_begin=self.agreement.begin, on_forward_end=self.agreement.end,
+                mark_used=self.agreement.mark_used,
                 prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
                 hold=self.hold)
         elif self.stage == 2:
@@ -201,16 +206,16 @@ class ZeroEngine(torch.nn.Module):
         """ZeRO-2: note which units each forward used (for the DP-agreed reduction order)."""
         def pre(module, args, kwargs):
             for u in units_for_call(needs, unit_of_param, module, args, kwargs):
-                self._mark_used(u)
+                self.agreement.mark_used(u)
 
         def model_pre(module, args, kwargs):
             if not self._in_backward:
-                self._forward_begin()
+                self.agreement.begin(args, kwargs)
             pre(module, args, kwargs)
 
         def model_post(module, args, out):
             if not self._in_backward:
-                self._forward_end(torch.zeros(0), out)
+                self.agreement.end(None, out)
 
         for m in hooked:
             if m is not model:
@@ -255,59 +260,6 @@ class ZeroEngine(torch.nn.Module):
 
         return hook
 
-    def _mark_used(self, unit: Unit) -> None:
-        self._used.add(id(unit))
-
-    def _forward_begin(self) -> None:
-        # Small persistent parameters sit in every layer: no module hook speaks for them.
-        self._used = {id(u) for u in self.units if u.name == "persistent"}
-
-    def _forward_end(self, trace_flags: torch.Tensor, out=None) -> None:
-        """Start the DP agreement on what this forward used (ZeRO-2/3; one tiny all-reduce)."""
-        if not torch.is_grad_enabled() or self.stage < 2:
-            return
-        used = torch.tensor([1 if id(u) in self._used else 0 for u in self.units], dtype=torch.uint8)
-        flags = torch.cat([used, (trace_flags > 0).to(torch.uint8)]).to(self.device)
-        work = self.comm.all_reduce(flags, "dp", op=dist.ReduceOp.MAX, async_op=True)
-        trace = self.window.trace if self.window is not None else None
-        outputs = {id(t.grad_fn) for t in _tensors(out) if t.grad_fn is not None}
-        self._forwards.append((work, flags, set(self._used), trace, outputs))
-
-    def _record_for(self, loss: torch.Tensor):
-        """The forward a backward belongs to. Pipelines keep several forwards in flight and the
-        interleaved schedule runs their backwards out of order: find the forward whose output
-        ``loss`` was computed from (a few autograd nodes up), else take the oldest."""
-        if len(self._forwards) > 1 and loss.grad_fn is not None:
-            owner = {gid: i for i, rec in enumerate(self._forwards) for gid in rec[4]}
-            frontier, seen = [loss.grad_fn], set()
-            while frontier and len(seen) < 256:
-                fn = frontier.pop(0)
-                if fn is None or id(fn) in seen:
-                    continue
-                seen.add(id(fn))
-                if id(fn) in owner:
-                    rec = self._forwards[owner[id(fn)]]
-                    del self._forwards[owner[id(fn)]]
-                    return rec
-                frontier.extend(f for f, _ in fn.next_functions)
-        return self._forwards.popleft()
-
-    def _agree(self, loss: torch.Tensor) -> None:
-        if not self._forwards:
-            raise RuntimeError("ZeroEngine.backward() without a forward through the engine: run "
-                               "engine(batch) (or the wrapped model) with gradients enabled first")
-        work, flags, local_used, trace, _ = self._record_for(loss)
-        if work is not None:
-            work.wait()
-        flags = flags.cpu()
-        n = len(self.units)
-        if self.reducer is not None:
-            self.reducer.local_used = local_used
-            self.reducer.global_used = {id(u) for u, f in zip(self.units, flags[:n].tolist()) if f}
-        if self.window is not None:
-            self.window.trace = trace
-            self.window.set_agreed(flags[n:])
-
     # ------------------------------------------------------------------ training API
 
     def forward(self, *args, **kwargs):
@@ -320,8 +272,12 @@ class ZeroEngine(torch.nn.Module):
         stage's output and the gradient arriving from the next stage is used as is:
         it already carries the scaling.
         """
-        if self.stage >= 2:
-            self._agree(loss)
+        if self.agreement is not None:
+            rec = self.agreement.for_backward(loss)
+            if self.reducer is not None:
+                self.reducer.used, self.reducer.used_here = rec.used, rec.used_here
+            if self.window is not None:
+                self.window.begin_backward(rec.trace, rec.saved)
         self._in_backward = True
         try:
             if output_grad is None:
@@ -378,7 +334,8 @@ class ZeroEngine(torch.nn.Module):
         """Count a micro-batch; at the accumulation boundary update the parameters.
 
         Returns True when the parameters were updated (False inside an
-        accumulation window, or when the step was skipped for inf/nan gradients).
+        accumulation window, or when the step was skipped: inf/nan gradients, a rank that
+        flagged a failure (``failed_ranks``), or DP ranks whose forwards differed unnoticed).
         """
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -386,13 +343,21 @@ class ZeroEngine(torch.nn.Module):
             return False
         self._reduce_at_boundary()
         grads = self._local_grads()
-        # One pair of all-reduces gives both the norm and the overflow check: an inf or nan
-        # anywhere makes the global sum of squares non-finite (Megatron and DeepSpeed do the same).
-        sum_sq = self._sum_squares(grads)
+        # One pair of all-reduces gives the norm, the overflow check (an inf or nan anywhere makes
+        # the global sum of squares non-finite, as in Megatron and DeepSpeed), the failure flags
+        # and the forward agreement's check: the step's one host synchronisation.
+        sum_sq, failed, forwards_differed = self._step_sums(grads)
+        self.failed_ranks = failed
         overflow = not math.isfinite(sum_sq)
-        self.last_overflow = overflow
+        self.last_overflow = overflow and not failed
         updated = False
-        if overflow:
+        if failed or forwards_differed:
+            self._global_grad_norm = float("nan")
+            if forwards_differed and self.dp_rank == 0 and self.tp_rank == 0:
+                print("megazero: the data-parallel ranks ran different forwards in this step without agreeing "
+                      "on them (their control flow depends on the data); the update was skipped and the engine "
+                      "agrees on every forward from now on (one host synchronisation per micro-batch)", flush=True)
+        elif overflow:
             self.skipped_steps += 1
             self._global_grad_norm = float("nan")
         else:
@@ -411,7 +376,8 @@ class ZeroEngine(torch.nn.Module):
             self._publish_params()
             updated = True
             self.global_steps += 1
-        self.loss_scaler.update(overflow)
+        if not (failed or forwards_differed):
+            self.loss_scaler.update(overflow)
         self._zero_grads()
         if self.hold:
             self.window.release_all(force=True)  # the step's gathered units end with it
@@ -435,14 +401,36 @@ class ZeroEngine(torch.nn.Module):
     def _local_grads(self) -> dict[FlatGroup, torch.Tensor]:
         return dict(self.grad_full) if self.stage == 0 else dict(self.grad_shard)
 
-    def _sum_squares(self, grads: dict[FlatGroup, torch.Tensor]) -> float:
-        """Squared L2 norm of the whole model's gradient (still scaled), summed over DP and TP.
+    def flag_failure(self) -> None:
+        """This rank failed outside the step (a bad sample read): the next step's all-reduce carries
+        the flag, no rank updates its parameters, and every rank sees ``failed_ranks > 0`` — so
+        the ranks can stop together without a collective of their own per iteration."""
+        self._failed_here = True
 
-        Each element of the model is counted exactly once: DP partitions are
-        disjoint, TP shards are disjoint, and TP-replicated parameters (norms,
+    def _step_sums(self, grads: dict[FlatGroup, torch.Tensor]) -> tuple[float, int, bool]:
+        """``(squared norm, ranks that flagged a failure, forwards differed unnoticed)``: one
+        all-reduce over DP, one over the model-parallel group, one read to the host."""
+        extra = self.agreement.step_values() if self.agreement is not None else [0.0] * STEP_VALUES
+        values = torch.zeros(2 + STEP_VALUES, dtype=torch.float64, device=self.device)
+        values[0] = self._sum_squares(grads)
+        for i, v in enumerate([1.0 if self._failed_here else 0.0] + extra):
+            if v:
+                values[1 + i].fill_(v)  # a kernel with a scalar argument: no host-to-device copy
+        self._failed_here = False
+        self.comm.all_reduce(values, "dp")
+        self.comm.all_reduce(values, "mp")
+        sum_sq, failed, unsettled = values.tolist()
+        differs = self.agreement.settle(unsettled) if self.agreement is not None else False
+        return sum_sq, int(failed), differs
+
+    def _sum_squares(self, grads: dict[FlatGroup, torch.Tensor]) -> torch.Tensor:
+        """Squared L2 norm of this rank's part of the model's gradient (still scaled), on the device.
+
+        Summed over DP and TP (``_step_sums``), each element of the model is counted exactly once:
+        DP partitions are disjoint, TP shards are disjoint, and TP-replicated parameters (norms,
         row-parallel biases) are counted on TP rank 0 only.
         """
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for g, t in grads.items():
             ranges = g.norm_ranges(count_replicated=self.tp_rank == 0, count_any=self.stage > 0 or self.dp_rank == 0)
             counted = sum(hi - lo for lo, hi in ranges)
@@ -452,9 +440,7 @@ class ZeroEngine(torch.nn.Module):
                 # Elements another rank counts are still checked here: 0 * (an inf or a nan) is nan.
                 # On the device, in the same sum: no host synchronisation per group.
                 total += t.sum(dtype=torch.float64) * 0.0
-        self.comm.all_reduce(total, "dp")
-        self.comm.all_reduce(total, "mp")
-        return float(total.item())
+        return total
 
     @torch.no_grad()
     def publish_params(self) -> None:
@@ -583,17 +569,6 @@ class ZeroEngine(torch.nn.Module):
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
         return out
-
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)
 
 
 def _default_device() -> torch.device:

@@ -15,7 +15,8 @@ reverse of their static order (``units.py``), which is the order backward
 completes them in a sequential model; a unit is sent when it is complete, or,
 if this rank did not use it in this forward while another rank did, as zeros
 in its turn (the ranks agree on the used set with one small all-reduce per
-micro-batch, see ``engine.py``). Units no rank used are skipped by all.
+forward while the engine agrees, none once the ranks' forwards proved static:
+see ``agreement.py``). Units no rank used are skipped by all.
 
 On CUDA the reduce-scatters are asynchronous NCCL calls, so the next unit's
 backward overlaps them; the structure (issue, then wait only when the window
@@ -56,8 +57,9 @@ class GradReducer:
         self.reduce_dtype, self.device = reduce_dtype, device
         self.bucket_numel, self.max_in_flight = max(1, bucket_numel), max(1, max_in_flight)
         self.predivide = predivide  # DeepSpeed's gradient_predivide_factor (undone by the optimizer step)
-        self.local_used: set[int] = set()
-        self.global_used: Optional[set[int]] = None
+        # The current backward's units: used on some DP rank (agreed), and on this one.
+        self.used: Optional[set[int]] = None
+        self.used_here: set[int] = set()
         self._reset()
         self.peak_bucket_bytes = 0  # largest bucket buffers alive at once (full-size gradients)
 
@@ -66,6 +68,7 @@ class GradReducer:
         self.ready: set[int] = set()
         self.bucket: list[Unit] = []
         self.bucket_fill = 0
+        self.dropped: list[Unit] = []
         self.in_flight: list[tuple[object, torch.Tensor, torch.Tensor, list[FlatGroup]]] = []
         for u in self.order:
             u.grads_seen = 0
@@ -80,13 +83,13 @@ class GradReducer:
 
     def advance(self, final: bool) -> None:
         """Send, in the agreed order, every unit whose turn has come and whose gradients are known."""
-        if self.global_used is None:
+        if self.used is None:
             return
         while self.pointer < len(self.order):
             u = self.order[self.pointer]
-            if id(u) not in self.global_used:
+            if id(u) not in self.used:
                 self._drop(u)
-            elif final or id(u) in self.ready or id(u) not in self.local_used:
+            elif final or id(u) in self.ready or id(u) not in self.used_here:
                 self._add(u)
             else:
                 break
@@ -95,16 +98,21 @@ class GradReducer:
     def finish(self) -> None:
         """End of a backward: send what is left (missing gradients as zeros) and wait for everything."""
         self.advance(final=True)
+        for u in self.dropped:  # gradients that arrived after their unit was dropped (an uncovered forward)
+            self._clear(u)
         self._flush()
         while self.in_flight:
             self._complete_oldest()
         self._reset()
-        self.local_used = set()
-        self.global_used = None
+        self.used, self.used_here = None, set()
 
     # ---- buckets ------------------------------------------------------------------------
 
     def _drop(self, unit: Unit) -> None:
+        self.dropped.append(unit)
+        self._clear(unit)
+
+    def _clear(self, unit: Unit) -> None:
         for g in unit.trainable_groups:
             for s in g.slots:
                 s.param.grad = None

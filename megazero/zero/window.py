@@ -97,8 +97,8 @@ class GatherWindow:
         *,
         all_gather: Callable[[torch.Tensor, torch.Tensor], object],
         in_backward: Callable[[], bool],
-        on_forward_begin: Callable[[], None],
-        on_forward_end: Callable[[torch.Tensor, object], None],
+        on_forward_begin: Callable[[tuple, dict], None],
+        on_forward_end: Callable[[list, object], None],
         mark_used: Callable[[Unit], None],
         prefetch_numel: int,
         max_live_numel: int,
@@ -224,7 +224,7 @@ class GatherWindow:
             return
         self.release_all()
         self._reset_pass()
-        self.on_forward_begin()
+        self.on_forward_begin(args, kwargs)
         if torch.is_grad_enabled():
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
@@ -251,8 +251,7 @@ class GatherWindow:
         for u in self.units:
             if not self.active.get(id(u)):
                 self.release(u)
-        flags = torch.tensor([1.0 if e.saved else 0.0 for e in self.trace])
-        self.on_forward_end(flags, out)
+        self.on_forward_end(self.trace, out)
 
     def _pre_forward(self, module, args, kwargs):
         units = units_for_call(self.needs, self.unit_of_param, module, args, kwargs)
@@ -381,12 +380,14 @@ class GatherWindow:
 
     # ---- backward -----------------------------------------------------------------------
 
-    def set_agreed(self, flags: torch.Tensor) -> None:
-        """The DP-wide "saved something" flags of the trace: fixes the backward gather order."""
+    def begin_backward(self, trace: list, saved: list[bool]) -> None:
+        """The backward of the forward that recorded ``trace``, with the agreed "saved something"
+        flag of each entry (``agreement.py``): fixes the order of the backward's gathers."""
+        self.trace = trace
         seen: set[int] = set()
         seq = []
-        for entry, flag in zip(reversed(self.trace), reversed(flags.tolist())):
-            if flag > 0 and id(entry.unit) not in seen:
+        for entry, flag in zip(reversed(trace), reversed(saved)):
+            if flag and id(entry.unit) not in seen:
                 seen.add(id(entry.unit))
                 seq.append(entry.unit)
         self.sequence, self.bcursor = seq, -1

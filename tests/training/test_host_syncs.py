@@ -7,9 +7,11 @@ why it hides. A small driver installs counters on ``torch.Tensor``, runs ``pretr
 iteration that does not log (the data read plus the step). Not counted, since they never touch a
 device: torch's own optimizer reading its CPU step counters, and datasets building host samples.
 
-At ZeRO-0/1, pp 1 and pp 2, a non-logging iteration makes at most two: the gradient norm (clipping
-and the overflow flag need it on the host) and the agreed data read. ZeRO-2/3 still make one per
-micro-batch (the used-unit flags; issue 16).
+Object collectives (``broadcast_object_list`` and the like) are counted too. At every ZeRO stage,
+pp 1 and 2, fp32 and fp16, a non-logging iteration after the first makes one: the step's
+all-reduce read on the host (the norm for clipping, the overflow flag, the data-read failure flags
+and the ZeRO-2/3 forward agreement ride on it). The first iteration of ZeRO-2/3 agrees on each
+forward (``megazero/zero/agreement.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def counted(name):
 for n in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
     counted(n)
 
+import torch.distributed as dist
+for n in ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list"):
+    orig_obj = getattr(dist, n)
+    def obj(*a, _orig=orig_obj, _n=n, **k):
+        if active[0]:
+            counts[f"{_n}@object collective"] += 1
+        return _orig(*a, **k)
+    setattr(dist, n, obj)
+
 per_iteration = []
 
 def during(fn, close):
@@ -59,7 +70,7 @@ def during(fn, close):
                 counts.clear()
     return g
 
-trainer._read = during(trainer._read, close=False)
+trainer._read_train = during(trainer._read_train, close=False)
 trainer._train_step = during(trainer._train_step, close=True)
 sys.argv = [sys.argv[1]] + sys.argv[2:]
 try:
@@ -97,14 +108,18 @@ def _count(tmp_path, world: int, *extra: str) -> list[dict]:
 
 @pytest.mark.parametrize("world,extra", [
     (1, ["--zero-stage", "1"]),
+    (2, ["--zero-stage", "3"]),
     (2, ["--zero-stage", "1", "--pp", "2"]),
-    (2, ["--zero-stage", "0", "--pp", "2"]),
+    (4, ["--zero-stage", "2", "--pp", "2", "--fp16"]),
 ])
-def test_at_most_two_host_syncs_per_iteration(tmp_path, world, extra):
+def test_one_host_sync_per_iteration(tmp_path, world, extra):
     for r in _count(tmp_path, world, *extra):
-        # The last iteration logs (it flushes the losses); the ones before must not wait for the device.
+        # The first iteration agrees on the forwards (ZeRO-2/3); the last logs (it flushes the
+        # losses). The ones between must not wait for the device but once: the step's all-reduce
+        # (norm, fp16 overflow, failure flags, forward agreement), read for clipping. The issue
+        # allows two (Megatron reads the norm and the overflow flag apart).
         steady = r["iterations"][1:-1]
         assert steady, r
         for it in steady:
-            assert sum(it.values()) <= 2, (r["rank"], it)
-            assert all(not k.startswith("__float__@trainer") for k in it), it  # no loss read per micro-batch
+            assert sum(it.values()) <= 1, (r["rank"], it)
+            assert all(k.startswith("tolist@engine.py:_step_sums") for k in it), it
