@@ -6,9 +6,11 @@ real training step from running there as it would on a GPU, and :class:`MetaDevi
 :func:`cuda_attention_on_meta` supply them:
 
 - *Reads of device values* (``.item()``, ``.tolist()``, ``.cpu()``, copying into a host
-  tensor): a meta tensor has no value. They are answered with zeros (a gradient norm reads 0,
-  an agreement flag "no") and reported to ``on_read``: on a GPU each one is a host
-  synchronisation.
+  tensor), reported to ``on_read``: on a GPU each one is a host synchronisation. A meta
+  tensor has no value; small ones whose contents came from the host (flags, counters, filled
+  constants) keep them, and collectives treat every peer as holding the same (what a fake
+  process group stands for): a DP agreement on what this rank used reads back this rank's
+  flags. Everything computed on the device reads as zeros (a gradient norm of 0).
 - *Speed*: most of torch's meta kernels are Python (type promotion and strides of every
   elementwise op, 0.1-1.5 ms each) and a step repeats the same few hundred calls per layer
   and micro-batch. Their output metadata is cached by operator and input metadata, as
@@ -23,6 +25,7 @@ Collectives (``c10d`` operators) are reported to ``on_collective`` as they are i
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -126,9 +129,102 @@ def _storage_sizes(out: Any) -> list[int]:
     return []
 
 
+VALUE_LIMIT_BYTES = 1 << 16  # meta storages up to this size keep values that came from the host
+_aten = torch.ops.aten
+_FACTORIES = {_aten.zeros.default: 0, _aten.zeros_like.default: 0, _aten.new_zeros.default: 0,
+              _aten.ones.default: 1, _aten.ones_like.default: 1, _aten.new_ones.default: 1}
+_FULL = {_aten.full.default: 1, _aten.full_like.default: 1, _aten.new_full.default: 2, _aten.scalar_tensor.default: 0}
+_SUM, _PRODUCT, _BXOR, _PREMUL_SUM = 0, 2, 7, 8  # c10d RedOpType values (AVG 1, MIN 3, MAX 4, BAND 5, BOR 6)
+
+
+class _HostValues:
+    """Values of small meta storages that came from the host: flags and counters the step moves to
+    the device, reduces over its peers and reads back. Every peer of a fake process group is taken
+    to hold what this rank holds (an all-reduce SUM of n ranks multiplies by n; MAX keeps the value).
+    Anything computed on the device is unknown and reads as zeros."""
+
+    def __init__(self) -> None:
+        self.flat: dict[int, torch.Tensor] = {}  # storage key -> its elements, on the CPU
+
+    def get(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        flat = self.flat.get(t.untyped_storage()._cdata)
+        if flat is None or flat.dtype != t.dtype:
+            return None
+        return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def region(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A writable CPU view of ``t``'s elements (a zero storage is made for a small one)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        flat = self.flat.get(key)
+        if flat is None or flat.dtype != t.dtype:
+            if storage.nbytes() > VALUE_LIMIT_BYTES:
+                return None
+            if key not in self.flat:
+                weakref.finalize(storage, self.flat.pop, key, None)
+            flat = self.flat[key] = torch.zeros(storage.nbytes() // t.dtype.itemsize, dtype=t.dtype)
+        return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def forget(self, t: torch.Tensor) -> None:
+        self.flat.pop(t.untyped_storage()._cdata, None)
+
+    def write(self, dst: torch.Tensor, src: Any) -> None:
+        """``dst`` (meta) now holds ``src``: a host tensor or number, a meta tensor, or None (unknown)."""
+        region = self.region(dst)
+        if region is None:
+            return
+        if isinstance(src, torch.Tensor) and src.is_meta:
+            src = self.get(src)
+        if src is None:
+            region.zero_()
+        elif isinstance(src, torch.Tensor):
+            region.copy_(src)
+        else:
+            region.fill_(src)
+
+    def after(self, func, args: tuple, kwargs: dict, out: Any, group_size: Callable[[Any], int]) -> None:
+        """Keep the values current after ``func`` ran on meta tensors."""
+        if func in _FACTORIES or func in _FULL:
+            if isinstance(out, torch.Tensor) and out.is_meta:
+                value = _FACTORIES[func] if func in _FACTORIES else (args[_FULL[func]] if len(args) > _FULL[func]
+                                                                      else kwargs.get("fill_value"))
+                self.write(out, value)
+        elif func is _aten._to_copy.default and isinstance(out, torch.Tensor) and out.is_meta and not args[0].is_meta:
+            self.write(out, args[0])
+        elif func is _aten.copy_.default and args[0].is_meta:
+            self.write(args[0], args[1])
+        elif func in (_aten.fill_.Scalar, _aten.zero_.default) and args[0].is_meta:
+            self.write(args[0], args[1] if len(args) > 1 else 0)
+        elif func is torch.ops.c10d.allreduce_.default:
+            op, n = args[2].op(), group_size(args[1])
+            for t in args[0]:
+                known = self.get(t) if t.is_meta else None
+                if known is None:
+                    continue
+                if op == _SUM:
+                    known.mul_(n)
+                elif op == _PRODUCT:
+                    known.pow_(n)
+                elif op == _PREMUL_SUM or (op == _BXOR and n % 2 == 0):
+                    self.write(t, None)
+        elif func is not torch.ops.c10d.broadcast_.default and self.flat and func._schema.is_mutable:
+            for t in _written(func, args, kwargs):  # anything else written on the device: unknown now
+                self.forget(t)
+
+
+def _written(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    yield t
+
+
 class MetaDeviceMode(TorchDispatchMode):
-    """Answers reads of meta values with zeros (calling ``on_read()``), reports every ``c10d``
-    operator to ``on_collective(func, args)`` before it runs, and runs meta kernels through a
+    """Answers reads of meta values (calling ``on_read()``): with the values of small storages that
+    came from the host (:class:`_HostValues`), zeros otherwise; reports every ``c10d`` operator to
+    ``on_collective(func, args)`` before it runs; and runs meta kernels through a
     :class:`MetaKernelCache` (``cache=False``: every kernel runs; the results are the same).
     Enter it before (outside) a mode that must see every operator's outputs, such as
     ``LiveMemoryTracker``: cached outputs are made here, below it."""
@@ -138,6 +234,7 @@ class MetaDeviceMode(TorchDispatchMode):
         super().__init__()
         self.cache = MetaKernelCache() if cache else None
         self.on_read, self.on_collective = on_read, on_collective
+        self.values = _HostValues()
 
     def _read(self, value: Any) -> Any:
         if self.on_read is not None:
@@ -146,21 +243,32 @@ class MetaDeviceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:  # .item(), float(), bool()
+        if func is _aten._local_scalar_dense.default and args[0].is_meta:  # .item(), float(), bool()
+            known = self.values.get(args[0])
+            if known is not None:
+                return self._read(known.item())
             dtype = args[0].dtype
             return self._read(False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0)
-        if func is torch.ops.aten._to_copy.default and args[0].is_meta:  # .cpu(), .tolist()
+        if func is _aten._to_copy.default and args[0].is_meta:  # .cpu(), .tolist()
             device = kwargs.get("device")
             if device is not None and torch.device(device).type != "meta":
-                return self._read(torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=device))
-        if func is torch.ops.aten.copy_.default and args[1].is_meta and not args[0].is_meta:
-            return self._read(args[0].zero_())
+                known = self.values.get(args[0])
+                dtype = kwargs.get("dtype") or args[0].dtype
+                return self._read(known.to(device=device, dtype=dtype, copy=True) if known is not None
+                                  else torch.zeros(args[0].shape, dtype=dtype, device=device))
+        if func is _aten.copy_.default and args[1].is_meta and not args[0].is_meta:
+            known = self.values.get(args[1])
+            return self._read(args[0].copy_(known) if known is not None else args[0].zero_())
         if func.namespace == "c10d":
             if self.on_collective is not None:
                 self.on_collective(func, args)
+            out = func(*args, **kwargs)
         elif self.cache is not None and self.cache.eligible(func):
-            return self.cache.run(func, args, kwargs)
-        return func(*args, **kwargs)
+            out = self.cache.run(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.values.after(func, args, kwargs, out, lambda pg: torch.distributed.ProcessGroup.unbox(pg).size())
+        return out
 
 
 @contextlib.contextmanager
