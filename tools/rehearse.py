@@ -11,7 +11,7 @@ the bytes it sends per group, and the host reads the loop makes. Default ranks: 
 pipeline stage x first and last data-parallel rank, tensor-parallel rank 0.
 What is measured and how: megazero/training/rehearsal.py.
 
-Exit status: 0 fits, 1 a rank's peak exceeds --device-memory-gb, 2 invalid flags.
+Exit status: 0 fits, 1 a rank's peak exceeds --device-memory-gb, 2 invalid flags, 3 the run failed.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -67,8 +68,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{config.schedule.global_batch_size}; ranks {', '.join(map(str, ranks))}", flush=True)
     for n in notes:
         print(f"  > {n}", flush=True)
-    reports = rehearse(config, ranks, log=sys.stdout if args.verbose else None,
-                       on_rank=lambda r: print(format_report(r), flush=True))
+    try:
+        reports = rehearse(config, ranks, log=sys.stdout if args.verbose else None,
+                           on_rank=lambda r: print(format_report(r), flush=True))
+    except Exception:  # noqa: BLE001 - the run itself failed: its traceback, then exit 3
+        traceback.print_exc()
+        return 3
     if args.json:
         write_json(args.json, reports, config, notes)
     limit = args.device_memory_gb * GiB

@@ -326,9 +326,10 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         with contextlib.redirect_stdout(out), phases, device_mode, tracker, cuda_attention_on_meta():
             pretrain(config, device=torch.device("meta"), on_iteration_end=on_iteration_end)
         groups = mpu.get_parallel_groups()
-    except BaseException:
+    except BaseException as e:
         if log is None:  # what the run printed before it failed
             sys.stderr.write(out.getvalue()[-4000:])
+        e.add_note(f"while rehearsing rank {rank} of {p.world_size}")
         raise
     finally:
         mpu.destroy_model_parallel()

@@ -485,6 +485,15 @@ def _fresh_returns(func: Any) -> tuple[bool, ...]:
     return tuple(r.alias_info is None for r in schema.returns) or (True,)
 
 
+@functools.lru_cache(maxsize=None)
+def _views_only(func: Any) -> bool:
+    """``func`` writes nothing and returns only views of its inputs (view, t, slice, ...): its
+    outputs bring no new bytes and cannot resize a storage, so there is nothing to observe."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and bool(schema.returns) and not schema.is_mutable and \
+        all(r.alias_info is not None for r in schema.returns)
+
+
 class _AccountingMode(TorchDispatchMode):
     def __init__(self, acc: _StorageAccounting) -> None:
         super().__init__()
@@ -498,6 +507,8 @@ class _AccountingMode(TorchDispatchMode):
             storage = storage_of(out)
             if storage is not None:
                 observe(storage, True, tuple)
+            return out
+        if _views_only(func):
             return out
         keys: Optional[set] = None
 
