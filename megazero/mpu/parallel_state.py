@@ -124,8 +124,7 @@ class ParallelGroups:
         return self.pp_rank * self.tp_size + self.tp_rank
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
-    """Global ranks arranged as ``[pp, dp, tp]``; every group is a line through it."""
+def _data_parallel_size(world_size: int, tp: int, pp: int) -> int:
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
     if world_size % (tp * pp) != 0:
@@ -133,21 +132,37 @@ def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
             f"pipeline_model_parallel_size ({pp}) = {tp * pp}; choose sizes whose product divides it"
         )
-    dp = world_size // (tp * pp)
+    return world_size // (tp * pp)
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
+    """Global ranks arranged as ``[pp, dp, tp]``; every group is a line through it."""
+    dp = _data_parallel_size(world_size, tp, pp)
     return torch.arange(world_size).view(pp, dp, tp)
 
 
+def rank_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (pure host arithmetic)."""
+    dp = _data_parallel_size(world_size, tp, pp)
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
 def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Every group of each kind, as lists of global ranks (pure; no communication)."""
-    grid = rank_grid(world_size, tp, pp)
-    pp_, dp, tp_ = grid.shape
+    """Every group of each kind, as lists of global ranks (pure host arithmetic; no communication,
+    no tensors, so it runs the same under a fake-tensor mode)."""
+    dp = _data_parallel_size(world_size, tp, pp)
+
+    def r(p: int, d: int, t: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    pipelines = [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
     return {
-        "tp": grid.reshape(-1, tp_).tolist(),
-        "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),
-        "pp": grid.permute(1, 2, 0).reshape(-1, pp_).tolist(),
-        "mp": grid.permute(1, 0, 2).reshape(dp, pp_ * tp_).tolist(),
-        "embedding": [[line[0], line[-1]] if len(line) > 1 else [line[0]] for line in grid.permute(1, 2, 0).reshape(-1, pp_).tolist()],
-        "position_embedding": [[line[0]] for line in grid.permute(1, 2, 0).reshape(-1, pp_).tolist()],
+        "tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": pipelines,
+        "mp": [[r(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "embedding": [[line[0], line[-1]] if len(line) > 1 else [line[0]] for line in pipelines],
+        "position_embedding": [[line[0]] for line in pipelines],
     }
 
 
@@ -195,8 +210,7 @@ def initialize_model_parallel(
     emb_group, emb_ranks = built.get("embedding", (None, ()))
     pos_group, pos_ranks = built.get("position_embedding", (None, ()))
 
-    grid = rank_grid(world, tp, pp)
-    pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    pp_rank, dp_rank, tp_rank = rank_coordinates(rank, world, tp, pp)
     _GROUPS = ParallelGroups(
         tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,

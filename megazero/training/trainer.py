@@ -104,12 +104,12 @@ def _datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
                                            config.seed, num_samples, **common)
 
 
-def _loader(dataset, consumed: int, config: TrainConfig) -> Optional[Iterator]:
+def _loader(dataset, consumed: int, config: TrainConfig, device: torch.device) -> Optional[Iterator]:
     from ..data import build_pretraining_data_loader
 
     loader = build_pretraining_data_loader(dataset, consumed, config.schedule.micro_batch_size,
                                            mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
-                                           num_workers=config.data.num_workers, device=mpu.get_device())
+                                           num_workers=config.data.num_workers, device=device)
     return iter(loader) if loader is not None else None
 
 
@@ -155,7 +155,7 @@ def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] =
     s = config.schedule
     if dataset is None or s.eval_iters == 0:
         return None
-    it = _loader(dataset, 0, config)
+    it = _loader(dataset, 0, config, run.device)
     losses = []
     for _ in range(s.eval_iters):
         batches = _read(it, s.grad_accum_steps, "evaluation data read", partial=True) if it is not None else None
@@ -278,12 +278,19 @@ def _load(config: TrainConfig, run: TrainModel, scheduler: LRScheduler) -> tuple
     return state["iteration"], state["consumed_samples"]
 
 
-def pretrain(config: TrainConfig) -> TrainResult:
-    """Run (or resume) a training job described by ``config``, at any tp x pp x dp; collective over all ranks."""
+def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
+             on_iteration_end: Optional[Callable[[int, TrainModel], None]] = None) -> TrainResult:
+    """Run (or resume) a training job described by ``config``, at any tp x pp x dp; collective over all ranks.
+
+    ``device``: where this rank computes; by default ``mpu.get_device()`` (its CUDA device under
+    NCCL, else the CPU). A rehearsal (``megazero.training.rehearsal``) passes the meta device.
+    ``on_iteration_end(iteration, run)`` is called after each training iteration's step, before
+    its log line, evaluation and checkpoint: where a rehearsal or a benchmark measures.
+    """
     train_start = time.time()
     p = config.parallel
     groups = _set_up_groups(config)
-    device = mpu.get_device()
+    device = torch.device(device) if device is not None else mpu.get_device()
     # One seed for the weights on every rank: they are drawn by pp = 1 name, so any layout gets the same model.
     mpu.model_parallel_manual_seed(config.seed)
     tokenizer = build_tokenizer_agreed(config)
@@ -305,7 +312,7 @@ def pretrain(config: TrainConfig) -> TrainResult:
                                         lambda: _datasets(config, tokenizer.vocab_size if tokenizer else None),
                                         user_errors=(ValueError, OSError))
     s, log = config.schedule, config.logging
-    train_it = _loader(train_ds, consumed, config) if not s.skip_train else None
+    train_it = _loader(train_ds, consumed, config, device) if not s.skip_train else None
     eod = tokenizer.eod if tokenizer is not None else None
 
     writer = MetricsWriter(log.metrics_file, log.tensorboard_dir, rank=dist.get_rank(), options=log)
@@ -365,6 +372,8 @@ def pretrain(config: TrainConfig) -> TrainResult:
                 scheduler.step(LRScheduler.increment(config, batch_size))
             loss_log.add(iteration, loss)
             skipped_at[iteration] = not updated
+            if on_iteration_end is not None:
+                on_iteration_end(iteration, run)
             if engine.last_overflow and config.precision.dtype != "fp16":
                 losses = loss_log.flush()  # every rank takes part; the loss is for the message
                 loss_value = losses.get(iteration, float("nan"))

@@ -1,4 +1,4 @@
-"""Live tensor memory of a region of code: current and peak bytes, on CPU and on CUDA.
+"""Live tensor memory of a region of code: current and peak bytes, on CPU, meta and CUDA.
 
 What ZeRO promises is a bound on the memory alive *during* a step, so that is what
 this measures: the bytes of every live tensor storage, including those that only
@@ -10,7 +10,9 @@ CUDA: the caching allocator already counts this; the tracker reads
 ``memory_allocated`` / ``max_memory_allocated`` (after ``reset_peak_memory_stats`` at
 entry). No overhead; every tensor on the device counts.
 
-CPU: the allocator keeps no statistics, so the tracker accounts storages itself:
+CPU and meta: no allocator statistics, so the tracker accounts storages itself (a meta
+storage has no memory but knows its size: a rehearsal of a large run on the meta device,
+``megazero.training.rehearsal``, measures what the run would hold):
 
 - a ``TorchDispatchMode`` sees every ATen operator run on this thread (forward,
   backward, collectives) and registers the storages of its outputs: a return the
@@ -24,7 +26,11 @@ CPU: the allocator keeps no statistics, so the tracker accounts storages itself:
 - at entry, the tensors Python can reach (``gc``: parameters, gradients, optimizer
   states, ...) form the baseline.
 
-Exactness (CPU): figures change at operator boundaries. Not counted: temporaries an
+Kinds (CPU and meta, optional): with ``kind_of``, every storage carries a label (given when
+it is allocated or resized, reset by ``reset_peak(relabel=...)``), and ``peak_by_kind`` splits
+the peak by label: what existed before a step versus what the step made, say.
+
+Exactness (CPU, meta): figures change at operator boundaries. Not counted: temporaries an
 operator allocates inside its kernel (also when they outlive it, as gloo's
 reduce-scatter buffer does until ``wait()``), storages created without an ATen
 operator (``torch.from_numpy``, unpickling), and storages that only C++ held at entry
@@ -50,7 +56,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,6 +64,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["LiveMemoryTracker", "MemoryMark", "active_tracker", "peak_memory_source", "step_peak_memory"]
 
 DeviceLike = Union[str, torch.device, int, None]
+# Device types whose storages the tracker accounts itself (CUDA is read from its allocator).
+ACCOUNTED_DEVICE_TYPES = ("cpu", "meta")
+# The label of storages found at entry (``scan_existing``) when kinds are tracked.
+BASELINE_KIND = "baseline"
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class MemoryMark:
 
 
 class LiveMemoryTracker:
-    """Context manager measuring live tensor bytes on ``device`` (``'cpu'`` or a CUDA device).
+    """Context manager measuring live tensor bytes on ``device`` (``'cpu'``, ``'meta'`` or a CUDA device).
 
     Figures (all in bytes; the ``*_bytes`` without ``absolute`` are relative to entry):
 
@@ -84,22 +94,34 @@ class LiveMemoryTracker:
 
     ``scan_existing=False`` (CPU) skips the ``gc`` walk at entry (tens of ms on a large
     Python heap): only what the region allocates is counted (and older storages it resizes).
-    CPU trackers nest and count independently. CUDA trackers share the device's peak
+    CPU (and meta) trackers nest and count independently. CUDA trackers share the device's peak
     statistics: entering one, ``reset_peak()`` or ``step_peak_memory()`` restarts them for all.
+
+    ``kind_of(event)`` (CPU and meta): the label of a storage allocated (``event='alloc'``) or
+    resized in place (``'resize'``) now; then ``live_by_kind`` / ``peak_by_kind`` split the
+    absolute figures by label (storages found at entry are ``'baseline'``). ``where()`` (CPU
+    and meta): called whenever the peak rises; ``peak_where`` is what it said last (e.g. the
+    source line running then).
     """
 
-    def __init__(self, device: DeviceLike = "cpu", *, scan_existing: bool = True) -> None:
+    def __init__(self, device: DeviceLike = "cpu", *, scan_existing: bool = True,
+                 kind_of: Optional[Callable[[str], str]] = None, where: Optional[Callable[[], Any]] = None) -> None:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"LiveMemoryTracker measures 'cpu' or 'cuda' devices, got {self.device}")
+        if self.device.type not in ACCOUNTED_DEVICE_TYPES + ("cuda",):
+            raise ValueError(f"LiveMemoryTracker measures 'cpu', 'meta' or 'cuda' devices, got {self.device}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"LiveMemoryTracker({self.device}): CUDA is not available in this process")
+        if (kind_of is not None or where is not None) and self.device.type == "cuda":
+            raise ValueError("LiveMemoryTracker(kind_of=, where=) need storage accounting: 'cpu' or 'meta'")
         self.scan_existing = scan_existing
+        self.kind_of, self.where = kind_of, where
         self.marks: dict[str, MemoryMark] = {}
         self._acc: Optional[_StorageAccounting] = None
         self._mode: Optional[_AccountingMode] = None
         self._active = False
         self._frozen: Optional[tuple[int, int, int]] = None  # (baseline, live, peak) at exit
+        self._frozen_kinds: Optional[tuple[dict[str, int], dict[str, int]]] = None  # (live, peak) by kind at exit
+        self._frozen_where: Any = None
         self._cuda_baseline = 0
 
     # ---- context ---------------------------------------------------------------------------
@@ -108,12 +130,12 @@ class LiveMemoryTracker:
         if self._active:
             raise RuntimeError("LiveMemoryTracker is not reentrant; create one tracker per region")
         self.marks.clear()
-        self._frozen = None
+        self._frozen = self._frozen_kinds = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_baseline = torch.cuda.memory_allocated(self.device)
         else:
-            self._acc = _StorageAccounting()
+            self._acc = _StorageAccounting(self.device.type, self.kind_of, self.where)
             if self.scan_existing:
                 self._acc.scan_reachable()
             self._mode = _AccountingMode(self._acc)
@@ -128,6 +150,7 @@ class LiveMemoryTracker:
         self._active = False
         _ACTIVE.remove(self)
         if self._acc is not None:
+            self._frozen_kinds, self._frozen_where = self._acc.kinds(), self._acc.peak_where
             _resize_hook.remove(self._acc)
             self._mode.__exit__(*exc)
             self._acc.close()
@@ -197,14 +220,34 @@ class LiveMemoryTracker:
                 break
         return last
 
-    def reset_peak(self) -> None:
-        """Start a new peak window at the current live bytes (e.g. per step or log interval)."""
+    def reset_peak(self, *, relabel: Optional[str] = None) -> None:
+        """Start a new peak window at the current live bytes (e.g. per step or log interval);
+        ``relabel`` (with ``kind_of``) gives every live storage that label first."""
         if not self._active:
             raise RuntimeError("LiveMemoryTracker.reset_peak() needs an active tracker")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self._acc.reset_peak()
+            self._acc.reset_peak(relabel)
+
+    @property
+    def live_by_kind(self) -> dict[str, int]:
+        """Live bytes now (absolute) by ``kind_of`` label; empty without ``kind_of``."""
+        if self._acc is None:
+            return dict(self._frozen_kinds[0]) if self._frozen_kinds else {}
+        return self._acc.kinds()[0]
+
+    @property
+    def peak_where(self) -> Any:
+        """What ``where()`` returned when the peak was last raised (None before, or without ``where``)."""
+        return self._acc.peak_where if self._acc is not None else self._frozen_where
+
+    @property
+    def peak_by_kind(self) -> dict[str, int]:
+        """The absolute peak by ``kind_of`` label, as it stood when the peak was reached."""
+        if self._acc is None:
+            return dict(self._frozen_kinds[1]) if self._frozen_kinds else {}
+        return self._acc.kinds()[1]
 
     def __repr__(self) -> str:
         state = "active" if self._active else ("done" if self._frozen else "not started")
@@ -235,7 +278,12 @@ def peak_memory_source(device: DeviceLike = None) -> str:
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
     if dev.type == "cuda" and torch.cuda.is_available():
         return "cuda_peak_allocated"
-    return "tracked_peak_live" if active_tracker("cpu") is not None else "rss"
+    return "tracked_peak_live" if active_tracker(_accounted_type(dev)) is not None else "rss"
+
+
+def _accounted_type(dev: torch.device) -> str:
+    """The device type whose tracker measures ``dev``: meta for meta, else the CPU."""
+    return dev.type if dev.type in ACCOUNTED_DEVICE_TYPES else "cpu"
 
 
 def step_peak_memory(device: DeviceLike = None, *, reset: bool = True) -> tuple[int, str]:
@@ -243,8 +291,8 @@ def step_peak_memory(device: DeviceLike = None, *, reset: bool = True) -> tuple[
 
     - CUDA device: ``max_memory_allocated`` (source ``'cuda_peak_allocated'``), and the
       peak statistics are reset so the next call covers the next interval;
-    - otherwise, inside an active CPU ``LiveMemoryTracker``: its absolute peak of live
-      tensor bytes (``'tracked_peak_live'``), and its peak window restarts;
+    - otherwise, inside an active CPU (for a meta ``device``: meta) ``LiveMemoryTracker``: its
+      absolute peak of live tensor bytes (``'tracked_peak_live'``), and its peak window restarts;
     - otherwise: the process's resident set size (``'rss'``, current not peak: CPU
       allocators keep no peak), from ``/proc/self/status`` or ``getrusage`` (peak RSS).
     """
@@ -256,7 +304,8 @@ def step_peak_memory(device: DeviceLike = None, *, reset: bool = True) -> tuple[
             torch.cuda.reset_peak_memory_stats(dev)
         return peak, source
     if source == "tracked_peak_live":
-        tracker = active_tracker("cpu")
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
+        tracker = active_tracker(_accounted_type(dev))
         peak = tracker.absolute_peak_bytes
         if reset:
             tracker.reset_peak()
@@ -277,11 +326,11 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
-# ---- CPU accounting ----------------------------------------------------------------------------
+# ---- CPU (and meta) accounting ---------------------------------------------------------------
 
 
 class _StorageAccounting:
-    """Bytes of the CPU storages known to us, kept current by weak-reference callbacks.
+    """Bytes of the storages of one device type known to us, kept current by weak-reference callbacks.
 
     Known storages: those reachable from Python at entry (the baseline), those an
     operator returned as a new allocation since, and any resized in place. A storage
@@ -291,14 +340,28 @@ class _StorageAccounting:
     counting its free without its allocation would drift below the truth.
 
     Keyed by the storage's C++ address (``_cdata``): a storage's callback runs when it
-    dies, before that address can be reused.
+    dies, before that address can be reused. With ``kind_of``, each entry also carries a
+    label and the live bytes are kept per label, with a copy taken at every new peak.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu", kind_of: Optional[Callable[[str], str]] = None,
+                 where: Optional[Callable[[], Any]] = None) -> None:
+        self.device_type, self.kind_of, self.where = device_type, kind_of, where
+        self.peak_where: Any = None
         # RLock: a weak-reference callback can run on this thread while the lock is held.
         self._lock = threading.RLock()
-        self._storages: dict[int, list] = {}  # key -> [weakref, nbytes]
+        self._storages: dict[int, list] = {}  # key -> [weakref, nbytes, kind]
         self._baseline = self._live = self._peak = 0
+        self._by_kind: dict[str, int] = {}
+        self._peak_by_kind: dict[str, int] = {}
+
+    def storage_of(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        if not (t.is_meta if self.device_type == "meta" else t.is_cpu):  # cheaper than t.device.type
+            return None
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse tensors, wrapper subclasses: no storage
+            return None
 
     def scan_reachable(self) -> None:
         for obj in gc.get_objects():
@@ -311,21 +374,37 @@ class _StorageAccounting:
                         self._scan(grad)
 
     def _scan(self, t: torch.Tensor) -> None:
-        storage = _cpu_storage(t)
+        storage = self.storage_of(t)
         if storage is not None and storage._cdata not in self._storages:
             self.add(storage, storage.nbytes(), pre_existing=True)
+
+    def _count_kind(self, kind: Optional[str], n: int) -> None:
+        if kind is not None:
+            self._by_kind[kind] = self._by_kind.get(kind, 0) + n
+
+    def _new_peak(self) -> None:
+        if self._live > self._peak:
+            self._peak = self._live
+            if self.kind_of is not None:
+                self._peak_by_kind = dict(self._by_kind)
+            if self.where is not None:
+                self.peak_where = self.where()
 
     def add(self, storage: torch.UntypedStorage, nbytes: int, pre_existing: bool) -> None:
         key = storage._cdata
         ref = weakref.ref(storage, functools.partial(_on_storage_freed, weakref.ref(self), key))
+        kind = None if self.kind_of is None else (BASELINE_KIND if pre_existing else self.kind_of("alloc"))
         with self._lock:
-            self._storages[key] = [ref, nbytes]
+            self._storages[key] = [ref, nbytes, kind]
             self._live += nbytes
+            self._count_kind(kind, nbytes)
             if pre_existing:  # alive since before entry, hence at every moment since: part of every figure
                 self._baseline += nbytes
                 self._peak += nbytes
+                if kind is not None:
+                    self._peak_by_kind[kind] = self._peak_by_kind.get(kind, 0) + nbytes
             else:
-                self._peak = max(self._peak, self._live)
+                self._new_peak()
 
     def observe(self, storage: torch.UntypedStorage, fresh: bool, input_keys) -> None:
         """An operator returned a tensor on ``storage``; ``fresh``: its schema says a new one."""
@@ -350,35 +429,42 @@ class _StorageAccounting:
     def _resized(self, entry: list, n: int) -> None:
         with self._lock:
             self._live += n - entry[1]
+            if self.kind_of is not None:  # the storage now counts under the label of its resize
+                self._count_kind(entry[2], -entry[1])
+                entry[2] = self.kind_of("resize")
+                self._count_kind(entry[2], n)
             entry[1] = n
-            self._peak = max(self._peak, self._live)
+            self._new_peak()
 
     def freed(self, key: int) -> None:
         with self._lock:
             entry = self._storages.pop(key, None)
             if entry is not None:
                 self._live -= entry[1]
+                self._count_kind(entry[2], -entry[1])
 
     def snapshot(self) -> tuple[int, int, int]:
         with self._lock:
             return self._baseline, self._live, self._peak
 
-    def reset_peak(self) -> None:
+    def kinds(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(live, peak)`` bytes by label (labels whose bytes are zero left out)."""
         with self._lock:
+            return ({k: v for k, v in self._by_kind.items() if v}, {k: v for k, v in self._peak_by_kind.items() if v})
+
+    def reset_peak(self, relabel: Optional[str] = None) -> None:
+        with self._lock:
+            if relabel is not None and self.kind_of is not None:
+                for entry in self._storages.values():
+                    entry[2] = relabel
+                self._by_kind = {relabel: self._live}
             self._peak = self._live
+            self._peak_by_kind = dict(self._by_kind)
+            self.peak_where = None
 
     def close(self) -> None:
         with self._lock:
             self._storages.clear()  # drops the weak references, and with them the callbacks
-
-
-def _cpu_storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
-    if not t.is_cpu:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse tensors, wrapper subclasses: no storage
-        return None
 
 
 def _on_storage_freed(acc_ref: "weakref.ref[_StorageAccounting]", key: int, _storage_ref: Any) -> None:
@@ -407,8 +493,9 @@ class _AccountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         observe = self.acc.observe
+        storage_of = self.acc.storage_of
         if func is _LIFT_FRESH:  # torch.tensor(data) built its tensor outside the dispatcher just now
-            storage = _cpu_storage(out)
+            storage = storage_of(out)
             if storage is not None:
                 observe(storage, True, tuple)
             return out
@@ -417,7 +504,7 @@ class _AccountingMode(TorchDispatchMode):
         def input_keys() -> set:  # only needed for a storage we do not know yet: computed lazily
             nonlocal keys
             if keys is None:
-                keys = {st._cdata for st in map(_cpu_storage, _tensors((args, kwargs.values() if kwargs else ())))
+                keys = {st._cdata for st in map(storage_of, _tensors((args, kwargs.values() if kwargs else ())))
                         if st is not None}
             return keys
 
@@ -427,7 +514,7 @@ class _AccountingMode(TorchDispatchMode):
         else:
             pairs = ((fresh[0], t) for t in _tensors((out,)))
         for flag, t in pairs:
-            storage = _cpu_storage(t)
+            storage = storage_of(t)
             if storage is not None:
                 observe(storage, flag, input_keys)
         return out
@@ -444,9 +531,9 @@ def _tensors(values):
 
 
 class _ResizeHook:
-    """Wraps ``torch.UntypedStorage.resize_`` while at least one CPU tracker is active.
+    """Wraps ``torch.UntypedStorage.resize_`` while at least one CPU (or meta) tracker is active.
 
-    ``UntypedStorage.resize_`` on CPU reallocates outside the dispatcher, so the mode
+    ``UntypedStorage.resize_`` on CPU (and meta) reallocates outside the dispatcher, so the mode
     cannot see it; ZeRO-3 and FSDP free and regrow gathered buffers exactly this way.
     """
 
@@ -468,7 +555,7 @@ class _ResizeHook:
 
     def notify(self, storage: torch.UntypedStorage, old_nbytes: int) -> None:
         with self._lock:
-            accs = list(self._accs)
+            accs = [a for a in self._accs if a.device_type == storage.device.type]
         for acc in accs:
             acc.note_resize(storage, old_nbytes)
 
@@ -480,6 +567,6 @@ _untracked_resize_ = torch._C.StorageBase.resize_
 def _tracked_resize_(self: torch.UntypedStorage, size: int):
     old = self.nbytes()
     out = _untracked_resize_(self, size)
-    if self.device.type == "cpu":
+    if self.device.type in ACCOUNTED_DEVICE_TYPES:
         _resize_hook.notify(self, old)
     return out

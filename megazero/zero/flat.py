@@ -25,7 +25,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ParamSlot", "FlatGroup"]
+__all__ = ["ParamSlot", "FlatGroup", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage: the address of its C++ storage object, shared by every
+    view, unchanged by ``resize_`` and unique among live storages. Not ``data_ptr()``: that
+    changes when a released buffer is regrown, and fake or meta storages all have pointer 0."""
+    return t.untyped_storage()._cdata
 
 
 @dataclasses.dataclass
@@ -146,8 +153,9 @@ class FlatGroup:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def data_ptr(self) -> int:
-        return self.full.untyped_storage().data_ptr()
+    def storage_key(self) -> int:
+        """The identity of the full buffer's storage (see :func:`storage_key`)."""
+        return storage_key(self.full)
 
     # ---- views --------------------------------------------------------------------------
 

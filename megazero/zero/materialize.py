@@ -14,6 +14,9 @@ equal those of ``GPTModel(config)`` at tp=1 (at any tp x dp x stage).
 A module whose initialization cannot be captured (another in-place op, e.g.
 ``nn.Linear``'s ``kaiming_uniform_``) is initialized for real, whole, from the
 default generator, and sliced, as before: correct, but O(module) per rank.
+
+On the meta device (``megazero.training.rehearsal``) captured values are not drawn at all:
+the partitions have shapes and no memory.
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ def _initialize_from_meta(module: torch.nn.Module, slot_of: dict, device: torch.
                     spec = specs[pid]
                     g, s = slot_of[id(replaced[pid])]
                     key = naming_key(naming, s.name) if spec.kind == "normal" else None
+                    if g.device.type == "meta":
+                        continue  # a meta partition holds no values: nothing to draw (a rehearsal)
                     if g.resident:  # the group keeps the whole TP shard in compute precision
                         g.load_param_values(s, spec.draw(key, 0, s.numel).view(s.shape))
                     else:

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .flat import storage_key
 from .units import Unit, units_for_call
 
 __all__ = ["GatherWindow"]
@@ -112,7 +113,7 @@ class GatherWindow:
         self.max_live_numel = max_live_numel if max_live_numel is not None else float("inf")
         # hold: units stay gathered until the engine's step releases them (stage3_keep_gathered_in_step)
         self.hold = hold
-        self.by_ptr: dict[int, Unit] = {}
+        self.by_storage: dict[int, Unit] = {}  # storage_key of a gathered group's full buffer -> its unit
         self.live_numel = 0
         self.active: dict[int, int] = {}
         self.after_backward: dict[int, int] = {}
@@ -172,7 +173,7 @@ class GatherWindow:
         for g in unit.groups:
             if not g.resident:
                 g.gathered = True
-                self.by_ptr[g.data_ptr()] = unit
+                self.by_storage[g.storage_key()] = unit
 
     def release(self, unit: Unit, force: bool = False) -> None:
         if unit.resident or not (unit.gathered or unit.pending) or (self.hold and not force):
@@ -182,7 +183,7 @@ class GatherWindow:
         unit.pending = []
         for g in unit.groups:
             if not g.resident:
-                self.by_ptr.pop(g.data_ptr(), None)
+                self.by_storage.pop(g.storage_key(), None)
                 g.release()
         self.live_numel -= unit.numel()
 
@@ -364,9 +365,9 @@ class GatherWindow:
     # ---- saved tensors --------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type == "meta" or not self.by_ptr:
+        if not self.by_storage:
             return t
-        unit = self.by_ptr.get(t.untyped_storage().data_ptr())
+        unit = self.by_storage.get(storage_key(t))
         if unit is None:
             return t
         if not self.in_backward():

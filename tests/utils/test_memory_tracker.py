@@ -130,8 +130,8 @@ def test_misuse_is_reported():
     t = LiveMemoryTracker()
     with pytest.raises(RuntimeError, match="enter the context"):
         t.peak_bytes
-    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
-        LiveMemoryTracker("meta")
+    with pytest.raises(ValueError, match="'cpu', 'meta' or 'cuda'"):
+        LiveMemoryTracker("xpu")
     with t:
         with pytest.raises(RuntimeError, match="not reentrant"):
             t.__enter__()
@@ -213,3 +213,29 @@ def test_without_the_entry_scan_only_the_region_counts():
         new = torch.ones(2, 3, 10) @ torch.ones(10, 7)
         assert t.current_bytes == -300 * F32 + 2 * 3 * 7 * F32
         del new, old_view
+
+
+def test_meta_storages_with_kinds_and_where_the_peak_was():
+    """On the meta device (no memory, storages of the right size) with labels: the peak split by
+    the label each storage was allocated (or resized) under, and ``where()`` of the last rise."""
+    phase = ["forward"]
+    before = torch.empty(100, device="meta")  # made before entry: not scanned
+    with LiveMemoryTracker("meta", scan_existing=False, kind_of=lambda event: "grown" if event == "resize"
+                           else phase[0], where=lambda: phase[0]) as t:
+        a = torch.empty(1000, device="meta")
+        torch.empty(10)  # CPU: another device, not counted
+        phase[0] = "backward"
+        b = a * 2
+        assert t.current_bytes == 2 * 1000 * F32 and t.live_by_kind == {"forward": 4000, "backward": 4000}
+        del a
+        t.reset_peak(relabel="state")
+        assert t.peak_by_kind == {"state": 4000} and t.peak_where is None
+        phase[0] = "step"
+        buf = torch.empty(500, device="meta")
+        buf.untyped_storage().resize_(0)  # released in place (as ZeRO-3 does), then regrown
+        buf.untyped_storage().resize_(3000 * F32)
+        assert t.absolute_peak_bytes == 4000 + 12000 and t.peak_by_kind == {"state": 4000, "grown": 12000}
+        assert t.peak_where == "step"
+        del buf, b
+    assert t.current_bytes == 0 and t.live_by_kind == {} and t.peak_by_kind == {"state": 4000, "grown": 12000}
+    del before

@@ -1,0 +1,401 @@
+"""Rehearse ranks of a large launch in one CPU process: the real training loop, nothing allocated.
+
+``pretrain_gpt.py`` on W GPUs, rank by rank, here: each named rank runs :func:`pretrain`
+itself (the same flags, the same TrainConfig, the same model, ZeRO engine, schedule and
+loop) for two iterations at the real shapes, with
+
+- a fake process group (``torch.testing``'s ``FakeStore``; every collective returns at once),
+  re-created for each rank, with megazero's group registry reset between ranks;
+- the *meta* device as the run's device: tensors have shapes, dtypes and storages of the
+  right size but no memory. (Fake CUDA tensors are what the architecture guide asks a step
+  to run under; a CPU-only torch cannot make them: copying a CPU tensor to a fake CUDA one and
+  autograd on one both need CUDA's device guard. Meta is the same test of "never reads the
+  device": a meta tensor has no values either.)
+
+What is measured, per rank (:class:`RankReport`):
+
+- ``state_bytes``: every live meta storage after iteration 1 (parameters and their compute
+  copies, gradient buffers and partitions, fp32 masters, optimizer state; anything else the
+  run keeps between iterations counts too, which is the point);
+- ``peak_bytes``: the live peak during iteration 2 (``LiveMemoryTracker`` on meta), split by
+  ``peak_by_kind``: ``state`` (storages that existed when the iteration began), ``gathered``
+  (storages regrown in place during it: ZeRO-3's gathered units), ``forward`` (allocated inside
+  a module's forward: activations kept for backward, forward temporaries), ``backward``
+  (allocated while autograd runs backward: gradients, recomputed activations, temporaries),
+  ``other`` (everything else: loss, p2p buffers, gradient reduction, the optimizer step);
+- ``sent_bytes``: bytes this rank sends in iteration 2 per group (``tp``, ``pp``, ``dp``,
+  ``embedding``, and ``mp`` / ``world`` when used), from the ``c10d`` operators actually issued,
+  with ring volumes: an all-reduce of B bytes over n ranks sends 2 B (n-1)/n, an all-gather
+  or reduce-scatter of a full tensor of B bytes (and a broadcast, all-to-all, reduce, gather
+  or scatter of B) sends B (n-1)/n, a send B, a receive nothing;
+- ``host_reads``: where the loop read a device value during iteration 2 (``.item()``,
+  ``.tolist()``, ``.cpu()``), by megazero source line: answered with zeros (a meta tensor has
+  no value), on a GPU each one is a host synchronisation.
+
+How the meta device stands in for a GPU (reads answered, meta kernels cached, flash attention
+chosen as CUDA would): :mod:`megazero.utils.meta_device`. The rest of what differs from a GPU:
+megazero picks its optimizer kernel by device type, and off CUDA that is torch's foreach
+AdamW, whose temporaries (a few fp32 copies of the master partition during the step) a
+GPU's fused kernel does not make; they show in ``peak_by_kind['other']`` when the step is
+the peak. The allocator's fragmentation, the CUDA context and NCCL buffers are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import mpu
+from ..utils.memory_tracker import LiveMemoryTracker
+from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
+from .arguments import parse_args
+from .config import ConfigError, TrainConfig
+from .memory import GiB
+
+__all__ = ["RankReport", "rehearsal_config", "default_ranks", "rehearse_rank", "rehearse", "format_report",
+           "write_json", "REHEARSAL_ITERATIONS"]
+
+REHEARSAL_ITERATIONS = 2  # iteration 1 settles the state (optimizer moments appear at the first step)
+GROUP_NAMES = ("tp", "pp", "dp", "embedding")  # always reported; others only when used
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Frames of the measuring machinery, skipped when naming where a host read came from.
+_MEASURING_FILES = tuple(os.path.join(_PACKAGE_DIR, *f) for f in (
+    ("training", "rehearsal.py"), ("utils", "memory_tracker.py"), ("utils", "meta_device.py")))
+
+
+@dataclasses.dataclass
+class RankReport:
+    """What one rehearsed rank holds and sends (bytes; iteration 2 unless said otherwise)."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    state_bytes: int  # live after iteration 1
+    peak_bytes: int  # live peak during iteration 2
+    peak_by_kind: dict[str, int]
+    peak_at: str  # the megazero source line running when the peak was reached
+    sent_bytes: dict[str, int]  # group -> bytes sent
+    sent_by_op: dict[str, int]  # "group/op" -> bytes sent
+    calls_by_op: dict[str, int]  # "group/op" -> collectives issued
+    host_reads: dict[str, int]  # "file.py:line (function)" -> reads
+    engine_state_bytes: int  # the ZeRO engine's own count of its parameters, gradients and optimizer state
+    micro_batches: int  # per iteration
+    seconds: float  # wall time of this rank's rehearsal
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- configuration --------------------------------------------------------------------------
+
+
+def rehearsal_config(argv: Sequence[str], world_size: int) -> tuple[TrainConfig, list[str]]:
+    """``pretrain_gpt.py``'s flags for ``world_size`` ranks, parsed as it parses them (file checks
+    off), then made a rehearsal: two iterations of the full global batch on synthetic tokens, no
+    evaluation, checkpoints, loads, logs to files or early exits. Returns the config and one
+    line per override."""
+    argv = list(argv)
+    if not any(a.split("=")[0] in ("--train-iters", "--train-samples") for a in argv):
+        argv += ["--train-iters", str(REHEARSAL_ITERATIONS)]  # the length of the run is the rehearsal's anyway
+    if not any(a.split("=")[0] in ("--data-path", "--train-data-path", "--mock-data") for a in argv):
+        argv.append("--mock-data")  # no data named: synthetic tokens (the shapes are all that matter)
+    config = parse_args(argv, world_size, check_files=False)
+    notes: list[str] = []
+    s, d, ck, lg, m = config.schedule, config.data, config.checkpoint, config.logging, config.model
+
+    def note(changed: bool, text: str) -> None:
+        if changed:
+            notes.append(text)
+
+    note(s.train_iters != REHEARSAL_ITERATIONS, f"--train-iters {s.train_iters} -> {REHEARSAL_ITERATIONS}")
+    note(s.rampup_batch_size is not None, "--rampup-batch-size dropped: every iteration takes the full global batch")
+    note(bool(s.eval_iters and s.eval_interval), "evaluation off (--eval-iters 0)")
+    note(s.skip_train, "--skip-train dropped")
+    note(bool(s.exit_interval or s.exit_duration_in_mins or s.exit_signal_handler or s.train_tokens),
+         "exit conditions dropped")
+    config.schedule = dataclasses.replace(
+        s, train_iters=REHEARSAL_ITERATIONS, train_samples=REHEARSAL_ITERATIONS * s.global_batch_size,
+        rampup_batch_size=None, eval_iters=0, eval_interval=0, skip_train=False, exit_interval=None,
+        exit_duration_in_mins=None, exit_signal_handler=False, train_tokens=None)
+    if not d.mock_data:
+        if d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss:
+            raise ConfigError("--reset-position-ids / --reset-attention-mask / --eod-mask-loss need an end-of-document "
+                              "token: pass --mock-data with a tokenizer that needs no files (--tokenizer-type "
+                              "NullTokenizer --vocab-size N) to rehearse them")
+        notes.append("data: synthetic tokens (--mock-data) instead of the data path, no tokenizer "
+                     f"(vocabulary {m.vocab_size}); the shapes are the same")
+        config.data = dataclasses.replace(d, mock_data=True, tokenizer_type=None, data_path=[], prefixes=[],
+                                          train_data_path=[], valid_data_path=[], test_data_path=[])
+    note(bool(ck.save or ck.load or ck.pretrained),
+         "no checkpoint saved or loaded (--save/--load/--pretrained dropped)")
+    config.checkpoint = dataclasses.replace(ck, save=None, load=None, save_interval=None, pretrained=None,
+                                            finetune=False)
+    note(bool(lg.tensorboard_dir or lg.metrics_file or lg.wandb_project or lg.csv_dir),
+         "no tensorboard, metrics file, wandb or csv output")
+    # One log line, after iteration 2 has been measured (the log's loss read is not part of a step).
+    config.logging = dataclasses.replace(lg, log_interval=REHEARSAL_ITERATIONS, tensorboard_dir=None, metrics_file=None,
+                                         wandb_project=None, csv_dir=None, track_memory=False)
+    config.generate = dataclasses.replace(config.generate, prompt=None)
+    if m.attention_backend == "flash":
+        notes.append("--use-flash-attn -> sdpa: flash-attn needs CUDA; the rehearsal runs the same kernel's memory")
+        config.model = dataclasses.replace(m, attention_backend="sdpa")
+    return config, notes
+
+
+def default_ranks(config: TrainConfig) -> list[int]:
+    """One rank per distinct role: first and last pipeline stage x first and last DP rank, TP rank 0."""
+    p = config.parallel
+    out: list[int] = []
+    for pp_rank in dict.fromkeys((0, p.pp - 1)):
+        for dp_rank in dict.fromkeys((0, p.dp - 1)):
+            r = pp_rank * p.dp * p.tp + dp_rank * p.tp
+            if r not in out:
+                out.append(r)
+    return out
+
+
+# ---- what iteration 2 sends and reads ---------------------------------------------------------
+
+
+def _ring_factor(n: int) -> float:
+    return (n - 1) / n
+
+
+def _all_reduce_factor(n: int) -> float:
+    return 2 * (n - 1) / n
+
+
+# c10d operator -> (index of the argument whose bytes define the volume, per-rank send factor of n).
+_C10D_VOLUME: dict[str, tuple[int, Callable[[int], float]]] = {
+    "allreduce_": (0, _all_reduce_factor), "allreduce_coalesced_": (0, _all_reduce_factor),
+    "_allgather_base_": (0, _ring_factor), "allgather_": (0, _ring_factor),
+    "allgather_coalesced_": (0, _ring_factor), "allgather_into_tensor_coalesced_": (0, _ring_factor),
+    "_reduce_scatter_base_": (1, _ring_factor), "reduce_scatter_": (1, _ring_factor),
+    "reduce_scatter_tensor_coalesced_": (1, _ring_factor),
+    "broadcast_": (0, _ring_factor), "alltoall_base_": (1, _ring_factor), "alltoall_": (1, _ring_factor),
+    "reduce_": (0, _ring_factor), "gather_": (1, _ring_factor), "scatter_": (1, _ring_factor),
+    "send": (0, lambda n: 1.0),
+}
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def _caller() -> str:
+    """The innermost megazero frame (outside the measuring code) that is running: where a read was made."""
+    f = sys._getframe(1)
+    while f is not None:
+        path = os.path.abspath(f.f_code.co_filename)
+        if path.startswith(_PACKAGE_DIR) and path not in _MEASURING_FILES:
+            return f"{os.path.relpath(path, _PACKAGE_DIR)}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "outside megazero"
+
+
+class _Counters:
+    """What iteration 2 does on the wire and on the host: bytes each collective sends, by
+    megazero group name (:data:`_C10D_VOLUME`), and where device values were read."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.host_reads: dict[str, int] = {}
+        self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+
+    def start(self) -> None:
+        self.host_reads, self.sent, self.calls, self.counting = {}, {}, {}, True
+
+    def on_read(self) -> None:
+        if self.counting:
+            where = _caller()
+            self.host_reads[where] = self.host_reads.get(where, 0) + 1
+
+    def _group_name(self, pg: dist.ProcessGroup) -> str:
+        if not self._names:
+            g = mpu.get_parallel_groups()
+            for name, group in (("tp", g.tp_group), ("pp", g.pp_group), ("dp", g.dp_group),
+                                ("embedding", g.embedding_group), ("mp", g.mp_group),
+                                ("position_embedding", g.position_embedding_group)):
+                if group is not None:
+                    self._names.setdefault(id(group), name)
+            self._names.setdefault(id(dist.group.WORLD), "world")
+        return self._names.get(id(pg), "other")
+
+    def on_collective(self, func, args: tuple) -> None:
+        if not self.counting:
+            return
+        pg = next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
+        if pg is None:
+            return
+        group = dist.ProcessGroup.unbox(pg)
+        op = func._overloadpacket.__name__
+        key = f"{self._group_name(group)}/{op.strip('_')}"
+        self.calls[key] = self.calls.get(key, 0) + 1
+        rule, n = _C10D_VOLUME.get(op), group.size()
+        if rule is not None and n > 1:
+            self.sent[key] = self.sent.get(key, 0.0) + _nbytes(args[rule[0]]) * rule[1](n)
+
+
+class _Phases:
+    """Labels an allocation by what is running: autograd's backward, a module's forward (with or
+    without gradients: recomputed layers run their first forward without), or something else."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.handles: list = []
+
+    def __enter__(self) -> "_Phases":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.handles = [register_module_forward_pre_hook(self._enter),
+                        register_module_forward_hook(self._leave, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _enter(self, module, args) -> None:
+        self.depth += 1
+
+    def _leave(self, module, args, out) -> None:
+        self.depth -= 1
+
+    def kind_of(self, event: str) -> str:
+        if event == "resize":
+            return "gathered"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self.depth > 0 else "other"
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+
+
+def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase] = None,
+                  cache_kernels: bool = True) -> RankReport:
+    """Run ``rank`` of ``config``'s launch through :func:`pretrain` on the meta device and a fake
+    process group (started and destroyed here); its output goes to ``log`` (default: discarded).
+    ``cache_kernels=False`` runs every meta kernel (slower; the figures are the same)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .trainer import pretrain
+
+    p = config.parallel
+    if not 0 <= rank < p.world_size:
+        raise ValueError(f"rank {rank} is outside the world of {p.world_size} ranks")
+    t0 = time.perf_counter()
+    measured: dict[str, Any] = {}
+    counters, phases = _Counters(), _Phases()
+    device_mode = MetaDeviceMode(cache=cache_kernels, on_read=counters.on_read, on_collective=counters.on_collective)
+    cpu_rng = torch.get_rng_state()
+    # Every storage the run makes is a meta one made while this tracker runs: no baseline scan.
+    tracker = LiveMemoryTracker("meta", scan_existing=False, kind_of=phases.kind_of, where=_caller)
+
+    def on_iteration_end(iteration: int, run) -> None:
+        if iteration == 1:
+            measured["state"] = tracker.absolute_current_bytes
+            measured["engine_state"] = run.engine.model_state_bytes()["total"]
+            tracker.reset_peak(relabel="state")
+            counters.start()
+        elif iteration == 2:
+            counters.counting = False
+            measured["peak"], measured["peak_by_kind"] = tracker.absolute_peak_bytes, tracker.peak_by_kind
+            measured["peak_at"] = tracker.peak_where or "before iteration 2 (its state)"
+
+    out = log or io.StringIO()
+    # One fake group serves the host tensors (agreement flags) and the meta ones.
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=p.world_size)
+    try:
+        with contextlib.redirect_stdout(out), phases, device_mode, tracker, cuda_attention_on_meta():
+            pretrain(config, device=torch.device("meta"), on_iteration_end=on_iteration_end)
+        groups = mpu.get_parallel_groups()
+    except BaseException:
+        if log is None:  # what the run printed before it failed
+            sys.stderr.write(out.getvalue()[-4000:])
+        raise
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+        torch.set_rng_state(cpu_rng)
+    if "peak" not in measured:
+        raise RuntimeError(f"rank {rank}: the run stopped before iteration {REHEARSAL_ITERATIONS} ended")
+    sent = {name: 0 for name in GROUP_NAMES}
+    for key, value in counters.sent.items():
+        sent[key.split("/")[0]] = sent.get(key.split("/")[0], 0) + int(value)
+    return RankReport(
+        rank=rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+        state_bytes=measured["state"], peak_bytes=measured["peak"], peak_by_kind=measured["peak_by_kind"],
+        peak_at=measured["peak_at"],
+        sent_bytes=sent, sent_by_op={k: int(v) for k, v in sorted(counters.sent.items())},
+        calls_by_op=dict(sorted(counters.calls.items())), host_reads=counters.host_reads,
+        engine_state_bytes=measured["engine_state"], micro_batches=config.schedule.grad_accum_steps,
+        seconds=round(time.perf_counter() - t0, 2))
+
+
+def rehearse(config: TrainConfig, ranks: Sequence[int], *, log: Optional[io.TextIOBase] = None,
+             on_rank: Optional[Callable[[RankReport], None]] = None) -> list[RankReport]:
+    """:func:`rehearse_rank` for each of ``ranks`` in turn (``on_rank`` sees each report as it comes)."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: a rehearsal starts its own "
+                           "fake process group for every rank")
+    reports = []
+    for r in ranks:
+        reports.append(rehearse_rank(config, r, log=log))
+        if on_rank is not None:
+            on_rank(reports[-1])
+    return reports
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_report(r: RankReport) -> str:
+    """A few readable lines for one rank."""
+    kinds = " + ".join(f"{k} {_size(v)}" for k, v in sorted(r.peak_by_kind.items(), key=lambda kv: -kv[1]))
+    mbs = f"{r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''}"
+    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}): {mbs} per iteration, "
+             f"rehearsed in {r.seconds:.1f} s",
+             f"  state after iteration 1    {_size(r.state_bytes):>11}   (the ZeRO engine's own count: "
+             f"{_size(r.engine_state_bytes)})",
+             f"  peak in iteration 2        {_size(r.peak_bytes):>11}   = {kinds}",
+             f"    reached in {r.peak_at}"]
+    for group, total in r.sent_bytes.items():
+        ops = ", ".join(f"{k.split('/')[1]} {_size(v)} ({r.calls_by_op[k]}x)" for k, v in r.sent_by_op.items()
+                        if k.split("/")[0] == group)
+        per_mb = f" ({_size(total / r.micro_batches)} per micro-batch)" if total and r.micro_batches > 1 else ""
+        lines.append(f"  sent, {group:<20}{_size(total):>11}{per_mb}" + (f": {ops}" if ops else ""))
+    lines.append(f"  host reads in iteration 2  {sum(r.host_reads.values()):>7}"
+                 + "".join(f"\n    {n} x {where}" for where, n in r.host_reads.items()))
+    return "\n".join(lines)
+
+
+def write_json(path: str, reports: Sequence[RankReport], config: TrainConfig, notes: Sequence[str]) -> None:
+    p = config.parallel
+    doc = {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "dp": p.dp, "zero_stage": p.zero_stage,
+           "iterations": REHEARSAL_ITERATIONS, "notes": list(notes), "ranks": [r.to_json() for r in reports]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)

@@ -1,0 +1,149 @@
+"""tools/rehearse.py: ranks of a 16-rank launch of a 1.3B GPT rehearsed in one CPU process (meta
+device, fake process groups), checked against the ZeRO formulas of megazero.training.memory; and a
+tiny rehearsed rank against the same run done for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero.training.memory import estimate_memory_for, model_state_bytes, traffic_bytes_per_step
+from megazero.training.rehearsal import default_ranks, rehearsal_config, rehearse_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 16
+# A 1.3B GPT (24 layers, hidden 2048) at its real shapes: seq 2048, bf16, full recompute.
+MODEL = ["--model-preset", "gpt-1.3b", "--vocab-size", "50257", "--bf16", "--lr", "1e-4",
+         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def _rehearse(tmp_path, name: str, flags: list[str], *tool_flags: str) -> tuple[int, dict, str]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "rehearse.py"), "--world-size", str(WORLD),
+                           "--json", str(out), *tool_flags, "--", *MODEL, *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.exists(), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+def _formula_state(config, pp_rank: int) -> float:
+    """The ZeRO paper's per-rank model state (megazero.training.memory) for this rank's stage."""
+    est = estimate_memory_for(config)
+    p = config.parallel
+    psi = est.pipeline["stages"][pp_rank]["params"] if p.pp > 1 else est.params_per_rank
+    return sum(model_state_bytes(psi, dp=p.dp, zero_stage=p.zero_stage, precision=config.precision.dtype)), psi
+
+
+def _check_rank(r: dict, config) -> float:
+    assert set(r) >= {"rank", "tp_rank", "pp_rank", "dp_rank", "state_bytes", "peak_bytes", "peak_by_kind",
+                      "sent_bytes"}
+    assert set(r["sent_bytes"]) >= {"tp", "pp", "dp", "embedding"}
+    formula, psi = _formula_state(config, r["pp_rank"])
+    assert 0.95 * formula <= r["state_bytes"] <= 1.05 * formula, (r["state_bytes"], formula)
+    assert r["peak_bytes"] >= r["state_bytes"]
+    assert sum(r["peak_by_kind"].values()) == r["peak_bytes"]
+    assert r["peak_by_kind"]["state"] == r["state_bytes"]  # nothing of the state is freed in iteration 2
+    return psi
+
+
+def test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit(tmp_path):
+    # tp 2 x pp 2 x dp 4, two micro-batches per iteration; rank 0 (first stage) and 15 (last stage, tp 1, dp 3).
+    flags = ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    code, doc, out = _rehearse(tmp_path, "z1", flags, "--ranks", "0,15", "--device-memory-gb", "1")
+    assert code == 1 and "exceeds --device-memory-gb 1" in out, out  # every rank holds ~3 GiB
+    config, _ = rehearsal_config(MODEL + flags, WORLD)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 15]
+    assert [(r["tp_rank"], r["pp_rank"], r["dp_rank"]) for r in doc["ranks"]] == [(0, 0, 0), (1, 1, 3)]
+    for r in doc["ranks"]:
+        psi = _check_rank(r, config)
+        traffic = traffic_bytes_per_step(config.model, psi=psi, tp=2, dp=4, zero_stage=1, microbatches=2,
+                                         micro_batch_size=1, seq_length=2048, precision="bf16", layers=12)
+        # ZeRO-1: the bf16 weights are all-gathered after the step (the formula's half), the gradients
+        # reduce-scattered in fp32 (twice the formula's bf16 half): 1.5x traffic_bytes_per_step.
+        assert r["sent_by_op"]["dp/allgather_base"] == pytest.approx(traffic["dp"] / 2, rel=0.03)
+        assert r["sent_by_op"]["dp/reduce_scatter_base"] == pytest.approx(traffic["dp"], rel=0.03)
+        # Two micro-batches of [2048, 1, 2048] bf16 activations (8 MiB) to the next stage or back.
+        assert r["sent_bytes"]["pp"] == 2 * 2048 * 2048 * 2
+        assert r["sent_bytes"]["embedding"] > 0  # the tied word embedding's gradient, first <-> last stage
+        assert r["sent_bytes"]["tp"] > traffic["tp"]  # + the all-reduces of recomputation
+        assert sum(r["host_reads"].values()) == 1, r["host_reads"]  # the gradient norm
+
+
+def test_zero3_two_ranks_against_the_formulas(tmp_path):
+    # tp 2 x dp 8, ZeRO-3, one micro-batch; default ranks: dp 0 and dp 7 at tp 0.
+    flags = ["--tp", "2", "--zero-stage", "3", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    code, doc, out = _rehearse(tmp_path, "z3", flags)
+    assert code == 0, out
+    config, _ = rehearsal_config(MODEL + flags, WORLD)
+    assert [r["rank"] for r in doc["ranks"]] == default_ranks(config) == [0, 14]
+    for r in doc["ranks"]:
+        psi = _check_rank(r, config)
+        traffic = traffic_bytes_per_step(config.model, psi=psi, tp=2, dp=8, zero_stage=3, microbatches=1,
+                                         micro_batch_size=1, seq_length=2048, precision="bf16", layers=24)
+        # Gathered in forward and again in backward (bf16), gradients reduce-scattered in fp32: 4/3 of the
+        # formula's three bf16 volumes (persistent small parameters are never gathered: a little less).
+        dp = r["sent_by_op"]
+        assert dp["dp/allgather_base"] == pytest.approx(traffic["dp"] * 2 / 3, rel=0.05)
+        assert dp["dp/reduce_scatter_base"] == pytest.approx(traffic["dp"] * 2 / 3, rel=0.05)
+        assert r["peak_by_kind"].get("gathered", 0) > 0  # units regrown in place
+        # After the first step the forward agreement is kept: the step's norm is the one read left.
+        assert sum(r["host_reads"].values()) == 1, r["host_reads"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tiny_rank_rehearsed_equals_the_real_run(monkeypatch):
+    """One process, gpt-tiny, ZeRO-1: the state after iteration 1 and the peak of iteration 2 of the
+    rehearsal (meta) equal those of the same run on the CPU measured by LiveMemoryTracker, up to the
+    loader's host batches (the real run's device is the host). The math attention backend on both:
+    the rehearsal's meta device otherwise picks flash attention, as CUDA would, and the CPU does not."""
+    import torch.distributed as dist
+
+    from megazero import mpu
+    from megazero.training.trainer import pretrain
+    from megazero.utils import LiveMemoryTracker
+
+    argv = ["--model-preset", "gpt-tiny", "--zero-stage", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--bf16",
+            "--attention-backend", "unfused"]
+    config, _ = rehearsal_config(argv, 1)
+    rehearsed = rehearse_rank(config, 0)
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    real: dict = {}
+    tracker = LiveMemoryTracker("cpu", scan_existing=False)
+
+    def measure(iteration, run):
+        if iteration == 1:
+            real["state"], real["engine"] = tracker.absolute_current_bytes, run.engine.model_state_bytes()["total"]
+            tracker.reset_peak()
+        else:
+            real["peak"] = tracker.absolute_peak_bytes
+
+    rng = torch.get_rng_state()
+    try:
+        with tracker:
+            pretrain(config, on_iteration_end=measure)
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+        torch.set_rng_state(rng)
+    assert rehearsed.engine_state_bytes == real["engine"]
+    loader_batches = 2 * 2 * 65 * 8  # two micro-batches of [2, seq + 1] int64 tokens, held by the loop on the host
+    assert 0 <= real["state"] - rehearsed.state_bytes <= loader_batches + 64, (real, rehearsed.state_bytes)
+    assert rehearsed.peak_bytes == pytest.approx(real["peak"], rel=0.01)
