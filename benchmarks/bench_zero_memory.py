@@ -1,20 +1,27 @@
 #!/usr/bin/env python
 """What a ZeRO-3 step really holds, seen from outside: RSS of each rank, megazero vs FSDP2.
 
-    python benchmarks/bench_zero_memory.py            # ~3 min on a quiet 2-core machine
+    python benchmarks/bench_zero_memory.py                     # both shapes, ~6 min on a quiet 2-core machine
+    python benchmarks/bench_zero_memory.py --shapes parameter  # one shape
     python benchmarks/bench_zero_memory.py --num-layers 4 --hidden-size 256   # smoke run
 
-A 16-layer GPT of about 55M parameters (hidden 512, vocab 8192, seq 256, 4 sequences per
-rank), fp32, data parallelism 4 (tp 1), one warm-up step and one measured step, each
-configuration in its own ``torchrun --nproc_per_node 4`` (``benchmarks/zero_baselines.py``).
+Two GPTs of 16 layers, hidden 512, fp32, data parallelism 4 (tp 1), one warm-up step and one
+measured step, each configuration in its own ``torchrun --nproc_per_node 4``
+(``benchmarks/zero_baselines.py``):
+
+* ``activation``-dominated: vocab 8192, seq 256, 4 sequences per rank (~55M parameters);
+* ``parameter``-dominated: vocab 4096, seq 64, 1 sequence per rank (~52.6M parameters): the
+  regime of a 13B run with full recompute, where what ZeRO-3 gathers and buckets shows.
+
 ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return freed tensors to the OS, so RSS
 follows live memory and a gathered weight that autograd keeps alive shows up.
 
 Columns (largest rank): step RSS rise = RSS at the step's high-water mark minus RSS just
-before the step (activations, gathered weights, gradients in flight); "x model" = that rise
-over the full fp32 model's bytes (RSS sampled every millisecond by a thread during the measured
-step); peak RSS = the process's ``ru_maxrss`` (start-up included). ZeRO-3 prefetches one layer ahead,
-as FSDP2 does.
+before the step (activations, gathered weights, gradients in flight, the optimizer's
+temporaries); "x model" = that rise over the full fp32 model's bytes (RSS sampled every
+millisecond by a thread during the measured step); peak RSS = the process's ``ru_maxrss``
+(start-up included). megazero runs with its defaults (the next unit prefetched, one unit per
+reduce bucket) and with DeepSpeed's element counts (prefetch 5e7, bucket 5e8) for contrast.
 
 Baseline (same invocation): PyTorch FSDP2, ``fully_shard`` per layer and on the root, which
 frees unsharded storage with ``untyped_storage().resize_(0)``.
@@ -34,9 +41,16 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "zero_baselines.py"
 RUNS = {  # name -> worker flags
     "megazero ZeRO-3": ["--system", "megazero", "--zero-stage", "3"],
+    "megazero ZeRO-3, DeepSpeed sizes": ["--system", "megazero", "--zero-stage", "3",
+                                         "--prefetch-bucket-size", "5e7", "--reduce-bucket-size", "5e8"],
     "megazero ZeRO-1": ["--system", "megazero", "--zero-stage", "1"],
     "FSDP2 (fully_shard per layer)": ["--system", "fsdp2"],
 }
+SHAPES = {  # name -> (vocab, seq, sequences per rank)
+    "activation": (8192, 256, 4),
+    "parameter": (4096, 64, 1),
+}
+FSDP2 = "FSDP2 (fully_shard per layer)"
 
 
 def main(argv=None) -> int:
@@ -44,16 +58,20 @@ def main(argv=None) -> int:
     p.add_argument("--num-layers", type=int, default=16)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="NAME")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     a = p.parse_args(argv)
+    for name in a.shapes:
+        _shape(a, name, *SHAPES[name])
+    return 0
+
+
+def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
     shape = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-heads", "8",
-             "--seq-length", "256", "--vocab-size", "8192", "--micro-batch", "4", "--steps", "1", "--warmup", "1",
-             "--tp", "1", "--dtype", "fp32",
-             # prefetch one layer ahead, as FSDP2 does (DeepSpeed's default 5e7 elements would be the
-             # whole of this small model)
-             "--prefetch-bucket-size", str(12 * a.hidden_size ** 2)]
+             "--seq-length", str(seq), "--vocab-size", str(vocab), "--micro-batch", str(rows_per_rank),
+             "--steps", "1", "--warmup", "1", "--tp", "1", "--dtype", "fp32"]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    h, layers, vocab = a.hidden_size, a.num_layers, 8192
-    params = layers * (12 * h * h + 13 * h) + (vocab + 256) * h + 2 * h
+    h, layers = a.hidden_size, a.num_layers
+    params = layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h
     model_bytes = 4 * params
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,18 +87,19 @@ def main(argv=None) -> int:
             rise = max(r["step_rss_rise_bytes"] for r in ranks)
             peak = max(r["peak_rss_bytes"] for r in ranks)
             rows.append((name, rise, peak, max(r["tokens_per_s"] for r in ranks)))
-    print(f"GPT {layers} layers, hidden {h}: {params / 1e6:.1f}M parameters, fp32 model {model_bytes / 2**20:.0f} MiB; "
+    print(f"\n{label}-dominated: GPT {layers} layers, hidden {h}, vocab {vocab}, seq {seq}, {rows_per_rank} "
+          f"sequence(s) per rank: {params / 1e6:.1f}M parameters, fp32 model {model_bytes / 2**20:.0f} MiB; "
           "dp 4, one rank per process, MALLOC_MMAP_THRESHOLD_=65536")
     print(f"{'configuration':32s} {'step RSS rise (MiB)':>20s} {'x model':>8s} {'peak RSS (MiB)':>15s} {'tokens/s':>9s}")
     for name, rise, peak, tps in rows:
         print(f"{name:32s} {rise / 2**20:20.0f} {rise / model_bytes:8.2f} {peak / 2**20:15.0f} {tps:9.0f}")
     base = {n: (r, pk) for n, r, pk, _ in rows}
-    if "megazero ZeRO-3" in base and "FSDP2 (fully_shard per layer)" in base:
-        (r3, p3), (rf, pf) = base["megazero ZeRO-3"], base["FSDP2 (fully_shard per layer)"]
-        print(f"megazero ZeRO-3 / FSDP2: step rise {r3 / rf:.2f}x, peak RSS {p3 / pf:.2f}x")
+    for name in ("megazero ZeRO-3", "megazero ZeRO-3, DeepSpeed sizes"):
+        if name in base and FSDP2 in base:
+            (r3, p3), (rf, pf) = base[name], base[FSDP2]
+            print(f"{name} / FSDP2: step rise {r3 / rf:.2f}x, peak RSS {p3 / pf:.2f}x")
     if "megazero ZeRO-3" in base and "megazero ZeRO-1" in base:
         print(f"megazero ZeRO-3 / ZeRO-1 peak RSS: {base['megazero ZeRO-3'][1] / base['megazero ZeRO-1'][1]:.2f}x")
-    return 0
 
 
 if __name__ == "__main__":

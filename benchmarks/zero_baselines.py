@@ -60,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (megazero and DeepSpeed)")
     p.add_argument("--prefetch-bucket-size", type=float, default=None,
-                   help="ZeRO-3 stage3_prefetch_bucket_size in elements (default: DeepSpeed's 5e7)")
+                   help="ZeRO-3 stage3_prefetch_bucket_size in elements (default: the engine's, the next unit)")
+    p.add_argument("--reduce-bucket-size", type=float, default=None,
+                   help="ZeRO-2/3 reduce_bucket_size in elements (default: the engine's, one unit per bucket)")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="ZeRO-3 stage3_param_persistence_threshold (megazero and DeepSpeed)")
     p.add_argument("--out", required=True)
@@ -81,7 +83,9 @@ def ds_config(args) -> dict:
                                                   "torch_adam": True}},
         "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": args.persistence_threshold,
                               **({"stage3_prefetch_bucket_size": args.prefetch_bucket_size}
-                                 if args.prefetch_bucket_size is not None else {})},
+                                 if args.prefetch_bucket_size is not None else {}),
+                              **({"reduce_bucket_size": args.reduce_bucket_size}
+                                 if args.reduce_bucket_size is not None else {})},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
     }

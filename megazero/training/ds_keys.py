@@ -59,13 +59,13 @@ DS_KEYS: tuple[DSKey, ...] = (
     _K("zero_optimization.overlap_comm", HONOURED, "ZeRO-2/3: gradient reduce-scatters run asynchronously while "
        "backward goes on (default true)"),
     _K("zero_optimization.reduce_bucket_size", HONOURED, "ZeRO-2/3: gradients of finished units are reduce-scattered "
-       "in buckets of at least this many elements (default 5e6; a larger unit is a bucket of its own)"),
+       "in buckets of at least this many elements (default: each unit a bucket of its own)"),
     _K("zero_optimization.max_reduce_in_flight", HONOURED, "megazero's: gradient buckets being reduced at once before "
-       "the oldest is waited for (default 2)"),
+       "the oldest is waited for (default 1)"),
     _K("zero_optimization.stage3_prefetch_bucket_size", HONOURED, "ZeRO-3: elements all-gathered ahead of the unit in "
-       "use (default 5e7)"),
+       "use (default: the next unit, as FSDP2 prefetches)"),
     _K("zero_optimization.stage3_max_live_parameters", HONOURED, "ZeRO-3: elements gathered at once, the unit in use "
-       "excepted; caps the prefetch (default 1e9)"),
+       "excepted; caps the prefetch (default: no cap beyond the prefetch)"),
     _K("zero_optimization.stage3_param_persistence_threshold", HONOURED, "ZeRO-3: parameters of at most this many "
        "elements stay gathered (default 1e5)"),
     _K("zero_optimization.stage3_keep_gathered_in_step", HONOURED, "megazero's ZeRO-3 x pipeline policy: units stay "

@@ -229,8 +229,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     sequence_parallel: bool = False, flash_attn: bool = False,
                     grad_accum_dtype: Optional[str] = None,
                     global_batch_size: Optional[int] = None, virtual_pp: int = 1,
-                    num_microbatches: Optional[int] = None, reduce_bucket_size: float = 5e6,
-                    prefetch_bucket_size: float = 5e7) -> MemoryEstimate:
+                    num_microbatches: Optional[int] = None, reduce_bucket_size: Optional[float] = None,
+                    prefetch_bucket_size: Optional[float] = None) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -241,10 +241,11 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     ``.pipeline``. ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
 
     Transients follow the engine (``megazero.zero``): ZeRO-3 holds the unit in use, the
-    units prefetched within ``prefetch_bucket_size`` elements, and (tied) the embedding
-    for the output layer; ZeRO-2/3 hold, at the step's peak (the start of backward, every
-    activation alive), one unit's full-size autograd gradients and one bucket of
-    ``reduce_bucket_size`` (or a unit, if larger) in the reduction dtype.
+    units prefetched within ``prefetch_bucket_size`` elements (None, the engine's default:
+    the next unit), and (tied) the embedding for the output layer; ZeRO-2/3 hold, at the
+    step's peak (the start of backward, every activation alive), one unit's full-size
+    autograd gradients and one bucket of ``reduce_bucket_size`` (None: a unit; a larger
+    unit is a bucket of its own) in the reduction dtype.
     """
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
@@ -266,7 +267,11 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         layer += (replicated - (config.max_position_embeddings * config.hidden_size
                                 if config.position_embedding_type == "learned" else 0)) / config.num_layers
         emb = config.padded_vocab_size * config.hidden_size / tp
-        ahead = min(max(1, math.ceil(prefetch_bucket_size / layer)), config.num_layers - 1) if prefetch_bucket_size > 0 else 0
+        if prefetch_bucket_size is None:
+            ahead = min(1, config.num_layers - 1)
+        else:
+            ahead = min(max(1, math.ceil(prefetch_bucket_size / layer)), config.num_layers - 1) \
+                if prefetch_bucket_size > 0 else 0
         # the unit in use (the embedding, tied or not, while the head runs) and the prefetched ones
         buffers = (max(layer, emb) + ahead * layer) * _STATE_BYTES[precision][0]
     grad_buckets = 0.0
@@ -276,7 +281,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         reduce_bytes = _DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else _STATE_BYTES[precision][1]
         # At the step's peak (backward's start, all activations alive) one unit's autograd
         # gradients and one bucket exist; later buckets in flight replace activations already freed.
-        grad_buckets = unit * _DTYPE_BYTES[precision] + min(max(reduce_bucket_size, unit), psi) * reduce_bytes
+        grad_buckets = unit * _DTYPE_BYTES[precision] + min(max(reduce_bucket_size or 0, unit), psi) * reduce_bytes
     gbs = global_batch_size or micro_batch_size * dp
     pipeline: dict = {}
     if pp > 1:

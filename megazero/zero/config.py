@@ -118,21 +118,27 @@ class ZeroOptimizationConfig:
     machinery): ``allgather_bucket_size``, ``contiguous_gradients``,
     ``reduce_scatter``, ``stage3_max_reuse_distance``, ``sub_group_size``.
 
-    ``reduce_bucket_size`` defaults to 5e6 rather than DeepSpeed's 5e8: a 13B layer
-    (79M elements at tp 4) is a bucket of its own, and small models still reduce
-    several buckets while backward goes on instead of one at its end.
+    Defaults are defined by what a step needs, as FSDP2's are, not by element counts
+    (DeepSpeed's 5e7 prefetch and 1e9 live elements gather the whole of any model below
+    a few billion parameters, and its 5e8-element bucket holds a 1.3B model's full-size
+    gradients at once): unset, ``stage3_prefetch_bucket_size`` gathers the next unit
+    only, ``stage3_max_live_parameters`` puts no cap beyond that, and
+    ``reduce_bucket_size`` makes every unit a bucket of its own, so backward holds the
+    unit in use, one unit prefetched, the gradients of the unit being computed and
+    ``max_reduce_in_flight`` (default 1) units being reduced. Given, they are honoured
+    as DeepSpeed defines them: more in flight, fewer and larger collectives.
     """
 
     stage: int = 0
-    reduce_bucket_size: int = 5_000_000
-    max_reduce_in_flight: int = 2
+    reduce_bucket_size: Optional[int] = None  # None: one unit per bucket
+    max_reduce_in_flight: int = 1
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: Optional[int] = None  # None: the next unit
     stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: Optional[int] = None  # None: no cap beyond the prefetch
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
     # megazero's: keep ZeRO-3 units gathered across a step's micro-batches and reduce-scatter the

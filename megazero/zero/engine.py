@@ -140,7 +140,7 @@ class ZeroEngine(torch.nn.Module):
                 self.units, self.grad_shard,
                 reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm),
                 partitions=self.dp_size, reduce_dtype=self.reduce_dtype, device=self.device,
-                bucket_numel=zc.reduce_bucket_size, max_in_flight=zc.max_reduce_in_flight, predivide=self._predivide)
+                bucket_numel=zc.reduce_bucket_size or 1, max_in_flight=zc.max_reduce_in_flight, predivide=self._predivide)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
                        for g in self.trainable_groups for s in g.slots]
         # ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync.

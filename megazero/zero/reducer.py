@@ -128,6 +128,10 @@ class GradReducer:
             return
         groups = [g for u in self.bucket for g in u.trainable_groups]
         self.bucket, self.bucket_fill = [], 0
+        # Wait for the oldest before allocating: at most max_in_flight buckets exist at once (the
+        # reduction of the previous bucket still overlaps the backward that filled this one).
+        while len(self.in_flight) >= self.max_in_flight:
+            self._complete_oldest()
         columns = sum(g.shard_numel for g in groups)
         buf = torch.empty(self.partitions, columns, dtype=self.reduce_dtype, device=self.device)
         col = 0
@@ -141,8 +145,6 @@ class GradReducer:
         self.in_flight.append((work, out, buf, groups))
         live = sum(b.numel() * b.element_size() for _, _, b, _ in self.in_flight)
         self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
-        while len(self.in_flight) > self.max_in_flight:
-            self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         work, out, _buf, groups = self.in_flight.pop(0)

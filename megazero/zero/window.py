@@ -7,9 +7,9 @@ tied output layer receives the embedding's weight). Units are all-gathered in
 their static order (see ``units.py``); asking for unit k first gathers, and at
 once releases, any unit before k this rank skipped, so ranks that run
 different layers still issue the same all-gathers in the same order. Up to
-``prefetch_numel`` elements ahead are all-gathered asynchronously, never more
-than ``max_live_numel`` gathered at once. A unit is released as soon as the
-module that asked for it has run.
+``prefetch_numel`` elements ahead are all-gathered asynchronously (None: the next
+unit, as FSDP2 prefetches), never more than ``max_live_numel`` gathered at once
+(None: no cap). A unit is released as soon as the module that asked for it has run.
 
 Parameters read as attributes. A module may use a parameter it neither owns nor
 receives (``F.linear(x, self.embedding.weight)`` in a model's own forward).
@@ -21,9 +21,9 @@ Saved for backward. While the model runs forward, a saved-tensor hook notes
 which units' storage autograd saves (the weights of linear layers and norms).
 Those references cost nothing once the unit is released (its storage is empty,
 see ``flat.py``); unpacking one in backward is what gathers the unit again.
-The trace of forward requests, with a flag for "saved something", is
-all-reduced over DP once per micro-batch, which fixes the backward gather
-order for every rank: the reversed trace, keeping the entries some rank needs.
+The trace of forward requests, with a flag for "saved something", agreed over
+DP (``agreement.py``), fixes the backward gather order for every rank: the
+reversed trace, keeping the entries some rank needs.
 A unit gathered in backward is released when the backward of the module that
 used it has finished (an identity autograd function on the module's inputs).
 """
@@ -100,8 +100,8 @@ class GatherWindow:
         on_forward_begin: Callable[[tuple, dict], None],
         on_forward_end: Callable[[list, object], None],
         mark_used: Callable[[Unit], None],
-        prefetch_numel: int,
-        max_live_numel: int,
+        prefetch_numel: Optional[int],
+        max_live_numel: Optional[int],
         hold: bool = False,
     ) -> None:
         self.units = [u for u in units if not u.resident]
@@ -109,7 +109,8 @@ class GatherWindow:
         self.needs, self.unit_of_param = needs, unit_of_param
         self.all_gather, self.in_backward = all_gather, in_backward
         self.on_forward_begin, self.on_forward_end, self.mark_used = on_forward_begin, on_forward_end, mark_used
-        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel if max_live_numel is not None else float("inf")
         # hold: units stay gathered until the engine's step releases them (stage3_keep_gathered_in_step)
         self.hold = hold
         self.by_storage: dict[int, Unit] = {}  # storage_key of a gathered group's full buffer -> its unit
@@ -200,10 +201,14 @@ class GatherWindow:
         """Issue the next units of ``seq`` within the window. A unit already issued in this
         pass is never issued again here: every rank must issue the same gathers."""
         budget = self.prefetch_numel
+        if budget is None:  # the next unit that is gathered at all
+            budget = next((u.numel() for u in seq[start:] if not u.resident), 0)
         for q in range(start, len(seq)):
             if budget <= 0:
                 break
             u = seq[q]
+            if u.resident:  # always whole: neither gathered nor counted
+                continue
             if id(u) not in self.issued:
                 if self.live_numel + u.numel() > self.max_live_numel:
                     break

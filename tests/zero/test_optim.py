@@ -108,7 +108,7 @@ def test_cuda_falls_back_to_torch_on_any_apex_failure(monkeypatch, capsys, apex)
 def test_cpu_never_tries_apex(monkeypatch):
     _install_apex(monkeypatch, FakeFusedAdam)
     opt = build_optimizer(_groups(), OptimizerConfig(), torch.device("cpu"))
-    assert type(opt) is torch.optim.AdamW and opt.defaults["foreach"] and FakeFusedAdam.constructed == 0
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] and FakeFusedAdam.constructed == 0
     assert type(build_optimizer(_groups(), OptimizerConfig(adam_w_mode=False), "cpu")) is torch.optim.Adam
 
 
