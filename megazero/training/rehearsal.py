@@ -34,10 +34,10 @@ What is measured, per rank (:class:`RankReport`):
 
 How the meta device stands in for a GPU (reads answered, meta kernels cached, flash attention
 chosen as CUDA would): :mod:`megazero.utils.meta_device`. The rest of what differs from a GPU:
-megazero picks its optimizer kernel by device type, and off CUDA that is torch's foreach
-AdamW, whose temporaries (a few fp32 copies of the master partition during the step) a
-GPU's fused kernel does not make; they show in ``peak_by_kind['other']`` when the step is
-the peak. The allocator's fragmentation, the CUDA context and NCCL buffers are not counted.
+megazero picks its optimizer kernel by device type, and on meta that is torch's single-tensor
+AdamW, whose temporaries (an fp32 copy or two of one master group while it is updated) a GPU's
+fused kernel does not make; they show in ``peak_by_kind['other']`` when the step is the peak.
+The allocator's fragmentation, the CUDA context and NCCL buffers are not counted.
 """
 
 from __future__ import annotations
