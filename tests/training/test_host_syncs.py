@@ -79,7 +79,10 @@ except SystemExit as e:
     code = e.code
 else:
     code = 0
-print("SYNCS " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "iterations": per_iteration}), flush=True)
+# One file per rank: torchrun interleaves the ranks' stdout lines on a loaded machine.
+rank = int(os.environ.get("RANK", 0))
+with open(os.path.join(os.environ["SYNCS_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "iterations": per_iteration}, f)
 sys.exit(code)
 """
 
@@ -94,14 +97,17 @@ def _flags(*extra: str) -> list[str]:
 def _count(tmp_path, world: int, *extra: str) -> list[dict]:
     driver = tmp_path / "count_syncs.py"
     driver.write_text(DRIVER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out_dir = tmp_path / "syncs"
+    out_dir.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", SYNCS_DIR=str(out_dir),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = os.path.join(ROOT, "pretrain_gpt.py")
     launcher = [sys.executable] if world == 1 else [
         os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", str(world)]
     proc = subprocess.run(launcher + [str(driver), script] + _flags(*extra), env=env, capture_output=True,
                           text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    out = [json.loads(line[len("SYNCS "):]) for line in proc.stdout.splitlines() if line.startswith("SYNCS ")]
+    out = [json.loads(f.read_text()) for f in sorted(out_dir.glob("rank*.json"))]
     assert len(out) == world, proc.stdout[-2000:]
     return out
 
