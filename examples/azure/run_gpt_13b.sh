@@ -19,7 +19,10 @@
 #   NNODES=4 bash examples/azure/run_gpt_13b.sh --dry-run      # or DRY_RUN=1
 # prints the parameter count, per-GPU memory (weights/grads/optimizer/activations),
 # FLOPs per iteration, then both layouts side by side (memory per GPU by kind, pipeline
-# bubble, bytes sent per GPU per step), and exits non-zero when LAYOUT does not fit GPU_MEMORY_GB.
+# bubble, bytes sent per GPU per step), then rehearses representative ranks of both layouts
+# (tools/rehearse.py: pretrain_gpt.py's own loop on meta tensors and fake process groups, one
+# CPU process, about a minute per rank; REHEARSE=0 skips it): state, peak, bytes sent per group,
+# beside the plan. Exits non-zero when LAYOUT does not fit GPU_MEMORY_GB.
 #
 # Environment (defaults in brackets):
 #   NNODES [1] NODE_RANK [0] MASTER_ADDR [localhost] MASTER_PORT [6000] GPUS_PER_NODE [8]
@@ -30,6 +33,8 @@
 #   MICRO_BATCH [2] GLOBAL_BATCH [1024] TRAIN_ITERS [143051 = 300B tokens] LR_WARMUP_ITERS [1430 = 3B tokens]
 #   LAYOUT [tp4z3] TP [4] PP [per LAYOUT] ZERO_STAGE [per LAYOUT] SEQUENCE_PARALLEL [0] GPU_MEMORY_GB [80]
 #   READ_GBPS_PER_RANK [1] FS_GBPS [40]  filesystem read bandwidth for the dry run's start-up estimate
+#   REHEARSE [1]  in a dry run, rehearse the ranks of both layouts (0: the plan only)
+#   REHEARSE_MICRO_BATCHES [16] REHEARSE_RANKS [first/last stage x first/last DP rank]
 # Extra arguments are passed on to pretrain_gpt.py (later flags win).
 set -euo pipefail
 
@@ -73,7 +78,7 @@ if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else
 die() { echo "error: $*" >&2; exit 2; }
 
 # --- data and tokenizer (placeholders are fine for a dry run: files are not opened) ---
-if [[ "$DRY_RUN" != 1 ]]; then
+if [[ "$DRY_RUN" == 0 ]]; then
     [[ -n "${DATA_PATH:-}" ]] || die "set DATA_PATH to the dataset prefix (PREFIX.bin/PREFIX.idx from tools/preprocess_data.py)"
     [[ -n "${TOKENIZER:-}" ]] || die "set TOKENIZER to the GPT-2 BPE directory (vocab + merges) or 'VOCAB_FILE,MERGE_FILE'"
 fi
@@ -89,7 +94,7 @@ fi
 
 # --- DeepSpeed-schema config: ZeRO-3 knobs (as the Azure examples); the batch/precision/clip
 # values repeat the flags below and pretrain_gpt.py refuses any disagreement. ---
-if [[ "$DRY_RUN" == 1 ]]; then
+if [[ "$DRY_RUN" != 0 ]]; then
     CONFIG_DIR="$(mktemp -d)"; trap 'rm -rf "$CONFIG_DIR"' EXIT
 else
     CONFIG_DIR="$SAVE_DIR"; mkdir -p "$CONFIG_DIR"
@@ -162,6 +167,25 @@ if [[ "$DRY_RUN" == 1 ]]; then
         "tp4pp8z1:--tp 4 --pp 8 --zero-stage 1" --world-size "$CMP_WORLD" --num-layers 40 --hidden-size 5120 \
         --num-attention-heads 40 --seq-length 2048 --vocab-size 50257 --micro-batch-size "$MICRO_BATCH" \
         --global-batch-size "$GLOBAL_BATCH" --bf16 --recompute full --flash-attn || true
+    if [[ "${REHEARSE:-1}" == 1 ]]; then
+        for layout in tp4z3 tp4pp8z1; do
+            echo "rehearsal of $layout on $CMP_WORLD GPUs, beside the plan:"
+            LAYOUT="$layout" NNODES=$(( CMP_WORLD / GPUS_PER_NODE )) DRY_RUN=rehearse \
+                bash "${BASH_SOURCE[0]}" "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}" || true
+        done
+    fi
+    exit "$rc"
+fi
+if [[ "$DRY_RUN" == rehearse ]]; then
+    # Representative ranks (first/last pipeline stage x first/last DP rank) of this launch, run by the
+    # real loop for two iterations on meta tensors; nothing is allocated, no data is read.
+    # (not exec: the EXIT trap removes the temporary ds_config)
+    rc=0
+    # 16 micro-batches per iteration: twice what a stage of tp4pp8z1 holds in flight (the same peak
+    # as the global batch's, in a minute per rank; bytes sent are for those 16).
+    "$PYTHON" "$ROOT/tools/rehearse.py" --world-size "$WORLD_SIZE" --device-memory-gb "$GPU_MEMORY_GB" \
+        --micro-batches "${REHEARSE_MICRO_BATCHES:-16}" ${REHEARSE_RANKS:+--ranks "$REHEARSE_RANKS"} \
+        -- "${ARGS[@]}" || rc=$?
     exit "$rc"
 fi
 

@@ -208,20 +208,26 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
         c, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
         keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes)
     layer_input = act_bytes * s * b * h / sp_div
+    # Per layer and micro-batch, what is kept until backward; and what is live once per stage
+    # (the chunk being recomputed): a pipeline stage holds the first for each micro-batch in flight.
+    saved, live = per_layer, 0.0
     if recompute == "full":
         n = min(max(c.recompute_num_layers, 1), L)
         if c.recompute_method == "block":
             # The first n layers keep only their input; the rest keep everything.
             layers = n * layer_input + (L - n) * per_layer + (per_layer if n else 0)
+            saved = layers / L
         else:
             # Chunks of n layers keep their input; one chunk is live while it is recomputed.
             layers = math.ceil(L / n) * layer_input + n * per_layer
+            saved, live = layer_input / n, n * per_layer
     else:
         layers = L * per_layer
     # Embedding dropout mask (1 byte), final norm and output-layer inputs, fp32 logits for the loss.
     mask = s * b * h / sp_div if c.hidden_dropout > 0 else 0
     outside = mask + 2 * act_bytes * s * b * h / sp_div + 4 * s * b * c.padded_vocab_size / t
-    return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside}
+    return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside,
+            "saved_per_layer": saved, "recompute_live": live, "layer_input": layer_input, "embedding_mask": mask}
 
 
 def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_stage: int, micro_batch_size: int,
@@ -295,7 +301,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
     traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=dp, zero_stage=zero_stage, microbatches=m_steps,
                                      micro_batch_size=micro_batch_size, seq_length=s, precision=precision,
-                                     layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0))
+                                     layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0),
+                                     recompute=recompute, grad_accum_dtype=grad_accum_dtype)
     return MemoryEstimate(
         traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
@@ -310,7 +317,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
 
 def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, zero_stage: int, microbatches: int,
                            micro_batch_size: int, seq_length: int, precision: str, layers: int,
-                           pp_bytes: float = 0.0) -> dict[str, float]:
+                           pp_bytes: float = 0.0, recompute: Optional[str] = None,
+                           grad_accum_dtype: Optional[str] = None) -> dict[str, float]:
     """Bytes one GPU sends per step (ring collectives: an all-gather or reduce-scatter of X bytes sends
     X (n-1)/n, an all-reduce twice that).
 
@@ -321,17 +329,27 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
     for each micro-batch and reduce-scatters its gradients ((2 + 1) m psi: traffic x micro-batches,
     least memory). Keeping a stage's units gathered across the step's micro-batches
     (``stage3_keep_gathered_in_step``) costs 2 psi per step, holding the stage's full weights
-    and gradients during the step. Tensor parallel: 2 all-reduces of [s, b, h] per layer forward
-    and 2 backward per micro-batch (Megatron), or the same bytes as all-gather + reduce-scatter
-    under sequence parallelism.
+    and gradients during the step. Weights travel in the compute dtype, gradients in the
+    reduction dtype (fp32 for bf16 by default, as the engine reduces them; ``grad_accum_dtype``
+    overrides): ``dp_all_gather`` and ``dp_reduce`` apart. Tensor parallel: 2 all-reduces of
+    [s, b, h] per layer forward and 2 backward per micro-batch (Megatron), 2 more with full
+    recomputation (the forward again), or the same bytes as all-gather + reduce-scatter under
+    sequence parallelism.
     """
     e = _DTYPE_BYTES[precision]
+    g = _DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else _STATE_BYTES[precision][1]
     dp_frac = (dp - 1) / dp
-    units = {0: 2, 1: 2, 2: microbatches + 1, 3: 3 * microbatches}[zero_stage]
-    dp_bytes = units * psi * e * dp_frac
+    m = microbatches
+    # (weights all-gathered, gradients reduced) in units of psi; an all-reduce sends twice
+    gathers, reduces = {0: (0, 2), 1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero_stage]
+    gather_bytes = gathers * psi * e * dp_frac
+    reduce_bytes = reduces * psi * g * dp_frac
     act = e * seq_length * micro_batch_size * config.hidden_size
-    tp_bytes = 4 * layers * microbatches * 2 * act * (tp - 1) / tp if tp > 1 else 0.0
-    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "total": dp_bytes + tp_bytes + pp_bytes}
+    per_layer = 6 if recompute == "full" else 4
+    tp_bytes = per_layer * layers * m * 2 * act * (tp - 1) / tp if tp > 1 else 0.0
+    dp_bytes = gather_bytes + reduce_bytes
+    return {"dp": dp_bytes, "dp_all_gather": gather_bytes, "dp_reduce": reduce_bytes, "tp": tp_bytes,
+            "pp": pp_bytes, "total": dp_bytes + tp_bytes + pp_bytes}
 
 
 def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,
@@ -346,7 +364,9 @@ def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, d
     pos = c.max_position_embeddings * h if c.position_embedding_type == "learned" else 0
     word = c.padded_vocab_size * h / tp
     layer = (total - replicated - _embedding_params(c)) / L / tp + (replicated - pos - norm) / L
-    per_layer_act = act["layers"] / L  # with recompute, the average saved bytes of a layer
+    saved, live = act["saved_per_layer"], act["recompute_live"]
+    # Each micro-batch in flight also keeps the stage's output it sent (every stage but the last;
+    # the pipeline keeps it for backward), and on the first stage the embedding's dropout mask.
     stages, worst = [], None
     for r in range(pp):
         n = L // pp
@@ -358,13 +378,15 @@ def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, d
         if r == pp - 1:
             params += norm + word  # the head: its own weight, or the tied copy of the embedding
             ends.append("head")
+        output = act["layer_input"] if r < pp - 1 or v > 1 else 0.0
+        mask = act["embedding_mask"] if r == 0 else 0.0
         if v == 1:
             in_flight = min(pp - r, m)
-            acts = in_flight * n * per_layer_act
+            acts = in_flight * (n * saved + output + mask) + live
         else:
             chunk_mbs = min((pp - r - 1) * 2 + (v - 1) * pp + 1, m * v)
             in_flight = chunk_mbs
-            acts = chunk_mbs * (n // v) * per_layer_act
+            acts = chunk_mbs * ((n // v) * saved + output) + min(m, pp) * mask + live
         if r == pp - 1:
             acts += act["outside_layers"]  # the loss's logits: one micro-batch at a time
         states = model_state_bytes(params, dp=dp, zero_stage=zero_stage, precision=precision,

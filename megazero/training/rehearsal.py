@@ -91,6 +91,7 @@ class RankReport:
     engine_state_bytes: int  # the ZeRO engine's own count of its parameters, gradients and optimizer state
     micro_batches: int  # per iteration
     seconds: float  # wall time of this rank's rehearsal
+    plan: dict[str, float] = dataclasses.field(default_factory=dict)  # the planner's figures for this rank
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,11 +100,12 @@ class RankReport:
 # ---- configuration --------------------------------------------------------------------------
 
 
-def rehearsal_config(argv: Sequence[str], world_size: int) -> tuple[TrainConfig, list[str]]:
+def rehearsal_config(argv: Sequence[str], world_size: int,
+                     micro_batches: Optional[int] = None) -> tuple[TrainConfig, list[str]]:
     """``pretrain_gpt.py``'s flags for ``world_size`` ranks, parsed as it parses them (file checks
-    off), then made a rehearsal: two iterations of the full global batch on synthetic tokens, no
-    evaluation, checkpoints, loads, logs to files or early exits. Returns the config and one
-    line per override."""
+    off), then made a rehearsal: two iterations of the full global batch (or of ``micro_batches``
+    per DP rank, when fewer) on synthetic tokens, no evaluation, checkpoints, loads, logs to
+    files or early exits. Returns the config and one line per override."""
     argv = list(argv)
     if not any(a.split("=")[0] in ("--train-iters", "--train-samples") for a in argv):
         argv += ["--train-iters", str(REHEARSAL_ITERATIONS)]  # the length of the run is the rehearsal's anyway
@@ -123,6 +125,13 @@ def rehearsal_config(argv: Sequence[str], world_size: int) -> tuple[TrainConfig,
     note(s.skip_train, "--skip-train dropped")
     note(bool(s.exit_interval or s.exit_duration_in_mins or s.exit_signal_handler or s.train_tokens),
          "exit conditions dropped")
+    if micro_batches is not None and 0 < micro_batches < s.grad_accum_steps:
+        # A stage holds at most pp x v micro-batches in flight: the peak is that of the full batch once
+        # micro_batches reaches it; what is sent per iteration scales with the count.
+        notes.append(f"{micro_batches} of the global batch's {s.grad_accum_steps} micro-batches per iteration "
+                     f"(--micro-batches): bytes sent are for {micro_batches}")
+        s = dataclasses.replace(s, grad_accum_steps=micro_batches,
+                                global_batch_size=micro_batches * s.micro_batch_size * config.parallel.dp)
     config.schedule = dataclasses.replace(
         s, train_iters=REHEARSAL_ITERATIONS, train_samples=REHEARSAL_ITERATIONS * s.global_batch_size,
         rampup_batch_size=None, eval_iters=0, eval_interval=0, skip_train=False, exit_interval=None,
@@ -235,7 +244,16 @@ class _Counters:
                 if group is not None:
                     self._names.setdefault(id(group), name)
             self._names.setdefault(id(dist.group.WORLD), "world")
-        return self._names.get(id(pg), "other")
+        if id(pg) not in self._names:  # a communicator of its own over a named group's ranks (ZeRO-3's gradients)
+            g, name = mpu.get_parallel_groups(), "other"
+            try:
+                ranks = dist.get_process_group_ranks(pg)
+                name = next((n for n, grp in (("dp", g.dp_group), ("tp", g.tp_group), ("pp", g.pp_group))
+                             if grp is not None and dist.get_process_group_ranks(grp) == ranks), "other")
+            except (RuntimeError, ValueError, KeyError, TypeError):
+                pass
+            self._names[id(pg)] = name
+        return self._names[id(pg)]
 
     def on_collective(self, func, args: tuple) -> None:
         if not self.counting:
@@ -347,7 +365,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         sent_bytes=sent, sent_by_op={k: int(v) for k, v in sorted(counters.sent.items())},
         calls_by_op=dict(sorted(counters.calls.items())), host_reads=counters.host_reads,
         engine_state_bytes=measured["engine_state"], micro_batches=config.schedule.grad_accum_steps,
-        seconds=round(time.perf_counter() - t0, 2))
+        seconds=round(time.perf_counter() - t0, 2), plan=plan_for_rank(config, groups.pp_rank))
 
 
 def rehearse(config: TrainConfig, ranks: Sequence[int], *, log: Optional[io.TextIOBase] = None,
@@ -374,6 +392,19 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def plan_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, float]:
+    """The analytic plan (``memory.estimate_memory_for``, what ``tools/estimate_memory.py`` and the
+    start-up line print) for a rank of pipeline stage ``pp_rank``: its model state and its peak."""
+    from .memory import estimate_memory_for
+
+    est = estimate_memory_for(config)
+    stages = est.pipeline.get("stages")
+    if not stages:
+        return {"state_bytes": est.model_states, "peak_bytes": est.total}
+    st = stages[pp_rank]
+    return {"state_bytes": float(sum(st["states"])), "peak_bytes": float(st["total"])}
+
+
 def format_report(r: RankReport) -> str:
     """A few readable lines for one rank."""
     kinds = " + ".join(f"{k} {_size(v)}" for k, v in sorted(r.peak_by_kind.items(), key=lambda kv: -kv[1]))
@@ -384,6 +415,10 @@ def format_report(r: RankReport) -> str:
              f"{_size(r.engine_state_bytes)})",
              f"  peak in iteration 2        {_size(r.peak_bytes):>11}   = {kinds}",
              f"    reached in {r.peak_at}"]
+    if r.plan:
+        lines.append(f"  the plan (tools/estimate_memory.py): state {_size(r.plan['state_bytes'])}, peak "
+                     f"{_size(r.plan['peak_bytes'])}; rehearsed / plan: state "
+                     f"{r.state_bytes / r.plan['state_bytes']:.2f}x, peak {r.peak_bytes / r.plan['peak_bytes']:.2f}x")
     for group, total in r.sent_bytes.items():
         ops = ", ".join(f"{k.split('/')[1]} {_size(v)} ({r.calls_by_op[k]}x)" for k, v in r.sent_by_op.items()
                         if k.split("/")[0] == group)

@@ -44,13 +44,15 @@ class CommCounter:
             return None
         return all_gather_flat(out, shard, group=self.groups[name], async_op=async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str, async_op: bool = False):
-        """Sum ``full`` over the group and keep this rank's equal chunk in ``out``."""
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str, async_op: bool = False,
+                       via: Optional[str] = None):
+        """Sum ``full`` over the group and keep this rank's equal chunk in ``out`` (counted under
+        ``name``; issued on the communicator of ``via``, the same ranks, when given)."""
         self._count("reduce_scatter", name, full)
         if self.size(name) == 1:
             out.copy_(full)
             return None
-        return reduce_scatter_flat(out, full, group=self.groups[name], async_op=async_op)
+        return reduce_scatter_flat(out, full, group=self.groups[via or name], async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         self._count("all_reduce", name, t)

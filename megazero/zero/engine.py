@@ -96,7 +96,8 @@ class ZeroEngine(torch.nn.Module):
         self.tp_size, self.tp_rank = _group_info(tp_group)
         self.tp_group = tp_group
         config.check_batch(self.dp_size)
-        self.comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group})
+        self.comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group,
+                                 "dp_grads": self._gradient_group(dp_group, config)})
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.grad_dtype  # accumulated gradient partitions
         self.reduce_dtype = config.reduce_dtype  # what the DP collectives carry
@@ -138,7 +139,8 @@ class ZeroEngine(torch.nn.Module):
         if self.stage >= 2 and not self.hold:
             self.reducer = GradReducer(
                 self.units, self.grad_shard,
-                reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm),
+                reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm,
+                                                                          via="dp_grads"),
                 partitions=self.dp_size, reduce_dtype=self.reduce_dtype, device=self.device,
                 bucket_numel=zc.reduce_bucket_size or 1, max_in_flight=zc.max_reduce_in_flight, predivide=self._predivide)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
@@ -171,6 +173,19 @@ class ZeroEngine(torch.nn.Module):
         self._global_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ construction
+
+    def _gradient_group(self, dp_group: Optional[dist.ProcessGroup], config: ZeroConfig):
+        """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the DP ranks again.
+        Backward interleaves the window's gathers (in the agreed trace order) with the reducer's
+        reduce-scatters (in the static unit order) differently on ranks whose forwards differed (a
+        layer some ranks skip), and collectives on one communicator must come in the same order on
+        every rank: on a communicator of their own, each kind keeps its own agreed order. Costs one
+        more communicator per DP group; ZeRO-2 (no gathers in backward) and the hold policy reuse
+        the DP group."""
+        if self.stage < 3 or self.dp_size == 1 or config.zero_optimization.stage3_keep_gathered_in_step:
+            return dp_group
+        return dist.new_group(dist.get_process_group_ranks(dp_group or dist.group.WORLD),
+                              use_local_synchronization=True)
 
     def _build_units(self, no_decay: NoDecayFn) -> tuple[list[Unit], list[FlatGroup], object]:
         stage = self.stage

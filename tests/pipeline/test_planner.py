@@ -60,7 +60,7 @@ def test_13b_script_compares_the_megatron_deepspeed_layout():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, NNODES="4", DRY_RUN="1", LAYOUT="tp4pp8z1")
+    env = dict(os.environ, NNODES="4", DRY_RUN="1", LAYOUT="tp4pp8z1", REHEARSE="0")
     r = subprocess.run(["bash", str(root / "examples" / "azure" / "run_gpt_13b.sh")], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -126,7 +126,7 @@ def test_cli_exit_codes(capsys):
 
 
 def run_dry(gpu_gb=None):
-    env = {**os.environ, "DRY_RUN": "1", "NNODES": "2"}
+    env = {**os.environ, "DRY_RUN": "1", "NNODES": "2", "REHEARSE": "0"}  # the plan (the rehearsal: below)
     env.pop("GPU_MEMORY_GB", None)
     if gpu_gb is not None:
         env["GPU_MEMORY_GB"] = str(gpu_gb)
@@ -152,3 +152,20 @@ def test_13b_script_dry_run_fits_and_counts_parameters():
 def test_13b_script_dry_run_refuses_small_gpu():
     r = run_dry(gpu_gb=8)
     assert r.returncode != 0 and "GiB more than the 8 GiB available" in r.stderr
+
+
+@pytest.mark.parametrize("layout,ranks", [("tp4pp8z1", "0,28"), ("tp4z3", "0")])
+def test_13b_script_rehearsal_agrees_with_the_plan(layout, ranks):
+    """The dry run's rehearsal mode runs tools/rehearse.py on the script's own 13B arguments (8
+    micro-batches per iteration: the same peak as 512, at pp 8 a stage holds at most 8): the first
+    and last pipeline stage (tp4pp8z1 on 32 GPUs, dp 1) and a DP rank of tp4z3 (all alike), each
+    beside the plan, which agrees within 10% on the peak and 2% on the state."""
+    env = {**os.environ, "DRY_RUN": "rehearse", "NNODES": "4", "LAYOUT": layout, "REHEARSE_MICRO_BATCHES": "8",
+           "REHEARSE_RANKS": ranks}
+    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.findall(r"^rank (\d+) ", r.stdout, re.M) == ranks.split(","), r.stdout
+    ratios = re.findall(r"rehearsed / plan: state ([\d.]+)x, peak ([\d.]+)x", r.stdout)
+    assert len(ratios) == len(ranks.split(",")), r.stdout
+    for state, peak in ratios:
+        assert float(state) == pytest.approx(1.0, abs=0.02) and float(peak) == pytest.approx(1.0, abs=0.10), r.stdout
