@@ -184,8 +184,16 @@ class ZeroEngine(torch.nn.Module):
         the DP group."""
         if self.stage < 3 or self.dp_size == 1 or config.zero_optimization.stage3_keep_gathered_in_step:
             return dp_group
-        return dist.new_group(dist.get_process_group_ranks(dp_group or dist.group.WORLD),
-                              use_local_synchronization=True)
+        ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
+        # A group made by its members alone is named by its ranks: a later engine over the same ranks
+        # (another model in this process) reuses it rather than fail to create it twice.
+        try:
+            c10d = dist.distributed_c10d
+            name = c10d._process_group_name(ranks, use_hashed_name=True)
+            existing = next((pg for pg, n in c10d._world.pg_names.items() if n == name), None)
+        except AttributeError:  # torch's private registry moved: create (works once per process)
+            existing = None
+        return existing or dist.new_group(ranks, use_local_synchronization=True)
 
     def _build_units(self, no_decay: NoDecayFn) -> tuple[list[Unit], list[FlatGroup], object]:
         stage = self.stage

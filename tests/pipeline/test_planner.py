@@ -27,7 +27,11 @@ def test_1f1b_in_flight_and_bubble():
     assert [s["in_flight"] for s in est.pipeline["stages"]] == [4, 3, 2, 1]
     per_layer = activation_bytes_per_layer(cfg, micro_batch_size=2, seq_length=cfg.seq_length, tp=2)
     first = est.pipeline["stages"][0]
-    assert first["activations"] == pytest.approx(4 * (cfg.num_layers // 4) * per_layer)
+    # per micro-batch in flight: its layers' activations, the output it sent (kept for backward) and
+    # the embedding's dropout mask
+    d = est.activation_detail
+    assert first["activations"] == pytest.approx(4 * ((cfg.num_layers // 4) * per_layer + d["layer_input"]
+                                                      + d["embedding_mask"]))
     assert est.pipeline["bubble"] == pytest.approx(3 / 16)
     _, few = _plan(pp=4, m=2)
     assert [s["in_flight"] for s in few.pipeline["stages"]] == [2, 2, 2, 1]
@@ -37,7 +41,11 @@ def test_interleaved_first_stage_holds_L_times_1_plus_pp_minus_1_over_pp_v_layer
     cfg, est = _plan(pp=4, v=3, m=16)
     per_layer = activation_bytes_per_layer(cfg, micro_batch_size=2, seq_length=cfg.seq_length, tp=2)
     L, pp, v = cfg.num_layers, 4, 3
-    assert est.pipeline["stages"][0]["activations"] == pytest.approx(L * (1 + (pp - 1) / (pp * v)) * per_layer)
+    d = est.activation_detail
+    chunks_in_flight = (pp - 1) * 2 + (v - 1) * pp + 1  # each holds L / (pp v) layers: L (1 + (pp-1)/(pp v)) in all
+    assert chunks_in_flight * (L // (pp * v)) == L * (1 + (pp - 1) / (pp * v))
+    assert est.pipeline["stages"][0]["activations"] == pytest.approx(
+        L * (1 + (pp - 1) / (pp * v)) * per_layer + chunks_in_flight * d["layer_input"] + pp * d["embedding_mask"])
     assert est.pipeline["bubble"] == pytest.approx(3 / (3 * 16))
 
 
