@@ -7,8 +7,8 @@ so that a single reduce-scatter of the bucket hands every rank the sum of its
 own partition of every group in it. A bucket is sent once it holds
 ``bucket_numel`` elements; at most ``max_in_flight`` buckets are being reduced
 at a time (the oldest is waited for and accumulated into the rank's gradient
-partitions first), which bounds the full-size gradient memory by
-``(max_in_flight + 1) x bucket`` plus the units not yet complete.
+partitions before the next bucket is allocated), which bounds the full-size
+gradient memory by ``max_in_flight x bucket`` plus the units not yet complete.
 
 Order. All ranks must pair the same reduce-scatters. Units are reduced in the
 reverse of their static order (``units.py``), which is the order backward
