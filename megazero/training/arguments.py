@@ -118,7 +118,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         model=model, parallel=parallel, precision=precision, optim=optim, schedule=schedule, data=data,
         checkpoint=checkpoint,
         logging=logging_cfg, generate=generate, seed=default(ns.seed, 1234), deepspeed_json=ds, notes=notes)
+    _check_engine_config(cfg)
     return cfg
+
+
+def _check_engine_config(cfg: TrainConfig) -> None:
+    """Parse the engine's config now, so what it refuses (offload at stage 0, offload with SGD, ...)
+    stops the run before any process group starts, not after every rank built its model."""
+    from megazero.zero.config import ZeroConfigError, load_config
+
+    try:
+        load_config(cfg.to_deepspeed_config())
+    except ZeroConfigError as e:
+        raise ConfigError(f"{e} (--zero-stage {cfg.parallel.zero_stage})") from None
 
 
 def check_vocab(config: TrainConfig, tokenizer_vocab_size: int) -> None:

@@ -92,6 +92,9 @@ class OptimConfig:
     start_weight_decay: Optional[float] = None
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: str = "constant"
+    # --optimizer-cpu-offload / --optimizer-offload-fraction (None: as the DeepSpeed JSON says, else none).
+    offload_device: Optional[str] = None
+    offload_fraction: Optional[float] = None
 
 
 @dataclass
@@ -271,6 +274,11 @@ class TrainConfig:
             opt.setdefault("params", {}).update(
                 lr=o.lr, betas=[o.adam_beta1, o.adam_beta2], eps=o.adam_eps, weight_decay=o.weight_decay)
         ds.setdefault("zero_optimization", {})["stage"] = self.parallel.zero_stage
+        if o.offload_device is not None:
+            offload = ds["zero_optimization"].setdefault("offload_optimizer", {})
+            offload["device"] = o.offload_device
+            if o.offload_fraction is not None:
+                offload["ratio"] = o.offload_fraction
         ds.setdefault("bf16", {})["enabled"] = p.dtype == "bf16"
         fp16 = ds.setdefault("fp16", {})
         fp16["enabled"] = p.dtype == "fp16"

@@ -79,8 +79,21 @@ DS_KEYS: tuple[DSKey, ...] = (
         "ignore_unused_parameters", "cpu_offload_params", "cpu_offload_use_pin_memory", "memory_efficient_linear",
         "use_multi_rank_bucket_allreduce", "mics_shard_size", "mics_hierarchical_params_gather",
         "legacy_stage1", "pipeline_loading_checkpoint")),
-    _K("zero_optimization.offload_optimizer.*", REFUSED, "CPU/NVMe optimizer offload does not exist in megazero "
-       "(accepted only with device 'none'); use --zero-stage 3 over more ranks", refuse_if=_offloads),
+    _K("zero_optimization.offload_optimizer.device", HONOURED, "ZeRO-Offload / ZeRO-Infinity: the fp32 masters and "
+       "Adam moments of this rank's partition on the host (cpu) or in files under nvme_path (nvme); stages 1-3, "
+       "every layout; = --optimizer-cpu-offload (cpu)"),
+    _K("zero_optimization.offload_optimizer.nvme_path", HONOURED, "directory of the nvme state files (one directory "
+       "per rank, stable names reused across runs)"),
+    _K("zero_optimization.offload_optimizer.pin_memory", HONOURED, "pin the host state and the step's ring (falls "
+       "back to pageable memory, with a note, where pinning is impossible)"),
+    _K("zero_optimization.offload_optimizer.buffer_count", HONOURED, "host buffers in the step's ring (default 4): "
+       "chunks in flight between accelerator, host and NVMe"),
+    _K("zero_optimization.offload_optimizer.buffer_size", HONOURED, "megazero's: elements per ring buffer (default "
+       "2^23, rounded down to a multiple of 4096)"),
+    _K("zero_optimization.offload_optimizer.ratio", HONOURED, "fraction of the partition offloaded, by whole groups "
+       "in model order (default 1); = --optimizer-offload-fraction"),
+    *(_K(f"zero_optimization.offload_optimizer.{k}", IGNORED, "tunes DeepSpeed's swapper; megazero's ring always "
+         "pipelines reads, steps and writes") for k in ("fast_init", "pipeline_read", "pipeline_write")),
     _K("zero_optimization.offload_param.*", REFUSED, "CPU/NVMe parameter offload does not exist in megazero "
        "(accepted only with device 'none')", refuse_if=_offloads),
     _K("zero_optimization.cpu_offload", REFUSED, "CPU offload does not exist in megazero", refuse_if=bool),
@@ -125,8 +138,9 @@ DS_KEYS: tuple[DSKey, ...] = (
     _K("activation_checkpointing.synchronize_checkpoint_boundary", IGNORED, _INTERNAL),
     _K("activation_checkpointing.profile", IGNORED, _INTERNAL),
     _K("zero_allow_untested_optimizer", IGNORED, "DeepSpeed's guard for foreign optimizers; megazero builds its own"),
-    _K("zero_force_ds_cpu_optimizer", IGNORED, "DeepSpeed's CPU-optimizer guard; no offload here"),
-    _K("aio.*", IGNORED, "NVMe async I/O tuning; no NVMe offload here"),
+    _K("zero_force_ds_cpu_optimizer", IGNORED, "DeepSpeed's guard that offload runs its own CPU Adam; megazero's "
+       "offload always steps torch's fused CPU AdamW"),
+    _K("aio.*", IGNORED, "DeepSpeed's libaio tuning; megazero's NVMe offload uses plain pread/pwrite"),
     _K("checkpoint.*", IGNORED, "DeepSpeed checkpoint-engine options; megazero writes its own checkpoints"),
     _K("comms_logger.*", IGNORED, "DeepSpeed's communication logger; megazero counts bytes per collective itself"),
     _K("dump_state", IGNORED, "DeepSpeed debug print"),

@@ -134,8 +134,10 @@ g(M, "--no-async-tensor-model-parallel-allreduce", "synchronous tensor-parallel 
 g(M, ("--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
       "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm"),
   "turn a fused CUDA kernel off: megazero computes these steps unfused (PyTorch ops); accepted")
-g(R, ("--cpu-optimizer", "--cpu-torch-adam"), "optimizer offload to CPU does not exist in megazero; use "
-  "--zero-stage 3 over more data-parallel ranks to cut per-GPU optimizer memory")
+g(M, "--cpu-optimizer", "Megatron-DeepSpeed's optimizer on the CPU: --optimizer-cpu-offload (the DeepSpeed JSON's "
+  "offload_optimizer block, when given, says where)")
+g(M, "--cpu-torch-adam", "Megatron-DeepSpeed's torch Adam instead of DeepSpeed's CPU Adam: megazero's host step is "
+  "torch's fused AdamW; accepted")
 g(R, ("--tp-comm-overlap", "--te-rng-tracker"), f"{_NO_TE}; drop the flag")
 g(R, "--tp-comm-overlap-cfg", f"{_NO_TE}; drop the flag", str)
 
@@ -250,6 +252,10 @@ g = _group("optimizer and precision")
 g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, or sgd", _lower,
   choices=("adam", "adamw", "sgd"))
 g(H, "--sgd-momentum", "momentum of --optimizer sgd (default 0.9)", float)
+g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "
+  "live on the host and step there (zero_optimization.offload_optimizer device cpu; ZeRO stage >= 1)")
+g(H, "--optimizer-offload-fraction", "fraction of the optimizer state offloaded by --optimizer-cpu-offload, by whole "
+  "groups in model order (offload_optimizer.ratio; default 1.0)", float)
 g(H, "--weight-decay", "decoupled weight decay (not on biases and norms)", float)
 g(H, "--start-weight-decay", "weight decay at the start of the weight-decay schedule", float)
 g(H, "--end-weight-decay", "weight decay at the end of training", float)

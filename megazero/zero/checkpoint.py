@@ -96,6 +96,8 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
     os.makedirs(directory, exist_ok=True)  # every rank: a shared filesystem may not show rank 0's mkdir yet
     path = shard_file(directory, rank)
     save_file(tensors, path, metadata={"megazero": json.dumps(meta)})
+    if engine.offload is not None:
+        engine.offload.drop_pages()  # the NVMe maps' pages this save read
     fsync_path(path)
     return path
 
@@ -370,9 +372,7 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
                               "optimizer (or SGD momentum on/off); resume with the optimizer that saved it")
     keys = ("master",) + (wanted if saved_keys else ())
     for g in engine.groups:
-        bufs = {"master": g.master}
-        for key in keys[1:]:
-            bufs[key] = torch.zeros_like(g.master)
+        bufs = {"master": g.master, **engine.optimizer_state_buffers(g, keys[1:])}
         # One DP partition at a time: the CPU staging memory is one group's partition.
         stage = {k: torch.zeros(g.shard_numel, dtype=torch.float32) for k in keys}
         plan: dict = {}
@@ -388,8 +388,6 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
         reader.execute(plan)
         for key in keys:
             bufs[key].copy_(stage[key])
-        if len(keys) > 1:
-            engine.optimizer.state[g.master].update({k: bufs[k] for k in keys[1:]})
     if len(keys) > 1:  # after the moments: written where this run's kernel keeps it, whoever saved it
         set_optimizer_step(engine.optimizer, int(meta["optimizer_step"]))
     meta["bytes_read"] = reader.counter.bytes

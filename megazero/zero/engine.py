@@ -51,7 +51,8 @@ from .comm import CommCounter
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, fill_range
 from .loss_scaler import LossScaler
-from .optim import build_optimizer
+from .offload import OptimizerOffload, offloaded_groups
+from .optim import build_optimizer, say_once
 from .reducer import GradReducer
 from .units import Unit, find_unit_modules, plan_units, units_for_call
 from .window import GatherWindow
@@ -259,14 +260,25 @@ class ZeroEngine(torch.nn.Module):
         materialize_partitions(self.module, self.groups, self.slot_of, self.device)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer over the trainable masters: decayed and undecayed groups (kernel: optim.py)."""
+        """The optimizer over the trainable masters: decayed and undecayed groups (kernel: optim.py).
+
+        With ``offload_optimizer``, the offloaded groups' masters move to the host first
+        (:mod:`megazero.zero.offload`); the optimizer still lists them, for one state dict and one
+        set of hyperparameters, and its own step skips them (they carry no ``.grad``)."""
         oc = self.config.optimizer
+        off = self.config.zero_optimization.offload_optimizer
+        self.offload: Optional[OptimizerOffload] = None
+        if off.enabled:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.offload = OptimizerOffload(offloaded_groups(self.trainable_groups, off.ratio), off, oc, self.device,
+                                            rank=rank, say=say_once)
+        self._offloaded = {id(g) for g in self.offload.groups} if self.offload else set()
         decay = [g.master for g in self.trainable_groups if g.weight_decay]
         no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
         param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})
-        return build_optimizer(param_groups, oc, self.device)
+        return build_optimizer(param_groups, oc, self.device, mixed_devices=self.offload is not None)
 
     # ------------------------------------------------------------------ hooks
 
@@ -391,12 +403,15 @@ class ZeroEngine(torch.nn.Module):
             clip = self.config.gradient_clipping
             if clip > 0 and norm > clip:
                 coef *= clip / (norm + 1e-6)
-            for g in self.trainable_groups:
+            on_device = [g for g in self.trainable_groups if id(g) not in self._offloaded]
+            for g in on_device:
                 g.master.grad = grads[g].float().mul_(coef)
             self.optimizer.step()
-            for g in self.trainable_groups:
+            for g in on_device:
                 g.master.grad = None
-            self._publish_params()
+            if self.offload is not None:  # the host's part, streamed (its return writes each shard)
+                self.offload.step(self.optimizer, grads, coef)
+            self._publish_params(written=self._offloaded)
             updated = True
             self.global_steps += 1
         if not (failed or forwards_differed):
@@ -471,6 +486,8 @@ class ZeroEngine(torch.nn.Module):
         group's compute-dtype copy, frozen ones included, and drop gathered ZeRO-3 copies."""
         self._publish_params(self.groups)
         self.release_gathered()
+        if self.offload is not None:
+            self.offload.drop_pages()
 
     def release_gathered(self) -> None:
         """Free every gathered ZeRO-3 unit (their values may be stale)."""
@@ -478,10 +495,11 @@ class ZeroEngine(torch.nn.Module):
             self.window.release_all(force=True)
 
     @torch.no_grad()
-    def _publish_params(self, groups: Optional[list[FlatGroup]] = None) -> None:
-        """Copy the updated fp32 masters into the compute-dtype parameters."""
+    def _publish_params(self, groups: Optional[list[FlatGroup]] = None, written: frozenset = frozenset()) -> None:
+        """Copy the updated fp32 masters into the compute-dtype parameters (except the groups in
+        ``written``, by id: the offloaded step already wrote their shards)."""
         for g in self.trainable_groups if groups is None else groups:
-            if g.master is not g.shard:
+            if g.master is not g.shard and id(g) not in written:
                 g.shard.copy_(g.master)
             if g.resident and g.partitions > 1:
                 # Every rank updated its partition only: collect the others.
@@ -510,16 +528,39 @@ class ZeroEngine(torch.nn.Module):
             pg["lr"] = lr
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds: parameters, gradients, optimizer (master + moments)."""
+        """Bytes of model state this rank holds on its device: parameters, gradients, optimizer
+        (master + moments), and ``total``; with ``offload_optimizer`` also the host's apart:
+        ``host_optimizer`` (offloaded masters and moments in memory), ``host_ring`` (the step's
+        buffers) and ``nvme`` (their files' size)."""
         params = sum(g.full.numel() * g.full.element_size() if g.resident else g.shard.numel() * g.shard.element_size()
                      for g in self.groups)
         grads = sum(t.numel() * t.element_size() for t in self.grad_full.values())
         if self.stage >= 2:  # stage 1's shards are views of grad_full
             grads += sum(t.numel() * t.element_size() for t in self.grad_shard.values())
-        opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard)
-        for state in self.optimizer.state.values():
-            opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-        return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+        opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard and id(g) not in self._offloaded)
+        for g in self.trainable_groups:
+            if id(g) not in self._offloaded:
+                opt += sum(v.numel() * v.element_size() for v in self.optimizer.state.get(g.master, {}).values()
+                           if torch.is_tensor(v) and v.dim() > 0)
+        out = {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+        if self.offload is not None:
+            out.update(self.offload.host_bytes(self.optimizer))
+        return out
+
+    def optimizer_state_buffers(self, group: FlatGroup, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint load writes ``group``'s optimizer state ``keys`` into: the
+        optimizer's own, created (zero, beside the master) where absent; for an offloaded group its
+        host tensors or NVMe maps. The step count is set apart (``optim.set_optimizer_step``)."""
+        if not keys:
+            return {}
+        if id(group) in self._offloaded:
+            state = self.offload.init_state(self.optimizer, group)
+        else:
+            state = self.optimizer.state[group.master]
+        for key in keys:
+            if key not in state:
+                state[key] = torch.zeros_like(group.master)
+        return {key: state[key] for key in keys}
 
     def num_local_parameters(self) -> int:
         """Ψ of the ZeRO formulas: parameters of this rank's TP shard."""
@@ -560,8 +601,8 @@ class ZeroEngine(torch.nn.Module):
             if local is None:
                 local = torch.zeros_like(g.master)
             full = torch.empty(g.padded_numel, dtype=torch.float32, device=self.device)
-            if g.partitions > 1:
-                self.comm.all_gather(full, local.float().contiguous(), "dp")
+            if g.partitions > 1:  # an offloaded master is on the host: collectives run on the device
+                self.comm.all_gather(full, local.to(self.device, torch.float32).contiguous(), "dp")
             else:
                 full.copy_(local)
             out.update({k: v.clone() for k, v in g.unflatten(full).items()})

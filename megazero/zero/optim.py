@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_optimizer", "optimizer_step", "set_optimizer_step", "keeps_step_in_group"]
+__all__ = ["build_optimizer", "optimizer_step", "set_optimizer_step", "keeps_step_in_group", "say_once"]
 
 # Packages whose Adam-family kernels count steps in ``param_group["step"]`` (apex's FusedAdam,
 # FusedLAMB, ...; DeepSpeed's FusedAdam is apex's). Used only before the first step, when
@@ -44,7 +44,7 @@ _GROUP_STEP_PACKAGES = ("apex", "deepspeed")
 _SAID: set[str] = set()
 
 
-def _say_once(message: str) -> None:
+def say_once(message: str) -> None:
     """Print ``message`` once per process, on the first rank only."""
     if message in _SAID:
         return
@@ -53,9 +53,12 @@ def _say_once(message: str) -> None:
         print(f"[megazero] {message}", file=sys.stderr, flush=True)
 
 
-def build_optimizer(param_groups: list[dict], oc, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(param_groups: list[dict], oc, device: torch.device, *,
+                    mixed_devices: bool = False) -> torch.optim.Optimizer:
     """The optimizer of ``oc`` (an ``OptimizerConfig``) over ``param_groups``, whose tensors
-    live on ``device``; for Adam, apex's FusedAdam on CUDA when it works, torch's otherwise."""
+    live on ``device``; for Adam, apex's FusedAdam on CUDA when it works, torch's otherwise.
+    ``mixed_devices``: some masters are on the host (optimizer offload): torch's fused kernel,
+    which groups tensors by device (apex's takes CUDA tensors only)."""
     device = torch.device(device)
     if oc.type == "SGD":  # Megatron's SGD: weight decay added to the gradient (coupled L2)
         return torch.optim.SGD(param_groups, lr=oc.lr, momentum=oc.momentum,
@@ -64,7 +67,7 @@ def build_optimizer(param_groups: list[dict], oc, device: torch.device) -> torch
     torch_cls = torch.optim.AdamW if oc.adam_w_mode else torch.optim.Adam
     if device.type == "meta":
         return torch_cls(param_groups, foreach=False, **kwargs)
-    if device.type != "cuda":
+    if device.type != "cuda" or mixed_devices:
         return torch_cls(param_groups, fused=True, **kwargs)
     try:  # apex's multi-tensor Adam, when NVIDIA apex is installed with its CUDA extensions
         from apex.optimizers import FusedAdam
@@ -74,9 +77,9 @@ def build_optimizer(param_groups: list[dict], oc, device: torch.device) -> torch
     except Exception as e:  # ImportError (no apex), RuntimeError (apex without CUDA extensions), ...
         why = f"apex FusedAdam is unusable ({type(e).__name__}: {e})"
     else:
-        _say_once("optimizer: apex FusedAdam (apex is installed with its CUDA extensions)")
+        say_once("optimizer: apex FusedAdam (apex is installed with its CUDA extensions)")
         return opt
-    _say_once(f"optimizer: torch {torch_cls.__name__}(fused=True), because {why}")
+    say_once(f"optimizer: torch {torch_cls.__name__}(fused=True), because {why}")
     return torch_cls(param_groups, fused=True, **kwargs)
 
 

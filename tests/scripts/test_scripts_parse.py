@@ -1,6 +1,7 @@
 """The argument lists of real Megatron-LM / Megatron-DeepSpeed launch scripts (tests/scripts/*.args,
 origins in their headers) parse as their authors meant, before any process group exists."""
 
+import json
 import os
 import shlex
 
@@ -80,7 +81,7 @@ def test_run_175b_ignored_keys_are_named_once():
                 "stage3_param_persistence_threshold", "overlap_comm")
     assert not any(f"zero_optimization.{key}" in ignored[0] for key in honoured)
     ds = cfg.to_deepspeed_config()
-    assert "aio" not in ds and "offload_optimizer" not in ds["zero_optimization"]
+    assert "aio" not in ds and ds["zero_optimization"]["offload_optimizer"]["device"] == "none"
     # The engine's knobs reach it as the JSON wrote them.
     assert {k: ds["zero_optimization"][k] for k in honoured} == {
         "reduce_bucket_size": 90000000, "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 3e9,
@@ -139,12 +140,25 @@ def test_original_175b_pipeline_layout_refused_with_the_numbers():
     ("--no-save-optim", "--no-save-optim: megazero checkpoints always hold the optimizer"),
     ("--partition-activations", "use --sequence-parallel"),
     ("--data-impl lazy", "--data-impl lazy does not exist in megazero"),
-    ("--cpu-optimizer", "optimizer offload to CPU does not exist"),
 ])
 def test_refused_flags_name_the_way(extra, message):
     with pytest.raises(ConfigError, match="refused before any process starts") as e:
         parse_args(script_args("pretrain_gpt_distributed_with_mp") + extra.split(), 4, check_files=False)
     assert message in str(e.value)
+
+
+def test_run_175b_with_its_offload_device_cpu(tmp_path):
+    """run-175b.sh with OFFLOAD_DEVICE=cpu: its JSON's offload_optimizer says cpu and CPU_OPTIM adds
+    --cpu-optimizer; both reach the engine (optimizer state on the host), pinned as the JSON asks."""
+    ds = json.load(open(os.path.join(HERE, "run-175b.json")))
+    ds["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    cfg = parse_args(script_args("run-175b", DS_CONFIG=str(path)) + ["--cpu-optimizer"], 4, check_files=False)
+    off = cfg.to_deepspeed_config()["zero_optimization"]["offload_optimizer"]
+    assert off["device"] == "cpu" and off["pin_memory"] is True and off["buffer_count"] == 4
+    from megazero.zero.config import load_config
+    assert load_config(cfg.to_deepspeed_config()).zero_optimization.offload_optimizer.enabled
 
 
 def test_modern_megatron_flags_map():

@@ -28,6 +28,10 @@ def _z3(**knobs):
     return {"zero_optimization": {"stage": 3, **knobs}}
 
 
+def _off(**keys):
+    return {"zero_optimization": {"stage": 2, "offload_optimizer": keys}}
+
+
 def _fp16(**keys):
     return {"fp16": {"enabled": True, **keys}}
 
@@ -65,6 +69,18 @@ SAMPLES = {
         _z3(stage3_param_persistence_threshold=0), lambda e: any(u.resident for u in e.units), False),
     "zero_optimization.stage3_keep_gathered_in_step": (_z3(stage3_keep_gathered_in_step=True),
                                                        lambda e: (e.hold, e.window.hold, e.reducer), (True, True, None)),
+    "zero_optimization.offload_optimizer.device": (_off(device="cpu"), lambda e: (e.offload is not None,
+                                                                                  e.optimizer.state == {}), (True, True)),
+    "zero_optimization.offload_optimizer.nvme_path": (_off(device="nvme", nvme_path="/tmp/megazero-ds-keys"),
+                                                      lambda e: e.offload.config.nvme_path, "/tmp/megazero-ds-keys"),
+    "zero_optimization.offload_optimizer.pin_memory": (_off(device="cpu", pin_memory=True),
+                                                       lambda e: e.offload.config.pin_memory, True),
+    "zero_optimization.offload_optimizer.buffer_count": (_off(device="cpu", buffer_count=3),
+                                                         lambda e: len(e.offload.ring), 3),
+    "zero_optimization.offload_optimizer.buffer_size": (_off(device="cpu", buffer_size=8192),
+                                                        lambda e: e.offload.chunk, 8192),
+    "zero_optimization.offload_optimizer.ratio": (_off(device="cpu", ratio=0.5), lambda e: 0 < len(e.offload.groups)
+                                                  < len(e.trainable_groups), True),
     "fp16.enabled": (_fp16(), lambda e: e.compute_dtype, torch.float16),
     "fp16.loss_scale": (_fp16(loss_scale=128), lambda e: (e.loss_scaler.dynamic, e.loss_scaler.scale), (False, 128.0)),
     "fp16.initial_scale_power": (_fp16(initial_scale_power=10), lambda e: e.loss_scaler.scale, 1024.0),

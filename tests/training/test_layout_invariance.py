@@ -32,15 +32,19 @@ ITERS = 4
 RTOL = 2e-5
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def write_corpus(directory) -> str:
     """Short documents (several per sample, so the per-document flags have work) as .bin/.idx."""
     rng = np.random.default_rng(3)
     docs = []
     for _ in range(300):
         start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(3, 12)
         docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
-    return write_documents(str(tmp_path_factory.mktemp("layout_data") / "docs_text_document"), docs)
+    return write_documents(str(directory / "docs_text_document"), docs)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("layout_data"))
 
 
 def flags(prefix: str, *extra: str, layers: int = 4, iters: int = ITERS) -> list[str]:

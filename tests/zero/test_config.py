@@ -34,7 +34,7 @@ def test_megatron_deepspeed_azure_config_is_accepted(tmp_path):
 
 @pytest.mark.parametrize("cfg,message", [
     ({"zero_optimization": {"stage": 4}}, "stage must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param"),
     ({"zero_optimization": {"stgae": 2}}, "unknown key zero_optimization.stgae"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one precision"),
     ({"optimizer": {"type": "Lamb"}}, "not supported"),
@@ -61,14 +61,16 @@ def test_listed_keys_are_the_parsed_fields():
     requires the training layer to pass it on)."""
     import dataclasses
 
-    from megazero.zero.config import (HONOURED_KEYS, NO_EFFECT_KEYS, FP16Config, OptimizerConfig, ZeroConfig,
-                                      ZeroOptimizationConfig)
+    from megazero.zero.config import (HONOURED_KEYS, NO_EFFECT_KEYS, FP16Config, OffloadOptimizerConfig,
+                                      OptimizerConfig, ZeroConfig, ZeroOptimizationConfig)
 
     def names(cls):
         return [f.name for f in dataclasses.fields(cls)]
 
     blocks = {"optimizer": ["optimizer.type"] + [f"optimizer.params.{n}" for n in names(OptimizerConfig) if n != "type"],
-              "zero_optimization": [f"zero_optimization.{n}" for n in names(ZeroOptimizationConfig)],
+              "zero_optimization": [f"zero_optimization.{n}" for n in names(ZeroOptimizationConfig)
+                                    if n != "offload_optimizer"]
+              + [f"zero_optimization.offload_optimizer.{n}" for n in names(OffloadOptimizerConfig)],
               "fp16": ["fp16.enabled"] + [f"fp16.{n}" for n in names(FP16Config)],
               "bf16": ["bf16.enabled", "bfloat16.enabled"], "grad_accum_dtype": ["data_types.grad_accum_dtype"]}
     from_fields = {p for n in names(ZeroConfig) for p in blocks.get(n, [n])}
@@ -80,6 +82,9 @@ def test_listed_keys_are_the_parsed_fields():
     # each no-effect key is accepted (DeepSpeed files load)
     load_config({"optimizer": {"params": {"torch_adam": True}}, "fp16": {"enabled": True, "auto_cast": False},
                  "steps_per_print": 5, "wall_clock_breakdown": True,
-                 "zero_optimization": {p.split(".")[1]: 1 for p in NO_EFFECT_KEYS if p.startswith("zero_optimization.")}})
+                 "zero_optimization": {
+                     **{p.split(".")[1]: 1 for p in NO_EFFECT_KEYS if p.count(".") == 1 and p.startswith("zero_optimization.")},
+                     "offload_optimizer": {p.split(".")[2]: True for p in NO_EFFECT_KEYS
+                                           if p.startswith("zero_optimization.offload_optimizer.")}}})
     with pytest.raises(ZeroConfigError, match="unknown top-level key 'grad_accum_dtype'"):
         load_config({"grad_accum_dtype": "fp32"})  # a field's name is not a key: data_types.grad_accum_dtype is

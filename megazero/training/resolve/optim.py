@@ -41,6 +41,7 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
         raise ConfigError(f"--sgd-momentum must be in [0, 1), got {o.sgd_momentum}")
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError(f"--weight-decay and --clip-grad must be >= 0, got {o.weight_decay} and {o.clip_grad}")
+    _resolve_offload(ns, ds, o)
     style = default(ns.weight_decay_incr_style, "constant")
     o.weight_decay_incr_style = style
     if style == "constant":
@@ -60,6 +61,33 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
         # schedule then sets the value every step.
         o.weight_decay = max(o.start_weight_decay, o.end_weight_decay)
     return o
+
+
+def _resolve_offload(ns: argparse.Namespace, ds: Optional[dict[str, Any]], o: OptimConfig) -> None:
+    """--optimizer-cpu-offload (Megatron-core; Megatron-DeepSpeed's --cpu-optimizer) and
+    --optimizer-offload-fraction, checked against the JSON's zero_optimization.offload_optimizer."""
+    flag = bool(getattr(ns, "optimizer_cpu_offload", False) or getattr(ns, "cpu_optimizer", False))
+    fraction = getattr(ns, "optimizer_offload_fraction", None)
+    block = json_get(ds or {}, "zero_optimization.offload_optimizer") or {}
+    json_device = str(block.get("device", "none")).lower() if isinstance(block, dict) else "none"
+    if fraction is not None:
+        if not flag and json_device == "none":
+            raise ConfigError("--optimizer-offload-fraction needs --optimizer-cpu-offload (or an offload_optimizer "
+                              "block with a device in --deepspeed-config)")
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+        if isinstance(block, dict) and "ratio" in block and float(block["ratio"]) != fraction:
+            raise ConfigError(f"--optimizer-offload-fraction {fraction} disagrees with the DeepSpeed JSON's "
+                              f"zero_optimization.offload_optimizer.ratio {block['ratio']}; set it in one place")
+    if flag:
+        # The JSON may say where (nvme, with its path); the flag alone means the host.
+        o.offload_device = json_device if json_device != "none" else "cpu"
+    elif fraction is not None:
+        o.offload_device = json_device
+    o.offload_fraction = fraction
+    if o.offload_device is not None and o.type == "SGD":
+        raise ConfigError("optimizer offload steps Adam/AdamW on the host; --optimizer sgd runs on the accelerator "
+                          "(drop --optimizer-cpu-offload)")
 
 
 def _check_engine_has_sgd() -> None:

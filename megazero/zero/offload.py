@@ -1,0 +1,351 @@
+"""ZeRO-Offload and ZeRO-Infinity for the optimizer: fp32 masters and Adam moments on the host or NVMe.
+
+What moves. ``ratio`` of this rank's partition (whole flat groups, in model order, as DeepSpeed's
+partial offload and Megatron's ``--optimizer-offload-fraction``) is offloaded: for each offloaded
+group the host keeps the fp32 master and Adam's two moments, 12 bytes per element, in host memory
+(``device: cpu``) or in three files under ``nvme_path`` (``device: nvme``). The accelerator keeps
+only what forward and backward use: the compute-dtype parameters (or their ZeRO-3 partition) and
+the gradient partition. Mixed-precision training drops from 16 to 4 bytes per parameter partition
+on the accelerator (fp32 training from 16 to 8: its parameters are fp32).
+
+The step. The norm is computed on the accelerator, where the gradients are (the engine's one
+all-reduce and one host read); then every offloaded group is streamed in chunks of ``buffer_size``
+elements (rounded down to a multiple of :data:`ALIGN`) through a ring of ``buffer_count`` host
+buffers, in three stages:
+
+* fetch (reader thread): the chunk's gradient, accelerator -> ring slot; with NVMe also the master
+  and moments, file -> slot;
+* step (the caller's thread): one multiply by the coefficient the norm gave (unscale, clip), then
+  torch's fused CPU Adam/AdamW on the chunk;
+* return (writer thread): the updated weights in the compute dtype, slot -> accelerator; with NVMe
+  also the state, slot -> file (plain ``pwrite``: no native build, no libaio).
+
+While chunk i steps, chunk i+1 arrives and chunk i-1 leaves; a slot is refilled only after its
+return finished, so at most ``buffer_count`` chunks are in flight and host memory beyond the state
+is the ring: ``buffer_count x buffer_size x 4`` bytes (the gradient) with ``cpu``, ``x 16`` with
+``nvme`` (gradient, master, two moments), whatever the model size.
+
+Exactness. The fused CPU kernel is elementwise; chunks starting at multiples of :data:`ALIGN`
+elements give bit-identical results to one call over the whole partition, so on a CPU machine a
+run with offload equals the run without it (whose CPU masters use the same kernel). On a GPU the
+accelerator's kernel (apex or torch CUDA) and the CPU kernel may round differently (about 1e-7 per
+step).
+
+Whole-tensor access outside the step (checkpoint save and load, loading pretrained weights)
+goes through the same objects the engine always uses: ``group.master`` and the optimizer's state
+are host tensors (``cpu``) or shared memory maps of the files (``nvme``), so every checkpoint and
+load path works unchanged, and a model-only load writes the offloaded masters themselves.
+:meth:`OptimizerOffload.drop_pages` unmaps the pages such an access touched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import mmap
+import os
+import re
+import time
+from typing import Callable, Optional
+
+import torch
+
+from .config import OffloadOptimizerConfig, OptimizerConfig
+from .flat import FlatGroup
+
+__all__ = ["ALIGN", "OptimizerOffload", "offloaded_groups"]
+
+# Chunks start at multiples of this many elements: the fused CPU kernel's vectorised body then
+# covers the same elements as in one call over the whole tensor (an unaligned start moves
+# elements between its vector body and its scalar tail, which round differently).
+ALIGN = 4096
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def offloaded_groups(groups: list[FlatGroup], ratio: float) -> list[FlatGroup]:
+    """The groups whose optimizer state is offloaded: the first ones in model order until
+    ``ratio`` of the elements are covered (a group is offloaded whole or not at all)."""
+    total = sum(g.shard_numel for g in groups)
+    chosen, covered = [], 0
+    for g in groups:
+        if g.shard_numel == 0 or covered >= ratio * total - 1e-9 * total:
+            continue
+        chosen.append(g)
+        covered += g.shard_numel
+    return chosen
+
+
+def _host_empty(numel: int, pin: bool, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """An fp32 host tensor, pinned when asked and possible; returns it and whether it is pinned."""
+    if device.type == "meta":  # a rehearsal: host bytes are counted, not allocated
+        return torch.empty(numel, dtype=torch.float32, device="meta"), False
+    if pin:
+        try:
+            return torch.empty(numel, dtype=torch.float32, pin_memory=True), True
+        except RuntimeError:  # a CPU-only build, no driver, or no locked memory in this container
+            pass
+    return torch.empty(numel, dtype=torch.float32), False
+
+
+class _Files:
+    """One group's master and moments on NVMe: three files of ``numel`` fp32 each, with stable
+    names (reused, not accumulated, across runs), read and written with plain ``pread``/``pwrite``
+    by the step and memory-mapped (shared) for whole-tensor access."""
+
+    def __init__(self, directory: str, name: str, numel: int) -> None:
+        self.numel = numel
+        self.fds, self.maps, self.tensors = {}, {}, {}
+        for key in ("master",) + _STATE_KEYS:
+            path = os.path.join(directory, f"{name}.{key}.fp32")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, numel * 4)
+            self.fds[key] = fd
+            self.maps[key] = mmap.mmap(fd, numel * 4)
+            self.tensors[key] = torch.frombuffer(self.maps[key], dtype=torch.float32)
+
+    def read(self, key: str, lo: int, out: torch.Tensor) -> None:
+        _io(os.preadv, self.fds[key], out, lo * 4)
+
+    def write(self, key: str, lo: int, src: torch.Tensor) -> None:
+        _io(os.pwritev, self.fds[key], src, lo * 4)
+
+    def drop_pages(self) -> None:
+        for m in self.maps.values():
+            m.madvise(mmap.MADV_DONTNEED)  # a shared file mapping keeps its data in the file / page cache
+
+
+def _io(op: Callable, fd: int, t: torch.Tensor, offset: int) -> None:
+    """``op`` (``os.preadv`` / ``os.pwritev``) over all of ``t``'s bytes, retrying short transfers."""
+    view = memoryview(t.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = op(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"offload: {op.__name__} moved {n} bytes at offset {offset + done} of fd {fd} "
+                          f"(the NVMe file is shorter than the partition, or the drive is full)")
+        done += n
+
+
+class OptimizerOffload:
+    """The offloaded part of a ZeRO engine's optimizer: host or NVMe state for ``groups`` and the
+    streamed step over it. The engine's torch optimizer still lists the offloaded masters (their
+    state dict, step count and hyperparameters live there, so checkpoints and LR schedules see one
+    optimizer); they carry no ``.grad`` at its step, which therefore skips them."""
+
+    def __init__(self, groups: list[FlatGroup], config: OffloadOptimizerConfig, oc: OptimizerConfig,
+                 device: torch.device, *, rank: int = 0, say: Callable[[str], None] = lambda m: None) -> None:
+        self.config, self.oc, self.device = config, oc, torch.device(device)
+        self.groups = list(groups)
+        self.host = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
+        self.nvme = config.device == "nvme" and self.device.type != "meta"
+        self.chunk = max(ALIGN, config.buffer_size // ALIGN * ALIGN)
+        self.chunk = min(self.chunk, -(-max([g.shard_numel for g in groups] or [1]) // ALIGN) * ALIGN)
+        self.files: dict[FlatGroup, _Files] = {}
+        self._lock_fd: Optional[int] = None
+        self.pinned = True
+        self.events: Optional[list[tuple[str, int, float, float]]] = None  # set to a list to record stages
+        self.delays: dict[str, float] = {}  # seconds added to a stage (tests of the overlap)
+        if self.nvme:
+            self.directory, self._lock_fd = self._claim_directory(config.nvme_path, rank)
+        for g in self.groups:
+            self._move_master(g)
+        width = 1 + (3 if self.nvme else 0)  # gradient (+ master and moments read from NVMe)
+        self.ring = []
+        for _ in range(config.buffer_count):
+            slot = []
+            for _ in range(width):
+                t, pinned = _host_empty(self.chunk, config.pin_memory, self.device)
+                self.pinned &= pinned
+                slot.append(t)
+            self.ring.append(slot)
+        if config.pin_memory and not self.pinned and self.device.type != "meta":
+            say("offload_optimizer: pin_memory was asked for but host memory cannot be pinned here (no CUDA "
+                "driver, or the container limits locked memory); the ring is pageable, so copies to and from "
+                "the accelerator are synchronous")
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-read")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-write")
+
+    # ------------------------------------------------------------------ placement
+
+    @staticmethod
+    def _claim_directory(root: str, rank: int) -> tuple[str, int]:
+        """This rank's directory under ``root``; refuses one that another live process uses (two
+        jobs sharing a path would overwrite each other's optimizer state)."""
+        directory = os.path.join(root, "megazero_offload", f"rank{rank:05d}")
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RuntimeError(f"offload_optimizer.nvme_path: {directory} is in use by another process; give each "
+                               "concurrent job its own nvme_path") from None
+        return directory, fd
+
+    def _move_master(self, g: FlatGroup) -> None:
+        """Give ``g`` a host (or NVMe) fp32 master holding its current values; the accelerator's
+        copy is freed (with fp32 compute the accelerator keeps ``g.shard``, the forward's weights)."""
+        values = g.master
+        if self.nvme:
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", g.slots[0].name)[:120] + f".{g.shard_start}"
+            files = _Files(self.directory, name, g.shard_numel)
+            self.files[g] = files
+            for lo in range(0, g.shard_numel, self.chunk):  # written through the ring's size, not the map
+                hi = min(lo + self.chunk, g.shard_numel)
+                files.write("master", lo, values[lo:hi].detach().to("cpu", torch.float32).contiguous())
+            g.master = files.tensors["master"]
+        else:
+            master, pinned = _host_empty(g.shard_numel, self.config.pin_memory, self.device)
+            master.copy_(values.detach())
+            g.master = master
+
+    # ------------------------------------------------------------------ the step
+
+    def init_state(self, optimizer: torch.optim.Optimizer, g: FlatGroup) -> dict:
+        """``optimizer``'s state for ``g``'s master, created (zero moments, step 0) if absent, as
+        torch creates it at the first step: host tensors, or the NVMe files' maps (whose old
+        contents the first step does not read: it starts the moments from zero)."""
+        state = optimizer.state[g.master]
+        if "exp_avg" not in state:
+            if self.nvme:
+                for key in _STATE_KEYS:
+                    state[key] = self.files[g].tensors[key]
+            else:
+                for key in _STATE_KEYS:
+                    t, _ = _host_empty(g.shard_numel, self.config.pin_memory, self.device)
+                    state[key] = t.zero_()
+            state["step"] = torch.zeros((), dtype=torch.float32, device=self.host)
+        return state
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, grads: dict[FlatGroup, torch.Tensor], coef: float) -> None:
+        """Adam on every offloaded group: ``grad = grads[g] * coef`` (the engine's unscale and clip),
+        streamed through the ring; on return ``g.shard`` holds the updated compute-dtype weights."""
+        hp = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+        work = []
+        for g in self.groups:
+            first = "exp_avg" not in optimizer.state.get(g.master, {})
+            state = self.init_state(optimizer, g)
+            state["step"] += 1
+            for lo in range(0, g.shard_numel, self.chunk):
+                work.append((g, state, hp[id(g.master)], lo, min(lo + self.chunk, g.shard_numel), first))
+        self._grads = grads
+        try:
+            self._stream(work, coef)
+        finally:
+            self._grads = {}
+
+    def _stream(self, work: list[tuple], coef: float) -> None:
+        """The three-stage pipeline over ``work`` (one item per chunk) and the ring."""
+        count = len(self.ring)
+        fetched: dict[int, concurrent.futures.Future] = {}
+        returned: dict[int, concurrent.futures.Future] = {}
+        for i in range(min(count, len(work))):
+            fetched[i] = self._reader.submit(self._fetch, i, work[i], self.ring[i % count])
+        for i, item in enumerate(work):
+            slot = self.ring[i % count]
+            fetched.pop(i).result()
+            self._step_chunk(i, item, slot, coef)
+            returned[i] = self._writer.submit(self._return, i, item, slot)
+            nxt = i + count  # the slot this chunk used is refilled once its return is done
+            if nxt < len(work):
+                fetched[nxt] = self._reader.submit(self._after, returned[i], self._fetch, nxt, work[nxt], slot)
+        for f in returned.values():
+            f.result()
+
+    @staticmethod
+    def _after(first: concurrent.futures.Future, fn: Callable, *args) -> None:
+        first.result()
+        fn(*args)
+
+    def _record(self, kind: str, i: int, t0: float) -> None:
+        if self.delays.get(kind):
+            time.sleep(self.delays[kind])
+        if self.events is not None:
+            self.events.append((kind, i, t0, time.perf_counter()))
+
+    def _fetch(self, i: int, item, slot: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        g, state, _, lo, hi, first = item
+        n = hi - lo
+        slot[0][:n].copy_(self._grads[g][lo:hi])  # accelerator -> host (fp16/bf16 widened to fp32)
+        if self.nvme:
+            files = self.files[g]
+            files.read("master", lo, slot[1][:n])
+            if first:  # the moments start at zero (the files may hold an earlier run's)
+                slot[2][:n].zero_()
+                slot[3][:n].zero_()
+            else:
+                files.read("exp_avg", lo, slot[2][:n])
+                files.read("exp_avg_sq", lo, slot[3][:n])
+        self._record("fetch", i, t0)
+
+    def _views(self, item, slot):
+        g, state, _, lo, hi, _ = item
+        n = hi - lo
+        if self.nvme:
+            return slot[1][:n], slot[2][:n], slot[3][:n]
+        return g.master[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi]
+
+    def _step_chunk(self, i: int, item, slot: list[torch.Tensor], coef: float) -> None:
+        t0 = time.perf_counter()
+        g, state, group, lo, hi, _ = item
+        grad = slot[0][:hi - lo]
+        grad.mul_(coef)
+        master, exp_avg, exp_avg_sq = self._views(item, slot)
+        beta1, beta2 = group["betas"]
+        kernel = torch._fused_adamw_ if self.oc.adam_w_mode else torch._fused_adam_
+        if self.device.type == "meta":  # the rehearsal: shapes only
+            kernel = lambda *a, **k: None  # noqa: E731
+        kernel([master], [grad], [exp_avg], [exp_avg_sq], [], [state["step"]], lr=group["lr"], beta1=beta1,
+               beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+               grad_scale=None, found_inf=None)
+        if g.compute_dtype != torch.float32:
+            # The gradient is spent: its slot carries the compute-dtype weights back.
+            grad.view(g.compute_dtype)[:hi - lo].copy_(master)
+        self._record("step", i, t0)
+
+    def _return(self, i: int, item, slot: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        g, _, _, lo, hi, _ = item
+        n = hi - lo
+        master, exp_avg, exp_avg_sq = self._views(item, slot)
+        out = master if g.compute_dtype == torch.float32 else slot[0][:n].view(g.compute_dtype)[:n]
+        g.shard[lo:hi].copy_(out)  # host -> accelerator
+        if self.nvme:
+            files = self.files[g]
+            files.write("master", lo, master)
+            files.write("exp_avg", lo, exp_avg)
+            files.write("exp_avg_sq", lo, exp_avg_sq)
+        self._record("return", i, t0)
+
+    # ------------------------------------------------------------------ accounting
+
+    def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Host bytes: the state held in memory (``cpu``), the ring, and the NVMe files' size."""
+        # The master always; the two moments once the first step created them (as torch does).
+        state = sum(g.shard_numel * 4 * (1 + len(_STATE_KEYS) * ("exp_avg" in optimizer.state.get(g.master, {})))
+                    for g in self.groups)
+        ring = sum(t.numel() * t.element_size() for slot in self.ring for t in slot)
+        if self.nvme:
+            return {"host_optimizer": 0, "host_ring": ring, "nvme": sum(g.shard_numel for g in self.groups) * 12}
+        return {"host_optimizer": state, "host_ring": ring, "nvme": 0}
+
+    def drop_pages(self) -> None:
+        """Unmap the NVMe pages a whole-tensor access (checkpoint, load) brought into this process."""
+        for files in self.files.values():
+            files.drop_pages()
+
+    def release(self) -> None:
+        """Stop the I/O threads and close the NVMe files, releasing the directory's lock (the maps
+        close when the last tensor viewing them goes). The engine is unusable for steps after."""
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        for files in self.files.values():
+            for fd in files.fds.values():
+                os.close(fd)
+            files.fds.clear()
+        self.files.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,185 @@
+"""The offloaded optimizer step's parts: the ring's order and bound, the overlap, host bytes, files.
+
+The end-to-end exactness (``pretrain_gpt.py`` with and without offload, bit for bit, checkpoints
+crossing over) is in ``tests/training/test_offload.py``; these tests look inside one engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from megazero import mpu, zero
+from megazero.model import GPTModel
+from megazero.zero.config import ZeroConfigError, load_config
+from megazero.zero.offload import ALIGN
+from tests.distributed import run_distributed
+from tests.zero.common import ds_config, tiny_config
+
+
+def _engine(offload: dict | None, stage: int = 2, bf16: bool = False, **model):
+    mpu.initialize_model_parallel(1)
+    cfg = ds_config(stage, micro=8)
+    if offload is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = offload
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    torch.manual_seed(5)
+    return zero.initialize(GPTModel(tiny_config(**model)), cfg, mpu=mpu)
+
+
+def _train(engine, steps: int = 2) -> list[float]:
+    data = torch.randint(0, 120, (steps, 8, 17), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for x in data:
+        loss = engine(x[:, :-1], labels=x[:, 1:]).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _ring_order(count: int):
+    engine = _engine({"device": "cpu", "buffer_count": count, "buffer_size": ALIGN}, hidden_size=64)
+    off = engine.offload
+    off.events = []
+    _train(engine, 1)
+    chunks = sorted({i for _, i, _, _ in off.events})
+    at = {(kind, i): (t0, t1) for kind, i, t0, t1 in off.events}
+    in_flight = []
+    for i in chunks:
+        assert at["fetch", i][1] <= at["step", i][0] <= at["step", i][1] <= at["return", i][0], i
+        in_flight.append((at["fetch", i][0], at["return", i][1]))
+    # Never more chunks between "fetch started" and "return finished" than ring buffers.
+    worst = max(sum(1 for a, b in in_flight if a <= t < b) for t, _ in in_flight)
+    return len(chunks), worst
+
+
+def test_ring_keeps_stage_order_and_at_most_buffer_count_chunks_in_flight():
+    out = run_distributed(1, _ring_order, 2)
+    chunks, worst = out[0]
+    assert chunks >= 6 and worst <= 2, (chunks, worst)
+
+
+def _overlap(delay: float):
+    engine = _engine({"device": "cpu", "buffer_count": 3, "buffer_size": ALIGN}, hidden_size=64)
+    off = engine.offload
+    off.delays = {"fetch": delay, "step": delay, "return": delay}
+    off.events = []
+    grads = {g: torch.zeros(g.shard_numel) for g in off.groups}
+    off.init_state(engine.optimizer, off.groups[0])
+    t0 = time.perf_counter()
+    off.step(engine.optimizer, grads, 1.0)
+    wall = time.perf_counter() - t0
+    return wall, len({i for _, i, _, _ in off.events})
+
+
+def test_stages_overlap_wall_time_near_the_slowest_stage():
+    """Each of the three stages delayed by d: in sequence a step takes 3 d per chunk; pipelined
+    through three buffers, about d per chunk plus the pipeline's fill and drain."""
+    delay = 0.02
+    wall, chunks = run_distributed(1, _overlap, delay)[0]
+    serial = 3 * delay * chunks
+    assert chunks >= 6
+    assert wall < 0.6 * serial, f"{wall:.3f} s for {chunks} chunks; in sequence {serial:.3f} s"
+    assert wall >= delay * chunks  # the slowest stage bounds it from below
+
+
+def _bytes(device: str, path: str | None):
+    off = {"device": device, "buffer_count": 3, "buffer_size": 2 * ALIGN}
+    if path:
+        off["nvme_path"] = path
+    engine = _engine(off, bf16=True)
+    before = engine.model_state_bytes()
+    _train(engine, 1)
+    after = engine.model_state_bytes()
+    part = sum(g.shard_numel for g in engine.trainable_groups)
+    return before, after, part, engine.offload.chunk
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_host_bytes_are_the_state_and_the_ring(device, tmp_path):
+    before, after, part, chunk = run_distributed(1, _bytes, device, str(tmp_path) if device == "nvme" else None)[0]
+    assert after["optimizer"] == 0  # nothing of the optimizer on the device
+    width = 4 if device == "nvme" else 1  # the gradient (+ master and moments streamed from the files)
+    assert after["host_ring"] == 3 * chunk * 4 * width
+    if device == "cpu":
+        assert before["host_optimizer"] == 4 * part and after["host_optimizer"] == 12 * part
+    else:
+        assert after["host_optimizer"] == 0 and after["nvme"] == 12 * part
+
+
+def _files(path: str):
+    names = []
+    for _ in range(2):  # a second run (a new engine) reuses the first one's files
+        engine = _engine({"device": "nvme", "nvme_path": path})
+        _train(engine, 1)
+        directory = engine.offload.directory
+        names.append(sorted(os.listdir(directory)))
+        groups = len(engine.offload.groups)
+        engine.offload.release()
+        del engine
+        mpu.destroy_model_parallel()
+    return names, groups
+
+
+def test_nvme_files_are_reused_not_accumulated(tmp_path):
+    names, groups = run_distributed(1, _files, str(tmp_path))[0]
+    assert names[0] == names[1]
+    assert len(names[0]) == 1 + 3 * groups  # the lock, and a master and two moments per group
+
+
+def _two_jobs(path: str):
+    first = _engine({"device": "nvme", "nvme_path": path})
+    mpu.destroy_model_parallel()
+    try:
+        _engine({"device": "nvme", "nvme_path": path})
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        first.offload.release()
+    return "accepted"
+
+
+def test_a_second_live_job_on_the_same_nvme_path_is_refused(tmp_path):
+    assert "in use by another process" in run_distributed(1, _two_jobs, str(tmp_path))[0]
+
+
+def _model_only_load(device: str, path: str):
+    """Weights written into the engine after training (a model-only load) reach the step: the
+    offloaded masters are the ones written, not stale copies."""
+    results = []
+    for off in (None, {"device": device, **({"nvme_path": path} if device == "nvme" else {})}):
+        engine = _engine(off, bf16=True)
+        _train(engine, 1)
+        fresh = {k: torch.full_like(v, 0.01) for k, v in engine.consolidated_state_dict().items()}
+        engine.load_full_weights(lambda name: fresh[name])
+        results.append((_train(engine, 1), engine.consolidated_state_dict()))
+        if engine.offload is not None:
+            engine.offload.release()
+        mpu.destroy_model_parallel()
+    (la, wa), (lb, wb) = results
+    return la == lb and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_model_only_load_refreshes_the_offloaded_masters(device, tmp_path):
+    assert run_distributed(1, _model_only_load, device, str(tmp_path))[0]
+
+
+def test_config_is_deepspeeds_schema_and_refuses_what_cannot_work(tmp_path):
+    cfg = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_count": 5, "ratio": 0.3,
+        "fast_init": False, "pipeline_read": True}}}).zero_optimization.offload_optimizer
+    assert (cfg.device, cfg.buffer_count, cfg.ratio, cfg.pin_memory) == ("nvme", 5, 0.3, True)
+    for bad, words in [({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs stage 1, 2 or 3"),
+                       ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "needs zero_optimization"),
+                       ({"stage": 2, "offload_optimizer": {"device": "disk"}}, "must be none, cpu or nvme"),
+                       ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 2}}, "must be in [0, 1]")]:
+        with pytest.raises(ZeroConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            load_config({"zero_optimization": bad})
+    with pytest.raises(ZeroConfigError, match="SGD"):
+        load_config({"optimizer": {"type": "SGD"}, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
