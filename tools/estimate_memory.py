@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from megazero.model.config import GPTConfig, gpt_preset  # noqa: E402
 from megazero.training.config import ConfigError  # noqa: E402
-from megazero.training.memory import GiB, MemoryEstimate, estimate_memory  # noqa: E402
+from megazero.training.memory import GiB, MemoryEstimate, estimate_memory, plan_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sequence-parallel", action="store_true")
     add("--flash-attn", "--use-flash-attn", dest="flash_attn", action="store_true")
     add("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), help="gradient dtype (default: weights' dtype)")
+    add("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none",
+        help="ZeRO-Offload: the optimizer partition's fp32 masters and Adam moments on the host or NVMe")
+    add("--offload-ratio", type=float, default=1.0, help="fraction of the optimizer partition offloaded")
     add("--gpu-memory-gb", type=float, help="GPU capacity in GiB (an '80GB' GPU is 80 GiB); enables the fit check")
     add("--compare", nargs="+", metavar="NAME:FLAGS",
         help="several layouts side by side, each 'name:--tp 4 --pp 8 --zero-stage 1' over the other flags")
@@ -93,7 +96,8 @@ def _plan_from_flags(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
     plan = dict(tp=a.tp, dp=dp, pp=a.pp, zero_stage=a.zero_stage, micro_batch_size=a.micro_batch_size,
                 precision="bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", recompute=a.recompute,
                 sequence_parallel=a.sequence_parallel, flash_attn=a.flash_attn, grad_accum_dtype=a.grad_accum_dtype,
-                global_batch_size=a.global_batch_size, virtual_pp=a.virtual_pp)
+                global_batch_size=a.global_batch_size, virtual_pp=a.virtual_pp,
+                offload_optimizer=a.offload_optimizer, offload_ratio=a.offload_ratio)
     return config, plan
 
 
@@ -104,13 +108,7 @@ def _plan_from_train_args(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
         raise ConfigError("--train-args needs --world-size (the number of processes pretrain_gpt.py would run)")
     cfg = parse_args(a.train_args, a.world_size, check_files=False)
     print(describe(cfg))
-    m, p = cfg.model, cfg.parallel
-    plan = dict(tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=cfg.schedule.micro_batch_size,
-                precision=cfg.precision.dtype, recompute=m.recompute_granularity,
-                sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
-                grad_accum_dtype=a.grad_accum_dtype, global_batch_size=cfg.schedule.global_batch_size,
-                virtual_pp=p.virtual_pp, num_microbatches=cfg.schedule.grad_accum_steps)
-    return m, plan
+    return cfg.model, plan_of(cfg, grad_accum_dtype=a.grad_accum_dtype)
 
 
 def suggestions(config: GPTConfig, plan: dict, gpu_memory_gib: float) -> list[str]:
@@ -118,6 +116,8 @@ def suggestions(config: GPTConfig, plan: dict, gpu_memory_gib: float) -> list[st
     candidates = []
     if plan["zero_stage"] < 3:
         candidates.append(("--zero-stage 3", dict(zero_stage=3)))
+    if plan.get("offload_optimizer", "none") == "none" and plan["zero_stage"] > 0:
+        candidates.append(("--optimizer-cpu-offload (host memory per rank below)", dict(offload_optimizer="cpu")))
     if plan["recompute"] != "full":
         candidates.append(("--recompute-granularity full", dict(recompute="full")))
     if plan["micro_batch_size"] > 1:
@@ -152,6 +152,8 @@ def compare(argv: Sequence[str], layouts: Sequence[str]) -> str:
     kinds = [("weights", lambda e: e.params), ("gradients", lambda e: e.grads),
              ("optimizer states", lambda e: e.optimizer), ("activations", lambda e: e.activations),
              ("ZeRO-3 gather buffers", lambda e: e.buffers), ("total memory", lambda e: e.total)]
+    if any(e.host_total or e.nvme for _, e in rows):
+        kinds += [("host memory (offload)", lambda e: e.host_total), ("NVMe files (offload)", lambda e: e.nvme)]
     out = [f"{'per GPU':<34}" + "".join(f"{n:>14}" for n, _ in rows)]
     out += [f"  {k + ' (GiB)':<32}" + "".join(f"{f(e) / GiB:>14.2f}" for _, e in rows) for k, f in kinds]
     out.append(f"  {'pipeline bubble':<32}" + "".join(f"{e.pipeline.get('bubble', 0.0):>14.3f}" for _, e in rows))

@@ -33,6 +33,8 @@
 #   MICRO_BATCH [2] GLOBAL_BATCH [1024] TRAIN_ITERS [143051 = 300B tokens] LR_WARMUP_ITERS [1430 = 3B tokens]
 #   LAYOUT [tp4z3] TP [4] PP [per LAYOUT] ZERO_STAGE [per LAYOUT] SEQUENCE_PARALLEL [0] GPU_MEMORY_GB [80]
 #   READ_GBPS_PER_RANK [1] FS_GBPS [40]  filesystem read bandwidth for the dry run's start-up estimate
+#   OFFLOAD_DEVICE [none]  cpu or nvme: ZeRO-Offload of the optimizer state (as run-175b.sh's OFFLOAD_DEVICE);
+#               NVME_PATH  the NVMe directory for nvme. The dry run then reports host memory per rank too.
 #   REHEARSE [1]  in a dry run, rehearse the ranks of both layouts (0: the plan only)
 #   REHEARSE_MICRO_BATCHES [16] REHEARSE_RANKS [first/last stage x first/last DP rank]
 # Extra arguments are passed on to pretrain_gpt.py (later flags win).
@@ -113,7 +115,8 @@ cat > "$DS_CONFIG" <<EOF
     "allgather_bucket_size": 500000000,
     "stage3_prefetch_bucket_size": 50000000,
     "stage3_param_persistence_threshold": 100000,
-    "stage3_max_live_parameters": 3000000000
+    "stage3_max_live_parameters": 3000000000,
+    "offload_optimizer": {"device": "${OFFLOAD_DEVICE:-none}", "pin_memory": true${NVME_PATH:+, "nvme_path": "$NVME_PATH"}}
   },
   "bf16": {"enabled": true},
   "gradient_clipping": 1.0,
@@ -166,7 +169,8 @@ if [[ "$DRY_RUN" == 1 ]]; then
     "$PYTHON" "$ROOT/tools/estimate_memory.py" --compare "tp4z3:--tp 4 --zero-stage 3" \
         "tp4pp8z1:--tp 4 --pp 8 --zero-stage 1" --world-size "$CMP_WORLD" --num-layers 40 --hidden-size 5120 \
         --num-attention-heads 40 --seq-length 2048 --vocab-size 50257 --micro-batch-size "$MICRO_BATCH" \
-        --global-batch-size "$GLOBAL_BATCH" --bf16 --recompute full --flash-attn || true
+        --global-batch-size "$GLOBAL_BATCH" --bf16 --recompute full --flash-attn \
+        --offload-optimizer "${OFFLOAD_DEVICE:-none}" || true
     if [[ "${REHEARSE:-1}" == 1 ]]; then
         for layout in tp4z3 tp4pp8z1; do
             echo "rehearsal of $layout on $CMP_WORLD GPUs, beside the plan:"

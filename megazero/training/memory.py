@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
 __all__ = ["traffic_bytes_per_step", "MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
+           "offloaded_bytes", "plan_of",
            "activation_bytes_per_layer", "replicated_parameters", "GiB"]
 
 GiB = 2 ** 30
@@ -82,6 +83,14 @@ class MemoryEstimate:
     pipeline: dict = field(default_factory=dict)  # pp > 1: stages, bubble, p2p bytes per step (see estimate_memory)
     traffic: dict = field(default_factory=dict)  # bytes sent per GPU per step: dp, tp, pp, total
     grad_buckets: float = 0.0  # gradients in flight: autograd's full-size grads of a unit + reduce buckets
+    # Optimizer offload (zero_optimization.offload_optimizer): host bytes, not in ``total``.
+    host_optimizer: float = 0.0  # offloaded fp32 masters + Adam moments held in host memory (device cpu)
+    host_ring: float = 0.0  # the step's ring of host buffers
+    nvme: float = 0.0  # the offloaded state's files (device nvme)
+
+    @property
+    def host_total(self) -> float:
+        return self.host_optimizer + self.host_ring
 
     @property
     def model_states(self) -> float:
@@ -104,6 +113,10 @@ class MemoryEstimate:
         if self.grad_buckets:
             rows.append(("gradients in flight", self.grad_buckets))
         rows.append(("total", self.total))
+        host = [(name, v) for name, v in (("offloaded optimizer", self.host_optimizer),
+                                          ("offload ring buffers", self.host_ring)) if v]
+        if host or self.nvme:
+            host.append(("host total", self.host_total))
         lines = [
             f"parameters: {self.params_total:,} ({self.params_total / 1e9:.2f}B); "
             f"per GPU after TP: {self.params_per_rank:,.0f}",
@@ -130,6 +143,11 @@ class MemoryEstimate:
                          f"{t['tp'] / GiB:.2f} GiB, pipeline {t['pp'] / GiB:.2f} GiB (total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
+        if host or self.nvme:
+            lines.append(f"{'per-rank host memory':<26}{'GiB':>10}")
+            lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in host]
+            if self.nvme:
+                lines.append(f"  {'NVMe files':<24}{self.nvme / GiB:>10.2f}")
         if gpu_memory_gib is not None:
             margin = gpu_memory_gib - self.total / GiB
             verdict = "fits" if margin >= 0 else "does NOT fit"
@@ -153,12 +171,14 @@ def replicated_parameters(config: GPTConfig) -> int:
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = "bf16",
-                      grad_accum_dtype: Optional[str] = None) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per rank for ``psi`` parameters (ZeRO paper, Sec. 3.1/5).
+                      grad_accum_dtype: Optional[str] = None, offload_ratio: float = 0.0) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per rank on the device for ``psi`` parameters (ZeRO
+    paper, Sec. 3.1/5).
 
     Gradients are fp32 for bf16 (the engine's default, Megatron's fp32 main grads) and
     have the weights' dtype otherwise; ``grad_accum_dtype`` overrides (``'bf16'``: the
-    paper's 2 + 2 + 12).
+    paper's 2 + 2 + 12). ``offload_ratio`` of the optimizer partition lives on the host
+    (:func:`offloaded_bytes`): the device keeps the rest.
     """
     if precision not in _STATE_BYTES:
         raise ValueError(f"precision must be one of {sorted(_STATE_BYTES)}, got {precision!r}")
@@ -171,7 +191,22 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = 
         g = _DTYPE_BYTES[grad_accum_dtype]
     return (w * psi / (dp if zero_stage >= 3 else 1),
             g * psi / (dp if zero_stage >= 2 else 1),
-            o * psi / (dp if zero_stage >= 1 else 1))
+            o * psi / (dp if zero_stage >= 1 else 1) * (1.0 - offload_ratio))
+
+
+def offloaded_bytes(psi: float, *, dp: int, ratio: float, device: str, buffer_count: int = 4,
+                    buffer_size: int = 1 << 23) -> dict[str, float]:
+    """Host bytes of ZeRO-Offload (``megazero.zero.offload``) for a rank holding ``psi`` parameters
+    at ``dp``-way partitioning: the fp32 master and two Adam moments (12 B) of ``ratio`` of the
+    partition, in memory (``cpu``) or in files (``nvme``), and the step's ring of ``buffer_count``
+    buffers of ``buffer_size`` fp32 elements (the gradient; with NVMe also the streamed state: x4)."""
+    if device == "none" or ratio <= 0:
+        return {"host_optimizer": 0.0, "host_ring": 0.0, "nvme": 0.0}
+    state = 12.0 * psi / dp * ratio
+    chunk = max(4096, int(buffer_size) // 4096 * 4096)
+    ring = buffer_count * min(chunk, -(-int(psi / dp) // 4096) * 4096) * 4 * (4 if device == "nvme" else 1)
+    return {"host_optimizer": 0.0 if device == "nvme" else state, "host_ring": float(ring),
+            "nvme": state if device == "nvme" else 0.0}
 
 
 def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int = 1,
@@ -236,7 +271,9 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     grad_accum_dtype: Optional[str] = None,
                     global_batch_size: Optional[int] = None, virtual_pp: int = 1,
                     num_microbatches: Optional[int] = None, reduce_bucket_size: Optional[float] = None,
-                    prefetch_bucket_size: Optional[float] = None) -> MemoryEstimate:
+                    prefetch_bucket_size: Optional[float] = None, offload_optimizer: str = "none",
+                    offload_ratio: float = 1.0, offload_buffer_count: int = 4,
+                    offload_buffer_size: int = 1 << 23) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -252,7 +289,16 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     step's peak (the start of backward, every activation alive), one unit's full-size
     autograd gradients and one bucket of ``reduce_bucket_size`` (None: a unit; a larger
     unit is a bucket of its own) in the reduction dtype.
+
+    ``offload_optimizer`` (``cpu`` / ``nvme``, with DeepSpeed's ``ratio``, ``buffer_count`` and
+    megazero's ``buffer_size``) moves that share of the optimizer states off the device; the host's
+    bytes are reported apart (``host_optimizer``, ``host_ring``, ``nvme``), not in ``total``.
     """
+    if offload_optimizer not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
+    if offload_optimizer != "none" and zero_stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (it offloads the rank's partition)")
+    ratio = offload_ratio if offload_optimizer != "none" else 0.0
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
     if tp < 1 or pp < 1 or micro_batch_size < 1:
@@ -262,7 +308,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     replicated = replicated_parameters(config)
     psi = ((total - replicated) / tp + replicated) / pp
     weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision,
-                                              grad_accum_dtype=grad_accum_dtype)
+                                              grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio)
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
@@ -295,7 +341,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         pipeline, stage = _pipeline_plan(config, total=total, replicated=replicated, tp=tp, dp=dp, pp=pp,
                                          v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
-                                         seq_length=s, sequence_parallel=sequence_parallel and tp > 1)
+                                         seq_length=s, sequence_parallel=sequence_parallel and tp > 1,
+                                         offload_ratio=ratio)
         psi, (weights, grads, optim) = stage["params"], stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
@@ -303,7 +350,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                      micro_batch_size=micro_batch_size, seq_length=s, precision=precision,
                                      layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0),
                                      recompute=recompute, grad_accum_dtype=grad_accum_dtype)
+    host = offloaded_bytes(psi, dp=dp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
+                           buffer_size=offload_buffer_size)
     return MemoryEstimate(
+        **host,
         traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
         grad_buckets=grad_buckets,
@@ -311,7 +361,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
         plan=dict(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, micro_batch_size=micro_batch_size, seq_length=s,
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
-                  flash_attn=flash_attn, global_batch_size=gbs),
+                  flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
+                  offload_ratio=ratio),
         activation_detail=act, pipeline=pipeline)
 
 
@@ -354,7 +405,8 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
 
 def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,
                    zero_stage: int, precision: str, grad_accum_dtype: Optional[str], act: dict,
-                   micro_batch_size: int, seq_length: int, sequence_parallel: bool) -> tuple[dict, dict]:
+                   micro_batch_size: int, seq_length: int, sequence_parallel: bool,
+                   offload_ratio: float = 0.0) -> tuple[dict, dict]:
     """Per-stage parameters, model states and activations in flight; the bubble and p2p bytes."""
     c = config
     L, h = c.num_layers, c.hidden_size
@@ -390,7 +442,7 @@ def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, d
         if r == pp - 1:
             acts += act["outside_layers"]  # the loss's logits: one micro-batch at a time
         states = model_state_bytes(params, dp=dp, zero_stage=zero_stage, precision=precision,
-                                   grad_accum_dtype=grad_accum_dtype)
+                                   grad_accum_dtype=grad_accum_dtype, offload_ratio=offload_ratio)
         st = dict(stage=r, layers=n, ends=f" + {' + '.join(ends)}" if ends else "", params=params, states=states,
                   activations=acts, in_flight=in_flight, total=sum(states) + acts)
         stages.append(st)
@@ -408,17 +460,26 @@ def _embedding_params(config: GPTConfig) -> int:
     return config.padded_vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
 
 
-def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:
-    """``estimate_memory`` for a parsed ``TrainConfig`` (the plan pretrain_gpt.py would run), with the
-    bucket sizes its ZeRO engine gets (the --deepspeed_config JSON's, else the engine's defaults)."""
+def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> dict:
+    """The keyword arguments of :func:`estimate_memory` for a parsed ``TrainConfig`` (the plan
+    pretrain_gpt.py would run), with what its ZeRO engine gets from the --deepspeed_config JSON
+    (else the engine's defaults): bucket sizes and optimizer offload."""
     from megazero.zero.config import load_config
 
     m, p = config.model, config.parallel
     zc = load_config(config.to_deepspeed_config()).zero_optimization
-    return estimate_memory(
-        m, tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
+    off = zc.offload_optimizer
+    return dict(
+        tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
         grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size,
         virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps,
-        reduce_bucket_size=zc.reduce_bucket_size, prefetch_bucket_size=zc.stage3_prefetch_bucket_size)
+        reduce_bucket_size=zc.reduce_bucket_size, prefetch_bucket_size=zc.stage3_prefetch_bucket_size,
+        offload_optimizer=off.device if off.enabled else "none", offload_ratio=off.ratio,
+        offload_buffer_count=off.buffer_count, offload_buffer_size=off.buffer_size)
+
+
+def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:
+    """``estimate_memory`` for a parsed ``TrainConfig`` (see :func:`plan_of`)."""
+    return estimate_memory(config.model, **plan_of(config, grad_accum_dtype=grad_accum_dtype))

@@ -92,6 +92,10 @@ class RankReport:
     micro_batches: int  # per iteration
     seconds: float  # wall time of this rank's rehearsal
     plan: dict[str, float] = dataclasses.field(default_factory=dict)  # the planner's figures for this rank
+    # Optimizer offload: the engine's host bytes (offloaded state in memory + the step's ring), which
+    # the rehearsal holds as meta tensors too and takes out of state_bytes / peak_bytes; NVMe files apart.
+    host_bytes: int = 0
+    nvme_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -328,13 +332,19 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
 
     def on_iteration_end(iteration: int, run) -> None:
         if iteration == 1:
-            measured["state"] = tracker.absolute_current_bytes
-            measured["engine_state"] = run.engine.model_state_bytes()["total"]
+            counted = run.engine.model_state_bytes()
+            # Offloaded state and the ring are meta tensors here too; on a GPU they are host memory.
+            measured["host"] = counted.get("host_optimizer", 0) + counted.get("host_ring", 0)
+            measured["nvme"] = counted.get("nvme", 0)
+            measured["state"] = tracker.absolute_current_bytes - measured["host"]
+            measured["engine_state"] = counted["total"]
             tracker.reset_peak(relabel="state")
             counters.start()
         elif iteration == 2:
             counters.counting = False
-            measured["peak"], measured["peak_by_kind"] = tracker.absolute_peak_bytes, tracker.peak_by_kind
+            kinds = dict(tracker.peak_by_kind)
+            kinds["state"] = kinds.get("state", 0) - measured["host"]
+            measured["peak"], measured["peak_by_kind"] = tracker.absolute_peak_bytes - measured["host"], kinds
             measured["peak_at"] = tracker.peak_where or "before iteration 2 (its state)"
 
     out = log or io.StringIO()
@@ -364,7 +374,8 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         peak_at=measured["peak_at"],
         sent_bytes=sent, sent_by_op={k: int(v) for k, v in sorted(counters.sent.items())},
         calls_by_op=dict(sorted(counters.calls.items())), host_reads=counters.host_reads,
-        engine_state_bytes=measured["engine_state"], micro_batches=config.schedule.grad_accum_steps,
+        engine_state_bytes=measured["engine_state"], host_bytes=measured["host"], nvme_bytes=measured["nvme"],
+        micro_batches=config.schedule.grad_accum_steps,
         seconds=round(time.perf_counter() - t0, 2), plan=plan_for_rank(config, groups.pp_rank))
 
 
@@ -399,10 +410,11 @@ def plan_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, float]:
 
     est = estimate_memory_for(config)
     stages = est.pipeline.get("stages")
+    host = {"host_bytes": est.host_total} if est.plan.get("offload_optimizer", "none") != "none" else {}
     if not stages:
-        return {"state_bytes": est.model_states, "peak_bytes": est.total}
+        return {"state_bytes": est.model_states, "peak_bytes": est.total, **host}
     st = stages[pp_rank]
-    return {"state_bytes": float(sum(st["states"])), "peak_bytes": float(st["total"])}
+    return {"state_bytes": float(sum(st["states"])), "peak_bytes": float(st["total"]), **host}
 
 
 def format_report(r: RankReport) -> str:
@@ -415,6 +427,10 @@ def format_report(r: RankReport) -> str:
              f"{_size(r.engine_state_bytes)})",
              f"  peak in iteration 2        {_size(r.peak_bytes):>11}   = {kinds}",
              f"    reached in {r.peak_at}"]
+    if r.host_bytes or r.nvme_bytes:
+        planned = f"; the plan: {_size(r.plan['host_bytes'])}" if "host_bytes" in r.plan else ""
+        lines.append(f"  host memory (offload)      {_size(r.host_bytes):>11}   (offloaded state and the step's "
+                     f"ring{planned})" + (f"; NVMe files {_size(r.nvme_bytes)}" if r.nvme_bytes else ""))
     if r.plan:
         lines.append(f"  the plan (tools/estimate_memory.py): state {_size(r.plan['state_bytes'])}, peak "
                      f"{_size(r.plan['peak_bytes'])}; rehearsed / plan: state "

@@ -94,6 +94,7 @@ class _Files:
 
     def __init__(self, directory: str, name: str, numel: int) -> None:
         self.numel = numel
+        self.bytes_read = self.bytes_written = 0  # by the step's plain reads and writes
         self.fds, self.maps, self.tensors = {}, {}, {}
         for key in ("master",) + _STATE_KEYS:
             path = os.path.join(directory, f"{name}.{key}.fp32")
@@ -105,9 +106,11 @@ class _Files:
 
     def read(self, key: str, lo: int, out: torch.Tensor) -> None:
         _io(os.preadv, self.fds[key], out, lo * 4)
+        self.bytes_read += out.numel() * 4
 
     def write(self, key: str, lo: int, src: torch.Tensor) -> None:
         _io(os.pwritev, self.fds[key], src, lo * 4)
+        self.bytes_written += src.numel() * 4
 
     def drop_pages(self) -> None:
         for m in self.maps.values():
@@ -330,6 +333,10 @@ class OptimizerOffload:
         if self.nvme:
             return {"host_optimizer": 0, "host_ring": ring, "nvme": sum(g.shard_numel for g in self.groups) * 12}
         return {"host_optimizer": state, "host_ring": ring, "nvme": 0}
+
+    def io_bytes(self) -> tuple[int, int]:
+        """Bytes read from and written to the NVMe files by the steps so far (0, 0 with ``cpu``)."""
+        return (sum(f.bytes_read for f in self.files.values()), sum(f.bytes_written for f in self.files.values()))
 
     def drop_pages(self) -> None:
         """Unmap the NVMe pages a whole-tensor access (checkpoint, load) brought into this process."""

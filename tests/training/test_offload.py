@@ -128,3 +128,33 @@ def test_checkpoints_cross_between_offload_and_none(cells, data, runs):
     one = launch(1, flags(data), runs, "one_process")
     got = launch(1, flags(data, "--load", str(runs / f"{name}_off"), "--ckpt-step", "2"), runs, "resumed_plain")
     assert_same_run(got, {it: r for it, r in one.items() if it > 2}, rtol=RTOL, what="plain resume of an offloaded run")
+
+
+def test_rehearsal_and_plan_report_host_bytes_apart(tmp_path):
+    """tools/rehearse.py at 16 ranks of a 1.3B GPT, ZeRO-2 with --optimizer-cpu-offload: the device
+    holds no optimizer state (the ZeRO formulas minus 12 B per partition element), the host the
+    12 B and the ring, as the planner says; the estimate tool prints both."""
+    import subprocess
+    import sys
+
+    from megazero.training.memory import estimate_memory_for, model_state_bytes
+    from megazero.training.rehearsal import rehearsal_config
+    from tests.training.test_rehearse import MODEL, ROOT, WORLD, _rehearse
+
+    flags = ["--tp", "2", "--zero-stage", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--optimizer-cpu-offload"]
+    code, doc, out = _rehearse(tmp_path, "offload", flags, "--ranks", "0", "--micro-batches", "1")
+    assert code == 0, out
+    config, _ = rehearsal_config(MODEL + flags, WORLD)
+    est = estimate_memory_for(config)
+    psi, dp = est.params_per_rank, config.parallel.dp
+    weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=2, precision="bf16")
+    r = doc["ranks"][0]
+    assert est.optimizer == 0 and est.host_optimizer == pytest.approx(optim)  # 12 B per partition element
+    assert r["state_bytes"] == pytest.approx(weights + grads, rel=0.05)
+    assert r["host_bytes"] == pytest.approx(est.host_total, rel=0.05)
+    assert "host memory (offload)" in out
+    text = subprocess.run([sys.executable, str(ROOT / "tools" / "estimate_memory.py"), "--world-size", str(WORLD),
+                           "--train-args", *MODEL, *flags, "--mock-data", "--train-iters", "2"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "per-rank host memory" in text and "offloaded optimizer" in text, text
