@@ -33,10 +33,12 @@ def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]
         if t is None:
             continue
         for lo, hi in _ranges(engine, g):
-            x = t[lo:hi].double()
-            sums[0] += x.pow(2).sum()
-            sums[1] += x.abs().sum()
-            peak = torch.maximum(peak, x.abs().max(dim=0, keepdim=True)[0]) if hi > lo else peak
+            x = t[lo:hi].double()  # an offloaded master or moment is on the host: its sums come over
+            sums[0] += x.pow(2).sum().to(sums.device)
+            sums[1] += x.abs().sum().to(sums.device)
+            peak = torch.maximum(peak, x.abs().max(dim=0, keepdim=True)[0].to(peak.device)) if hi > lo else peak
+    if getattr(engine, "offload", None) is not None:
+        engine.offload.drop_pages()  # the NVMe maps' pages this read
     for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
         dist.all_reduce(sums, group=group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
@@ -65,7 +67,9 @@ def optimizer_state_stats(engine) -> dict[str, float]:
 class count_zeros_in_grads:
     """--log-num-zeros-in-grad: count the zeros of the (reduced, unscaled) gradient when the
     optimizer steps. The engine sets ``master.grad`` just before ``optimizer.step()`` and drops
-    it after, so the count is taken by wrapping that one call."""
+    it after, so the count is taken by wrapping that one call; an offloaded group's gradient
+    never becomes a ``master.grad`` (it streams to the host from the engine's partition), so its
+    zeros are counted there (scaling does not change which elements are zero)."""
 
     def __init__(self, engine) -> None:
         self.engine, self.zeros = engine, None
@@ -74,10 +78,12 @@ class count_zeros_in_grads:
 
     def _counting_step(self, *args, **kwargs):
         local = torch.zeros(1, dtype=torch.float64, device=self.engine.device)
+        offloaded = getattr(self.engine, "_offloaded", set())
         for g in self.engine.groups:
-            if g.master.grad is not None:
+            grad = self.engine.grad_shard.get(g) if id(g) in offloaded else g.master.grad
+            if grad is not None:
                 for lo, hi in _ranges(self.engine, g):
-                    local += (g.master.grad[lo:hi] == 0).sum()
+                    local += (grad[lo:hi] == 0).sum()
         for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
             dist.all_reduce(local, group=group)
         self.zeros = local  # on the device: read (float) when the log line is written

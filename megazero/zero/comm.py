@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..mpu.utils import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "gradient_communicator"]
 
 
 class CommCounter:
@@ -67,3 +67,28 @@ class CommCounter:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+
+
+def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_size: int,
+                          keep_gathered: bool) -> Optional[dist.ProcessGroup]:
+    """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the DP ranks again.
+
+    Backward interleaves the window's gathers (in the agreed trace order) with the reducer's
+    reduce-scatters (in the static unit order) differently on ranks whose forwards differed (a
+    layer some ranks skip), and collectives on one communicator must come in the same order on
+    every rank: on a communicator of their own, each kind keeps its own agreed order. Costs one
+    more communicator per DP group; ZeRO-2 (no gathers in backward) and the keep-gathered policy
+    (``keep_gathered``) reuse the DP group.
+    """
+    if stage < 3 or dp_size == 1 or keep_gathered:
+        return dp_group
+    ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
+    # A group made by its members alone is named by its ranks: a later engine over the same ranks
+    # (another model in this process) reuses it rather than fail to create it twice.
+    try:
+        c10d = dist.distributed_c10d
+        name = c10d._process_group_name(ranks, use_hashed_name=True)
+        existing = next((pg for pg, n in c10d._world.pg_names.items() if n == name), None)
+    except AttributeError:  # torch's private registry moved: create (works once per process)
+        existing = None
+    return existing or dist.new_group(ranks, use_local_synchronization=True)

@@ -45,11 +45,11 @@ from typing import Callable, Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
 from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max
-from .comm import CommCounter
+from .comm import CommCounter, gradient_communicator
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, fill_range
+from .full_weights import FullWeights
 from .loss_scaler import LossScaler
 from .offload import OptimizerOffload, offloaded_groups
 from .optim import build_optimizer, say_once
@@ -68,7 +68,7 @@ def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class ZeroEngine(torch.nn.Module):
+class ZeroEngine(FullWeights, torch.nn.Module):
     """Wraps a model; owns its partitioned parameters, gradients and optimizer state."""
 
     def __init__(
@@ -98,7 +98,9 @@ class ZeroEngine(torch.nn.Module):
         self.tp_group = tp_group
         config.check_batch(self.dp_size)
         self.comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group,
-                                 "dp_grads": self._gradient_group(dp_group, config)})
+                                 "dp_grads": gradient_communicator(
+                                     dp_group, config.stage, self.dp_size,
+                                     config.zero_optimization.stage3_keep_gathered_in_step)})
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.grad_dtype  # accumulated gradient partitions
         self.reduce_dtype = config.reduce_dtype  # what the DP collectives carry
@@ -174,27 +176,6 @@ class ZeroEngine(torch.nn.Module):
         self._global_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ construction
-
-    def _gradient_group(self, dp_group: Optional[dist.ProcessGroup], config: ZeroConfig):
-        """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the DP ranks again.
-        Backward interleaves the window's gathers (in the agreed trace order) with the reducer's
-        reduce-scatters (in the static unit order) differently on ranks whose forwards differed (a
-        layer some ranks skip), and collectives on one communicator must come in the same order on
-        every rank: on a communicator of their own, each kind keeps its own agreed order. Costs one
-        more communicator per DP group; ZeRO-2 (no gathers in backward) and the hold policy reuse
-        the DP group."""
-        if self.stage < 3 or self.dp_size == 1 or config.zero_optimization.stage3_keep_gathered_in_step:
-            return dp_group
-        ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
-        # A group made by its members alone is named by its ranks: a later engine over the same ranks
-        # (another model in this process) reuses it rather than fail to create it twice.
-        try:
-            c10d = dist.distributed_c10d
-            name = c10d._process_group_name(ranks, use_hashed_name=True)
-            existing = next((pg for pg, n in c10d._world.pg_names.items() if n == name), None)
-        except AttributeError:  # torch's private registry moved: create (works once per process)
-            existing = None
-        return existing or dist.new_group(ranks, use_local_synchronization=True)
 
     def _build_units(self, no_decay: NoDecayFn) -> tuple[list[Unit], list[FlatGroup], object]:
         stage = self.stage
@@ -565,74 +546,6 @@ class ZeroEngine(torch.nn.Module):
     def num_local_parameters(self) -> int:
         """Ψ of the ZeRO formulas: parameters of this rank's TP shard."""
         return sum(g.numel for g in self.groups)
-
-    # ------------------------------------------------------------------ full weights
-
-    def tp_local(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP shard of ``full``, a tp=1-shaped value of ``param`` (or of its optimizer state)."""
-        if not is_tp_sharded(param) or self.tp_size == 1:
-            return full
-        return shard_of_full(full, param.partition_dim, getattr(param, "partition_stride", 1), self.tp_rank, self.tp_size)
-
-    @torch.no_grad()
-    def load_full_weights(self, full: Callable[[str], torch.Tensor]) -> None:
-        """Set every parameter (fp32 master and compute copy) from its full, tp=1-shaped value.
-
-        ``full(name)`` returns the full tensor of parameter ``name``; each rank keeps its
-        TP shard's DP partition. No communication. Raises ValueError on a shape mismatch.
-        """
-        for g in self.groups:
-            for s in g.slots:
-                value = full(s.name)
-                local = self.tp_local(s.param, value)
-                if tuple(local.shape) != tuple(s.shape):
-                    raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
-                                     f"the model has {tuple(s.shape)}; was the model configured differently?")
-                g.load_param_values(s, local)
-        self.release_gathered()  # drop gathered copies of the old values
-
-    @torch.no_grad()
-    def full_master_tensors(self, which: str = "master") -> dict[str, torch.Tensor]:
-        """Every parameter's value (fp32 master, or an Adam moment ``exp_avg``/``exp_avg_sq``)
-        for this TP rank's shard, assembled over DP. Collective over the DP group."""
-        out = {}
-        for g in self.groups:
-            local = g.master if which == "master" else self.optimizer.state.get(g.master, {}).get(which)
-            if local is None:
-                local = torch.zeros_like(g.master)
-            full = torch.empty(g.padded_numel, dtype=torch.float32, device=self.device)
-            if g.partitions > 1:  # an offloaded master is on the host: collectives run on the device
-                self.comm.all_gather(full, local.to(self.device, torch.float32).contiguous(), "dp")
-            else:
-                full.copy_(local)
-            out.update({k: v.clone() for k, v in g.unflatten(full).items()})
-        return out
-
-    @torch.no_grad()
-    def consolidated_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """Full, unsharded fp32 weights with the keys of a tp=1 model (collective).
-
-        Returned on global rank 0 only unless ``rank0_only=False``.
-        """
-        local = self.full_master_tensors("master")
-        out = {}
-        for name, value in local.items():
-            g, slot = self._slot_by_name[name]
-            p = slot.param
-            if is_tp_sharded(p) and self.tp_size > 1:
-                parts = [torch.empty_like(value) for _ in range(self.tp_size)]
-                dist.all_gather(parts, value.contiguous(), group=self.tp_group)
-                value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
-            out[name] = value.cpu()
-        primary = {id(p): n for n, p in self.module.named_parameters()}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if name != primary[id(p)] and id(p) in self.slot_of:  # a shared weight under its other names
-                out.setdefault(self.param_name(name), out[self.slot_of[id(p)][1].name])
-        for name, b in self.module.named_buffers():
-            out.setdefault(self.param_name(name), b.detach().cpu().clone())
-        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
-            return {}
-        return out
 
 
 def _default_device() -> torch.device:

@@ -5,7 +5,8 @@ CPU AdamW, chunked at multiples of 4096 elements), so a run with offload must be
 to the same command without it: losses and grad norms in the metrics file, and every saved
 tensor (fp32 masters, both Adam moments) of every rank's checkpoint shard. Cells:
 
-* dp 2, ZeRO-1, fp32, Megatron-core's ``--optimizer-cpu-offload``, accumulation 2, clipping;
+* dp 2, ZeRO-1, fp32, Megatron-core's ``--optimizer-cpu-offload``, accumulation 2, clipping, with
+  ``--log-params-norm`` and ``--log-num-zeros-in-grad`` (which read the offloaded masters and gradients);
 * pp 2 x dp 2, ZeRO-3, bf16, the DeepSpeed JSON's ``offload_optimizer`` on the host with
   ``ratio`` 0.5 and a two-buffer ring;
 * dp 2, ZeRO-2, fp16 with forced overflows (skipped steps, then trained ones), NVMe (files), ratio 1;
@@ -51,7 +52,7 @@ def shard_tensors(save_dir, iteration: int) -> dict[str, torch.Tensor]:
 def assert_bit_identical(got: dict, ref: dict, got_dir, ref_dir, iteration: int, what: str) -> None:
     assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
     for it in ref:
-        for key in ("lm_loss", "grad_norm", "loss_scale"):
+        for key in ("lm_loss", "grad_norm", "loss_scale", "params_norm", "num_zeros"):
             if key in ref[it]:
                 assert got[it][key] == ref[it][key], f"{what}: iteration {it} {key} {got[it][key]} vs {ref[it][key]}"
     a, b = shard_tensors(got_dir, iteration), shard_tensors(ref_dir, iteration)
@@ -63,7 +64,8 @@ def assert_bit_identical(got: dict, ref: dict, got_dir, ref_dir, iteration: int,
 
 CELLS = {
     # name: (world, flags, JSON for the offloaded run or None (flags only))
-    "z1_dp2_fp32_flag": (2, ["--zero-stage", "1", "--optimizer-cpu-offload"], None),
+    "z1_dp2_fp32_flag": (2, ["--zero-stage", "1", "--optimizer-cpu-offload", "--log-params-norm",
+                             "--log-num-zeros-in-grad"], None),
     "z3_pp2_dp2_bf16_ratio": (4, ["--pp", "2", "--zero-stage", "3", "--bf16"],
                               {"device": "cpu", "ratio": 0.5, "buffer_count": 2, "buffer_size": 4096}),
     "z2_dp2_fp16_overflow_nvme": (2, ["--zero-stage", "2", "--fp16", "--initial-loss-scale", str(2 ** 18)],
@@ -120,7 +122,8 @@ def test_checkpoints_cross_between_offload_and_none(cells, data, runs):
     nvme = runs / "resume.json"
     nvme.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "nvme",
                                                                             "nvme_path": str(runs / "resume_nvme")}}}))
-    got = launch(2, flags(data, "--zero-stage", "1", "--deepspeed_config", str(nvme), "--load", str(runs / f"{name}_ref"),
+    got = launch(2, flags(data, "--zero-stage", "1", "--log-params-norm", "--log-num-zeros-in-grad",
+                          "--deepspeed_config", str(nvme), "--load", str(runs / f"{name}_ref"),
                           "--ckpt-step", "2", "--save", str(runs / "resumed_nvme")), runs, "resumed_nvme")
     tail = {it: r for it, r in cells[f"{name}_ref"].items() if it > 2}
     assert_bit_identical(got, tail, runs / "resumed_nvme", runs / f"{name}_ref", 4, "nvme resume of a plain checkpoint")
