@@ -22,6 +22,10 @@ temporaries); "x model" = that rise over the full fp32 model's bytes (RSS sample
 millisecond by a thread during the measured step); peak RSS = the process's ``ru_maxrss``
 (start-up included). megazero runs with its defaults (the next unit prefetched, one unit per
 reduce bucket) and with DeepSpeed's element counts (prefetch 5e7, bucket 5e8) for contrast.
+Then one more step per configuration under ``LiveMemoryTracker`` gives the live tensors at the
+step's peak by kind (gathered parameters, activations, recomputed, reduce buckets, backward's
+gradients and temporaries, the step's temporaries: ``megazero.utils.step_kinds``), for megazero and
+FSDP2 alike, printed as a table after each shape.
 
 Baseline (same invocation): PyTorch FSDP2, ``fully_shard`` per layer and on the root, which
 frees unsharded storage with ``untyped_storage().resize_(0)``.
@@ -38,6 +42,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 WORKER = ROOT / "benchmarks" / "zero_baselines.py"
 RUNS = {  # name -> worker flags
     "megazero ZeRO-3": ["--system", "megazero", "--zero-stage", "3"],
@@ -68,12 +73,12 @@ def main(argv=None) -> int:
 def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
     shape = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-heads", "8",
              "--seq-length", str(seq), "--vocab-size", str(vocab), "--micro-batch", str(rows_per_rank),
-             "--steps", "1", "--warmup", "1", "--tp", "1", "--dtype", "fp32"]
+             "--steps", "1", "--warmup", "1", "--tp", "1", "--dtype", "fp32", "--breakdown"]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     h, layers = a.hidden_size, a.num_layers
     params = layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h
     model_bytes = 4 * params
-    rows = []
+    rows, kinds = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.runs:
             out = Path(tmp) / "out.json"
@@ -87,6 +92,8 @@ def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
             rise = max(r["step_rss_rise_bytes"] for r in ranks)
             peak = max(r["peak_rss_bytes"] for r in ranks)
             rows.append((name, rise, peak, max(r["tokens_per_s"] for r in ranks)))
+            worst = max(ranks, key=lambda r: r["breakdown"]["above_start"])["breakdown"]
+            kinds.append((name, worst))
     print(f"\n{label}-dominated: GPT {layers} layers, hidden {h}, vocab {vocab}, seq {seq}, {rows_per_rank} "
           f"sequence(s) per rank: {params / 1e6:.1f}M parameters, fp32 model {model_bytes / 2**20:.0f} MiB; "
           "dp 4, one rank per process, MALLOC_MMAP_THRESHOLD_=65536")
@@ -98,8 +105,25 @@ def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
         if name in base and FSDP2 in base:
             (r3, p3), (rf, pf) = base[name], base[FSDP2]
             print(f"{name} / FSDP2: step rise {r3 / rf:.2f}x, peak RSS {p3 / pf:.2f}x")
+    _print_breakdown(kinds)
     if "megazero ZeRO-3" in base and "megazero ZeRO-1" in base:
         print(f"megazero ZeRO-3 / ZeRO-1 peak RSS: {base['megazero ZeRO-3'][1] / base['megazero ZeRO-1'][1]:.2f}x")
+
+
+def _print_breakdown(kinds: list) -> None:
+    """What is alive at the step's peak above its start, by kind (live tensor bytes, the largest rank;
+    megazero.utils.step_kinds), one column per configuration."""
+    from megazero.utils.step_kinds import KINDS
+
+    if not kinds:
+        return
+    print("live tensors at the step's peak, above the step's start (MiB, largest rank; LiveMemoryTracker):")
+    print(f"{'kind':24s}" + "".join(f"{name[:22]:>24s}" for name, _ in kinds))
+    for kind in KINDS:
+        values = [b["by_kind"].get(kind, 0) for _, b in kinds]
+        if any(values):
+            print(f"{kind:24s}" + "".join(f"{v / 2**20:24.1f}" for v in values))
+    print(f"{'total':24s}" + "".join(f"{b['above_start'] / 2**20:24.1f}" for _, b in kinds))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ZeRO-2/3 reduce_bucket_size in elements (default: the engine's, one unit per bucket)")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="ZeRO-3 stage3_param_persistence_threshold (megazero and DeepSpeed)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="after the timed steps, one more step under LiveMemoryTracker: its peak by kind "
+                        "(megazero.utils.step_kinds)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -306,6 +309,20 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - t0)
         cpu.append(c1 - c0)
         losses.append(float(loss.detach().float()))
+    breakdown = None
+    if args.breakdown:  # apart from the RSS-measured steps: the tracker's hooks slow every op
+        from megazero.utils.memory_tracker import LiveMemoryTracker
+        from megazero.utils.step_kinds import StepKinds
+
+        tokens = batch(args.warmup + args.steps, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
+        kinds = StepKinds()
+        with kinds, LiveMemoryTracker("cpu", kind_of=kinds.kind_of) as tracker:
+            tracker.reset_peak(relabel="state")
+            step(tokens)
+        by_kind = tracker.peak_by_kind
+        breakdown = {"above_start": tracker.absolute_peak_bytes - by_kind.get("state", 0),
+                     "by_kind": {k: v for k, v in by_kind.items() if k != "state"}}
+        dist.barrier()
     timed = sum(times[args.warmup:])
     tokens_per_step = dp * rows * args.seq_length
     me = {
@@ -318,6 +335,7 @@ def main(argv=None) -> int:
         "model_state": state_bytes(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_rss_rise_bytes": rss_rise,
+        "breakdown": breakdown,
         "loss": losses,
         "dp": dp,
         "tp": dist.get_world_size() // dp,

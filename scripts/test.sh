@@ -4,6 +4,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
-# Two pytest workers (pytest-xdist), a test file per worker at a time so module fixtures are built once;
-# MEGAZERO_TEST_WORKERS=0 runs everything in this process.
-exec "$root/.venv/bin/python" -m pytest -n "${MEGAZERO_TEST_WORKERS:-2}" --dist loadfile "$@"
+# One pytest process: most tests start 2-8 ranks, so two pytest workers on 2 cores oversubscribe them
+# (measured: a two-worker run took longer than one).
+exec "$root/.venv/bin/python" -m pytest "$@"

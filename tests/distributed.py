@@ -43,6 +43,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def _destroy_subgroups(dist) -> None:
+    """Destroy every process group a task made (mpu's TP/PP/DP groups, an engine's gradient
+    communicator). Each gloo group keeps a TCP loop and two work threads polling: left alive, a
+    long-lived worker accumulated ~170 groups and 500 threads, and the suite slowed as it went."""
+    c10d = dist.distributed_c10d
+    for pg in list(c10d._world.pg_map):
+        # Kept: groups made with use_local_synchronization (ZeRO-3's gradient communicator). Their
+        # name is a hash of their ranks, so a re-created one would rendezvous on the destroyed one's
+        # store keys and hang; engines reuse them by name, so there is one per set of ranks.
+        if pg is not c10d._world.default_pg and c10d._world.pg_names.get(pg, "").isdigit():
+            dist.destroy_process_group(pg)
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     _die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -67,6 +80,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             out = ("error", traceback.format_exc())
         finally:
             mpu.destroy_model_parallel()
+            _destroy_subgroups(dist)
         results.put((rank, out))
     dist.destroy_process_group()
 

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from .. import mpu
 from ..utils.memory_tracker import LiveMemoryTracker
+from ..utils.step_kinds import StepKinds
 from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
 from .arguments import parse_args
 from .config import ConfigError, TrainConfig
@@ -69,7 +70,8 @@ GROUP_NAMES = ("tp", "pp", "dp", "embedding")  # always reported; others only wh
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Frames of the measuring machinery, skipped when naming where a host read came from.
 _MEASURING_FILES = tuple(os.path.join(_PACKAGE_DIR, *f) for f in (
-    ("training", "rehearsal.py"), ("utils", "memory_tracker.py"), ("utils", "meta_device.py")))
+    ("training", "rehearsal.py"), ("utils", "memory_tracker.py"), ("utils", "meta_device.py"),
+    ("utils", "step_kinds.py")))
 
 
 @dataclasses.dataclass
@@ -274,39 +276,6 @@ class _Counters:
             self.sent[key] = self.sent.get(key, 0.0) + _nbytes(args[rule[0]]) * rule[1](n)
 
 
-class _Phases:
-    """Labels an allocation by what is running: autograd's backward, a module's forward (with or
-    without gradients: recomputed layers run their first forward without), or something else."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.handles: list = []
-
-    def __enter__(self) -> "_Phases":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self.handles = [register_module_forward_pre_hook(self._enter),
-                        register_module_forward_hook(self._leave, always_call=True)]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self.handles:
-            h.remove()
-
-    def _enter(self, module, args) -> None:
-        self.depth += 1
-
-    def _leave(self, module, args, out) -> None:
-        self.depth -= 1
-
-    def kind_of(self, event: str) -> str:
-        if event == "resize":
-            return "gathered"
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        return "forward" if self.depth > 0 else "other"
-
-
 # ---- one rank ---------------------------------------------------------------------------------
 
 
@@ -324,7 +293,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         raise ValueError(f"rank {rank} is outside the world of {p.world_size} ranks")
     t0 = time.perf_counter()
     measured: dict[str, Any] = {}
-    counters, phases = _Counters(), _Phases()
+    counters, phases = _Counters(), StepKinds()
     device_mode = MetaDeviceMode(cache=cache_kernels, on_read=counters.on_read, on_collective=counters.on_collective)
     cpu_rng = torch.get_rng_state()
     # Every storage the run makes is a meta one made while this tracker runs: no baseline scan.

@@ -204,14 +204,32 @@ class FlatGroup:
 
 
 def fill_range(rows: torch.Tensor, lo: int, hi: int, width: int, src: Optional[torch.Tensor]) -> None:
-    """Copy ``src`` (or zeros) into flat positions ``[lo, hi)`` of the row-major ``rows`` [N, width]."""
-    pos = lo
-    while pos < hi:
-        r, c = divmod(pos, width)
-        n = min(hi - pos, width - c)
-        dst = rows[r, c:c + n]
+    """Copy ``src`` (or zeros) into flat positions ``[lo, hi)`` of the row-major ``rows`` [N, width]
+    (possibly a strided column block of a wider bucket).
+
+    At most three copies whatever N: the partial first row, the full rows between as one strided
+    copy, the partial last row (a copy per row made N kernel launches per parameter on a GPU)."""
+    if hi <= lo:
+        return
+    r0, c0 = divmod(lo, width)
+    r1, c1 = divmod(hi, width)
+
+    def put(dst: torch.Tensor, a: int) -> None:
         if src is None:
             dst.zero_()
         else:
-            dst.copy_(src[pos - lo:pos - lo + n])
-        pos += n
+            dst.copy_(src[a:a + dst.numel()].view(dst.shape))
+
+    if r0 == r1:
+        put(rows[r0, c0:c1], 0)
+        return
+    pos = lo
+    if c0:
+        put(rows[r0, c0:], 0)
+        pos += width - c0
+        r0 += 1
+    if r1 > r0:
+        put(rows[r0:r1], pos - lo)
+        pos += (r1 - r0) * width
+    if c1:
+        put(rows[r1, :c1], pos - lo)

@@ -9,10 +9,10 @@ tensor (fp32 masters, both Adam moments) of every rank's checkpoint shard. Cells
   ``--log-params-norm`` and ``--log-num-zeros-in-grad`` (which read the offloaded masters and gradients);
 * pp 2 x dp 2, ZeRO-3, bf16, the DeepSpeed JSON's ``offload_optimizer`` on the host with
   ``ratio`` 0.5 and a two-buffer ring;
-* dp 2, ZeRO-2, fp16 with forced overflows (skipped steps, then trained ones), NVMe (files), ratio 1;
+* tp 2 x dp 2, ZeRO-2, fp16 with forced overflows (skipped steps, then trained ones), NVMe (files), ratio 1;
 * checkpoints cross over: the NVMe run resumes from the checkpoint saved without offload and
   equals the uninterrupted run bit for bit; one process without offload resumes from the
-  checkpoint saved with it and equals the one-process run to float rounding.
+  checkpoint saved with it and continues the dp 2 run to float rounding.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ CELLS = {
                              "--log-num-zeros-in-grad"], None),
     "z3_pp2_dp2_bf16_ratio": (4, ["--pp", "2", "--zero-stage", "3", "--bf16"],
                               {"device": "cpu", "ratio": 0.5, "buffer_count": 2, "buffer_size": 4096}),
-    "z2_dp2_fp16_overflow_nvme": (2, ["--zero-stage", "2", "--fp16", "--initial-loss-scale", str(2 ** 18)],
-                                  {"device": "nvme", "buffer_size": 8192}),
+    "z2_tp2_dp2_fp16_overflow_nvme": (4, ["--tp", "2", "--zero-stage", "2", "--fp16", "--initial-loss-scale",
+                                          str(2 ** 18)], {"device": "nvme", "buffer_size": 8192}),
 }
 
 
@@ -110,7 +110,7 @@ def test_offload_is_bit_identical_to_the_run_without(cells, runs, name):
 
 
 def test_nvme_files_have_stable_names(cells, runs):
-    files = sorted(os.listdir(runs / "z2_dp2_fp16_overflow_nvme_nvme" / "megazero_offload" / "rank00001"))
+    files = sorted(os.listdir(runs / "z2_tp2_dp2_fp16_overflow_nvme_nvme" / "megazero_offload" / "rank00003"))
     assert "lock" in files and any(f.endswith(".exp_avg_sq.fp32") for f in files), files
     assert not any(f.isdigit() for f in files)
 
@@ -128,9 +128,10 @@ def test_checkpoints_cross_between_offload_and_none(cells, data, runs):
     tail = {it: r for it, r in cells[f"{name}_ref"].items() if it > 2}
     assert_bit_identical(got, tail, runs / "resumed_nvme", runs / f"{name}_ref", 4, "nvme resume of a plain checkpoint")
 
-    one = launch(1, flags(data), runs, "one_process")
+    # One process (dp 1) without offload, from the dp 2 offloaded run's checkpoint: the dp 2 run's next
+    # losses to float rounding (the layouts differ, so not bit for bit).
     got = launch(1, flags(data, "--load", str(runs / f"{name}_off"), "--ckpt-step", "2"), runs, "resumed_plain")
-    assert_same_run(got, {it: r for it, r in one.items() if it > 2}, rtol=RTOL, what="plain resume of an offloaded run")
+    assert_same_run(got, tail, rtol=RTOL, what="plain resume of an offloaded run")
 
 
 def test_rehearsal_and_plan_report_host_bytes_apart(tmp_path):

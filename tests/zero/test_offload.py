@@ -175,6 +175,8 @@ def test_config_is_deepspeeds_schema_and_refuses_what_cannot_work(tmp_path):
         "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_count": 5, "ratio": 0.3,
         "fast_init": False, "pipeline_read": True}}}).zero_optimization.offload_optimizer
     assert (cfg.device, cfg.buffer_count, cfg.ratio, cfg.pin_memory) == ("nvme", 5, 0.3, True)
+    zero_ratio = load_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0}}})
+    assert not zero_ratio.zero_optimization.offload_optimizer.enabled  # ratio 0: nothing leaves the device
     for bad, words in [({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs stage 1, 2 or 3"),
                        ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "needs zero_optimization"),
                        ({"stage": 2, "offload_optimizer": {"device": "disk"}}, "must be none, cpu or nvme"),
