@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none",
         help="ZeRO-Offload: the optimizer partition's fp32 masters and Adam moments on the host or NVMe")
     add("--offload-ratio", type=float, default=1.0, help="fraction of the optimizer partition offloaded")
+    add("--offload-param", choices=("none", "cpu", "nvme"), default="none",
+        help="ZeRO-Infinity (ZeRO-3): the weight partition on the host or NVMe")
+    add("--offload-param-max-in-cpu", type=float, default=1e9,
+        help="with --offload-param nvme: elements of the partition kept in host memory (DeepSpeed's max_in_cpu)")
     add("--gpu-memory-gb", type=float, help="GPU capacity in GiB (an '80GB' GPU is 80 GiB); enables the fit check")
     add("--compare", nargs="+", metavar="NAME:FLAGS",
         help="several layouts side by side, each 'name:--tp 4 --pp 8 --zero-stage 1' over the other flags")
@@ -97,7 +101,10 @@ def _plan_from_flags(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
                 precision="bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", recompute=a.recompute,
                 sequence_parallel=a.sequence_parallel, flash_attn=a.flash_attn, grad_accum_dtype=a.grad_accum_dtype,
                 global_batch_size=a.global_batch_size, virtual_pp=a.virtual_pp,
-                offload_optimizer=a.offload_optimizer, offload_ratio=a.offload_ratio)
+                offload_optimizer=a.offload_optimizer, offload_ratio=a.offload_ratio,
+                offload_param=a.offload_param, offload_param_max_in_cpu=a.offload_param_max_in_cpu)
+    if a.offload_param != "none" and a.zero_stage != 3:
+        raise ConfigError("--offload-param needs --zero-stage 3 (it offloads the rank's weight partition)")
     return config, plan
 
 
@@ -118,6 +125,9 @@ def suggestions(config: GPTConfig, plan: dict, gpu_memory_gib: float) -> list[st
         candidates.append(("--zero-stage 3", dict(zero_stage=3)))
     if plan.get("offload_optimizer", "none") == "none" and plan["zero_stage"] > 0:
         candidates.append(("--optimizer-cpu-offload (host memory per rank below)", dict(offload_optimizer="cpu")))
+    if plan.get("offload_param", "none") == "none" and plan["zero_stage"] == 3:
+        candidates.append(("offload_param cpu and offload_optimizer cpu in the JSON (ZeRO-Infinity)",
+                           dict(offload_param="cpu", offload_optimizer="cpu", offload_ratio=1.0)))
     if plan["recompute"] != "full":
         candidates.append(("--recompute-granularity full", dict(recompute="full")))
     if plan["micro_batch_size"] > 1:
@@ -152,8 +162,9 @@ def compare(argv: Sequence[str], layouts: Sequence[str]) -> str:
     kinds = [("weights", lambda e: e.params), ("gradients", lambda e: e.grads),
              ("optimizer states", lambda e: e.optimizer), ("activations", lambda e: e.activations),
              ("ZeRO-3 gather buffers", lambda e: e.buffers), ("total memory", lambda e: e.total)]
-    if any(e.host_total or e.nvme for _, e in rows):
-        kinds += [("host memory (offload)", lambda e: e.host_total), ("NVMe files (offload)", lambda e: e.nvme)]
+    if any(e.host_total or e.nvme or e.nvme_params for _, e in rows):
+        kinds += [("host memory (offload)", lambda e: e.host_total),
+                  ("NVMe files (offload)", lambda e: e.nvme + e.nvme_params)]
     out = [f"{'per GPU':<34}" + "".join(f"{n:>14}" for n, _ in rows)]
     out += [f"  {k + ' (GiB)':<32}" + "".join(f"{f(e) / GiB:>14.2f}" for _, e in rows) for k, f in kinds]
     out.append(f"  {'pipeline bubble':<32}" + "".join(f"{e.pipeline.get('bubble', 0.0):>14.3f}" for _, e in rows))

@@ -35,6 +35,7 @@
 #   READ_GBPS_PER_RANK [1] FS_GBPS [40]  filesystem read bandwidth for the dry run's start-up estimate
 #   OFFLOAD_DEVICE [none]  cpu or nvme: ZeRO-Offload of the optimizer state (as run-175b.sh's OFFLOAD_DEVICE);
 #               NVME_PATH  the NVMe directory for nvme. The dry run then reports host memory per rank too.
+#   OFFLOAD_PARAM_DEVICE [none]  cpu or nvme: ZeRO-Infinity's parameter offload (ZeRO-3 layouts only)
 #   REHEARSE [1]  in a dry run, rehearse the ranks of both layouts (0: the plan only)
 #   REHEARSE_MICRO_BATCHES [16] REHEARSE_RANKS [first/last stage x first/last DP rank]
 # Extra arguments are passed on to pretrain_gpt.py (later flags win).
@@ -116,7 +117,8 @@ cat > "$DS_CONFIG" <<EOF
     "stage3_prefetch_bucket_size": 50000000,
     "stage3_param_persistence_threshold": 100000,
     "stage3_max_live_parameters": 3000000000,
-    "offload_optimizer": {"device": "${OFFLOAD_DEVICE:-none}", "pin_memory": true${NVME_PATH:+, "nvme_path": "$NVME_PATH"}}
+    "offload_optimizer": {"device": "${OFFLOAD_DEVICE:-none}", "pin_memory": true${NVME_PATH:+, "nvme_path": "$NVME_PATH"}},
+    "offload_param": {"device": "${OFFLOAD_PARAM_DEVICE:-none}", "pin_memory": true${NVME_PATH:+, "nvme_path": "$NVME_PATH"}}
   },
   "bf16": {"enabled": true},
   "gradient_clipping": 1.0,

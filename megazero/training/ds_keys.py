@@ -33,10 +33,6 @@ def _enabled(v: Any) -> bool:
     return bool(v.get("enabled", False)) if isinstance(v, dict) else bool(v)
 
 
-def _offloads(v: Any) -> bool:
-    return isinstance(v, dict) and str(v.get("device", "none")).lower() not in ("none", "null")
-
-
 _K = DSKey
 _INTERNAL = "tunes DeepSpeed's own internals; megazero communicates per unit (a layer) and has no such knob"
 DS_KEYS: tuple[DSKey, ...] = (
@@ -94,9 +90,20 @@ DS_KEYS: tuple[DSKey, ...] = (
        "in model order (default 1); = --optimizer-offload-fraction"),
     *(_K(f"zero_optimization.offload_optimizer.{k}", IGNORED, "tunes DeepSpeed's swapper; megazero's ring always "
          "pipelines reads, steps and writes") for k in ("fast_init", "pipeline_read", "pipeline_write")),
-    _K("zero_optimization.offload_param.*", REFUSED, "CPU/NVMe parameter offload does not exist in megazero "
-       "(accepted only with device 'none')", refuse_if=_offloads),
-    _K("zero_optimization.cpu_offload", REFUSED, "CPU offload does not exist in megazero", refuse_if=bool),
+    _K("zero_optimization.offload_param.device", HONOURED, "ZeRO-Infinity, stage 3: this rank's partition of the "
+       "parameters (compute dtype) on the host (cpu) or in files under nvme_path (nvme) between its all-gathers; "
+       "every layout"),
+    _K("zero_optimization.offload_param.nvme_path", HONOURED, "directory of the parameter files (one directory per "
+       "rank, stable names reused across runs)"),
+    _K("zero_optimization.offload_param.pin_memory", HONOURED, "pin the host copies and the read buffers (falls back "
+       "to pageable memory, with a note, where pinning is impossible)"),
+    _K("zero_optimization.offload_param.buffer_count", HONOURED, "host buffers NVMe reads go through (default 5)"),
+    _K("zero_optimization.offload_param.buffer_size", HONOURED, "elements per read buffer (default 1e8; capped at "
+       "the largest offloaded partition)"),
+    _K("zero_optimization.offload_param.max_in_cpu", HONOURED, "nvme: elements of the partition, in model order, "
+       "kept in host memory instead of files (default 1e9)"),
+    _K("zero_optimization.cpu_offload", REFUSED, "DeepSpeed's legacy key; write zero_optimization.offload_optimizer: "
+       "{\"device\": \"cpu\"} (and offload_param for the parameters)", refuse_if=bool),
     *(_K(f"zero_optimization.{k}", REFUSED, "ZeRO++ quantization/hierarchical partitioning does not exist in "
          "megazero; remove it", refuse_if=lambda v: bool(v) and v != 1) for k in (
         "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")),

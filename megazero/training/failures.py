@@ -30,7 +30,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["Failure", "RunAborted", "agree", "attempt", "conclude", "is_user_error", "report"]
+__all__ = ["Failure", "RunAborted", "agree", "attempt", "conclude", "failure_of", "is_user_error", "report"]
 
 T = TypeVar("T")
 
@@ -78,11 +78,17 @@ def attempt(fn: Callable[[], T], user_errors: tuple[type, ...] = ()) -> tuple[Op
     try:
         return fn(), None
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        user = is_user_error(e, user_errors)
-        message = e.message if isinstance(e, RunAborted) else str(e) or type(e).__name__
-        if not user and not isinstance(e, RunAborted):
-            message = f"{type(e).__name__}: {message}"
-        return None, Failure(message, user, "" if user else traceback.format_exc(), e)
+        return None, failure_of(e, user_errors)
+
+
+def failure_of(e: BaseException, user_errors: tuple[type, ...] = ()) -> Failure:
+    """The :class:`Failure` an exception caught here (now or earlier, as the engine's deferred one) is."""
+    user = is_user_error(e, user_errors)
+    message = e.message if isinstance(e, RunAborted) else str(e) or type(e).__name__
+    if not user and not isinstance(e, RunAborted):
+        message = f"{type(e).__name__}: {message}"
+    tb = "" if user else "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return Failure(message, user, tb, e)
 
 
 def conclude(phase: str, failure: Optional[Failure], group: Optional[dist.ProcessGroup] = None) -> None:

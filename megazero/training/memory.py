@@ -48,12 +48,14 @@ from typing import TYPE_CHECKING, Optional
 
 from megazero.model.config import GPTConfig
 from megazero.model.flops import flops_per_iteration, num_parameters
+from megazero.training.memory_offload import DTYPE_BYTES as _DTYPE_BYTES
+from megazero.training.memory_offload import offloaded_bytes, offloaded_param_bytes
 
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
 __all__ = ["traffic_bytes_per_step", "MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
-           "offloaded_bytes", "plan_of",
+           "offloaded_bytes", "offloaded_param_bytes", "plan_of",
            "activation_bytes_per_layer", "replicated_parameters", "GiB"]
 
 GiB = 2 ** 30
@@ -63,7 +65,6 @@ GiB = 2 ** 30
 # bf16 gradients are accumulated and reduced in fp32 by default (megazero.zero, as Megatron's
 # main_grad): 2 + 4 + 12 = 18 bytes; fp16 keeps fp16 gradients under the loss scale.
 _STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass
@@ -87,10 +88,14 @@ class MemoryEstimate:
     host_optimizer: float = 0.0  # offloaded fp32 masters + Adam moments held in host memory (device cpu)
     host_ring: float = 0.0  # the step's ring of host buffers
     nvme: float = 0.0  # the offloaded state's files (device nvme)
+    # Parameter offload (zero_optimization.offload_param, ZeRO-3): host bytes, not in ``total``.
+    host_params: float = 0.0  # parameter partitions in host memory (aliased fp32 masters excluded)
+    host_param_ring: float = 0.0  # the buffers NVMe parameter reads go through
+    nvme_params: float = 0.0  # the parameter files
 
     @property
     def host_total(self) -> float:
-        return self.host_optimizer + self.host_ring
+        return self.host_optimizer + self.host_ring + self.host_params + self.host_param_ring
 
     @property
     def model_states(self) -> float:
@@ -114,8 +119,10 @@ class MemoryEstimate:
             rows.append(("gradients in flight", self.grad_buckets))
         rows.append(("total", self.total))
         host = [(name, v) for name, v in (("offloaded optimizer", self.host_optimizer),
-                                          ("offload ring buffers", self.host_ring)) if v]
-        if host or self.nvme:
+                                          ("offload ring buffers", self.host_ring),
+                                          ("offloaded parameters", self.host_params),
+                                          ("parameter read buffers", self.host_param_ring)) if v]
+        if host or self.nvme or self.nvme_params:
             host.append(("host total", self.host_total))
         lines = [
             f"parameters: {self.params_total:,} ({self.params_total / 1e9:.2f}B); "
@@ -143,11 +150,12 @@ class MemoryEstimate:
                          f"{t['tp'] / GiB:.2f} GiB, pipeline {t['pp'] / GiB:.2f} GiB (total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
-        if host or self.nvme:
+        if host or self.nvme or self.nvme_params:
             lines.append(f"{'per-rank host memory':<26}{'GiB':>10}")
             lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in host]
-            if self.nvme:
-                lines.append(f"  {'NVMe files':<24}{self.nvme / GiB:>10.2f}")
+            for name, value in (("NVMe files, optimizer", self.nvme), ("NVMe files, parameters", self.nvme_params)):
+                if value:
+                    lines.append(f"  {name:<24}{value / GiB:>10.2f}")
         if gpu_memory_gib is not None:
             margin = gpu_memory_gib - self.total / GiB
             verdict = "fits" if margin >= 0 else "does NOT fit"
@@ -171,14 +179,16 @@ def replicated_parameters(config: GPTConfig) -> int:
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = "bf16",
-                      grad_accum_dtype: Optional[str] = None, offload_ratio: float = 0.0) -> tuple[float, float, float]:
+                      grad_accum_dtype: Optional[str] = None, offload_ratio: float = 0.0,
+                      weights_on_device: float = 1.0) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per rank on the device for ``psi`` parameters (ZeRO
     paper, Sec. 3.1/5).
 
     Gradients are fp32 for bf16 (the engine's default, Megatron's fp32 main grads) and
     have the weights' dtype otherwise; ``grad_accum_dtype`` overrides (``'bf16'``: the
     paper's 2 + 2 + 12). ``offload_ratio`` of the optimizer partition lives on the host
-    (:func:`offloaded_bytes`): the device keeps the rest.
+    (:func:`offloaded_bytes`): the device keeps the rest; ``weights_on_device`` of the ZeRO-3
+    weight partition stays there (the rest is offloaded, :func:`offloaded_param_bytes`).
     """
     if precision not in _STATE_BYTES:
         raise ValueError(f"precision must be one of {sorted(_STATE_BYTES)}, got {precision!r}")
@@ -189,24 +199,9 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = 
     w, g, o = _STATE_BYTES[precision]
     if grad_accum_dtype is not None:
         g = _DTYPE_BYTES[grad_accum_dtype]
-    return (w * psi / (dp if zero_stage >= 3 else 1),
+    return (w * psi / (dp if zero_stage >= 3 else 1) * (weights_on_device if zero_stage >= 3 else 1.0),
             g * psi / (dp if zero_stage >= 2 else 1),
             o * psi / (dp if zero_stage >= 1 else 1) * (1.0 - offload_ratio))
-
-
-def offloaded_bytes(psi: float, *, dp: int, ratio: float, device: str, buffer_count: int = 4,
-                    buffer_size: int = 1 << 23) -> dict[str, float]:
-    """Host bytes of ZeRO-Offload (``megazero.zero.offload``) for a rank holding ``psi`` parameters
-    at ``dp``-way partitioning: the fp32 master and two Adam moments (12 B) of ``ratio`` of the
-    partition, in memory (``cpu``) or in files (``nvme``), and the step's ring of ``buffer_count``
-    buffers of ``buffer_size`` fp32 elements (the gradient; with NVMe also the streamed state: x4)."""
-    if device == "none" or ratio <= 0:
-        return {"host_optimizer": 0.0, "host_ring": 0.0, "nvme": 0.0}
-    state = 12.0 * psi / dp * ratio
-    chunk = max(4096, int(buffer_size) // 4096 * 4096)
-    ring = buffer_count * min(chunk, -(-int(psi / dp) // 4096) * 4096) * 4 * (4 if device == "nvme" else 1)
-    return {"host_optimizer": 0.0 if device == "nvme" else state, "host_ring": float(ring),
-            "nvme": state if device == "nvme" else 0.0}
 
 
 def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int = 1,
@@ -273,7 +268,9 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     num_microbatches: Optional[int] = None, reduce_bucket_size: Optional[float] = None,
                     prefetch_bucket_size: Optional[float] = None, offload_optimizer: str = "none",
                     offload_ratio: float = 1.0, offload_buffer_count: int = 4,
-                    offload_buffer_size: int = 1 << 23) -> MemoryEstimate:
+                    offload_buffer_size: int = 1 << 23, offload_param: str = "none",
+                    offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
+                    offload_param_buffer_size: float = 1e8) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -293,7 +290,13 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     ``offload_optimizer`` (``cpu`` / ``nvme``, with DeepSpeed's ``ratio``, ``buffer_count`` and
     megazero's ``buffer_size``) moves that share of the optimizer states off the device; the host's
     bytes are reported apart (``host_optimizer``, ``host_ring``, ``nvme``), not in ``total``.
+    ``offload_param`` (ZeRO-3, ``cpu`` / ``nvme`` with ``max_in_cpu`` and the read buffers) does the
+    same for the weight partition (``host_params``, ``host_param_ring``, ``nvme_params``).
     """
+    if offload_param not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload_param must be none, cpu or nvme, got {offload_param!r}")
+    if offload_param != "none" and zero_stage != 3:
+        raise ValueError("offload_param needs ZeRO stage 3 (it offloads the rank's weight partition)")
     if offload_optimizer not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
     if offload_optimizer != "none" and zero_stage == 0:
@@ -307,8 +310,22 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     total = num_parameters(config)
     replicated = replicated_parameters(config)
     psi = ((total - replicated) / tp + replicated) / pp
+
+    # The largest flat group's partition (a layer's weights, or the word embedding): what one
+    # offload buffer needs at most.
+    largest = max((total - replicated - _embedding_params(config)) / config.num_layers / tp,
+                  config.padded_vocab_size * config.hidden_size / tp) / (dp if zero_stage else 1)
+
+    def param_host(n: float) -> dict[str, float]:
+        return offloaded_param_bytes(n, dp=dp, precision=precision, device=offload_param, largest=largest,
+                                     max_in_cpu=offload_param_max_in_cpu, buffer_count=offload_param_buffer_count,
+                                     buffer_size=offload_param_buffer_size, optimizer_device=offload_optimizer,
+                                     optimizer_ratio=ratio)
+
+    kept = param_host(psi)["weights_on_device"]
     weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision,
-                                              grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio)
+                                              grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio,
+                                              weights_on_device=kept)
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
@@ -342,7 +359,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                          v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
                                          seq_length=s, sequence_parallel=sequence_parallel and tp > 1,
-                                         offload_ratio=ratio)
+                                         offload_ratio=ratio, weights_on_device=kept)
         psi, (weights, grads, optim) = stage["params"], stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
@@ -351,7 +368,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                      layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0),
                                      recompute=recompute, grad_accum_dtype=grad_accum_dtype)
     host = offloaded_bytes(psi, dp=dp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
-                           buffer_size=offload_buffer_size)
+                           buffer_size=offload_buffer_size, largest=largest)
+    host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
     return MemoryEstimate(
         **host,
         traffic=traffic,
@@ -362,7 +380,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         plan=dict(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, micro_batch_size=micro_batch_size, seq_length=s,
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
-                  offload_ratio=ratio),
+                  offload_ratio=ratio, offload_param=offload_param),
         activation_detail=act, pipeline=pipeline)
 
 
@@ -406,7 +424,7 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
 def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,
                    zero_stage: int, precision: str, grad_accum_dtype: Optional[str], act: dict,
                    micro_batch_size: int, seq_length: int, sequence_parallel: bool,
-                   offload_ratio: float = 0.0) -> tuple[dict, dict]:
+                   offload_ratio: float = 0.0, weights_on_device: float = 1.0) -> tuple[dict, dict]:
     """Per-stage parameters, model states and activations in flight; the bubble and p2p bytes."""
     c = config
     L, h = c.num_layers, c.hidden_size
@@ -442,7 +460,8 @@ def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, d
         if r == pp - 1:
             acts += act["outside_layers"]  # the loss's logits: one micro-batch at a time
         states = model_state_bytes(params, dp=dp, zero_stage=zero_stage, precision=precision,
-                                   grad_accum_dtype=grad_accum_dtype, offload_ratio=offload_ratio)
+                                   grad_accum_dtype=grad_accum_dtype, offload_ratio=offload_ratio,
+                                   weights_on_device=weights_on_device)
         st = dict(stage=r, layers=n, ends=f" + {' + '.join(ends)}" if ends else "", params=params, states=states,
                   activations=acts, in_flight=in_flight, total=sum(states) + acts)
         stages.append(st)
@@ -463,12 +482,12 @@ def _embedding_params(config: GPTConfig) -> int:
 def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> dict:
     """The keyword arguments of :func:`estimate_memory` for a parsed ``TrainConfig`` (the plan
     pretrain_gpt.py would run), with what its ZeRO engine gets from the --deepspeed_config JSON
-    (else the engine's defaults): bucket sizes and optimizer offload."""
+    (else the engine's defaults): bucket sizes, optimizer and parameter offload."""
     from megazero.zero.config import load_config
 
     m, p = config.model, config.parallel
     zc = load_config(config.to_deepspeed_config()).zero_optimization
-    off = zc.offload_optimizer
+    off, par = zc.offload_optimizer, zc.offload_param
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
@@ -477,7 +496,9 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
         virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps,
         reduce_bucket_size=zc.reduce_bucket_size, prefetch_bucket_size=zc.stage3_prefetch_bucket_size,
         offload_optimizer=off.device if off.enabled else "none", offload_ratio=off.ratio,
-        offload_buffer_count=off.buffer_count, offload_buffer_size=off.buffer_size)
+        offload_buffer_count=off.buffer_count, offload_buffer_size=off.buffer_size,
+        offload_param=par.device if par.enabled else "none", offload_param_max_in_cpu=par.max_in_cpu,
+        offload_param_buffer_count=par.buffer_count, offload_param_buffer_size=par.buffer_size)
 
 
 def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:

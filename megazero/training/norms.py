@@ -37,8 +37,7 @@ def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]
             sums[0] += x.pow(2).sum().to(sums.device)
             sums[1] += x.abs().sum().to(sums.device)
             peak = torch.maximum(peak, x.abs().max(dim=0, keepdim=True)[0].to(peak.device)) if hi > lo else peak
-    if getattr(engine, "offload", None) is not None:
-        engine.offload.drop_pages()  # the NVMe maps' pages this read
+    engine.drop_pages()  # the NVMe maps' pages this read (offload)
     for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
         dist.all_reduce(sums, group=group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
@@ -78,9 +77,8 @@ class count_zeros_in_grads:
 
     def _counting_step(self, *args, **kwargs):
         local = torch.zeros(1, dtype=torch.float64, device=self.engine.device)
-        offloaded = getattr(self.engine, "_offloaded", set())
         for g in self.engine.groups:
-            grad = self.engine.grad_shard.get(g) if id(g) in offloaded else g.master.grad
+            grad = self.engine.grad_shard.get(g) if self.engine.is_offloaded(g) else g.master.grad
             if grad is not None:
                 for lo, hi in _ranges(self.engine, g):
                     local += (grad[lo:hi] == 0).sum()

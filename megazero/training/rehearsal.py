@@ -302,18 +302,21 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     def on_iteration_end(iteration: int, run) -> None:
         if iteration == 1:
             counted = run.engine.model_state_bytes()
-            # Offloaded state and the ring are meta tensors here too; on a GPU they are host memory.
-            measured["host"] = counted.get("host_optimizer", 0) + counted.get("host_ring", 0)
-            measured["nvme"] = counted.get("nvme", 0)
-            measured["state"] = tracker.absolute_current_bytes - measured["host"]
+            # Offloaded state and the ring are meta tensors here too; on a GPU they are host memory
+            # (the parameter partitions bound for NVMe as well: rehearsed, they are not written).
+            measured["host"] = sum(counted.get(k, 0) for k in ("host_optimizer", "host_ring", "host_params",
+                                                               "host_param_ring"))
+            measured["nvme"] = counted.get("nvme", 0) + counted.get("nvme_params", 0)
+            measured["state"] = tracker.absolute_current_bytes - measured["host"] - counted.get("nvme_params", 0)
+            measured["off_device"] = measured["host"] + counted.get("nvme_params", 0)
             measured["engine_state"] = counted["total"]
             tracker.reset_peak(relabel="state")
             counters.start()
         elif iteration == 2:
             counters.counting = False
             kinds = dict(tracker.peak_by_kind)
-            kinds["state"] = kinds.get("state", 0) - measured["host"]
-            measured["peak"], measured["peak_by_kind"] = tracker.absolute_peak_bytes - measured["host"], kinds
+            kinds["state"] = kinds.get("state", 0) - measured["off_device"]
+            measured["peak"], measured["peak_by_kind"] = tracker.absolute_peak_bytes - measured["off_device"], kinds
             measured["peak_at"] = tracker.peak_where or "before iteration 2 (its state)"
 
     out = log or io.StringIO()
@@ -379,7 +382,8 @@ def plan_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, float]:
 
     est = estimate_memory_for(config)
     stages = est.pipeline.get("stages")
-    host = {"host_bytes": est.host_total} if est.plan.get("offload_optimizer", "none") != "none" else {}
+    offloads = est.plan.get("offload_optimizer", "none") != "none" or est.plan.get("offload_param", "none") != "none"
+    host = {"host_bytes": est.host_total} if offloads else {}
     if not stages:
         return {"state_bytes": est.model_states, "peak_bytes": est.total, **host}
     st = stages[pp_rank]

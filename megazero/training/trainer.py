@@ -29,7 +29,7 @@ from ..model import num_parameters
 from .arguments import check_vocab, pipeline_plan_line
 from .checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .failures import Failure, agree, attempt, conclude
+from .failures import Failure, agree, attempt, conclude, failure_of
 from .lr_schedule import LRScheduler
 from .metrics import EVAL_LOSS_KEY, IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
 from .norms import count_zeros_in_grads, optimizer_state_stats, params_norm
@@ -303,9 +303,13 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
         _print0(f"> {note}")
     if p.pp > 1:
         _print0(f"> pipeline: {pipeline_plan_line(config)}")
+    state = engine.model_state_bytes()
+    host = sum(state.get(k, 0) for k in ("host_optimizer", "host_ring", "host_params", "host_param_ring"))
+    files = state.get("nvme", 0) + state.get("nvme_params", 0)
+    offloaded = f"; offloaded: host {host / 2**20:.1f} MiB, NVMe {files / 2**20:.1f} MiB" if host or files else ""
     _print0(f"> model: {num_parameters(config.model):,} parameters (this rank {engine.num_local_parameters():,}); "
             f"tp={p.tp} pp={p.pp} dp={p.dp} ZeRO-{engine.stage} {config.precision.dtype}; model state per rank "
-            f"{engine.model_state_bytes()['total'] / 2**20:.1f} MiB")
+            f"{state['total'] / 2**20:.1f} MiB on the device{offloaded}")
 
     iteration, consumed = _load(config, run, scheduler)
     train_ds, valid_ds, test_ds = agree("data set-up",
@@ -364,7 +368,11 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
             clock = PhaseClock(timers, device)
             loss, updated = _train_step(run, batches, eod, clock.lap if timers is not None else None)
             if engine.failed_ranks:  # every rank knows from the step's all-reduce: they conclude together
-                conclude("training data read", failure)
+                phase = "training data read"
+                if failure is None and engine.deferred_failure is not None:  # an offload read or write
+                    phase, error = engine.deferred_failure
+                    failure = failure_of(error)
+                conclude(phase, failure)
             iteration += 1
             consumed += batch_size
             tokens += batch_size * config.model.seq_length

@@ -96,8 +96,7 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
     os.makedirs(directory, exist_ok=True)  # every rank: a shared filesystem may not show rank 0's mkdir yet
     path = shard_file(directory, rank)
     save_file(tensors, path, metadata={"megazero": json.dumps(meta)})
-    if engine.offload is not None:
-        engine.offload.drop_pages()  # the NVMe maps' pages this save read
+    engine.drop_pages()  # the NVMe maps' pages this save read (offload)
     fsync_path(path)
     return path
 

@@ -69,6 +69,9 @@ class CommCounter:
         self.calls.clear()
 
 
+_GRADS_DESC = "megazero_zero3_grads"
+
+
 def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_size: int,
                           keep_gathered: bool) -> Optional[dist.ProcessGroup]:
     """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the DP ranks again.
@@ -83,12 +86,14 @@ def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_
     if stage < 3 or dp_size == 1 or keep_gathered:
         return dp_group
     ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
-    # A group made by its members alone is named by its ranks: a later engine over the same ranks
-    # (another model in this process) reuses it rather than fail to create it twice.
+    # A later engine over the same ranks (another model in this process, the next test) reuses
+    # the communicator rather than add one per engine: torch's hashed group names include a
+    # count of existing groups, so the group is found by its ranks and its description.
     try:
-        c10d = dist.distributed_c10d
-        name = c10d._process_group_name(ranks, use_hashed_name=True)
-        existing = next((pg for pg, n in c10d._world.pg_names.items() if n == name), None)
-    except AttributeError:  # torch's private registry moved: create (works once per process)
+        world = dist.distributed_c10d._world
+        existing = next((pg for pg, members in world.pg_group_ranks.items()
+                         if getattr(pg, "group_desc", None) == _GRADS_DESC and sorted(members) == sorted(ranks)),
+                        None)
+    except AttributeError:  # torch's private registry moved: create one per engine
         existing = None
-    return existing or dist.new_group(ranks, use_local_synchronization=True)
+    return existing or dist.new_group(ranks, use_local_synchronization=True, group_desc=_GRADS_DESC)

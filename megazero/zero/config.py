@@ -47,6 +47,12 @@ HONOURED_KEYS: tuple[str, ...] = (
     "zero_optimization.offload_optimizer.buffer_count",
     "zero_optimization.offload_optimizer.buffer_size",
     "zero_optimization.offload_optimizer.ratio",
+    "zero_optimization.offload_param.device",
+    "zero_optimization.offload_param.nvme_path",
+    "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size",
+    "zero_optimization.offload_param.max_in_cpu",
     "fp16.enabled",
     "fp16.loss_scale",
     "fp16.initial_scale_power",
@@ -142,6 +148,29 @@ class OffloadOptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadParamConfig:
+    """DeepSpeed's ``zero_optimization.offload_param`` (ZeRO-Infinity, stage 3): where this rank's
+    partition of the parameters (compute dtype) lives between its all-gathers.
+
+    ``device``: ``none``, ``cpu`` (host memory) or ``nvme`` (files under ``nvme_path``; the first
+    ``max_in_cpu`` elements of the partition, in model order, stay in host memory). Reads from NVMe
+    go through ``buffer_count`` host buffers of ``buffer_size`` elements, pinned when
+    ``pin_memory`` and possible (DeepSpeed's defaults: 5 of 1e8 elements, 1e9 in memory).
+    """
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclasses.dataclass(frozen=True)
 class ZeroOptimizationConfig:
     """DeepSpeed's ``zero_optimization`` block.
 
@@ -187,6 +216,7 @@ class ZeroOptimizationConfig:
     stage3_keep_gathered_in_step: bool = False
     sub_group_size: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,8 +282,6 @@ class ZeroConfig:
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _UNSUPPORTED = {
-    "offload_param": "CPU/NVMe parameter offload (offload_optimizer is supported: it moves 12 of the 16 bytes "
-                     "per parameter of mixed-precision training off the accelerator)",
     "zero_quantized_weights": "quantized ZeRO++ weights",
     "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
 }
@@ -289,13 +317,13 @@ def _int(value: Any, key: str) -> int:
         raise ZeroConfigError(f"{key} must be a number, got {value!r}") from None
 
 
-def _offload_optimizer(section: Any) -> OffloadOptimizerConfig:
-    """``zero_optimization.offload_optimizer`` (absent, null or ``{}``: none)."""
+def _offload(section: Any, key: str, cls: type) -> Any:
+    """``zero_optimization.<key>`` (absent, null or ``{}``: none) as ``cls``, DeepSpeed's keys checked."""
     if not section:
-        return OffloadOptimizerConfig()
+        return cls()
+    where = f"zero_optimization.{key}"
     if not isinstance(section, dict):
-        raise ZeroConfigError(f"zero_optimization.offload_optimizer must be an object, got {section!r}")
-    where = "zero_optimization.offload_optimizer"
+        raise ZeroConfigError(f"{where} must be an object, got {section!r}")
     fields = _pick(section, where)
     device = str(fields.get("device", "none")).lower()
     if device not in ("none", "cpu", "nvme"):
@@ -303,19 +331,20 @@ def _offload_optimizer(section: Any) -> OffloadOptimizerConfig:
     fields["device"] = device
     if device == "nvme" and not fields.get("nvme_path"):
         raise ZeroConfigError(f"{where}.device nvme needs {where}.nvme_path: a directory on the NVMe drive")
-    for key in ("buffer_count", "buffer_size"):
-        if key in fields:
-            fields[key] = _int(fields[key], f"{where}.{key}")
-            if fields[key] < 1:
-                raise ZeroConfigError(f"{where}.{key} must be >= 1, got {fields[key]}")
+    for name in ("buffer_count", "buffer_size", "max_in_cpu"):
+        if name in fields:
+            fields[name] = _int(fields[name], f"{where}.{name}")
+            if fields[name] < (0 if name == "max_in_cpu" else 1):
+                raise ZeroConfigError(f"{where}.{name} must be >= {0 if name == 'max_in_cpu' else 1}, "
+                                      f"got {fields[name]}")
     if "ratio" in fields:
         fields["ratio"] = float(fields["ratio"])
         if not 0.0 <= fields["ratio"] <= 1.0:
             raise ZeroConfigError(f"{where}.ratio must be in [0, 1] (the fraction offloaded), got {fields['ratio']}")
-    for key in ("pin_memory", "fast_init", "pipeline_read", "pipeline_write"):
-        if key in fields:
-            fields[key] = bool(fields[key])
-    return OffloadOptimizerConfig(**fields)
+    for name in ("pin_memory", "fast_init", "pipeline_read", "pipeline_write"):
+        if name in fields:
+            fields[name] = bool(fields[name])
+    return cls(**fields)
 
 
 def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig:
@@ -358,18 +387,24 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
         ):
             raise ZeroConfigError(f"zero_optimization.{key} ({what}) is not supported by megazero.zero; remove it")
         zsec.pop(key, None)
-    offload = _offload_optimizer(zsec.pop("offload_optimizer", None))
+    offload = _offload(zsec.pop("offload_optimizer", None), "offload_optimizer", OffloadOptimizerConfig)
+    offload_param = _offload(zsec.pop("offload_param", None), "offload_param", OffloadParamConfig)
     zfields = _pick(zsec, "zero_optimization", handled=("round_robin_gradients",))
     for key in ("reduce_bucket_size", "max_reduce_in_flight", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
         if key in zfields:
             zfields[key] = _int(zfields[key], f"zero_optimization.{key}")
-    zero = ZeroOptimizationConfig(**zfields, offload_optimizer=offload)
+    zero = ZeroOptimizationConfig(**zfields, offload_optimizer=offload, offload_param=offload_param)
     if zero.stage not in (0, 1, 2, 3):
         raise ZeroConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage}")
     if offload.enabled and zero.stage == 0:
         raise ZeroConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads this rank's "
                               "partition of the optimizer state); set zero_optimization.stage")
+    if offload_param.enabled and zero.stage != 3:
+        raise ZeroConfigError(f"zero_optimization.offload_param needs stage 3 (it offloads this rank's partition "
+                              f"of the parameters, which stages 0-2 do not partition; got stage {zero.stage}); "
+                              "set zero_optimization.stage to 3, or offload the optimizer state alone "
+                              "(offload_optimizer)")
     if offload.enabled and optimizer.type == "SGD":
         raise ZeroConfigError("zero_optimization.offload_optimizer steps Adam/AdamW on the host; optimizer.type SGD "
                               "keeps one momentum buffer: run it on the accelerator (offload_optimizer.device none)")

@@ -40,6 +40,7 @@ weight decay still shrinks it, where ``torch.optim.AdamW`` would skip it.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -51,8 +52,7 @@ from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, fill_range
 from .full_weights import FullWeights
 from .loss_scaler import LossScaler
-from .offload import OptimizerOffload, offloaded_groups
-from .optim import build_optimizer, say_once
+from .placement import Placement
 from .reducer import GradReducer
 from .units import Unit, find_unit_modules, plan_units, units_for_call
 from .window import GatherWindow
@@ -68,7 +68,7 @@ def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class ZeroEngine(FullWeights, torch.nn.Module):
+class ZeroEngine(FullWeights, Placement, torch.nn.Module):
     """Wraps a model; owns its partitioned parameters, gradients and optimizer state."""
 
     def __init__(
@@ -131,6 +131,7 @@ class ZeroEngine(FullWeights, torch.nn.Module):
             elif self.stage >= 2:
                 self.grad_shard[g] = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.optimizer = self._build_optimizer()
+        self.param_offload = self._build_param_offload()
         self.loss_scaler = LossScaler(config.fp16)
 
         self._in_backward = False
@@ -162,6 +163,7 @@ class ZeroEngine(FullWeights, torch.nn.Module):
             self.window = GatherWindow(
                 model, self.units, needs, plan.hooked, unit_of_param,
                 all_gather=lambda out, shard: self.comm.all_gather(out, shard, "dp", async_op=True),
+                source=self._gather_source if self.param_offload is not None else None,
                 in_backward=lambda: self._in_backward,
                 on_forward_begin=self.agreement.begin, on_forward_end=self.agreement.end,
                 mark_used=self.agreement.mark_used,
@@ -240,39 +242,25 @@ class ZeroEngine(FullWeights, torch.nn.Module):
 
         materialize_partitions(self.module, self.groups, self.slot_of, self.device)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer over the trainable masters: decayed and undecayed groups (kernel: optim.py).
-
-        With ``offload_optimizer``, the offloaded groups' masters move to the host first
-        (:mod:`megazero.zero.offload`); the optimizer still lists them, for one state dict and one
-        set of hyperparameters, and its own step skips them (they carry no ``.grad``)."""
-        oc = self.config.optimizer
-        off = self.config.zero_optimization.offload_optimizer
-        self.offload: Optional[OptimizerOffload] = None
-        if off.enabled:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self.offload = OptimizerOffload(offloaded_groups(self.trainable_groups, off.ratio), off, oc, self.device,
-                                            rank=rank, say=say_once)
-        self._offloaded = {id(g) for g in self.offload.groups} if self.offload else set()
-        decay = [g.master for g in self.trainable_groups if g.weight_decay]
-        no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
-        param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
-        if no_decay:
-            param_groups.append({"params": no_decay, "weight_decay": 0.0})
-        return build_optimizer(param_groups, oc, self.device, mixed_devices=self.offload is not None)
-
     # ------------------------------------------------------------------ hooks
 
     def _grad_hook(self, group: FlatGroup, slot: ParamSlot):
         unit = self._unit_of_group[id(group)]
+        # The hook lives in the parameter's autograd metadata (C++), which Python's garbage
+        # collector cannot traverse: a strong reference to the engine there would keep every
+        # engine a process ever built alive, with its buffers and process groups.
+        engine_ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
-            if self.accumulate_full:
+            engine = engine_ref()
+            if engine is None:  # the engine is gone; the model is used without it
+                return
+            if engine.accumulate_full:
                 # Accumulate locally (fp32 for bf16); communication waits for the accumulation boundary.
-                self.grad_full[group].narrow(0, slot.offset, slot.numel).add_(param.grad.reshape(-1))
+                engine.grad_full[group].narrow(0, slot.offset, slot.numel).add_(param.grad.reshape(-1))
                 param.grad = None
                 return
-            self.reducer.grad_ready(unit)
+            engine.reducer.grad_ready(unit)
 
         return hook
 
@@ -384,14 +372,14 @@ class ZeroEngine(FullWeights, torch.nn.Module):
             clip = self.config.gradient_clipping
             if clip > 0 and norm > clip:
                 coef *= clip / (norm + 1e-6)
-            on_device = [g for g in self.trainable_groups if id(g) not in self._offloaded]
+            on_device = [g for g in self.trainable_groups if not self.is_offloaded(g)]
             for g in on_device:
                 g.master.grad = grads[g].float().mul_(coef)
             self.optimizer.step()
             for g in on_device:
                 g.master.grad = None
             if self.offload is not None:  # the host's part, streamed (its return writes each shard)
-                self.offload.step(self.optimizer, grads, coef)
+                self._offloaded_step(grads, coef)
             self._publish_params(written=self._offloaded)
             updated = True
             self.global_steps += 1
@@ -469,8 +457,7 @@ class ZeroEngine(FullWeights, torch.nn.Module):
         group's compute-dtype copy, frozen ones included, and drop gathered ZeRO-3 copies."""
         self._publish_params(self.groups)
         self.release_gathered()
-        if self.offload is not None:
-            self.offload.drop_pages()
+        self.drop_pages()
 
     def release_gathered(self) -> None:
         """Free every gathered ZeRO-3 unit (their values may be stale)."""
@@ -483,7 +470,7 @@ class ZeroEngine(FullWeights, torch.nn.Module):
         ``written``, by id: the offloaded step already wrote their shards)."""
         for g in self.trainable_groups if groups is None else groups:
             if g.master is not g.shard and id(g) not in written:
-                g.shard.copy_(g.master)
+                self._write_shard(g, 0, g.master)
             if g.resident and g.partitions > 1:
                 # Every rank updated its partition only: collect the others.
                 self.comm.all_gather(g.full, g.shard.clone(), "dp")
@@ -509,41 +496,6 @@ class ZeroEngine(FullWeights, torch.nn.Module):
     def set_lr(self, lr: float) -> None:
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds on its device: parameters, gradients, optimizer
-        (master + moments), and ``total``; with ``offload_optimizer`` also the host's apart:
-        ``host_optimizer`` (offloaded masters and moments in memory), ``host_ring`` (the step's
-        buffers) and ``nvme`` (their files' size)."""
-        params = sum(g.full.numel() * g.full.element_size() if g.resident else g.shard.numel() * g.shard.element_size()
-                     for g in self.groups)
-        grads = sum(t.numel() * t.element_size() for t in self.grad_full.values())
-        if self.stage >= 2:  # stage 1's shards are views of grad_full
-            grads += sum(t.numel() * t.element_size() for t in self.grad_shard.values())
-        opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard and id(g) not in self._offloaded)
-        for g in self.trainable_groups:
-            if id(g) not in self._offloaded:
-                opt += sum(v.numel() * v.element_size() for v in self.optimizer.state.get(g.master, {}).values()
-                           if torch.is_tensor(v) and v.dim() > 0)
-        out = {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
-        if self.offload is not None:
-            out.update(self.offload.host_bytes(self.optimizer))
-        return out
-
-    def optimizer_state_buffers(self, group: FlatGroup, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint load writes ``group``'s optimizer state ``keys`` into: the
-        optimizer's own, created (zero, beside the master) where absent; for an offloaded group its
-        host tensors or NVMe maps. The step count is set apart (``optim.set_optimizer_step``)."""
-        if not keys:
-            return {}
-        if id(group) in self._offloaded:
-            state = self.offload.init_state(self.optimizer, group)
-        else:
-            state = self.optimizer.state[group.master]
-        for key in keys:
-            if key not in state:
-                state[key] = torch.zeros_like(group.master)
-        return {key: state[key] for key in keys}
 
     def num_local_parameters(self) -> int:
         """Ψ of the ZeRO formulas: parameters of this rank's TP shard."""

@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import gc
 import mmap
 import os
 import re
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -75,16 +77,44 @@ def offloaded_groups(groups: list[FlatGroup], ratio: float) -> list[FlatGroup]:
     return chosen
 
 
-def _host_empty(numel: int, pin: bool, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """An fp32 host tensor, pinned when asked and possible; returns it and whether it is pinned."""
+def host_empty(numel: int, pin: bool, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, bool]:
+    """A host tensor, pinned when asked and possible; returns it and whether it is pinned."""
     if device.type == "meta":  # a rehearsal: host bytes are counted, not allocated
-        return torch.empty(numel, dtype=torch.float32, device="meta"), False
+        return torch.empty(numel, dtype=dtype, device="meta"), False
     if pin:
         try:
-            return torch.empty(numel, dtype=torch.float32, pin_memory=True), True
+            return torch.empty(numel, dtype=dtype, pin_memory=True), True
         except RuntimeError:  # a CPU-only build, no driver, or no locked memory in this container
             pass
-    return torch.empty(numel, dtype=torch.float32), False
+    return torch.empty(numel, dtype=dtype), False
+
+
+def claim_directory(root: str, rank: int, sub: str = "", key: str = "offload_optimizer") -> tuple[str, int]:
+    """This rank's directory under ``root`` (``megazero_offload/rankNNNNN[/sub]``), locked; refuses
+    one that another live process uses (two jobs sharing a path would overwrite each other's state).
+    Returns the directory and the lock's descriptor (closing it releases the lock)."""
+    directory = os.path.join(root, "megazero_offload", f"rank{rank:05d}", sub)
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            # An engine of this process that is gone but not yet collected may still hold it (its
+            # finalizer closes the lock): collect, and try once more.
+            gc.collect()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise RuntimeError(f"{key}.nvme_path: {directory} is in use by another process; give each "
+                           "concurrent job its own nvme_path") from None
+    return directory, fd
+
+
+def file_name(g: FlatGroup) -> str:
+    """A stable file-name stem for ``g`` on this rank: its first parameter and its partition's start."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", g.slots[0].name)[:120] + f".{g.shard_start}"
 
 
 class _Files:
@@ -105,11 +135,11 @@ class _Files:
             self.tensors[key] = torch.frombuffer(self.maps[key], dtype=torch.float32)
 
     def read(self, key: str, lo: int, out: torch.Tensor) -> None:
-        _io(os.preadv, self.fds[key], out, lo * 4)
+        file_io(os.preadv, self.fds[key], out, lo * 4)
         self.bytes_read += out.numel() * 4
 
     def write(self, key: str, lo: int, src: torch.Tensor) -> None:
-        _io(os.pwritev, self.fds[key], src, lo * 4)
+        file_io(os.pwritev, self.fds[key], src, lo * 4)
         self.bytes_written += src.numel() * 4
 
     def drop_pages(self) -> None:
@@ -117,9 +147,9 @@ class _Files:
             m.madvise(mmap.MADV_DONTNEED)  # a shared file mapping keeps its data in the file / page cache
 
 
-def _io(op: Callable, fd: int, t: torch.Tensor, offset: int) -> None:
+def file_io(op: Callable, fd: int, t: torch.Tensor, offset: int) -> None:
     """``op`` (``os.preadv`` / ``os.pwritev``) over all of ``t``'s bytes, retrying short transfers."""
-    view = memoryview(t.numpy()).cast("B")
+    view = memoryview(t.view(torch.uint8).numpy())  # any dtype (bf16 has no numpy twin) as bytes
     done = 0
     while done < len(view):
         n = op(fd, [view[done:]], offset + done)
@@ -127,6 +157,16 @@ def _io(op: Callable, fd: int, t: torch.Tensor, offset: int) -> None:
             raise OSError(f"offload: {op.__name__} moved {n} bytes at offset {offset + done} of fd {fd} "
                           f"(the NVMe file is shorter than the partition, or the drive is full)")
         done += n
+
+
+def close_all(fd_maps: list[dict[str, int]], lock_fd: Optional[int]) -> None:
+    """Close the files' descriptors, then the directory's lock."""
+    for fds in fd_maps:
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
+    if lock_fd is not None:
+        os.close(lock_fd)
 
 
 class OptimizerOffload:
@@ -148,8 +188,12 @@ class OptimizerOffload:
         self.pinned = True
         self.events: Optional[list[tuple[str, int, float, float]]] = None  # set to a list to record stages
         self.delays: dict[str, float] = {}  # seconds added to a stage (tests of the overlap)
+        # Where the updated compute-dtype weights go: the group's shard, unless the parameters are
+        # offloaded too (the engine then points this at ParamOffload.write).
+        self.write_shard: Callable[[FlatGroup, int, torch.Tensor], None] = \
+            lambda g, lo, src: g.shard[lo:lo + src.numel()].copy_(src)
         if self.nvme:
-            self.directory, self._lock_fd = self._claim_directory(config.nvme_path, rank)
+            self.directory, self._lock_fd = claim_directory(config.nvme_path, rank)
         for g in self.groups:
             self._move_master(g)
         width = 1 + (3 if self.nvme else 0)  # gradient (+ master and moments read from NVMe)
@@ -157,7 +201,7 @@ class OptimizerOffload:
         for _ in range(config.buffer_count):
             slot = []
             for _ in range(width):
-                t, pinned = _host_empty(self.chunk, config.pin_memory, self.device)
+                t, pinned = host_empty(self.chunk, config.pin_memory, self.device)
                 self.pinned &= pinned
                 slot.append(t)
             self.ring.append(slot)
@@ -165,40 +209,27 @@ class OptimizerOffload:
             say("offload_optimizer: pin_memory was asked for but host memory cannot be pinned here (no CUDA "
                 "driver, or the container limits locked memory); the ring is pageable, so copies to and from "
                 "the accelerator are synchronous")
+        # Descriptors close when this object goes, released or not (a lock left open would refuse
+        # the next engine on the same path).
+        self._closer = weakref.finalize(self, close_all, [f.fds for f in self.files.values()], self._lock_fd)
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-read")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-write")
 
     # ------------------------------------------------------------------ placement
-
-    @staticmethod
-    def _claim_directory(root: str, rank: int) -> tuple[str, int]:
-        """This rank's directory under ``root``; refuses one that another live process uses (two
-        jobs sharing a path would overwrite each other's optimizer state)."""
-        directory = os.path.join(root, "megazero_offload", f"rank{rank:05d}")
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise RuntimeError(f"offload_optimizer.nvme_path: {directory} is in use by another process; give each "
-                               "concurrent job its own nvme_path") from None
-        return directory, fd
 
     def _move_master(self, g: FlatGroup) -> None:
         """Give ``g`` a host (or NVMe) fp32 master holding its current values; the accelerator's
         copy is freed (with fp32 compute the accelerator keeps ``g.shard``, the forward's weights)."""
         values = g.master
         if self.nvme:
-            name = re.sub(r"[^A-Za-z0-9_.-]", "_", g.slots[0].name)[:120] + f".{g.shard_start}"
-            files = _Files(self.directory, name, g.shard_numel)
+            files = _Files(self.directory, file_name(g), g.shard_numel)
             self.files[g] = files
             for lo in range(0, g.shard_numel, self.chunk):  # written through the ring's size, not the map
                 hi = min(lo + self.chunk, g.shard_numel)
                 files.write("master", lo, values[lo:hi].detach().to("cpu", torch.float32).contiguous())
             g.master = files.tensors["master"]
         else:
-            master, pinned = _host_empty(g.shard_numel, self.config.pin_memory, self.device)
+            master, pinned = host_empty(g.shard_numel, self.config.pin_memory, self.device)
             master.copy_(values.detach())
             g.master = master
 
@@ -215,7 +246,7 @@ class OptimizerOffload:
                     state[key] = self.files[g].tensors[key]
             else:
                 for key in _STATE_KEYS:
-                    t, _ = _host_empty(g.shard_numel, self.config.pin_memory, self.device)
+                    t, _ = host_empty(g.shard_numel, self.config.pin_memory, self.device)
                     state[key] = t.zero_()
             state["step"] = torch.zeros((), dtype=torch.float32, device=self.host)
         return state
@@ -314,7 +345,7 @@ class OptimizerOffload:
         n = hi - lo
         master, exp_avg, exp_avg_sq = self._views(item, slot)
         out = master if g.compute_dtype == torch.float32 else slot[0][:n].view(g.compute_dtype)[:n]
-        g.shard[lo:hi].copy_(out)  # host -> accelerator
+        self.write_shard(g, lo, out)  # host -> accelerator (or to the parameter offload's host copy)
         if self.nvme:
             files = self.files[g]
             files.write("master", lo, master)
@@ -348,11 +379,6 @@ class OptimizerOffload:
         close when the last tensor viewing them goes). The engine is unusable for steps after."""
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        for files in self.files.values():
-            for fd in files.fds.values():
-                os.close(fd)
-            files.fds.clear()
+        self._closer()
         self.files.clear()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._lock_fd = None

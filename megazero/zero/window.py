@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .flat import storage_key
+from .flat import FlatGroup, storage_key
 from .units import Unit, units_for_call
 
 __all__ = ["GatherWindow"]
@@ -103,7 +103,11 @@ class GatherWindow:
         prefetch_numel: Optional[int],
         max_live_numel: Optional[int],
         hold: bool = False,
+        source: Optional[Callable[[FlatGroup], torch.Tensor]] = None,
     ) -> None:
+        # source(g): what g's all-gather sends (default g.shard); the parameter offload fills g's own
+        # slice of the full buffer from the host or NVMe and the gather runs in place.
+        self.source = source
         self.units = [u for u in units if not u.resident]
         self.index = {id(u): i for i, u in enumerate(self.units)}
         self.needs, self.unit_of_param = needs, unit_of_param
@@ -153,7 +157,7 @@ class GatherWindow:
         for g in unit.groups:
             if not g.resident:
                 g.materialize_storage()
-                work = self.all_gather(g.full, g.shard)
+                work = self.all_gather(g.full, g.shard if self.source is None else self.source(g))
                 if work is not None:
                     unit.pending.append(work)
         self.live_numel += unit.numel()

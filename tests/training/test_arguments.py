@@ -315,7 +315,8 @@ def test_deepspeed_scheduler_refusals(tmp_path, block, pattern):
 
 
 @pytest.mark.parametrize("obj, pattern", [
-    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param.*does not exist"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, r"offload_param needs stage 3"),
+    ({"zero_optimization": {"cpu_offload": True}}, r"cpu_offload: DeepSpeed's legacy key; write"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, r"offload_optimizer needs stage 1"),
     ({"flops_profiler": {"enabled": True}}, r"flops_profiler: DeepSpeed's flops profiler does not exist"),
     ({"activation_checkpointing": {"partition_activations": True}}, r"use --sequence-parallel"),

@@ -32,6 +32,11 @@ def _off(**keys):
     return {"zero_optimization": {"stage": 2, "offload_optimizer": keys}}
 
 
+def _po(**keys):
+    # Threshold 0: every parameter of the small model is partitioned (none persistent), so offloaded.
+    return {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": keys}}
+
+
 def _fp16(**keys):
     return {"fp16": {"enabled": True, **keys}}
 
@@ -81,6 +86,19 @@ SAMPLES = {
                                                         lambda e: e.offload.chunk, 8192),
     "zero_optimization.offload_optimizer.ratio": (_off(device="cpu", ratio=0.5), lambda e: 0 < len(e.offload.groups)
                                                   < len(e.trainable_groups), True),
+    "zero_optimization.offload_param.device": (_po(device="cpu"), lambda e: (
+        e.param_offload is not None, all(e.param_offload.owns(g) for g in e.groups if not g.resident)), (True, True)),
+    "zero_optimization.offload_param.nvme_path": (_po(device="nvme", nvme_path="/tmp/megazero-ds-keys"),
+                                                  lambda e: e.param_offload.config.nvme_path, "/tmp/megazero-ds-keys"),
+    "zero_optimization.offload_param.pin_memory": (_po(device="cpu", pin_memory=True),
+                                                   lambda e: e.param_offload.config.pin_memory, True),
+    "zero_optimization.offload_param.buffer_count": (_po(device="nvme", nvme_path="/tmp/megazero-ds-keys", max_in_cpu=0,
+                                                         buffer_count=3), lambda e: len(e.param_offload.ring), 3),
+    "zero_optimization.offload_param.buffer_size": (_po(device="nvme", nvme_path="/tmp/megazero-ds-keys", max_in_cpu=0, buffer_size=100),
+                                                    lambda e: e.param_offload.chunk_bytes // e.compute_dtype.itemsize,
+                                                    100),
+    "zero_optimization.offload_param.max_in_cpu": (_po(device="nvme", nvme_path="/tmp/megazero-ds-keys", max_in_cpu=0), lambda e: (
+        e.model_state_bytes()["host_params"], e.model_state_bytes()["nvme_params"] > 0), (0, True)),
     "fp16.enabled": (_fp16(), lambda e: e.compute_dtype, torch.float16),
     "fp16.loss_scale": (_fp16(loss_scale=128), lambda e: (e.loss_scaler.dynamic, e.loss_scaler.scale), (False, 128.0)),
     "fp16.initial_scale_power": (_fp16(initial_scale_power=10), lambda e: e.loss_scaler.scale, 1024.0),

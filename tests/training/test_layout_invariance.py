@@ -75,6 +75,8 @@ def launch(world: int, args: list[str], out_dir, name: str) -> dict[int, dict]:
     metrics = os.path.join(str(out_dir), f"{name}.jsonl")
     proc = run_cli(world, args, out_dir, metrics)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(os.path.join(str(out_dir), f"{name}.log"), "w") as f:  # what the user saw, for the tests to read
+        f.write(proc.stdout)
     records = {}
     if os.path.exists(metrics):
         for line in open(metrics):

@@ -34,7 +34,11 @@ def test_megatron_deepspeed_azure_config_is_accepted(tmp_path):
 
 @pytest.mark.parametrize("cfg,message", [
     ({"zero_optimization": {"stage": 4}}, "stage must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param needs stage 3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "offload_param.device nvme needs"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}},
+     "unknown key zero_optimization.offload_param.ratio"),
+    ({"zero_optimization": {"cpu_offload": True}}, "unknown key zero_optimization.cpu_offload"),
     ({"zero_optimization": {"stgae": 2}}, "unknown key zero_optimization.stgae"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "choose one precision"),
     ({"optimizer": {"type": "Lamb"}}, "not supported"),
@@ -62,15 +66,16 @@ def test_listed_keys_are_the_parsed_fields():
     import dataclasses
 
     from megazero.zero.config import (HONOURED_KEYS, NO_EFFECT_KEYS, FP16Config, OffloadOptimizerConfig,
-                                      OptimizerConfig, ZeroConfig, ZeroOptimizationConfig)
+                                      OffloadParamConfig, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig)
 
     def names(cls):
         return [f.name for f in dataclasses.fields(cls)]
 
     blocks = {"optimizer": ["optimizer.type"] + [f"optimizer.params.{n}" for n in names(OptimizerConfig) if n != "type"],
               "zero_optimization": [f"zero_optimization.{n}" for n in names(ZeroOptimizationConfig)
-                                    if n != "offload_optimizer"]
-              + [f"zero_optimization.offload_optimizer.{n}" for n in names(OffloadOptimizerConfig)],
+                                    if n not in ("offload_optimizer", "offload_param")]
+              + [f"zero_optimization.offload_optimizer.{n}" for n in names(OffloadOptimizerConfig)]
+              + [f"zero_optimization.offload_param.{n}" for n in names(OffloadParamConfig)],
               "fp16": ["fp16.enabled"] + [f"fp16.{n}" for n in names(FP16Config)],
               "bf16": ["bf16.enabled", "bfloat16.enabled"], "grad_accum_dtype": ["data_types.grad_accum_dtype"]}
     from_fields = {p for n in names(ZeroConfig) for p in blocks.get(n, [n])}

@@ -20,11 +20,13 @@ from tests.distributed import run_distributed
 from tests.zero.common import ds_config, tiny_config
 
 
-def _engine(offload: dict | None, stage: int = 2, bf16: bool = False, **model):
+def _engine(offload: dict | None, stage: int = 2, bf16: bool = False, param: dict | None = None, **model):
     mpu.initialize_model_parallel(1)
-    cfg = ds_config(stage, micro=8)
+    cfg = ds_config(stage, micro=8 // mpu.get_data_parallel_world_size())
     if offload is not None:
         cfg["zero_optimization"]["offload_optimizer"] = offload
+    if param is not None:  # ZeRO-3's parameter offload, every parameter partitioned (none persistent)
+        cfg["zero_optimization"].update(offload_param=param, stage3_param_persistence_threshold=0)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     torch.manual_seed(5)
@@ -33,8 +35,9 @@ def _engine(offload: dict | None, stage: int = 2, bf16: bool = False, **model):
 
 def _train(engine, steps: int = 2) -> list[float]:
     data = torch.randint(0, 120, (steps, 8, 17), generator=torch.Generator().manual_seed(3))
+    dp, r = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     losses = []
-    for x in data:
+    for x in data[:, r * 8 // dp:(r + 1) * 8 // dp]:
         loss = engine(x[:, :-1], labels=x[:, 1:]).mean()
         engine.backward(loss)
         engine.step()
@@ -185,3 +188,58 @@ def test_config_is_deepspeeds_schema_and_refuses_what_cannot_work(tmp_path):
             load_config({"zero_optimization": bad})
     with pytest.raises(ZeroConfigError, match="SGD"):
         load_config({"optimizer": {"type": "SGD"}, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+
+
+# ---------------------------------------------------------------- offload_param (ZeRO-3)
+
+def _param_bytes(param: dict, opt: dict | None, bf16: bool):
+    engine = _engine(opt, stage=3, bf16=bf16, param=param)
+    _train(engine, 1)
+    po = engine.param_offload
+    part = sum(g.shard_numel for g in po.groups)
+    elem = 2 if bf16 else 4
+    aliased = [g.shard is g.master and g.shard.device.type == "cpu" for g in po.groups if id(g) in po.aliased]
+    return engine.model_state_bytes(), part * elem, len(po.ring), po.chunk_bytes, len(po.aliased), aliased
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_param_offload_holds_the_partition_off_the_device(bf16, tmp_path):
+    for state, part, *_ in run_distributed(2, _param_bytes, {"device": "cpu"}, None, bf16):
+        assert state["params"] == 0 and state["host_params"] == part and state["nvme_params"] == 0
+    # NVMe: the first max_in_cpu elements in host memory, the rest in files, reads through the ring
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 3000, "buffer_count": 2, "buffer_size": 500}
+    for state, part, count, chunk, *_ in run_distributed(2, _param_bytes, nvme, None, bf16):
+        elem = 2 if bf16 else 4
+        assert state["params"] == 0 and state["host_params"] + state["nvme_params"] == part
+        assert 0 < state["host_params"] <= 3000 * elem and state["nvme_params"] > 0
+        assert count == 2 and chunk == 500 * elem and state["host_param_ring"] == 2 * 500 * elem
+
+
+def test_fp32_partitions_are_the_host_masters_when_the_optimizer_is_offloaded():
+    for state, part, _, _, n_aliased, aliased in run_distributed(2, _param_bytes, {"device": "cpu"},
+                                                                  {"device": "cpu"}, False):
+        assert n_aliased > 0 and all(aliased)
+        # nothing on the device but the gradient partition; the host holds each element's 12 B once
+        assert state["params"] == 0 and state["optimizer"] == 0 and state["host_params"] == 0
+        assert state["host_optimizer"] == 3 * part
+
+
+def _param_model_only_load(param: dict | None):
+    engine = _engine(None, stage=3, bf16=True, param=param)
+    _train(engine, 1)
+    fresh = {k: torch.full_like(v, 0.01) for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+    engine.load_full_weights(lambda name: fresh[name])
+    losses = _train(engine, 1)
+    if engine.param_offload is not None:
+        engine.param_offload.release()
+    return losses, engine.consolidated_state_dict(rank0_only=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_model_only_load_refreshes_the_offloaded_partitions(device, tmp_path):
+    """Weights loaded after training reach the next forward through the offloaded partitions."""
+    param = {"device": device, **({"nvme_path": str(tmp_path), "max_in_cpu": 0} if device == "nvme" else {})}
+    ref = run_distributed(2, _param_model_only_load, None)
+    got = run_distributed(2, _param_model_only_load, param)
+    for (la, wa), (lb, wb) in zip(ref, got):
+        assert la == lb and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -1,0 +1,158 @@
+"""Where a ZeRO engine's state lives: the accelerator, host memory or NVMe.
+
+A mixin of :class:`megazero.zero.engine.ZeroEngine`, apart so the engine file stays about the step.
+It builds the optimizer over the trainable masters with ``offload_optimizer``'s groups on the host
+(:mod:`megazero.zero.offload`) and ZeRO-3's ``offload_param`` (:mod:`megazero.zero.param_offload`),
+routes the gathers' sources and the step's write-backs to wherever a partition lives, counts the
+bytes of each place, and turns an offload I/O failure inside a step into a flag the next step's
+all-reduce carries (a rank that raised there would leave its peers waiting in a collective).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .flat import FlatGroup
+from .offload import OptimizerOffload, offloaded_groups
+from .optim import build_optimizer, say_once
+from .param_offload import ParamOffload
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """Methods over the engine's ``config``, ``groups``, ``trainable_groups``, ``optimizer`` and grads."""
+
+    offload: Optional[OptimizerOffload]
+    param_offload: Optional[ParamOffload]
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the trainable masters: decayed and undecayed groups (kernel: optim.py).
+
+        With ``offload_optimizer``, the offloaded groups' masters move to the host first
+        (:mod:`megazero.zero.offload`); the optimizer still lists them, for one state dict and one
+        set of hyperparameters, and its own step skips them (they carry no ``.grad``)."""
+        oc = self.config.optimizer
+        off = self.config.zero_optimization.offload_optimizer
+        self.offload = None
+        self.deferred_failure: Optional[tuple[str, BaseException]] = None
+        if off.enabled:
+            self.offload = OptimizerOffload(offloaded_groups(self.trainable_groups, off.ratio), off, oc, self.device,
+                                            rank=_rank(), say=say_once)
+        self._offloaded = frozenset(id(g) for g in self.offload.groups) if self.offload else frozenset()
+        decay = [g.master for g in self.trainable_groups if g.weight_decay]
+        no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
+        param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
+        if no_decay:
+            param_groups.append({"params": no_decay, "weight_decay": 0.0})
+        return build_optimizer(param_groups, oc, self.device, mixed_devices=self.offload is not None)
+
+    def _build_param_offload(self) -> Optional[ParamOffload]:
+        """ZeRO-3's ``offload_param``: the gathered groups' partitions to the host or NVMe; the
+        optimizer offload's write-back follows them (after :meth:`_build_optimizer`)."""
+        cfg = self.config.zero_optimization.offload_param
+        if not cfg.enabled or self.stage != 3:
+            return None
+        host_masters = self._offloaded if self.offload is not None and not self.offload.nvme else frozenset()
+        offload = ParamOffload(self.groups, cfg, self.device, rank=_rank(), masters_on_host=host_masters,
+                               say=say_once)
+        if self.offload is not None:
+            self.offload.write_shard = self._write_shard
+        return offload
+
+    def is_offloaded(self, g: FlatGroup) -> bool:
+        """Whether ``g``'s optimizer state (fp32 master, moments) lives on the host or NVMe."""
+        return id(g) in self._offloaded
+
+    # ------------------------------------------------------------------ routing
+
+    def _gather_source(self, g: FlatGroup) -> torch.Tensor:
+        """What ``g``'s all-gather sends. A read that fails (NVMe) sends zeros and flags the failure:
+        the gather itself must still happen, or the other ranks would wait in it."""
+        if not self.param_offload.owns(g):
+            return g.shard
+        try:
+            return self.param_offload.source(g)
+        except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
+            self.fail_later("reading the offloaded parameters", e)
+            return g.full.narrow(0, g.shard_start, g.shard_numel).zero_()
+
+    def _write_shard(self, g: FlatGroup, lo: int, src: torch.Tensor) -> None:
+        """Updated weights into ``g``'s compute-dtype partition at ``lo``, wherever it lives."""
+        if self.param_offload is not None and self.param_offload.owns(g):
+            try:
+                self.param_offload.write(g, lo, src)
+            except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
+                self.fail_later("writing the offloaded parameters", e)
+        else:
+            g.shard[lo:lo + src.numel()].copy_(src)
+
+    def _offloaded_step(self, grads: dict[FlatGroup, torch.Tensor], coef: float) -> None:
+        """The host's part of the step, streamed; a failure there (an NVMe read or write) is flagged
+        rather than raised: the step's collectives that follow still happen on every rank."""
+        try:
+            self.offload.step(self.optimizer, grads, coef)
+        except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
+            self.fail_later("the offloaded optimizer step", e)
+
+    def fail_later(self, what: str, error: BaseException) -> None:
+        """This rank failed inside a sequence of collectives (``what``): it goes on with them, the
+        next step's all-reduce carries the flag, no rank updates its parameters, every rank sees
+        ``failed_ranks > 0``, and the trainer concludes with :attr:`deferred_failure` (the first)."""
+        self.flag_failure()
+        if self.deferred_failure is None:
+            self.deferred_failure = (what, error)
+
+    def drop_pages(self) -> None:
+        """Unmap the NVMe pages a whole-tensor access (checkpoint, load, logging) brought in."""
+        for offload in (self.offload, self.param_offload):
+            if offload is not None:
+                offload.drop_pages()
+
+    # ------------------------------------------------------------------ accounting
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds on its device: parameters, gradients, optimizer
+        (master + moments), and ``total``; with offload also the host's apart: ``host_optimizer``
+        (offloaded masters and moments in memory), ``host_ring`` (the step's buffers), ``nvme``
+        (their files' size), ``host_params`` (offloaded parameter partitions in memory),
+        ``host_param_ring`` (the NVMe reads' buffers) and ``nvme_params`` (the parameter files)."""
+        po = self.param_offload
+        params = sum(g.full.numel() * g.full.element_size() if g.resident else g.shard.numel() * g.shard.element_size()
+                     for g in self.groups if po is None or not po.owns(g))
+        grads = sum(t.numel() * t.element_size() for t in self.grad_full.values())
+        if self.stage >= 2:  # stage 1's shards are views of grad_full
+            grads += sum(t.numel() * t.element_size() for t in self.grad_shard.values())
+        opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard and not self.is_offloaded(g))
+        for g in self.trainable_groups:
+            if not self.is_offloaded(g):
+                opt += sum(v.numel() * v.element_size() for v in self.optimizer.state.get(g.master, {}).values()
+                           if torch.is_tensor(v) and v.dim() > 0)
+        out = {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+        if self.offload is not None:
+            out.update(self.offload.host_bytes(self.optimizer))
+        if po is not None:
+            out.update(po.host_bytes())
+        return out
+
+    def optimizer_state_buffers(self, group: FlatGroup, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint load writes ``group``'s optimizer state ``keys`` into: the
+        optimizer's own, created (zero, beside the master) where absent; for an offloaded group its
+        host tensors or NVMe maps. The step count is set apart (``optim.set_optimizer_step``)."""
+        if not keys:
+            return {}
+        if self.is_offloaded(group):
+            state = self.offload.init_state(self.optimizer, group)
+        else:
+            state = self.optimizer.state[group.master]
+        for key in keys:
+            if key not in state:
+                state[key] = torch.zeros_like(group.master)
+        return {key: state[key] for key in keys}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
