@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Optimizer offload on a ~100M-parameter GPT: memory, bytes moved per step, the host step's speed.
+"""Optimizer and parameter offload on a ~100M-parameter GPT: memory, bytes moved per step, the host step's speed.
 
-    python benchmarks/bench_offload.py                 # ~3 min on a quiet 2-core machine
+    python benchmarks/bench_offload.py                 # ~6 min on a quiet 2-core machine
     python benchmarks/bench_offload.py --num-layers 2  # smoke run
 
-One process (dp 1, ZeRO-1: the whole partition is this rank's), fp32, seq 64, one sequence, for
-each ``offload_optimizer.device`` in none / cpu / nvme, each in a process of its own:
+One process (dp 1: the whole partition is this rank's), fp32, seq 64, one sequence, each
+configuration in a process of its own: ZeRO-1 with ``offload_optimizer.device`` none / cpu / nvme,
+and ZeRO-3 with none, ``offload_param`` nvme, and both on NVMe (ZeRO-Infinity):
 
 * peak RSS (``ru_maxrss``) and the step's RSS rise. On this CPU machine the "device" is host
   memory too, so ``cpu`` moves the state between two kinds of host memory and saves nothing (in
@@ -13,7 +14,8 @@ each ``offload_optimizer.device`` in none / cpu / nvme, each in a process of its
   master and moments in files and should save the two moments' 8 B per parameter minus the ring
   (12 B in bf16/fp16, whose masters are not the weights);
 * bytes read from and written to the NVMe files per step (24 B per offloaded parameter: master
-  and moments read, then written back);
+  and moments read, then written back; parameters: 4 B read by each gather, forward and backward,
+  4 B written by the step);
 * the host step's throughput: the chunked, three-stage step over the ring
   (``megazero.zero.offload``) against one ``torch.optim.AdamW(fused=True).step()`` over the same
   flat partitions, in elements per second, both on this CPU, and whether they agree bit for bit.
@@ -58,10 +60,13 @@ def _child(args: argparse.Namespace) -> dict:
                     hidden_dropout=0.0, attention_dropout=0.0)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-          "zero_optimization": {"stage": 1}}
+          "zero_optimization": {"stage": args.stage}}
     if args.device != "none":
         ds["zero_optimization"]["offload_optimizer"] = {"device": args.device, "nvme_path": args.nvme_path,
                                                         "buffer_count": 4, "buffer_size": 1 << 22}
+    if args.param_device != "none":  # every partition to the files (max_in_cpu 0)
+        ds["zero_optimization"]["offload_param"] = {"device": args.param_device, "nvme_path": args.nvme_path,
+                                                    "max_in_cpu": 0, "buffer_count": 4, "buffer_size": 1 << 22}
     torch.manual_seed(0)
     engine = zero.initialize(GPTModel(cfg), ds, mpu=mpu)
     params = sum(g.numel for g in engine.groups)
@@ -76,8 +81,12 @@ def _child(args: argparse.Namespace) -> dict:
         engine.backward(loss)
         engine.step()
 
+    def io() -> tuple[int, int]:
+        pairs = [o.io_bytes() for o in (engine.offload, engine.param_offload) if o is not None]
+        return sum(a for a, _ in pairs), sum(b for _, b in pairs)
+
     step()  # warm-up: creates the moments
-    read0 = engine.offload.io_bytes() if engine.offload else (0, 0)
+    read0 = io()
     before, high, running = rss(), [0], [True]
 
     def sample() -> None:
@@ -92,13 +101,13 @@ def _child(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t0
     running[0] = False
     t.join()
-    read1 = engine.offload.io_bytes() if engine.offload else (0, 0)
+    read1 = io()
     out = {"device": args.device, "params": params, "step_s": seconds, "rss_before": before,
            "rss_rise": max(high[0], rss()) - before,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "read_per_step": read1[0] - read0[0], "written_per_step": read1[1] - read0[1],
            "state": engine.model_state_bytes()}
-    if args.device == "cpu":
+    if args.device == "cpu" and args.stage == 1:
         out["host_step"] = _host_step_speed(engine, torch)
     return out
 
@@ -149,6 +158,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--param-device", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--nvme-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=29731, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -156,11 +167,16 @@ def main() -> None:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return
     results = {}
+    # name: (ZeRO stage, offload_optimizer.device, offload_param.device)
+    configs = {"none": (1, "none", "none"), "cpu": (1, "cpu", "none"), "nvme": (1, "nvme", "none"),
+               "z3 none": (3, "none", "none"), "z3 param nvme": (3, "none", "nvme"),
+               "z3 both nvme": (3, "nvme", "nvme")}
     with tempfile.TemporaryDirectory(prefix="bench_offload_") as nvme:
-        for i, device in enumerate(("none", "cpu", "nvme")):
-            cmd = [sys.executable, __file__, "--child", "--device", device, "--nvme-path", nvme, "--port",
-                   str(args.port + i)] + [f"--{k.replace('_', '-')}={getattr(args, k)}"
-                                          for k in ("num_layers", "hidden_size", "vocab_size", "seq_length", "threads")]
+        for i, (device, (stage, opt, param)) in enumerate(configs.items()):
+            cmd = [sys.executable, __file__, "--child", "--device", opt, "--param-device", param, "--stage", str(stage),
+                   "--nvme-path", nvme, "--port", str(args.port + i)] + [
+                f"--{k.replace('_', '-')}={getattr(args, k)}"
+                for k in ("num_layers", "hidden_size", "vocab_size", "seq_length", "threads")]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -171,15 +187,18 @@ def main() -> None:
     base = results["none"]
     n = base["params"]
     print(f"GPT {args.num_layers} layers, hidden {args.hidden_size}, vocab {args.vocab_size}: {n / 1e6:.1f}M "
-          f"parameters, fp32, seq {args.seq_length}, ZeRO-1 at dp 1 (the whole partition offloaded)")
-    print(f"{'offload_optimizer':<20}{'peak RSS MiB':>14}{'vs none':>9}{'step rise MiB':>15}{'step s':>8}"
-          f"{'NVMe read/step':>16}{'written/step':>14}{'host state MiB':>16}{'ring MiB':>10}")
+          f"parameters, fp32, seq {args.seq_length}, dp 1 (the whole partition offloaded); ZeRO-1 rows against "
+          f"'none', ZeRO-3 rows against 'z3 none'")
+    print(f"{'offload':<20}{'peak RSS MiB':>14}{'vs base':>9}{'step rise MiB':>15}{'step s':>8}"
+          f"{'NVMe read/step':>16}{'written/step':>14}{'host state MiB':>16}{'rings MiB':>10}")
     for device, r in results.items():
         s = r["state"]
-        print(f"{device:<20}{r['peak_rss'] / mib:>14.0f}{r['peak_rss'] / base['peak_rss']:>9.2f}"
+        ref = results["z3 none" if device.startswith("z3") else "none"]
+        print(f"{device:<20}{r['peak_rss'] / mib:>14.0f}{r['peak_rss'] / ref['peak_rss']:>9.2f}"
               f"{r['rss_rise'] / mib:>15.0f}{r['step_s']:>8.2f}{r['read_per_step'] / mib:>12.0f} MiB"
-              f"{r['written_per_step'] / mib:>10.0f} MiB{(s.get('host_optimizer', 0)) / mib:>16.0f}"
-              f"{s.get('host_ring', 0) / mib:>10.0f}")
+              f"{r['written_per_step'] / mib:>10.0f} MiB"
+              f"{(s.get('host_optimizer', 0) + s.get('host_params', 0)) / mib:>16.0f}"
+              f"{(s.get('host_ring', 0) + s.get('host_param_ring', 0)) / mib:>10.0f}")
     nv = results["nvme"]
     saved = base["peak_rss"] - nv["peak_rss"]
     # fp32: the weights are the masters, so the files take the two moments (8 B) off the host and the
@@ -189,6 +208,13 @@ def main() -> None:
           f"parameters - ring = {expect / mib:.0f} MiB ({saved / expect:.2f}x of that); cpu adds the host master "
           f"copy (4 B) and the ring. Bytes per step per offloaded parameter: "
           f"read {nv['read_per_step'] / n:.1f}, written {nv['written_per_step'] / n:.1f} (expected 12 and 12).")
+    z3, zp, zi = results["z3 none"], results["z3 param nvme"], results["z3 both nvme"]
+    print(f"ZeRO-3: parameters on NVMe save {(z3['peak_rss'] - zp['peak_rss']) / mib:.0f} MiB of peak RSS (the "
+          f"4 B fp32 partition is the optimizer's master here, which stays: expected about 0 beyond the ring); "
+          f"both on NVMe save {(z3['peak_rss'] - zi['peak_rss']) / mib:.0f} MiB (expected 12 B x parameters - rings "
+          f"= {(12 * n - zi['state'].get('host_ring', 0) - zi['state'].get('host_param_ring', 0)) / mib:.0f} MiB). "
+          f"Parameter bytes per step per parameter: read {(zp['read_per_step']) / n:.1f} (4 B per gather, forward "
+          f"and backward: 8), written {zp['written_per_step'] / n:.1f} (expected 4).")
     h = results["cpu"]["host_step"]
     print(f"host step over {h['elements'] / 1e6:.1f}M elements: offload's chunked three-stage step "
           f"{h['offload_s']:.3f} s ({h['offload_elems_per_s'] / 1e6:.0f} M/s) vs torch AdamW(fused=True) "
