@@ -230,6 +230,7 @@ class OptimizerOffload:
             g.master = files.tensors["master"]
         else:
             master, pinned = host_empty(g.shard_numel, self.config.pin_memory, self.device)
+            self.pinned &= pinned  # fp32 weights return to the device straight from the master
             master.copy_(values.detach())
             g.master = master
 
