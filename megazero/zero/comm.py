@@ -5,12 +5,22 @@ reduce-scatter of a flat tensor of N elements counts N elements (the size of
 the full tensor), an all-reduce counts N. Bytes are tallied per operation and
 per group name, so a step's traffic can be checked against the theory
 (ZeRO-3: 2 all-gathers of the parameters and 1 reduce-scatter of the gradients).
+
+On gloo (CPU) the two ZeRO collectives are issued as their in-place equivalents. gloo's
+all-gather receives into a full-size temporary and copies out of it, and its reduce-scatter
+holds a copy of the input and the output (measured, 4 ranks: +100 MiB for a 100 MiB gather,
++125 MiB for a 100 MiB reduce-scatter, which a ZeRO-3 step pays per unit in flight). So an
+all-gather is one broadcast per rank into the output (no temporary; 30 ms against 51 for
+12 MiB on 4 ranks), and a reduce-scatter an in-place all-reduce of the input (which it then
+holds the sum, a scratch buffer for every caller) whose own chunk is copied out (2 MiB of
+scratch; 57 ms against 81; twice the bytes on the wire). NCCL gathers and reduce-scatters in
+place already and keeps the collectives themselves.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +30,22 @@ from ..mpu.utils import all_gather_flat, reduce_scatter_flat
 __all__ = ["CommCounter", "gradient_communicator"]
 
 
+class _Then:
+    """Asynchronous works, then a local step once they have all finished (``wait`` as a Work)."""
+
+    def __init__(self, works: list, after: Optional[Callable[[], object]] = None) -> None:
+        self.works, self.after = works, after
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        if self.after is not None:
+            after, self.after = self.after, None
+            after()
+        return True
+
+
 class CommCounter:
     """Issues collectives on named groups and counts their bytes."""
 
@@ -27,6 +53,15 @@ class CommCounter:
         self.groups = groups
         self.bytes: collections.Counter[tuple[str, str], int] = collections.Counter()
         self.calls: collections.Counter[tuple[str, str], int] = collections.Counter()
+        self._gloo: dict[str, bool] = {}
+
+    def _is_gloo(self, name: str) -> bool:
+        if name not in self._gloo:
+            try:
+                self._gloo[name] = dist.get_backend(self.groups[name]) == "gloo"
+            except (RuntimeError, ValueError):  # a fake or custom process group: its own collectives
+                self._gloo[name] = False
+        return self._gloo[name]
 
     def size(self, name: str) -> int:
         g = self.groups[name]
@@ -39,20 +74,36 @@ class CommCounter:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, name: str, async_op: bool = False):
         """Gather equal shards into ``out`` (flat)."""
         self._count("all_gather", name, out)
-        if self.size(name) == 1:
+        n = self.size(name)
+        if n == 1:
             out.copy_(shard)
             return None
-        return all_gather_flat(out, shard, group=self.groups[name], async_op=async_op)
+        group = self.groups[name]
+        if not self._is_gloo(name):
+            return all_gather_flat(out, shard, group=group, async_op=async_op)
+        chunk, rank = out.numel() // n, dist.get_rank(group)
+        mine = out.narrow(0, rank * chunk, chunk)
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard)
+        works = [dist.broadcast(out.narrow(0, i * chunk, chunk), src=_global(group, i), group=group, async_op=True)
+                 for i in range(n)]
+        return _finish(_Then(works), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str, async_op: bool = False,
                        via: Optional[str] = None):
         """Sum ``full`` over the group and keep this rank's equal chunk in ``out`` (counted under
         ``name``; issued on the communicator of ``via``, the same ranks, when given)."""
         self._count("reduce_scatter", name, full)
-        if self.size(name) == 1:
+        n = self.size(name)
+        if n == 1:
             out.copy_(full)
             return None
-        return reduce_scatter_flat(out, full, group=self.groups[via or name], async_op=async_op)
+        group = self.groups[via or name]
+        if not self._is_gloo(via or name):
+            return reduce_scatter_flat(out, full, group=group, async_op=async_op)
+        chunk, rank = full.numel() // n, dist.get_rank(group)
+        work = dist.all_reduce(full, group=group, async_op=True)  # ``full`` is scratch: it ends as the sum
+        return _finish(_Then([work], lambda: out.copy_(full.narrow(0, rank * chunk, chunk))), async_op)
 
     def all_reduce(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         self._count("all_reduce", name, t)
@@ -67,6 +118,17 @@ class CommCounter:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+
+
+def _global(group: Optional[dist.ProcessGroup], i: int) -> int:
+    return i if group is None else dist.get_global_rank(group, i)
+
+
+def _finish(work: _Then, async_op: bool) -> Optional[_Then]:
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 _GRADS_DESC = "megazero_zero3_grads"

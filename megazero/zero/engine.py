@@ -472,8 +472,9 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             if g.master is not g.shard and id(g) not in written:
                 self._write_shard(g, 0, g.master)
             if g.resident and g.partitions > 1:
-                # Every rank updated its partition only: collect the others.
-                self.comm.all_gather(g.full, g.shard.clone(), "dp")
+                # Every rank updated its partition only: collect the others, in place (the partition
+                # is the full buffer's own slice: no temporary).
+                self.comm.all_gather(g.full, g.shard, "dp")
 
     def _zero_grads(self) -> None:
         for buf in self.grad_full.values():

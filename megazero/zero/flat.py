@@ -146,6 +146,16 @@ class FlatGroup:
         if storage.nbytes() == 0:
             storage.resize_(self.full_bytes)
 
+    def own_slice(self) -> torch.Tensor:
+        """This rank's partition inside the full buffer. An all-gather sent from it runs in place:
+        no full-size temporary (gloo allocates one for any other input and copies out of it; NCCL
+        and FSDP2 gather in place too)."""
+        return self.full.narrow(0, self.shard_start, self.shard_numel)
+
+    def fill_own_slice(self) -> torch.Tensor:
+        """The partition copied into :meth:`own_slice` (materialized): what a ZeRO-3 gather sends."""
+        return self.own_slice().copy_(self.shard)
+
     def release(self) -> None:
         """Free the full buffer's storage; parameters keep their shapes (no-op when resident)."""
         if self.resident:

@@ -144,7 +144,7 @@ class ParamOffload:
     def source(self, g: FlatGroup) -> torch.Tensor:
         """The tensor ``g``'s all-gather sends: this rank's slice of ``g.full`` (materialized),
         filled from the host copy or the file; the gather then runs in place."""
-        dst = g.full.narrow(0, g.shard_start, g.shard_numel)
+        dst = g.own_slice()
         files = self.files.get(g)
         if files is None:
             dst.copy_(g.shard, non_blocking=self.pinned)

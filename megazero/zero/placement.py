@@ -73,12 +73,12 @@ class Placement:
         """What ``g``'s all-gather sends. A read that fails (NVMe) sends zeros and flags the failure:
         the gather itself must still happen, or the other ranks would wait in it."""
         if not self.param_offload.owns(g):
-            return g.shard
+            return g.fill_own_slice()
         try:
             return self.param_offload.source(g)
         except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
             self.fail_later("reading the offloaded parameters", e)
-            return g.full.narrow(0, g.shard_start, g.shard_numel).zero_()
+            return g.own_slice().zero_()
 
     def _write_shard(self, g: FlatGroup, lo: int, src: torch.Tensor) -> None:
         """Updated weights into ``g``'s compute-dtype partition at ``lo``, wherever it lives."""

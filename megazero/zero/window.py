@@ -105,9 +105,9 @@ class GatherWindow:
         hold: bool = False,
         source: Optional[Callable[[FlatGroup], torch.Tensor]] = None,
     ) -> None:
-        # source(g): what g's all-gather sends (default g.shard); the parameter offload fills g's own
-        # slice of the full buffer from the host or NVMe and the gather runs in place.
-        self.source = source
+        # source(g): what g's all-gather sends, g's own slice of the full buffer filled with its
+        # partition (the gather then runs in place); the parameter offload fills it from the host or NVMe.
+        self.source = source or FlatGroup.fill_own_slice
         self.units = [u for u in units if not u.resident]
         self.index = {id(u): i for i, u in enumerate(self.units)}
         self.needs, self.unit_of_param = needs, unit_of_param
@@ -157,7 +157,7 @@ class GatherWindow:
         for g in unit.groups:
             if not g.resident:
                 g.materialize_storage()
-                work = self.all_gather(g.full, g.shard if self.source is None else self.source(g))
+                work = self.all_gather(g.full, self.source(g))
                 if work is not None:
                     unit.pending.append(work)
         self.live_numel += unit.numel()
