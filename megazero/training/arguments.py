@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import NoReturn, Optional, Sequence
 
 from megazero.model.config import PRESETS, GPTConfig  # noqa: F401  (re-exported)
@@ -152,13 +153,17 @@ def parse_args_or_exit(argv: Optional[Sequence[str]] = None, world_size: Optiona
                        check_files: bool = True) -> TrainConfig:
     """``parse_args`` for entry points: on ConfigError print only the message and exit 2.
 
-    Only local rank 0 prints, so a multi-GPU node shows the message once.
+    Only local rank 0 prints, so a multi-GPU node shows the message once. The other ranks,
+    which fail the same way, wait a moment before exiting: a launcher stops every rank when the
+    first one exits, and a rank 0 stopped before it printed would leave the user no message.
     """
     try:
         return parse_args(argv, world_size, check_files=check_files)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(5.0)  # rank 0 exits first (torchrun then stops this one)
         sys.exit(2)
 
 
