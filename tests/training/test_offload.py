@@ -154,6 +154,22 @@ def test_checkpoints_cross_between_offload_and_none(cells, data, runs):
     assert_same_run(got, tail, rtol=RTOL, what="plain resume of an offloaded run")
 
 
+def _rehearsed_with_plan(tmp_path, name: str, flags: list[str], stage: int):
+    """tools/rehearse.py's rank 0 at 16 ranks of the 1.3B test GPT (bf16) with ``flags``, the
+    planner's estimate for the same command, the ZeRO formulas' (weights, grads, optimizer) and the
+    tool's output."""
+    from megazero.training.memory import estimate_memory_for, model_state_bytes
+    from megazero.training.rehearsal import rehearsal_config
+    from tests.training.test_rehearse import MODEL, WORLD, _rehearse
+
+    code, doc, out = _rehearse(tmp_path, name, flags, "--ranks", "0", "--micro-batches", "1")
+    assert code == 0, out
+    config, _ = rehearsal_config(MODEL + flags, WORLD)
+    est = estimate_memory_for(config)
+    formula = model_state_bytes(est.params_per_rank, dp=config.parallel.dp, zero_stage=stage, precision="bf16")
+    return doc["ranks"][0], est, formula, out
+
+
 def test_rehearsal_and_plan_report_host_bytes_apart(tmp_path):
     """tools/rehearse.py at 16 ranks of a 1.3B GPT, ZeRO-2 with --optimizer-cpu-offload: the device
     holds no optimizer state (the ZeRO formulas minus 12 B per partition element), the host the
@@ -161,19 +177,11 @@ def test_rehearsal_and_plan_report_host_bytes_apart(tmp_path):
     import subprocess
     import sys
 
-    from megazero.training.memory import estimate_memory_for, model_state_bytes
-    from megazero.training.rehearsal import rehearsal_config
-    from tests.training.test_rehearse import MODEL, ROOT, WORLD, _rehearse
+    from tests.training.test_rehearse import MODEL, ROOT, WORLD
 
     flags = ["--tp", "2", "--zero-stage", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
              "--optimizer-cpu-offload"]
-    code, doc, out = _rehearse(tmp_path, "offload", flags, "--ranks", "0", "--micro-batches", "1")
-    assert code == 0, out
-    config, _ = rehearsal_config(MODEL + flags, WORLD)
-    est = estimate_memory_for(config)
-    psi, dp = est.params_per_rank, config.parallel.dp
-    weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=2, precision="bf16")
-    r = doc["ranks"][0]
+    r, est, (weights, grads, optim), out = _rehearsed_with_plan(tmp_path, "offload", flags, 2)
     assert est.optimizer == 0 and est.host_optimizer == pytest.approx(optim)  # 12 B per partition element
     assert r["state_bytes"] == pytest.approx(weights + grads, rel=0.05)
     assert r["host_bytes"] == pytest.approx(est.host_total, rel=0.05)
@@ -189,22 +197,12 @@ def test_rehearsal_of_zero_infinity_holds_only_gradients_on_the_device(tmp_path)
     offload_param and offload_optimizer on the host: the device holds the gradient partition (and
     the small persistent parameters), the host the weights' 2 B and the optimizer's 12 B per
     partition element and the ring, within 5% of the plan."""
-    from megazero.training.memory import estimate_memory_for, model_state_bytes
-    from megazero.training.rehearsal import rehearsal_config
-    from tests.training.test_rehearse import MODEL, WORLD, _rehearse
-
     ds = tmp_path / "ds_config.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                                     "offload_optimizer": {"device": "cpu"}}}))
     flags = ["--tp", "2", "--zero-stage", "3", "--micro-batch-size", "1", "--global-batch-size", "8",
              "--deepspeed_config", str(ds)]
-    code, doc, out = _rehearse(tmp_path, "infinity", flags, "--ranks", "0", "--micro-batches", "1")
-    assert code == 0, out
-    config, _ = rehearsal_config(MODEL + flags, WORLD)
-    est = estimate_memory_for(config)
-    psi, dp = est.params_per_rank, config.parallel.dp
-    weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=3, precision="bf16")
-    r = doc["ranks"][0]
+    r, est, (weights, grads, optim), _ = _rehearsed_with_plan(tmp_path, "infinity", flags, 3)
     assert est.params == 0 and est.optimizer == 0 and est.host_params == pytest.approx(weights)
     assert r["state_bytes"] == pytest.approx(grads, rel=0.05)
     assert r["host_bytes"] == pytest.approx(est.host_total, rel=0.05)
