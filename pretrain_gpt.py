@@ -40,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
         return report(e, "pretrain_gpt.py")
     finally:
-        mpu.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        mpu.shutdown_distributed()
     return 0
 
 

@@ -76,7 +76,7 @@ def _sharded(rank: int, world: int, port: int, preset: str, out) -> None:
     out.put(("rank", time.perf_counter() - t0, _cpu() - c0, timed["wall"], timed["cpu"],
              engine.num_local_parameters() // 2))
     dist.barrier()
-    dist.destroy_process_group()
+    mpu.shutdown_distributed()
 
 
 def main() -> int:

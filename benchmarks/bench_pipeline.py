@@ -103,7 +103,7 @@ def _run(rank: int, world: int, port: int, layout: dict, steps: int, m_global: i
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out.put((rank, dict(tokens_per_s=tokens / elapsed, peak_mib=peak_mib, bubble=waited[0] / elapsed,
                         state_mib=engine.model_state_bytes()["total"] / 2 ** 20)))
-    dist.destroy_process_group()
+    mpu.shutdown_distributed()
 
 
 def measure(layout: dict, steps: int, m_global: int) -> list[dict]:

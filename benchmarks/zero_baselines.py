@@ -345,8 +345,7 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"args": vars(args), "ranks": out}, indent=1))
     dist.barrier()
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
+    mpu.shutdown_distributed()
     return 0
 
 

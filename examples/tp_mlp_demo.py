@@ -6,7 +6,6 @@
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero import mpu
@@ -36,8 +35,7 @@ def main() -> None:
     if rank == 0:
         print(f"world={world} tp={groups.tp_size} dp={groups.dp_size}: "
               f"max |TP output - single-process output| = {err:.2e}")
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
+    mpu.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -75,13 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except Exception as e:  # noqa: BLE001 - one line, every rank stops
         status = report(e, "generate.py")
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+        mpu.shutdown_distributed()
         return status
     if dist.get_rank() == 0:
         print(text)
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
+    mpu.shutdown_distributed()
     return 0
 
 

@@ -252,8 +252,7 @@ def main(argv=None) -> int:
                                                    "model_state_bytes": per_rank, "traffic": traffic,
                                                    "seconds": seconds}, indent=1))
     dist.barrier()
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
+    mpu.shutdown_distributed()
     return 0
 
 

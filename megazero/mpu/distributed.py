@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from typing import Mapping, Optional
 
@@ -108,3 +109,22 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Destroy the model-parallel groups and the default group, and join their worker threads.
+
+    Call it last, before the process exits. ``destroy_process_group`` unregisters the
+    groups, but gloo's worker threads live until the last Python reference to a group is
+    collected; a worker still releasing a finished collective's tensors while the
+    interpreter finalizes cannot take the GIL and aborts the process (``terminate called
+    without an active exception``, exit -6) after the run has already ended. Collecting
+    here joins the threads while the interpreter is whole (the group's destructor drops the
+    GIL while it joins).
+    """
+    from .parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
