@@ -9,11 +9,17 @@
 Configurations (one GPT shape; default 4 layers, hidden 256, 8 heads, seq 256,
 vocab 8192, micro-batch 4 sequences per DP rank; AdamW, no clipping):
 
-1. ``megazero 2x2``  megazero.zero stage 3, tp=2 x dp=2
-2. ``megazero 1x4``  megazero.zero stage 3, tp=1 x dp=4
-3. ``FSDP2+TP 2x2``  plain-torch GPT, DTensor TP (parallelize_module) + fully_shard on a [dp=2, tp=2] mesh
-4. ``DeepSpeed 2x2`` DeepSpeed ZeRO-3 on megazero's GPT, ``deepspeed.initialize(..., mpu=megazero.mpu)``
-   (skipped when deepspeed is not importable)
+1. ``megazero tp2``    megazero.zero stage 3, tp=2 x dp=nproc/2
+2. ``megazero tp1``    megazero.zero stage 3, tp=1 x dp=nproc
+3. ``FSDP2+TP tp2``    plain-torch GPT, DTensor TP (parallelize_module) + fully_shard on a [dp, tp=2] mesh
+4. ``DeepSpeed tp2``   DeepSpeed ZeRO-3 on megazero's GPT, ``deepspeed.initialize(..., mpu=megazero.mpu)``
+5. ``Megatron-DS tp2`` / ``tp1``: the Megatron-DeepSpeed arrangement, DeepSpeed ZeRO-3 driving a GPT of
+   megatron-core's TP layers through megatron-core's ``parallel_state`` (``benchmarks/megatron_ds.py``)
+
+(4 and 5 are skipped when deepspeed / megatron-core are not importable.) The compute-bound shape:
+
+    python benchmarks/bench_zero.py --nproc 2 --configs "megazero tp1" "Megatron-DS tp1" --dtypes fp32 \
+        --hidden-size 1024 --num-heads 16 --seq-length 512 --micro-batch 2
 
 Each (configuration, dtype) runs as its own ``torchrun --nproc_per_node 4`` child
 (``benchmarks/zero_baselines.py``), one thread per rank, so peak RSS is per process and
@@ -22,7 +28,7 @@ of the machine hit every configuration alike; the table reports medians over rep
 
 Columns: tokens/s = global tokens of the timed steps / wall time (after ``--warmup``
 steps); tokens/CPU-s = the same tokens / CPU seconds of all ranks together (robust when
-other jobs share the machine); "vs" = ratio to megazero 2x2 of the same dtype; model state = the largest rank's
+other jobs share the machine); "vs" = ratio to megazero at the same tp and dtype; model state = the largest rank's
 parameters + gradients + optimizer state (what each engine holds between steps; see
 README: examples/zero_with_tp), peak RSS = the largest rank's ``ru_maxrss``.
 """
@@ -43,12 +49,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "zero_baselines.py"
 
-CONFIGS = {  # name -> (system, tp)
-    "megazero 2x2": ("megazero", 2),
-    "megazero 1x4": ("megazero", 1),
-    "FSDP2+TP 2x2": ("fsdp2", 2),
-    "DeepSpeed 2x2": ("deepspeed", 2),
+CONFIGS = {  # name -> (system, tp); dp = --nproc / tp
+    "megazero tp2": ("megazero", 2),
+    "megazero tp1": ("megazero", 1),
+    "FSDP2+TP tp2": ("fsdp2", 2),
+    "DeepSpeed tp2": ("deepspeed", 2),
+    "Megatron-DS tp2": ("megatron-ds", 2),
+    "Megatron-DS tp1": ("megatron-ds", 1),
 }
+NEEDS = {"deepspeed": ("deepspeed",), "megatron-ds": ("deepspeed", "megatron.core")}
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "micro_batch", "steps", "warmup",
                "persistence_threshold")
 
@@ -74,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds per child run")
     p.add_argument("--json", default=None, help="also write every run's raw results here")
     return p.parse_args(argv)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
 
 
 def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
@@ -121,7 +137,7 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
 
 
 def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
-    lines = ["| configuration | dtype | tokens/s | vs megazero 2x2 | tokens/CPU-s | vs | model state MiB/rank "
+    lines = ["| configuration | dtype | tokens/s | vs megazero | tokens/CPU-s | vs | model state MiB/rank "
              "| peak RSS MiB/rank | runs |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     keys = ("tokens_per_s", "tokens_per_cpu_s", "model_state_bytes", "peak_rss_bytes")
@@ -131,8 +147,8 @@ def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
             ok = [r for r in results if r["name"] == name and r["dtype"] == dtype and r["ok"]]
             if ok:
                 meds[name] = {k: statistics.median(r[k] for r in ok) for k in keys}
-        base = meds.get("megazero 2x2")
         for name in configs:
+            base = meds.get(f"megazero tp{CONFIGS[name][1]}")
             n_ok = sum(1 for r in results if r["name"] == name and r["dtype"] == dtype and r["ok"])
             n_bad = sum(1 for r in results if r["name"] == name and r["dtype"] == dtype and not r["ok"])
             runs = f"{n_ok}" + (f" ({n_bad} failed)" if n_bad else "")
@@ -153,9 +169,11 @@ def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     configs = list(args.configs)
-    if "DeepSpeed 2x2" in configs and importlib.util.find_spec("deepspeed") is None:
-        print("deepspeed is not installed: skipping 'DeepSpeed 2x2'", file=sys.stderr)
-        configs.remove("DeepSpeed 2x2")
+    for name in list(configs):
+        missing = [m for m in NEEDS.get(CONFIGS[name][0], ()) if not _importable(m)]
+        if missing:
+            print(f"{' and '.join(missing)} not installed: skipping {name!r}", file=sys.stderr)
+            configs.remove(name)
     shape = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads, seq {args.seq_length}, "
              f"vocab {args.vocab_size}, micro-batch {args.micro_batch}/DP rank, {args.warmup} warm-up + "
              f"{args.steps} timed steps, {args.repeats} repeats, {args.nproc} processes x 1 thread")

@@ -8,6 +8,8 @@ on the same GPT shape, AdamW, no clipping:
 
 * ``megazero``:  megazero's GPT (mpu layers) + ``megazero.zero`` stage 3, any tp x dp.
 * ``deepspeed``: the same megazero GPT + DeepSpeed ZeRO-3 via ``deepspeed.initialize(..., mpu=megazero.mpu)``.
+* ``megatron-ds``: the Megatron-DeepSpeed arrangement: a GPT of megatron-core's TP layers
+  (``benchmarks/megatron_ds.py``) + DeepSpeed ZeRO-3 through megatron-core's ``parallel_state``.
 * ``fsdp2``:     a plain-torch GPT of the same shape, DTensor TP (``parallelize_module``) on a
   2-D mesh ``[dp, tp]`` and ``fully_shard`` (FSDP2) per layer and on the root over ``dp``.
 
@@ -47,7 +49,7 @@ LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--system", choices=("megazero", "deepspeed", "fsdp2"), required=True)
+    p.add_argument("--system", choices=("megazero", "deepspeed", "megatron-ds", "fsdp2"), required=True)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--num-layers", type=int, default=4)
@@ -129,27 +131,33 @@ def _example_module():
     return module
 
 
-def setup_deepspeed(args):
+def setup_deepspeed(args, megatron_core: bool = False):
+    """DeepSpeed ZeRO on megazero's GPT and mpu, or (``megatron_core``) on megatron-core's."""
     import deepspeed
 
     example = _example_module()  # ds_model_state_bytes: DeepSpeed's buffers counted like megazero's
     deepspeed.init_distributed(dist_backend="gloo")
-    mpu.initialize_model_parallel(args.tp)
     config = ds_config(args)
     config["optimizer"]["params"]["foreach"] = True
-    torch.manual_seed(1234)
-    model = GPTModel(gpt_config(args))
-    deepspeed.zero.register_external_parameter(model, model.embedding.weight)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    if megatron_core:
+        from benchmarks import megatron_ds
+
+        model, groups = megatron_ds.build(gpt_config(args), args.tp)
+    else:
+        mpu.initialize_model_parallel(args.tp)
+        torch.manual_seed(1234)
+        model, groups = GPTModel(gpt_config(args)), mpu
+    deepspeed.zero.register_external_parameter(model, model.embedding.weight)  # the tied output
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=groups)
 
     def step(tokens):
-        loss = engine(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        loss = engine(tokens[:, :-1], tokens[:, 1:]) if megatron_core else engine(tokens[:, :-1], labels=tokens[:, 1:]).mean()
         engine.backward(loss)
         engine.step()
         return loss
 
-    return (step, lambda: example.ds_model_state_bytes(engine), mpu.get_data_parallel_world_size(),
-            mpu.get_data_parallel_rank())
+    return (step, lambda: example.ds_model_state_bytes(engine), groups.get_data_parallel_world_size(),
+            groups.get_data_parallel_rank())
 
 
 # ------------------------------------------------------------------------------------ plain torch + FSDP2
@@ -287,7 +295,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     mpu.init_distributed(backend="gloo")
-    setup = {"megazero": setup_megazero, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2}[args.system]
+    setup = {"megazero": setup_megazero, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2,
+             "megatron-ds": lambda a: setup_deepspeed(a, megatron_core=True)}[args.system]
     step, state_bytes, dp, dp_rank = setup(args)
     rows = args.micro_batch
     losses, times, cpu = [], [], []

@@ -153,6 +153,7 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         self.agreement = ForwardAgreement(self.units, all_reduce_max(self.comm), self.device, forward_key) \
             if self.stage >= 2 else None
         self.failed_ranks = 0  # ranks that flagged a failure into the last step (flag_failure)
+        self.deferred_failure: Optional[tuple[str, BaseException]] = None  # this rank's first (fail_later)
         self._failed_here = False
         unit_by_name = {u.name: u for u in self.units}
         needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}

@@ -117,30 +117,33 @@ def file_name(g: FlatGroup) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", g.slots[0].name)[:120] + f".{g.shard_start}"
 
 
-class _Files:
-    """One group's master and moments on NVMe: three files of ``numel`` fp32 each, with stable
-    names (reused, not accumulated, across runs), read and written with plain ``pread``/``pwrite``
-    by the step and memory-mapped (shared) for whole-tensor access."""
+class OffloadFiles:
+    """One group's offloaded tensors on NVMe: a file of ``numel`` elements of ``dtype`` per key
+    (the optimizer's master and moments, or a parameter partition), with stable names (reused,
+    not accumulated, across runs), read and written with plain ``pread``/``pwrite`` by the step
+    and memory-mapped (shared) for whole-tensor access."""
 
-    def __init__(self, directory: str, name: str, numel: int) -> None:
-        self.numel = numel
+    def __init__(self, directory: str, name: str, numel: int, keys: tuple[str, ...] = ("master",) + _STATE_KEYS,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.numel, self.elem = numel, torch.empty((), dtype=dtype).element_size()
+        suffix = "fp32" if dtype == torch.float32 else str(dtype).replace("torch.", "")
         self.bytes_read = self.bytes_written = 0  # by the step's plain reads and writes
         self.fds, self.maps, self.tensors = {}, {}, {}
-        for key in ("master",) + _STATE_KEYS:
-            path = os.path.join(directory, f"{name}.{key}.fp32")
+        for key in keys:
+            path = os.path.join(directory, f"{name}.{key}.{suffix}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.ftruncate(fd, numel * 4)
+            os.ftruncate(fd, numel * self.elem)
             self.fds[key] = fd
-            self.maps[key] = mmap.mmap(fd, numel * 4)
-            self.tensors[key] = torch.frombuffer(self.maps[key], dtype=torch.float32)
+            self.maps[key] = mmap.mmap(fd, numel * self.elem)
+            self.tensors[key] = torch.frombuffer(self.maps[key], dtype=dtype)
 
     def read(self, key: str, lo: int, out: torch.Tensor) -> None:
-        file_io(os.preadv, self.fds[key], out, lo * 4)
-        self.bytes_read += out.numel() * 4
+        file_io(os.preadv, self.fds[key], out, lo * self.elem)
+        self.bytes_read += out.numel() * out.element_size()
 
     def write(self, key: str, lo: int, src: torch.Tensor) -> None:
-        file_io(os.pwritev, self.fds[key], src, lo * 4)
-        self.bytes_written += src.numel() * 4
+        file_io(os.pwritev, self.fds[key], src, lo * self.elem)
+        self.bytes_written += src.numel() * src.element_size()
 
     def drop_pages(self) -> None:
         for m in self.maps.values():
@@ -183,7 +186,7 @@ class OptimizerOffload:
         self.nvme = config.device == "nvme" and self.device.type != "meta"
         self.chunk = max(ALIGN, config.buffer_size // ALIGN * ALIGN)
         self.chunk = min(self.chunk, -(-max([g.shard_numel for g in groups] or [1]) // ALIGN) * ALIGN)
-        self.files: dict[FlatGroup, _Files] = {}
+        self.files: dict[FlatGroup, OffloadFiles] = {}
         self._lock_fd: Optional[int] = None
         self.pinned = True
         self.events: Optional[list[tuple[str, int, float, float]]] = None  # set to a list to record stages
@@ -222,7 +225,7 @@ class OptimizerOffload:
         copy is freed (with fp32 compute the accelerator keeps ``g.shard``, the forward's weights)."""
         values = g.master
         if self.nvme:
-            files = _Files(self.directory, file_name(g), g.shard_numel)
+            files = OffloadFiles(self.directory, file_name(g), g.shard_numel)
             self.files[g] = files
             for lo in range(0, g.shard_numel, self.chunk):  # written through the ring's size, not the map
                 hi = min(lo + self.chunk, g.shard_numel)

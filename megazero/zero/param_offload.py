@@ -25,8 +25,6 @@ Exactness: only copies, so a run with parameter offload is bit-identical to the 
 
 from __future__ import annotations
 
-import mmap
-import os
 import weakref
 from typing import Callable, Optional
 
@@ -34,30 +32,9 @@ import torch
 
 from .config import OffloadParamConfig
 from .flat import FlatGroup
-from .offload import close_all, claim_directory, file_io, file_name, host_empty
+from .offload import OffloadFiles, close_all, claim_directory, file_name, host_empty
 
 __all__ = ["ParamOffload"]
-
-
-class _ParamFile:
-    """One group's partition on NVMe: ``numel`` elements of the compute dtype, a stable name."""
-
-    def __init__(self, directory: str, name: str, numel: int, dtype: torch.dtype) -> None:
-        self.elem = torch.empty((), dtype=dtype).element_size()
-        suffix = str(dtype).replace("torch.", "")
-        self.fd = os.open(os.path.join(directory, f"{name}.param.{suffix}"), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(self.fd, numel * self.elem)
-        self.map = mmap.mmap(self.fd, numel * self.elem)
-        self.tensor = torch.frombuffer(self.map, dtype=dtype)
-        self.bytes_read = self.bytes_written = 0
-
-    def read(self, lo: int, out: torch.Tensor) -> None:
-        file_io(os.preadv, self.fd, out, lo * self.elem)
-        self.bytes_read += out.numel() * self.elem
-
-    def write(self, lo: int, src: torch.Tensor) -> None:
-        file_io(os.pwritev, self.fd, src, lo * self.elem)
-        self.bytes_written += src.numel() * self.elem
 
 
 class ParamOffload:
@@ -74,7 +51,7 @@ class ParamOffload:
         self.groups = [g for g in groups if g.shard_numel and not g.resident]
         self._owned = {id(g) for g in self.groups}
         real = self.device.type != "meta"  # a rehearsal counts host and file bytes, allocates none
-        self.files: dict[FlatGroup, _ParamFile] = {}
+        self.files: dict[FlatGroup, OffloadFiles] = {}
         self.on_nvme: list[FlatGroup] = []  # groups whose partition is a file (or would be, rehearsed)
         self.aliased: set[int] = set()  # fp32 groups whose host partition is the host master
         self.pinned = True
@@ -93,10 +70,10 @@ class ParamOffload:
             if g.shard_numel > in_memory:
                 self.on_nvme.append(g)
                 if real:
-                    files = _ParamFile(self.directory, file_name(g), g.shard_numel, g.compute_dtype)
+                    files = OffloadFiles(self.directory, file_name(g), g.shard_numel, ("param",), g.compute_dtype)
                     self.files[g] = files
-                    files.write(0, g.shard.detach().to("cpu").contiguous())
-                    g.shard = files.tensor
+                    files.write("param", 0, g.shard.detach().to("cpu").contiguous())
+                    g.shard = files.tensors["param"]
                     continue
             else:
                 in_memory -= g.shard_numel
@@ -116,8 +93,7 @@ class ParamOffload:
             self._copies.append(None)
         self._next = 0
         # Descriptors close when this object goes, released or not (see OptimizerOffload).
-        self._closer = weakref.finalize(self, close_all, [{"param": f.fd} for f in self.files.values()],
-                                        self._lock_fd)
+        self._closer = weakref.finalize(self, close_all, [f.fds for f in self.files.values()], self._lock_fd)
         if config.pin_memory and not self.pinned and real:
             say("offload_param: pin_memory was asked for but host memory cannot be pinned here (no CUDA driver, or "
                 "the container limits locked memory); copies to and from the accelerator are synchronous")
@@ -153,7 +129,7 @@ class ParamOffload:
         for lo in range(0, g.shard_numel, step):
             hi = min(lo + step, g.shard_numel)
             i, buf = self._slot((hi - lo) * files.elem, g.compute_dtype)
-            files.read(lo, buf)
+            files.read("param", lo, buf)
             dst[lo:hi].copy_(buf, non_blocking=self.pinned)
             if self.pinned and dst.is_cuda:  # the buffer is reused once this copy has finished
                 self._copies[i] = torch.cuda.Event()
@@ -177,7 +153,7 @@ class ParamOffload:
             b = min(a + step, src.numel())
             _, buf = self._slot((b - a) * files.elem, g.compute_dtype)
             buf.copy_(src[a:b])  # to the host (synchronous: the write needs the values)
-            files.write(lo + a, buf)
+            files.write("param", lo + a, buf)
 
     # ------------------------------------------------------------------ accounting
 
@@ -197,7 +173,7 @@ class ParamOffload:
     def drop_pages(self) -> None:
         """Unmap the file pages a whole-tensor access (checkpoint, load) brought into this process."""
         for files in self.files.values():
-            files.map.madvise(mmap.MADV_DONTNEED)
+            files.drop_pages()
 
     def release(self) -> None:
         """Close the files and release the directory's lock (the maps close with their last tensor)."""

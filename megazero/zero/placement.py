@@ -38,7 +38,6 @@ class Placement:
         oc = self.config.optimizer
         off = self.config.zero_optimization.offload_optimizer
         self.offload = None
-        self.deferred_failure: Optional[tuple[str, BaseException]] = None
         if off.enabled:
             self.offload = OptimizerOffload(offloaded_groups(self.trainable_groups, off.ratio), off, oc, self.device,
                                             rank=_rank(), say=say_once)

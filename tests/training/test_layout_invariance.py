@@ -8,8 +8,8 @@ fp32 with dropout 0, so the layouts must agree to float rounding (2e-5 relative)
 * pp 2, pp 4 (untied), pp 2 x dp 2 ZeRO-3 with both ZeRO-3 x PP policies, tp 2 x pp 2
   interleaved with sequence parallelism, pp 2 with ramp-up and fp16, pp 2 with per-document
   positions / masks / loss mask, pp 2 from --pretrained-checkpoint, bf16 pp 2 (bf16 tolerance);
-* the initial weights (saved after one step at lr 0) are bit-identical at pp 1, pp 2, pp 4 and
-  tp 2 x pp 2 x v 2 (read back through the checkpoint reader the export tools use);
+* the initial weights (saved after the first step, at lr 0) are bit-identical at pp 1, pp 2, pp 4,
+  pp 2 x dp 2 ZeRO-3 and tp 2 x pp 2 x v 2 (read back through the checkpoint reader the export tools use);
 * a checkpoint saved at three layouts resumes at three others with the reference's next losses.
 """
 
@@ -101,10 +101,12 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data, runs):
-    """The one-process runs the layouts are compared with (saved at iteration 2 for the resume test)."""
+    """The one-process runs the layouts are compared with, saved every iteration (iteration 1: the
+    initial weights; iteration 2: where the resume test starts)."""
     return {
-        "tied": launch(1, flags(data, "--save", str(runs / "ref_tied"), "--save-interval", "2"), runs, "ref_tied"),
-        "untied": launch(1, flags(data, "--untie-embeddings-and-output-weights"), runs, "ref_untied"),
+        "tied": launch(1, flags(data, "--save", str(runs / "ref_tied"), "--save-interval", "1"), runs, "ref_tied"),
+        "untied": launch(1, flags(data, "--untie-embeddings-and-output-weights", "--save", str(runs / "ref_untied"),
+                                  "--save-interval", "1"), runs, "ref_untied"),
     }
 
 
@@ -119,8 +121,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layouts(data, runs):
-    """Each layout's run, saved at iteration 2 (the resume test reloads them elsewhere)."""
-    return {name: launch(world, flags(data, *extra, "--save", str(runs / name), "--save-interval", "2"), runs, name)
+    """Each layout's run, saved every iteration (see ``reference``; the resume test reloads them elsewhere)."""
+    return {name: launch(world, flags(data, *extra, "--save", str(runs / name), "--save-interval", "1"), runs, name)
             for name, (world, extra, _) in LAYOUTS.items()}
 
 
@@ -163,21 +165,18 @@ def test_pp2_from_pretrained_checkpoint(data, runs, reference):
     assert abs(ref[1]["lm_loss"] - reference["tied"][1]["lm_loss"]) > 1e-3  # the file was used, not the seed
 
 
-def test_initial_weights_bit_identical_across_layouts(data, runs):
+def test_initial_weights_bit_identical_across_layouts(runs, reference, layouts):
     from megazero.training.checkpointing import load_full_model
 
-    layouts = {"pp1": (1, []), "pp2": (2, ["--pp", "2"]), "pp4": (4, ["--pp", "4"]),
-               "tp2_pp2_v2": (4, ["--tp", "2", "--pp", "2", "--virtual-pipeline-model-parallel-size", "2"])}
-    weights = {}
-    for name, (world, extra) in layouts.items():
-        # The first step of a linear warmup from 0 runs at lr 0 and leaves every weight bit-identical
-        # (Adam adds 0, decay multiplies by 1): the saved weights are the initial ones, written as every
-        # layout writes its checkpoints.
-        launch(world, flags(data, *extra, "--train-iters", "1", "--lr-warmup-init", "0",
-                            "--save", str(runs / f"init_{name}")), runs, f"init_{name}")
-        _, weights[name], _ = load_full_model(str(runs / f"init_{name}"))
-    ref = weights["pp1"]
-    for name, w in weights.items():
+    # The first step of the linear warmup from --lr-warmup-init 0 (the default) runs at lr 0 and leaves
+    # every weight bit-identical (Adam adds 0, decay multiplies by 1): each run's checkpoint of iteration 1
+    # holds its initial weights, written as every layout writes its checkpoints.
+    assert "--lr-warmup-init" not in flags("x") and "--lr-warmup-iters" in flags("x")
+    refs = {kind: load_full_model(str(runs / f"ref_{kind}"), 1)[1] for kind in ("tied", "untied")}
+    assert any(not torch.equal(refs["tied"][k], v) for k, v in load_full_model(str(runs / "ref_tied"), 2)[1].items())
+    for name, (_, _, kind) in LAYOUTS.items():
+        _, w, _ = load_full_model(str(runs / name), 1)
+        ref = refs[kind]
         assert sorted(w) == sorted(ref), name
         for k in ref:
             assert torch.equal(w[k], ref[k]), f"{name}: {k} differs from pp 1 at initialization"

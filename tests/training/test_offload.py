@@ -132,7 +132,7 @@ def test_nvme_files_have_stable_names(cells, runs):
     assert not any(f.isdigit() for f in files)
     params = runs / "z3_tp2_dp2_fp32_params_nvme_nvme" / "megazero_offload" / "rank00003" / "params"
     files = sorted(os.listdir(params))
-    assert "lock" in files and any(f.endswith(".param.float32") for f in files), files
+    assert "lock" in files and any(f.endswith(".param.fp32") for f in files), files
 
 
 def test_checkpoints_cross_between_offload_and_none(cells, data, runs):
