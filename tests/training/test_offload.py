@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -229,12 +230,15 @@ if os.environ.get("RANK") == "1":
 '''
 
 
-@pytest.mark.parametrize("block,after,writes", [
-    ({"offload_param": {"device": "nvme", "max_in_cpu": 0}}, 40, False),  # a parameter read in a gather
-    ({"offload_optimizer": {"device": "nvme"}}, 30, True),  # a state read or write inside the offloaded step
+@pytest.mark.parametrize("world,extra,block,after,writes", [
+    (2, [], {"offload_param": {"device": "nvme", "max_in_cpu": 0}}, 120, False),  # a parameter read in a gather
+    (2, [], {"offload_optimizer": {"device": "nvme"}}, 30, True),  # a state read or write inside the offloaded step
+    # pp 2 x dp 2: rank 1 (the first stage's second DP rank) fails mid-schedule, while its next stage
+    # waits on its activations and its DP peer on its gathers.
+    (4, ["--pp", "2"], {"offload_param": {"device": "nvme", "max_in_cpu": 0}}, 20, False),
 ])
-def test_a_drive_error_on_one_rank_stops_every_rank_with_its_message(data, tmp_path, monkeypatch, block, after,
-                                                                      writes):
+def test_a_drive_error_on_one_rank_stops_every_rank_with_its_message(data, tmp_path, monkeypatch, world, extra, block,
+                                                                      after, writes):
     from tests.training.test_layout_invariance import run_cli
 
     site = tmp_path / "site"
@@ -246,12 +250,13 @@ def test_a_drive_error_on_one_rank_stops_every_rank_with_its_message(data, tmp_p
     monkeypatch.setenv("MEGAZERO_TEST_IO_AFTER", str(after))
     monkeypatch.setenv("MEGAZERO_TEST_IO_WRITES", "1" if writes else "0")
     monkeypatch.setenv("PYTHONPATH", str(site) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = run_cli(2, flags(data, "--zero-stage", "3", "--deepspeed_config", str(cfg), iters=6), tmp_path,
+    proc = run_cli(world, flags(data, *extra, "--zero-stage", "3", "--deepspeed_config", str(cfg), iters=6), tmp_path,
                    str(tmp_path / "m.jsonl"), timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "failed on rank 1" in out and "Input/output error (injected)" in out, out[-3000:]
     phase = "reading the offloaded parameters" if "offload_param" in block else "the offloaded optimizer step"
     assert f"{phase} failed on rank 1" in out, out[-3000:]
+    assert re.search(r"iteration\s+1/\s+6", out), "the drive should fail mid-run, after a first iteration"
     # Both ranks concluded together (RunAborted on each), not one rank dying while the other waits.
     assert "Timeout" not in out and "timed out" not in out, out[-3000:]
