@@ -8,7 +8,7 @@ iteration that does not log (the data read plus the step). Not counted, since th
 device: torch's own optimizer reading its CPU step counters, and datasets building host samples.
 
 Object collectives (``broadcast_object_list`` and the like) are counted too. At every ZeRO stage,
-pp 1 and 2, fp32 and fp16, a non-logging iteration after the first makes one: the step's
+pp 1 and 2, fp32 and fp16, with the optimizer offloaded or not, a non-logging iteration after the first makes one: the step's
 all-reduce read on the host (the norm for clipping, the overflow flag, the data-read failure flags
 and the ZeRO-2/3 forward agreement ride on it). The first iteration of ZeRO-2/3 agrees on each
 forward (``megazero/zero/agreement.py``).
@@ -117,6 +117,8 @@ def _count(tmp_path, world: int, *extra: str) -> list[dict]:
     (2, ["--zero-stage", "3"]),
     (2, ["--zero-stage", "1", "--pp", "2"]),
     (4, ["--zero-stage", "2", "--pp", "2", "--fp16"]),
+    # The offloaded step (host AdamW, streamed in chunks) adds no host synchronisation of its own.
+    (2, ["--zero-stage", "3", "--optimizer-cpu-offload"]),
 ])
 def test_one_host_sync_per_iteration(tmp_path, world, extra):
     for r in _count(tmp_path, world, *extra):
