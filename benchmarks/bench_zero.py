@@ -101,7 +101,7 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
            "PYTHONFAULTHANDLER": "1"}
-    for attempt in (1, 2):  # one retry: gloo teardown rarely aborts a child ("terminate called ...")
+    for attempt in (1, 2):  # one retry: a child that fails before its results were written
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
         try:

@@ -89,14 +89,15 @@ def build(c, tp: int) -> tuple[torch.nn.Module, types.SimpleNamespace]:
             self.ln_f = torch.nn.LayerNorm(h)
 
         def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            """Mean cross-entropy; the logits stay split over the vocabulary (``parallel_lm_logits``)."""
+            """Per-token cross-entropy ``[b, s]`` (as megazero's GPT returns it); the logits stay split
+            over the vocabulary (``parallel_lm_logits``)."""
             x = self.embedding(tokens) + self.position(torch.arange(tokens.size(1)))
             x = x.transpose(0, 1).contiguous()  # [s, b, h], Megatron's layout
             for layer in self.layers:
                 x = layer(x)
             x = tensor_parallel.copy_to_tensor_model_parallel_region(self.ln_f(x))
             logits = F.linear(x, self.embedding.weight)  # [s, b, vocab / tp]
-            return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
+            return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).t()
 
     torch.manual_seed(1234)  # one draw on every rank: use_cpu_initialization splits the full matrices
     return GPT(), _mpu_of(parallel_state)

@@ -151,7 +151,7 @@ def setup_deepspeed(args, megatron_core: bool = False):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=groups)
 
     def step(tokens):
-        loss = engine(tokens[:, :-1], tokens[:, 1:]) if megatron_core else engine(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        loss = engine(tokens[:, :-1], labels=tokens[:, 1:]).mean()
         engine.backward(loss)
         engine.step()
         return loss

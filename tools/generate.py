@@ -73,13 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         model = load_tp_shard(config, reader)
         text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        if dist.get_rank() == 0:
+            print(text)
     except Exception as e:  # noqa: BLE001 - one line, every rank stops
-        status = report(e, "generate.py")
+        return report(e, "generate.py")
+    finally:
         mpu.shutdown_distributed()
-        return status
-    if dist.get_rank() == 0:
-        print(text)
-    mpu.shutdown_distributed()
     return 0
 
 
