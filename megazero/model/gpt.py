@@ -201,8 +201,9 @@ class GPTModel(torch.nn.Module):
         logits = self._logits(x)  # [s, b, padded_vocab/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
+        # inplace: the logits are this head's temporary; fp32 ones become the softmax backward keeps
         loss = mpu.vocab_parallel_cross_entropy(logits, labels.t(), c.label_smoothing, group=self.tp_group,
-                                                vocab_size=c.vocab_size)  # [s, b] fp32
+                                                vocab_size=c.vocab_size, inplace=True)  # [s, b] fp32
         return loss.t().contiguous()
 
     def _run_layers(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:

@@ -33,9 +33,9 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size, inplace):
         world, rank = _size(group), _rank(group)
-        z = logits.float()
+        z = logits.float()  # a copy for half/bf16 logits (ours to overwrite); fp32 logits are the caller's
         local_vocab = z.size(-1)
         padded_vocab = local_vocab * world
         vocab = padded_vocab if vocab_size is None else vocab_size
@@ -51,29 +51,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             m = z.new_full(z.shape[:-1] + (1,), float("-inf"))
         if world > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z - m  # a new tensor (for fp32 input z was the caller's): masking it in place is safe
-        if valid < local_vocab:
-            z[..., valid:] = float("-inf")
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= end) | ignored
         local_target = (target - start).masked_fill(outside, 0)
-        target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp_z = z.exp()
-        stats = torch.stack([target_logit, exp_z.sum(dim=-1), z[..., :valid].sum(dim=-1)], dim=0)
+        target_logit = (z.gather(-1, local_target.unsqueeze(-1)) - m).squeeze(-1).masked_fill(outside, 0.0)
+
+        # One buffer of logits' size carries z - m, then exp(z - m), then the softmax saved for backward:
+        # every pass after the max is in place (a fresh buffer per pass costs its page faults on a CPU
+        # and its size at the step's peak anywhere). It is the logits' own storage when ours to reuse.
+        e = z.sub_(m) if (inplace or z is not logits) else z - m
+        if valid < local_vocab:
+            e[..., valid:] = float("-inf")
+        sums = [target_logit, None]
+        if label_smoothing > 0.0:  # the smoothing mean needs sum_j (z_j - m) over the real columns
+            sums.append(e[..., :valid].sum(dim=-1))
+        sums[1] = e.exp_().sum(dim=-1)
+        stats = torch.stack(sums, dim=0)
         if world > 1:
             dist.all_reduce(stats, group=group)
-        target_logit, sum_exp, sum_z = stats.unbind(0)
+        target_logit, sum_exp = stats[0], stats[1]
 
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
         if label_smoothing > 0.0:
             # torch's definition: (1 - a) * nll + a * mean_j(-log p_j)
-            mean_log_prob = sum_z / vocab - log_sum_exp
+            mean_log_prob = stats[2] / vocab - log_sum_exp
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
         loss = loss.masked_fill(ignored, 0.0)
 
-        softmax = exp_z.div_(sum_exp.unsqueeze(-1))
+        softmax = e.div_(sum_exp.unsqueeze(-1))
         ctx.label_smoothing, ctx.vocab, ctx.valid, ctx.input_dtype = label_smoothing, vocab, valid, logits.dtype
         ctx.save_for_backward(softmax, local_target, outside, ignored)
         return loss
@@ -89,7 +96,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # Padded columns are outside the smoothing mean: their softmax is 0, and so stays their gradient.
             grad[..., :ctx.valid].sub_(a / ctx.vocab)
         grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -100,6 +107,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     group: Optional[dist.ProcessGroup] = None,
     vocab_size: Optional[int] = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Per-token loss ``[...]`` (fp32) from logits ``[..., vocab / tp]`` and global ``target`` ids.
 
@@ -110,8 +118,15 @@ def vocab_parallel_cross_entropy(
     (Megatron's ``padded_vocab_size``); ids ``>= vocab_size`` are then ignored by the
     softmax, the label-smoothing mean and the gradient. ``None``: every column is real.
     A target id in the padded range has probability 0 and an infinite loss.
+
+    ``inplace``: fp32 logits are overwritten with the softmax that backward needs, as
+    Megatron-core's cross-entropy does, where otherwise a buffer of their size is allocated
+    beside them; for a caller whose logits are a temporary (the GPT's head), that is one
+    ``[tokens, vocab/tp]`` fp32 buffer less at the step's peak. The caller's tensor then holds
+    the softmax, not the logits. Half and bf16 logits are converted into a copy either way, and
+    never changed.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, ignore_index,
-                                            resolve_tp_group(group), vocab_size)
+                                            resolve_tp_group(group), vocab_size, inplace)

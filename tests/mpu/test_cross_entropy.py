@@ -11,7 +11,7 @@ from tests.helpers import assert_close, chunk, randn
 S, B, V = 6, 3, 32
 
 
-def _case(tp, label_smoothing, scale, dtype, explicit_group):
+def _case(tp, label_smoothing, scale, dtype, explicit_group, inplace=False):
     mpu.initialize_model_parallel(tp)
     rank = mpu.get_tensor_model_parallel_rank()
     group = mpu.get_tensor_model_parallel_group() if explicit_group else None
@@ -22,7 +22,14 @@ def _case(tp, label_smoothing, scale, dtype, explicit_group):
     g = randn(S, B, seed=13)
 
     logits = chunk(logits_full, -1, rank, tp).requires_grad_()
-    loss = mpu.vocab_parallel_cross_entropy(logits, target, label_smoothing, group=group)
+    head = logits * 1  # a non-leaf, as a model's logits are
+    before = head.detach().clone()
+    loss = mpu.vocab_parallel_cross_entropy(head, target, label_smoothing, group=group, inplace=inplace)
+    if inplace and dtype == torch.float32:  # the logits' storage now holds this shard's softmax columns
+        probs = torch.softmax(logits_full.float(), dim=-1)
+        assert_close(head.detach(), chunk(probs, -1, rank, tp), "softmax in the logits' storage", atol=1e-6)
+    else:
+        assert torch.equal(head.detach(), before), "the caller's logits must be left alone"
     (loss * g).sum().backward()
 
     ref_logits = logits_full.detach().float().requires_grad_()
@@ -47,6 +54,14 @@ def test_matches_torch_cross_entropy(tp):
             run_distributed(4, _case, tp, label_smoothing, 3.0, torch.float32, explicit_group)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_gives_the_same_loss_and_grads(dtype):
+    """``inplace=True`` (what the GPT's head passes) reuses fp32 logits for the softmax and never
+    touches half-precision ones; loss and gradients are those of the out-of-place path."""
+    for label_smoothing in (0.0, 0.1):
+        run_distributed(2, _case, 2, label_smoothing, 3.0, dtype, False, True)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_large_logits_and_bf16_are_stable(tp):
     run_distributed(4, _case, tp, 0.0, 1e4, torch.float32, False)  # exp() would overflow without the max shift
@@ -61,7 +76,7 @@ def test_label_smoothing_range_is_checked():
 VALID = 21  # of V=32 padded columns: at tp 4 rank 2 holds 5 real columns and rank 3 none
 
 
-def _padded_case(tp, label_smoothing, dtype, pad_fill):
+def _padded_case(tp, label_smoothing, dtype, pad_fill, inplace=False):
     mpu.initialize_model_parallel(tp)
     rank = mpu.get_tensor_model_parallel_rank()
     logits_full = randn(S, B, V, seed=21, scale=3.0)
@@ -74,8 +89,10 @@ def _padded_case(tp, label_smoothing, dtype, pad_fill):
     g = randn(S, B, seed=23)
 
     logits = chunk(logits_full, -1, rank, tp).requires_grad_()
-    loss = mpu.vocab_parallel_cross_entropy(logits, target, label_smoothing, vocab_size=VALID)
-    assert torch.equal(logits.detach(), chunk(logits_full, -1, rank, tp)), "the caller's logits must not change"
+    head = logits * 1 if inplace else logits
+    loss = mpu.vocab_parallel_cross_entropy(head, target, label_smoothing, vocab_size=VALID, inplace=inplace)
+    if not inplace:
+        assert torch.equal(logits.detach(), chunk(logits_full, -1, rank, tp)), "the caller's logits must not change"
     (loss * g).sum().backward()
 
     ref_logits = logits_full[..., :VALID].detach().float().requires_grad_()
@@ -98,6 +115,7 @@ def test_label_smoothing_ignores_padded_vocabulary(tp):
     for pad_fill in (float("-inf"), 7.0):
         for a in (0.0, 0.1):
             run_distributed(4, _padded_case, tp, a, torch.float32, pad_fill)
+    run_distributed(4, _padded_case, tp, 0.1, torch.float32, 7.0, True)  # as the GPT's head calls it
     run_distributed(4, _padded_case, tp, 0.1, torch.bfloat16, float("-inf"))
 
 
