@@ -74,8 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per run")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (DeepSpeed ZeRO-3 records its "
+                   "module trace over the first step and prefetches from the second: steady state is "
+                   "measured from the third)")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="stage3_param_persistence_threshold for megazero and DeepSpeed (their default 1e5 "
                         "would keep most of this small model's matrices whole)")

@@ -21,7 +21,9 @@ before the step (activations, gathered weights, gradients in flight, the optimiz
 temporaries); "x model" = that rise over the full fp32 model's bytes (RSS sampled every
 millisecond by a thread during the measured step); peak RSS = the process's ``ru_maxrss``
 (start-up included). megazero runs with its defaults (the next unit prefetched, one unit per
-reduce bucket) and with DeepSpeed's element counts (prefetch 5e7, bucket 5e8) for contrast.
+reduce bucket), with the gather window set to one layer through DeepSpeed's keys
+(``stage3_prefetch_bucket_size`` = ``stage3_max_live_parameters`` = one layer's elements, as FSDP2
+prefetches), and with DeepSpeed's element counts (prefetch 5e7, bucket 5e8) for contrast.
 Then one more step per configuration under ``LiveMemoryTracker`` gives the live tensors at the
 step's peak by kind (gathered parameters, activations, recomputed, reduce buckets, backward's
 gradients and temporaries, the step's temporaries: ``megazero.utils.step_kinds``), for megazero and
@@ -44,8 +46,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORKER = ROOT / "benchmarks" / "zero_baselines.py"
-RUNS = {  # name -> worker flags
+RUNS = {  # name -> worker flags ({layer}: one transformer layer's elements, 12 h^2 + 13 h)
     "megazero ZeRO-3": ["--system", "megazero", "--zero-stage", "3"],
+    "megazero ZeRO-3, one-layer window": ["--system", "megazero", "--zero-stage", "3",
+                                          "--prefetch-bucket-size", "{layer}", "--max-live-parameters", "{layer}"],
     "megazero ZeRO-3, DeepSpeed sizes": ["--system", "megazero", "--zero-stage", "3",
                                          "--prefetch-bucket-size", "5e7", "--reduce-bucket-size", "5e8"],
     "megazero ZeRO-1": ["--system", "megazero", "--zero-stage", "1"],
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
 def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
     shape = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-heads", "8",
              "--seq-length", str(seq), "--vocab-size", str(vocab), "--micro-batch", str(rows_per_rank),
-             "--steps", "1", "--warmup", "1", "--tp", "1", "--dtype", "fp32", "--breakdown"]
+             "--steps", "1", "--warmup", "1", "--tp", "1", "--dtype", "fp32", "--sample-rss", "--breakdown"]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     h, layers = a.hidden_size, a.num_layers
     params = layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h
@@ -82,8 +86,9 @@ def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.runs:
             out = Path(tmp) / "out.json"
+            flags = [f.format(layer=12 * h * h + 13 * h) for f in RUNS[name]]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(WORKER),
-                   *RUNS[name], *shape, "--out", str(out)]
+                   *flags, *shape, "--out", str(out)]
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -97,11 +102,11 @@ def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
     print(f"\n{label}-dominated: GPT {layers} layers, hidden {h}, vocab {vocab}, seq {seq}, {rows_per_rank} "
           f"sequence(s) per rank: {params / 1e6:.1f}M parameters, fp32 model {model_bytes / 2**20:.0f} MiB; "
           "dp 4, one rank per process, MALLOC_MMAP_THRESHOLD_=65536")
-    print(f"{'configuration':32s} {'step RSS rise (MiB)':>20s} {'x model':>8s} {'peak RSS (MiB)':>15s} {'tokens/s':>9s}")
+    print(f"{'configuration':34s} {'step RSS rise (MiB)':>20s} {'x model':>8s} {'peak RSS (MiB)':>15s} {'tokens/s':>9s}")
     for name, rise, peak, tps in rows:
-        print(f"{name:32s} {rise / 2**20:20.0f} {rise / model_bytes:8.2f} {peak / 2**20:15.0f} {tps:9.0f}")
+        print(f"{name:34s} {rise / 2**20:20.0f} {rise / model_bytes:8.2f} {peak / 2**20:15.0f} {tps:9.0f}")
     base = {n: (r, pk) for n, r, pk, _ in rows}
-    for name in ("megazero ZeRO-3", "megazero ZeRO-3, DeepSpeed sizes"):
+    for name in ("megazero ZeRO-3", "megazero ZeRO-3, one-layer window", "megazero ZeRO-3, DeepSpeed sizes"):
         if name in base and FSDP2 in base:
             (r3, p3), (rf, pf) = base[name], base[FSDP2]
             print(f"{name} / FSDP2: step rise {r3 / rf:.2f}x, peak RSS {p3 / pf:.2f}x")

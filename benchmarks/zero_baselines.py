@@ -63,10 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (megazero and DeepSpeed)")
     p.add_argument("--prefetch-bucket-size", type=float, default=None,
                    help="ZeRO-3 stage3_prefetch_bucket_size in elements (default: the engine's, the next unit)")
+    p.add_argument("--max-live-parameters", type=float, default=None,
+                   help="ZeRO-3 stage3_max_live_parameters in elements (default: the engine's)")
     p.add_argument("--reduce-bucket-size", type=float, default=None,
                    help="ZeRO-2/3 reduce_bucket_size in elements (default: the engine's, one unit per bucket)")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="ZeRO-3 stage3_param_persistence_threshold (megazero and DeepSpeed)")
+    p.add_argument("--sample-rss", action="store_true",
+                   help="poll RSS every millisecond during the timed steps (step_rss_rise_bytes); the "
+                        "polling thread costs CPU and GIL hand-offs, so speed runs leave it off")
     p.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, one more step under LiveMemoryTracker: its peak by kind "
                         "(megazero.utils.step_kinds)")
@@ -89,6 +94,8 @@ def ds_config(args) -> dict:
         "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": args.persistence_threshold,
                               **({"stage3_prefetch_bucket_size": args.prefetch_bucket_size}
                                  if args.prefetch_bucket_size is not None else {}),
+                              **({"stage3_max_live_parameters": args.max_live_parameters}
+                                 if args.max_live_parameters is not None else {}),
                               **({"reduce_bucket_size": args.reduce_bucket_size}
                                  if args.reduce_bucket_size is not None else {})},
         "gradient_clipping": 0.0,
@@ -305,11 +312,11 @@ def main(argv=None) -> int:
         tokens = batch(i, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
         dist.barrier()
         rss_before = _rss_now()
-        sampler = _RssSampler() if i >= args.warmup else contextlib.nullcontext()
+        sampler = _RssSampler() if i >= args.warmup and args.sample_rss else contextlib.nullcontext()
         t0, c0 = time.perf_counter(), time.process_time()
         with sampler:
             loss = step(tokens)
-        if i >= args.warmup:
+        if i >= args.warmup and args.sample_rss:
             # the timed step's own RSS high-water mark above RSS before it (with MALLOC_MMAP_THRESHOLD_
             # set, freed tensors leave RSS, so this is the step's transient)
             rss_rise = max(rss_rise, sampler.peak - rss_before)

@@ -119,7 +119,16 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone() if _size(group) > 1 else x, group)
+        if _size(group) == 1:
+            return x
+        if x.is_contiguous() and x._base is None and (x.grad_fn is not None or not x.requires_grad):
+            # In place, as Megatron's _reduce: the input is a layer's fresh partial sum (a matmul's
+            # output, which nothing saves), so a copy per layer would only cost time and memory.
+            # mark_dirty bumps its version, so an op that did save it fails loudly in backward.
+            dist.all_reduce(x, group=group)
+            ctx.mark_dirty(x)
+            return x
+        return _all_reduce(x.clone(), group)  # a leaf, a view or strided: the caller's tensor stays
 
     @staticmethod
     def backward(ctx, grad):

@@ -52,6 +52,24 @@ def _mappings(tp):
     assert torch.equal(y, (tp * base + sum(range(tp)))[2 * r:2 * r + 2])
     assert torch.equal(gx, torch.cat([torch.full((2, tp * 2), k + 1.0) for k in range(tp)], dim=0))
 
+    # A leaf passed in (as above) is left alone; a layer's fresh partial sum is reduced in place (no
+    # copy per layer); an input that an earlier op saved for backward fails loudly, not silently.
+    leaf = mine.clone().requires_grad_()
+    mpu.reduce_from_tensor_model_parallel_region(leaf)
+    assert torch.equal(leaf.detach(), mine)
+    partial = leaf * 2
+    y = mpu.reduce_from_tensor_model_parallel_region(partial)
+    assert y is partial and torch.equal(y, torch.full((2, 2), tp * (tp + 1.0)))
+    y.sum().backward()
+    assert torch.equal(leaf.grad, torch.full((2, 2), 2.0))
+    saved = leaf.exp()  # exp's backward needs its output
+    y = mpu.reduce_from_tensor_model_parallel_region(saved)
+    try:
+        y.sum().backward()
+        raise AssertionError("a saved input reduced in place must fail in backward")
+    except RuntimeError as e:
+        assert "inplace operation" in str(e), e
+
     # Explicit group argument is honoured even with the registry present.
     y = mpu.reduce_from_tensor_model_parallel_region(torch.ones(1), group=dist.group.WORLD)
     assert float(y) == dist.get_world_size()
