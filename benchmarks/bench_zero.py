@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """ZeRO-3 with tensor parallelism on 4 CPU processes: megazero vs FSDP2(+DTensor TP) vs DeepSpeed.
 
-    python benchmarks/bench_zero.py                       # every configuration: ~15 min on a quiet 2-core machine
+    python benchmarks/bench_zero.py                       # every configuration: ~20 min on a quiet 2-core machine
     python benchmarks/bench_zero.py --repeats 3 --dtypes fp32
     python benchmarks/bench_zero.py --num-layers 2 --hidden-size 64 --num-heads 4 \\
         --seq-length 64 --vocab-size 512 --steps 2 --repeats 1    # smoke run, ~1 min
