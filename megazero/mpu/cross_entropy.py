@@ -63,11 +63,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         e = z.sub_(m) if (inplace or z is not logits) else z - m
         if valid < local_vocab:
             e[..., valid:] = float("-inf")
-        sums = [target_logit, None]
-        if label_smoothing > 0.0:  # the smoothing mean needs sum_j (z_j - m) over the real columns
-            sums.append(e[..., :valid].sum(dim=-1))
-        sums[1] = e.exp_().sum(dim=-1)
-        stats = torch.stack(sums, dim=0)
+        # The smoothing mean needs sum_j (z_j - m) over the real columns: taken before exp_ overwrites e.
+        sum_z = [e[..., :valid].sum(dim=-1)] if label_smoothing > 0.0 else []
+        stats = torch.stack([target_logit, e.exp_().sum(dim=-1), *sum_z], dim=0)
         if world > 1:
             dist.all_reduce(stats, group=group)
         target_logit, sum_exp = stats[0], stats[1]

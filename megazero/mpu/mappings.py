@@ -128,7 +128,8 @@ class _ReduceFromRegion(torch.autograd.Function):
             dist.all_reduce(x, group=group)
             ctx.mark_dirty(x)
             return x
-        return _all_reduce(x.clone(), group)  # a leaf, a view or strided: the caller's tensor stays
+        # a leaf, a view or strided: the caller's tensor stays (one contiguous copy, not clone + contiguous)
+        return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):
