@@ -30,7 +30,14 @@ Columns: tokens/s = global tokens of the timed steps / wall time (after ``--warm
 steps); tokens/CPU-s = the same tokens / CPU seconds of all ranks together (robust when
 other jobs share the machine); "vs" = ratio to megazero at the same tp and dtype; model state = the largest rank's
 parameters + gradients + optimizer state (what each engine holds between steps; see
-README: examples/zero_with_tp), peak RSS = the largest rank's ``ru_maxrss``.
+README: examples/zero_with_tp), peak RSS = the largest rank's ``ru_maxrss``; kernels / rest =
+the CPU time per rank and step inside the model's matmul and attention kernels (timed in one
+extra step, ``zero_baselines.ComputeTimer``; the same FLOPs in every arrangement) and the rest of
+the step's CPU time, which is what the arrangement itself costs ("vs": its ratio to megazero's).
+
+The header gives this CPU's single-thread GEMM rate in fp32 and bf16 at the model's shape: where
+bf16 has no native instructions (AVX2 only), bf16 matmuls run several times slower than fp32
+ones, the bf16 rows are bound by them alike, and only the "rest" column tells the arrangements apart.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
     system, tp = CONFIGS[name]
     out = workdir / f"run{index}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--out", str(out)]
+           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--out", str(out), "--compute-split"]
     for flag in SHAPE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
@@ -132,17 +139,52 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
         "loss": ranks[0]["loss"],
     }
+    # CPU per rank and step, split into the model's own matmul/attention kernels (the same work in
+    # every arrangement) and the rest: what the arrangement adds (collectives, waits, copies, hooks,
+    # the optimizer step)
+    cpu_step = statistics.mean(r["timed_cpu_s"] for r in ranks) / args.steps
+    kernels = statistics.mean(r["compute_s"]["matmul"] + r["compute_s"]["attention"] for r in ranks)
+    res.update(cpu_ms=1e3 * cpu_step, kernel_ms=1e3 * kernels, rest_ms=1e3 * max(cpu_step - kernels, 0.0))
     print(f"  {name:14s} {dtype}: {res['tokens_per_s']:8.0f} tokens/s {res['tokens_per_cpu_s']:6.0f} tokens/CPU-s"
           f"  state {res['model_state_bytes'] / 2**20:6.1f} MiB  RSS {res['peak_rss_bytes'] / 2**20:6.0f} MiB"
+          f"  CPU/rank-step {res['cpu_ms']:.0f} ms = kernels {res['kernel_ms']:.0f} + rest {res['rest_ms']:.0f}"
           f"  ({wall:.0f} s, load {res['load_avg']:.1f})", file=sys.stderr, flush=True)
     return res
 
 
+def gemm_rates(args) -> str:
+    """This CPU's one-thread GEMM rate (GFLOP/s) for the model's first MLP matmul, fp32 and bf16."""
+    import torch
+
+    torch.set_num_threads(1)
+    tokens = args.micro_batch * args.seq_length
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(tokens, args.hidden_size, dtype=dtype)
+        w = torch.randn(4 * args.hidden_size, args.hidden_size, dtype=dtype)
+        torch.nn.functional.linear(x, w)
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 0.5:
+            torch.nn.functional.linear(x, w)
+            n += 1
+        rates[dtype] = 2 * x.numel() * w.shape[0] * n / (time.perf_counter() - t0) / 1e9
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
+    return (f"one-thread GEMM [{tokens} x {args.hidden_size}] x [{args.hidden_size} x {4 * args.hidden_size}]: "
+            f"fp32 {rates[torch.float32]:.1f} GFLOP/s, bf16 {rates[torch.bfloat16]:.1f} GFLOP/s "
+            f"(native bf16: {', '.join(native) if native else 'none'})")
+
+
 def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
-    lines = ["| configuration | dtype | tokens/s | vs megazero | tokens/CPU-s | vs | model state MiB/rank "
-             "| peak RSS MiB/rank | runs |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    keys = ("tokens_per_s", "tokens_per_cpu_s", "model_state_bytes", "peak_rss_bytes")
+    lines = ["| configuration | dtype | tokens/s | vs megazero | tokens/CPU-s | vs | kernels CPU-ms/rank-step "
+             "| rest CPU-ms/rank-step | vs | model state MiB/rank | peak RSS MiB/rank | runs |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "kernel_ms", "rest_ms", "model_state_bytes", "peak_rss_bytes")
     for dtype in dtypes:
         meds = {}
         for name in configs:
@@ -156,7 +198,7 @@ def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
             runs = f"{n_ok}" + (f" ({n_bad} failed)" if n_bad else "")
             m = meds.get(name)
             if m is None:
-                lines.append(f"| {name} | {dtype} | failed | | | | | | {runs} |")
+                lines.append(f"| {name} | {dtype} | failed | | | | | | | | | {runs} |")
                 continue
 
             def ratio(k):
@@ -164,6 +206,7 @@ def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
 
             lines.append(f"| {name} | {dtype} | {m['tokens_per_s']:.0f} | {ratio('tokens_per_s')} | "
                          f"{m['tokens_per_cpu_s']:.0f} | {ratio('tokens_per_cpu_s')} | "
+                         f"{m['kernel_ms']:.0f} | {m['rest_ms']:.0f} | {ratio('rest_ms')} | "
                          f"{m['model_state_bytes'] / 2**20:.1f} | {m['peak_rss_bytes'] / 2**20:.0f} | {runs} |")
     return "\n".join(lines)
 
@@ -180,6 +223,8 @@ def main(argv=None) -> int:
              f"vocab {args.vocab_size}, micro-batch {args.micro_batch}/DP rank, {args.warmup} warm-up + "
              f"{args.steps} timed steps, {args.repeats} repeats, {args.nproc} processes x 1 thread")
     print(f"bench_zero: {shape}", file=sys.stderr, flush=True)
+    cpu = gemm_rates(args)
+    print(f"this CPU: {cpu}", file=sys.stderr, flush=True)
     results = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
@@ -192,7 +237,7 @@ def main(argv=None) -> int:
                     index += 1
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(f"\nZeRO-3 benchmark ({shape}; total {time.perf_counter() - t0:.0f} s)\n")
+    print(f"\nZeRO-3 benchmark ({shape}; total {time.perf_counter() - t0:.0f} s)\nthis CPU: {cpu}\n")
     print(table(results, configs, args.dtypes))
     loads = [r["load_avg"] for r in results if r["ok"]]
     cores = os.cpu_count() or 1

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, one more step under LiveMemoryTracker: its peak by kind "
                         "(megazero.utils.step_kinds)")
+    p.add_argument("--compute-split", action="store_true",
+                   help="after the timed steps, one more step under ComputeTimer: the CPU time of the model's "
+                        "own matmuls and attention kernels, which every arrangement runs alike")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -298,6 +302,36 @@ class _RssSampler:
         self.peak = max(self.peak, _rss_now())
 
 
+class ComputeTimer(TorchDispatchMode):
+    """CPU seconds of this thread spent inside the model's matmul and attention kernels.
+
+    Those kernels are the same FLOPs in every arrangement (same GPT shape, same TP split), so
+    the step's CPU time minus theirs is what an arrangement adds: its collectives and waits,
+    copies, hooks and optimizer. On a CPU without native bf16 (AVX2 only) bf16 matmuls run
+    several times slower than fp32 ones and this split shows the step is theirs. The mode's
+    own Python cost lands outside the kernels, so only the kernels' share is read from it.
+    """
+
+    MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = {"matmul": 0.0, "attention": 0.0}
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        kind = ("matmul" if name in self.MATMUL else
+                "attention" if "scaled_dot_product" in name else None)
+        if kind is None:
+            return func(*args, **(kwargs or {}))
+        t0 = time.thread_time()
+        out = func(*args, **(kwargs or {}))
+        self.seconds[kind] += time.thread_time() - t0
+        self.calls += 1
+        return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -339,6 +373,14 @@ def main(argv=None) -> int:
         breakdown = {"above_start": tracker.absolute_peak_bytes - by_kind.get("state", 0),
                      "by_kind": {k: v for k, v in by_kind.items() if k != "state"}}
         dist.barrier()
+    compute = None
+    if args.compute_split:  # apart from the timed steps: the mode's dispatch slows every op
+        tokens = batch(args.warmup + args.steps + 1, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
+        timer = ComputeTimer()
+        with timer:
+            step(tokens)
+        compute = {**timer.seconds, "kernels": timer.calls}
+        dist.barrier()
     timed = sum(times[args.warmup:])
     tokens_per_step = dp * rows * args.seq_length
     me = {
@@ -352,6 +394,7 @@ def main(argv=None) -> int:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_rss_rise_bytes": rss_rise,
         "breakdown": breakdown,
+        "compute_s": compute,
         "loss": losses,
         "dp": dp,
         "tp": dist.get_world_size() // dp,

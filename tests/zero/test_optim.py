@@ -171,3 +171,31 @@ def test_resume_continues_the_step_count(monkeypatch, tmp_path, saver, loader):
     if saver == loader:
         for k in expected:
             torch.testing.assert_close(got[k], expected[k], atol=1e-6, rtol=1e-6, msg=lambda s: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp32_default_steps_bit_identically_to_torch_fused_adamw(stage):
+    """The fp32 default on CPU is torch's fused AdamW over flat master partitions: elementwise, so
+    at dp = 1 (nothing summed in another order) the engine's weights equal, bit for bit, those of
+    one process stepping the same model with ``torch.optim.AdamW(fused=True)``. The default
+    CPU kernel (for-loop) would differ by ~1e-7 per step: this pins the kernel, not a tolerance."""
+    steps, data = 4, batches(4, 1, ROWS)
+    torch.manual_seed(SEED)
+    ref = GPTModel(tiny_config())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    torch.manual_seed(SEED)
+    engine = zero.initialize(GPTModel(tiny_config()), ds_config(stage, micro=ROWS))
+    assert type(engine.optimizer) is torch.optim.AdamW and engine.optimizer.defaults["fused"]
+    for step in range(steps):
+        rows = data[step, 0]
+        ref_loss = ref(rows[:, :-1], labels=rows[:, 1:]).mean()
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        loss = engine(rows[:, :-1], labels=rows[:, 1:]).mean()
+        engine.backward(loss)
+        assert engine.step()
+        assert torch.equal(loss.detach(), ref_loss.detach()), f"step {step}: {loss.item()} vs {ref_loss.item()}"
+    weights = engine.consolidated_state_dict()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(weights[name], value), f"{name}: max |diff| {(weights[name] - value).abs().max()}"
