@@ -244,8 +244,9 @@ def main(argv=None) -> int:
     print(f"\nmedians over repeats; 1-min load average during the runs: {min(loads, default=0):.1f}.."
           f"{max(loads, default=0):.1f} on {cores} cores")
     if loads and max(loads) > args.nproc + cores:
-        print("warning: the machine was busy with other work; wall-clock tokens/s is unreliable, "
-              "compare tokens/CPU-s instead (or rerun on a quiet machine)")
+        print("warning: the load average exceeded ranks + cores (other work on the machine, or the ranks' own "
+              "communication threads): wall-clock tokens/s is noisy; tokens/CPU-s and the kernels/rest split "
+              "are steadier")
     return 0 if all(r["ok"] for r in results) else 1
 
 
