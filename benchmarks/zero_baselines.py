@@ -379,7 +379,7 @@ def main(argv=None) -> int:
         timer = ComputeTimer()
         with timer:
             step(tokens)
-        compute = {**timer.seconds, "kernels": timer.calls}
+        compute = {**timer.seconds, "kernel_calls": timer.calls}
         dist.barrier()
     timed = sum(times[args.warmup:])
     tokens_per_step = dp * rows * args.seq_length
