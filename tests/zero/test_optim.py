@@ -18,7 +18,7 @@ from megazero.zero import optim as zoptim
 from megazero.zero.checkpoint import load_zero_state, save_zero_state
 from megazero.zero.config import OptimizerConfig
 from megazero.zero.optim import build_optimizer, keeps_step_in_group, optimizer_step, set_optimizer_step
-from tests.zero.common import SEED, batches, ds_config, tiny_config
+from tests.zero.common import BETAS, EPS, LR, SEED, WD, batches, ds_config, tiny_config
 
 ROWS = 4
 CUDA = torch.device("cuda")
@@ -182,7 +182,7 @@ def test_fp32_default_steps_bit_identically_to_torch_fused_adamw(stage):
     steps, data = 4, batches(4, 1, ROWS)
     torch.manual_seed(SEED)
     ref = GPTModel(tiny_config())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)  # ds_config's
     torch.manual_seed(SEED)
     engine = zero.initialize(GPTModel(tiny_config()), ds_config(stage, micro=ROWS))
     assert type(engine.optimizer) is torch.optim.AdamW and engine.optimizer.defaults["fused"]
