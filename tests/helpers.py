@@ -18,7 +18,7 @@ def chunk(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-5) -> float:
     """assert_close that names the quantity and returns the max abs difference."""
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
-    return float((actual.float() - expected.float()).abs().max()) if actual.numel() else 0.0
+    return float((actual.detach().float() - expected.detach().float()).abs().max()) if actual.numel() else 0.0
 
 
 def write_documents(prefix: str, docs) -> str:
