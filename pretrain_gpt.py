@@ -5,44 +5,17 @@
         --tokenizer-model tok.model --micro-batch-size 4 --global-batch-size 32 --train-iters 100 \\
         --lr 1e-3 --save ckpt --save-interval 50 --load ckpt
 
-The command line is parsed and checked before torch.distributed starts, so an
-impossible configuration exits with a message instead of hanging a collective.
+    python pretrain_gpt.py --help      # every flag; refused and mapped ones: docs/flags.md
+
+The program is megazero.cli.pretrain_gpt (installed: ``megazero-pretrain-gpt``).
 """
 
-from __future__ import annotations
-
-import os
 import sys
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from a checkout without installing
 
-
-def main(argv: list[str] | None = None) -> int:
-    from megazero import mpu
-    from megazero.training import describe, parse_args_or_exit
-    from megazero.training.failures import report
-    from megazero.training.trainer import TrainingDiverged, pretrain
-
-    config = parse_args_or_exit(argv)
-    if config.parallel.local_rank is not None:  # `deepspeed` / torch.distributed.launch pass --local_rank=N
-        os.environ.setdefault("LOCAL_RANK", str(config.parallel.local_rank))
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
-    mpu.init_distributed(config.parallel.distributed_backend)
-    if dist.get_rank() == 0:
-        print(describe(config), flush=True)
-    try:
-        pretrain(config)
-    except TrainingDiverged as e:
-        print(f"error on rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
-        return 1
-    except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
-        return report(e, "pretrain_gpt.py")
-    finally:
-        mpu.shutdown_distributed()
-    return 0
-
+from megazero.cli.pretrain_gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -102,6 +102,15 @@ def test_layering() -> None:
                      "beside them; see the architecture guide):\n  " + "\n  ".join(sorted(bad)))
 
 
+def test_nothing_imports_the_programs() -> None:
+    """megazero/cli (the programs behind pretrain_gpt.py, tools/*.py and the console scripts) sits on top of
+    every layer: no module outside it imports it."""
+    assert any(m.startswith("megazero.cli.") for m in modules()), "megazero/cli not found"
+    bad = [_where(a, b) for a, out in imports().items() if _package(a) != "cli"
+           for b in out if _package(b) == "cli"]
+    assert not bad, "imports of megazero/cli from below it:\n  " + "\n  ".join(sorted(bad))
+
+
 def test_no_two_modules_import_each_other() -> None:
     graph = imports()
     pairs = sorted({f"{_where(a, b)}\n    and {_where(b, a)}" for a, out in graph.items() for b in out

@@ -1,86 +1,18 @@
+#!/usr/bin/env python
 """Sample text from a megazero checkpoint, at any tensor-parallel size.
 
     python tools/generate.py --load CKPT_DIR --prompt "ROMEO:" --max-new-tokens 80
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tp 2 --prompt "ROMEO:"
 
-The model shape and the tokenizer come from the checkpoint's config.json. Each
-process reads (and verifies) only its own TP shard of every weight, straight
-from the ZeRO shards whatever tp x dp saved them: nothing holds the whole model.
+The program is megazero.cli.generate (installed: ``megazero-generate``); ``--help`` lists its flags.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megazero import mpu  # noqa: E402
-from megazero.data import build_tokenizer  # noqa: E402
-from megazero.model import GPTModel, materialize_  # noqa: E402
-from megazero.model.sampling import generate_text  # noqa: E402
-from megazero.training.checkpointing import CheckpointError, open_checkpoint  # noqa: E402
-from megazero.training.failures import agree, report  # noqa: E402
-
-
-@torch.no_grad()
-def load_tp_shard(config, reader) -> torch.nn.Module:
-    """This process's TP shard of the model, read slice by slice from the checkpoint."""
-    model = materialize_(GPTModel(config, device="meta"), mpu.get_device())
-    rank, world = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-
-    def load() -> None:
-        for name, p in model.named_parameters():
-            p.copy_(reader.tp_shard(name, rank, world))
-
-    agree("checkpoint load", load)
-    return model.eval()
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint directory (the --save of pretrain_gpt.py)")
-    p.add_argument("--iteration", type=int, default=None, help="default: the one 'latest' names")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= the number of processes)")
-    p.add_argument("--prompt", default="")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--tokenizer-model", default=None, help="override the tokenizer file recorded in the checkpoint")
-    args = p.parse_args(argv)
-
-    try:
-        config, reader, saved = open_checkpoint(args.load, args.iteration)
-    except CheckpointError as e:
-        p.error(str(e))
-    config = config.replace(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-                            recompute_granularity=None)
-    data = saved["data"]
-    tokenizer = build_tokenizer(data["tokenizer_type"], tokenizer_model=args.tokenizer_model or data["tokenizer_model"],
-                                vocab_file=data["vocab_file"], merge_file=data["merge_file"], vocab_size=data["vocab_size"])
-
-    torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
-    mpu.init_distributed()
-    mpu.initialize_model_parallel(args.tp)
-    mpu.model_parallel_manual_seed(args.seed)
-    try:
-        model = load_tp_shard(config, reader)
-        text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        if dist.get_rank() == 0:
-            print(text)
-    except Exception as e:  # noqa: BLE001 - one line, every rank stops
-        return report(e, "generate.py")
-    finally:
-        mpu.shutdown_distributed()
-    return 0
-
+from megazero.cli.generate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,91 +1,17 @@
 #!/usr/bin/env python
-"""Rehearse ranks of a pretrain_gpt.py launch on this machine: memory and traffic per rank, no GPU.
+"""Rehearse ranks of a pretrain_gpt.py launch on this host: memory and traffic per rank, no GPU.
 
-    python tools/rehearse.py --world-size 64 [--ranks 0,13] [--json out.json] [--device-memory-gb 80] \\
-        -- --tp 4 --zero-stage 3 --num-layers 40 --hidden-size 5120 ... (pretrain_gpt.py's flags)
+    python tools/rehearse.py --world-size 64 [--ranks 0,13] [--device-memory-gb 80] -- PRETRAIN_GPT_FLAGS
 
-Each rank runs pretrain_gpt.py's own loop (megazero.training.trainer.pretrain) for two
-iterations at the real shapes, on the meta device and a fake process group, in this one
-process. Per rank: the state it keeps between iterations, its peak in iteration 2 (by kind),
-the bytes it sends per group, and the host reads the loop makes. Default ranks: first and last
-pipeline stage x first and last data-parallel rank, tensor-parallel rank 0.
-What is measured and how: megazero/training/rehearsal.py.
-
-Exit status: 0 fits, 1 a rank's peak exceeds --device-memory-gb, 2 invalid flags, 3 the run failed.
+The program is megazero.cli.rehearse (installed: ``megazero-rehearse``); ``--help`` lists its flags.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
 import sys
-import traceback
 from pathlib import Path
-from typing import Optional, Sequence
 
-# Destroying a fake process group that serves two device types warns once per group ("No backend
-# of type 0 found ... Assuming no hooks are registered"): C++ warnings off unless asked for.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megazero.training.config import ConfigError  # noqa: E402
-from megazero.training.memory import GiB  # noqa: E402
-from megazero.training.rehearsal import (default_ranks, format_report, rehearsal_config, rehearse,  # noqa: E402
-                                         write_json)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                usage="%(prog)s --world-size W [--ranks R,R] [--json FILE] [--device-memory-gb G] "
-                                      "[--micro-batches N] [--verbose] -- PRETRAIN_GPT_FLAGS")
-    p.add_argument("--world-size", type=int, required=True, help="ranks of the launch being rehearsed")
-    p.add_argument("--ranks", help="comma-separated global ranks to rehearse (default: one per distinct role)")
-    p.add_argument("--json", help="write the figures of every rank to this file")
-    p.add_argument("--device-memory-gb", type=float, default=80.0,
-                   help="device capacity in GiB (an '80GB' GPU is 80 GiB): a larger peak exits 1 (default 80)")
-    p.add_argument("--micro-batches", type=int,
-                   help="rehearse this many micro-batches per iteration instead of the global batch's (faster; "
-                        "the peak is the same from pp x v on; bytes sent are then for this many)")
-    p.add_argument("--verbose", action="store_true", help="show pretrain's own output for each rank")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, train = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = build_parser().parse_args(own)
-    try:
-        config, notes = rehearsal_config(train, args.world_size, args.micro_batches)
-        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else default_ranks(config)
-        bad = [r for r in ranks if not 0 <= r < args.world_size]
-        if bad:
-            raise ConfigError(f"--ranks {bad}: outside the world of {args.world_size} ranks")
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    p = config.parallel
-    print(f"rehearsal of {p.world_size} ranks = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO-{p.zero_stage}, "
-          f"{config.precision.dtype}, micro-batch {config.schedule.micro_batch_size}, global batch "
-          f"{config.schedule.global_batch_size}; ranks {', '.join(map(str, ranks))}", flush=True)
-    for n in notes:
-        print(f"  > {n}", flush=True)
-    try:
-        reports = rehearse(config, ranks, log=sys.stdout if args.verbose else None,
-                           on_rank=lambda r: print(format_report(r), flush=True))
-    except Exception:  # noqa: BLE001 - the run itself failed: its traceback, then exit 3
-        traceback.print_exc()
-        return 3
-    if args.json:
-        write_json(args.json, reports, config, notes)
-    limit = args.device_memory_gb * GiB
-    over = [r for r in reports if r.peak_bytes > limit]
-    for r in over:
-        print(f"rank {r.rank}: peak {r.peak_bytes / GiB:.2f} GiB exceeds --device-memory-gb "
-              f"{args.device_memory_gb:g}", file=sys.stderr)
-    return 1 if over else 0
-
+from megazero.cli.rehearse import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

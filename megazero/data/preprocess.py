@@ -21,6 +21,7 @@ import functools
 import glob
 import gzip
 import json
+import logging
 import multiprocessing
 import os
 import threading
@@ -34,6 +35,7 @@ import numpy as np
 
 from megazero.data.indexed_dataset import AtomicDatasetWriter, best_fitting_dtype
 from megazero.data.tokenizer import Tokenizer, build_tokenizer
+from megazero.utils.progress import Progress
 
 _INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 
@@ -242,11 +244,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
     outputs = {k: f"{config.output_prefix}_{k}_document" for k in config.json_keys}
     stats = PreprocessStats(outputs=outputs, tokens={k: 0 for k in config.json_keys}, dtype=dtype.name)
 
-    from tqdm import tqdm
-
     start = time.perf_counter()
     writers: list[AtomicDatasetWriter] = []
-    bar = tqdm(unit="doc", desc="preprocess", disable=not config.progress, mininterval=0.5)
+    bar = Progress("tokenized", unit="documents", logger=logging.getLogger(__name__), enabled=config.progress)
     pool = slots = None
     stop = threading.Event()
     try:
@@ -273,11 +273,11 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
                     writer.builder.end_document()
                     stats.tokens[key] += arr.size
                 stats.documents += 1
-                bar.update(1)
+                rate = None
                 if stats.documents % max(1, config.log_interval) == 0:
                     secs = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"{stats.input_bytes / 1e6 / secs:.2f} MB/s, "
-                                        f"{sum(stats.tokens.values()) / secs:,.0f} tok/s", refresh=False)
+                    rate = f"{stats.input_bytes / 1e6 / secs:.2f} MB/s, {sum(stats.tokens.values()) / secs:,.0f} tok/s"
+                bar.update(1, rate)
             elif result[0] == "blank":
                 stats.blank_lines += 1
             else:
@@ -288,12 +288,13 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
                     stats.bad_examples.append("{}:{}: {}".format(*result[1]))
         for w in writers:
             w.commit()
+        bar.close()
     finally:
         stop.set()
         if pool is not None:
             pool.terminate()
             pool.join()
-        bar.close()
+        bar.close(completed=False)  # no-op when closed above
         for w in writers:
             w.discard()
     stats.seconds = time.perf_counter() - start

@@ -1,6 +1,5 @@
 """Tools at scale: generate.py reads only its TP shard; HF conversions stream layer by layer."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,13 +18,6 @@ MODEL = dict(hidden_size=64, num_attention_heads=4, activation="swiglu", normali
              position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, vocab_size=500)
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _save(directory, config_dict, tp, stage, step):
     mpu.initialize_model_parallel(tp)
     config = GPTConfig.from_dict(config_dict)
@@ -41,7 +33,9 @@ def _save(directory, config_dict, tp, stage, step):
 def _generate_losses(directory, tp):
     mpu.initialize_model_parallel(tp)
     config, reader, _ = open_checkpoint(directory)
-    model = _tool("generate").load_tp_shard(config, reader)
+    from megazero.cli.generate import load_tp_shard
+
+    model = load_tp_shard(config, reader)
     ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         loss = model(ids[:, :-1], labels=ids[:, 1:])
