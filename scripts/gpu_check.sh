@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for a session that is lent a CUDA machine (the device tool).
-# It uses that machine's own python3 and CUDA build of torch and installs nothing:
-#   1. CUDA numerics: SDPA vs math attention in bf16, flash-attn when importable, and one
-#      training step of the tiny GPT on the GPU against the CPU;
-#   2. the CUDA review fixes (issue 16): the optimizer kernel chosen (apex FusedAdam or its torch
-#      fallback, with the reason) and an exact save/resume of its step count on the GPU; apex's
-#      fused norms or torch's; the loader's pinned batch and non_blocking copy (to_device); the
-#      RNG tracker forking the CUDA and the CPU generator in one process; the local rank resolved;
+# The acceptance check for a CUDA machine: what CPU tests cannot show, run on the GPUs.
+# It uses the machine's own python3 and CUDA build of torch, from this checkout, and installs nothing:
+#   1. CUDA numerics: SDPA vs math attention in bf16, flash-attn when importable, and three
+#      training steps of a tiny GPT on the GPU against the CPU;
+#   2. the CUDA paths: the optimizer kernel chosen (apex FusedAdam or its torch fallback, with the
+#      reason) and an exact save/resume of its step count on the GPU; apex's fused norms or torch's;
+#      the loader's pinned batch and non_blocking copy (to_device); the RNG tracker forking the CUDA
+#      and the CPU generator in one process; the local rank resolved;
 #   3. pretrain_gpt.py on NCCL with ZeRO-3 and bf16 on every visible GPU, mock data,
-#      printing tokens/s and TFLOP/s per GPU (compare with the H200's ~990 dense bf16 peak).
+#      printing tokens/s and TFLOP/s per GPU (compare with the GPU's dense bf16 peak).
 # GPU_CHECK_DEVICE=cpu runs step 2 on the CPU (a dry run of the script itself).
 # Usage: bash scripts/gpu_check.sh [PRESET] [ITERS]   (defaults: gpt-350m, 30)
 set -euo pipefail
@@ -21,7 +21,7 @@ import torch
 from megazero.model import GPTConfig, GPTModel
 from megazero.model.attention import core_attention, flash_attn_available
 
-assert torch.cuda.is_available(), "no CUDA device: run this on the lent GPU machine"
+assert torch.cuda.is_available(), "no CUDA device: this check needs a machine with a CUDA GPU"
 print("torch", torch.__version__, "|", torch.cuda.get_device_name(), "| flash-attn:", flash_attn_available())
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v = (torch.randn(1024, 2, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
