@@ -2,7 +2,7 @@
 """Start-up cost of initialization: sharded (tp 2 x dp 2 ZeRO-3, 4 CPU processes) vs a full model on one process.
 
     python benchmarks/bench_init.py                        # gpt-350m (~355M parameters)
-    python benchmarks/bench_init.py --preset gpt-125m      # quicker
+    python benchmarks/bench_init.py --model-preset gpt-125m      # quicker
 
 The full run builds ``GPTModel(config)`` at tp=1 (every value drawn, as a single
 process must). The sharded run builds the model on the meta device and lets
@@ -81,11 +81,11 @@ def _sharded(rank: int, world: int, port: int, preset: str, out) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="gpt-350m")
+    p.add_argument("--model-preset", "--preset", dest="model_preset", default="gpt-350m")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_full, args=(args.preset, q))
+    proc = ctx.Process(target=_full, args=(args.model_preset, q))
     proc.start()
     _, full_wall, full_cpu, n = q.get()
     proc.join()
@@ -94,7 +94,7 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_sharded, args=(r, 4, port, args.preset, q)) for r in range(4)]
+    procs = [ctx.Process(target=_sharded, args=(r, 4, port, args.model_preset, q)) for r in range(4)]
     for pr in procs:
         pr.start()
     ranks = [q.get() for _ in procs]
@@ -102,7 +102,7 @@ def main() -> int:
         pr.join()
     wall, cpu = max(r[1] for r in ranks), max(r[2] for r in ranks)
     mwall, mcpu = max(r[3] for r in ranks), max(r[4] for r in ranks)
-    print(f"{args.preset}: {n:,} parameters")
+    print(f"{args.model_preset}: {n:,} parameters")
     print(f"full init, 1 process:                wall {full_wall:7.2f} s  cpu {full_cpu:7.2f} s  "
           f"({n / full_cpu / 1e6:.1f} M values/s per thread)")
     print(f"tp2 x dp2 ZeRO-3, zero.initialize:   wall {wall:7.2f} s  cpu {cpu:7.2f} s  (slowest of 4 ranks)")

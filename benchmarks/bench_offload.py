@@ -159,7 +159,7 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", default="none", help=argparse.SUPPRESS)
     p.add_argument("--param-device", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--zero-stage", "--stage", dest="stage", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--nvme-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=29731, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -173,8 +173,8 @@ def main() -> None:
                "z3 both nvme": (3, "nvme", "nvme")}
     with tempfile.TemporaryDirectory(prefix="bench_offload_") as nvme:
         for i, (device, (stage, opt, param)) in enumerate(configs.items()):
-            cmd = [sys.executable, __file__, "--child", "--device", opt, "--param-device", param, "--stage", str(stage),
-                   "--nvme-path", nvme, "--port", str(args.port + i)] + [
+            cmd = [sys.executable, __file__, "--child", "--device", opt, "--param-device", param,
+                   "--zero-stage", str(stage), "--nvme-path", nvme, "--port", str(args.port + i)] + [
                 f"--{k.replace('_', '-')}={getattr(args, k)}"
                 for k in ("num_layers", "hidden_size", "vocab_size", "seq_length", "threads")]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))

@@ -11,7 +11,7 @@ The measured bubble is the share of a step a pipeline rank spends waiting in its
 point-to-point exchanges (idle + transfer time), averaged over ranks, printed beside the
 schedule's (pp - 1) / (v m). Figures only, not a test:
 
-    python benchmarks/bench_pipeline.py [--steps 6] [--microbatches 8]
+    python benchmarks/bench_pipeline.py [--steps 6] [--micro-batches 8]
 """
 
 from __future__ import annotations
@@ -126,21 +126,22 @@ def measure(layout: dict, steps: int, m_global: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--microbatches", type=int, default=8, help="micro-batches per step over the whole batch")
+    ap.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=8,
+                    help="micro-batches per step over the whole batch")
     a = ap.parse_args()
     layouts = [("pp 2 x tp 2, 1F1B", dict(pp=2, tp=2)), ("pp 2 x tp 2, interleaved v 2", dict(pp=2, tp=2, v=2)),
                ("pp 1 x tp 2 x dp 2", dict(pp=1, tp=2))]
-    print(f"GPT {LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, vocab {VOCAB}; global batch {a.microbatches} x "
+    print(f"GPT {LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, vocab {VOCAB}; global batch {a.micro_batches} x "
           f"{MICRO} sequences; {a.steps} timed steps, 4 processes x 1 thread (gloo)")
     print(f"{'layout':<32}{'tokens/s':>10}{'peak RSS MiB/rank':>30}{'state MiB/rank':>26}{'bubble meas.':>14}"
           f"{'(pp-1)/(v m)':>14}")
     base = None
     for name, layout in layouts:
-        r = measure(layout, a.steps, a.microbatches)
+        r = measure(layout, a.steps, a.micro_batches)
         tps = r[0]["tokens_per_s"]
         base = base or tps
         pp, v = layout["pp"], layout.get("v", 1)
-        formula = (pp - 1) / (v * a.microbatches) if pp > 1 else 0.0
+        formula = (pp - 1) / (v * a.micro_batches) if pp > 1 else 0.0
         bubble = sum(x["bubble"] for x in r) / len(r) if pp > 1 else 0.0
         peaks = " / ".join(f"{x['peak_mib']:.0f}" for x in r)
         states = " / ".join(f"{x['state_mib']:.1f}" for x in r)

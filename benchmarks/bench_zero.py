@@ -3,14 +3,14 @@
 
     python benchmarks/bench_zero.py                       # every configuration: ~20 min on a quiet 2-core machine
     python benchmarks/bench_zero.py --repeats 3 --dtypes fp32
-    python benchmarks/bench_zero.py --num-layers 2 --hidden-size 64 --num-heads 4 \\
+    python benchmarks/bench_zero.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
         --seq-length 64 --vocab-size 512 --steps 2 --repeats 1    # smoke run, ~1 min
 
 Configurations (one GPT shape; default 4 layers, hidden 256, 8 heads, seq 256,
 vocab 8192, micro-batch 4 sequences per DP rank; AdamW, no clipping):
 
-1. ``megazero tp2``    megazero.zero stage 3, tp=2 x dp=nproc/2
-2. ``megazero tp1``    megazero.zero stage 3, tp=1 x dp=nproc
+1. ``megazero tp2``    megazero.zero stage 3, tp=2 x dp=world size/2
+2. ``megazero tp1``    megazero.zero stage 3, tp=1 x dp=world size
 3. ``FSDP2+TP tp2``    plain-torch GPT, DTensor TP (parallelize_module) + fully_shard on a [dp, tp=2] mesh
 4. ``DeepSpeed tp2``   DeepSpeed ZeRO-3 on megazero's GPT, ``deepspeed.initialize(..., mpu=megazero.mpu)``
 5. ``Megatron-DS tp2`` / ``tp1``: the Megatron-DeepSpeed arrangement, DeepSpeed ZeRO-3 driving a GPT of
@@ -18,8 +18,8 @@ vocab 8192, micro-batch 4 sequences per DP rank; AdamW, no clipping):
 
 (4 and 5 are skipped when deepspeed / megatron-core are not importable.) The compute-bound shape:
 
-    python benchmarks/bench_zero.py --nproc 2 --configs "megazero tp1" "Megatron-DS tp1" --dtypes fp32 \
-        --hidden-size 1024 --num-heads 16 --seq-length 512 --micro-batch 2
+    python benchmarks/bench_zero.py --world-size 2 --configs "megazero tp1" "Megatron-DS tp1" --dtypes fp32 \
+        --hidden-size 1024 --num-attention-heads 16 --seq-length 512 --micro-batch-size 2
 
 Each (configuration, dtype) runs as its own ``torchrun --nproc_per_node 4`` child
 (``benchmarks/zero_baselines.py``), one thread per rank, so peak RSS is per process and
@@ -56,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "zero_baselines.py"
 
-CONFIGS = {  # name -> (system, tp); dp = --nproc / tp
+CONFIGS = {  # name -> (system, tp); dp = --world-size / tp
     "megazero tp2": ("megazero", 2),
     "megazero tp1": ("megazero", 1),
     "FSDP2+TP tp2": ("fsdp2", 2),
@@ -65,8 +65,8 @@ CONFIGS = {  # name -> (system, tp); dp = --nproc / tp
     "Megatron-DS tp1": ("megatron-ds", 1),
 }
 NEEDS = {"deepspeed": ("deepspeed",), "megatron-ds": ("deepspeed", "megatron.core")}
-SHAPE_FLAGS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "micro_batch", "steps", "warmup",
-               "persistence_threshold")
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
+               "steps", "warmup", "persistence_threshold")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,10 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-attention-heads", "--num-heads", dest="num_attention_heads", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch_size", type=int, default=4,
+                   help="sequences per DP rank per step")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (DeepSpeed ZeRO-3 records its "
                    "module trace over the first step and prefetches from the second: steady state is "
@@ -88,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="stage3_param_persistence_threshold for megazero and DeepSpeed (their default 1e5 "
                         "would keep most of this small model's matrices whole)")
-    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--world-size", "--nproc", dest="world_size", type=int, default=4, help="processes per run")
     p.add_argument("--timeout", type=float, default=600, help="seconds per child run")
     p.add_argument("--json", default=None, help="also write every run's raw results here")
     return p.parse_args(argv)
@@ -104,8 +105,8 @@ def _importable(module: str) -> bool:
 def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
     system, tp = CONFIGS[name]
     out = workdir / f"run{index}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--out", str(out), "--compute-split"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
+           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--json", str(out), "--compute-split"]
     for flag in SHAPE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
@@ -158,7 +159,7 @@ def gemm_rates(args) -> str:
     import torch
 
     torch.set_num_threads(1)
-    tokens = args.micro_batch * args.seq_length
+    tokens = args.micro_batch_size * args.seq_length
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(tokens, args.hidden_size, dtype=dtype)
@@ -220,9 +221,10 @@ def main(argv=None) -> int:
         if missing:
             print(f"{' and '.join(missing)} not installed: skipping {name!r}", file=sys.stderr)
             configs.remove(name)
-    shape = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads, seq {args.seq_length}, "
-             f"vocab {args.vocab_size}, micro-batch {args.micro_batch}/DP rank, {args.warmup} warm-up + "
-             f"{args.steps} timed steps, {args.repeats} repeats, {args.nproc} processes x 1 thread")
+    shape = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+             f"seq {args.seq_length}, vocab {args.vocab_size}, micro-batch {args.micro_batch_size}/DP rank, "
+             f"{args.warmup} warm-up + {args.steps} timed steps, {args.repeats} repeats, "
+             f"{args.world_size} processes x 1 thread")
     print(f"bench_zero: {shape}", file=sys.stderr, flush=True)
     cpu = gemm_rates(args)
     print(f"this CPU: {cpu}", file=sys.stderr, flush=True)
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     cores = os.cpu_count() or 1
     print(f"\nmedians over repeats; 1-min load average during the runs: {min(loads, default=0):.1f}.."
           f"{max(loads, default=0):.1f} on {cores} cores")
-    if loads and max(loads) > args.nproc + cores:
+    if loads and max(loads) > args.world_size + cores:
         print("warning: the load average exceeded ranks + cores (other work on the machine, or the ranks' own "
               "communication threads): wall-clock tokens/s is noisy; tokens/CPU-s and the kernels/rest split "
               "are steadier")

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
 
 
 def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
-    shape = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-heads", "8",
-             "--seq-length", str(seq), "--vocab-size", str(vocab), "--micro-batch", str(rows_per_rank),
+    shape = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-attention-heads", "8",
+             "--seq-length", str(seq), "--vocab-size", str(vocab), "--micro-batch-size", str(rows_per_rank),
              "--steps", "1", "--warmup", "1", "--tp", "1", "--dtype", "fp32", "--sample-rss", "--breakdown"]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     h, layers = a.hidden_size, a.num_layers
@@ -88,7 +88,7 @@ def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
             out = Path(tmp) / "out.json"
             flags = [f.format(layer=12 * h * h + 13 * h) for f in RUNS[name]]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(WORKER),
-                   *flags, *shape, "--out", str(out)]
+                   *flags, *shape, "--json", str(out)]
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)

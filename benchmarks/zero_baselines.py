@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One rank of one ``bench_zero.py`` configuration (launched by torchrun; see bench_zero.py).
 
-    torchrun --standalone --nproc_per_node 4 benchmarks/zero_baselines.py --system megazero --tp 2 --out r.json
+    torchrun --standalone --nproc_per_node 4 benchmarks/zero_baselines.py --system megazero --tp 2 --json r.json
 
 Systems, all ZeRO-3-style (parameters, gradients and optimizer state sharded over DP)
 on the same GPT shape, AdamW, no clipping:
@@ -13,7 +13,7 @@ on the same GPT shape, AdamW, no clipping:
 * ``fsdp2``:     a plain-torch GPT of the same shape, DTensor TP (``parallelize_module``) on a
   2-D mesh ``[dp, tp]`` and ``fully_shard`` (FSDP2) per layer and on the root over ``dp``.
 
-Rank 0 writes ``{"ranks": [per-rank dict, ...]}`` to ``--out``.
+Rank 0 writes ``{"ranks": [per-rank dict, ...]}`` to ``--json``.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-attention-heads", "--num-heads", dest="num_attention_heads", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per DP rank per step")
+    p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch_size", type=int, default=4,
+                   help="sequences per DP rank per step")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (megazero and DeepSpeed)")
@@ -79,19 +80,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compute-split", action="store_true",
                    help="after the timed steps, one more step under ComputeTimer: the CPU time of the model's "
                         "own matmuls and attention kernels, which every arrangement runs alike")
-    p.add_argument("--out", required=True)
+    p.add_argument("--json", "--out", dest="json", required=True, help="rank 0 writes the results here")
     return p.parse_args(argv)
 
 
 def gpt_config(args) -> GPTConfig:
-    return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
-                     vocab_size=args.vocab_size, seq_length=args.seq_length, max_position_embeddings=args.seq_length,
+    return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
+                     seq_length=args.seq_length, max_position_embeddings=args.seq_length,
                      hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa")
 
 
 def ds_config(args) -> dict:
     cfg = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD,
                                                   "torch_adam": True}},
@@ -339,7 +341,7 @@ def main(argv=None) -> int:
     setup = {"megazero": setup_megazero, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2,
              "megatron-ds": lambda a: setup_deepspeed(a, megatron_core=True)}[args.system]
     step, state_bytes, dp, dp_rank = setup(args)
-    rows = args.micro_batch
+    rows = args.micro_batch_size
     losses, times, cpu = [], [], []
     rss_rise = 0
     for i in range(args.warmup + args.steps):
@@ -402,7 +404,7 @@ def main(argv=None) -> int:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, me)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "ranks": out}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "ranks": out}, indent=1))
     dist.barrier()
     mpu.shutdown_distributed()
     return 0

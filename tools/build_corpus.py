@@ -4,7 +4,8 @@
     python tools/build_corpus.py --output data/shakespeare.jsonl
     python tools/build_corpus.py --prepare data/     # also tokenizer + .bin/.idx
 
-The program is megazero.cli.build_corpus (installed: ``megazero-build-corpus``); ``--help`` lists its flags.
+The program is megazero.cli.build_corpus (installed: ``megazero-build-corpus``);
+``--help`` lists its flags.
 """
 
 import sys

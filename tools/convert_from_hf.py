@@ -3,7 +3,8 @@
 
     python tools/convert_from_hf.py --input hf/gpt2 --output ckpt/gpt2 [--override FIELD=VALUE ...]
 
-The program is megazero.cli.convert_from_hf (installed: ``megazero-convert-from-hf``); ``--help`` lists its flags.
+The program is megazero.cli.convert_from_hf (installed: ``megazero-convert-from-hf``);
+``--help`` lists its flags.
 """
 
 import sys

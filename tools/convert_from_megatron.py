@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Import a Megatron-LM or Megatron-DeepSpeed GPT checkpoint as a full megazero checkpoint.
 
-    python tools/convert_from_megatron.py --input /ckpt/gpt-1.3b --output ckpt/gpt-1.3b-mz [--vocab-size 50257]
+    python tools/convert_from_megatron.py --input /ckpt/gpt-1.3b --output ckpt/gpt-1.3b-mz \\
+        [--vocab-size 50257]
 
-The program is megazero.cli.convert_from_megatron (installed: ``megazero-convert-from-megatron``); ``--help`` lists its flags.
+The program is megazero.cli.convert_from_megatron (installed: ``megazero-convert-from-megatron``);
+``--help`` lists its flags.
 """
 
 import sys

@@ -3,7 +3,8 @@
 
     python tools/convert_to_hf.py --load ckpt --output hf/my-gpt
 
-The program is megazero.cli.convert_to_hf (installed: ``megazero-convert-to-hf``); ``--help`` lists its flags.
+The program is megazero.cli.convert_to_hf (installed: ``megazero-convert-to-hf``);
+``--help`` lists its flags.
 """
 
 import sys

@@ -4,7 +4,8 @@
     python tools/estimate_memory.py --model-preset 13b --tp 4 --dp 16 --zero-stage 3 --bf16 --device-memory-gb 80
     python tools/estimate_memory.py --world-size 16 --device-memory-gb 80 --train-args PRETRAIN_GPT_FLAGS
 
-The program is megazero.cli.estimate_memory (installed: ``megazero-estimate-memory``); ``--help`` lists its flags.
+The program is megazero.cli.estimate_memory (installed: ``megazero-estimate-memory``);
+``--help`` lists its flags.
 """
 
 import sys

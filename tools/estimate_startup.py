@@ -3,7 +3,8 @@
 
     python tools/estimate_startup.py --world-size 64 --train-args PRETRAIN_GPT_FLAGS
 
-The program is megazero.cli.estimate_startup (installed: ``megazero-estimate-startup``); ``--help`` lists its flags.
+The program is megazero.cli.estimate_startup (installed: ``megazero-estimate-startup``);
+``--help`` lists its flags.
 """
 
 import sys

@@ -4,7 +4,8 @@
     python tools/generate.py --load CKPT_DIR --prompt "ROMEO:" --max-new-tokens 80
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tp 2 --prompt "ROMEO:"
 
-The program is megazero.cli.generate (installed: ``megazero-generate``); ``--help`` lists its flags.
+The program is megazero.cli.generate (installed: ``megazero-generate``);
+``--help`` lists its flags.
 """
 
 import sys

@@ -3,7 +3,8 @@
 
     python tools/merge_datasets.py --input data/a_text_document data/b_text_document --output-prefix data/ab
 
-The program is megazero.cli.merge_datasets (installed: ``megazero-merge-datasets``); ``--help`` lists its flags.
+The program is megazero.cli.merge_datasets (installed: ``megazero-merge-datasets``);
+``--help`` lists its flags.
 """
 
 import sys

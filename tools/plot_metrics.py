@@ -3,7 +3,8 @@
 
     python tools/plot_metrics.py checkpoints/run/metrics.jsonl --output curves.png
 
-The program is megazero.cli.plot_metrics (installed: ``megazero-plot-metrics``); ``--help`` lists its flags.
+The program is megazero.cli.plot_metrics (installed: ``megazero-plot-metrics``);
+``--help`` lists its flags.
 """
 
 import sys

@@ -5,7 +5,8 @@
         --output-prefix data/shakespeare --tokenizer-type SentencePieceTokenizer \\
         --tokenizer-model data/spm_4096.model --append-eod --workers 2
 
-The program is megazero.cli.preprocess_data (installed: ``megazero-preprocess-data``); ``--help`` lists its flags.
+The program is megazero.cli.preprocess_data (installed: ``megazero-preprocess-data``);
+``--help`` lists its flags.
 """
 
 import sys

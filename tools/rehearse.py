@@ -3,7 +3,8 @@
 
     python tools/rehearse.py --world-size 64 [--ranks 0,13] [--device-memory-gb 80] -- PRETRAIN_GPT_FLAGS
 
-The program is megazero.cli.rehearse (installed: ``megazero-rehearse``); ``--help`` lists its flags.
+The program is megazero.cli.rehearse (installed: ``megazero-rehearse``);
+``--help`` lists its flags.
 """
 
 import sys

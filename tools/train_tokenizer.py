@@ -4,7 +4,8 @@
     python tools/train_tokenizer.py --input data/shakespeare.jsonl --json-keys text \\
         --vocab-size 4096 --output-prefix data/spm_4096
 
-The program is megazero.cli.train_tokenizer (installed: ``megazero-train-tokenizer``); ``--help`` lists its flags.
+The program is megazero.cli.train_tokenizer (installed: ``megazero-train-tokenizer``);
+``--help`` lists its flags.
 """
 
 import sys

@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     config = config.replace(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
                             recompute_granularity=None)
     data = saved["data"]
-    tokenizer = build_tokenizer(data["tokenizer_type"], tokenizer_model=args.tokenizer_model or data["tokenizer_model"],
-                                vocab_file=data["vocab_file"], merge_file=data["merge_file"], vocab_size=data["vocab_size"])
+    tokenizer = build_tokenizer(data["tokenizer_type"],
+                                tokenizer_model=args.tokenizer_model or data["tokenizer_model"],
+                                vocab_file=data["vocab_file"], merge_file=data["merge_file"],
+                                vocab_size=data["vocab_size"])
 
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
     mpu.init_distributed()
