@@ -37,7 +37,7 @@ from megazero.training.config import (  # noqa: F401  (the config classes are re
     TrainConfig,
     rampup_global_batch_size,
 )
-from megazero.training.flags import add_to_parser, refusals
+from megazero.training.flags import HELP_EPILOG, add_to_parser, refusals
 from megazero.training.resolve.common import default
 from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, resolve_data
 from megazero.training.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     on purpose: "not given" must be told apart from "given as the default" to merge presets
     and the DeepSpeed JSON correctly, and to find refused flags."""
     p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with tensor parallelism and ZeRO. "
-                "[honoured]: Megatron's meaning; [mapped]: met by the megazero mechanism named; "
-                "[refused]: stops before any process group starts.", allow_abbrev=False)
+                "[honoured]: Megatron's meaning; [mapped]: met by the megazero mechanism named. "
+                "(default: X) is the value in force when the flag is not given.",
+                usage="%(prog)s [-h] [FLAG [VALUE ...] ...]", epilog=HELP_EPILOG, allow_abbrev=False)
     add_to_parser(p)
     return p
 

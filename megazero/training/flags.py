@@ -24,7 +24,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "refusals", "flags_markdown", "add_to_parser"]
+__all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "HELP_EPILOG", "refusals", "flags_markdown",
+           "add_to_parser"]
 
 HONOURED, MAPPED, REFUSED = "honoured", "mapped", "refused"
 
@@ -42,10 +43,19 @@ class Flag:
     store_false: bool = False  # a '--no-x' switch writing False into the dest of '--x'
     refuse_values: tuple[tuple[Any, str], ...] = ()  # (value, message) pairs refused for an honoured flag
     metavar: Optional[str] = None
+    # The value in force when the flag is not given, as --help and docs/flags.md show it (None: none to
+    # show, e.g. it comes from the data or the preset). The parser's own default stays None.
+    default: Any = None
 
     @property
     def attr(self) -> str:
         return self.dest or self.names[0].lstrip("-").replace("-", "_")
+
+    @property
+    def in_help(self) -> bool:
+        """False for the flags --help leaves to docs/flags.md: refused ones, and mapped ones accepted with
+        no effect (their meaning ends in "accepted"). Both still parse, so a refusal still explains itself."""
+        return not (self.status == REFUSED or (self.status == MAPPED and self.meaning.endswith("accepted")))
 
     def argparse_kwargs(self) -> dict[str, Any]:
         if self.type is None and self.nargs is None:
@@ -91,13 +101,13 @@ g = _group("launcher and parallelism")
 g(M, ("--local_rank", "--local-rank"), "rank on this node, passed by the `deepspeed` launcher and "
   "`torch.distributed.launch`; megazero reads LOCAL_RANK from the environment and refuses a value that disagrees",
   int, dest="local_rank")
-g(H, ("--tensor-model-parallel-size", "--tp"), "tensor-parallel size", int, dest="tp")
+g(H, ("--tensor-model-parallel-size", "--tp"), "tensor-parallel size", int, dest="tp", default=1)
 g(H, ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: each of pp stages holds a contiguous "
   "block of layers (the embedding on the first, final norm and head on the last), trained with 1F1B "
-  "(PipeDream-Flush); world = tp x pp x dp", int, dest="pp")
+  "(PipeDream-Flush); world = tp x pp x dp", int, dest="pp", default=1)
 g(H, "--virtual-pipeline-model-parallel-size", "model chunks per pipeline rank (interleaved 1F1B, Narayanan et al. "
   "2021): bubble (pp-1)/(v m) instead of (pp-1)/m, for v times more p2p messages; micro-batches per step must be a "
-  "multiple of pp", int)
+  "multiple of pp", int, default=1)
 g(H, "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B given as layers per model chunk: v = num_layers / "
   "(pp x this)", int)
 g(H, "--decoder-first-pipeline-num-layers", "layers of the first pipeline stage (Megatron-core's uneven split; "
@@ -107,7 +117,7 @@ g(R, "--context-parallel-size", "context parallelism does not exist in megazero;
   "(activations sharded over the tensor-parallel group) and --recompute-granularity", int,
   )
 g(H, "--sequence-parallel", "Megatron 2022 sequence parallelism (needs tensor parallelism > 1)")
-g(H, "--zero-stage", "ZeRO stage 0-3 over the data-parallel group (Megatron-DeepSpeed; default 1)", int)
+g(H, "--zero-stage", "ZeRO stage 0-3 over the data-parallel group (Megatron-DeepSpeed)", int, default=1)
 g(M, "--use-distributed-optimizer", "Megatron's distributed optimizer (optimizer states sharded over data "
   "parallel) is ZeRO stage 1: sets --zero-stage 1 unless a stage >= 1 is given; --zero-stage 0 beside it is refused")
 g(M, "--overlap-grad-reduce", "overlap the gradient reduction with backward: megazero's ZeRO always does "
@@ -155,18 +165,18 @@ g(H, "--position-embedding-type", "learned_absolute, rope or none", str,
   choices=("learned_absolute", "learned", "rope", "none"))
 g(M, "--use-rotary-position-embeddings", "Megatron-DeepSpeed's --position-embedding-type rope")
 g(M, "--no-position-embedding", "no position embedding (--position-embedding-type none)")
-g(H, "--rotary-base", "RoPE theta", float)
-g(H, "--rotary-percent", "fraction of each head's dimensions rotated by RoPE", float)
+g(H, "--rotary-base", "RoPE theta", float, default=10000.0)
+g(H, "--rotary-percent", "fraction of each head's dimensions rotated by RoPE", float, default=1.0)
 g(H, "--normalization", "LayerNorm or RMSNorm", _lower, choices=("layernorm", "rmsnorm"))
-g(H, ("--norm-epsilon", "--layernorm-epsilon"), "epsilon of every norm", float, dest="norm_epsilon")
+g(H, ("--norm-epsilon", "--layernorm-epsilon"), "epsilon of every norm", float, dest="norm_epsilon", default=1e-05)
 g(H, "--apply-layernorm-1p", "LayerNorm with weight stored as (1 + w), zero-centred")
 g(H, "--qk-layernorm", "normalize queries and keys per head")
 g(H, "--swiglu", "SwiGLU MLP; without --ffn-hidden-size Megatron's size int(4h*2/3 / 64) * 64")
 g(H, "--squared-relu", "squared-ReLU MLP activation")
 g(H, "--disable-bias-linear", "no biases on linear layers")
 g(H, "--untie-embeddings-and-output-weights", "a separate output layer")
-g(H, "--init-method-std", "N(0, std) initialization", float)
-g(H, "--label-smoothing", "label smoothing of the training loss, over the unpadded vocabulary", float)
+g(H, "--init-method-std", "N(0, std) initialization", float, default=0.02)
+g(H, "--label-smoothing", "label smoothing of the training loss, over the unpadded vocabulary", float, default=0.0)
 g(H, "--init-method-xavier-uniform", "Xavier-uniform initialization")
 g(M, "--use-cpu-initialization", "initialize on CPU so weights do not depend on the GPU layout: megazero's "
   "initialization already gives the same values at every tp x dp layout; accepted")
@@ -177,12 +187,12 @@ g(M, ("--apply-query-key-layer-scaling",), "Megatron's 1/layer scaling of QK^T u
 g(M, "--no-query-key-layer-scaling", "see --apply-query-key-layer-scaling", dest="apply_query_key_layer_scaling",
   store_false=True)
 g(M, "--attention-softmax-in-fp32", "megazero's attention softmax is always computed in fp32; accepted")
-g(H, ("--hidden-dropout",), "dropout on embeddings and residual branches", float)
-g(H, "--attention-dropout", "dropout on attention probabilities", float)
+g(H, ("--hidden-dropout",), "dropout on embeddings and residual branches", float, default=0.1)
+g(H, "--attention-dropout", "dropout on attention probabilities", float, default=0.1)
 g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x tensor-parallel size (GPT-2 "
-  "at tp 4: 50688); a resume keeps the padded size of the checkpoint in --load", int)
+  "at tp 4: 50688); a resume keeps the padded size of the checkpoint in --load", int, default=128)
 g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (PyTorch SDPA), unfused/local "
-  "(PyTorch math)", _lower, choices=("auto", "flash", "fused", "unfused", "local"))
+  "(PyTorch math)", _lower, choices=("auto", "flash", "fused", "unfused", "local"), default="auto")
 g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
 g(R, ("--num-experts", "--expert-model-parallel-size", "--moe-router-topk", "--moe-ffn-hidden-size",
       "--moe-expert-parallel-size", "--topk", "--expert-interval"), _NO_MOE, str, nargs="+")
@@ -199,8 +209,8 @@ g(R, ("--fp8-param-gather", "--no-fp8-wgrad"), _NO_FP8)
 g = _group("activation recompute")
 g(H, "--recompute-granularity", "full (whole layers) or selective (core attention)", str,
   choices=("full", "selective"))
-g(H, "--recompute-method", "uniform or block", str, choices=("uniform", "block"))
-g(H, "--recompute-num-layers", "layers per recompute chunk (uniform) or recomputed layers (block)", int)
+g(H, "--recompute-method", "uniform or block", str, choices=("uniform", "block"), default="uniform")
+g(H, "--recompute-num-layers", "layers per recompute chunk (uniform) or recomputed layers (block)", int, default=1)
 g(M, "--checkpoint-activations", "Megatron-DeepSpeed's --recompute-granularity full")
 g(M, "--recompute-activations", "Megatron's --recompute-granularity selective")
 g(M, "--checkpoint-num-layers", "Megatron-DeepSpeed's --recompute-num-layers", int)
@@ -227,18 +237,18 @@ g(H, "--train-iters", "iterations to train", int)
 g(H, "--train-samples", "samples to train (sample-based schedule)", int)
 g(H, "--train-tokens", "Megatron-DeepSpeed: stop once this many tokens were consumed (with --train-samples)", int)
 g(H, "--lr", "peak learning rate", float)
-g(H, "--min-lr", "learning rate floor after decay", float)
+g(H, "--min-lr", "learning rate floor after decay", float, default=0.0)
 g(H, "--lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD", str,
-  choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+  choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"), default="linear")
 g(H, "--lr-wsd-decay-style", "WSD's final annealing: exponential, linear, cosine or minus_sqrt", str,
-  choices=("exponential", "linear", "cosine", "minus_sqrt"))
+  choices=("exponential", "linear", "cosine", "minus_sqrt"), default="exponential")
 g(H, "--lr-wsd-decay-iters", "length of WSD's annealing phase in iterations", int)
 g(H, "--lr-wsd-decay-samples", "length of WSD's annealing phase in samples", int)
-g(H, "--lr-warmup-iters", "linear warmup, in iterations", int)
-g(H, "--lr-warmup-samples", "linear warmup, in samples", int)
+g(H, "--lr-warmup-iters", "linear warmup, in iterations", int, default=0)
+g(H, "--lr-warmup-samples", "linear warmup, in samples", int, default=0)
 g(H, "--lr-warmup-fraction", "warmup as a fraction of the decay", float)
 g(H, "--lr-warmup-tokens", "Megatron-DeepSpeed: warmup in tokens", int)
-g(H, "--lr-warmup-init", "learning rate at the start of warmup", float)
+g(H, "--lr-warmup-init", "learning rate at the start of warmup", float, default=0.0)
 g(H, "--lr-decay-iters", "decay ends here (iterations, warmup included)", int)
 g(H, "--lr-decay-samples", "decay ends here (samples, warmup included)", int)
 g(H, "--lr-decay-tokens", "Megatron-DeepSpeed: decay ends here (tokens, warmup included)", int)
@@ -250,32 +260,32 @@ g(H, ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"), 
 # ------------------------------------------------------------------------------------------ optimizer
 g = _group("optimizer and precision")
 g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, or sgd", _lower,
-  choices=("adam", "adamw", "sgd"))
-g(H, "--sgd-momentum", "momentum of --optimizer sgd (default 0.9)", float)
+  choices=("adam", "adamw", "sgd"), default="adam")
+g(H, "--sgd-momentum", "momentum of --optimizer sgd", float, default=0.9)
 g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "
   "live on the host and step there (zero_optimization.offload_optimizer device cpu; ZeRO stage >= 1)")
 g(H, "--optimizer-offload-fraction", "fraction of the optimizer state offloaded by --optimizer-cpu-offload, by whole "
-  "groups in model order (offload_optimizer.ratio; default 1.0)", float)
-g(H, "--weight-decay", "decoupled weight decay (not on biases and norms)", float)
+  "groups in model order (offload_optimizer.ratio)", float, default=1.0)
+g(H, "--weight-decay", "decoupled weight decay (not on biases and norms)", float, default=0.01)
 g(H, "--start-weight-decay", "weight decay at the start of the weight-decay schedule", float)
 g(H, "--end-weight-decay", "weight decay at the end of training", float)
 g(H, "--weight-decay-incr-style", "constant, linear or cosine increase from start to end", str,
-  choices=("constant", "linear", "cosine"))
-g(H, "--clip-grad", "global gradient-norm clip (0 disables)", float)
-g(H, "--adam-beta1", "Adam beta1", float)
-g(H, "--adam-beta2", "Adam beta2", float)
-g(H, "--adam-eps", "Adam epsilon", float)
+  choices=("constant", "linear", "cosine"), default="constant")
+g(H, "--clip-grad", "global gradient-norm clip (0 disables)", float, default=1.0)
+g(H, "--adam-beta1", "Adam beta1", float, default=0.9)
+g(H, "--adam-beta2", "Adam beta2", float, default=0.999)
+g(H, "--adam-eps", "Adam epsilon", float, default=1e-08)
 g(H, "--bf16", "bf16 training with fp32 master weights")
 g(H, "--fp16", "fp16 training with fp32 master weights and loss scaling")
 g(H, "--loss-scale", "static fp16 loss scale (default dynamic); with --deepspeed_config the JSON's fp16 block "
   "governs, as in Megatron-DeepSpeed", float)
-g(H, "--initial-loss-scale", "dynamic loss scale start (default 2**32)", float)
-g(H, "--min-loss-scale", "dynamic loss scale floor", float)
-g(H, "--loss-scale-window", "good steps before the scale grows", int)
-g(H, "--hysteresis", "overflows tolerated before the scale shrinks", int)
+g(H, "--initial-loss-scale", "dynamic loss scale start", float, default=2.0 ** 32)
+g(H, "--min-loss-scale", "dynamic loss scale floor", float, default=1.0)
+g(H, "--loss-scale-window", "good steps before the scale grows", int, default=1000)
+g(H, "--hysteresis", "overflows tolerated before the scale shrinks", int, default=2)
 g(H, "--accumulate-allreduce-grads-in-fp32", "accumulate and reduce gradients in fp32 "
   "(data_types.grad_accum_dtype fp32)")
-g(H, "--seed", "random seed", int)
+g(H, "--seed", "random seed", int, default=1234)
 
 # ----------------------------------------------------------------------------------------------- data
 g = _group("data and tokenizer")
@@ -285,13 +295,13 @@ g(H, "--train-data-path", "training data only (with --valid-data-path/--test-dat
 g(H, "--valid-data-path", "validation data", str, nargs="+")
 g(H, "--test-data-path", "test data", str, nargs="+")
 g(H, "--data-cache-path", "where the sample indices are cached", str)
-g(H, "--split", "train,valid,test weights (default 969,30,1)", str)
+g(H, "--split", "train,valid,test weights", str, default="969,30,1")
 g(H, "--mock-data", "synthetic tokens, no files")
 g(H, "--data-impl", "dataset implementation: megazero reads .bin/.idx by mmap", str,
   choices=("mmap", "infer", "lazy", "cached"),
   refuse_values=tuple((v, f"--data-impl {v} does not exist in megazero: .bin/.idx files are read by mmap "
                           "(the same files); pass --data-impl mmap or drop the flag") for v in ("lazy", "cached")))
-g(H, "--num-workers", "DataLoader worker processes (default 0 here: reads in the training process)", int)
+g(H, "--num-workers", "DataLoader worker processes (0: reads in the training process)", int, default=0)
 g(H, "--reset-position-ids", "restart position ids after each end-of-document token")
 g(H, "--reset-attention-mask", "no attention across end-of-document tokens")
 g(H, "--eod-mask-loss", "no loss on end-of-document tokens")
@@ -303,7 +313,7 @@ g(H, "--tokenizer-model", "SentencePiece model file or Hugging Face tokenizer di
 g(H, "--vocab-file", "GPT-2 BPE vocab.json", str)
 g(H, "--merge-file", "GPT-2 BPE merges.txt", str)
 g(H, "--vocab-size", "NullTokenizer's vocabulary; with other tokenizers an override", int)
-g(H, "--vocab-extra-ids", "extra sentinel tokens added to the tokenizer", int)
+g(H, "--vocab-extra-ids", "extra sentinel tokens added to the tokenizer", int, default=0)
 
 # ---------------------------------------------------------------------------------------- checkpoints
 g = _group("checkpoints and run control")
@@ -327,15 +337,15 @@ g(H, "--exit-interval", "save and exit when iteration % N == 0", int)
 g(H, "--exit-duration-in-mins", "save and exit after this many minutes of training", float)
 g(H, "--exit-signal-handler", "on SIGTERM: save a checkpoint and exit")
 g(H, "--skip-train", "no training: only evaluate (validation and test) the loaded model")
-g(H, "--eval-interval", "iterations between validations", int)
-g(H, "--eval-iters", "batches per validation and test evaluation", int)
+g(H, "--eval-interval", "iterations between validations", int, default=1000)
+g(H, "--eval-iters", "batches per validation and test evaluation", int, default=100)
 
 # -------------------------------------------------------------------------------------------- logging
 g = _group("logging")
-g(H, "--log-interval", "iterations between log lines", int)
+g(H, "--log-interval", "iterations between log lines", int, default=100)
 g(H, "--tensorboard-dir", "TensorBoard event files", str)
-g(H, "--tensorboard-log-interval", "iterations between TensorBoard writes", int)
-g(H, "--tensorboard-queue-size", "events queued before a flush", int)
+g(H, "--tensorboard-log-interval", "iterations between TensorBoard writes", int, default=1)
+g(H, "--tensorboard-queue-size", "events queued before a flush", int, default=1000)
 g(H, "--log-timers-to-tensorboard", "forward-backward / optimizer times (Megatron's '-time' tags)")
 g(H, "--log-batch-size-to-tensorboard", "'batch-size' tag")
 g(H, "--log-validation-ppl-to-tensorboard", "'lm loss validation ppl' tag")
@@ -354,18 +364,35 @@ g(M, "--track-memory", "megazero: on CPU, track live tensors so the log line's m
   "(costs about 4x per op; CUDA always reports its allocator's peak)")
 g(M, "--metrics-file", "megazero: JSONL metrics (default SAVE/metrics.jsonl)", str)
 g(M, "--generate-prompt", "megazero: sample from the model at the end of training", str)
-g(M, "--generate-tokens", "megazero: tokens to sample", int)
+g(M, "--generate-tokens", "megazero: tokens to sample", int, default=32)
 
 FLAGS: tuple[Flag, ...] = tuple(_ROWS)
 del _ROWS, g
+
+
+HELP_EPILOG = ("Not listed above: the Megatron-LM / DeepSpeed flags megazero refuses (each stops the run with a "
+               "message naming the megazero way) and those it accepts with no effect. Every flag, refused and "
+               "mapped ones included, and every DeepSpeed JSON key: docs/flags.md.")
 
 
 def add_to_parser(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, Any] = {}
     for f in FLAGS:
         grp = groups.get(f.group) or groups.setdefault(f.group, parser.add_argument_group(f.group))
-        help_text = f"[{f.status}] {f.meaning}".replace("%", "%%")
-        grp.add_argument(*f.names, help=help_text, **f.argparse_kwargs())
+        help_text = f"[{f.status}] {f.meaning}".replace("%", "%%") + _default_text(f)
+        grp.add_argument(*f.names, help=help_text if f.in_help else argparse.SUPPRESS, **f.argparse_kwargs())
+
+
+def _shown(value: Any) -> str:
+    """A default as a user would type it: 0.1, 1e-08, 4294967296 (no float rounding)."""
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def _default_text(f: Flag) -> str:
+    return "" if f.default is None else f" (default: {_shown(f.default)})"
 
 
 def _given(ns: argparse.Namespace, flag: Flag) -> bool:
@@ -409,16 +436,19 @@ def flags_markdown() -> str:
              "`python -m megazero.training.flags > docs/flags.md`; a test fails when this file and the tables differ.",
              "", "**honoured**: Megatron's meaning, implemented. **mapped**: Megatron's intent, met by the megazero "
              "mechanism named. **refused**: the run stops before any process group starts, with the message shown. "
-             "Nothing is silently ignored.", ""]
+             "Nothing is silently ignored. **default**: the value in force when the flag is not given (blank: "
+             "none, or it comes from the data, the preset or the DeepSpeed JSON). `pretrain_gpt.py --help` lists the "
+             "honoured and mapped flags, less the mapped ones accepted with no effect.", ""]
     current = None
     for f in FLAGS:
         if f.group != current:
             current = f.group
-            lines += ["", f"## {current}", "", "| flag | status | meaning / megazero |", "|---|---|---|"]
+            lines += ["", f"## {current}", "", "| flag | status | default | meaning / megazero |", "|---|---|---|---|"]
         meaning = f.meaning
         if f.refuse_values:
             meaning += " Refused values: " + "; ".join(f"`{v}`" for v, _ in f.refuse_values) + "."
-        lines.append(f"| {_spelling(f)} | {f.status} | {meaning.replace('|', '/')} |")
+        shown = "" if f.default is None else f"`{_shown(f.default)}`"
+        lines.append(f"| {_spelling(f)} | {f.status} | {shown} | {meaning.replace('|', '/')} |")
     lines += ["", "## DeepSpeed JSON keys (`--deepspeed_config`)", "",
               "**ignored** keys tune DeepSpeed's own internals and mean nothing here: they are accepted and listed "
               "in one line at start-up. Any key not in this table is refused as unknown.", "",

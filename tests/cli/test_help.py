@@ -1,0 +1,123 @@
+"""--help of every program: it builds, shows defaults where there are some, and pretrain_gpt.py's leaves the
+refused and no-effect flags to docs/flags.md while still refusing them with their message."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from megazero.training.arguments import ConfigError, parse_args, parse_args_or_exit
+from megazero.training.flags import FLAGS, REFUSED, _shown
+from tests.cli.programs import PROGRAMS, ROOT, parser
+
+TINY = ("--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 1 --train-iters 10 --lr 1e-3 "
+        "--tokenizer-type NullTokenizer --vocab-size 100").split()
+
+
+@pytest.fixture(scope="module")
+def pretrain_help() -> str:
+    return parser("pretrain_gpt").format_help()
+
+
+def _option_lines(text: str) -> set[str]:
+    """The flags that have an entry of their own in a help text."""
+    return set(re.findall(r"^ {2}(--?[\w-]+)", text, re.M)) | set(re.findall(r", (--[\w-]+)", text))
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_every_program_has_help(name):
+    text = parser(name).format_help()
+    assert text.startswith("usage: ") and "--help" in text
+    assert "%(" not in text  # the description's text reached the help as written
+
+
+def test_tool_help_shows_defaults_where_there_are_some():
+    text = parser("estimate_memory").format_help()
+    assert re.search(r"--zero-stage ZERO_STAGE\s+ZeRO stage 0-3 \(default: 1\)", text)
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert re.search(r"--device-memory-gb DEVICE_MEMORY_GB, --gpu-memory-gb DEVICE_MEMORY_GB\s+device capacity", text)
+    rehearse = re.sub(r"\s+", " ", parser("rehearse").format_help())
+    assert "a larger peak exits 1 (default: 80.0)" in rehearse
+
+
+def test_pretrain_help_shows_real_flags_with_their_defaults(pretrain_help):
+    one_line = re.sub(r"\s+", " ", pretrain_help)
+    assert "--seed SEED [honoured] random seed (default: 1234)" in one_line
+    assert "--tensor-model-parallel-size TP, --tp TP [honoured] tensor-parallel size (default: 1)" in one_line
+    assert "--lr-decay-style {constant,linear,cosine,inverse-square-root,WSD}" in one_line
+    assert "(default: None)" not in one_line
+
+
+def test_pretrain_help_leaves_refused_and_no_effect_flags_to_the_docs(pretrain_help):
+    listed = _option_lines(pretrain_help)
+    refused = {n for f in FLAGS if f.status == REFUSED for n in f.names}
+    hidden = {n for f in FLAGS if not f.in_help for n in f.names}
+    assert refused <= hidden and "--num-experts" in refused and "--deepspeed" in hidden
+    assert not listed & hidden, sorted(listed & hidden)
+    shown = {n for f in FLAGS if f.in_help for n in f.names}
+    assert shown <= listed, sorted(shown - listed)
+    assert "docs/flags.md" in pretrain_help.strip().splitlines()[-1]
+    docs = (ROOT / "docs" / "flags.md").read_text()
+    assert all(f"`{n}`" in docs for n in hidden)
+
+
+def test_a_refused_flag_still_exits_2_with_its_message(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args_or_exit(TINY + ["--num-experts", "8"], 1, check_files=False)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-experts: mixture-of-experts does not exist in megazero" in err
+
+
+# Flags whose default only applies beside others (flags given with the default, and instead of ones in TINY).
+CONTEXT = {
+    "--virtual-pipeline-model-parallel-size": (["--pp", "2"], ()),
+    "--recompute-method": (["--recompute-granularity", "full"], ()),
+    "--recompute-num-layers": (["--recompute-granularity", "full"], ()),
+    "--lr-wsd-decay-style": (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], ()),
+    "--lr-warmup-samples": (["--train-samples", "10"], ("--train-iters",)),
+    "--sgd-momentum": (["--optimizer", "sgd"], ()),
+    "--optimizer-offload-fraction": (["--optimizer-cpu-offload"], ()),
+}
+
+
+def _without(argv: list[str], flags) -> list[str]:
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        else:
+            out.append(word)
+    return out
+
+
+@pytest.mark.parametrize("flag", [f for f in FLAGS if f.default is not None], ids=lambda f: f.names[0])
+def test_the_default_shown_is_the_one_in_force(flag):
+    """Giving a flag its shown default resolves to the same configuration as leaving it out."""
+    extra, drop = CONTEXT.get(flag.names[0], ([], ()))
+    base = _without(TINY, drop) + extra
+    world = 2 if "--pp" in extra else 1
+    without = parse_args(base, world, check_files=False)
+    given = parse_args(base + [flag.names[0], _shown(flag.default)], world, check_files=False)
+    assert _in_force(given) == _in_force(without)
+
+
+def _in_force(cfg):
+    """The configuration (notes aside) and the engine's own, defaults filled in. The offload fraction is
+    compared there only: unset, the engine's ratio default (1) applies."""
+    from megazero.zero.config import load_config
+
+    optim = dataclasses.replace(cfg.optim, offload_fraction=None)
+    return dataclasses.replace(cfg, notes=[], optim=optim), load_config(cfg.to_deepspeed_config())
+
+
+def test_a_wrong_default_would_be_seen():
+    with pytest.raises(AssertionError):
+        assert parse_args(TINY + ["--seed", "1"], 1, check_files=False) == parse_args(TINY, 1, check_files=False)
+    with pytest.raises(ConfigError):
+        parse_args(TINY + ["--num-experts", "2"], 1, check_files=False)
