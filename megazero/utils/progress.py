@@ -57,6 +57,7 @@ class Progress:
         self._log = logger or logging.getLogger("megazero.progress")
         self._start = self._last = time.monotonic()
         self._lines = 0
+        self._shown = -1  # the count the last line showed
         self._closed = False
         self._bar = None
         if enabled and (_stderr_is_tty() if tty is None else tty):
@@ -95,19 +96,20 @@ class Progress:
         return text + (f", {self.postfix}" if self.postfix else "")
 
     def close(self, completed: bool = True) -> None:
-        """End the report: the bar closes; the last line is written if the loop completed and
-        any line was written before."""
+        """End the report: the bar closes; the last line is written if the loop completed, any line
+        was written before and the last one did not already show the final count."""
         if self._closed:
             return
         self._closed = True
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and completed and self._lines:
+        elif self.enabled and completed and self._lines and self._shown != self.done:
             self._emit(time.monotonic())
 
     def _emit(self, now: float) -> None:
         self._last = now
         self._lines += 1
+        self._shown = self.done
         self._log.info(self.line(now))
 
     def __enter__(self) -> "Progress":
