@@ -101,6 +101,7 @@ def test_convert_to_hf_names_protobuf_for_a_sentencepiece_tokenizer(spm_model, t
         tool.main(["--input", str(tmp_path / "full"), "--output", str(tmp_path / "hf")])
     assert e.value.code == 2
     assert capsys.readouterr().err == ("convert_to_hf: error: exporting a SentencePiece tokenizer needs the protobuf "
-                                       "package, which is not installed: pip install 'megazero[hf]'\n")
+                                       "package, which is not installed: pip install protobuf (or pip install -e "
+                                       "'.[hf]' in the megazero checkout)\n")
     assert not (tmp_path / "hf").exists()
 

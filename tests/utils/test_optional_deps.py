@@ -1,5 +1,6 @@
-"""Optional packages of the tools: a missing one is one line naming it and the install command of the
-megazero extra that declares it, and exit status 2 (not a traceback half-way through)."""
+"""Optional packages of the tools: a missing one is one line naming it and how to install it (the package
+itself, or the megazero extra that declares it from the checkout), and exit status 2 (not a traceback
+half-way through)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_require_packages_prints_one_line_and_exits_2(monkeypatch, capsys):
         require_packages("convert_to_hf", ["json", "google.protobuf"], "hf", "exporting a SentencePiece tokenizer")
     assert e.value.code == 2
     assert capsys.readouterr().err == ("convert_to_hf: error: exporting a SentencePiece tokenizer needs the protobuf "
-                                       "package, which is not installed: pip install 'megazero[hf]'\n")
+                                       "package, which is not installed: pip install protobuf (or pip install -e "
+                                       "'.[hf]' in the megazero checkout)\n")
 
 
 def test_convert_to_hf_without_transformers_stops_before_reading(tmp_path, monkeypatch, capsys):
@@ -44,7 +46,8 @@ def test_convert_to_hf_without_transformers_stops_before_reading(tmp_path, monke
         tool.main(["--input", str(tmp_path / "nothing"), "--output", str(tmp_path / "hf")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "the transformers package" in err and "pip install 'megazero[hf]'" in err
+    assert err.count("\n") == 1 and "the transformers package" in err
+    assert "pip install transformers" in err and "pip install -e '.[hf]'" in err
     assert not (tmp_path / "hf").exists()
 
 
@@ -57,5 +60,6 @@ def test_plot_metrics_without_matplotlib(tmp_path, monkeypatch, capsys):
         tool.main([str(metrics), "--output", str(tmp_path / "curves.png")])
     assert e.value.code == 2
     assert capsys.readouterr().err == ("plot_metrics: error: plotting needs the matplotlib package, which is not "
-                                       "installed: pip install 'megazero[plot]'\n")
+                                       "installed: pip install matplotlib (or pip install -e '.[plot]' in the megazero "
+                                       "checkout)\n")
     assert not (tmp_path / "curves.png").exists()
