@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(config.parallel.local_rank))
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
+    # Called inside a process that already has a process group (an application, a test harness),
+    # main() uses that group and leaves it alive; otherwise it starts and ends its own.
+    owns_group = not dist.is_initialized()
     mpu.init_distributed(config.parallel.distributed_backend)
     if dist.get_rank() == 0:
         print(describe(config), flush=True)
@@ -52,5 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
         return report(e, PROG)
     finally:
-        mpu.shutdown_distributed()
+        if owns_group:
+            mpu.shutdown_distributed()
+        else:
+            mpu.destroy_model_parallel()
     return 0

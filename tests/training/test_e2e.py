@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ import torch
 from tests.distributed import run_distributed
 from tests.helpers import write_documents
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
 
 
@@ -161,18 +158,27 @@ def test_tampered_checkpoint_is_refused(dataset, reshard_source, tmp_path):
     ({"--num-attention-heads": "6"}, "6"),
     ({"--data-path": "/nonexistent/prefix"}, "/nonexistent/prefix"),
 ])
-def test_impossible_configurations_exit_before_any_collective(dataset, overrides, message):
+def test_impossible_configurations_exit_before_any_collective(dataset, overrides, message, monkeypatch, capsys):
+    """pretrain_gpt.py's main() as rank 0 of a 4-rank launch: exit 2 with the message, before any
+    process group exists (so no rank can be left waiting in a collective)."""
+    import torch.distributed as dist
+
+    from megazero.cli.pretrain_gpt import main
+
     args = argv(dataset)
     for flag, value in overrides.items():
         if flag in args:
             args[args.index(flag) + 1] = value
         else:
             args += [flag] if value is None else [flag, value]
-    env = dict(os.environ, WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert not dist.is_initialized()
+    assert message in err and "Traceback" not in err, err
 
 
 def test_start_from_imported_hugging_face_weights(dataset, tmp_path):
@@ -183,10 +189,10 @@ def test_start_from_imported_hugging_face_weights(dataset, tmp_path):
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB + 1, n_positions=16, n_embd=32,
                                                               n_layer=2, n_head=4))
     hf.save_pretrained(tmp_path / "hf")
-    convert = [sys.executable, os.path.join(ROOT, "tools", "convert_from_hf.py"), "--input", str(tmp_path / "hf"),
-               "--output", str(tmp_path / "imported"), "--override", "seq_length=16",
-               "--override", "make_vocab_size_divisible_by=32"]
-    subprocess.run(convert, check=True, capture_output=True, timeout=120)
+    from megazero.cli.convert_from_hf import main as convert_from_hf
+
+    assert convert_from_hf(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "imported"),
+                            "--override", "seq_length=16", "--override", "make_vocab_size_divisible_by=32"]) == 0
     # The first iteration runs at lr 0 (start of the warmup), so the weights saved after it
     # must be exactly the imported ones, gathered back from tp=2 x dp=2 ZeRO-3 partitions.
     args = argv(dataset, "--pretrained-checkpoint", str(tmp_path / "imported"), "--save", str(tmp_path / "ckpt"),

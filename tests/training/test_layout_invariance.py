@@ -1,7 +1,8 @@
 """The parallel layout never changes the model: what a user runs, compared with the one-process run.
 
-Every run here is ``torchrun ... pretrain_gpt.py FLAGS`` (or ``python pretrain_gpt.py FLAGS``
-for the one-process reference), as a subprocess, reading back what the run wrote: the
+Every run here is pretrain_gpt.py with a user's flags, on as many ranks as ``torchrun
+--nproc_per_node N`` would start (``tests/launch.py``: its ``main(argv)`` on the test pool's ranks;
+the failure cases start the real ``torchrun``), reading back what the run wrote: the
 per-iteration loss and grad norm from ``--metrics-file`` and the weights from ``--save``.
 fp32 with dropout 0, so the layouts must agree to float rounding (2e-5 relative):
 
@@ -17,16 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers import write_documents
+from tests.launch import Run, in_pool
+from tests.launch import launch as start
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
 ITERS = 4
 RTOL = 2e-5
@@ -57,26 +57,18 @@ def flags(prefix: str, *extra: str, layers: int = 4, iters: int = ITERS) -> list
             "--log-interval", "1", "--eval-iters", "0", "--clip-grad", "1.0", *extra]
 
 
-def run_cli(world: int, args: list[str], out_dir, metrics: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """pretrain_gpt.py as a user starts it: ``torchrun --nproc_per_node world`` (plain python for 1)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    script = os.path.join(ROOT, "pretrain_gpt.py")
-    if world == 1:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node",
-               str(world), script]
-    return subprocess.run(cmd + args + ["--metrics-file", metrics], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(out_dir))
+def run_cli(world: int, args: list[str], out_dir, metrics: str, timeout: float = 300) -> Run:
+    """pretrain_gpt.py started as a user starts it: ``torchrun --nproc_per_node world`` (plain python for 1)."""
+    return start(world, [*args, "--metrics-file", metrics], cwd=out_dir, timeout_s=timeout)
 
 
 def launch(world: int, args: list[str], out_dir, name: str) -> dict[int, dict]:
-    """Run pretrain_gpt.py as a user would; returns {iteration: metrics record}."""
+    """pretrain_gpt.py's main(args) on ``world`` ranks (the program torchrun would start, in the test
+    pool); returns {iteration: metrics record}."""
     metrics = os.path.join(str(out_dir), f"{name}.jsonl")
-    proc = run_cli(world, args, out_dir, metrics)
-    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run = in_pool(world, [*args, "--metrics-file", metrics], cwd=out_dir).check(name)
     with open(os.path.join(str(out_dir), f"{name}.log"), "w") as f:  # what the user saw, for the tests to read
-        f.write(proc.stdout)
+        f.write(run.stdout + run.stderr)
     records = {}
     if os.path.exists(metrics):
         for line in open(metrics):
