@@ -34,14 +34,14 @@ args=(
   --log-interval 25 --eval-interval "$half" --eval-iters 4
   --save "$work/ckpt" --save-interval 100 --load "$work/ckpt"
 )
-launch=("$root/.venv/bin/torchrun" --standalone --nproc_per_node 4)
+torchrun=("$root/.venv/bin/torchrun" --standalone)  # each launch below gives its own --nproc_per_node
 
 echo "=== training iterations 1..$half, then stopping (--exit-interval $half) ==="
-"${launch[@]}" pretrain_gpt.py "${args[@]}" --exit-interval "$half"
+"${torchrun[@]}" --nproc_per_node 4 pretrain_gpt.py "${args[@]}" --exit-interval "$half"
 echo "=== resuming from the checkpoint to iteration $iters ==="
-"${launch[@]}" pretrain_gpt.py "${args[@]}"
+"${torchrun[@]}" --nproc_per_node 4 pretrain_gpt.py "${args[@]}"
 echo "=== sampling from the final checkpoint (tp 2) ==="
-"${launch[@]/--nproc_per_node 4/}" --nproc_per_node 2 tools/generate.py --load "$work/ckpt" --tp 2 \
+"${torchrun[@]}" --nproc_per_node 2 tools/generate.py --load "$work/ckpt" --tp 2 \
   --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40
 "$py" - "$work/ckpt/metrics.jsonl" <<'PY'
 import json, sys

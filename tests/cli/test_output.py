@@ -1,0 +1,47 @@
+"""Where the programs write: their product on stdout, diagnostics through logging on stderr; and the quickstart's
+launch lines."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from megazero.cli.common import setup_logging
+from tests.cli.programs import ROOT, program
+
+
+def test_diagnostics_go_through_logging_and_the_product_to_stdout(tmp_path, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="megazero"):
+        assert program("merge_datasets").main(["--input", str(tmp_path / "nope"),
+                                               "--output-prefix", str(tmp_path / "x")]) == 1
+    out, err = capsys.readouterr()
+    assert not out and "error: " in err and "not found" in err
+    assert [(r.name, r.levelname) for r in caplog.records] == [("megazero.cli.merge_datasets", "ERROR")]
+    assert program("estimate_memory").main("--model-preset 13b --tp 4 --dp 16 --zero-stage 3 --bf16".split()) == 0
+    out, err = capsys.readouterr()
+    assert "parameters:" in out and not err
+
+
+def test_logging_setup_is_idempotent_and_adds_no_second_stderr_handler(monkeypatch):
+    log = logging.getLogger("megazero")
+    setup_logging()
+    setup_logging()
+    ours = [h for h in log.handlers if type(h).__name__ == "_StderrHandler"]
+    assert len(ours) == 1
+    monkeypatch.setattr(log, "handlers", [])  # as if an application had configured logging to stderr first
+    root_handler = logging.StreamHandler()  # writes to sys.stderr
+    monkeypatch.setattr(logging.getLogger(), "handlers", [root_handler])
+    setup_logging()
+    assert log.handlers == []  # records reach stderr once, through the application's handler
+
+
+def test_quickstart_passes_nproc_per_node_once_per_launch():
+    text = (ROOT / "examples" / "quickstart_cpu.sh").read_text()
+    lines = text.replace("\\\n", " ").splitlines()
+    definition = next(ln for ln in lines if re.match(r"\s*torchrun=\(", ln)).split("#")[0]
+    assert "--nproc_per_node" not in definition
+    launches = [ln for ln in lines if '"${torchrun[@]' in ln]
+    assert len(launches) == 3
+    for line in launches:
+        assert line.count("--nproc_per_node") == 1, line
+        assert '"${torchrun[@]}"' in line, line  # the whole array, no pattern substitution
