@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# The NullTokenizer vocabulary of the shared training corpus (tests/conftest.py): ids < 120, EOD = 120.
+VOCAB = 120
+
 
 def randn(*shape: int, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
     """The same tensor on every rank (own generator, independent of the global RNG)."""

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.training.test_e2e import ROOT, argv, dataset  # noqa: F401  (the fixture)
+from tests.launch import ROOT
+from tests.training.test_e2e import argv
 
 
 def _pretrain(args, world):

@@ -8,20 +8,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import write_documents
-
-VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """Documents of arithmetic progressions (learnable) as a Megatron .bin/.idx pair."""
-    rng = np.random.default_rng(0)
-    docs = []
-    for _ in range(400):
-        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(20, 80)
-        docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
-    return write_documents(str(tmp_path_factory.mktemp("data") / "toy_text_document"), docs)
+from tests.helpers import VOCAB
 
 
 def argv(prefix, *extra, tp=2, stage=3, iters=8, dropout=0.0):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.training.test_e2e import ROOT, argv, dataset  # noqa: F401  (fixture)
+from tests.launch import ROOT
+from tests.training.test_e2e import argv
 from tests.distributed import _free_port
 
 
@@ -48,7 +49,7 @@ def _broken_copy(prefix, tmp_path, how):
 
 
 @pytest.mark.parametrize("how,message", [("truncated-bin", "broken_text_document"), ("foreign-idx", "broken_text_document.idx")])
-def test_bad_data_prints_one_line_and_every_rank_exits(dataset, tmp_path, how, message):  # noqa: F811
+def test_bad_data_prints_one_line_and_every_rank_exits(dataset, tmp_path, how, message):  
     prefix = _broken_copy(dataset, tmp_path, how)
     args = argv(prefix, tp=1, stage=1, iters=2)
     codes, err, seconds = _launch(2, args, tmp_path)
@@ -78,7 +79,7 @@ def _fp16_run(args, world, overflow_at):
         engine_mod.ZeroEngine._sum_squares = original
 
 
-def test_lr_schedule_counts_only_successful_updates(dataset, tmp_path):  # noqa: F811
+def test_lr_schedule_counts_only_successful_updates(dataset, tmp_path):
     lrs = {}
     for name, overflow in (("clean", ()), ("skips", (2, 3, 5))):
         save = tmp_path / name
@@ -116,7 +117,7 @@ def _resume_in_other_precision(src, save, extra):
     return seen
 
 
-def test_precision_change_starts_the_loss_scaler_from_the_configured_scale(dataset, tmp_path):  # noqa: F811
+def test_precision_change_starts_the_loss_scaler_from_the_configured_scale(dataset, tmp_path):
     src = tmp_path / "bf16"
     run_distributed(2, _pretrain_plain, argv(dataset, "--bf16", "--save", str(src), "--exit-interval", "2",
                                                   tp=1, stage=1, iters=3), 2)

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from tests.training.test_e2e import ROOT, argv, dataset  # noqa: F401  (fixture)
+from tests.launch import ROOT
+from tests.training.test_e2e import argv
 
 
 def _children(pid: int) -> list[int]:
@@ -23,7 +24,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_killed_rank_restarts_and_resumes(dataset, tmp_path):  # noqa: F811
+def test_killed_rank_restarts_and_resumes(dataset, tmp_path):
     save = tmp_path / "ckpt"
     args = argv(dataset, "--save", str(save), "--load", str(save), "--save-interval", "5", iters=60, tp=1, stage=2)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

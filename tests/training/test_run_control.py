@@ -8,7 +8,7 @@ import torch
 
 from megazero.training.config import rampup_global_batch_size
 from tests.distributed import run_distributed
-from tests.training.test_e2e import argv, dataset  # noqa: F401  (fixture)
+from tests.training.test_e2e import argv
 
 
 def test_rampup_sequence_is_megatrons():
@@ -48,7 +48,7 @@ def _pretrain(args, world, sigterm_at=None):
     return r.losses, r.iteration, r.consumed_samples, r.exit_reason, r.final_eval
 
 
-def test_sigterm_saves_exits_and_resumes_exactly(dataset, tmp_path):  # noqa: F811
+def test_sigterm_saves_exits_and_resumes_exactly(dataset, tmp_path):
     common = dict(tp=1, stage=2, iters=6)
     full, *_ = run_distributed(2, _pretrain, argv(dataset, **common), 2)[0]
     save = str(tmp_path / "ckpt")
@@ -61,7 +61,7 @@ def test_sigterm_saves_exits_and_resumes_exactly(dataset, tmp_path):  # noqa: F8
     assert {**first, **rest} == full  # bit-exact
 
 
-def test_rampup_run_and_exit_duration(dataset):  # noqa: F811
+def test_rampup_run_and_exit_duration(dataset):  
     # micro 4 x dp 2 = 8 per micro-step; ramp 8 -> 16 by 8 over 16 samples (one increment after 16):
     # consumed 0, 8 -> 8; 16 (not yet > 16, but floor(16 / 16) = 1), 32, 48 -> 16
     args = argv(dataset, "--rampup-batch-size", "8", "8", "16", tp=1, stage=1, iters=5)
@@ -74,13 +74,13 @@ def test_rampup_run_and_exit_duration(dataset):  # noqa: F811
     assert it == 1 and reason == "--exit-duration-in-mins 1e-09"
 
 
-def test_skip_train_only_evaluates(dataset):  # noqa: F811
+def test_skip_train_only_evaluates(dataset):  
     args = argv(dataset, "--skip-train", "--split", "80,10,10", tp=1, stage=1, iters=5)
     losses, it, _, _, final = run_distributed(2, _pretrain, args, 2)[0]
     assert losses == {} and it == 0 and set(final) == {"valid", "test"}
 
 
-def test_resume_in_the_middle_of_a_ramp_is_exact(dataset, tmp_path):  # noqa: F811
+def test_resume_in_the_middle_of_a_ramp_is_exact(dataset, tmp_path):
     ramp = ["--rampup-batch-size", "8", "8", "24"]  # batches 8, 8, 8, 16 (24 not > 24 but floor(24/24)=1), 16, 16
     common = dict(tp=1, stage=2, iters=6)
     full, _, consumed_full, *_ = run_distributed(2, _pretrain, argv(dataset, *ramp, **common), 2)[0]
@@ -94,7 +94,7 @@ def test_resume_in_the_middle_of_a_ramp_is_exact(dataset, tmp_path):  # noqa: F8
     assert {**first, **rest} == full
 
 
-def test_finetune_and_no_load_optim(dataset, tmp_path):  # noqa: F811
+def test_finetune_and_no_load_optim(dataset, tmp_path):
     save = str(tmp_path / "ckpt")
     common = dict(tp=1, stage=1, iters=4)
     run_distributed(2, _pretrain, argv(dataset, "--save", save, "--exit-interval", "2", **common), 2)
@@ -110,7 +110,7 @@ def test_finetune_and_no_load_optim(dataset, tmp_path):  # noqa: F811
     assert tuned[1] < scratch[1]  # the same first batch, from the trained weights
 
 
-def test_train_tokens_stops_the_run(dataset):  # noqa: F811
+def test_train_tokens_stops_the_run(dataset):  
     args = argv(dataset, tp=1, stage=1, iters=8)
     for flag in ("--train-iters", "--lr-warmup-iters"):
         i = args.index(flag)
@@ -122,7 +122,7 @@ def test_train_tokens_stops_the_run(dataset):  # noqa: F811
     assert it == 3 and consumed == 48 and reason == "--train-tokens 600 reached"
 
 
-def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):  # noqa: F811
+def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):
     from megazero.training import parse_args
 
     save = str(tmp_path / "ckpt")

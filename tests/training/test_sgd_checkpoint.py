@@ -3,7 +3,7 @@ the uninterrupted run, also at another tp x dp x ZeRO stage; an Adam run cannot 
 
 import pytest
 
-from tests.training.test_e2e import _pretrain, argv, dataset, run  # noqa: F401  (dataset: the fixture)
+from tests.training.test_e2e import _pretrain, argv, run
 from tests.distributed import run_distributed
 
 SGD = ("--optimizer", "sgd", "--sgd-momentum", "0.9")
