@@ -23,7 +23,7 @@ and ZeRO-3 with none, ``offload_param`` nvme, and both on NVMe (ZeRO-Infinity):
 What it means on a GPU: ``cpu`` then frees 12 B per parameter of accelerator memory (16 -> 4 B per
 parameter of the partition in mixed precision); the step adds a device -> host copy of the
 gradients and a host -> device copy of the weights (4 + 2 B per parameter, overlapped by the ring
-with the CPU step), whose time this machine cannot show.
+with the CPU step), whose time a CPU-only run cannot show.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pipeline parallelism on this machine: tokens/s, peak memory per rank and the measured bubble.
+"""Pipeline parallelism on CPU processes: tokens/s, peak memory per rank and the measured bubble.
 
 Four processes (gloo, one thread each) train the same GPT with the same global batch:
 

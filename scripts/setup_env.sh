@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project virtualenv at .venv and install megazero with what its tests and
 # benchmarks need. pyproject.toml declares the dependencies; scripts/constraints.txt pins the CPU
-# torch of this machine and goes with -c to every pip install below.
+# build of torch used for development and CI and goes with -c to every pip install below.
 # Idempotent: re-installs only when pyproject.toml, the constraints or this script change.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,7 +13,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 stamp="$venv/.megazero-installed"
 pip_install() {
-  # This machine's pip configuration lists local index folders that may be absent; drop that noise.
+  # Some pip configurations list local index folders that may be absent; drop that noise.
   "$venv/bin/pip" install -q --disable-pip-version-check -c "$constraints" "$@" 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"

@@ -27,8 +27,7 @@ FORBIDDEN = {
     "pipeline": {"training", "data", "zero"},
 }
 
-# No circle is allowed: the last three (trainer <-> pipeline_trainer, engine_step <-> pipeline_split,
-# config <-> ds_keys) went with the single training loop (issue 15).
+# No import circle is allowed.
 ALLOWED_CIRCLES: set[frozenset] = set()
 
 

@@ -85,7 +85,7 @@ def estimate_startup(config: GPTConfig, *, tp: int, dp: int, zero_stage: int, re
 
 
 def measure_rates(seconds: float = 0.3) -> tuple[float, float]:
-    """``(sha256 GB/s, counter-based init values/s)`` of one thread of this machine."""
+    """``(sha256 GB/s, counter-based init values/s)`` of one thread of the local machine."""
     from ..mpu.initializers import InitSpec
 
     threads = torch.get_num_threads()

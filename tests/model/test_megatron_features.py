@@ -1,4 +1,4 @@
-"""Megatron-LM model options (issue 12): shapes equal to Megatron's, and each architecture
+"""Megatron-LM model options: shapes equal to Megatron's, and each architecture
 flag checked against a single-process reference and across tp 1/2."""
 
 import math

@@ -59,7 +59,7 @@ def test_explicit_shape_flags_override_preset():
     m = parse("--num-layers 3 --hidden-size 128 --seq-length 32 --swiglu --disable-bias-linear "
               "--untie-embeddings-and-output-weights --position-embedding-type rope --normalization RMSNorm "
               "--num-query-groups 2 --use-flash-attn --recompute-granularity full --init-method-std 0.008",
-              check_files=False).model  # planning mode: flash-attn need not run on this machine
+              check_files=False).model  # planning mode: flash-attn need not run here
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (3, 128, 4, 32)
     assert (m.activation, m.add_bias_linear, m.tie_embeddings, m.position_embedding_type) == ("swiglu", False, False, "rope")
     assert (m.normalization, m.query_groups, m.attention_backend, m.recompute_granularity) == ("rmsnorm", 2, "flash", "full")
@@ -271,7 +271,7 @@ def test_flash_attention_refused_where_it_cannot_run():
         parse("--use-flash-attn")
 
 
-# ---- issue 12: Megatron / Megatron-DeepSpeed flags ------------------------------------------------
+# ---- Megatron / Megatron-DeepSpeed flags ---------------------------------------------------------
 
 def test_fp16_json_block_governs_and_real_conflicts_are_refused(tmp_path):
     path = write_json(tmp_path, {"fp16": {"enabled": True, "initial_scale_power": 12}})
@@ -414,7 +414,7 @@ def test_default_tokenizer_is_gpt2_bpe(dataset, gpt2_files):
 
 
 def test_model_flags_map_to_gpt_config_fields():
-    """The mapping to the model's new fields (GPTConfig fields from the model half of issue 12)."""
+    """The mapping to the model's new fields (the GPTConfig fields of Megatron's model options)."""
     import dataclasses
 
     from megazero.model import GPTConfig

@@ -47,7 +47,7 @@ def _model_vocab_size(ns: argparse.Namespace, data: DataConfig, preset: dict[str
                       "or a --model-preset)")
 
 
-# Model options whose GPTConfig fields come with the model work of issue 12 (the "megaworld" branch):
+# Megatron model options that map to GPTConfig fields:
 # (GPTConfig field, flag, value that means "off"). A flag is passed only when set; a build whose
 # GPTConfig lacks the field refuses the flag instead of dropping it.
 MODEL_FIELD_FLAGS: tuple[tuple[str, str, Any], ...] = (
@@ -196,7 +196,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
     kw["vocab_padding_tp"] = par.tp  # Megatron pads to make_vocab_size_divisible_by x tp
     if check_files:
         keep_saved_vocab_padding(ns, kw, par.tp, notes)
-    if backend == "flash" and check_files:  # a real launch on this machine, not a plan for another
+    if backend == "flash" and check_files:  # a launch on the local machine, not a plan for another
         _check_flash_attn(prec)
     config = build_gpt_config(kw)
     try:
