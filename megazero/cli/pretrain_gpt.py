@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from megazero.training.failures import report
     from megazero.training.trainer import TrainingDiverged, pretrain
 
+    mpu.export_slurm_env()  # under plain `srun`, the world size the parser checks comes from SLURM
     config = parse_args_or_exit(argv)
     if config.parallel.local_rank is not None:  # `deepspeed` / torch.distributed.launch pass --local_rank=N
         os.environ.setdefault("LOCAL_RANK", str(config.parallel.local_rank))

@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "default_backend", "first_slurm_host", "resolve_local_rank", "LOCAL_RANK_VARIABLES"]
+__all__ = ["init_distributed", "export_slurm_env", "default_backend", "first_slurm_host", "resolve_local_rank", "LOCAL_RANK_VARIABLES"]
 
 # Where launchers put a process's rank on its node, in order of trust: torchrun / deepspeed /
 # torch.distributed.launch, SLURM's srun, Open MPI, MVAPICH2, Intel MPI / MPICH (hydra),
@@ -24,8 +24,10 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _env_from_slurm() -> None:
-    # Under `srun` without torchrun, translate SLURM's variables to torchrun's names.
+def export_slurm_env() -> None:
+    """Under ``srun`` without torchrun, set torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) from SLURM's; nothing when RANK is set or SLURM did not start the process.
+    Entry points call it before reading the world size from the environment."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
@@ -86,7 +88,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    _env_from_slurm()
+    export_slurm_env()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -42,15 +42,31 @@ def test_bad_local_rank_is_refused(value, match):
 
 def test_srun_without_a_local_id_no_longer_defaults_to_zero(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") + LOCAL_RANK_VARIABLES:
-        monkeypatch.setenv(k, "")  # recorded, so that what _env_from_slurm writes is undone after the test
+        monkeypatch.setenv(k, "")  # recorded, so that what export_slurm_env writes is undone after the test
         monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "2")
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    distributed._env_from_slurm()
+    distributed.export_slurm_env()
     assert os.environ["RANK"] == "2" and "LOCAL_RANK" not in os.environ
     with pytest.raises(RuntimeError, match="LOCAL_RANK"):
         resolve_local_rank(os.environ, device_count=4)
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.delenv("RANK")
-    distributed._env_from_slurm()
+    distributed.export_slurm_env()
     assert os.environ["LOCAL_RANK"] == "1" and resolve_local_rank(os.environ, device_count=4) == 1
+
+
+def test_pretrain_gpt_under_plain_srun_checks_the_slurm_world_size(monkeypatch, capsys):
+    """``srun pretrain_gpt.py`` (no torchrun): the parser sees SLURM's 4 tasks, not a world of 1."""
+    from megazero.cli.pretrain_gpt import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") + LOCAL_RANK_VARIABLES:
+        monkeypatch.setenv(k, "")  # recorded, so that what export_slurm_env writes is undone after the test
+        monkeypatch.delenv(k)
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODELIST": "n[1-2]"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--tp", "3", "--mock-data", "--num-layers", "2", "--hidden-size", "24", "--num-attention-heads", "3",
+              "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1", "--vocab-size", "64"])
+    assert exit_.value.code == 2
+    assert "world size 4 is not divisible" in capsys.readouterr().err
