@@ -75,7 +75,9 @@ def _peak_rss_delta(tool, argv):
         f"rc = m.main({argv!r})\n"
         "print('RSS', base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+                          # A fixed mmap threshold: glibc's adaptive one (up to 32 MB) would serve the freed
+                          # layers' buffers from the heap, whose fragmentation shows as RSS that varies run to run.
+                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536"))
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS")]
     assert line, proc.stdout + proc.stderr
     _, base, peak, rc = line[0].split()
