@@ -8,8 +8,8 @@ The full run builds ``GPTModel(config)`` at tp=1 (every value drawn, as a single
 process must). The sharded run builds the model on the meta device and lets
 ``zero.initialize`` draw each rank's ZeRO-3 partition of its TP shard only. Both
 use one thread per process. Reported: the full init's wall time, each rank's wall
-and CPU time of ``zero.initialize``, and the ratio (the goal is <= 1/3: each rank
-draws 1/4 of the values). On a machine with fewer cores than ranks the ranks' wall
+and CPU time of ``zero.initialize``, and the ratio (each rank draws 1/4 of the
+values, so about 1/4 plus the fixed costs). On a machine with fewer cores than ranks the ranks' wall
 time includes waiting for a core; the CPU-time ratio is the figure that does not.
 The rates printed (values/s) feed the 13B dry run's start-up estimate.
 """
