@@ -7,10 +7,9 @@ the real launchers, the DeepSpeed comparison, the 13B dry runs): the tier for wo
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from tests.helpers import VOCAB, write_documents
+from tests.helpers import write_progressions
 
 SLOW_MODULES = {
     "tests/pipeline/test_planner.py",
@@ -36,10 +35,5 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> str:
-    """Documents of arithmetic progressions (learnable) as a Megatron .bin/.idx pair; its prefix."""
-    rng = np.random.default_rng(0)
-    docs = []
-    for _ in range(400):
-        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(20, 80)
-        docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
-    return write_documents(str(tmp_path_factory.mktemp("data") / "toy_text_document"), docs)
+    """400 documents of 20-79 tokens (learnable progressions) as a Megatron .bin/.idx pair; its prefix."""
+    return write_progressions(str(tmp_path_factory.mktemp("data") / "toy_text_document"), 400, (20, 80), seed=0)

@@ -36,3 +36,16 @@ def write_documents(prefix: str, docs) -> str:
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
+
+
+def write_progressions(prefix: str, num_docs: int, lengths: tuple[int, int], seed: int) -> str:
+    """``num_docs`` learnable documents, arithmetic progressions mod :data:`VOCAB` of ``lengths[0]``
+    to ``lengths[1] - 1`` tokens, each ended by EOD (= VOCAB), as a ``.bin/.idx`` pair; returns ``prefix``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(num_docs):
+        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(*lengths)
+        docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
+    return write_documents(prefix, docs)

@@ -235,25 +235,28 @@ def test_docs_are_found():
     assert "README.md" in names and "docs/README.md" in names, names
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
-def test_pretrain_gpt_flags_in_code_blocks_exist(doc):
+def unknown_flags(doc: pathlib.Path, pretrain: bool) -> list[str]:
+    """``doc:line: message`` for each flag of a pretrain_gpt.py (``pretrain``) or tools/ command in
+    ``doc``'s code blocks that its program does not accept."""
     bad = []
     for number, command in fenced_commands(doc):
         for program, args in invocations(command):
             for owner, flag in split_flags(program, args):
-                if owner == "pretrain_gpt" and flag not in accepted("pretrain_gpt"):
-                    bad.append(f"{_doc_id(doc)}:{number}: {flag} is not a flag pretrain_gpt.py accepts")
+                if (owner == "pretrain_gpt") == pretrain and flag not in accepted(owner):
+                    where = "pretrain_gpt.py accepts" if pretrain else f"of tools/{owner}.py"
+                    bad.append(f"{_doc_id(doc)}:{number}: {flag} is not a flag {where}")
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_pretrain_gpt_flags_in_code_blocks_exist(doc):
+    bad = unknown_flags(doc, pretrain=True)
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
 def test_tool_flags_in_code_blocks_exist(doc):
-    bad = []
-    for number, command in fenced_commands(doc):
-        for program, args in invocations(command):
-            for owner, flag in split_flags(program, args):
-                if owner != "pretrain_gpt" and flag not in accepted(owner):
-                    bad.append(f"{_doc_id(doc)}:{number}: {flag} is not a flag of tools/{owner}.py")
+    bad = unknown_flags(doc, pretrain=False)
     assert not bad, "\n".join(bad)
 
 

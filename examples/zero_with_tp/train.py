@@ -155,6 +155,12 @@ def megazero_engine(args, mpu_obj):
 def deepspeed_engine(args, mpu_obj):
     import deepspeed
 
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU accelerator would JIT-compile a shared-memory all-reduce kernel first (about a
+        # minute of C++ build, redone for each install path); gloo's all-reduce serves these sizes.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the gloo group main() started
     config = ds_config(args)  # the very dict megazero gets
     torch.manual_seed(args.seed)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import torch
-import torch.distributed as dist
 
 from megazero import mpu
 from megazero.cli.common import setup_logging, tool_parser
@@ -80,17 +79,15 @@ def main(argv: list[str] | None = None) -> int:
                                 vocab_size=data["vocab_size"])
 
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
-    mpu.init_distributed()
-    mpu.initialize_model_parallel(args.tp)
-    mpu.model_parallel_manual_seed(args.seed)
-    try:
-        model = load_tp_shard(config, reader, show_progress=dist.get_rank() == 0)
-        text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        if dist.get_rank() == 0:
-            print(text)
-    except Exception as e:  # noqa: BLE001 - one line, every rank stops
-        return report(e, "generate.py")
-    finally:
-        mpu.shutdown_distributed()
+    with mpu.distributed_run() as (rank, _):
+        mpu.initialize_model_parallel(args.tp)
+        mpu.model_parallel_manual_seed(args.seed)
+        try:
+            model = load_tp_shard(config, reader, show_progress=rank == 0)
+            text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+            if rank == 0:
+                print(text)
+        except Exception as e:  # noqa: BLE001 - one line, every rank stops
+            return report(e, "generate.py")
     return 0

@@ -18,7 +18,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 PROG = "pretrain_gpt.py"
 
@@ -42,22 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(config.parallel.local_rank))
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
-    # Called inside a process that already has a process group (an application, a test harness),
-    # main() uses that group and leaves it alive; otherwise it starts and ends its own.
-    owns_group = not dist.is_initialized()
-    mpu.init_distributed(config.parallel.distributed_backend)
-    if dist.get_rank() == 0:
-        print(describe(config), flush=True)
-    try:
-        pretrain(config)
-    except TrainingDiverged as e:
-        print(f"error on rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
-        return 1
-    except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
-        return report(e, PROG)
-    finally:
-        if owns_group:
-            mpu.shutdown_distributed()
-        else:
-            mpu.destroy_model_parallel()
+    with mpu.distributed_run(config.parallel.distributed_backend) as (rank, _):
+        if rank == 0:
+            print(describe(config), flush=True)
+        try:
+            pretrain(config)
+        except TrainingDiverged as e:
+            print(f"error on rank {rank}: {e}", file=sys.stderr, flush=True)
+            return 1
+        except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
+            return report(e, PROG)
     return 0

@@ -6,7 +6,7 @@ can be passed as ``deepspeed.initialize(..., mpu=megazero.mpu)``.
 """
 
 from .cross_entropy import vocab_parallel_cross_entropy
-from .distributed import default_backend, export_slurm_env, init_distributed, shutdown_distributed
+from .distributed import default_backend, distributed_run, export_slurm_env, init_distributed, shutdown_distributed
 from .initializers import (
     copy_tensor_model_parallel_attributes,
     init_method_normal,

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "export_slurm_env", "default_backend", "first_slurm_host", "resolve_local_rank", "LOCAL_RANK_VARIABLES"]
+__all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_backend", "first_slurm_host", "resolve_local_rank", "LOCAL_RANK_VARIABLES"]
 
 # Where launchers put a process's rank on its node, in order of trust: torchrun / deepspeed /
 # torch.distributed.launch, SLURM's srun, Open MPI, MVAPICH2, Intel MPI / MPICH (hydra),
@@ -130,3 +131,25 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+@contextlib.contextmanager
+def distributed_run(backend: Optional[str] = None) -> Iterator[tuple[int, int]]:
+    """A program's time in ``torch.distributed``: yields ``(rank, world_size)``.
+
+    Started here (the usual case: torchrun, srun, one process), the default group is shut down at
+    the end (:func:`shutdown_distributed`). Inside a process that already has one (an application
+    calling a program's ``main``, a test harness), that group is used and left alive; only the
+    model-parallel groups made meanwhile are destroyed.
+    """
+    from .parallel_state import destroy_model_parallel
+
+    started_here = not dist.is_initialized()
+    rank_world = init_distributed(backend)
+    try:
+        yield rank_world
+    finally:
+        if started_here:
+            shutdown_distributed()
+        else:
+            destroy_model_parallel()

@@ -16,6 +16,7 @@ import pytest
 
 from megazero.utils.progress import Progress
 from tests.cli.programs import ROOT, program
+from tests.launch import in_pool
 
 TINY_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
@@ -163,10 +164,12 @@ def test_rehearse_reports_ranks():
 
 
 def test_generate_reports_tensors_loaded(tmp_path):
-    train = _run(["pretrain_gpt.py", *TINY_GPT, "--global-batch-size", "1", "--train-iters", "1",
-                  "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--eval-iters", "0"])
+    every_step = {"MEGAZERO_PROGRESS_INTERVAL": "0"}
+    train = in_pool(1, [*TINY_GPT, "--global-batch-size", "1", "--train-iters", "1", "--save", str(tmp_path / "ckpt"),
+                        "--save-interval", "1", "--eval-iters", "0"], env=every_step)
     assert train.returncode == 0, train.stderr[-3000:]
-    proc = _run(["tools/generate.py", "--load", str(tmp_path / "ckpt"), "--max-new-tokens", "2"])
+    proc = in_pool(1, ["--load", str(tmp_path / "ckpt"), "--max-new-tokens", "2"], script="tools/generate.py",
+                   env=every_step)
     assert proc.returncode == 0, proc.stderr
     loaded = re.findall(r"loaded (\d+)/(\d+) tensors", proc.stderr)
     assert loaded and loaded[0][0] == "1" and loaded[-1][0] == loaded[-1][1]

@@ -23,23 +23,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import write_documents
+from tests.helpers import VOCAB, write_documents, write_progressions
 from tests.launch import Run, in_pool
 from tests.launch import launch as start
 
-VOCAB = 120  # NullTokenizer: ids < 120, EOD = 120
 ITERS = 4
 RTOL = 2e-5
 
 
 def write_corpus(directory) -> str:
     """Short documents (several per sample, so the per-document flags have work) as .bin/.idx."""
-    rng = np.random.default_rng(3)
-    docs = []
-    for _ in range(300):
-        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(3, 12)
-        docs.append(np.append((start + step * np.arange(n)) % VOCAB, VOCAB))
-    return write_documents(str(directory / "docs_text_document"), docs)
+    return write_progressions(str(directory / "docs_text_document"), 300, (3, 12), seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "zero_with_tp" / "train.py"
+from tests.launch import launch
+
+EXAMPLE = "examples/zero_with_tp/train.py"
 
 
 def run_example(tmp_path: Path, engine: str, steps: int = 10) -> dict:
+    """``torchrun --nproc_per_node 4 examples/zero_with_tp/train.py --engine ENGINE`` as its README gives it."""
     out = tmp_path / f"{engine}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(EXAMPLE),
-           "--engine", engine, "--steps", str(steps), "--json", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    launch(4, ["--engine", engine, "--steps", str(steps), "--json", str(out)], script=EXAMPLE,
+           env={"DS_ACCELERATOR": "cpu"}, timeout_s=600).check(f"the example with --engine {engine}")
     return json.loads(out.read_text())
 
 
