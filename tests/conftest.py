@@ -1,8 +1,9 @@
 """What the whole suite shares: the ``slow`` tier and the small training corpus.
 
 ``bash scripts/test.sh`` runs every test; ``bash scripts/test.sh --quick`` (``pytest -m "not slow"``)
-leaves out the modules below, which launch whole programs (``pretrain_gpt.py`` at several layouts,
-the real launchers, the DeepSpeed comparison, the 13B dry runs): the tier for working on one piece.
+leaves out the modules and tests below, which launch whole programs (``pretrain_gpt.py`` at several
+layouts, the real launchers, the DeepSpeed comparison, the 13B dry runs) or cost as much: the tier
+for working on one piece.
 """
 
 from __future__ import annotations
@@ -27,9 +28,28 @@ SLOW_MODULES = {
     "tests/zero/test_example.py",
 }
 
+# Single tests (all their parameters) as costly as a launch: the 8-rank runs (an 8-process pool costs
+# its own start-up), rehearsals of real launches, subprocesses, multi-iteration training runs.
+SLOW_TESTS = {
+    "tests/cli/test_progress.py::test_generate_reports_tensors_loaded",
+    "tests/cli/test_progress.py::test_rehearse_reports_ranks",
+    "tests/model/test_flops.py::test_sharded_meta_models_count_the_same",
+    "tests/mpu/test_parallel_state.py::test_embedding_groups_8_ranks_tp2_pp2_dp2",
+    "tests/mpu/test_parallel_state.py::test_layout_8_ranks_tp2_pp2_rank_by_rank",
+    "tests/pipeline/test_training.py::test_tp2_pp2_dp2_matches_pp1",
+    "tests/test_package.py::test_the_import_check_reads_torch_version_without_importing_torch",
+    "tests/training/test_rehearse.py::test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit",
+    "tests/training/test_rehearse.py::test_zero3_two_ranks_against_the_formulas",
+    "tests/training/test_sgd_checkpoint.py::test_sgd_momentum_resume_equals_uninterrupted_tp2_dp2_zero1",
+    "tests/zero/test_memory_plan.py::test_planned_peak_within_15_percent_of_measured",
+    "tests/zero/test_parity.py::test_stage3_tp2_dp4_on_8_ranks",
+}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.nodeid.split("::", 1)[0] in SLOW_MODULES:
+        module, _, name = item.nodeid.partition("::")
+        if module in SLOW_MODULES or f"{module}::{name.split('[', 1)[0]}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
 
 
