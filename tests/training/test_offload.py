@@ -1,4 +1,5 @@
-"""Optimizer and parameter offload through what a user runs: ``torchrun ... pretrain_gpt.py`` with and without it.
+"""Optimizer and parameter offload through what a user runs: ``pretrain_gpt.py`` with and without it, on the
+ranks ``torchrun`` would start (``tests/launch.py``; the drive-error cases start the real ``torchrun``).
 
 On a CPU machine the offloaded step uses the kernel the accelerator's step uses (torch's fused
 CPU AdamW, chunked at multiples of 4096 elements), so a run with offload must be *bit-identical*
