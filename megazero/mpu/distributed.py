@@ -11,7 +11,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_backend", "first_slurm_host", "resolve_local_rank", "LOCAL_RANK_VARIABLES"]
+__all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_backend", "first_slurm_host", "resolve_local_rank",
+           "select_device", "LOCAL_RANK_VARIABLES"]
 
 # Where launchers put a process's rank on its node, in order of trust: torchrun / deepspeed /
 # torch.distributed.launch, SLURM's srun, Open MPI, MVAPICH2, Intel MPI / MPICH (hydra),
@@ -81,13 +82,36 @@ def resolve_local_rank(env: Mapping[str, str], device_count: int) -> int:
     return local_rank
 
 
+def select_device(backend: Optional[str], *, group_exists: bool = False) -> Optional[int]:
+    """Make this process's GPU (:func:`resolve_local_rank`) the current CUDA device and return its
+    index, when ``backend`` is NCCL (``"nccl"``, or a per-device spec naming it such as
+    ``"cpu:gloo,cuda:nccl"``) and CUDA is available; otherwise change nothing and return None.
+
+    With ``group_exists`` (the default group was started by someone else) and none of
+    :data:`LOCAL_RANK_VARIABLES` set, the current device is kept and returned: a process started
+    without a launcher had its device chosen by whoever started the group.
+    """
+    if backend is None or "nccl" not in str(backend) or not torch.cuda.is_available():
+        return None
+    if group_exists and not any(os.environ.get(name, "").strip() for name in LOCAL_RANK_VARIABLES):
+        return torch.cuda.current_device()
+    local_rank = resolve_local_rank(os.environ, torch.cuda.device_count())
+    torch.cuda.set_device(local_rank)
+    return local_rank
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Initialize the default process group once; return ``(rank, world_size)``.
 
     Without a launcher (no RANK/WORLD_SIZE), it starts a single-process group so
-    that `python pretrain_gpt.py` works on one device.
+    that `python pretrain_gpt.py` works on one device. On every path, whether the group is
+    started here or already existed, the process's GPU is selected (:func:`select_device`) for
+    ``backend``, or for the existing group's backend when ``backend`` is None.
     """
     if dist.is_initialized():
+        # A group someone else started (a script, a notebook, a launcher helper) says nothing
+        # about the current device: without this every rank would stay on GPU 0.
+        select_device(backend if backend is not None else dist.get_backend(), group_exists=True)
         return dist.get_rank(), dist.get_world_size()
     export_slurm_env()
     os.environ.setdefault("RANK", "0")
@@ -95,9 +119,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = backend or default_backend()
-    if backend == "nccl":
-        local_rank = resolve_local_rank(os.environ, torch.cuda.device_count())
-        torch.cuda.set_device(local_rank)
+    select_device(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         # After `torchrun --max-restarts` restarts the workers, the agent's store still holds
