@@ -11,8 +11,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_backend", "first_slurm_host", "resolve_local_rank",
-           "select_device", "LOCAL_RANK_VARIABLES"]
+__all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_backend", "first_slurm_host",
+           "resolve_local_rank", "select_device", "LOCAL_RANK_VARIABLES"]
 
 # Where launchers put a process's rank on its node, in order of trust: torchrun / deepspeed /
 # torch.distributed.launch, SLURM's srun, Open MPI, MVAPICH2, Intel MPI / MPICH (hydra),

@@ -56,7 +56,8 @@ def test_existing_group_selects_each_ranks_local_device():
 
 
 def test_group_started_here_selects_the_device_before_the_group(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT") + LOCAL_RANK_VARIABLES:
+    launcher = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    for name in launcher + LOCAL_RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
