@@ -31,11 +31,16 @@ The *position-embedding group* is the first stage alone ([0] [1] [2] [3]): a dec
 GPT keeps learned positions there only. With ``v`` virtual stages (interleaving) rank
 ``r`` holds model chunks ``c = 0..v-1``, virtual stage ``c * pp + r``; the chunk being run
 is passed explicitly (``virtual_rank=``) instead of Megatron's mutable global.
+
+Every group megazero creates goes through :func:`new_group`, which gives it the default
+group's collective timeout: torch would otherwise give each subgroup its backend's default
+(10 minutes for NCCL), whatever timeout the default group was initialized with.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Optional
 
 import torch
@@ -73,6 +78,8 @@ __all__ = [
     "get_model_parallel_rank",
     "get_model_parallel_world_size",
     "get_device",
+    "new_group",
+    "collective_timeout",
 ]
 
 
@@ -166,6 +173,36 @@ def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]
     }
 
 
+def collective_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetime.timedelta]:
+    """The timeout ``group``'s collectives run under (default: the default group's), as its
+    backend holds it (so it reflects a later ``_set_pg_timeout``); None when torch.distributed is
+    not initialized or the group's backend keeps no timeout (a fake or custom process group)."""
+    if group is None:
+        if not dist.is_initialized():
+            return None
+        group = dist.distributed_c10d._get_default_group()
+    for device in group._device_types:
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without torch's Options
+            continue
+    return None
+
+
+def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks, **kwargs)`` with the default group's collective timeout.
+
+    Every process group megazero creates is made here. An explicit ``timeout=`` is kept; without
+    one the group gets the timeout the default group runs under (``init_distributed(timeout_s=)``
+    or the caller's own ``init_process_group(timeout=)``), where torch would give it the backend's
+    default (10 minutes for NCCL, 30 for gloo) and the NCCL watchdog would end a wait the run is
+    configured to allow.
+    """
+    if kwargs.get("timeout") is None:
+        kwargs["timeout"] = collective_timeout()
+    return dist.new_group(ranks, **kwargs)
+
+
 _GROUPS: Optional[ParallelGroups] = None
 
 
@@ -179,7 +216,8 @@ def initialize_model_parallel(
     """Build the TP/PP/DP/MP and embedding groups (Megatron's layout) and register them.
 
     ``torch.distributed`` must already be initialized; every rank must call this
-    with the same sizes, because creating a group is a collective call.
+    with the same sizes, because creating a group is a collective call. Every group
+    gets the default group's collective timeout (:func:`new_group`).
     """
     global _GROUPS
     if not dist.is_initialized():
@@ -202,7 +240,7 @@ def initialize_model_parallel(
     for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
         # Every rank creates every group, in the same order (new_group is collective).
         for line in layout[kind]:
-            g = dist.new_group(line, backend=backend)
+            g = new_group(line, backend=backend)
             if rank in line:
                 built[kind] = (g, tuple(line))
     (tp_group, tp_ranks), (dp_group, dp_ranks) = built["tp"], built["dp"]

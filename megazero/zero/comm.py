@@ -15,19 +15,31 @@ all-gather is one broadcast per rank into the output (no temporary; 30 ms agains
 holds the sum, a scratch buffer for every caller) whose own chunk is copied out (2 MiB of
 scratch; 57 ms against 81; twice the bytes on the wire). NCCL gathers and reduce-scatters in
 place already and keeps the collectives themselves.
+
+Which form is issued is chosen per :class:`CommCounter` (``collectives=``), or, when the engine
+builds it, by ``$MEGAZERO_ZERO_COLLECTIVES``, read once as the engine is constructed:
+``auto`` (the default: emulated on gloo groups, native on every other backend), ``native``
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on every backend, gloo included: the
+path a GPU run takes, runnable on CPU) or ``emulated`` (broadcasts / all-reduce on every
+backend). Both forms count the same bytes and calls.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..mpu.parallel_state import new_group
 from ..mpu.utils import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["CommCounter", "gradient_communicator"]
+__all__ = ["CommCounter", "gradient_communicator", "COLLECTIVES_ENV", "COLLECTIVES"]
+
+COLLECTIVES_ENV = "MEGAZERO_ZERO_COLLECTIVES"
+COLLECTIVES = ("auto", "native", "emulated")
 
 
 class _Then:
@@ -47,21 +59,36 @@ class _Then:
 
 
 class CommCounter:
-    """Issues collectives on named groups and counts their bytes."""
+    """Issues collectives on named groups and counts their bytes.
 
-    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]) -> None:
+    ``collectives`` chooses how flat all-gathers and reduce-scatters are issued: ``"auto"``
+    (emulated on gloo groups, native elsewhere), ``"native"`` or ``"emulated"`` (see the module
+    docstring); None reads ``$MEGAZERO_ZERO_COLLECTIVES`` now (``auto`` when unset). The choice
+    changes neither the counted traffic nor, up to summation order, the results.
+    """
+
+    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]], collectives: Optional[str] = None) -> None:
         self.groups = groups
         self.bytes: collections.Counter[tuple[str, str], int] = collections.Counter()
         self.calls: collections.Counter[tuple[str, str], int] = collections.Counter()
-        self._gloo: dict[str, bool] = {}
+        if collectives is None:
+            collectives = os.environ.get(COLLECTIVES_ENV, "").strip().lower() or "auto"
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives={collectives!r} (or ${COLLECTIVES_ENV}) must be one of {COLLECTIVES}")
+        self.collectives = collectives
+        self._emulate: dict[str, bool] = {}
 
-    def _is_gloo(self, name: str) -> bool:
-        if name not in self._gloo:
-            try:
-                self._gloo[name] = dist.get_backend(self.groups[name]) == "gloo"
-            except (RuntimeError, ValueError):  # a fake or custom process group: its own collectives
-                self._gloo[name] = False
-        return self._gloo[name]
+    def _emulated(self, name: str) -> bool:
+        """Whether group ``name`` gets the broadcast / all-reduce forms (decided once per group)."""
+        if name not in self._emulate:
+            if self.collectives != "auto":
+                self._emulate[name] = self.collectives == "emulated"
+            else:
+                try:
+                    self._emulate[name] = dist.get_backend(self.groups[name]) == "gloo"
+                except (RuntimeError, ValueError):  # a fake or custom process group: its own collectives
+                    self._emulate[name] = False
+        return self._emulate[name]
 
     def size(self, name: str) -> int:
         g = self.groups[name]
@@ -79,7 +106,7 @@ class CommCounter:
             out.copy_(shard)
             return None
         group = self.groups[name]
-        if not self._is_gloo(name):
+        if not self._emulated(name):
             return all_gather_flat(out, shard, group=group, async_op=async_op)
         chunk, rank = out.numel() // n, dist.get_rank(group)
         mine = out.narrow(0, rank * chunk, chunk)
@@ -99,7 +126,7 @@ class CommCounter:
             out.copy_(full)
             return None
         group = self.groups[via or name]
-        if not self._is_gloo(via or name):
+        if not self._emulated(via or name):
             return reduce_scatter_flat(out, full, group=group, async_op=async_op)
         chunk, rank = full.numel() // n, dist.get_rank(group)
         work = dist.all_reduce(full, group=group, async_op=True)  # ``full`` is scratch: it ends as the sum
@@ -158,4 +185,4 @@ def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_
                         None)
     except AttributeError:  # torch's private registry moved: create one per engine
         existing = None
-    return existing or dist.new_group(ranks, use_local_synchronization=True, group_desc=_GRADS_DESC)
+    return existing or new_group(ranks, use_local_synchronization=True, group_desc=_GRADS_DESC)

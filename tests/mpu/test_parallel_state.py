@@ -1,10 +1,15 @@
-"""Group layout: Megatron's rank order, asserted rank by rank."""
+"""Group layout: Megatron's rank order, asserted rank by rank; every group's collective timeout."""
+
+import ast
+import contextlib
+import datetime
+import pathlib
 
 import pytest
 import torch.distributed as dist
 
 from megazero import mpu
-from megazero.mpu.parallel_state import group_ranks
+from megazero.mpu.parallel_state import collective_timeout, group_ranks
 from tests.distributed import run_distributed
 
 
@@ -157,3 +162,98 @@ def _bad_virtual():
 def test_virtual_stages_without_pipeline_refused():
     msg = run_distributed(2, _bad_virtual)[0]
     assert msg is not None and "needs pipeline_model_parallel_size > 1" in msg
+
+
+# Neither torch's gloo default (30 min) nor its NCCL one (10 min), nor the test pool's.
+_TIMEOUT = datetime.timedelta(seconds=417)
+_GROUP_FIELDS = ("tp_group", "pp_group", "dp_group", "mp_group", "embedding_group", "position_embedding_group")
+
+
+@contextlib.contextmanager
+def _default_group_timeout(timeout):
+    before = collective_timeout()
+    dist.distributed_c10d._set_pg_timeout(timeout)  # the default group
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before)
+
+
+def _new_group_calls():
+    """Every ``dist.new_group`` call of model-parallel initialization (tp 2 x pp 2, then tp 2 x
+    dp 2) and of a ZeRO-3 engine's construction, with the timeout each was given."""
+    from megazero import zero
+    from megazero.model import GPTModel
+    from megazero.zero import comm
+    from tests.zero.common import GLOBAL_MICRO_ROWS, ds_config, tiny_config
+
+    calls = []
+    real_new_group, real_desc = dist.new_group, comm._GRADS_DESC
+    # A description no earlier engine used, so this engine asks for its own gradient communicator
+    # (engines otherwise reuse one per set of ranks); it is handed the DP group itself, so no
+    # group outlives the test.
+    comm._GRADS_DESC = "megazero_zero3_grads_timeout_check"
+
+    def recording(ranks=None, **kwargs):
+        calls.append((list(ranks), kwargs.get("timeout"), kwargs.get("group_desc")))
+        if kwargs.get("group_desc") == comm._GRADS_DESC:
+            return mpu.get_data_parallel_group()
+        return real_new_group(ranks, **kwargs)
+
+    dist.new_group = recording
+    try:
+        with _default_group_timeout(_TIMEOUT):
+            mpu.initialize_model_parallel(2, 2)
+            mpu.destroy_model_parallel()
+            mpu.initialize_model_parallel(2, 1)
+            engine = zero.initialize(GPTModel(tiny_config(), device="meta"),
+                                     ds_config(3, micro=GLOBAL_MICRO_ROWS // 2), mpu=mpu)
+            assert engine.comm.groups["dp_grads"] is mpu.get_data_parallel_group()
+    finally:
+        dist.new_group, comm._GRADS_DESC = real_new_group, real_desc
+    return [(ranks, None if t is None else t.total_seconds(), desc) for ranks, t, desc in calls]
+
+
+def test_every_group_is_created_with_the_default_groups_timeout():
+    for rank, calls in enumerate(run_distributed(4, _new_group_calls)):
+        # Every group of both layouts (each rank creates every group), then the engine's gradient
+        # communicator.
+        layouts = [line for tp, pp in [(2, 2), (2, 1)] for lines in group_ranks(4, tp, pp).values() for line in lines]
+        assert [ranks for ranks, _, _ in calls[:-1]] == layouts, (rank, calls)
+        assert calls[-1][2] == "megazero_zero3_grads_timeout_check"
+        assert calls[-1][0] == [rank % 2, rank % 2 + 2]
+        assert all(t == _TIMEOUT.total_seconds() for _, t, _ in calls), (rank, calls)
+
+
+def _effective_timeouts():
+    with _default_group_timeout(_TIMEOUT):
+        groups = mpu.initialize_model_parallel(2, 2)
+        out = {f: collective_timeout(getattr(groups, f)) for f in _GROUP_FIELDS if getattr(groups, f) is not None}
+        out["default"] = collective_timeout()
+        # An explicit timeout is kept.
+        out["explicit"] = collective_timeout(mpu.parallel_state.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=61)))
+    return out
+
+
+def test_group_timeout_is_the_default_groups():
+    for rank, timeouts in enumerate(run_distributed(4, _effective_timeouts)):
+        explicit = timeouts.pop("explicit")
+        assert explicit == datetime.timedelta(seconds=61)
+        assert set(timeouts) >= {"default", "tp_group", "pp_group", "dp_group", "mp_group"}, timeouts
+        assert all(t == _TIMEOUT for t in timeouts.values()), (rank, timeouts)
+
+
+def test_no_group_is_created_around_the_helper():
+    """megazero creates process groups only through ``parallel_state.new_group``, which adds the timeout."""
+    creators = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group"}
+    root = pathlib.Path(mpu.__file__).resolve().parents[1]
+    direct = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in creators:
+                direct.append((path.relative_to(root.parent).as_posix(), ast.unparse(node.func)))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+                direct += [(path.relative_to(root.parent).as_posix(), f"import {a.name}")
+                           for a in node.names if a.name in creators]
+    assert direct == [("megazero/mpu/parallel_state.py", "dist.new_group")], direct

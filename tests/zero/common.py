@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -41,8 +43,10 @@ def ds_config(stage: int, accum: int = 1, clip: float = 0.0, threshold: int = 0,
 
 
 def zero_run(tp: int, stage: int, steps: int = 5, accum: int = 1, clip: float = 0.0, meta: bool = False,
-             threshold: int = 0, model_overrides: dict | None = None, extra: dict | None = None):
-    """Train on this rank's slice of every global micro-batch; return losses, norms, weights."""
+             threshold: int = 0, model_overrides: dict | None = None, extra: dict | None = None,
+             after: Callable[[zero.ZeroEngine], object] | None = None):
+    """Train on this rank's slice of every global micro-batch; return losses, norms, weights
+    (and ``after(engine)`` once the last step is done, when given)."""
     mpu.initialize_model_parallel(tp)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     cfg = tiny_config(**(model_overrides or {}))
@@ -63,6 +67,8 @@ def zero_run(tp: int, stage: int, steps: int = 5, accum: int = 1, clip: float = 
         dist.all_reduce(total, group=mpu.get_data_parallel_group())
         losses.append(float(total) / dp)
         norms.append(engine.get_global_grad_norm())
+    if after is not None:
+        return losses, norms, engine.consolidated_state_dict(), after(engine)
     return losses, norms, engine.consolidated_state_dict()
 
 
