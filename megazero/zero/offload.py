@@ -54,6 +54,7 @@ import torch
 
 from .config import OffloadOptimizerConfig, OptimizerConfig
 from .flat import FlatGroup
+from .pinned import HostArena
 
 __all__ = ["ALIGN", "OptimizerOffload", "offloaded_groups"]
 
@@ -75,19 +76,6 @@ def offloaded_groups(groups: list[FlatGroup], ratio: float) -> list[FlatGroup]:
         chosen.append(g)
         covered += g.shard_numel
     return chosen
-
-
-def host_empty(numel: int, pin: bool, device: torch.device,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, bool]:
-    """A host tensor, pinned when asked and possible; returns it and whether it is pinned."""
-    if device.type == "meta":  # a rehearsal: host bytes are counted, not allocated
-        return torch.empty(numel, dtype=dtype, device="meta"), False
-    if pin:
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True), True
-        except RuntimeError:  # a CPU-only build, no driver, or no locked memory in this container
-            pass
-    return torch.empty(numel, dtype=dtype), False
 
 
 def claim_directory(root: str, rank: int, sub: str = "", key: str = "offload_optimizer") -> tuple[str, int]:
@@ -188,7 +176,6 @@ class OptimizerOffload:
         self.chunk = min(self.chunk, -(-max([g.shard_numel for g in groups] or [1]) // ALIGN) * ALIGN)
         self.files: dict[FlatGroup, OffloadFiles] = {}
         self._lock_fd: Optional[int] = None
-        self.pinned = True
         self.events: Optional[list[tuple[str, int, float, float]]] = None  # set to a list to record stages
         self.delays: dict[str, float] = {}  # seconds added to a stage (tests of the overlap)
         # Where the updated compute-dtype weights go: the group's shard, unless the parameters are
@@ -197,17 +184,23 @@ class OptimizerOffload:
             lambda g, lo, src: g.shard[lo:lo + src.numel()].copy_(src)
         if self.nvme:
             self.directory, self._lock_fd = claim_directory(config.nvme_path, rank)
-        for g in self.groups:
-            self._move_master(g)
+        # All host state (masters and moments with ``cpu``) and the ring in one allocation, sized
+        # exactly: pinning them one by one would round each up to a power of two.
         width = 1 + (3 if self.nvme else 0)  # gradient (+ master and moments read from NVMe)
-        self.ring = []
-        for _ in range(config.buffer_count):
-            slot = []
-            for _ in range(width):
-                t, pinned = host_empty(self.chunk, config.pin_memory, self.device)
-                self.pinned &= pinned
-                slot.append(t)
-            self.ring.append(slot)
+        requests = {}
+        if not self.nvme:
+            for i, g in enumerate(self.groups):
+                for key in ("master",) + _STATE_KEYS:
+                    requests[key, i] = (g.shard_numel, torch.float32, "state")
+        for s in range(config.buffer_count):
+            for w in range(width):
+                requests["ring", s, w] = (self.chunk, torch.float32, "ring")
+        self.arena = HostArena(requests, config.pin_memory, self.device)
+        self.pinned = self.arena.pinned
+        self._moments: dict[FlatGroup, tuple[torch.Tensor, ...]] = {}
+        for i, g in enumerate(self.groups):
+            self._move_master(g, i)
+        self.ring = [[self.arena.views["ring", s, w] for w in range(width)] for s in range(config.buffer_count)]
         if config.pin_memory and not self.pinned and self.device.type != "meta":
             say("offload_optimizer: pin_memory was asked for but host memory cannot be pinned here (no CUDA "
                 "driver, or the container limits locked memory); the ring is pageable, so copies to and from "
@@ -220,9 +213,10 @@ class OptimizerOffload:
 
     # ------------------------------------------------------------------ placement
 
-    def _move_master(self, g: FlatGroup) -> None:
-        """Give ``g`` a host (or NVMe) fp32 master holding its current values; the accelerator's
-        copy is freed (with fp32 compute the accelerator keeps ``g.shard``, the forward's weights)."""
+    def _move_master(self, g: FlatGroup, i: int) -> None:
+        """Give ``g`` (the ``i``-th offloaded group) a host (or NVMe) fp32 master holding its
+        current values; the accelerator's copy is freed (with fp32 compute the accelerator keeps
+        ``g.shard``, the forward's weights)."""
         values = g.master
         if self.nvme:
             files = OffloadFiles(self.directory, file_name(g), g.shard_numel)
@@ -232,25 +226,25 @@ class OptimizerOffload:
                 files.write("master", lo, values[lo:hi].detach().to("cpu", torch.float32).contiguous())
             g.master = files.tensors["master"]
         else:
-            master, pinned = host_empty(g.shard_numel, self.config.pin_memory, self.device)
-            self.pinned &= pinned  # fp32 weights return to the device straight from the master
+            master = self.arena.views["master", i]
             master.copy_(values.detach())
             g.master = master
+            self._moments[g] = tuple(self.arena.views[key, i] for key in _STATE_KEYS)
 
     # ------------------------------------------------------------------ the step
 
     def init_state(self, optimizer: torch.optim.Optimizer, g: FlatGroup) -> dict:
         """``optimizer``'s state for ``g``'s master, created (zero moments, step 0) if absent, as
-        torch creates it at the first step: host tensors, or the NVMe files' maps (whose old
-        contents the first step does not read: it starts the moments from zero)."""
+        torch creates it at the first step: the moments' views of the host allocation (zeroed
+        here), or the NVMe files' maps (whose old contents the first step does not read: it starts
+        the moments from zero)."""
         state = optimizer.state[g.master]
         if "exp_avg" not in state:
             if self.nvme:
                 for key in _STATE_KEYS:
                     state[key] = self.files[g].tensors[key]
             else:
-                for key in _STATE_KEYS:
-                    t, _ = host_empty(g.shard_numel, self.config.pin_memory, self.device)
+                for key, t in zip(_STATE_KEYS, self._moments[g]):
                     state[key] = t.zero_()
             state["step"] = torch.zeros((), dtype=torch.float32, device=self.host)
         return state
@@ -360,14 +354,14 @@ class OptimizerOffload:
     # ------------------------------------------------------------------ accounting
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Host bytes: the state held in memory (``cpu``), the ring, and the NVMe files' size."""
-        # The master always; the two moments once the first step created them (as torch does).
-        state = sum(g.shard_numel * 4 * (1 + len(_STATE_KEYS) * ("exp_avg" in optimizer.state.get(g.master, {})))
-                    for g in self.groups)
-        ring = sum(t.numel() * t.element_size() for slot in self.ring for t in slot)
+        """Host bytes held: ``host_optimizer`` (masters and moments in memory, ``cpu``; the moments
+        are held from construction, before the first step fills them) and ``host_ring`` (the
+        step's buffers), which sum to the host allocation's size, alignment padding included; and
+        ``nvme``, the files' size. ``optimizer`` is the engine's (its state adds no host bytes)."""
         if self.nvme:
-            return {"host_optimizer": 0, "host_ring": ring, "nvme": sum(g.shard_numel for g in self.groups) * 12}
-        return {"host_optimizer": state, "host_ring": ring, "nvme": 0}
+            return {"host_optimizer": 0, "host_ring": self.arena.nbytes,
+                    "nvme": sum(g.shard_numel for g in self.groups) * 12}
+        return {"host_optimizer": self.arena.bytes_of("state"), "host_ring": self.arena.bytes_of("ring"), "nvme": 0}
 
     def io_bytes(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe files by the steps so far (0, 0 with ``cpu``)."""

@@ -32,7 +32,8 @@ import torch
 
 from .config import OffloadParamConfig
 from .flat import FlatGroup
-from .offload import OffloadFiles, close_all, claim_directory, file_name, host_empty
+from .offload import OffloadFiles, close_all, claim_directory, file_name
+from .pinned import HostArena
 
 __all__ = ["ParamOffload"]
 
@@ -54,12 +55,12 @@ class ParamOffload:
         self.files: dict[FlatGroup, OffloadFiles] = {}
         self.on_nvme: list[FlatGroup] = []  # groups whose partition is a file (or would be, rehearsed)
         self.aliased: set[int] = set()  # fp32 groups whose host partition is the host master
-        self.pinned = True
         self._lock_fd: Optional[int] = None
         kept_on_device = 0
         if config.device == "nvme" and real:
             self.directory, self._lock_fd = claim_directory(config.nvme_path, rank, "params", key="offload_param")
         in_memory = config.max_in_cpu if config.device == "nvme" else float("inf")
+        to_host: list[FlatGroup] = []  # groups whose partition moves to the host arena
         for g in self.groups:
             if g.compute_dtype == torch.float32 and id(g) in masters_on_host:
                 g.shard = g.master  # the optimizer's host master is the forward's weights
@@ -74,23 +75,27 @@ class ParamOffload:
                     self.files[g] = files
                     files.write("param", 0, g.shard.detach().to("cpu").contiguous())
                     g.shard = files.tensors["param"]
-                    continue
-            else:
-                in_memory -= g.shard_numel
-            host, pinned = host_empty(g.shard_numel, config.pin_memory, self.device, g.compute_dtype)
-            self.pinned &= pinned
-            host.copy_(g.shard.detach())
-            g.shard = host
+                else:  # rehearsed: a stand-in for the file, outside the host arena
+                    g.shard = torch.empty(g.shard_numel, dtype=g.compute_dtype, device="meta")
+                continue
+            in_memory -= g.shard_numel
+            to_host.append(g)
         # NVMe reads and writes go through a ring of host buffers (bytes, whatever the dtype).
         elem = max([g.full.element_size() for g in self.on_nvme] or [1])
         self.chunk_bytes = min(max([g.shard_numel * elem for g in self.on_nvme] or [0]), config.buffer_size * elem)
-        self.ring: list[torch.Tensor] = []
-        self._copies: list[Optional[torch.cuda.Event]] = []  # the last copy out of each buffer (CUDA)
-        for _ in range(config.buffer_count if self.on_nvme else 0):
-            t, pinned = host_empty(self.chunk_bytes, config.pin_memory, self.device, torch.uint8)
-            self.pinned &= pinned
-            self.ring.append(t)
-            self._copies.append(None)
+        count = config.buffer_count if self.on_nvme else 0
+        # The host partitions and the ring in one allocation, sized exactly: pinning them one by one
+        # would round each up to a power of two.
+        requests = {("param", i): (g.shard_numel, g.compute_dtype, "params") for i, g in enumerate(to_host)}
+        requests.update({("ring", i): (self.chunk_bytes, torch.uint8, "ring") for i in range(count)})
+        self.arena = HostArena(requests, config.pin_memory, self.device)
+        self.pinned = self.arena.pinned
+        for i, g in enumerate(to_host):
+            host = self.arena.views["param", i]
+            host.copy_(g.shard.detach())
+            g.shard = host
+        self.ring: list[torch.Tensor] = [self.arena.views["ring", i] for i in range(count)]
+        self._copies: list[Optional[torch.cuda.Event]] = [None] * count  # the last copy out of each buffer (CUDA)
         self._next = 0
         # Descriptors close when this object goes, released or not (see OptimizerOffload).
         self._closer = weakref.finalize(self, close_all, [f.fds for f in self.files.values()], self._lock_fd)
@@ -159,12 +164,11 @@ class ParamOffload:
 
     def host_bytes(self) -> dict[str, int]:
         """``host_params`` (partitions in host memory, aliased masters excluded: the optimizer
-        offload counts them), ``host_param_ring`` and ``nvme_params`` (the files' size)."""
-        nvme = {id(g) for g in self.on_nvme}
-        memory = sum(g.shard_numel * g.full.element_size() for g in self.groups
-                     if id(g) not in nvme and id(g) not in self.aliased)
+        offload counts them) and ``host_param_ring``, which sum to the host allocation's size,
+        alignment padding included; and ``nvme_params`` (the files' size)."""
         files = sum(g.shard_numel * g.full.element_size() for g in self.on_nvme)
-        return {"host_params": memory, "host_param_ring": sum(t.numel() for t in self.ring), "nvme_params": files}
+        return {"host_params": self.arena.bytes_of("params"), "host_param_ring": self.arena.bytes_of("ring"),
+                "nvme_params": files}
 
     def io_bytes(self) -> tuple[int, int]:
         """Bytes read from and written to the parameter files so far."""

@@ -16,6 +16,7 @@ from megazero import mpu, zero
 from megazero.model import GPTModel
 from megazero.zero.config import ZeroConfigError, load_config
 from megazero.zero.offload import ALIGN
+from megazero.zero.pinned import ALIGN_BYTES
 from tests.distributed import run_distributed
 from tests.zero.common import ds_config, tiny_config
 
@@ -110,7 +111,8 @@ def test_host_bytes_are_the_state_and_the_ring(device, tmp_path):
     width = 4 if device == "nvme" else 1  # the gradient (+ master and moments streamed from the files)
     assert after["host_ring"] == 3 * chunk * 4 * width
     if device == "cpu":
-        assert before["host_optimizer"] == 4 * part and after["host_optimizer"] == 12 * part
+        # master and both moments from the start: one host allocation holds them all
+        assert before["host_optimizer"] == after["host_optimizer"] == 12 * part
     else:
         assert after["host_optimizer"] == 0 and after["nvme"] == 12 * part
 
@@ -199,24 +201,31 @@ def _param_bytes(param: dict, opt: dict | None, bf16: bool):
     part = sum(g.shard_numel for g in po.groups)
     elem = 2 if bf16 else 4
     aliased = [g.shard is g.master and g.shard.device.type == "cpu" for g in po.groups if id(g) in po.aliased]
-    return engine.model_state_bytes(), part * elem, len(po.ring), po.chunk_bytes, len(po.aliased), aliased
+    held = [g.shard_numel * elem for g in po.groups if g not in po.on_nvme and id(g) not in po.aliased]
+    padded = sum(-(-b // ALIGN_BYTES) * ALIGN_BYTES for b in held)  # each view starts aligned
+    return (engine.model_state_bytes(), part * elem, len(po.ring), po.chunk_bytes, len(po.aliased), aliased,
+            sum(held), padded, po.arena.nbytes)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_param_offload_holds_the_partition_off_the_device(bf16, tmp_path):
-    for state, part, *_ in run_distributed(2, _param_bytes, {"device": "cpu"}, None, bf16):
-        assert state["params"] == 0 and state["host_params"] == part and state["nvme_params"] == 0
+    cpu = {"device": "cpu"}
+    for state, part, _, _, _, _, held, padded, arena in run_distributed(2, _param_bytes, cpu, None, bf16):
+        assert state["params"] == 0 and held == part and state["nvme_params"] == 0
+        assert state["host_params"] == padded == arena  # what the host allocation really holds
     # NVMe: the first max_in_cpu elements in host memory, the rest in files, reads through the ring
     nvme = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 3000, "buffer_count": 2, "buffer_size": 500}
-    for state, part, count, chunk, *_ in run_distributed(2, _param_bytes, nvme, None, bf16):
+    for state, part, count, chunk, _, _, held, padded, arena in run_distributed(2, _param_bytes, nvme, None, bf16):
         elem = 2 if bf16 else 4
-        assert state["params"] == 0 and state["host_params"] + state["nvme_params"] == part
-        assert 0 < state["host_params"] <= 3000 * elem and state["nvme_params"] > 0
-        assert count == 2 and chunk == 500 * elem and state["host_param_ring"] == 2 * 500 * elem
+        assert state["params"] == 0 and held + state["nvme_params"] == part
+        assert 0 < held <= 3000 * elem and state["nvme_params"] > 0 and state["host_params"] == padded
+        ring = -(-500 * elem // ALIGN_BYTES) * ALIGN_BYTES
+        assert count == 2 and chunk == 500 * elem and state["host_param_ring"] == 2 * ring
+        assert state["host_params"] + state["host_param_ring"] == arena
 
 
 def test_fp32_partitions_are_the_host_masters_when_the_optimizer_is_offloaded():
-    for state, part, _, _, n_aliased, aliased in run_distributed(2, _param_bytes, {"device": "cpu"},
+    for state, part, _, _, n_aliased, aliased, *_ in run_distributed(2, _param_bytes, {"device": "cpu"},
                                                                   {"device": "cpu"}, False):
         assert n_aliased > 0 and all(aliased)
         # nothing on the device but the gradient partition; the host holds each element's 12 B once
