@@ -364,6 +364,9 @@ class _StorageAccounting:
             return None
 
     def scan_reachable(self) -> None:
+        # Unreachable cycles are collected first: left to the collector, their storages would be
+        # freed inside the measured region and count against it (a negative rise).
+        gc.collect()
         for obj in gc.get_objects():
             # issubclass(type(...)): isinstance would consult __class__ of proxies (and their warnings).
             if issubclass(type(obj), torch.Tensor):
