@@ -1,0 +1,46 @@
+"""Named scopes: the mechanism says what it is doing, observers read it.
+
+``with scope("zero.reduce"):`` marks a region of work (ZeRO's gradient buckets, its optimizer
+step, a gather). Two readers see it: :func:`current_scopes` (a memory tracker labelling the
+allocations made inside, ``megazero/observe``) and torch's profiler, which shows each scope as
+``megazero::<name>`` (as FSDP2's ``record_function("FSDP::all_gather")``). The stack is a context
+variable, so threads (an offload's I/O workers) and nested scopes each see their own.
+
+Names in use (``<layer>.<what>``): ``zero.gather`` (ZeRO-3 all-gathers), ``zero.reduce``
+(gradient buckets being reduce-scattered), ``zero.step`` (the optimizer step: norms, update,
+publishing the new weights). Nothing here allocates on the device or synchronises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+import torch
+
+__all__ = ["scope", "current_scopes", "innermost_scope"]
+
+_STACK: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("megazero_scopes", default=())
+
+
+@contextlib.contextmanager
+def scope(name: str) -> Iterator[None]:
+    """Run the body inside scope ``name`` (nested scopes stack)."""
+    token = _STACK.set(_STACK.get() + (name,))
+    try:
+        with torch.profiler.record_function(f"megazero::{name}"):
+            yield
+    finally:
+        _STACK.reset(token)
+
+
+def current_scopes() -> tuple[str, ...]:
+    """The scopes entered and not yet left in this context, outermost first."""
+    return _STACK.get()
+
+
+def innermost_scope() -> str:
+    """The innermost scope's name, or '' outside every scope."""
+    stack = _STACK.get()
+    return stack[-1] if stack else ""
