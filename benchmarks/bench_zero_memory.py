@@ -26,7 +26,7 @@ reduce bucket), with the gather window set to one layer through DeepSpeed's keys
 prefetches), and with DeepSpeed's element counts (prefetch 5e7, bucket 5e8) for contrast.
 Then one more step per configuration under ``LiveMemoryTracker`` gives the live tensors at the
 step's peak by kind (gathered parameters, activations, recomputed, reduce buckets, backward's
-gradients and temporaries, the step's temporaries: ``megazero.utils.step_kinds``), for megazero and
+gradients and temporaries, the step's temporaries: ``megazero.observe.step_kinds``), for megazero and
 FSDP2 alike, printed as a table after each shape.
 
 Baseline (same invocation): PyTorch FSDP2, ``fully_shard`` per layer and on the root, which
@@ -117,8 +117,8 @@ def _shape(a, label: str, vocab: int, seq: int, rows_per_rank: int) -> None:
 
 def _print_breakdown(kinds: list) -> None:
     """What is alive at the step's peak above its start, by kind (live tensor bytes, the largest rank;
-    megazero.utils.step_kinds), one column per configuration."""
-    from megazero.utils.step_kinds import KINDS
+    megazero.observe.step_kinds), one column per configuration."""
+    from megazero.observe.step_kinds import KINDS
 
     if not kinds:
         return

@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "polling thread costs CPU and GIL hand-offs, so speed runs leave it off")
     p.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, one more step under LiveMemoryTracker: its peak by kind "
-                        "(megazero.utils.step_kinds)")
+                        "(megazero.observe.step_kinds)")
     p.add_argument("--compute-split", action="store_true",
                    help="after the timed steps, one more step under ComputeTimer: the CPU time of the model's "
                         "own matmuls and attention kernels, which every arrangement runs alike")
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
     breakdown = None
     if args.breakdown:  # apart from the RSS-measured steps: the tracker's hooks slow every op
         from megazero.utils.memory_tracker import LiveMemoryTracker
-        from megazero.utils.step_kinds import StepKinds
+        from megazero.observe.step_kinds import StepKinds
 
         tokens = batch(args.warmup + args.steps, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
         kinds = StepKinds()

@@ -13,7 +13,7 @@ Two ways to describe the plan:
 
 Installed: ``megazero-estimate-memory``. Prints the table, the parameter count and FLOPs per
 iteration. Exit status: 0 fits (or no --device-memory-gb), 1 does not fit (with what to
-change), 2 invalid plan. Formulas and citations: megazero/training/memory.py.
+change), 2 invalid plan. Formulas and citations: megazero/observe/planner.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 from megazero.cli.common import setup_logging, tool_parser
 from megazero.model.config import GPTConfig, gpt_preset
 from megazero.training.config import ConfigError
-from megazero.training.memory import GiB, MemoryEstimate, estimate_memory, plan_of
+from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory, plan_of
 from megazero.utils.progress import Progress
 
 log = logging.getLogger(__name__)

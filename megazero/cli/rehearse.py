@@ -9,7 +9,7 @@ device and a fake process group, in this one process. Per rank: the state it kee
 iterations, its peak in iteration 2 (by kind), the bytes it sends per group, and the host
 reads the loop makes. Default ranks: first and last pipeline stage x first and last
 data-parallel rank, tensor-parallel rank 0. What is measured and how:
-megazero/training/rehearsal.py.
+megazero/observe/rehearsal.py.
 
 Exit status: 0 fits, 1 a rank's peak exceeds --device-memory-gb, 2 invalid flags, 3 the run failed.
 """
@@ -28,8 +28,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from megazero.cli.common import setup_logging, tool_parser  # noqa: E402
 from megazero.training.config import ConfigError  # noqa: E402
-from megazero.training.memory import GiB  # noqa: E402
-from megazero.training.rehearsal import (default_ranks, format_report, rehearsal_config, rehearse,  # noqa: E402
+from megazero.observe.planner import GiB  # noqa: E402
+from megazero.observe.rehearsal import (default_ranks, format_report, rehearsal_config, rehearse,  # noqa: E402
                                          write_json)
 from megazero.utils.progress import Progress  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""Training product pieces: typed run config from the command line, LR schedule,
-metrics/logging and the memory planner. The loop itself builds on these."""
+"""Training product pieces: typed run config from the command line, LR schedule and
+metrics/logging. The loop itself builds on these. The memory planner and the rehearsal measure
+this layer from above: :mod:`megazero.observe`."""
 
 from megazero.training.arguments import build_parser, check_vocab, describe, parse_args, parse_args_or_exit
 from megazero.training.config import (
@@ -15,7 +16,6 @@ from megazero.training.config import (
     TrainConfig,
 )
 from megazero.training.lr_schedule import LRScheduler
-from megazero.training.memory import MemoryEstimate, estimate_memory, estimate_memory_for
 from megazero.training.metrics import (
     IntervalMeter,
     IntervalSummary,
@@ -34,8 +34,6 @@ __all__ = [
     "ParallelConfig", "PrecisionConfig", "ScheduleConfig", "TrainConfig",
     # lr_schedule
     "LRScheduler",
-    # memory
-    "MemoryEstimate", "estimate_memory", "estimate_memory_for",
     # metrics
     "IntervalMeter", "IntervalSummary", "IterationStats", "MetricsWriter", "Throughput", "format_log_line",
     "memory_mb",

@@ -23,11 +23,23 @@ import time
 import torch
 
 from ..model import GPTConfig, num_parameters
-from .memory import replicated_parameters
 
-__all__ = ["StartupEstimate", "estimate_startup", "measure_rates"]
+__all__ = ["StartupEstimate", "estimate_startup", "measure_rates", "replicated_parameters"]
 
 GB = 1e9
+
+
+def replicated_parameters(config: GPTConfig) -> int:
+    """Parameters that tensor parallelism does not shard: norms, row-parallel biases
+    (attention projection, second MLP linear) and the learned position table."""
+    c = config
+    h = c.hidden_size
+    norm = h * (2 if c.normalization == "layernorm" else 1)
+    row_bias = 2 * h if c.add_bias_linear else 0
+    total = c.num_layers * (2 * norm + row_bias) + norm
+    if c.position_embedding_type == "learned":
+        total += c.max_position_embeddings * h
+    return total
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ entry). No overhead; every tensor on the device counts.
 
 CPU and meta: no allocator statistics, so the tracker accounts storages itself (a meta
 storage has no memory but knows its size: a rehearsal of a large run on the meta device,
-``megazero.training.rehearsal``, measures what the run would hold):
+``megazero.observe.rehearsal``, measures what the run would hold):
 
 - a ``TorchDispatchMode`` sees every ATen operator run on this thread (forward,
   backward, collectives) and registers the storages of its outputs: a return the

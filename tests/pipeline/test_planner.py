@@ -4,7 +4,7 @@ import pytest
 
 from megazero.model.config import gpt_preset
 from megazero.model.flops import num_parameters
-from megazero.training.memory import activation_bytes_per_layer, estimate_memory, replicated_parameters
+from megazero.observe.planner import activation_bytes_per_layer, estimate_memory, replicated_parameters
 
 
 def _plan(pp, v=1, m=16, tp=2, **kw):

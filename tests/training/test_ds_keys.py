@@ -190,7 +190,7 @@ def test_all_zero3_knobs_together_are_not_stripped(tmp_path):
 
 
 def test_memory_plan_uses_the_json_bucket_sizes(tmp_path):
-    from megazero.training import estimate_memory_for
+    from megazero.observe import estimate_memory_for
 
     default = estimate_memory_for(_parse(tmp_path, Z3))  # one unit per bucket, the next unit prefetched
     # DeepSpeed's element counts: the whole (tiny) model in one bucket and prefetched

@@ -11,7 +11,7 @@ import pytest
 
 from megazero.model.config import GPTConfig, gpt_preset
 from megazero.model.flops import flops_per_iteration, num_parameters
-from megazero.training.memory import (activation_bytes_per_layer, estimate_memory, model_state_bytes,
+from megazero.observe.planner import (activation_bytes_per_layer, estimate_memory, model_state_bytes,
                                       replicated_parameters)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -160,8 +160,8 @@ def _rehearsed_with_plan(tmp_path, name: str, flags: list[str], stage: int):
     """tools/rehearse.py's rank 0 at 16 ranks of the 1.3B test GPT (bf16) with ``flags``, the
     planner's estimate for the same command, the ZeRO formulas' (weights, grads, optimizer) and the
     tool's output."""
-    from megazero.training.memory import estimate_memory_for, model_state_bytes
-    from megazero.training.rehearsal import rehearsal_config
+    from megazero.observe.planner import estimate_memory_for, model_state_bytes
+    from megazero.observe.rehearsal import rehearsal_config
     from tests.training.test_rehearse import MODEL, WORLD, _rehearse
 
     code, doc, out = _rehearse(tmp_path, name, flags, "--ranks", "0", "--micro-batches", "1")

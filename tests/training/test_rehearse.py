@@ -1,5 +1,5 @@
 """tools/rehearse.py: ranks of a 16-rank launch of a 1.3B GPT rehearsed in one CPU process (meta
-device, fake process groups), checked against the ZeRO formulas of megazero.training.memory; and a
+device, fake process groups), checked against the ZeRO formulas of megazero.observe.planner; and a
 tiny rehearsed rank against the same run done for real."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.training.memory import estimate_memory_for, model_state_bytes, traffic_bytes_per_step
-from megazero.training.rehearsal import default_ranks, rehearsal_config, rehearse_rank
+from megazero.observe.planner import estimate_memory_for, model_state_bytes, traffic_bytes_per_step
+from megazero.observe.rehearsal import default_ranks, rehearsal_config, rehearse_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 16
@@ -35,7 +35,7 @@ def _rehearse(tmp_path, name: str, flags: list[str], *tool_flags: str) -> tuple[
 
 
 def _formula_state(config, pp_rank: int) -> float:
-    """The ZeRO paper's per-rank model state (megazero.training.memory) for this rank's stage."""
+    """The ZeRO paper's per-rank model state (megazero.observe.planner) for this rank's stage."""
     est = estimate_memory_for(config)
     p = config.parallel
     psi = est.pipeline["stages"][pp_rank]["params"] if p.pp > 1 else est.params_per_rank

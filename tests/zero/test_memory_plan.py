@@ -1,4 +1,4 @@
-"""The planner (training/memory.py) uses the engine's model of a step: state + activations + the
+"""The planner (observe/planner.py) uses the engine's model of a step: state + activations + the
 ZeRO-3 gather window + gradients in flight. Its peak must match the peak measured on CPU."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from megazero import mpu, zero
 from megazero.model import GPTModel
-from megazero.training.memory import estimate_memory
+from megazero.observe.planner import estimate_memory
 from megazero.utils.memory_tracker import LiveMemoryTracker
 from tests.distributed import run_distributed
 from tests.zero.common import SEED, tiny_config

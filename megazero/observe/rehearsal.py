@@ -56,11 +56,11 @@ import torch.distributed as dist
 
 from .. import mpu
 from ..utils.memory_tracker import LiveMemoryTracker
-from ..utils.step_kinds import StepKinds
+from .step_kinds import StepKinds
 from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
-from .arguments import parse_args
-from .config import ConfigError, TrainConfig
-from .memory import GiB
+from ..training.arguments import parse_args
+from ..training.config import ConfigError, TrainConfig
+from .planner import GiB
 
 __all__ = ["RankReport", "rehearsal_config", "default_ranks", "rehearse_rank", "rehearse", "format_report",
            "write_json", "REHEARSAL_ITERATIONS"]
@@ -70,8 +70,8 @@ GROUP_NAMES = ("tp", "pp", "dp", "embedding")  # always reported; others only wh
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Frames of the measuring machinery, skipped when naming where a host read came from.
 _MEASURING_FILES = tuple(os.path.join(_PACKAGE_DIR, *f) for f in (
-    ("training", "rehearsal.py"), ("utils", "memory_tracker.py"), ("utils", "meta_device.py"),
-    ("utils", "step_kinds.py")))
+    ("observe", "rehearsal.py"), ("utils", "memory_tracker.py"), ("utils", "meta_device.py"),
+    ("observe", "step_kinds.py")))
 
 
 @dataclasses.dataclass
@@ -286,7 +286,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     ``cache_kernels=False`` runs every meta kernel (slower; the figures are the same)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .trainer import pretrain
+    from ..training.trainer import pretrain
 
     p = config.parallel
     if not 0 <= rank < p.world_size:
@@ -376,9 +376,9 @@ def _size(n: float) -> str:
 
 
 def plan_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, float]:
-    """The analytic plan (``memory.estimate_memory_for``, what ``tools/estimate_memory.py`` and the
+    """The analytic plan (``planner.estimate_memory_for``, what ``tools/estimate_memory.py`` and the
     start-up line print) for a rank of pipeline stage ``pp_rank``: its model state and its peak."""
-    from .memory import estimate_memory_for
+    from .planner import estimate_memory_for
 
     est = estimate_memory_for(config)
     stages = est.pipeline.get("stages")

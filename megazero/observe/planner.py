@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Optional
 
 from megazero.model.config import GPTConfig
 from megazero.model.flops import flops_per_iteration, num_parameters
-from megazero.training.memory_offload import DTYPE_BYTES as _DTYPE_BYTES
-from megazero.training.memory_offload import offloaded_bytes, offloaded_param_bytes
+from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
+from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
+from megazero.training.startup import replicated_parameters
 
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
@@ -163,19 +164,6 @@ class MemoryEstimate:
                          f"({abs(margin):.2f} GiB {'spare' if margin >= 0 else 'over'}; "
                          f"CUDA context and fragmentation not counted)")
         return "\n".join(lines)
-
-
-def replicated_parameters(config: GPTConfig) -> int:
-    """Parameters that tensor parallelism does not shard: norms, row-parallel biases
-    (attention projection, second MLP linear) and the learned position table."""
-    c = config
-    h = c.hidden_size
-    norm = h * (2 if c.normalization == "layernorm" else 1)
-    row_bias = 2 * h if c.add_bias_linear else 0
-    total = c.num_layers * (2 * norm + row_bias) + norm
-    if c.position_embedding_type == "learned":
-        total += c.max_position_embeddings * h
-    return total
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = "bf16",

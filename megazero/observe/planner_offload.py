@@ -1,4 +1,4 @@
-"""Host and NVMe bytes of ZeRO-Offload and ZeRO-Infinity, for the planner (:mod:`.memory`).
+"""Host and NVMe bytes of ZeRO-Offload and ZeRO-Infinity, for the planner (:mod:`.planner`).
 
 Apart from the device formulas so each file reads in one sitting; the engine's own count is
 ``ZeroEngine.model_state_bytes()`` (``megazero.zero.offload``, ``megazero.zero.param_offload``),

@@ -37,7 +37,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REDUCER_FILES = ("zero/reducer.py", "zero/flat.py")
 _STEP_FILES = ("zero/engine.py", "zero/offload.py", "zero/loss_scaler.py", "zero/optim.py", "training/norms.py",
                "training/step.py")
-_MEASURING = ("utils/step_kinds.py", "utils/memory_tracker.py", "utils/meta_device.py")
+_MEASURING = ("observe/step_kinds.py", "utils/memory_tracker.py", "utils/meta_device.py")
 
 
 def _megazero_file() -> str:
