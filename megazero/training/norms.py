@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
+from ..utils.scopes import scope
 
 __all__ = ["partition_stats", "params_norm", "optimizer_state_stats", "count_zeros_in_grads"]
 
@@ -23,6 +24,7 @@ def _ranges(engine, group):
     return group.norm_ranges(count_replicated=engine.tp_rank == 0, count_any=engine.stage > 0 or engine.dp_rank == 0)
 
 
+@scope("train.norms")  # what a memory observer labels "step"
 def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]]) -> tuple[float, float, float]:
     """(L2 norm, L1 norm, max |x|) over the whole model of ``tensor_of(group)`` (aligned with the
     group's fp32 master partition; None for groups without it)."""
