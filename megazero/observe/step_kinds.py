@@ -2,21 +2,27 @@
 
 A labeller for :class:`megazero.utils.memory_tracker.LiveMemoryTracker` (``kind_of=``), so a step's
 peak splits into the kinds a ZeRO engineer reasons about. Used by the rehearsal
-(``tools/rehearse.py``) and by ``benchmarks/bench_zero_memory.py`` for megazero and FSDP2 alike
-(nothing here knows either engine beyond file names):
+(``tools/rehearse.py``) and by ``benchmarks/bench_zero_memory.py``. What is running is read from
+autograd (is backward running), module forward hooks (is a module's forward running) and the
+scopes the mechanism enters (:mod:`megazero.utils.scopes`), never from source file names:
 
 =================  ===============================================================================
 ``gathered``       a storage grown in place: ZeRO-3's (and FSDP2's) gathered parameters
 ``activations``    allocated inside a module's forward (saved for backward or temporaries)
 ``recomputed``     allocated inside a module's forward run by autograd's backward (recompute)
-``reduce buckets`` allocated in backward by megazero's gradient reducer (``zero/reducer.py``,
-                   ``zero/flat.py``): the buckets of full-size gradients being reduce-scattered
+``reduce buckets`` allocated in backward inside a ``zero.reduce`` scope: the buckets of
+                   full-size gradients being reduce-scattered
 ``backward``       other allocations of autograd's backward: parameter gradients, input
                    gradients and the backward kernels' temporaries
-``step``           allocated outside forward and backward by the ZeRO engine, its optimizer, loss
-                   scaler or norms (gradient partitions' temporaries, the norm, the update)
+``step``           allocated outside forward and backward inside a step scope (``zero.step``: the
+                   engine's gradient partitions' temporaries, the norm, the update; ``train.norms``:
+                   the statistics the log line reads)
 ``other``          anything else (the loss outside a module, the data, the framework's own)
 =================  ===============================================================================
+
+Engines that enter no megazero scope (FSDP2) get the labels that need none (``gathered``,
+``activations``, ``recomputed``, ``backward``, ``other``): their reduce-scatter buffers count as
+``backward`` and their optimizer step as ``other``.
 
 ``state`` is not a label of this class: a tracker's ``reset_peak(relabel="state")`` gives it to
 what is alive when the measured step begins.
@@ -24,37 +30,27 @@ what is alive when the measured step begins.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
 
-__all__ = ["StepKinds", "KINDS"]
+from megazero.utils.scopes import current_scopes
+
+__all__ = ["StepKinds", "KINDS", "REDUCE_SCOPES", "STEP_SCOPES"]
 
 KINDS = ("gathered", "activations", "recomputed", "reduce buckets", "backward", "step", "other")
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_REDUCER_FILES = ("zero/reducer.py", "zero/flat.py")
-_STEP_FILES = ("zero/engine.py", "zero/offload.py", "zero/loss_scaler.py", "zero/optim.py", "training/norms.py",
-               "training/step.py")
-_MEASURING = ("observe/step_kinds.py", "utils/memory_tracker.py", "utils/meta_device.py")
+# Scopes whose allocations in backward are "reduce buckets", and outside forward and backward "step".
+REDUCE_SCOPES = frozenset({"zero.reduce"})
+STEP_SCOPES = frozenset({"zero.step", "train.norms"})
 
 
-def _megazero_file() -> str:
-    """The innermost megazero source file running (relative to the package), or ''."""
-    f = sys._getframe(2)
-    while f is not None:
-        path = os.path.abspath(f.f_code.co_filename)
-        if path.startswith(_PACKAGE):
-            rel = os.path.relpath(path, _PACKAGE).replace(os.sep, "/")
-            if rel not in _MEASURING:
-                return rel
-        f = f.f_back
-    return ""
+def _inside(names: frozenset) -> bool:
+    return any(s in names for s in current_scopes())
 
 
 class StepKinds:
-    """Context manager (module forward hooks for the nesting depth) with :meth:`kind_of`."""
+    """Context manager with :meth:`kind_of`: while entered, global module forward hooks keep the
+    depth of module forwards running (the hooks are removed on exit, also after an exception)."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -85,7 +81,7 @@ class StepKinds:
         if torch._C._current_graph_task_id() != -1:  # autograd's backward is running
             if self.depth > 0:
                 return "recomputed"
-            return "reduce buckets" if _megazero_file() in _REDUCER_FILES else "backward"
+            return "reduce buckets" if _inside(REDUCE_SCOPES) else "backward"
         if self.depth > 0:
             return "activations"
-        return "step" if _megazero_file() in _STEP_FILES else "other"
+        return "step" if _inside(STEP_SCOPES) else "other"
