@@ -27,7 +27,9 @@ prefetches), and with DeepSpeed's element counts (prefetch 5e7, bucket 5e8) for 
 Then one more step per configuration under ``LiveMemoryTracker`` gives the live tensors at the
 step's peak by kind (gathered parameters, activations, recomputed, reduce buckets, backward's
 gradients and temporaries, the step's temporaries: ``megazero.observe.step_kinds``), for megazero and
-FSDP2 alike, printed as a table after each shape.
+FSDP2 alike, printed as a table after each shape. The reduce buckets and the step are told apart by
+the scopes megazero's engine enters; FSDP2 enters none of them, so its reduce-scatter buffers count
+as backward and its optimizer step as other.
 
 Baseline (same invocation): PyTorch FSDP2, ``fully_shard`` per layer and on the root, which
 frees unsharded storage with ``untyped_storage().resize_(0)``.
