@@ -21,8 +21,9 @@ storage has no memory but knows its size: a rehearsal of a large run on the meta
 - a weak reference per storage (storages keep one Python object for their whole
   life) reports the moment the last tensor, view or autograd saved tensor using it
   is gone;
-- ``UntypedStorage.resize_`` is wrapped while a CPU tracker is active, so in-place
-  shrinking and regrowing is seen when it happens;
+- ``UntypedStorage.resize_`` is wrapped while a CPU (or meta) tracker is active, and only
+  then (the last tracker to exit puts back what was there, also when the region raised), so
+  in-place shrinking and regrowing is seen when it happens;
 - at entry, the tensors Python can reach (``gc``: parameters, gradients, optimizer
   states, ...) form the baseline.
 
@@ -56,7 +57,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,6 +69,62 @@ DeviceLike = Union[str, torch.device, int, None]
 ACCOUNTED_DEVICE_TYPES = ("cpu", "meta")
 # The label of storages found at entry (``scan_existing``) when kinds are tracked.
 BASELINE_KIND = "baseline"
+
+
+class _ResizeHook:
+    """Wraps ``torch.UntypedStorage.resize_`` while at least one accounting is registered, and puts
+    back exactly what was there when the last one leaves.
+
+    ``UntypedStorage.resize_`` on CPU (and meta) reallocates outside the dispatcher, so the mode
+    cannot see it; ZeRO-3 and FSDP free and regrow gathered buffers exactly this way.
+    """
+
+    _ABSENT = object()  # resize_ was inherited, not set on UntypedStorage itself
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._accs: list[_StorageAccounting] = []
+        self._saved: Any = None  # while wrapped: UntypedStorage's own resize_ before, or _ABSENT
+
+    def add(self, acc: "_StorageAccounting") -> None:
+        with self._lock:
+            if not self._accs:
+                self._saved = torch.UntypedStorage.__dict__.get("resize_", self._ABSENT)
+                torch.UntypedStorage.resize_ = self._wrap(torch.UntypedStorage.resize_)
+            self._accs.append(acc)
+
+    def remove(self, acc: "_StorageAccounting") -> None:
+        with self._lock:
+            if acc in self._accs:
+                self._accs.remove(acc)
+            if not self._accs and self._saved is not None:
+                if self._saved is self._ABSENT:
+                    del torch.UntypedStorage.resize_  # back to the inherited C implementation
+                else:
+                    torch.UntypedStorage.resize_ = self._saved
+                self._saved = None
+
+    @property
+    def wrapped(self) -> bool:
+        return self._saved is not None
+
+    def _wrap(self, resize: Callable) -> Callable:
+        hook = self
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            old = storage.nbytes()
+            out = resize(storage, size)
+            if storage.device.type in ACCOUNTED_DEVICE_TYPES:
+                hook._notify(storage, old)
+            return out
+
+        return resize_
+
+    def _notify(self, storage: torch.UntypedStorage, old_nbytes: int) -> None:
+        with self._lock:
+            accs = [a for a in self._accs if a.device_type == storage.device.type]
+        for acc in accs:
+            acc.note_resize(storage, old_nbytes)
 
 
 @dataclass(frozen=True)
@@ -103,6 +160,12 @@ class LiveMemoryTracker:
     and meta): called whenever the peak rises; ``peak_where`` is what it said last (e.g. the
     source line running then).
     """
+
+    # Owned by the class, shared by its instances: the trackers entered and not yet exited,
+    # innermost last (how the trainer's log line finds the tracker measuring it without being
+    # handed one), and the one wrap of UntypedStorage.resize_ that CPU and meta trackers share.
+    _entered: ClassVar[list["LiveMemoryTracker"]] = []
+    _resize_hook: ClassVar[_ResizeHook] = _ResizeHook()
 
     def __init__(self, device: DeviceLike = "cpu", *, scan_existing: bool = True,
                  kind_of: Optional[Callable[[str], str]] = None, where: Optional[Callable[[], Any]] = None) -> None:
@@ -140,21 +203,33 @@ class LiveMemoryTracker:
                 self._acc.scan_reachable()
             self._mode = _AccountingMode(self._acc)
             self._mode.__enter__()
-            _resize_hook.add(self._acc)
+            try:
+                self._resize_hook.add(self._acc)
+            except BaseException:
+                self._mode.__exit__(None, None, None)
+                self._acc.close()
+                self._acc = self._mode = None
+                raise
         self._active = True
-        _ACTIVE.append(self)
+        self._entered.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._frozen = self._read()
-        self._active = False
-        _ACTIVE.remove(self)
-        if self._acc is not None:
-            self._frozen_kinds, self._frozen_where = self._acc.kinds(), self._acc.peak_where
-            _resize_hook.remove(self._acc)
-            self._mode.__exit__(*exc)
-            self._acc.close()
-            self._acc = self._mode = None
+        try:
+            self._frozen = self._read()
+            if self._acc is not None:
+                self._frozen_kinds, self._frozen_where = self._acc.kinds(), self._acc.peak_where
+        finally:  # whatever happened, nothing of this tracker stays installed
+            self._active = False
+            if self in self._entered:
+                self._entered.remove(self)
+            if self._acc is not None:
+                try:
+                    self._resize_hook.remove(self._acc)
+                    self._mode.__exit__(*exc)
+                finally:
+                    self._acc.close()
+                    self._acc = self._mode = None
 
     # ---- figures ---------------------------------------------------------------------------
 
@@ -257,16 +332,11 @@ class LiveMemoryTracker:
                 f"current={self.current_bytes:+d} B, peak=+{self.peak_bytes} B)")
 
 
-# Trackers entered and not yet exited, innermost last: how the trainer's log line finds the
-# tracker that is measuring it without being handed one.
-_ACTIVE: list[LiveMemoryTracker] = []
-
-
 def active_tracker(device: DeviceLike = None) -> Optional[LiveMemoryTracker]:
     """The innermost active tracker (on ``device``'s type if given), or None."""
     kind = None if device is None else (torch.device("cuda", device) if isinstance(device, int)
                                         else torch.device(device)).type
-    for t in reversed(_ACTIVE):
+    for t in reversed(LiveMemoryTracker._entered):
         if kind is None or t.device.type == kind:
             return t
     return None
@@ -542,45 +612,3 @@ def _tensors(values):
             yield v
         elif isinstance(v, (list, tuple)):
             yield from _tensors(v)
-
-
-class _ResizeHook:
-    """Wraps ``torch.UntypedStorage.resize_`` while at least one CPU (or meta) tracker is active.
-
-    ``UntypedStorage.resize_`` on CPU (and meta) reallocates outside the dispatcher, so the mode
-    cannot see it; ZeRO-3 and FSDP free and regrow gathered buffers exactly this way.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._accs: list[_StorageAccounting] = []
-
-    def add(self, acc: _StorageAccounting) -> None:
-        with self._lock:
-            if not self._accs:
-                torch.UntypedStorage.resize_ = _tracked_resize_
-            self._accs.append(acc)
-
-    def remove(self, acc: _StorageAccounting) -> None:
-        with self._lock:
-            self._accs.remove(acc)
-            if not self._accs and "resize_" in torch.UntypedStorage.__dict__:
-                del torch.UntypedStorage.resize_  # back to the inherited C implementation
-
-    def notify(self, storage: torch.UntypedStorage, old_nbytes: int) -> None:
-        with self._lock:
-            accs = [a for a in self._accs if a.device_type == storage.device.type]
-        for acc in accs:
-            acc.note_resize(storage, old_nbytes)
-
-
-_resize_hook = _ResizeHook()
-_untracked_resize_ = torch._C.StorageBase.resize_
-
-
-def _tracked_resize_(self: torch.UntypedStorage, size: int):
-    old = self.nbytes()
-    out = _untracked_resize_(self, size)
-    if self.device.type in ACCOUNTED_DEVICE_TYPES:
-        _resize_hook.notify(self, old)
-    return out

@@ -126,6 +126,39 @@ def test_nested_trackers_count_independently_and_memory_mb_reads_the_innermost()
     assert source == "rss" and value > 1 << 20
 
 
+def test_resize_is_wrapped_only_while_a_tracker_is_active():
+    """Nothing of torch stays replaced after the last tracker exits: not after nested trackers,
+    not after an exception inside, and a resize_ someone else set on UntypedStorage comes back."""
+    original = torch.UntypedStorage.resize_
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    with LiveMemoryTracker("cpu", scan_existing=False):
+        assert torch.UntypedStorage.resize_ is not original
+        with LiveMemoryTracker("meta", scan_existing=False):
+            pass
+        assert torch.UntypedStorage.resize_ is not original  # the outer tracker still needs it
+    assert torch.UntypedStorage.resize_ is original and "resize_" not in torch.UntypedStorage.__dict__
+
+    with pytest.raises(ValueError, match="inside"):
+        with LiveMemoryTracker("cpu", scan_existing=False):
+            with LiveMemoryTracker("meta", scan_existing=False):
+                raise ValueError("inside")
+    assert torch.UntypedStorage.resize_ is original and "resize_" not in torch.UntypedStorage.__dict__
+    assert active_tracker() is None and torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+    def theirs(storage, size):
+        return original(storage, size)
+
+    torch.UntypedStorage.resize_ = theirs
+    try:
+        with LiveMemoryTracker("cpu", scan_existing=False) as t:
+            buf = torch.empty(100)
+            buf.untyped_storage().resize_(0)
+            assert t.current_bytes == 0  # the wrap calls theirs and still sees the resize
+        assert torch.UntypedStorage.__dict__["resize_"] is theirs
+    finally:
+        del torch.UntypedStorage.resize_
+
+
 def test_misuse_is_reported():
     t = LiveMemoryTracker()
     with pytest.raises(RuntimeError, match="enter the context"):
