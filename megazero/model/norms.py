@@ -17,6 +17,7 @@ and returned in the weights' dtype, as Megatron's mixed fused LayerNorm does.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Optional
 
@@ -29,26 +30,21 @@ from megazero.mpu.mappings import copy_to_tensor_model_parallel_region
 __all__ = ["LayerNorm", "RMSNorm", "build_norm"]
 
 
-_APEX_FNS: Optional[tuple] = None  # (layer_norm, rms_norm) once decided for this process
-
-
+@functools.lru_cache(maxsize=None)
 def _apex_fns() -> tuple:
     """apex's fused ``(layer_norm_affine, rms_norm_affine)``, or ``(None, None)`` for torch's kernels.
 
     apex's Python module imports without its CUDA extension and would only fail at the first
     CUDA forward, so the extension (``fused_layer_norm_cuda``) is imported too. Decided once
-    per process: later calls (every norm module's construction) reuse the answer.
+    per process (the cache): later calls (every norm module's construction) reuse the answer.
     """
-    global _APEX_FNS
-    if _APEX_FNS is None:
-        try:
-            from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+    try:
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
 
-            importlib.import_module("fused_layer_norm_cuda")  # what those functions call into
-            _APEX_FNS = (fused_layer_norm_affine, fused_rms_norm_affine)
-        except Exception:  # apex absent, or built without its CUDA extensions
-            _APEX_FNS = (None, None)
-    return _APEX_FNS
+        importlib.import_module("fused_layer_norm_cuda")  # what those functions call into
+        return fused_layer_norm_affine, fused_rms_norm_affine
+    except Exception:  # apex absent, or built without its CUDA extensions
+        return None, None
 
 
 class _Norm(torch.nn.Module):

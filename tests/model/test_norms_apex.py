@@ -29,8 +29,15 @@ def _fake_apex(monkeypatch):
     mods["apex.normalization.fused_layer_norm"].fused_rms_norm_affine = fused_rms_norm_affine
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(norms, "_APEX_FNS", None)  # a fresh process's decision
+    norms._apex_fns.cache_clear()  # a fresh process's decision
     return fused_layer_norm_affine, fused_rms_norm_affine
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_decision():
+    """The decision made with fake modules is not left for the tests that follow."""
+    yield
+    norms._apex_fns.cache_clear()
 
 
 class _CountingFinder(importlib.abc.MetaPathFinder):
