@@ -4,8 +4,8 @@ All groups live in one immutable :class:`ParallelGroups` object that
 :func:`initialize_model_parallel` builds and returns. The Megatron-style
 module-level getters (``get_tensor_model_parallel_rank()`` ...) read that one
 object; everything else in megazero takes a group explicitly and only defaults
-to the registry. This module-level registry is the only mutable global state in
-the package.
+to the registry. This module-level registry (the groups and the model-parallel RNG
+streams) is the only mutable global state in the package.
 
 Rank layout (Megatron-LM's): with ``world = tp * dp * pp``::
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -203,7 +203,19 @@ def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
     return dist.new_group(ranks, **kwargs)
 
 
+# The registry: this process's groups, and its model-parallel RNG streams (mpu.random's
+# RNGStatesTracker, made on first use through rng_tracker(); kept here so that one registry holds
+# all of the package's mutable state, and outliving destroy_model_parallel as the seeds do).
 _GROUPS: Optional[ParallelGroups] = None
+_RNG_TRACKER: Any = None
+
+
+def rng_tracker(create: Callable[[], Any]) -> Any:
+    """The registry's RNG tracker, made with ``create()`` the first time it is asked for."""
+    global _RNG_TRACKER
+    if _RNG_TRACKER is None:
+        _RNG_TRACKER = create()
+    return _RNG_TRACKER
 
 
 def initialize_model_parallel(

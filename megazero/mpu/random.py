@@ -130,12 +130,9 @@ class RNGStatesTracker:
         self._states = {t: {k: v.clone() for k, v in st.items()} for t, st in snapshot.items()}
 
 
-# The tracker is process state in the same sense as the groups registry: one per rank.
-_TRACKER = RNGStatesTracker()
-
-
 def get_rng_tracker() -> RNGStatesTracker:
-    return _TRACKER
+    """This process's tracker, one per rank, held by mpu's registry (``parallel_state``)."""
+    return parallel_state.rng_tracker(RNGStatesTracker)
 
 
 get_cuda_rng_tracker = get_rng_tracker  # Megatron's name
@@ -148,8 +145,9 @@ def model_parallel_manual_seed(seed: int, tp_rank: Optional[int] = None) -> None
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker = get_rng_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
 
 
 model_parallel_cuda_manual_seed = model_parallel_manual_seed  # Megatron's name
@@ -158,7 +156,7 @@ model_parallel_cuda_manual_seed = model_parallel_manual_seed  # Megatron's name
 def _rng_snapshot() -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
     # The CUDA generator matters wherever CUDA is in use, whatever the run's device.
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None, _TRACKER._snapshot()
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None, get_rng_tracker()._snapshot()
 
 
 def _rng_restore(snapshot) -> None:
@@ -166,7 +164,7 @@ def _rng_restore(snapshot) -> None:
     torch.set_rng_state(cpu_state)
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state)
-    _TRACKER._restore(tracker_states)
+    get_rng_tracker()._restore(tracker_states)
 
 
 class _CheckpointFunction(torch.autograd.Function):

@@ -81,3 +81,12 @@ def test_tracker_errors_are_clear():
 def test_checkpoint_rejects_tensor_after_flag():
     with pytest.raises(TypeError):
         mpu.checkpoint(lambda a, f, b: a, torch.ones(1), True, torch.ones(1))
+
+
+
+def test_the_tracker_lives_in_the_registry():
+    """One tracker per process, held by parallel_state's registry; Megatron's name reads the same one."""
+    from megazero.mpu import parallel_state
+
+    assert mpu.get_rng_tracker() is mpu.get_cuda_rng_tracker() is parallel_state._RNG_TRACKER
+    assert isinstance(mpu.get_rng_tracker(), mpu.RNGStatesTracker)
