@@ -20,6 +20,8 @@ import torch
 from megazero.model.config import GPTConfig
 from megazero.training.ds_keys import strip_ignored
 from megazero.training.errors import ConfigError  # re-exported: `from megazero.training.config import ConfigError`
+from megazero.zero.config import (FP16Config, OptimizerConfig, ZeroConfig, parse_communication_data_type,
+                                  parse_fp16, parse_grad_accum_dtype, parse_optimizer, parse_zero_optimization)
 
 __all__ = [
     "ConfigError",
@@ -242,8 +244,8 @@ class TrainConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     seed: int = 1234
     # The --deepspeed-config JSON as loaded (None when not given). Its keys that the
-    # command line does not own (bucket sizes, stage-3 knobs, ...) pass through
-    # to_deepspeed_config() untouched.
+    # command line does not own (bucket sizes, stage-3 and offload knobs, ...) reach the
+    # engine through zero_config() as the JSON wrote them.
     deepspeed_json: Optional[dict[str, Any]] = None
     # One line each, printed by rank 0 at start-up: what a flag or JSON key was mapped to
     # or superseded by, and the DeepSpeed-internal JSON keys that were ignored.
@@ -252,6 +254,57 @@ class TrainConfig:
     @property
     def tokens_per_iteration(self) -> int:
         return self.schedule.global_batch_size * self.model.seq_length
+
+    def zero_config(self) -> ZeroConfig:
+        """The ZeRO engine's configuration, for ``megazero.zero.initialize(model, cfg.zero_config(), ...)``.
+
+        The values the command line owns (batch split, optimizer, precision and loss scaler,
+        stage, offload device and fraction, clipping) come from this config field by field; the
+        engine knobs only the --deepspeed-config JSON sets (bucket sizes, stage-3 and offload keys,
+        adam_w_mode, the reduction's dtype) from the JSON's blocks, parsed by megazero.zero.config.
+        ``optimizer.lr`` is the peak LR; the LR schedule sets the per-step value. Raises
+        ``ZeroConfigError`` on settings the engine refuses (offload at stage 0, ...).
+        """
+        ds = strip_ignored(self.deepspeed_json) if self.deepspeed_json else {}
+        s, o, p = self.schedule, self.optim, self.precision
+        if o.type == "SGD":  # the JSON's Adam-only params do not apply
+            optimizer = OptimizerConfig(type="SGD", lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
+        else:
+            optimizer = dataclasses.replace(
+                parse_optimizer(o.type, ds.get("optimizer", {}).get("params", {})),
+                lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
+        zero = parse_zero_optimization(ds.get("zero_optimization", {}))
+        offload = zero.offload_optimizer
+        if o.offload_device is not None:
+            offload = dataclasses.replace(offload, device=str(o.offload_device).lower())
+            if o.offload_fraction is not None:
+                offload = dataclasses.replace(offload, ratio=float(o.offload_fraction))
+        zero = dataclasses.replace(zero, stage=self.parallel.zero_stage, offload_optimizer=offload)
+        fp16 = None
+        if p.dtype == "fp16":
+            json_fp16 = parse_fp16(ds.get("fp16", {}))
+            fp16 = FP16Config(
+                loss_scale=p.loss_scale if p.loss_scale is not None else 0.0,  # DeepSpeed: 0 = dynamic
+                initial_scale_power=int(round(math.log2(p.initial_loss_scale))),
+                loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis, min_loss_scale=p.min_loss_scale,
+                consecutive_hysteresis=p.consecutive_hysteresis or json_fp16.consecutive_hysteresis)
+        grad_accum = parse_grad_accum_dtype(ds.get("data_types", {}).get("grad_accum_dtype"))
+        return ZeroConfig(
+            train_micro_batch_size_per_gpu=s.micro_batch_size,
+            gradient_accumulation_steps=s.grad_accum_steps,
+            train_batch_size=s.global_batch_size,
+            optimizer=optimizer,
+            zero_optimization=zero,
+            bf16=p.dtype == "bf16",
+            fp16=fp16,
+            gradient_clipping=float(o.clip_grad),
+            grad_accum_dtype="fp32" if p.accumulate_grads_fp32 else grad_accum,
+            steps_per_print=self.logging.log_interval,
+            wall_clock_breakdown=self.logging.wall_clock_breakdown,
+            communication_data_type=parse_communication_data_type(ds.get("communication_data_type")),
+            prescale_gradients=bool(ds.get("prescale_gradients", False)),
+            gradient_predivide_factor=float(ds.get("gradient_predivide_factor", 1.0)),
+        ).validate()
 
     def to_deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed-schema dict for ``megazero.zero.initialize(model, config_dict, mpu=...)``.

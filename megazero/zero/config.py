@@ -16,7 +16,9 @@ from typing import Any, Optional, Union
 import torch
 
 __all__ = ["ZeroConfigError", "OptimizerConfig", "FP16Config", "OffloadOptimizerConfig",
-           "ZeroOptimizationConfig", "ZeroConfig", "load_config", "HONOURED_KEYS", "NO_EFFECT_KEYS"]
+           "OffloadParamConfig", "ZeroOptimizationConfig", "ZeroConfig", "load_config", "parse_optimizer",
+           "parse_zero_optimization", "parse_fp16", "parse_grad_accum_dtype", "parse_communication_data_type",
+           "HONOURED_KEYS", "NO_EFFECT_KEYS"]
 
 # Every DeepSpeed JSON key (dotted path) whose value changes what the engine does. ``load_config``
 # accepts a key only if it is here or in NO_EFFECT_KEYS (or is refused/ignored by name below), so a
@@ -279,6 +281,47 @@ class ZeroConfig:
             )
 
 
+    def validate(self) -> "ZeroConfig":
+        """Refuse values out of range and settings that contradict each other (offload at stage 0,
+        offload with SGD, bf16 and fp16 together, ...), naming the DeepSpeed key; returns ``self``.
+        Every way of building a ZeroConfig (a DeepSpeed file, ``TrainConfig.zero_config()``) ends here."""
+        zero, opt = self.zero_optimization, self.optimizer
+        offload, offload_param = zero.offload_optimizer, zero.offload_param
+        if zero.stage not in (0, 1, 2, 3):
+            raise ZeroConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage}")
+        for key, block in (("offload_optimizer", offload), ("offload_param", offload_param)):
+            where = f"zero_optimization.{key}"
+            if block.device not in ("none", "cpu", "nvme"):
+                raise ZeroConfigError(f"{where}.device must be none, cpu or nvme, got {block.device!r}")
+            if block.device == "nvme" and not block.nvme_path:
+                raise ZeroConfigError(f"{where}.device nvme needs {where}.nvme_path: a directory on the NVMe drive")
+        if not 0.0 <= offload.ratio <= 1.0:
+            raise ZeroConfigError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1] (the fraction "
+                                  f"offloaded), got {offload.ratio}")
+        if offload.enabled and zero.stage == 0:
+            raise ZeroConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads this rank's "
+                                  "partition of the optimizer state); set zero_optimization.stage")
+        if offload_param.enabled and zero.stage != 3:
+            raise ZeroConfigError(f"zero_optimization.offload_param needs stage 3 (it offloads this rank's partition "
+                                  f"of the parameters, which stages 0-2 do not partition; got stage {zero.stage}); "
+                                  "set zero_optimization.stage to 3, or offload the optimizer state alone "
+                                  "(offload_optimizer)")
+        if opt.type == "SGD" and not 0.0 <= float(opt.momentum) < 1.0:
+            raise ZeroConfigError(f"optimizer.params.momentum must be in [0, 1), got {opt.momentum}")
+        if offload.enabled and opt.type == "SGD":
+            raise ZeroConfigError("zero_optimization.offload_optimizer steps Adam/AdamW on the host; optimizer.type SGD "
+                                  "keeps one momentum buffer: run it on the accelerator (offload_optimizer.device none)")
+        if self.bf16 and self.fp16 is not None:
+            raise ZeroConfigError("bf16.enabled and fp16.enabled are both true; choose one precision")
+        if self.gradient_accumulation_steps < 1:
+            raise ZeroConfigError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}")
+        if self.gradient_predivide_factor <= 0:
+            raise ZeroConfigError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor}")
+        if self.gradient_clipping < 0:
+            raise ZeroConfigError(f"gradient_clipping must be >= 0, got {self.gradient_clipping}")
+        return self
+
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _UNSUPPORTED = {
@@ -347,40 +390,29 @@ def _offload(section: Any, key: str, cls: type) -> Any:
     return cls(**fields)
 
 
-def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig:
-    """Parse a DeepSpeed-schema dict or JSON file into a :class:`ZeroConfig`."""
-    if isinstance(config, ZeroConfig):
-        return config
-    if not isinstance(config, dict):
-        with open(config) as f:
-            config = json.load(f)
-    cfg = dict(config)
-    known_top = {p.split(".")[0] for p in _ACCEPTED} | _IGNORED_TOP
-    for key in cfg:
-        if key not in known_top:
-            raise ZeroConfigError(f"unknown top-level key {key!r} in the ZeRO/DeepSpeed config")
-
-    opt = cfg.get("optimizer", {})
-    opt_params = _pick(opt.get("params", {}), "optimizer.params")
+def parse_optimizer(opt_type: str, params: dict) -> OptimizerConfig:
+    """DeepSpeed's ``optimizer`` block (``type`` and ``params``) as an :class:`OptimizerConfig`;
+    refuses unknown types and keys. Value ranges are checked by :meth:`ZeroConfig.validate`."""
+    opt_params = _pick(params, "optimizer.params")
     if "betas" in opt_params:
         opt_params["betas"] = tuple(float(b) for b in opt_params["betas"])
-    opt_type = opt.get("type", "AdamW")
-    if opt_type.lower() not in ("adam", "adamw", "fusedadam", "sgd"):
+    if str(opt_type).lower() not in ("adam", "adamw", "fusedadam", "sgd"):
         raise ZeroConfigError(f"optimizer.type {opt_type!r} is not supported; use Adam, AdamW or SGD")
-    if opt_type.lower() != "sgd" and "momentum" in opt_params:
+    if str(opt_type).lower() != "sgd" and "momentum" in opt_params:
         raise ZeroConfigError(f"unknown key optimizer.params.momentum for optimizer.type {opt_type!r} (it is SGD's; "
                               f"Adam's momentum is betas[0])")
-    if opt_type.lower() == "sgd":
+    if str(opt_type).lower() == "sgd":
         opt_type = "SGD"
-        if not 0.0 <= float(opt_params.get("momentum", 0.0)) < 1.0:
-            raise ZeroConfigError(f"optimizer.params.momentum must be in [0, 1), got {opt_params['momentum']}")
-    if set(opt) - _known("optimizer") - {"params"}:
-        raise ZeroConfigError(f"unknown keys in optimizer: {sorted(set(opt) - _known('optimizer') - {'params'})}")
-    if opt_type.lower() == "adamw":
+    if str(opt_type).lower() == "adamw":
         opt_params["adam_w_mode"] = True
-    optimizer = OptimizerConfig(type=opt_type, **opt_params)
+    return OptimizerConfig(type=opt_type, **opt_params)
 
-    zsec = dict(cfg.get("zero_optimization", {}))
+
+def parse_zero_optimization(section: dict) -> ZeroOptimizationConfig:
+    """DeepSpeed's ``zero_optimization`` block as a :class:`ZeroOptimizationConfig`; refuses
+    unknown and unsupported keys. Contradictions with other blocks (offload at stage 0, ...) are
+    refused by :meth:`ZeroConfig.validate`."""
+    zsec = dict(section)
     for key, what in _UNSUPPORTED.items():
         if key in zsec and zsec[key] not in (None, {}, False) and (
             not isinstance(zsec[key], dict) or zsec[key].get("device", "none") != "none"
@@ -394,64 +426,71 @@ def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
         if key in zfields:
             zfields[key] = _int(zfields[key], f"zero_optimization.{key}")
-    zero = ZeroOptimizationConfig(**zfields, offload_optimizer=offload, offload_param=offload_param)
-    if zero.stage not in (0, 1, 2, 3):
-        raise ZeroConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage}")
-    if offload.enabled and zero.stage == 0:
-        raise ZeroConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads this rank's "
-                              "partition of the optimizer state); set zero_optimization.stage")
-    if offload_param.enabled and zero.stage != 3:
-        raise ZeroConfigError(f"zero_optimization.offload_param needs stage 3 (it offloads this rank's partition "
-                              f"of the parameters, which stages 0-2 do not partition; got stage {zero.stage}); "
-                              "set zero_optimization.stage to 3, or offload the optimizer state alone "
-                              "(offload_optimizer)")
-    if offload.enabled and optimizer.type == "SGD":
-        raise ZeroConfigError("zero_optimization.offload_optimizer steps Adam/AdamW on the host; optimizer.type SGD "
-                              "keeps one momentum buffer: run it on the accelerator (offload_optimizer.device none)")
+    return ZeroOptimizationConfig(**zfields, offload_optimizer=offload, offload_param=offload_param)
+
+
+def parse_fp16(section: dict) -> FP16Config:
+    """DeepSpeed's ``fp16`` block (its loss-scaler keys) as an :class:`FP16Config`, whether or not
+    it is enabled; refuses unknown keys."""
+    return FP16Config(**_pick(section, "fp16", handled=("enabled", "auto_cast")))
+
+
+def parse_grad_accum_dtype(value: Any) -> Optional[str]:
+    """``data_types.grad_accum_dtype``: ``fp32``, ``fp16``, ``bf16`` or absent (None)."""
+    if value not in (None, "fp32", "fp16", "bf16"):
+        raise ZeroConfigError(f"data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {value!r}")
+    return value
+
+
+def parse_communication_data_type(value: Any) -> Optional[str]:
+    """``communication_data_type`` in DeepSpeed's spellings (``fp32``/``float32``, ...) as
+    ``fp32``, ``fp16`` or ``bf16``; None when absent."""
+    if value is None:
+        return None
+    comm = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
+            "bfloat16": "bf16"}.get(str(value).lower())
+    if comm is None:
+        raise ZeroConfigError(f"communication_data_type must be fp32, fp16 or bf16, got {value!r}")
+    return comm
+
+
+def load_config(config: Union[dict, str, os.PathLike, ZeroConfig]) -> ZeroConfig:
+    """Parse a DeepSpeed-schema dict or JSON file into a validated :class:`ZeroConfig` (a
+    ``ZeroConfig`` is returned as it is). Raises :class:`ZeroConfigError` naming the key of an
+    unknown, unsupported or contradictory setting."""
+    if isinstance(config, ZeroConfig):
+        return config
+    if not isinstance(config, dict):
+        with open(config) as f:
+            config = json.load(f)
+    cfg = dict(config)
+    known_top = {p.split(".")[0] for p in _ACCEPTED} | _IGNORED_TOP
+    for key in cfg:
+        if key not in known_top:
+            raise ZeroConfigError(f"unknown top-level key {key!r} in the ZeRO/DeepSpeed config")
+
+    opt = cfg.get("optimizer", {})
+    if set(opt) - _known("optimizer") - {"params"}:
+        raise ZeroConfigError(f"unknown keys in optimizer: {sorted(set(opt) - _known('optimizer') - {'params'})}")
+    optimizer = parse_optimizer(opt.get("type", "AdamW"), opt.get("params", {}))
+    zero = parse_zero_optimization(cfg.get("zero_optimization", {}))
 
     bf16_sec = cfg.get("bf16", cfg.get("bfloat16", {}))
-    bf16 = bool(bf16_sec.get("enabled", False))
-    fp16_sec = dict(cfg.get("fp16", {}))
-    fp16 = None
-    if fp16_sec.get("enabled", False):
-        fp16 = FP16Config(**_pick(fp16_sec, "fp16", handled=("enabled", "auto_cast")))
-    if bf16 and fp16 is not None:
-        raise ZeroConfigError("bf16.enabled and fp16.enabled are both true; choose one precision")
-
-    grad_accum_dtype = cfg.get("data_types", {}).get("grad_accum_dtype")
-    if grad_accum_dtype not in (None, "fp32", "fp16", "bf16"):
-        raise ZeroConfigError(f"data_types.grad_accum_dtype must be fp32, fp16 or bf16, got {grad_accum_dtype!r}")
-
+    fp16_sec = cfg.get("fp16", {})
     micro = cfg.get("train_micro_batch_size_per_gpu")
-    accum = int(cfg.get("gradient_accumulation_steps", 1))
-    if accum < 1:
-        raise ZeroConfigError(f"gradient_accumulation_steps must be >= 1, got {accum}")
-    comm_dtype = cfg.get("communication_data_type")
-    if comm_dtype is not None:
-        comm_dtype = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
-                      "bfloat16": "bf16"}.get(str(comm_dtype).lower())
-        if comm_dtype is None:
-            raise ZeroConfigError(f"communication_data_type must be fp32, fp16 or bf16, got "
-                                  f"{cfg['communication_data_type']!r}")
-    predivide = float(cfg.get("gradient_predivide_factor", 1.0))
-    if predivide <= 0:
-        raise ZeroConfigError(f"gradient_predivide_factor must be > 0, got {predivide}")
-    clip = float(cfg.get("gradient_clipping", 0.0))
-    if clip < 0:
-        raise ZeroConfigError(f"gradient_clipping must be >= 0, got {clip}")
     return ZeroConfig(
         train_micro_batch_size_per_gpu=None if micro is None else int(micro),
-        gradient_accumulation_steps=accum,
+        gradient_accumulation_steps=int(cfg.get("gradient_accumulation_steps", 1)),
         train_batch_size=None if cfg.get("train_batch_size") is None else int(cfg["train_batch_size"]),
         optimizer=optimizer,
         zero_optimization=zero,
-        bf16=bf16,
-        fp16=fp16,
-        gradient_clipping=clip,
-        grad_accum_dtype=grad_accum_dtype,
+        bf16=bool(bf16_sec.get("enabled", False)),
+        fp16=parse_fp16(fp16_sec) if fp16_sec.get("enabled", False) else None,
+        gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
+        grad_accum_dtype=parse_grad_accum_dtype(cfg.get("data_types", {}).get("grad_accum_dtype")),
         steps_per_print=int(cfg.get("steps_per_print", 10)),
         wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)),
-        communication_data_type=comm_dtype,
+        communication_data_type=parse_communication_data_type(cfg.get("communication_data_type")),
         prescale_gradients=bool(cfg.get("prescale_gradients", False)),
-        gradient_predivide_factor=predivide,
-    )
+        gradient_predivide_factor=float(cfg.get("gradient_predivide_factor", 1.0)),
+    ).validate()
