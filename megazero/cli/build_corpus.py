@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megazero.cli.common import setup_logging, tool_parser
+from megazero.cli.common import setup_logging, tool_parser, write_output
 from megazero.data.corpus import DEFAULT_VOCAB_SIZE, prepare_default_dataset, write_shakespeare_jsonl
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.prepare:
             ds = prepare_default_dataset(args.prepare, args.vocab_size, workers=args.workers, plays=args.plays)
-            print(f"data prefix: {ds.data_prefix}\ntokenizer:   {ds.tokenizer_type} {ds.tokenizer_model}")
+            write_output(f"data prefix: {ds.data_prefix}\ntokenizer:   {ds.tokenizer_type} {ds.tokenizer_model}")
             return 0
         stats = write_shakespeare_jsonl(args.output, plays=args.plays)
     except (RuntimeError, ValueError) as e:
         log.error("error: %s", e)
         return 1
-    print(f"wrote {stats.path}: {stats.plays} plays, {stats.scenes} scenes, "
-          f"{stats.bytes / 1e6:.2f} MB, {stats.characters:,} characters")
+    write_output(f"wrote {stats.path}: {stats.plays} plays, {stats.scenes} scenes, "
+                 f"{stats.bytes / 1e6:.2f} MB, {stats.characters:,} characters")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-__all__ = ["HelpFormatter", "setup_logging", "tool_parser"]
+__all__ = ["HelpFormatter", "setup_logging", "tool_parser", "write_output"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -26,6 +26,13 @@ def tool_parser(doc: str, **kwargs) -> argparse.ArgumentParser:
     """An ArgumentParser whose description is a module docstring (``%`` is escaped)."""
     kwargs.setdefault("allow_abbrev", False)
     return argparse.ArgumentParser(description=doc.replace("%", "%%"), formatter_class=HelpFormatter, **kwargs)
+
+
+def write_output(text: str) -> None:
+    """Write ``text`` (and a newline) to stdout now: a program's product, the report or summary a
+    user reads or pipes. Deliberately not logging, whose messages go to stderr (:func:`setup_logging`)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -90,5 +90,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError, TypeError, CheckpointError) as e:
         log.error("convert_from_hf: error: %s", e)
         return 1
-    print(f"wrote {config.num_layers}-layer {config.hidden_size}-wide GPT to {args.output}")
+    log.info("wrote %d-layer %d-wide GPT to %s", config.num_layers, config.hidden_size, args.output)
     return 0

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as e:
         log.error("convert_from_megatron: error: %s", e)
         return 1
-    print(f"read {info.get('format')} checkpoint (tp={info.get('tp')}, pp={info.get('pp', 1)}); wrote "
-          f"{config.num_layers}-layer {config.hidden_size}-wide GPT to {args.output}")
+    log.info("read %s checkpoint (tp=%s, pp=%s); wrote %d-layer %d-wide GPT to %s", info.get("format"), info.get("tp"),
+             info.get("pp", 1), config.num_layers, config.hidden_size, args.output)
     if info.get("gelu") == "erf":
         log.warning("note: the run used exact (erf) GeLU (--no-bias-gelu-fusion); megazero's GeLU is the tanh "
                     "approximation, so activations differ by up to ~1e-3")

@@ -126,5 +126,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError, CheckpointError) as e:
         log.error("%s: error: %s", TOOL, e)
         return 1
-    print(f"wrote {arch} to {args.output}")
+    log.info("wrote %s to %s", arch, args.output)
     return 0

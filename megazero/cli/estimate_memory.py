@@ -23,7 +23,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from megazero.cli.common import setup_logging, tool_parser
+from megazero.cli.common import setup_logging, tool_parser, write_output
 from megazero.model.config import GPTConfig, gpt_preset
 from megazero.training.config import ConfigError
 from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory, plan_of
@@ -202,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         i = argv.index("--compare")
         j = i + 1 + len(a.compare)
         try:
-            print(compare(argv[:i] + argv[j:], a.compare))
+            write_output(compare(argv[:i] + argv[j:], a.compare))
         except (ConfigError, ValueError) as e:
             log.error("error: %s", e)
             return 2
@@ -213,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError) as e:
         log.error("error: %s", e)
         return 2
-    print(est.to_text(a.device_memory_gb))
+    write_output(est.to_text(a.device_memory_gb))
     if a.device_memory_gb is None or est.fits(a.device_memory_gb):
         return 0
     _not_fitting(config, plan, est, a.device_memory_gb)

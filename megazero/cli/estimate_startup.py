@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megazero.cli.common import setup_logging, tool_parser
+from megazero.cli.common import setup_logging, tool_parser, write_output
 from megazero.training.arguments import ConfigError, parse_args
 from megazero.training.startup import estimate_startup, measure_rates
 
@@ -39,5 +39,5 @@ def main(argv: list[str] | None = None) -> int:
     est = estimate_startup(cfg.model, tp=cfg.parallel.tp, dp=cfg.parallel.dp, zero_stage=cfg.parallel.zero_stage,
                            read_gbps_per_rank=a.read_gbps_per_rank, fs_gbps=a.fs_gbps, sha256_gbps=sha,
                            init_values_per_s=rate)
-    print(est.to_text())
+    write_output(est.to_text())
     return 0

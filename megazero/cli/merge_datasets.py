@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from megazero.cli.common import setup_logging, tool_parser
+from megazero.cli.common import setup_logging, tool_parser, write_output
 from megazero.data.indexed_dataset import AtomicDatasetWriter, IndexedDataset, IndexedDatasetError, dataset_exists
 from megazero.utils.progress import Progress
 
@@ -76,6 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # IndexedDatasetError is a ValueError
         log.error("error: %s", e)
         return 1
-    print(f"merged {len(prefixes)} datasets -> {args.output_prefix}.bin/.idx: "
-          f"{len(merged.doc_idx) - 1:,} documents, {merged.num_tokens:,} tokens ({merged.dtype})")
+    write_output(f"merged {len(prefixes)} datasets -> {args.output_prefix}.bin/.idx: "
+                 f"{len(merged.doc_idx) - 1:,} documents, {merged.num_tokens:,} tokens ({merged.dtype})")
     return 0

@@ -98,5 +98,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.error("error: %s holds no records", a.metrics)
         return 2
     plot(records, a.output, a.title)
-    print(f"wrote {a.output} ({len(records)} records)")
+    log.info("wrote %s (%d records)", a.output, len(records))
     return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megazero.cli.common import setup_logging, tool_parser
+from megazero.cli.common import setup_logging, tool_parser, write_output
 from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 from megazero.data.tokenizer import TOKENIZER_TYPES
 
@@ -71,6 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.error("interrupted: no output written")
         return 130
-    print(stats.summary())
+    write_output(stats.summary())
     return 0
 

@@ -26,11 +26,11 @@ from typing import Optional, Sequence
 # of type 0 found ... Assuming no hooks are registered"): C++ warnings off unless asked for.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from megazero.cli.common import setup_logging, tool_parser  # noqa: E402
-from megazero.training.config import ConfigError  # noqa: E402
+from megazero.cli.common import setup_logging, tool_parser, write_output  # noqa: E402
 from megazero.observe.planner import GiB  # noqa: E402
 from megazero.observe.rehearsal import (default_ranks, format_report, rehearsal_config, rehearse,  # noqa: E402
-                                         write_json)
+                                        write_json)
+from megazero.training.config import ConfigError  # noqa: E402
 from megazero.utils.progress import Progress  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 def _run(config, ranks: list[int], verbose: bool):
     with Progress("rehearsed", total=len(ranks), unit="ranks", logger=log, interval=0.0) as progress:
         def on_rank(report) -> None:
-            print(format_report(report), flush=True)
+            write_output(format_report(report))
             progress.update()
         return rehearse(config, ranks, log=sys.stdout if verbose else None, on_rank=on_rank)
 
@@ -80,11 +80,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.error("error: %s", e)
         return 2
     p = config.parallel
-    print(f"rehearsal of {p.world_size} ranks = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO-{p.zero_stage}, "
-          f"{config.precision.dtype}, micro-batch {config.schedule.micro_batch_size}, global batch "
-          f"{config.schedule.global_batch_size}; ranks {', '.join(map(str, ranks))}", flush=True)
+    write_output(f"rehearsal of {p.world_size} ranks = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO-{p.zero_stage}, "
+                 f"{config.precision.dtype}, micro-batch {config.schedule.micro_batch_size}, global batch "
+                 f"{config.schedule.global_batch_size}; ranks {', '.join(map(str, ranks))}")
     for n in notes:
-        print(f"  > {n}", flush=True)
+        write_output(f"  > {n}")
     try:
         reports = _run(config, ranks, args.verbose)
     except Exception:  # noqa: BLE001 - the run itself failed: its traceback, then exit 3

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Iterator, Sequence, Union
 
-from megazero.cli.common import setup_logging, tool_parser
+from megazero.cli.common import setup_logging, tool_parser, write_output
 from megazero.data.preprocess import BadLineError, PreprocessError, iter_raw_lines, parse_line, resolve_inputs
 from megazero.data.tokenizer import SentencePieceTokenizer
 from megazero.data.tokenizer_training import train_sentencepiece
@@ -72,6 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         log.error("error: SentencePiece training failed: %s", e)
         return 1
     tok = SentencePieceTokenizer(model)
-    print(f"wrote {model}: vocab {tok.vocab_size}, eod id {tok.eod} "
-          f"({time.perf_counter() - start:.1f} s)")
+    write_output(f"wrote {model}: vocab {tok.vocab_size}, eod id {tok.eod} "
+                 f"({time.perf_counter() - start:.1f} s)")
     return 0

@@ -45,3 +45,18 @@ def test_quickstart_passes_nproc_per_node_once_per_launch():
     for line in launches:
         assert line.count("--nproc_per_node") == 1, line
         assert '"${torchrun[@]}"' in line, line  # the whole array, no pattern substitution
+
+
+def test_programs_write_through_write_output_or_logging():
+    """No bare print: a program's product goes through common.write_output (stdout), everything
+    else through its module logger (stderr)."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "megazero" / "cli").glob("*.py")):
+        if path.stem in ("pretrain_gpt", "generate"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, "print() in megazero/cli: use write_output (the product) or log.info: " + ", ".join(offenders)
