@@ -120,7 +120,7 @@ def _plan_from_train_args(a: argparse.Namespace) -> tuple[GPTConfig, dict]:
     if a.world_size is None:
         raise ConfigError("--train-args needs --world-size (the number of processes pretrain_gpt.py would run)")
     cfg = parse_args(a.train_args, a.world_size, check_files=False)
-    print(describe(cfg))  # the plan as pretrain_gpt.py resolves it: part of the output
+    write_output(describe(cfg))  # the plan as pretrain_gpt.py resolves it: part of the output
     return cfg.model, plan_of(cfg, grad_accum_dtype=a.grad_accum_dtype)
 
 
