@@ -471,10 +471,8 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     """The keyword arguments of :func:`estimate_memory` for a parsed ``TrainConfig`` (the plan
     pretrain_gpt.py would run), with what its ZeRO engine gets from the --deepspeed_config JSON
     (else the engine's defaults): bucket sizes, optimizer and parameter offload."""
-    from megazero.zero.config import load_config
-
     m, p = config.model, config.parallel
-    zc = load_config(config.to_deepspeed_config()).zero_optimization
+    zc = config.zero_config().zero_optimization
     off, par = zc.offload_optimizer, zc.offload_param
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,

@@ -12,7 +12,7 @@ built-in default. A value given on the command line *and* in the JSON must agree
     cfg = parse_args_or_exit(None, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     tokenizer = megazero.data.build_tokenizer(cfg.data.tokenizer_type, **cfg.data.tokenizer_kwargs())
     check_vocab(cfg, tokenizer.vocab_size)
-    engine = megazero.zero.initialize(model, cfg.to_deepspeed_config(), mpu=mpu)
+    engine = megazero.zero.initialize(model, cfg.zero_config(), mpu=mpu)
 """
 
 from __future__ import annotations
@@ -127,10 +127,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
 def _check_engine_config(cfg: TrainConfig) -> None:
     """Parse the engine's config now, so what it refuses (offload at stage 0, offload with SGD, ...)
     stops the run before any process group starts, not after every rank built its model."""
-    from megazero.zero.config import ZeroConfigError, load_config
+    from megazero.zero.config import ZeroConfigError
 
     try:
-        load_config(cfg.to_deepspeed_config())
+        cfg.zero_config()
     except ZeroConfigError as e:
         raise ConfigError(f"{e} (--zero-stage {cfg.parallel.zero_stage})") from None
 

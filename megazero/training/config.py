@@ -306,48 +306,6 @@ class TrainConfig:
             gradient_predivide_factor=float(ds.get("gradient_predivide_factor", 1.0)),
         ).validate()
 
-    def to_deepspeed_config(self) -> dict[str, Any]:
-        """The DeepSpeed-schema dict for ``megazero.zero.initialize(model, config_dict, mpu=...)``.
-
-        Starts from the --deepspeed-config JSON (if any) and overwrites the keys the
-        command line owns, so the two can never disagree (parse_args already refused
-        conflicting values). ``optimizer.params.lr`` is the peak LR; the LR schedule
-        (megazero.training.lr_schedule) sets the per-step value.
-        """
-        ds = strip_ignored(self.deepspeed_json) if self.deepspeed_json else {}
-        s, o, p = self.schedule, self.optim, self.precision
-        ds["train_batch_size"] = s.global_batch_size
-        ds["train_micro_batch_size_per_gpu"] = s.micro_batch_size
-        ds["gradient_accumulation_steps"] = s.grad_accum_steps
-        opt = ds.setdefault("optimizer", {})
-        opt["type"] = o.type
-        if o.type == "SGD":
-            opt["params"] = dict(lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
-        else:
-            opt.setdefault("params", {}).update(
-                lr=o.lr, betas=[o.adam_beta1, o.adam_beta2], eps=o.adam_eps, weight_decay=o.weight_decay)
-        ds.setdefault("zero_optimization", {})["stage"] = self.parallel.zero_stage
-        if o.offload_device is not None:
-            offload = ds["zero_optimization"].setdefault("offload_optimizer", {})
-            offload["device"] = o.offload_device
-            if o.offload_fraction is not None:
-                offload["ratio"] = o.offload_fraction
-        ds.setdefault("bf16", {})["enabled"] = p.dtype == "bf16"
-        fp16 = ds.setdefault("fp16", {})
-        fp16["enabled"] = p.dtype == "fp16"
-        fp16.update(
-            loss_scale=p.loss_scale if p.loss_scale is not None else 0,  # DeepSpeed: 0 = dynamic
-            initial_scale_power=int(round(math.log2(p.initial_loss_scale))),
-            loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis, min_loss_scale=p.min_loss_scale)
-        if p.consecutive_hysteresis:
-            fp16["consecutive_hysteresis"] = True
-        if p.accumulate_grads_fp32:
-            ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-        ds["gradient_clipping"] = o.clip_grad
-        ds.setdefault("steps_per_print", self.logging.log_interval)
-        ds["wall_clock_breakdown"] = self.logging.wall_clock_breakdown
-        return ds
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly nested dict (for logging the resolved config and for checkpoints)."""
         out: dict[str, Any] = {"model": self.model.to_dict()}

@@ -55,7 +55,7 @@ class TrainModel:
         # with values keyed by the pp = 1 names (equal to a full initialization at any layout).
         module, self.chunks = build_pipeline_model(config.model, groups, first=p.decoder_first_pipeline_num_layers,
                                                    last=p.decoder_last_pipeline_num_layers, device="meta")
-        self.engine = zero.initialize(module, config.to_deepspeed_config(), mpu=mpu,
+        self.engine = zero.initialize(module, config.zero_config(), mpu=mpu,
                                       no_weight_decay=megatron_no_weight_decay, device=device,
                                       param_names=global_name_fn(self.chunks),
                                       forward_key=_chunk_index if len(self.chunks) > 1 else None)

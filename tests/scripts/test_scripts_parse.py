@@ -65,8 +65,8 @@ def test_run_deepspeed_example_json_governs_the_loss_scaler():
     assert cfg.parallel.zero_stage == 2 and cfg.logging.wall_clock_breakdown and cfg.logging.log_interval == 1
     assert any("--save-interval 1000 without --save" in n for n in cfg.notes)
     assert cfg.checkpoint.save_interval is None
-    ds = cfg.to_deepspeed_config()
-    assert ds["fp16"]["loss_scale"] == 0 and ds["fp16"]["initial_scale_power"] == 12
+    fp16 = cfg.zero_config().fp16
+    assert fp16.loss_scale == 0 and fp16.initial_scale_power == 12
 
 
 def test_run_175b_ignored_keys_are_named_once():
@@ -80,10 +80,10 @@ def test_run_175b_ignored_keys_are_named_once():
     honoured = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                 "stage3_param_persistence_threshold", "overlap_comm")
     assert not any(f"zero_optimization.{key}" in ignored[0] for key in honoured)
-    ds = cfg.to_deepspeed_config()
-    assert "aio" not in ds and ds["zero_optimization"]["offload_optimizer"]["device"] == "none"
+    z = cfg.zero_config().zero_optimization
+    assert z.offload_optimizer.device == "none"
     # The engine's knobs reach it as the JSON wrote them.
-    assert {k: ds["zero_optimization"][k] for k in honoured} == {
+    assert {k: getattr(z, k) for k in honoured} == {
         "reduce_bucket_size": 90000000, "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 3e9,
         "stage3_param_persistence_threshold": 1e5, "overlap_comm": True}
 
@@ -155,10 +155,8 @@ def test_run_175b_with_its_offload_device_cpu(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     cfg = parse_args(script_args("run-175b", DS_CONFIG=str(path)) + ["--cpu-optimizer"], 4, check_files=False)
-    off = cfg.to_deepspeed_config()["zero_optimization"]["offload_optimizer"]
-    assert off["device"] == "cpu" and off["pin_memory"] is True and off["buffer_count"] == 4
-    from megazero.zero.config import load_config
-    assert load_config(cfg.to_deepspeed_config()).zero_optimization.offload_optimizer.enabled
+    off = cfg.zero_config().zero_optimization.offload_optimizer
+    assert off.device == "cpu" and off.pin_memory is True and off.buffer_count == 4 and off.enabled
 
 
 def test_modern_megatron_flags_map():
@@ -169,7 +167,7 @@ def test_modern_megatron_flags_map():
              "--attention-softmax-in-fp32 --num-workers 0 --local-rank 0").split()
     cfg = parse_args(base + extra, 4, check_files=False)
     assert cfg.parallel.zero_stage == 1 and cfg.model.attention_backend == "math"
-    assert cfg.to_deepspeed_config()["data_types"]["grad_accum_dtype"] == "fp32"
+    assert cfg.zero_config().grad_accum_dtype == "fp32"
     with pytest.raises(ConfigError, match="--use-distributed-optimizer .* contradicts --zero-stage 0"):
         parse_args(base + ["--use-distributed-optimizer", "--zero-stage", "0"], 4, check_files=False)
 

@@ -7,6 +7,7 @@ import torch
 
 from megazero.training import ConfigError, check_vocab, parse_args, parse_args_or_exit
 from megazero.training.arguments import GPT2_VOCAB_SIZE
+from megazero.zero.config import FP16Config, OptimizerConfig, ZeroOptimizationConfig
 
 TINY = "--model-preset gpt-tiny --micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data".split()
 
@@ -204,23 +205,25 @@ def test_deepspeed_json_values_are_merged(tmp_path):
     assert (o.type, o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == \
         ("Adam", 3e-4, 0.9, 0.95, 1e-6, 0.1, 0.5)
     assert cfg.parallel.zero_stage == 3 and cfg.precision.dtype == "bf16"
-    ds = cfg.to_deepspeed_config()
+    z = cfg.zero_config()
     # The engine's knobs pass on (stage3_prefetch_bucket_size is honoured, not a DeepSpeed-internal key).
-    assert ds["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "overlap_comm": True}
+    assert z.zero_optimization == ZeroOptimizationConfig(stage=3, stage3_prefetch_bucket_size=50_000_000,
+                                                         overlap_comm=True)
     assert not any(n.startswith("DeepSpeed JSON keys ignored") for n in cfg.notes)
-    assert ds["steps_per_print"] == 7 and ds["gradient_accumulation_steps"] == 4
-    assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
-    assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
+    assert z.steps_per_print == 7 and z.gradient_accumulation_steps == 4
+    o = z.optimizer
+    assert (o.lr, o.betas, o.eps, o.weight_decay) == (3e-4, (0.9, 0.95), 1e-6, 0.1)
+    assert z.bf16 and z.fp16 is None
 
 
-def test_to_deepspeed_config_without_json():
-    ds = parse("--fp16 --loss-scale 1024 --clip-grad 0 --zero-stage 0 --weight-decay 0.1").to_deepspeed_config()
-    assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == 2
-    assert ds["gradient_accumulation_steps"] == 1 and ds["zero_optimization"] == {"stage": 0}
-    assert ds["fp16"] == {"enabled": True, "loss_scale": 1024.0, "initial_scale_power": 32, "loss_scale_window": 1000,
-                          "hysteresis": 2, "min_loss_scale": 1.0}
-    assert ds["gradient_clipping"] == 0 and ds["optimizer"] == {
-        "type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}
+def test_zero_config_without_json():
+    z = parse("--fp16 --loss-scale 1024 --clip-grad 0 --zero-stage 0 --weight-decay 0.1").zero_config()
+    assert z.train_batch_size == 8 and z.train_micro_batch_size_per_gpu == 2
+    assert z.gradient_accumulation_steps == 1 and z.zero_optimization == ZeroOptimizationConfig(stage=0)
+    assert z.fp16 == FP16Config(loss_scale=1024.0, initial_scale_power=32, loss_scale_window=1000, hysteresis=2,
+                                min_loss_scale=1.0)
+    assert z.gradient_clipping == 0 and z.optimizer == OptimizerConfig(
+        type="AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
 @pytest.mark.parametrize("json_obj, flags, pattern", [
@@ -337,9 +340,7 @@ def test_deepspeed_json_harmless_and_comm_keys(tmp_path):
         "communication_data_type": "fp32", "prescale_gradients": True}))
     assert cfg.notes[0] == ("DeepSpeed JSON keys ignored (they tune DeepSpeed's own internals): "
                             "zero_optimization.allgather_partitions, zero_optimization.elastic_checkpoint")
-    from megazero.zero.config import load_config
-
-    z = load_config(cfg.to_deepspeed_config())
+    z = cfg.zero_config()
     assert z.communication_data_type == "fp32" and z.prescale_gradients
 
 

@@ -29,7 +29,7 @@ def _stats(args, world):
     cfg = parse_args(args, world)
     mpu.initialize_model_parallel(cfg.parallel.tp)
     mpu.model_parallel_manual_seed(cfg.seed)
-    engine = zero.initialize(GPTModel(cfg.model, device="meta"), cfg.to_deepspeed_config(), mpu=mpu,
+    engine = zero.initialize(GPTModel(cfg.model, device="meta"), cfg.zero_config(), mpu=mpu,
                              no_weight_decay=megatron_no_weight_decay, device=torch.device("cpu"))
     full = engine.consolidated_state_dict(rank0_only=False)
     reference = math.sqrt(sum(float(t.double().pow(2).sum()) for t in full.values()))
