@@ -9,17 +9,24 @@ Installed, ``megazero-pretrain-gpt`` is the same program (``torchrun --no-python
 megazero-pretrain-gpt ...``). The command line is parsed and checked before
 torch.distributed starts, so an impossible configuration exits with a message instead of
 hanging a collective.
+
+What the run reports goes through logging (``megazero.training.*`` and this module's logger): for
+the program's duration INFO records reach stdout and warnings and errors stderr, one plain line each
+(``megazero.training.output.console``).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import sys
+from typing import Sequence
 
 import torch
 
 PROG = "pretrain_gpt.py"
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     return training_parser()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, callbacks: Sequence = ()) -> int:
+    """Parse ``argv``, train, and return the exit status: 0 done (or a planned exit), 1 a failure
+    during the run, 2 (``SystemExit``) a configuration refused before starting. ``callbacks``
+    (``megazero.training.loop.Callback``) hear the training loop's events."""
+    from megazero.training.output import console
+
+    with console("megazero.training", __name__):
+        return _main(argv, callbacks)
+
+
+def _main(argv: list[str] | None, callbacks: Sequence) -> int:
     from megazero import mpu
     from megazero.training import describe, parse_args_or_exit
     from megazero.training.failures import report
@@ -43,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
     with mpu.distributed_run(config.parallel.distributed_backend) as (rank, _):
         if rank == 0:
-            print(describe(config), flush=True)
+            log.info(describe(config))
         try:
-            pretrain(config)
+            pretrain(config, callbacks=callbacks)
         except TrainingDiverged as e:
-            print(f"error on rank {rank}: {e}", file=sys.stderr, flush=True)
+            log.error(f"error on rank {rank}: {e}")
             return 1
         except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
             return report(e, PROG)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,11 +90,14 @@ def save_checkpoint(
     save: str, iteration: int, engine: ZeroEngine, *, train_state: dict[str, Any], config: dict[str, Any],
     tokenizer: Optional[Any] = None,
     pipeline=None,
+    on_written: Optional[Callable[[str], None]] = None,
 ) -> str:
     """Collective: write the checkpoint of ``iteration`` and point ``latest`` at it.
 
     ``tokenizer`` is recorded by content in ``tokenizer/`` (its defining files, listed in the
     manifest like every other file), so the checkpoint does not depend on where they lived.
+    ``on_written(partial_directory)`` runs on each rank once its files are written, before the
+    commit; an error there fails the save on every rank as a failed write does.
 
     Every file is fsync'd, then the manifest, then the directory is renamed and the
     parent fsync'd, and only then does ``latest`` move (and get fsync'd): a crash at any
@@ -135,6 +138,8 @@ def save_checkpoint(
                     fsync_path(os.path.join(tok_dir, name))
                     paths.append(os.path.join(tok_dir, name))
                 fsync_path(tok_dir)
+        if on_written is not None:
+            on_written(partial)
         entries = {os.path.relpath(p, partial): digest_file(p) for p in [zero_path] + paths}
         entries[os.path.relpath(zero_path, partial)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank,
                                                             pp_rank=_pipeline_kwargs(pipeline).get("pp_rank", 0))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from megazero.training.loop import Callback
 from tests.distributed import run_distributed
 from tests.helpers import write_documents as _write
 
@@ -47,15 +48,17 @@ def _per_document_loss(engine, text: torch.Tensor, eod: int) -> torch.Tensor:
     return torch.cat(losses).mean()
 
 
-def _run_with_reference(prefix, flags):
-    import megazero.training.trainer as trainer
-    from megazero.training import parse_args
-    from megazero.training.trainer import pretrain
+class Reference(Callback):
+    """Before the first step: the losses its first micro-batch must give with and without the flags."""
 
-    original, seen = trainer._train_step, {}
+    def __init__(self):
+        self.run, self.seen = None, {}
 
-    def step(run, batches, *rest):
-        engine = run.engine
+    def on_train_start(self, state, run):
+        self.run = run
+
+    def on_step_start(self, state, batches):
+        engine, seen = self.run.engine, self.seen
         if not seen:
             text = batches[0]["text"].long()
             engine.eval()
@@ -64,14 +67,15 @@ def _run_with_reference(prefix, flags):
                 seen["plain"] = float(engine(text[:, :-1], labels=text[:, 1:]).mean())
                 seen["eods"] = int((text[:, :-1] == VOCAB).sum())
             engine.train()
-        return original(run, batches, *rest)
 
-    trainer._train_step = step
-    try:
-        result = pretrain(parse_args(argv(prefix, *flags), 2))
-    finally:
-        trainer._train_step = original
-    return result.losses[1], seen
+
+def _run_with_reference(prefix, flags):
+    from megazero.training import parse_args
+    from megazero.training.trainer import pretrain
+
+    reference = Reference()
+    result = pretrain(parse_args(argv(prefix, *flags), 2), callbacks=[reference])
+    return result.losses[1], reference.seen
 
 
 def test_eod_flags_match_documents_run_one_by_one(short_docs):

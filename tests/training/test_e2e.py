@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from megazero.training.loop import Callback
 from tests.distributed import run_distributed
 from tests.helpers import VOCAB
 
@@ -22,50 +23,50 @@ def argv(prefix, *extra, tp=2, stage=3, iters=8, dropout=0.0):
             *extra]
 
 
+class PoisonLoss(Callback):
+    """A NaN in the loss of the ``at``-th iteration run here: its gradients are NaN, and the run must stop there."""
+
+    def __init__(self, at):
+        self.at, self.calls, self.run, self.loss_fn = at, 0, None, None
+
+    def on_train_start(self, state, run):
+        self.run = run
+
+    def on_step_start(self, state, batches):
+        self.calls += 1
+        if self.calls == self.at:
+            self.loss_fn = loss_fn = self.run.stage.loss_fn
+            self.run.stage.loss_fn = lambda out, mb: loss_fn(out, mb) * float("nan")
+
+    def on_step_end(self, state, result):
+        if self.loss_fn is not None:
+            self.run.stage.loss_fn, self.loss_fn = self.loss_fn, None
+
+
+class CrashDuringSave(Callback):
+    """A crash after this rank's files of a save from iteration ``at`` on are written, before the commit."""
+
+    def __init__(self, at):
+        self.at, self.iteration = at, 0
+
+    def on_step_end(self, state, result):
+        self.iteration = state.iteration
+
+    def on_save_written(self, directory):
+        if self.iteration >= self.at:
+            raise RuntimeError("simulated crash in the middle of a save")
+
+
 def _pretrain(args, world_size, patch_save_failure=False, nan_at_iteration=None):
     from megazero.training import parse_args
     from megazero.training.trainer import pretrain
 
     torch.manual_seed(0)
-    if nan_at_iteration is not None:
-        import megazero.training.trainer as trainer
-
-        original_step, calls = trainer._train_step, [0]
-
-        def poisoned(run, batches, *rest):
-            # A NaN in the loss of one iteration: its gradients are NaN, and the run must stop there.
-            calls[0] += 1
-            if calls[0] != nan_at_iteration:
-                return original_step(run, batches, *rest)
-            loss_fn = run.stage.loss_fn
-            run.stage.loss_fn = lambda out, mb: loss_fn(out, mb) * float("nan")
-            try:
-                return original_step(run, batches, *rest)
-            finally:
-                run.stage.loss_fn = loss_fn
-
-        trainer._train_step = poisoned
-        try:
-            return pretrain(parse_args(args, world_size))
-        finally:
-            trainer._train_step = original_step
-    if patch_save_failure:
-        import megazero.training.checkpointing as ck
-
-        original = ck.save_zero_state
-
-        def crash_after_writing(engine, directory):
-            path = original(engine, directory)
-            if engine.global_steps >= 8:
-                raise RuntimeError("simulated crash in the middle of a save")
-            return path
-
-        ck.save_zero_state = crash_after_writing
-        try:
-            return pretrain(parse_args(args, world_size))
-        finally:
-            ck.save_zero_state = original
-    result = pretrain(parse_args(args, world_size))
+    callbacks = ([PoisonLoss(nan_at_iteration)] if nan_at_iteration is not None else []) + \
+        ([CrashDuringSave(8)] if patch_save_failure else [])
+    result = pretrain(parse_args(args, world_size), callbacks=callbacks)
+    if callbacks:
+        return result
     return result.losses, result.eval_losses, result.iteration
 
 

@@ -97,23 +97,19 @@ def test_lr_schedule_counts_only_successful_updates(dataset, tmp_path):
 
 def _resume_in_other_precision(src, save, extra):
     from megazero.training import parse_args
+    from megazero.training.loop import Callback
     from megazero.training.trainer import pretrain
 
-    import megazero.training.trainer as trainer
-
     seen = {}
-    original = trainer.load_checkpoint
 
-    def spy(load, engine, iteration=None, **kw):
-        state = original(load, engine, iteration, **kw)
-        seen["scale"], seen["note"] = engine.get_loss_scale(), state.get("scaler_note")
-        return state
+    class Loaded(Callback):
+        def on_load(self, loaded):
+            seen["note"] = loaded.get("scaler_note")
 
-    trainer.load_checkpoint = spy
-    try:
-        pretrain(parse_args(extra, 2))
-    finally:
-        trainer.load_checkpoint = original
+        def on_train_start(self, state, run):  # right after the load, before any step
+            seen["scale"] = run.engine.get_loss_scale()
+
+    pretrain(parse_args(extra, 2), callbacks=[Loaded()])
     return seen
 
 

@@ -4,8 +4,10 @@ Every tensor-to-Python conversion (``item``, ``tolist``, ``float``, ``int``, ``b
 ``.numpy()``) made by megazero's code stalls a GPU's run-ahead; on CPU it costs nothing, which is
 why it hides. Each rank installs counters on ``torch.Tensor``, runs ``pretrain_gpt.py``'s ``main``
 and returns the conversions made from megazero frames during each
-iteration that does not log (the data read plus the step). Not counted, since they never touch a
-device: torch's own optimizer reading its CPU step counters, and datasets building host samples.
+iteration (from the previous step's end to this one's: the previous iteration's log, evaluation,
+save and stop decisions, this one's data read, step and bookkeeping), heard through the loop's
+callbacks. Not counted, since they never touch a device: torch's own optimizer reading its CPU step
+counters, and datasets building host samples.
 
 Object collectives (``broadcast_object_list`` and the like) are counted too. At every ZeRO stage,
 pp 1 and 2, fp32 and fp16, with the optimizer offloaded or not, a non-logging iteration after the first makes one: the step's
@@ -37,8 +39,8 @@ def _count_on_rank(argv: list[str]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    import megazero.training.trainer as trainer
     from megazero.cli.pretrain_gpt import main
+    from megazero.training.loop import Callback
 
     counts, active, per_iteration = collections.Counter(), [False], []
 
@@ -64,26 +66,25 @@ def _count_on_rank(argv: list[str]) -> list[dict]:
             return orig(*a, **k)
         return f
 
-    def during(fn, close):
-        def g(*a, **k):
+    class Window(Callback):
+        """Counts from the first step's start (then each step's end) to the next step's end."""
+
+        def on_train_start(self, state, run):
             active[0] = True
-            try:
-                return fn(*a, **k)
-            finally:
-                active[0] = False
-                if close:
-                    per_iteration.append(dict(counts))
-                    counts.clear()
-        return g
+
+        def on_step_end(self, state, result):
+            per_iteration.append(dict(counts))
+            counts.clear()
 
     with contextlib.ExitStack() as patches:
         for n in _CONVERSIONS:
             patches.enter_context(mock.patch.object(torch.Tensor, n, counted(n)))
         for n in _OBJECT_COLLECTIVES:
             patches.enter_context(mock.patch.object(dist, n, object_collective(n)))
-        patches.enter_context(mock.patch.object(trainer, "_read_train", during(trainer._read_train, close=False)))
-        patches.enter_context(mock.patch.object(trainer, "_train_step", during(trainer._train_step, close=True)))
-        assert main(argv) == 0
+        try:
+            assert main(argv, callbacks=[Window()]) == 0
+        finally:
+            active[0] = False
     return per_iteration
 
 

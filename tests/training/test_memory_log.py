@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 
+from megazero.training.loop import Callback
 from megazero.training.metrics import IterationStats, format_log_line
 from tests.distributed import run_distributed
 
@@ -19,31 +20,36 @@ def test_labels_name_the_source():
         assert stats.to_record()["peak_memory_source"] == source
 
 
+class ModelState(Callback):
+    """The engine's model state bytes before each step (the last one's is kept)."""
+
+    def __init__(self):
+        self.run, self.bytes = None, None
+
+    def on_train_start(self, state, run):
+        self.run = run
+
+    def on_step_start(self, state, batches):
+        self.bytes = self.run.engine.model_state_bytes()["total"]
+
+
 def _train(metrics, track):
     import torch.distributed as dist
 
-    import megazero.training.trainer as trainer
     from megazero.training import parse_args
+    from megazero.training.output import console
     from megazero.training.trainer import pretrain
 
     args = ["--tp", "1", "--zero-stage", "3", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
             "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
             "--mock-data", "--vocab-size", "64", "--log-interval", "1", "--eval-iters", "0",
             "--metrics-file", metrics] + (["--track-memory"] if track else [])
-    original, state = trainer._train_step, {}
-
-    def step(run, *rest):
-        state["model_state"] = run.engine.model_state_bytes()["total"]
-        return original(run, *rest)
-
-    trainer._train_step = step
+    measured = ModelState()
     out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            pretrain(parse_args(args, 2))
-    finally:
-        trainer._train_step = original
-    return dist.get_rank(), state["model_state"], out.getvalue()
+    # The log on stdout, as pretrain_gpt.py shows it.
+    with contextlib.redirect_stdout(out), console("megazero.training"):
+        pretrain(parse_args(args, 2), callbacks=[measured])
+    return dist.get_rank(), measured.bytes, out.getvalue()
 
 
 def test_track_memory_logs_the_tracked_peak(tmp_path):

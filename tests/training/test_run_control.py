@@ -7,6 +7,7 @@ import signal
 import torch
 
 from megazero.training.config import rampup_global_batch_size
+from megazero.training.loop import Callback
 from tests.distributed import run_distributed
 from tests.training.test_e2e import argv
 
@@ -25,26 +26,26 @@ def test_rampup_sequence_is_megatrons():
     assert rampup_global_batch_size((16, 16, 5859375), 1536, 5859376) == 1536
 
 
+class SigtermOneRank(Callback):
+    """SIGTERM to rank 1 alone (a cluster may signal one rank only) before the ``at``-th step run here."""
+
+    def __init__(self, at):
+        self.at, self.calls = at, 0
+
+    def on_step_start(self, state, batches):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.calls == self.at and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _pretrain(args, world, sigterm_at=None):
     from megazero.training import parse_args
     from megazero.training.trainer import pretrain
-    import megazero.training.trainer as trainer
-    import torch.distributed as dist
 
     torch.manual_seed(0)
-    original, calls = trainer._train_step, [0]
-
-    def step(engine, batches, device, *rest):
-        calls[0] += 1
-        if calls[0] == sigterm_at and dist.get_rank() == 1:  # the cluster signals one rank only
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(engine, batches, device, *rest)
-
-    trainer._train_step = step
-    try:
-        r = pretrain(parse_args(args, world))
-    finally:
-        trainer._train_step = original
+    r = pretrain(parse_args(args, world), callbacks=[SigtermOneRank(sigterm_at)])
     return r.losses, r.iteration, r.consumed_samples, r.exit_reason, r.final_eval
 
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from megazero.data import IndexedDatasetBuilder
 from megazero.training import parse_args
-from megazero.training.trainer import _datasets
+from megazero.training.loop import build_datasets
 
 
 def _corpus(prefix: str, docs: int, seed: int) -> None:
@@ -27,18 +27,18 @@ def test_unweighted_prefixes_blend_by_size(tmp_path):
     # Far more samples than both prefixes hold: the blend is one epoch of each, in proportion to size.
     cfg = parse_args(base + ["--train-iters", "500", "--data-path", a, b], 4)
     assert cfg.data.prefixes == [a, b] and cfg.data.weights is None
-    train, _, _ = _datasets(cfg, 101)
+    train, _, _ = build_datasets(cfg, 101)
     sizes = [len(d) for d in train.datasets]
     assert sizes[1] > 3 * sizes[0]  # the sizes differ enough that equal weights could not pass
     counts = np.bincount(train.dataset_index, minlength=2)
     assert len(train) == sum(sizes) and counts.tolist() == sizes
     # Fewer samples than the prefixes hold: a prefix of that blend, still in proportion to size.
     cfg = parse_args(base + ["--train-iters", "10", "--data-path", a, b], 4)
-    train, _, _ = _datasets(cfg, 101)
+    train, _, _ = build_datasets(cfg, 101)
     assert len(train) == 80
     share = np.bincount(train.dataset_index, minlength=2)[0] / 80
     assert abs(share - sizes[0] / sum(sizes)) <= 1 / 80
     # Given weights still rule: 1 A 1 B is an equal blend.
     cfg = parse_args(base + ["--train-iters", "10", "--data-path", "1", a, "1", b], 4)
-    train, _, _ = _datasets(cfg, 101)
+    train, _, _ = build_datasets(cfg, 101)
     assert cfg.data.weights == [0.5, 0.5] and abs(np.mean(train.dataset_index[:80] == 0) - 0.5) <= 1 / 80

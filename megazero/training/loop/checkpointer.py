@@ -1,0 +1,142 @@
+"""The loop's checkpointer: where a run starts, and when and what it saves."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from ... import mpu
+from ..checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
+from ..config import TrainConfig
+from ..failures import agree
+from ..lr_schedule import LRScheduler
+from ..output import rank_zero_logger
+from ..step import TrainModel
+from .state import Callback, TrainState
+
+__all__ = ["Checkpointer"]
+
+log = rank_zero_logger(__name__)
+
+
+class Checkpointer:
+    """Loads the start of a run (``--load``, ``--pretrained-checkpoint``, ``--finetune``, ``--no-load-*``)
+    and saves: every ``--save-interval`` iterations, at a planned exit (unless that iteration was just
+    saved), at the end of training (unless ``latest`` is already that iteration), and a debug copy
+    when the run diverges. Without ``--save`` it saves nothing but the debug copy (under ``./debug``).
+
+    A checkpoint holds the engine's state, every rank's RNG, the train state (iteration, consumed
+    samples, LR schedule), the config and the tokenizer's files. ``callbacks`` hear ``on_load``,
+    ``on_save_written`` and ``on_save``.
+    """
+
+    def __init__(self, config: TrainConfig, run: TrainModel, scheduler: LRScheduler, tokenizer=None,
+                 callbacks: Optional[Callback] = None) -> None:
+        self.config, self.run, self.scheduler, self.tokenizer = config, run, scheduler, tokenizer
+        self.callbacks = callbacks or Callback()
+        self.last_saved: Optional[int] = None  # the iteration of the latest save into --save
+
+    # -- saving
+
+    def after_step(self, state: TrainState) -> None:
+        """Save at every ``--save-interval``-th iteration."""
+        ck = self.config.checkpoint
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            self.save(state)
+
+    def on_exit(self, state: TrainState) -> None:
+        """A planned exit (signal, duration, interval): save unless this iteration is saved already."""
+        if self.config.checkpoint.save and self.last_saved != state.iteration:
+            self.save(state)
+
+    def at_end(self, state: TrainState) -> None:
+        """The end of training: save unless ``latest`` is this iteration (or training was skipped)."""
+        save = self.config.checkpoint.save
+        if save and not self.config.schedule.skip_train and latest_iteration(save) != state.iteration:
+            self.save(state)
+
+    def save_debug(self, state: TrainState) -> str:
+        """The current state into ``SAVE/debug`` (``./debug`` without ``--save``); its directory."""
+        debug = os.path.join(self.config.checkpoint.save or ".", "debug")
+        return self.save(state, save_dir=debug)
+
+    def save(self, state: TrainState, save_dir: Optional[str] = None) -> str:
+        """Collective: the checkpoint of ``state.iteration`` into ``save_dir`` (default ``--save``)."""
+        save = save_dir or self.config.checkpoint.save
+        t0 = time.perf_counter()
+        path = save_checkpoint(save, state.iteration, self.run.engine,
+                               train_state={"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+                                            "lr_scheduler": self.scheduler.state_dict()},
+                               config=self.config.to_dict(), tokenizer=self.tokenizer, pipeline=self.run.stage,
+                               on_written=self.callbacks.on_save_written)
+        log.info(f"saved checkpoint {checkpoint_dir(save, state.iteration)} in {time.perf_counter() - t0:.2f}s")
+        if save_dir is None:
+            self.last_saved = state.iteration
+        self.callbacks.on_save(path)
+        return path
+
+    # -- loading
+
+    def load(self) -> tuple[int, int]:
+        """``(iteration, consumed samples)`` where the run starts; the weights, optimizer, RNG and LR
+        schedule restored as the flags ask."""
+        ck, engine = self.config.checkpoint, self.run.engine
+        fresh_rng = mpu.get_rng_tracker().get_states()
+        fresh_cpu_rng = torch.get_rng_state()
+        if ck.load:
+            agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
+        # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
+        state = load_checkpoint(ck.load, engine, ck.ckpt_step, pipeline=self.run.stage,
+                                load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
+        if state is None and ck.pretrained:
+            _init_from_pretrained(engine, ck.pretrained)
+        if state is None:
+            if ck.load:
+                log.info(f"> no checkpoint in {ck.load}: starting from "
+                         + ("the pretrained weights" if ck.pretrained else "scratch"))
+            return 0, 0
+        self.callbacks.on_load(state)
+        if ck.finetune or ck.no_load_optim:
+            # Megatron's --finetune / --no-load-optim: keep the loaded weights, start the optimizer afresh.
+            engine.optimizer.state.clear()
+        if ck.finetune or ck.no_load_rng:
+            torch.set_rng_state(fresh_cpu_rng)
+            mpu.get_rng_tracker().set_states(fresh_rng)
+        if state.get("scaler_note"):
+            log.info(f"> {state['scaler_note']}")
+        if ck.finetune:
+            log.info(f"> --finetune: weights from iteration {state['iteration']} of {ck.load}; iteration, "
+                     f"samples, optimizer and RNG start afresh")
+            return 0, 0
+        try:
+            s = self.config.schedule
+            self.scheduler.load_state_dict(state["lr_scheduler"], use_checkpoint_values=s.use_checkpoint_opt_param_scheduler,
+                                           override=s.override_opt_param_scheduler)
+        except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
+            raise CheckpointError(str(e)) from None
+        log.info(f"> resumed from iteration {state['iteration']} ({state['consumed_samples']} samples)"
+                 + (" with a new layout" if state["resharded"] else ""))
+        return state["iteration"], state["consumed_samples"]
+
+
+def _refuse_foreign_checkpoint(load: str) -> None:
+    """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
+    instead of finding no megazero checkpoint there and silently starting from scratch."""
+    from ..megatron_ckpt import detect_foreign_checkpoint
+
+    message = detect_foreign_checkpoint(load)
+    if message is not None:
+        raise CheckpointError(message)
+
+
+def _init_from_pretrained(engine, directory: str) -> None:
+    """Start from full weights (e.g. an imported Hugging Face model); each rank reads only its rows
+    (a pipeline stage only its own layers: the engine names them as at pp = 1)."""
+    from ...zero.checkpoint import load_full_weights_file
+
+    path = os.path.join(directory, "model_full.safetensors")
+    agree("pretrained weights load", lambda: load_full_weights_file(engine, path))
+    log.info(f"> initialized the weights from {path}")
