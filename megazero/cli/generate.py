@@ -46,10 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @torch.no_grad()
-def load_tp_shard(config, reader, show_progress: bool = False) -> torch.nn.Module:
-    """This process's TP shard of the model, read slice by slice from the checkpoint."""
+def load_tp_shard(config, reader, groups: mpu.ParallelGroups, show_progress: bool = False) -> torch.nn.Module:
+    """This process's shard of the model for ``groups``' tensor-parallel rank and size, read slice
+    by slice from the checkpoint."""
     model = materialize_(GPTModel(config, device="meta"), mpu.get_device())
-    rank, world = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    rank, world = groups.tp_rank, groups.tp_size
     params = list(model.named_parameters())
 
     def load() -> None:
@@ -80,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
     with mpu.distributed_run() as (rank, _):
-        mpu.initialize_model_parallel(args.tp)
+        groups = mpu.initialize_model_parallel(args.tp)
         mpu.model_parallel_manual_seed(args.seed)
         try:
-            model = load_tp_shard(config, reader, show_progress=rank == 0)
+            model = load_tp_shard(config, reader, groups, show_progress=rank == 0)
             text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
             if rank == 0:

@@ -4,7 +4,9 @@ and --log-optimizer-states-to-tensorboard.
 Every rank holds a data-parallel partition of its tensor-parallel shard; a model-wide number
 counts each element once: partitions are disjoint, TP shards are disjoint, and TP-replicated
 parameters (norms, row-parallel biases) are counted on TP rank 0 only (``FlatGroup.norm_ranges``,
-the rule the engine's gradient norm uses).
+the rule the engine's gradient norm uses). The sums are completed over ``groups.dp_group`` (the
+partitions) and ``groups.mp_group`` (the TP and PP shards): ``groups`` is the run's
+:class:`~megazero.mpu.ParallelGroups`, the one the engine's groups come from.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
+from ..mpu import ParallelGroups
 from ..utils.scopes import scope
 
 __all__ = ["partition_stats", "params_norm", "optimizer_state_stats", "count_zeros_in_grads"]
@@ -24,10 +27,18 @@ def _ranges(engine, group):
     return group.norm_ranges(count_replicated=engine.tp_rank == 0, count_any=engine.stage > 0 or engine.dp_rank == 0)
 
 
+def _complete(groups: Optional[ParallelGroups]) -> tuple[Optional[dist.ProcessGroup], ...]:
+    """The groups a rank's partial sums are reduced over: ``groups``' DP and model-parallel groups
+    (None: the groups ``megazero.mpu`` was initialized with)."""
+    groups = groups if groups is not None else mpu.get_parallel_groups()
+    return groups.dp_group, groups.mp_group
+
+
 @scope("train.norms")  # what a memory observer labels "step"
-def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]]) -> tuple[float, float, float]:
+def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]],
+                    groups: Optional[ParallelGroups] = None) -> tuple[float, float, float]:
     """(L2 norm, L1 norm, max |x|) over the whole model of ``tensor_of(group)`` (aligned with the
-    group's fp32 master partition; None for groups without it)."""
+    group's fp32 master partition; None for groups without it). Every rank of ``groups`` calls it."""
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     peak = torch.zeros(1, dtype=torch.float64, device=engine.device)
     for g in engine.groups:
@@ -40,18 +51,18 @@ def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]
             sums[1] += x.abs().sum().to(sums.device)
             peak = torch.maximum(peak, x.abs().max(dim=0, keepdim=True)[0].to(peak.device)) if hi > lo else peak
     engine.drop_pages()  # the NVMe maps' pages this read (offload)
-    for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
+    for group in _complete(groups):
         dist.all_reduce(sums, group=group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     return float(sums[0].sqrt()), float(sums[1]), float(peak)
 
 
-def params_norm(engine) -> float:
+def params_norm(engine, groups: Optional[ParallelGroups] = None) -> float:
     """Megatron's 'params-norm': the L2 norm of all (fp32 master) parameters."""
-    return partition_stats(engine, lambda g: g.master)[0]
+    return partition_stats(engine, lambda g: g.master, groups)[0]
 
 
-def optimizer_state_stats(engine) -> dict[str, float]:
+def optimizer_state_stats(engine, groups: Optional[ParallelGroups] = None) -> dict[str, float]:
     """Megatron-DeepSpeed's --log-optimizer-states-to-tensorboard scalars (Adam's moments and weights)."""
     out: dict[str, float] = {}
     state = engine.optimizer.state
@@ -60,7 +71,7 @@ def optimizer_state_stats(engine) -> dict[str, float]:
                      ("variance_sqrt", lambda g: state[g.master]["exp_avg_sq"].sqrt()
                       if "exp_avg_sq" in state.get(g.master, {}) else None),
                      ("weight", lambda g: g.master)):
-        l2, l1, peak = partition_stats(engine, of)
+        l2, l1, peak = partition_stats(engine, of, groups)
         out.update({f"optimizer/{name}_l2": l2, f"optimizer/{name}_l1": l1, f"optimizer/{name}_abs_max": peak})
     return out
 
@@ -72,8 +83,8 @@ class count_zeros_in_grads:
     never becomes a ``master.grad`` (it streams to the host from the engine's partition), so its
     zeros are counted there (scaling does not change which elements are zero)."""
 
-    def __init__(self, engine) -> None:
-        self.engine, self.zeros = engine, None
+    def __init__(self, engine, groups: Optional[ParallelGroups] = None) -> None:
+        self.engine, self.groups, self.zeros = engine, groups, None
         self._step = engine.optimizer.step
         engine.optimizer.step = self._counting_step
 
@@ -84,7 +95,7 @@ class count_zeros_in_grads:
             if grad is not None:
                 for lo, hi in _ranges(self.engine, g):
                     local += (grad[lo:hi] == 0).sum()
-        for group in (mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
+        for group in _complete(self.groups):
             dist.all_reduce(local, group=group)
         self.zeros = local  # on the device: read (float) when the log line is written
         return self._step(*args, **kwargs)

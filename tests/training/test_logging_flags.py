@@ -27,14 +27,14 @@ def _stats(args, world):
     from megazero.training.trainer import megatron_no_weight_decay
 
     cfg = parse_args(args, world)
-    mpu.initialize_model_parallel(cfg.parallel.tp)
+    groups = mpu.initialize_model_parallel(cfg.parallel.tp)
     mpu.model_parallel_manual_seed(cfg.seed)
     engine = zero.initialize(GPTModel(cfg.model, device="meta"), cfg.zero_config(), mpu=mpu,
                              no_weight_decay=megatron_no_weight_decay, device=torch.device("cpu"))
     full = engine.consolidated_state_dict(rank0_only=False)
     reference = math.sqrt(sum(float(t.double().pow(2).sum()) for t in full.values()))
-    before = params_norm(engine)
-    zeros = count_zeros_in_grads(engine)
+    before = params_norm(engine, groups)
+    zeros = count_zeros_in_grads(engine, groups)
     # the same global batch on every layout: tokens 0..39 only, so embedding rows 40..99 get no gradient
     tokens = torch.arange(cfg.schedule.global_batch_size * 17).remainder(40).view(-1, 17)
     dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
@@ -43,7 +43,7 @@ def _stats(args, world):
         loss = engine(micro[:, :-1], labels=micro[:, 1:]).mean()
         engine.backward(loss)
         engine.step()
-    return before, reference, float(zeros.zeros), params_norm(engine)
+    return before, reference, float(zeros.zeros), params_norm(engine, groups)
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,11 @@ def _save(directory, config_dict, tp, stage, step):
 
 
 def _generate_losses(directory, tp):
-    mpu.initialize_model_parallel(tp)
+    groups = mpu.initialize_model_parallel(tp)
     config, reader, _ = open_checkpoint(directory)
     from megazero.cli.generate import load_tp_shard
 
-    model = load_tp_shard(config, reader)
+    model = load_tp_shard(config, reader, groups)
     ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         loss = model(ids[:, :-1], labels=ids[:, 1:])
