@@ -18,6 +18,7 @@ built-in default. A value given on the command line *and* in the JSON must agree
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ from megazero.training.config import (  # noqa: F401  (the config classes are re
     rampup_global_batch_size,
 )
 from megazero.training.flags import HELP_EPILOG, add_to_parser, refusals
+from megazero.training.output import console
 from megazero.training.resolve.common import default
 from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, resolve_data
 from megazero.training.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
@@ -53,6 +55,8 @@ from megazero.training.resolve.schedule import resolve_schedule
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe",
            "pipeline_plan_line", "build_gpt_config", "model_field_kwargs", "MODEL_FIELD_FLAGS", "TOKENIZER_TYPES",
            "DEFAULT_TOKENIZER", "GPT2_VOCAB_SIZE"]
+
+log = logging.getLogger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -152,17 +156,19 @@ def check_vocab(config: TrainConfig, tokenizer_vocab_size: int) -> None:
 
 def parse_args_or_exit(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, *,
                        check_files: bool = True) -> TrainConfig:
-    """``parse_args`` for entry points: on ConfigError print only the message and exit 2.
+    """``parse_args`` for entry points: on ConfigError log only the message (ERROR) and exit 2.
 
-    Only local rank 0 prints, so a multi-GPU node shows the message once. The other ranks,
+    Only local rank 0 logs it, so a multi-GPU node shows the message once. The other ranks,
     which fail the same way, wait a moment before exiting: a launcher stops every rank when the
-    first one exits, and a rank 0 stopped before it printed would leave the user no message.
+    first one exits, and a rank 0 stopped before it logged would leave the user no message.
     """
     try:
         return parse_args(argv, world_size, check_files=check_files)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            # The process exits next: the message reaches stderr whatever logging the caller set up.
+            with console(__name__):
+                log.error(f"error: {e}")
         else:
             time.sleep(5.0)  # rank 0 exits first (torchrun then stops this one)
         sys.exit(2)

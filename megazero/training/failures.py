@@ -16,14 +16,14 @@ the step's own all-reduce (``ZeroEngine.flag_failure``), and only when that says
 rank failed do all ranks :func:`conclude` together.
 
 Errors are either *user* errors (a message says everything; no traceback) or
-*internal* ones (a traceback, printed once, by the rank where it happened).
+*internal* ones (a traceback, logged once, by the rank where it happened).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
+import logging
 import traceback
 from typing import Callable, Optional, TypeVar
 
@@ -33,6 +33,8 @@ import torch.distributed as dist
 __all__ = ["Failure", "RunAborted", "agree", "attempt", "conclude", "failure_of", "is_user_error", "report"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,19 +130,17 @@ def agree(phase: str, fn: Callable[[], T], *, user_errors: tuple[type, ...] = ()
 
 
 def report(e: BaseException, prog: str = "error") -> int:
-    """Print one line for ``e`` (plus the traceback of an internal error, on the rank where it
-    happened) and return the exit status. The line is printed by the failing rank; the other
-    ranks stay silent, so the launching terminal shows it once."""
+    """Log one ERROR record for ``e`` (led by the traceback of an internal error, on the rank where it
+    happened) and return the exit status. The failing rank logs it; the other ranks stay silent, so
+    the launching terminal shows it once."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if isinstance(e, RunAborted):
         if rank == e.rank:
-            if not e.user and e.tb:
-                print(e.tb, file=sys.stderr, end="", flush=True)
-            print(f"{prog}: {e}", file=sys.stderr, flush=True)
+            log.error("%s%s: %s", e.tb if not e.user and e.tb else "", prog, e)
         return 1
     if is_user_error(e):
-        print(f"{prog}: {e} (rank {rank})", file=sys.stderr, flush=True)
+        log.error("%s: %s (rank %d)", prog, e, rank)
         return 1
-    traceback.print_exception(e, file=sys.stderr)
-    print(f"{prog}: internal error on rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    tb = "".join(traceback.format_exception(e))
+    log.error("%s%s: internal error on rank %d: %s: %s", tb, prog, rank, type(e).__name__, e)
     return 1

@@ -21,6 +21,7 @@ A row may also refuse some *values* of an otherwise honoured flag (``refuse_valu
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -459,4 +460,4 @@ def flags_markdown() -> str:
 
 
 if __name__ == "__main__":
-    print(flags_markdown(), end="")
+    sys.stdout.write(flags_markdown())  # the product (docs/flags.md's text), not a diagnostic

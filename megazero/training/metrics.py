@@ -1,7 +1,7 @@
 """Training metrics: Megatron-style log lines, throughput, and JSONL/TensorBoard output.
 
 The loop keeps an ``IntervalMeter`` per log interval, turns its summary into an
-``IterationStats`` and hands that to ``format_log_line`` (stdout, rank 0) and to
+``IterationStats`` and hands that to ``format_log_line`` (logged by rank 0) and to
 ``MetricsWriter.write`` (JSONL + optional TensorBoard, rank 0 only):
 
     meter = IntervalMeter()
@@ -11,7 +11,7 @@ The loop keeps an ``IntervalMeter`` per log interval, turns its summary into an
         stats = IterationStats.from_summary(summary, iteration=it, train_iters=cfg.schedule.train_iters,
                                             consumed_samples=..., lr=..., global_batch_size=...,
                                             throughput=Throughput.from_config(cfg), loss_scale=..., grad_norm=...)
-        print(format_log_line(stats)); writer.write(stats.iteration, stats.to_record())
+        log.info(format_log_line(stats)); writer.write(stats.iteration, stats.to_record())
 
 JSONL record keys (one object per line; non-finite numbers are written as null):
 ``iteration``, ``consumed_samples``, ``lr``, ``global_batch_size``, ``lm_loss`` (each loss
