@@ -15,7 +15,6 @@ itself waits only for the gradient norm (clipping, fp16 overflow).
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable, Iterable, Optional
 
 import torch

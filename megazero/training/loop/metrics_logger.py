@@ -95,7 +95,8 @@ class MetricsLogger:
 
     def after_step(self, state: TrainState) -> None:
         """Log at every ``--log-interval``-th iteration and at the last one."""
-        if state.iteration % self.config.logging.log_interval == 0 or state.iteration == self.config.schedule.train_iters:
+        it = state.iteration
+        if it % self.config.logging.log_interval == 0 or it == self.config.schedule.train_iters:
             self.flush(state)
             stats = self._stats(state)
             log.info(format_log_line(stats))
