@@ -256,9 +256,9 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     num_microbatches: Optional[int] = None, reduce_bucket_size: Optional[float] = None,
                     prefetch_bucket_size: Optional[float] = None, offload_optimizer: str = "none",
                     offload_ratio: float = 1.0, offload_buffer_count: int = 4,
-                    offload_buffer_size: int = 1 << 23, offload_param: str = "none",
+                    offload_buffer_size: Optional[int] = None, offload_param: str = "none",
                     offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
-                    offload_param_buffer_size: float = 1e8) -> MemoryEstimate:
+                    offload_param_buffer_size: Optional[float] = None) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s

@@ -129,7 +129,8 @@ class OffloadOptimizerConfig:
     groups in model order (DeepSpeed's partial offload; Megatron's ``--optimizer-offload-fraction``);
     the rest steps on the accelerator. The step streams gradients to the host and updated weights
     back through a ring of ``buffer_count`` host buffers of ``buffer_size`` elements (megazero's
-    key: DeepSpeed sizes these by ``sub_group_size``), pinned when ``pin_memory`` and possible.
+    key; None: sized from what is offloaded, a small share of it, see
+    ``megazero.zero.offload.ring_chunk``), pinned when ``pin_memory`` and possible.
     ``fast_init``, ``pipeline_read`` and ``pipeline_write`` tune DeepSpeed's swapper and have no
     effect: the ring always pipelines reads, steps and writes.
     """
@@ -138,7 +139,7 @@ class OffloadOptimizerConfig:
     nvme_path: Optional[str] = None
     pin_memory: bool = False
     buffer_count: int = 4
-    buffer_size: int = 1 << 23
+    buffer_size: Optional[int] = None  # None: megazero.zero.offload.ring_chunk's default
     ratio: float = 1.0
     fast_init: bool = False
     pipeline_read: bool = False
@@ -157,14 +158,16 @@ class OffloadParamConfig:
     ``device``: ``none``, ``cpu`` (host memory) or ``nvme`` (files under ``nvme_path``; the first
     ``max_in_cpu`` elements of the partition, in model order, stay in host memory). Reads from NVMe
     go through ``buffer_count`` host buffers of ``buffer_size`` elements, pinned when
-    ``pin_memory`` and possible (DeepSpeed's defaults: 5 of 1e8 elements, 1e9 in memory).
+    ``pin_memory`` and possible (DeepSpeed's defaults: 5 buffers, 1e9 elements in memory; unset,
+    ``buffer_size`` is sized from what is on NVMe, see ``megazero.zero.param_offload.ring_bytes``,
+    and is never more than DeepSpeed's 1e8 elements).
     """
 
     device: str = "none"
     nvme_path: Optional[str] = None
     pin_memory: bool = False
     buffer_count: int = 5
-    buffer_size: int = 100_000_000
+    buffer_size: Optional[int] = None  # None: megazero.zero.param_offload.ring_bytes's default
     max_in_cpu: int = 1_000_000_000
 
     @property

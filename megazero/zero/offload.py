@@ -9,9 +9,10 @@ the gradient partition. Mixed-precision training drops from 16 to 4 bytes per pa
 on the accelerator (fp32 training from 16 to 8: its parameters are fp32).
 
 The step. The norm is computed on the accelerator, where the gradients are (the engine's one
-all-reduce and one host read); then every offloaded group is streamed in chunks of ``buffer_size``
-elements (rounded down to a multiple of :data:`ALIGN`) through a ring of ``buffer_count`` host
-buffers, in three stages:
+all-reduce and one host read); then every offloaded group is streamed in chunks (:func:`ring_chunk`:
+``buffer_size`` elements when given, rounded down to a multiple of :data:`ALIGN`; by default a
+fixed :data:`DEFAULT_CHUNK`, smaller where the ring would exceed :data:`RING_SHARE` of the
+offloaded state) through a ring of ``buffer_count`` host buffers, in three stages:
 
 * fetch (reader thread): the chunk's gradient, accelerator -> ring slot; with NVMe also the master
   and moments, file -> slot;
@@ -22,8 +23,10 @@ buffers, in three stages:
 
 While chunk i steps, chunk i+1 arrives and chunk i-1 leaves; a slot is refilled only after its
 return finished, so at most ``buffer_count`` chunks are in flight and host memory beyond the state
-is the ring: ``buffer_count x buffer_size x 4`` bytes (the gradient) with ``cpu``, ``x 16`` with
-``nvme`` (gradient, master, two moments), whatever the model size.
+is the ring: ``buffer_count x chunk x 4`` bytes (the gradient) with ``cpu``, ``x 16`` with ``nvme``
+(gradient, master, two moments). Sized by default from what is offloaded, not from the largest
+group, the ring stays a small share of the state it streams at any model size, so offloading
+saves most of what it moves.
 
 Exactness. The fused CPU kernel is elementwise; chunks starting at multiples of :data:`ALIGN`
 elements give bit-identical results to one call over the whole partition, so on a CPU machine a
@@ -56,12 +59,32 @@ from .config import OffloadOptimizerConfig, OptimizerConfig
 from .flat import FlatGroup
 from .pinned import HostArena
 
-__all__ = ["ALIGN", "OptimizerOffload", "offloaded_groups"]
+__all__ = ["ALIGN", "DEFAULT_CHUNK", "RING_SHARE", "OptimizerOffload", "offloaded_groups", "ring_chunk"]
 
 # Chunks start at multiples of this many elements: the fused CPU kernel's vectorised body then
 # covers the same elements as in one call over the whole tensor (an unaligned start moves
 # elements between its vector body and its scalar tail, which round differently).
 ALIGN = 4096
+# Elements per ring buffer when buffer_size is not given: large enough that a chunk's fixed costs
+# (a thread hand-off, three file calls) are small beside its copies and its Adam.
+DEFAULT_CHUNK = 1 << 20
+# By default the ring holds at most this share of the offloaded state's bytes (12 per element).
+RING_SHARE = 1 / 8
+
+
+def ring_chunk(offloaded: int, largest: int, buffer_count: int, buffer_size: Optional[int], nvme: bool) -> int:
+    """Elements per ring buffer for ``offloaded`` elements of optimizer state whose largest group
+    has ``largest``: ``buffer_size`` when given (rounded down to a multiple of :data:`ALIGN`, at
+    least ALIGN); else :data:`DEFAULT_CHUNK`, lowered so that the ``buffer_count`` buffers (4 B per
+    element, x4 with ``nvme``) hold at most :data:`RING_SHARE` of the state's 12 B per element.
+    Never more than ``largest`` rounded up to ALIGN, nor less than ALIGN."""
+    if buffer_size is not None:
+        chunk = max(ALIGN, int(buffer_size) // ALIGN * ALIGN)
+    else:
+        per_element = buffer_count * 4 * (4 if nvme else 1)  # ring bytes per element of a chunk
+        cap = int(12 * offloaded * RING_SHARE) // per_element
+        chunk = max(ALIGN, min(DEFAULT_CHUNK, cap) // ALIGN * ALIGN)
+    return min(chunk, -(-max(int(largest), 1) // ALIGN) * ALIGN)
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -172,8 +195,9 @@ class OptimizerOffload:
         self.groups = list(groups)
         self.host = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
         self.nvme = config.device == "nvme" and self.device.type != "meta"
-        self.chunk = max(ALIGN, config.buffer_size // ALIGN * ALIGN)
-        self.chunk = min(self.chunk, -(-max([g.shard_numel for g in groups] or [1]) // ALIGN) * ALIGN)
+        numels = [g.shard_numel for g in self.groups]
+        self.chunk = ring_chunk(sum(numels), max(numels or [1]), config.buffer_count, config.buffer_size,
+                                config.device == "nvme")
         self.files: dict[FlatGroup, OffloadFiles] = {}
         self._lock_fd: Optional[int] = None
         self.events: Optional[list[tuple[str, int, float, float]]] = None  # set to a list to record stages

@@ -11,7 +11,8 @@ per element of its partition (the gradient) instead of 18, and fp32 training's h
 the host fp32 master (no second copy).
 
 The gather. The partition is copied into the unit's full buffer at this rank's own slice (from
-NVMe through ``buffer_count`` host buffers of ``buffer_size`` elements), and the all-gather runs
+NVMe through ``buffer_count`` host buffers of ``buffer_size`` elements; unset, sized by
+:func:`ring_bytes` to a small share of what is on NVMe), and the all-gather runs
 in place from that slice (as FSDP2's does): no device staging beyond the full buffer, which the
 gather needs anyway. Asynchronous when the host memory is pinned.
 
@@ -32,10 +33,27 @@ import torch
 
 from .config import OffloadParamConfig
 from .flat import FlatGroup
-from .offload import OffloadFiles, close_all, claim_directory, file_name
+from .offload import ALIGN, DEFAULT_CHUNK, RING_SHARE, OffloadFiles, close_all, claim_directory, file_name
 from .pinned import HostArena
 
-__all__ = ["ParamOffload"]
+__all__ = ["DEEPSPEED_BUFFER_SIZE", "ParamOffload", "ring_bytes"]
+
+DEEPSPEED_BUFFER_SIZE = 100_000_000  # DeepSpeed's offload_param.buffer_size, in elements
+
+
+def ring_bytes(on_nvme: list[int], elem: int, buffer_count: int, buffer_size: Optional[int]) -> int:
+    """Bytes per NVMe buffer for partitions of ``on_nvme`` elements of ``elem`` bytes in files: at
+    most the largest partition; ``buffer_size`` elements when given; else :data:`DEFAULT_CHUNK`
+    elements (at most DeepSpeed's :data:`DEEPSPEED_BUFFER_SIZE`), lowered so that the
+    ``buffer_count`` buffers hold at most :data:`RING_SHARE` of the bytes on NVMe (multiples of
+    ``ALIGN`` elements, at least ALIGN). 0 when nothing is on NVMe."""
+    if not on_nvme:
+        return 0
+    largest = max(on_nvme) * elem
+    if buffer_size is not None:
+        return min(largest, int(buffer_size) * elem)
+    cap = int(sum(on_nvme) * RING_SHARE) // max(buffer_count, 1)  # elements
+    return min(largest, max(ALIGN, min(DEFAULT_CHUNK, DEEPSPEED_BUFFER_SIZE, cap) // ALIGN * ALIGN) * elem)
 
 
 class ParamOffload:
@@ -82,7 +100,8 @@ class ParamOffload:
             to_host.append(g)
         # NVMe reads and writes go through a ring of host buffers (bytes, whatever the dtype).
         elem = max([g.full.element_size() for g in self.on_nvme] or [1])
-        self.chunk_bytes = min(max([g.shard_numel * elem for g in self.on_nvme] or [0]), config.buffer_size * elem)
+        self.chunk_bytes = ring_bytes([g.shard_numel for g in self.on_nvme], elem, config.buffer_count,
+                                      config.buffer_size)
         count = config.buffer_count if self.on_nvme else 0
         # The host partitions and the ring in one allocation, sized exactly: pinning them one by one
         # would round each up to a power of two.
