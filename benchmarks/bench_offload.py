@@ -3,6 +3,7 @@
 
     python benchmarks/bench_offload.py                 # ~6 min on a quiet 2-core machine
     python benchmarks/bench_offload.py --num-layers 2  # smoke run
+    python benchmarks/bench_offload.py --pretrain      # pretrain_gpt.py, dp 2, NVMe: RSS saved vs moved
 
 One process (dp 1: the whole partition is this rank's), fp32, seq 64, one sequence, each
 configuration in a process of its own: ZeRO-1 with ``offload_optimizer.device`` none / cpu / nvme,
@@ -19,6 +20,14 @@ and ZeRO-3 with none, ``offload_param`` nvme, and both on NVMe (ZeRO-Infinity):
 * the host step's throughput: the chunked, three-stage step over the ring
   (``megazero.zero.offload``) against one ``torch.optim.AdamW(fused=True).step()`` over the same
   flat partitions, in elements per second, both on this CPU, and whether they agree bit for bit.
+
+``--pretrain``: what a user runs, ``torchrun --nproc_per_node 2 pretrain_gpt.py`` (fp32, ZeRO-2,
+mock data, 3 iterations) with a DeepSpeed JSON, each configuration in a process of its own whose
+children's peak RSS (the largest rank's) is measured: no offload (the baseline), ``offload_optimizer``
+on NVMe with ``buffer_count`` 4 and ``buffer_size`` 2^23 (the ring sized by the largest group, as
+before the ring was bounded by what it moves), and the same JSON without ``buffer_size`` (the
+default ring). Moved: the two Adam moments of the rank's partition, 8 B per element in fp32 (the
+weights are the masters and stay); saved: the baseline's peak RSS minus the run's.
 
 What it means on a GPU: ``cpu`` then frees 12 B per parameter of accelerator memory (16 -> 4 B per
 parameter of the partition in mixed precision); the step adds a device -> host copy of the
@@ -149,6 +158,74 @@ def _host_step_speed(engine, torch) -> dict:
             "bit_identical": same}
 
 
+# name: the offload_optimizer block of the JSON (None: no offload)
+PRETRAIN_CONFIGS = {"none": None,
+                    "nvme, ring by largest group": {"buffer_count": 4, "buffer_size": 1 << 23},
+                    "nvme, default ring": {"buffer_count": 4}}
+
+
+def _pretrain_flags(args: argparse.Namespace, ds_path: str) -> list[str]:
+    return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.hidden_size // 64), "--seq-length", str(args.seq_length),
+            "--max-position-embeddings", str(args.seq_length), "--vocab-size", str(args.vocab_size),
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-4",
+            "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--deepspeed_config", ds_path]
+
+
+def _pretrain_child(args: argparse.Namespace) -> dict:
+    """One configuration: torchrun with 2 ranks of pretrain_gpt.py; the largest descendant's peak RSS."""
+    ds = {"zero_optimization": {"stage": 2}}
+    block = PRETRAIN_CONFIGS[args.pretrain_config]
+    if block is not None:
+        ds["zero_optimization"]["offload_optimizer"] = dict(block, device="nvme", nvme_path=args.nvme_path)
+    path = os.path.join(args.nvme_path, "ds_config.json")
+    with open(path, "w") as f:
+        json.dump(ds, f)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+           "--master_port", str(args.port), str(ROOT / "pretrain_gpt.py"), *_pretrain_flags(args, path)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=args.nvme_path)
+    if proc.returncode != 0:
+        sys.exit(f"{args.pretrain_config}: pretrain_gpt.py failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return {"peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            "seconds": time.perf_counter() - t0}
+
+
+def pretrain_main(args: argparse.Namespace) -> None:
+    """The --pretrain figures: peak RSS saved against what the NVMe offload moves, before and after."""
+    from megazero.model import GPTModel
+    from megazero.training import parse_args
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_offload_") as work:
+        cfg = parse_args(_pretrain_flags(args, "")[:-2], 2)  # the model, without the JSON
+        n = sum(p.numel() for p in GPTModel(cfg.model, device="meta").parameters())
+        for i, name in enumerate(PRETRAIN_CONFIGS):
+            nvme = os.path.join(work, f"run{i}")
+            os.makedirs(nvme)
+            cmd = [sys.executable, __file__, "--pretrain-config", name, "--nvme-path", nvme,
+                   "--port", str(args.port + i)] + [f"--{k.replace('_', '-')}={getattr(args, k)}"
+                                                    for k in ("num_layers", "hidden_size", "vocab_size", "seq_length")]
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            results[name] = json.loads(line[7:])
+    mib = 2 ** 20
+    moved = 8 * n / 2  # the two fp32 moments of a rank's half of the parameters
+    base = results["none"]["peak_rss"]
+    print(f"pretrain_gpt.py, torchrun --nproc_per_node 2 (dp 2), ZeRO-2, fp32: GPT {args.num_layers} layers, "
+          f"hidden {args.hidden_size}, vocab {args.vocab_size}, seq {args.seq_length}: {n / 1e6:.1f}M parameters; "
+          f"moved off each rank: {moved / mib:.0f} MiB of Adam moments")
+    print(f"{'offload_optimizer':<30}{'peak RSS MiB/rank':>19}{'saved MiB':>11}{'saved / moved':>15}{'run s':>8}")
+    for name, r in results.items():
+        saved = base - r["peak_rss"]
+        print(f"{name:<30}{r['peak_rss'] / mib:>19.0f}{saved / mib:>11.0f}"
+              f"{(f'{saved / moved:.2f}' if name != 'none' else '-'):>15}{r['seconds']:>8.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-layers", type=int, default=12)
@@ -162,7 +239,16 @@ def main() -> None:
     p.add_argument("--zero-stage", "--stage", dest="stage", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--nvme-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=29731, help=argparse.SUPPRESS)
+    p.add_argument("--pretrain", action="store_true",
+                   help="pretrain_gpt.py at dp 2 with an NVMe-offload JSON: peak RSS saved vs the moments moved")
+    p.add_argument("--pretrain-config", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.pretrain_config is not None:
+        print("RESULT " + json.dumps(_pretrain_child(args)), flush=True)
+        return
+    if args.pretrain:
+        pretrain_main(args)
+        return
     if args.child:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return
