@@ -231,12 +231,17 @@ if os.environ.get("RANK") == "1":
 '''
 
 
+# The parameter cells read each partition whole (buffer_size as large as DeepSpeed's default): the
+# counts of calls before the failure assume one read per partition per gather.
+_WHOLE = {"device": "nvme", "max_in_cpu": 0, "buffer_size": 100_000_000}
+
+
 @pytest.mark.parametrize("world,extra,block,after,writes", [
-    (2, [], {"offload_param": {"device": "nvme", "max_in_cpu": 0}}, 120, False),  # a parameter read in a gather
+    (2, [], {"offload_param": _WHOLE}, 120, False),  # a parameter read in a gather
     (2, [], {"offload_optimizer": {"device": "nvme"}}, 30, True),  # a state read or write inside the offloaded step
     # pp 2 x dp 2: rank 1 (the first stage's second DP rank) fails mid-schedule, while its next stage
     # waits on its activations and its DP peer on its gathers.
-    (4, ["--pp", "2"], {"offload_param": {"device": "nvme", "max_in_cpu": 0}}, 20, False),
+    (4, ["--pp", "2"], {"offload_param": _WHOLE}, 20, False),
 ])
 def test_a_drive_error_on_one_rank_stops_every_rank_with_its_message(data, tmp_path, monkeypatch, world, extra, block,
                                                                       after, writes):
