@@ -84,8 +84,9 @@ DS_KEYS: tuple[DSKey, ...] = (
        "back to pageable memory, with a note, where pinning is impossible)"),
     _K("zero_optimization.offload_optimizer.buffer_count", HONOURED, "host buffers in the step's ring (default 4): "
        "chunks in flight between accelerator, host and NVMe"),
-    _K("zero_optimization.offload_optimizer.buffer_size", HONOURED, "megazero's: elements per ring buffer (default "
-       "2^23, rounded down to a multiple of 4096)"),
+    _K("zero_optimization.offload_optimizer.buffer_size", HONOURED, "megazero's: elements per ring buffer (rounded "
+       "down to a multiple of 4096); unset, 2^20 lowered so the ring holds at most 1/8 of the offloaded state; never "
+       "above the largest offloaded group"),
     _K("zero_optimization.offload_optimizer.ratio", HONOURED, "fraction of the partition offloaded, by whole groups "
        "in model order (default 1); = --optimizer-offload-fraction"),
     *(_K(f"zero_optimization.offload_optimizer.{k}", IGNORED, "tunes DeepSpeed's swapper; megazero's ring always "
@@ -98,8 +99,9 @@ DS_KEYS: tuple[DSKey, ...] = (
     _K("zero_optimization.offload_param.pin_memory", HONOURED, "pin the host copies and the read buffers (falls back "
        "to pageable memory, with a note, where pinning is impossible)"),
     _K("zero_optimization.offload_param.buffer_count", HONOURED, "host buffers NVMe reads go through (default 5)"),
-    _K("zero_optimization.offload_param.buffer_size", HONOURED, "elements per read buffer (default 1e8; capped at "
-       "the largest offloaded partition)"),
+    _K("zero_optimization.offload_param.buffer_size", HONOURED, "elements per NVMe buffer; unset, 2^20 (never above "
+       "DeepSpeed's 1e8) lowered so the buffers hold at most 1/8 of what is on NVMe; capped at the largest offloaded "
+       "partition"),
     _K("zero_optimization.offload_param.max_in_cpu", HONOURED, "nvme: elements of the partition, in model order, "
        "kept in host memory instead of files (default 1e9)"),
     _K("zero_optimization.cpu_offload", REFUSED, "DeepSpeed's legacy key; write zero_optimization.offload_optimizer: "
