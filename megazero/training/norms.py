@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import mpu
 from ..mpu import ParallelGroups
 from ..utils.scopes import scope
 
@@ -27,16 +26,14 @@ def _ranges(engine, group):
     return group.norm_ranges(count_replicated=engine.tp_rank == 0, count_any=engine.stage > 0 or engine.dp_rank == 0)
 
 
-def _complete(groups: Optional[ParallelGroups]) -> tuple[Optional[dist.ProcessGroup], ...]:
-    """The groups a rank's partial sums are reduced over: ``groups``' DP and model-parallel groups
-    (None: the groups ``megazero.mpu`` was initialized with)."""
-    groups = groups if groups is not None else mpu.get_parallel_groups()
+def _complete(groups: ParallelGroups) -> tuple[Optional[dist.ProcessGroup], ...]:
+    """The groups a rank's partial sums are reduced over: ``groups``' DP and model-parallel groups."""
     return groups.dp_group, groups.mp_group
 
 
 @scope("train.norms")  # what a memory observer labels "step"
 def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]],
-                    groups: Optional[ParallelGroups] = None) -> tuple[float, float, float]:
+                    groups: ParallelGroups) -> tuple[float, float, float]:
     """(L2 norm, L1 norm, max |x|) over the whole model of ``tensor_of(group)`` (aligned with the
     group's fp32 master partition; None for groups without it). Every rank of ``groups`` calls it."""
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
@@ -57,12 +54,12 @@ def partition_stats(engine, tensor_of: Callable[[object], Optional[torch.Tensor]
     return float(sums[0].sqrt()), float(sums[1]), float(peak)
 
 
-def params_norm(engine, groups: Optional[ParallelGroups] = None) -> float:
+def params_norm(engine, groups: ParallelGroups) -> float:
     """Megatron's 'params-norm': the L2 norm of all (fp32 master) parameters."""
     return partition_stats(engine, lambda g: g.master, groups)[0]
 
 
-def optimizer_state_stats(engine, groups: Optional[ParallelGroups] = None) -> dict[str, float]:
+def optimizer_state_stats(engine, groups: ParallelGroups) -> dict[str, float]:
     """Megatron-DeepSpeed's --log-optimizer-states-to-tensorboard scalars (Adam's moments and weights)."""
     out: dict[str, float] = {}
     state = engine.optimizer.state
@@ -83,7 +80,7 @@ class count_zeros_in_grads:
     never becomes a ``master.grad`` (it streams to the host from the engine's partition), so its
     zeros are counted there (scaling does not change which elements are zero)."""
 
-    def __init__(self, engine, groups: Optional[ParallelGroups] = None) -> None:
+    def __init__(self, engine, groups: ParallelGroups) -> None:
         self.engine, self.groups, self.zeros = engine, groups, None
         self._step = engine.optimizer.step
         engine.optimizer.step = self._counting_step

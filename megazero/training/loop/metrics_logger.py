@@ -58,7 +58,7 @@ class MetricsLogger:
         self.config, self.run, self.scheduler, self.check = config, run, scheduler, check
         self.writer = MetricsWriter(opts.metrics_file, opts.tensorboard_dir, rank=dist.get_rank(), options=opts)
         self.timers: Optional[dict] = {} if (opts.wall_clock_breakdown or opts.log_timers_to_tensorboard) else None
-        self.zeros = count_zeros_in_grads(run.engine) if opts.log_num_zeros_in_grad else None
+        self.zeros = count_zeros_in_grads(run.engine, run.groups) if opts.log_num_zeros_in_grad else None
         self.throughput = Throughput.from_config(config)
         self.meter = IntervalMeter()
         self.loss_log = LossLog(run.groups)
@@ -124,11 +124,11 @@ class MetricsLogger:
         self.last_log = state.iteration
         opts = self.config.logging
         if opts.log_params_norm:
-            stats.extra["params_norm"] = params_norm(engine)
+            stats.extra["params_norm"] = params_norm(engine, self.run.groups)
         if self.zeros is not None and self.zeros.zeros is not None:
             stats.extra["num_zeros"] = float(self.zeros.zeros)
         if opts.log_optimizer_states_to_tensorboard:
-            stats.extra.update(optimizer_state_stats(engine))
+            stats.extra.update(optimizer_state_stats(engine, self.run.groups))
         return stats
 
     def close(self) -> None:
