@@ -60,6 +60,7 @@ from .step_kinds import StepKinds
 from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
 from ..training.arguments import parse_args
 from ..training.config import ConfigError, TrainConfig
+from ..training.output import console
 from .planner import GiB
 
 __all__ = ["RankReport", "rehearsal_config", "default_ranks", "rehearse_rank", "rehearse", "format_report",
@@ -286,6 +287,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     ``cache_kernels=False`` runs every meta kernel (slower; the figures are the same)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from ..training.loop import Callback
     from ..training.trainer import pretrain
 
     p = config.parallel
@@ -299,7 +301,16 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     # Every storage the run makes is a meta one made while this tracker runs: no baseline scan.
     tracker = LiveMemoryTracker("meta", scan_existing=False, kind_of=phases.kind_of, where=_caller)
 
-    def on_iteration_end(iteration: int, run) -> None:
+    class Measure(Callback):
+        """The state after iteration 1 and the peak of iteration 2; the collectives of iteration 2."""
+
+        def on_train_start(self, state, run) -> None:
+            self.run = run
+
+        def on_step_end(self, state, result) -> None:
+            measure(state.iteration, self.run)
+
+    def measure(iteration: int, run) -> None:
         if iteration == 1:
             counted = run.engine.model_state_bytes()
             # Offloaded state and the ring are meta tensors here too; on a GPU they are host memory
@@ -323,8 +334,11 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     # One fake group serves the host tensors (agreement flags) and the meta ones.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     try:
-        with contextlib.redirect_stdout(out), phases, device_mode, tracker, cuda_attention_on_meta():
-            pretrain(config, device=torch.device("meta"), on_iteration_end=on_iteration_end)
+        # The loop logs its lines (rank 0's) through megazero.training's loggers: shown on the
+        # redirected stdout with what it prints, so they go to ``log`` and nowhere else.
+        with contextlib.redirect_stdout(out), console("megazero.training"), phases, device_mode, tracker, \
+                cuda_attention_on_meta():
+            pretrain(config, device=torch.device("meta"), callbacks=[Measure()])
         groups = mpu.get_parallel_groups()
     except BaseException as e:
         if log is None:  # what the run printed before it failed

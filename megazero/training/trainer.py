@@ -15,7 +15,7 @@ itself waits only for the gradient norm (clipping, fp16 overflow).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from .. import mpu
 from .arguments import check_vocab, pipeline_plan_line
 from .config import TrainConfig
 from .failures import agree
-from .loop import (Callback, Callbacks, Checkpointer, Evaluator, FailureProtocol, IterationEnd, MetricsLogger,
+from .loop import (Callback, Callbacks, Checkpointer, Evaluator, FailureProtocol, MetricsLogger,
                    StepResult, StopPolicy, TrainingDiverged, TrainState, build_datasets, describe_model, evaluate,
                    loader)
 from .lr_schedule import LRScheduler
@@ -49,14 +49,13 @@ class TrainResult:
     exit_reason: Optional[str] = None  # why the loop stopped before train_iters (signal, duration, interval, tokens)
 
 
-def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None, callbacks: Iterable[Callback] = (),
-             on_iteration_end: Optional[Callable[[int, TrainModel], None]] = None) -> TrainResult:
+def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
+             callbacks: Iterable[Callback] = ()) -> TrainResult:
     """Run (or resume) a training job described by ``config``, at any tp x pp x dp; collective over all ranks.
 
     ``device``: where this rank computes; by default ``mpu.get_device()`` (its CUDA device under
     NCCL, else the CPU). A rehearsal passes the meta device. ``callbacks`` hear the loop's events
-    (:class:`~megazero.training.loop.Callback`); ``on_iteration_end(iteration, run)`` is one more,
-    called at each step's end, before its log line, evaluation and checkpoint.
+    (:class:`~megazero.training.loop.Callback`).
     """
     state = TrainState()  # its start_time is the run's
     groups = _set_up_groups(config)
@@ -69,7 +68,7 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None, call
     mpu.model_parallel_manual_seed(config.seed + PIPELINE_SEED_OFFSET * groups.pp_rank)
     scheduler = LRScheduler.from_config(config, run.engine.optimizer)
     _announce(config, run)
-    hooks = Callbacks([*callbacks, *([IterationEnd(on_iteration_end)] if on_iteration_end else [])])
+    hooks = Callbacks(callbacks)
     checkpointer = Checkpointer(config, run, scheduler, tokenizer, hooks)
     state.iteration, state.consumed_samples = checkpointer.load()
     state.tokens = state.consumed_samples * config.model.seq_length

@@ -113,6 +113,7 @@ def test_tiny_rank_rehearsed_equals_the_real_run(monkeypatch):
     import torch.distributed as dist
 
     from megazero import mpu
+    from megazero.training.loop import Callback
     from megazero.training.trainer import pretrain
     from megazero.utils import LiveMemoryTracker
 
@@ -129,17 +130,22 @@ def test_tiny_rank_rehearsed_equals_the_real_run(monkeypatch):
     real: dict = {}
     tracker = LiveMemoryTracker("cpu", scan_existing=False)
 
-    def measure(iteration, run):
-        if iteration == 1:
-            real["state"], real["engine"] = tracker.absolute_current_bytes, run.engine.model_state_bytes()["total"]
-            tracker.reset_peak()
-        else:
-            real["peak"] = tracker.absolute_peak_bytes
+    class Measure(Callback):
+        def on_train_start(self, state, run):
+            self.run = run
+
+        def on_step_end(self, state, result):
+            if state.iteration == 1:
+                real["state"] = tracker.absolute_current_bytes
+                real["engine"] = self.run.engine.model_state_bytes()["total"]
+                tracker.reset_peak()
+            else:
+                real["peak"] = tracker.absolute_peak_bytes
 
     rng = torch.get_rng_state()
     try:
         with tracker:
-            pretrain(config, on_iteration_end=measure)
+            pretrain(config, callbacks=[Measure()])
     finally:
         mpu.destroy_model_parallel()
         dist.destroy_process_group()

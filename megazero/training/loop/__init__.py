@@ -15,9 +15,9 @@ from .data import MockGPTDataset, build_datasets, loader
 from .evaluator import Evaluator, evaluate
 from .failure_protocol import FailureProtocol, TrainingDiverged
 from .metrics_logger import MetricsLogger, describe_model
-from .state import Callback, Callbacks, IterationEnd, StepResult, TrainState
+from .state import Callback, Callbacks, StepResult, TrainState
 from .stop_policy import StopPolicy
 
 __all__ = ["Checkpointer", "Evaluator", "MetricsLogger", "StopPolicy", "FailureProtocol", "TrainingDiverged",
-           "TrainState", "StepResult", "Callback", "Callbacks", "IterationEnd", "MockGPTDataset", "build_datasets",
+           "TrainState", "StepResult", "Callback", "Callbacks", "MockGPTDataset", "build_datasets",
            "loader", "evaluate", "describe_model"]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 if TYPE_CHECKING:
     from ..step import TrainModel
 
-__all__ = ["TrainState", "StepResult", "Callback", "Callbacks", "IterationEnd"]
+__all__ = ["TrainState", "StepResult", "Callback", "Callbacks"]
 
 
 @dataclasses.dataclass
@@ -101,16 +101,3 @@ class Callbacks(Callback):
         for c in self.callbacks:
             c.on_save(path)
 
-
-class IterationEnd(Callback):
-    """``fn(iteration, run)`` at each step's end: the ``on_iteration_end`` argument of ``pretrain``."""
-
-    def __init__(self, fn: Callable[[int, "TrainModel"], None]) -> None:
-        self.fn: Callable[[int, "TrainModel"], None] = fn
-        self.run: Optional["TrainModel"] = None
-
-    def on_train_start(self, state: TrainState, run: "TrainModel") -> None:
-        self.run = run
-
-    def on_step_end(self, state: TrainState, result: StepResult) -> None:
-        self.fn(state.iteration, self.run)
