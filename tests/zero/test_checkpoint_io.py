@@ -41,22 +41,14 @@ def _save(directory, fail_rank=None):
     engine = _engine(2, 3)
     _step(engine)
     if fail_rank is not None:
-        import megazero.training.checkpointing as ck
-
-        original = ck.save_zero_state
-
-        def failing(e, d):
+        def failing(partial):  # once this rank's files are written, before the commit
             if torch.distributed.get_rank() == fail_rank:
                 raise OSError(f"disk quota exceeded (injected on rank {fail_rank})")
-            return original(e, d)
 
-        ck.save_zero_state = failing
         try:
-            save_checkpoint(directory, 1, engine, train_state={"iteration": 1}, config={})
+            save_checkpoint(directory, 1, engine, train_state={"iteration": 1}, config={}, on_written=failing)
         except RunAborted as e:
             return str(e)
-        finally:
-            ck.save_zero_state = original
         return None
     save_checkpoint(directory, 1, engine, train_state={"iteration": 1}, config={})
     return engine.consolidated_state_dict()
