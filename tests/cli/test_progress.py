@@ -161,6 +161,8 @@ def test_rehearse_reports_ranks():
     assert "rehearsed 1/2 ranks (50%)" in proc.stderr and "rehearsed 2/2 ranks (100%)" in proc.stderr
     assert proc.stderr.count("rehearsed 2/2") == 1
     assert re.findall(r"^rank (\d+) ", proc.stdout, re.M) == ["0", "1"]  # the reports stay on stdout
+    # rank 0's own training lines (logged by the loop) are the rehearsal's capture: shown with --verbose only
+    assert "> model:" not in proc.stdout + proc.stderr and "lm loss" not in proc.stdout + proc.stderr
 
 
 def test_generate_reports_tensors_loaded(tmp_path):
