@@ -1,4 +1,4 @@
-"""megazero.zero: ZeRO stages 0-3 over the data-parallel group, composed with tensor parallelism.
+"""megazero.zero: ZeRO stages 0-3, each parameter over its own data-parallel group, composed with TP.
 
     engine = megazero.zero.initialize(model, ds_config, mpu=megazero.mpu)
     loss = engine(tokens, labels=labels).mean()
@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from .config import ZeroConfig, ZeroConfigError, load_config
 from .engine import NoDecayFn, ZeroEngine
+from .partitioning import PartitionFn, Partitioning
 
-__all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ZeroConfigError", "load_config"]
+__all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ZeroConfigError", "load_config", "Partitioning"]
 
 
 def initialize(
@@ -30,6 +31,7 @@ def initialize(
     unit_modules: Optional[list[torch.nn.Module]] = None,
     param_names: Optional[Callable[[str], str]] = None,
     forward_key: Optional[Callable[[tuple, dict], Hashable]] = None,
+    partitioning: Optional[PartitionFn] = None,
 ) -> ZeroEngine:
     """Wrap ``model`` in a :class:`ZeroEngine` configured by a DeepSpeed-schema dict or JSON path.
 
@@ -45,7 +47,9 @@ def initialize(
     checkpoints list it, so every layout starts from the same weights. ``forward_key(args,
     kwargs)`` tells apart model calls that use different parameters on every rank alike (a
     pipeline stage's chunk index), so ZeRO-2/3 can stop agreeing on each forward
-    (``megazero/zero/agreement.py``).
+    (``megazero/zero/agreement.py``). ``partitioning(name, param)`` returns the
+    :class:`Partitioning` a parameter is partitioned and reduced over instead of the
+    data-parallel group (an expert over its expert-data-parallel group), or None.
     """
     cfg = load_config(config)
     tp_group = mp_group = None
@@ -58,4 +62,4 @@ def initialize(
         dp_group = dist.group.WORLD if dist.is_initialized() else None
     return ZeroEngine(model, cfg, dp_group=dp_group, tp_group=tp_group, mp_group=mp_group,
                       no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules,
-                      param_names=param_names, forward_key=forward_key)
+                      param_names=param_names, forward_key=forward_key, partitioning=partitioning)

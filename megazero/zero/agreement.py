@@ -42,9 +42,9 @@ from typing import Callable, Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from .units import Unit
+from .units import Unit, units_for_call
 
-__all__ = ["ForwardAgreement", "Record", "STEP_VALUES"]
+__all__ = ["ForwardAgreement", "Record", "STEP_VALUES", "install_usage_hooks"]
 
 STEP_VALUES = 1  # values this module adds to the step's norm all-reduce: forwards not settled
 
@@ -203,3 +203,27 @@ def _tensors(out) -> list[torch.Tensor]:
 def all_reduce_max(comm, name: str = "dp") -> Callable[[torch.Tensor], object]:
     """The agreeing mode's collective on ``comm``'s ``name`` group."""
     return lambda t: comm.all_reduce(t, name, op=dist.ReduceOp.MAX, async_op=True)
+
+
+def install_usage_hooks(model: torch.nn.Module, needs: dict[int, list[Unit]], hooked: list[torch.nn.Module],
+                        unit_of_param: dict[int, Unit], agreement: ForwardAgreement,
+                        in_backward: Callable[[], bool]) -> list:
+    """ZeRO-2's forward hooks: note which units each forward used (for the agreed reduction
+    order), as ZeRO-3's gather window does while gathering. Returns the hook handles."""
+    def pre(module, args, kwargs):
+        for u in units_for_call(needs, unit_of_param, module, args, kwargs):
+            agreement.mark_used(u)
+
+    def model_pre(module, args, kwargs):
+        if not in_backward():
+            agreement.begin(args, kwargs)
+        pre(module, args, kwargs)
+
+    def model_post(module, args, out):
+        if not in_backward():
+            agreement.end(None, out)
+
+    handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in hooked if m is not model]
+    handles.append(model.register_forward_pre_hook(model_pre, with_kwargs=True))
+    handles.append(model.register_forward_hook(model_post, always_call=True))
+    return handles

@@ -77,7 +77,7 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
                 tensors[f"g{i}.{key}"] = value.detach().float().contiguous().cpu()
         groups_meta.append({
             "partitions": g.partitions, "shard_start": g.shard_start, "shard_numel": g.shard_numel,
-            "padded_numel": g.padded_numel,
+            "padded_numel": g.padded_numel, "partitioning": g.part.name, "replica_rank": g.part.replica_rank,
             "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset,
                        "numel": s.numel, "tp_sharded": bool(getattr(s.param, "tensor_model_parallel", False)),
                        "partition_dim": int(getattr(s.param, "partition_dim", 0)),
@@ -140,6 +140,17 @@ def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
 # ---------------------------------------------------------------------------- reading
 
 
+class _Location:
+    """Where one saved tensor lies: its slot and group metadata, its pipeline stage, and the
+    (file, group index) of each of its partitions (``uniform``: every DP rank's file, same index)."""
+
+    __slots__ = ("slot", "group", "pp", "gi", "uniform", "holders")
+
+    def __init__(self, slot: dict, group: dict, pp: int, gi: int, uniform: bool) -> None:
+        self.slot, self.group, self.pp, self.gi, self.uniform = slot, group, pp, gi, uniform
+        self.holders: dict[int, tuple[str, int]] = {}
+
+
 class CheckpointReader:
     """The saved layout of one checkpoint directory, and planned reads of any element range.
 
@@ -189,9 +200,7 @@ class CheckpointReader:
             raise CheckpointError(f"{directory}: the shard files of (tp rank, dp rank, pp rank) {missing[:8]} are "
                                   "missing")
         self.prefer_dp = prefer_dp % self.dp_size
-        self._groups: dict[tuple[int, int], list[dict]] = {}  # (pp rank, tp rank) -> saved groups
-        self._where: dict[int, dict[str, tuple[int, dict]]] = {}
-        self._stage_of: dict[str, int] = {}  # name -> saved pipeline stage holding it
+        self._where: dict[int, dict[str, _Location]] = {}
 
     def _open(self, name: str) -> ShardFile:
         f = self._files.get(name)
@@ -211,17 +220,26 @@ class CheckpointReader:
     def first_meta(self) -> dict:
         return self.file_of(0, self.prefer_dp).meta
 
-    def where(self, tp_rank: int) -> dict[str, tuple[int, dict]]:
-        """name -> (group index, slot metadata) in the files of saved TP rank ``tp_rank``."""
+    def where(self, tp_rank: int) -> dict[str, "_Location"]:
+        """name -> where its partitions lie in the files of saved TP rank ``tp_rank``.
+
+        Groups over the data-parallel group lie alike in every DP rank's file: the preferred
+        file's header says it all. A checkpoint with other partitionings (experts, replicated
+        groups) names its tensors differently per file: every DP file's header of the TP rank
+        is read, and each partition is taken from the first file holding it."""
         if tp_rank not in self._where:
-            where: dict[str, tuple[int, dict]] = {}
+            where: dict[str, _Location] = {}
             for pp in range(self.pp_size):  # every stage's names (pp = 1 names when saved by a pipeline)
+                files = self.stages[pp]
                 meta = self.file_of(tp_rank, self.prefer_dp, pp).meta
-                self._groups[(pp, tp_rank)] = meta["groups"]
-                for gi, g in enumerate(meta["groups"]):
-                    for s in g["slots"]:
-                        where[s["name"]] = (gi, s)
-                        self._stage_of[s["name"]] = pp
+                uniform = all(g.get("partitioning", "dp") == "dp" for g in meta["groups"])
+                ranks = [self.prefer_dp] + ([] if uniform else [d for d in range(self.dp_size) if d != self.prefer_dp])
+                for d in ranks:
+                    for gi, g in enumerate(self.file_of(tp_rank, d, pp).meta["groups"]):
+                        index = g["shard_start"] // g["shard_numel"] if g["partitions"] > 1 else 0
+                        for s in g["slots"]:
+                            loc = where.setdefault(s["name"], _Location(s, g, pp, gi, uniform))
+                            loc.holders.setdefault(index, (files[(tp_rank, d)], gi))
             self._where[tp_rank] = where
         return self._where[tp_rank]
 
@@ -233,7 +251,12 @@ class CheckpointReader:
         hit = self.where(0).get(name)
         if hit is None:
             raise CheckpointError(f"parameter {name} is not in the checkpoint")
-        return hit[1]
+        return hit.slot
+
+    def own_group_names(self) -> set[str]:
+        """Names saved in groups partitioned over a group of their own (experts): a rank may
+        hold some of them only."""
+        return {n for n, loc in self.where(0).items() if loc.group.get("partitioning", "dp") != "dp"}
 
     def full_shape(self, name: str) -> list[int]:
         s = self.slot(name)
@@ -251,19 +274,27 @@ class CheckpointReader:
 
     def _split_dp(self, plan: dict, tp_rank: int, name: str, key: str, lo: int, hi: int, dest: torch.Tensor) -> None:
         """Queue saved-local elements ``[lo, hi)`` of ``name`` (saved TP rank ``tp_rank``) for ``dest``."""
-        gi, slot = self.where(tp_rank)[name]
-        pp = self._stage_of[name]
-        files = self.stages[pp]
-        g = self._groups[(pp, tp_rank)][gi]
-        a, b = slot["offset"] + lo, slot["offset"] + hi
-        if g["partitions"] == 1:  # ZeRO-0: every DP rank holds the whole group; read the preferred one
-            plan.setdefault(files[(tp_rank, self.prefer_dp)], []).append((f"g{gi}.{key}", a, b, dest))
+        loc = self.where(tp_rank)[name]
+        g, files = loc.group, self.stages[loc.pp]
+
+        def holder(d: int) -> tuple[str, int]:
+            if loc.uniform:
+                return files[(tp_rank, d)], loc.gi
+            if d not in loc.holders:
+                raise CheckpointError(f"{self.directory}: no file holds partition {d} of {name} (tp rank {tp_rank}); "
+                                      "the checkpoint is incomplete")
+            return loc.holders[d]
+
+        a, b = loc.slot["offset"] + lo, loc.slot["offset"] + hi
+        if g["partitions"] == 1:  # ZeRO-0: every rank holds the whole group; read the preferred one
+            fname, gi = holder(self.prefer_dp if loc.uniform else 0)
+            plan.setdefault(fname, []).append((f"g{gi}.{key}", a, b, dest))
             return
         sn = g["shard_numel"]
         for d in range(a // sn, (b - 1) // sn + 1):
             x, y = max(a, d * sn), min(b, (d + 1) * sn)
-            plan.setdefault(files[(tp_rank, d)], []).append(
-                (f"g{gi}.{key}", x - d * sn, y - d * sn, dest[x - a:y - a]))
+            fname, gi = holder(d)
+            plan.setdefault(fname, []).append((f"g{gi}.{key}", x - d * sn, y - d * sn, dest[x - a:y - a]))
 
     def plan(self, plan: dict, name: str, key: str, local_shape: list[int], tp_sharded: bool, dim: int,
              stride: int, rank: int, world: int, lo: int, hi: int, dest: torch.Tensor) -> None:
@@ -359,6 +390,8 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     missing, unexpected = sorted(mine - saved), sorted(saved - mine)
     if partial_model:
         unexpected = []  # a pipeline stage holds part of the model; the other stages load the rest
+    else:  # experts: each rank holds those of its own group
+        unexpected = [n for n in unexpected if n not in reader.own_group_names()]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)

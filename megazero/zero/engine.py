@@ -1,4 +1,4 @@
-"""The ZeRO engine: stages 0-3 over the data-parallel group, composed with TP.
+"""The ZeRO engine: stages 0-3, each parameter over its own data-parallel group, composed with TP.
 
 What each stage keeps per rank (Ψ = parameters of this rank's TP shard, N = DP size):
 
@@ -17,12 +17,17 @@ micro-batch of each gradient-accumulation window. It never looks inside the
 model beyond Megatron's parameter attributes (``tensor_model_parallel``), so
 it trains any ``nn.Module`` built from mpu layers or plain torch layers.
 
-The pieces each live in their own file: ``flat.py`` (the flat, partitioned
-storage of a group of parameters), ``units.py`` (which parameters go together),
-``window.py`` (ZeRO-3: what is gathered when, and the saved-tensor hooks that
-keep autograd from pinning gathered weights), ``reducer.py`` (ZeRO-2/3:
-gradient buckets reduce-scattered in a DP-agreed order), ``optim.py`` (which
-optimizer kernel runs, and its step count). This file wires them to the
+N is the size of the parameter's partitioning (``partitioning.py``): the
+data-parallel group by default; for an expert, the expert-data-parallel group.
+
+The stage is a choice of strategies made once, in the constructor: a gradient
+store (``grads.py``: full-size accumulation for 0-1, per-unit reduce-scatter for
+2-3) and a parameter policy (resident for 0-2; ZeRO-3's gather window,
+``window.py``). The pieces each live in their own file: ``flat.py`` (the flat,
+partitioned storage of a group of parameters and its gradient buffers),
+``units.py`` (which parameters go together), ``reducer.py`` (gradient buckets
+reduce-scattered in a DP-agreed order), ``agreement.py`` (what each forward
+used), ``optim.py`` (which optimizer kernel runs). This file wires them to the
 optimizer step, loss scaling and the gradient norm.
 
 Precision: bf16 runs accumulate and reduce gradients in fp32 (Megatron's
@@ -39,6 +44,7 @@ weight decay still shrinks it, where ``torch.optim.AdamW`` would skip it.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from typing import Callable, Hashable, Optional
@@ -46,20 +52,24 @@ from typing import Callable, Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max
+from ..utils.scopes import scope
+from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max, install_usage_hooks
 from .comm import CommCounter, gradient_communicator
 from .config import ZeroConfig
-from .flat import FlatGroup, ParamSlot, fill_range
+from .flat import FlatGroup, ParamSlot
 from .full_weights import FullWeights
+from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
 from .loss_scaler import LossScaler
+from .partitioning import PartitionFn, Partitioning, check_within, data_parallel
 from .placement import Placement
 from .reducer import GradReducer
-from .units import Unit, find_unit_modules, plan_units, units_for_call
+from .units import Unit, UnitPlan, find_unit_modules, plan_units
 from .window import GatherWindow
 
 __all__ = ["ZeroEngine"]
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
+logger = logging.getLogger(__name__)
 
 
 def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -69,7 +79,10 @@ def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
 
 
 class ZeroEngine(FullWeights, Placement, torch.nn.Module):
-    """Wraps a model; owns its partitioned parameters, gradients and optimizer state."""
+    """Wraps a model; owns its partitioned parameters, gradients and optimizer state.
+
+    ``partitioning(name, param)`` returns the :class:`Partitioning` a parameter is split and
+    reduced over, or None for the data-parallel group (``dp_group``)."""
 
     def __init__(
         self,
@@ -84,122 +97,128 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         unit_modules: Optional[list[torch.nn.Module]] = None,
         param_names: Optional[Callable[[str], str]] = None,
         forward_key: Optional[Callable[[tuple, dict], Hashable]] = None,
+        partitioning: Optional[PartitionFn] = None,
     ) -> None:
         super().__init__()
-        self.module = model
+        self.module, self.config, self.stage = model, config, config.stage
         # The name each parameter is known by outside this module: what initialization keys its
         # values by and what checkpoints list. A pipeline stage maps its local names to the whole
         # model's (pp = 1) names, so the model is a function of the seed, not of the layout.
         self.param_name = param_names or (lambda n: n)
-        self.config = config
-        self.stage = config.stage
         self.dp_size, self.dp_rank = _group_info(dp_group)
         self.tp_size, self.tp_rank = _group_info(tp_group)
         self.tp_group = tp_group
         config.check_batch(self.dp_size)
-        self.comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group,
-                                 "dp_grads": gradient_communicator(
-                                     dp_group, config.stage, self.dp_size,
-                                     config.zero_optimization.stage3_keep_gathered_in_step)})
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.grad_dtype  # accumulated gradient partitions
         self.reduce_dtype = config.reduce_dtype  # what the DP collectives carry
         self.accum = config.gradient_accumulation_steps
-        first = next(model.parameters(), None)
-        if device is None:
-            device = first.device if first is not None and not first.is_meta else _default_device()
-        self.device = torch.device(device)
-
+        self.device = _pick_device(model, device)
         self.unit_modules = find_unit_modules(model) if unit_modules is None else list(unit_modules)
-        self.units, self.groups, plan = self._build_units(no_weight_decay or (lambda n, p: False))
+        # ZeRO-3 "keep gathered in step": gradients accumulate full-size, as in ZeRO-1, and are
+        # reduce-scattered once at the accumulation boundary; gathered units live until the step.
+        self.hold = self.stage == 3 and config.zero_optimization.stage3_keep_gathered_in_step
+        self.units, self.groups, plan = self._build_units(no_weight_decay or (lambda n, p: False),
+                                                          partitioning, data_parallel(dp_group))
         self.trainable_groups = [g for g in self.groups if g.trainable]
-        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._slot_by_name = {s.name: (g, s) for g in self.groups for s in g.slots}
+        self.comm = self._build_comm(dp_group, tp_group, mp_group)
         self._materialize()
         self._bind_all()
-        # ZeRO-3 "keep gathered in step": gradients accumulate full-size, as in ZeRO-1, and are
-        # reduce-scattered once at the accumulation boundary.
-        self.hold = self.stage == 3 and config.zero_optimization.stage3_keep_gathered_in_step
-        self.accumulate_full = self.stage <= 1 or self.hold
-        self.grad_full = {}  # stage 0/1 (and hold): full-size accumulated grads per group
-        self.grad_shard = {}  # stage 1-3: this rank's reduced grad partition per group
-        for g in self.trainable_groups:
-            if self.accumulate_full:
-                self.grad_full[g] = torch.zeros(g.padded_numel, dtype=self.grad_dtype, device=self.device)
-            if self.stage == 1:  # the reduced partition lives in the full buffer's own slice
-                self.grad_shard[g] = self.grad_full[g].narrow(0, g.shard_start, g.shard_numel)
-            elif self.stage >= 2:
-                self.grad_shard[g] = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=self.device)
-        self.optimizer = self._build_optimizer()
-        self.param_offload = self._build_param_offload()
-        self.loss_scaler = LossScaler(config.fp16)
-
-        self._in_backward = False
         # DeepSpeed's prescale_gradients: divide by gradient_predivide_factor before the DP sum
         # (keeps fp16 sums in range), multiply back in the step.
         self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
-        zc = config.zero_optimization
-        self.reducer: Optional[GradReducer] = None
-        if self.stage >= 2 and not self.hold:
-            self.reducer = GradReducer(
-                self.units, self.grad_shard,
-                reduce_scatter=lambda out, full: self.comm.reduce_scatter(out, full, "dp", async_op=zc.overlap_comm,
-                                                                          via="dp_grads"),
-                partitions=self.dp_size, reduce_dtype=self.reduce_dtype, device=self.device,
-                bucket_numel=zc.reduce_bucket_size or 1, max_in_flight=zc.max_reduce_in_flight, predivide=self._predivide)
+        self.grads = self._build_gradient_store()
+        self.optimizer = self._build_optimizer()
+        self.param_offload = self._build_param_offload()
+        self.loss_scaler = LossScaler(config.fp16)
+        self._in_backward = False
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
                        for g in self.trainable_groups for s in g.slots]
-        # ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync.
-        self.agreement = ForwardAgreement(self.units, all_reduce_max(self.comm), self.device, forward_key) \
-            if self.stage >= 2 else None
+        self.agreement, self.window = self._build_forward_tracking(plan, forward_key)
         self.failed_ranks = 0  # ranks that flagged a failure into the last step (flag_failure)
         self.deferred_failure: Optional[tuple[str, BaseException]] = None  # this rank's first (fail_later)
         self._failed_here = False
-        unit_by_name = {u.name: u for u in self.units}
-        needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}
-        unit_of_param = {id(s.param): u for u in self.units for g in u.groups for s in g.slots}
-        self.window: Optional[GatherWindow] = None
-        self._usage_hooks = []
-        if self.stage == 3:
-            self.window = GatherWindow(
-                model, self.units, needs, plan.hooked, unit_of_param,
-                all_gather=lambda out, shard: self.comm.all_gather(out, shard, "dp", async_op=True),
-                source=self._gather_source if self.param_offload is not None else None,
-                in_backward=lambda: self._in_backward,
-                on_forward_begin=self.agreement.begin, on_forward_end=self.agreement.end,
-                mark_used=self.agreement.mark_used,
-                prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
-                hold=self.hold)
-        elif self.stage == 2:
-            self._install_usage_hooks(model, needs, plan.hooked, unit_of_param)
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.skipped_steps = 0
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.last_overflow = False
         self._global_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ construction
 
-    def _build_units(self, no_decay: NoDecayFn) -> tuple[list[Unit], list[FlatGroup], object]:
-        stage = self.stage
-        threshold = self.config.zero_optimization.stage3_param_persistence_threshold if stage == 3 else -1
+    def _build_units(self, no_decay: NoDecayFn, partitioning: Optional[PartitionFn],
+                     default: Partitioning) -> tuple[list[Unit], list[FlatGroup], UnitPlan]:
+        """Units in static order, each split into flat groups by partitioning and optimizer class."""
+        threshold = self.config.zero_optimization.stage3_param_persistence_threshold if self.stage == 3 else -1
         plan = plan_units(self.module, self.unit_modules, threshold)
-        partitions = 1 if stage == 0 else self.dp_size
-        rank = 0 if stage == 0 else self.dp_rank
+        parts: dict[str, Partitioning] = {default.name: default}
         units = []
-        for name, position, params, persistent in plan.units:
+        for planned in plan.units:
+            by_part: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+            for n, p in planned.params:
+                part = (partitioning(n, p) if partitioning is not None else None) or default
+                if parts.setdefault(part.name, part) is not part:
+                    raise ValueError(f"two partitionings are named {part.name!r}; give each process group its own name")
+                by_part.setdefault(part.name, []).append((n, p))
             groups = []
-            for trainable, decay in ((True, True), (True, False), (False, False)):
-                chosen = [(self.param_name(n), p) for n, p in params
-                          if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
-                if chosen:
-                    groups.append(FlatGroup(chosen, partitions=partitions, rank=rank, compute_dtype=self.compute_dtype,
-                                            device=self.device, resident=stage < 3 or persistent,
-                                            weight_decay=trainable and decay, trainable=trainable))
-            units.append(Unit(name, groups, position))
+            for name, params in by_part.items():
+                for trainable, decay in ((True, True), (True, False), (False, False)):
+                    chosen = [(self.param_name(n), p) for n, p in params
+                              if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
+                    if chosen:
+                        groups.append(FlatGroup(chosen, part=parts[name], partitioned=self.stage > 0,
+                                                compute_dtype=self.compute_dtype, device=self.device,
+                                                resident=self.stage < 3 or planned.persistent,
+                                                weight_decay=trainable and decay, trainable=trainable))
+            units.append(Unit(planned.name, groups, planned.position))
+        self.partitionings = list(parts.values())
         groups = [g for u in units for g in u.groups]
         self.slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {id(s.param): (g, s) for g in groups for s in g.slots}
         return units, groups, plan
+
+    def _build_comm(self, dp_group, tp_group, mp_group) -> CommCounter:
+        """Named groups for the counted collectives: dp, tp, mp and each partitioning's own."""
+        groups = {"dp": dp_group, "tp": tp_group, "mp": mp_group}
+        keep_gathered = self.config.zero_optimization.stage3_keep_gathered_in_step
+        for part in self.partitionings:
+            check_within(part, dp_group)
+            groups[part.name] = part.shard
+            groups[part.replicate_name] = part.replicate
+            groups[grads_channel(part)] = gradient_communicator(part.shard, self.stage, part.size, keep_gathered)
+        return CommCounter(groups)
+
+    def _build_gradient_store(self) -> GradientStore:
+        common = dict(grad_dtype=self.grad_dtype, reduce_dtype=self.reduce_dtype, device=self.device,
+                      predivide=self._predivide)
+        if self.stage <= 1 or self.hold:
+            return FullGradients(self.trainable_groups, self.comm, partition_in_place=self.stage == 1, **common)
+        zc = self.config.zero_optimization
+        return ShardedGradients(self.trainable_groups, self.comm, self.units, bucket_numel=zc.reduce_bucket_size or 1,
+                                max_in_flight=zc.max_reduce_in_flight, overlap=zc.overlap_comm, **common)
+
+    def _build_forward_tracking(self, plan: UnitPlan, forward_key) -> tuple[Optional[ForwardAgreement],
+                                                                             Optional[GatherWindow]]:
+        """ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync;
+        ZeRO-3: the window that gathers units while they are used."""
+        if self.stage < 2:
+            return None, None
+        agreement = ForwardAgreement(self.units, all_reduce_max(self.comm), self.device, forward_key)
+        unit_by_name = {u.name: u for u in self.units}
+        needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}
+        unit_of_param = {id(s.param): g.unit for g in self.groups for s in g.slots}
+        if self.stage == 2:
+            self._usage_hooks = install_usage_hooks(self.module, needs, plan.hooked, unit_of_param, agreement,
+                                                    in_backward=lambda: self._in_backward)
+            return agreement, None
+        zc = self.config.zero_optimization
+        window = GatherWindow(
+            self.module, self.units, needs, plan.hooked, unit_of_param,
+            all_gather=lambda out, shard, g: self.comm.all_gather(out, shard, g.part.name, async_op=True),
+            source=self._gather_source if self.param_offload is not None else None,
+            in_backward=lambda: self._in_backward,
+            on_forward_begin=agreement.begin, on_forward_end=agreement.end, mark_used=agreement.mark_used,
+            prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
+            hold=self.hold)
+        return agreement, window
 
     def _bind_all(self) -> None:
         """Point every parameter at its group's full buffer; ZeRO-3 groups start released."""
@@ -209,27 +228,6 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             if b.is_meta:
                 raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
                                 "reset_parameters() or compute it lazily in forward")
-
-    def _install_usage_hooks(self, model, needs, hooked, unit_of_param) -> None:
-        """ZeRO-2: note which units each forward used (for the DP-agreed reduction order)."""
-        def pre(module, args, kwargs):
-            for u in units_for_call(needs, unit_of_param, module, args, kwargs):
-                self.agreement.mark_used(u)
-
-        def model_pre(module, args, kwargs):
-            if not self._in_backward:
-                self.agreement.begin(args, kwargs)
-            pre(module, args, kwargs)
-
-        def model_post(module, args, out):
-            if not self._in_backward:
-                self.agreement.end(None, out)
-
-        for m in hooked:
-            if m is not model:
-                self._usage_hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        self._usage_hooks.append(model.register_forward_pre_hook(model_pre, with_kwargs=True))
-        self._usage_hooks.append(model.register_forward_hook(model_post, always_call=True))
 
     @torch.no_grad()
     def _materialize(self) -> None:
@@ -243,10 +241,28 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
 
         materialize_partitions(self.module, self.groups, self.slot_of, self.device)
 
+    # ------------------------------------------------------------------ views kept for callers
+
+    @property
+    def reducer(self) -> Optional[GradReducer]:
+        """ZeRO-2/3's gradient reducer (None for the full-size stores)."""
+        return getattr(self.grads, "reducer", None)
+
+    @property
+    def accumulate_full(self) -> bool:
+        return isinstance(self.grads, FullGradients)
+
+    @property
+    def grad_full(self) -> dict[FlatGroup, torch.Tensor]:
+        return {g: g.grad_full for g in self.trainable_groups if g.grad_full is not None}
+
+    @property
+    def grad_shard(self) -> dict[FlatGroup, torch.Tensor]:
+        return {g: g.grad_shard for g in self.trainable_groups if g.grad_shard is not None}
+
     # ------------------------------------------------------------------ hooks
 
     def _grad_hook(self, group: FlatGroup, slot: ParamSlot):
-        unit = self._unit_of_group[id(group)]
         # The hook lives in the parameter's autograd metadata (C++), which Python's garbage
         # collector cannot traverse: a strong reference to the engine there would keep every
         # engine a process ever built alive, with its buffers and process groups.
@@ -256,12 +272,7 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             engine = engine_ref()
             if engine is None:  # the engine is gone; the model is used without it
                 return
-            if engine.accumulate_full:
-                # Accumulate locally (fp32 for bf16); communication waits for the accumulation boundary.
-                engine.grad_full[group].narrow(0, slot.offset, slot.numel).add_(param.grad.reshape(-1))
-                param.grad = None
-                return
-            engine.reducer.grad_ready(unit)
+            engine.grads.on_grad(group, slot, param)
 
         return hook
 
@@ -279,8 +290,7 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         """
         if self.agreement is not None:
             rec = self.agreement.for_backward(loss)
-            if self.reducer is not None:
-                self.reducer.used, self.reducer.used_here = rec.used, rec.used_here
+            self.grads.begin_backward(rec)
             if self.window is not None:
                 self.window.begin_backward(rec.trace, rec.saved)
         self._in_backward = True
@@ -293,8 +303,7 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             self._in_backward = False
             if self.window is not None:
                 self.window.end_backward()
-        if self.reducer is not None:
-            self.reducer.finish()
+        self.grads.end_backward()
 
     @torch.no_grad()
     def accumulate_grad_(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -310,18 +319,7 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             raise ValueError(f"{slot.name} is frozen (requires_grad=False): it has no gradient to add to")
         if tuple(grad.shape) != tuple(slot.shape):
             raise ValueError(f"{slot.name}: gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(slot.shape)}")
-        if self.accumulate_full:
-            self.grad_full[g].narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1).to(self.grad_dtype))
-            return
-        # Written straight into the bucket in the reduction dtype (fp32 by default under bf16): the
-        # contribution is summed in the precision every other gradient is, and pre-divided like them.
-        buf = torch.zeros(g.partitions, g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        fill_range(buf, slot.offset, slot.offset + slot.numel, g.shard_numel, grad.reshape(-1).to(self.reduce_dtype))
-        if self._predivide != 1.0:
-            buf.div_(self._predivide)
-        out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self.comm.reduce_scatter(out, buf.view(-1), "dp")
-        self.grad_shard[g].add_(out)
+        self.grads.add(g, slot, grad)
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Change the micro-batches per step (batch-size ramp-up). Only between steps."""
@@ -346,7 +344,12 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         self.micro_steps += 1
         if not boundary:
             return False
-        self._reduce_at_boundary()
+        with scope("zero.step"):
+            return self._step()
+
+    def _step(self) -> bool:
+        """The update at an accumulation boundary (see :meth:`step`)."""
+        self.grads.reduce()
         grads = self._local_grads()
         # One pair of all-reduces gives the norm, the overflow check (an inf or nan anywhere makes
         # the global sum of squares non-finite, as in Megatron and DeepSpeed), the failure flags
@@ -359,9 +362,10 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         if failed or forwards_differed:
             self._global_grad_norm = float("nan")
             if forwards_differed and self.dp_rank == 0 and self.tp_rank == 0:
-                print("megazero: the data-parallel ranks ran different forwards in this step without agreeing "
-                      "on them (their control flow depends on the data); the update was skipped and the engine "
-                      "agrees on every forward from now on (one host synchronisation per micro-batch)", flush=True)
+                logger.warning("the data-parallel ranks ran different forwards in this step without agreeing on "
+                               "them (their control flow depends on the data); the update was skipped and the "
+                               "engine agrees on every forward from now on (one host synchronisation per "
+                               "micro-batch)")
         elif overflow:
             self.skipped_steps += 1
             self._global_grad_norm = float("nan")
@@ -393,21 +397,9 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
 
     # ------------------------------------------------------------------ step internals
 
-    def _reduce_at_boundary(self) -> None:
-        if self._predivide != 1.0 and self.accumulate_full:
-            for buf in self.grad_full.values():
-                buf.div_(self._predivide)
-        if self.stage == 0:
-            for g, buf in self.grad_full.items():
-                self.comm.all_reduce(buf, "dp")
-        elif self.stage == 1 or self.hold:
-            for g, buf in self.grad_full.items():
-                out = torch.empty_like(self.grad_shard[g])
-                self.comm.reduce_scatter(out, buf, "dp")
-                self.grad_shard[g].copy_(out)
-
     def _local_grads(self) -> dict[FlatGroup, torch.Tensor]:
-        return dict(self.grad_full) if self.stage == 0 else dict(self.grad_shard)
+        """Each trainable group's reduced gradient on this rank (its partition, or the whole at ZeRO-0)."""
+        return {g: self.grads.local(g) for g in self.trainable_groups}
 
     def flag_failure(self) -> None:
         """This rank failed outside the step (a bad sample read): the next step's all-reduce carries
@@ -435,8 +427,9 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         """Squared L2 norm of this rank's part of the model's gradient (still scaled), on the device.
 
         Summed over DP and TP (``_step_sums``), each element of the model is counted exactly once:
-        DP partitions are disjoint, TP shards are disjoint, and TP-replicated parameters (norms,
-        row-parallel biases) are counted on TP rank 0 only.
+        partitions are disjoint, copies are counted on their first replica only
+        (``FlatGroup.counts_in_norm``), TP shards are disjoint, and TP-replicated parameters
+        (norms, row-parallel biases) are counted on TP rank 0 only.
 
         One ``_foreach_norm`` over all ranges (multi-tensor kernels on CUDA, where there were 4
         launches per range), fp32 per range, squares summed in fp64. Elements another rank counts
@@ -445,7 +438,7 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         counted: list[torch.Tensor] = []
         others: list[torch.Tensor] = []
         for g, t in grads.items():
-            ranges = g.norm_ranges(count_replicated=self.tp_rank == 0, count_any=self.stage > 0 or self.dp_rank == 0)
+            ranges = g.norm_ranges(count_replicated=self.tp_rank == 0)
             pos = 0
             for lo, hi in ranges:
                 if lo > pos:
@@ -484,13 +477,10 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             if g.resident and g.partitions > 1:
                 # Every rank updated its partition only: collect the others, in place (the partition
                 # is the full buffer's own slice: no temporary).
-                self.comm.all_gather(g.full, g.shard, "dp")
+                self.comm.all_gather(g.full, g.shard, g.part.name)
 
     def _zero_grads(self) -> None:
-        for buf in self.grad_full.values():
-            buf.zero_()
-        for buf in self.grad_shard.values():
-            buf.zero_()
+        self.grads.zero()
 
     # ------------------------------------------------------------------ reporting
 
@@ -513,7 +503,14 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         return sum(g.numel for g in self.groups)
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _pick_device(model: torch.nn.Module, device: Optional[torch.device]) -> torch.device:
+    """``device``, else where the model's parameters are, else the current accelerator or the CPU."""
+    if device is None:
+        first = next(model.parameters(), None)
+        if first is not None and not first.is_meta:
+            device = first.device
+        elif torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+    return torch.device(device)

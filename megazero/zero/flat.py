@@ -1,9 +1,12 @@
 """Flat parameter groups: the storage unit of the ZeRO engine.
 
 A :class:`FlatGroup` lays a list of parameters end to end in one 1-D buffer,
-padded to a multiple of the data-parallel size, so that rank ``r`` of the DP
-group owns the contiguous slice ``[r * shard, (r + 1) * shard)``. Every
-parameter is a view into the full buffer.
+padded to a multiple of its partitioning's size (``partitioning.py``: the
+data-parallel group by default), so that rank ``r`` of that group owns the
+contiguous slice ``[r * shard, (r + 1) * shard)``. Every parameter is a view
+into the full buffer. The group also carries its gradient buffers: the
+full-size accumulation (``grad_full``, ZeRO 0-1) and this rank's reduced
+partition (``grad_shard``), whichever the engine's gradient store uses.
 
 ZeRO-3 keeps the full buffer *object* for the whole run but gives its storage
 back (``untyped_storage().resize_(0)``) whenever the group is released, and
@@ -25,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .partitioning import Partitioning
+
 __all__ = ["ParamSlot", "FlatGroup", "storage_key"]
 
 
@@ -45,10 +50,10 @@ class ParamSlot:
 
 
 class FlatGroup:
-    """Parameters of one unit and one optimizer class, flattened and DP-partitioned.
+    """Parameters of one unit, one partitioning and one optimizer class, flattened and partitioned.
 
-    ``partitions`` is the number of DP ranks the state is split over (1 for
-    ZeRO-0). ``resident`` groups keep the full compute-dtype buffer allocated for
+    ``part`` is the :class:`Partitioning` the group is reduced over; ``partitioned`` False
+    keeps the whole group on every rank (ZeRO-0), so ``partitions`` is ``part.size`` or 1. ``resident`` groups keep the full compute-dtype buffer allocated for
     the whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
     ``trainable`` is False for frozen parameters (``requires_grad=False``): they
     are partitioned and gathered like the others but get no gradient buffer and
@@ -59,8 +64,8 @@ class FlatGroup:
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
         *,
-        partitions: int,
-        rank: int,
+        part: Partitioning,
+        partitioned: bool = True,
         compute_dtype: torch.dtype,
         device: torch.device,
         resident: bool,
@@ -73,16 +78,20 @@ class FlatGroup:
             self.slots.append(ParamSlot(name, p, p.shape, offset, p.numel()))
             offset += p.numel()
         self.numel = offset
-        self.partitions, self.rank = partitions, rank
-        self.padded_numel = -(-offset // partitions) * partitions
-        self.shard_numel = self.padded_numel // partitions
-        self.shard_start = rank * self.shard_numel
+        self.part = part
+        self.partitions, self.rank = (part.size, part.rank) if partitioned else (1, 0)
+        self.unit = None  # the units.Unit holding the group (it sets this)
+        self.padded_numel = -(-offset // self.partitions) * self.partitions
+        self.shard_numel = self.padded_numel // self.partitions
+        self.shard_start = self.rank * self.shard_numel
         self.compute_dtype, self.device = compute_dtype, device
         self.resident, self.weight_decay, self.trainable = resident, weight_decay, trainable
         self.full: Optional[torch.Tensor] = None  # [padded_numel] compute dtype; storage empty while released
         self.shard: torch.Tensor  # [shard_numel] compute dtype (a view of `full` when resident)
         self.master: torch.Tensor  # [shard_numel] fp32 (aliases `shard` when compute is fp32)
         self.gathered = resident
+        self.grad_full: Optional[torch.Tensor] = None  # [padded_numel] accumulated full gradient (ZeRO 0-1)
+        self.grad_shard: Optional[torch.Tensor] = None  # [shard_numel] this rank's reduced partition (ZeRO 1-3)
 
     @property
     def full_bytes(self) -> int:
@@ -190,15 +199,22 @@ class FlatGroup:
         if covered < self.padded_numel:
             fill_range(rows, covered, self.padded_numel, self.shard_numel, None)
 
-    def norm_ranges(self, count_replicated: bool, count_any: bool) -> list[tuple[int, int]]:
+    def counts_in_norm(self) -> bool:
+        """Whether this rank's copy of the group enters the global norm: the first replica only,
+        and, unpartitioned (ZeRO-0), the partitioning's first rank only."""
+        return self.part.replica_rank == 0 and (self.partitions > 1 or self.part.rank == 0)
+
+    def norm_ranges(self, count_replicated: bool, count_any: Optional[bool] = None) -> list[tuple[int, int]]:
         """Ranges of this rank's shard whose squared gradients enter the global norm.
 
         TP-replicated parameters hold the same gradient on every TP rank, so only
-        TP rank 0 counts them (``count_replicated``); without DP partitioning
-        (ZeRO-0) only DP rank 0 counts anything (``count_any``). Parameters marked
-        ``shared_copy`` (a pipeline stage's copy of a tied weight) are counted by
-        their owner only.
+        TP rank 0 counts them (``count_replicated``); copies held by other ranks of
+        the partitioning count once (``count_any``, by default :meth:`counts_in_norm`).
+        Parameters marked ``pipeline_shared_copy`` (a pipeline stage's copy of a tied
+        weight) are counted by their owner only.
         """
+        if count_any is None:
+            count_any = self.counts_in_norm()
         if not count_any:
             return []
         ranges = []

@@ -54,7 +54,7 @@ class FullWeights:
                 local = torch.zeros_like(g.master)
             full = torch.empty(g.padded_numel, dtype=torch.float32, device=self.device)
             if g.partitions > 1:  # an offloaded master is on the host: collectives run on the device
-                self.comm.all_gather(full, local.to(self.device, torch.float32).contiguous(), "dp")
+                self.comm.all_gather(full, local.to(self.device, torch.float32).contiguous(), g.part.name)
             else:
                 full.copy_(local)
             out.update({k: v.clone() for k, v in g.unflatten(full).items()})

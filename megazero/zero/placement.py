@@ -122,9 +122,7 @@ class Placement:
         po = self.param_offload
         params = sum(g.full.numel() * g.full.element_size() if g.resident else g.shard.numel() * g.shard.element_size()
                      for g in self.groups if po is None or not po.owns(g))
-        grads = sum(t.numel() * t.element_size() for t in self.grad_full.values())
-        if self.stage >= 2:  # stage 1's shards are views of grad_full
-            grads += sum(t.numel() * t.element_size() for t in self.grad_shard.values())
+        grads = self.grads.nbytes()
         opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard and not self.is_offloaded(g))
         for g in self.trainable_groups:
             if not self.is_offloaded(g):

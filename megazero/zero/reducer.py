@@ -1,11 +1,13 @@
 """Gradient reduction for ZeRO-2/3: buckets reduce-scattered as units finish their backward.
 
 Every unit's gradients leave the full-size autograd buffers as soon as the unit
-is complete: they are copied into a bucket laid out ``[dp, columns]`` (each
-group's padded flat gradient, viewed as ``[dp, shard]``, is one column block),
-so that a single reduce-scatter of the bucket hands every rank the sum of its
-own partition of every group in it. A bucket is sent once it holds
-``bucket_numel`` elements; at most ``max_in_flight`` buckets are being reduced
+is complete: they are copied into a bucket laid out ``[partitions, columns]``
+(each group's padded flat gradient, viewed as ``[partitions, shard]``, is one
+column block), so that a single reduce-scatter of the bucket hands every rank
+the sum of its own partition of every group in it. Groups partitioned over
+different process groups (``partitioning.py``: experts beside dense layers)
+fill different buckets, one open bucket per partitioning. A bucket is sent once
+it holds ``bucket_numel`` elements; at most ``max_in_flight`` buckets are being reduced
 at a time (the oldest is waited for and accumulated into the rank's gradient
 partitions before the next bucket is allocated), which bounds the full-size
 gradient memory by ``max_in_flight x bucket`` plus the units not yet complete.
@@ -29,20 +31,25 @@ from typing import Callable, Optional
 
 import torch
 
+from ..utils.scopes import scope
 from .flat import FlatGroup
+from .partitioning import Partitioning
 from .units import Unit
 
 __all__ = ["GradReducer"]
 
 
 class GradReducer:
+    """Reduce-scatters units' gradients in the agreed order into each group's ``grad_shard``.
+
+    ``reduce_scatter(out, full, partitioning)`` issues one bucket's collective and returns its
+    work (or None when done)."""
+
     def __init__(
         self,
         units: list[Unit],
-        grad_shard: dict[FlatGroup, torch.Tensor],
         *,
-        reduce_scatter: Callable[[torch.Tensor, torch.Tensor], object],
-        partitions: int,
+        reduce_scatter: Callable[[torch.Tensor, torch.Tensor, Partitioning], object],
         reduce_dtype: torch.dtype,
         device: torch.device,
         bucket_numel: int,
@@ -52,8 +59,7 @@ class GradReducer:
         persistent = [u for u in units if u.resident and u.name == "persistent"]
         ordered = [u for u in reversed(units) if u not in persistent] + persistent
         self.order = [u for u in ordered if u.grads_expected]
-        self.grad_shard = grad_shard
-        self.reduce_scatter, self.partitions = reduce_scatter, partitions
+        self.reduce_scatter = reduce_scatter
         self.reduce_dtype, self.device = reduce_dtype, device
         self.bucket_numel, self.max_in_flight = max(1, bucket_numel), max(1, max_in_flight)
         self.predivide = predivide  # DeepSpeed's gradient_predivide_factor (undone by the optimizer step)
@@ -66,8 +72,9 @@ class GradReducer:
     def _reset(self) -> None:
         self.pointer = 0
         self.ready: set[int] = set()
-        self.bucket: list[Unit] = []
-        self.bucket_fill = 0
+        # one open bucket per partitioning (by name): its groups and their padded elements
+        self.buckets: dict[str, tuple[Partitioning, list[FlatGroup]]] = {}
+        self.fill: dict[str, int] = {}
         self.dropped: list[Unit] = []
         self.in_flight: list[tuple[object, torch.Tensor, torch.Tensor, list[FlatGroup]]] = []
         for u in self.order:
@@ -118,30 +125,39 @@ class GradReducer:
                 s.param.grad = None
 
     def _add(self, unit: Unit) -> None:
-        self.bucket.append(unit)
-        self.bucket_fill += sum(g.padded_numel for g in unit.trainable_groups)
-        if self.bucket_fill >= self.bucket_numel:
-            self._flush()
+        full = set()
+        for g in unit.trainable_groups:
+            name = g.part.name
+            self.buckets.setdefault(name, (g.part, []))[1].append(g)
+            self.fill[name] = self.fill.get(name, 0) + g.padded_numel
+            if self.fill[name] >= self.bucket_numel:
+                full.add(name)
+        for name in [n for n in self.buckets if n in full]:  # in the buckets' (agreed) order
+            self._flush(name)
 
-    def _flush(self) -> None:
-        if not self.bucket:
+    def _flush(self, name: Optional[str] = None) -> None:
+        """Send the open bucket of partitioning ``name`` (None: every open bucket, oldest first)."""
+        if name is None:
+            for n in list(self.buckets):
+                self._flush(n)
             return
-        groups = [g for u in self.bucket for g in u.trainable_groups]
-        self.bucket, self.bucket_fill = [], 0
-        # Wait for the oldest before allocating: at most max_in_flight buckets exist at once (the
-        # reduction of the previous bucket still overlaps the backward that filled this one).
-        while len(self.in_flight) >= self.max_in_flight:
-            self._complete_oldest()
-        columns = sum(g.shard_numel for g in groups)
-        buf = torch.empty(self.partitions, columns, dtype=self.reduce_dtype, device=self.device)
-        col = 0
-        for g in groups:
-            g.grads_into(buf[:, col:col + g.shard_numel])
-            col += g.shard_numel
-        if self.predivide != 1.0:
-            buf.div_(self.predivide)
-        out = torch.empty(columns, dtype=self.reduce_dtype, device=self.device)
-        work = self.reduce_scatter(out, buf.view(-1))
+        part, groups = self.buckets.pop(name)
+        self.fill.pop(name)
+        with scope("zero.reduce"):
+            # Wait for the oldest before allocating: at most max_in_flight buckets exist at once (the
+            # reduction of the previous bucket still overlaps the backward that filled this one).
+            while len(self.in_flight) >= self.max_in_flight:
+                self._complete_oldest()
+            columns = sum(g.shard_numel for g in groups)
+            buf = torch.empty(groups[0].partitions, columns, dtype=self.reduce_dtype, device=self.device)
+            col = 0
+            for g in groups:
+                g.grads_into(buf[:, col:col + g.shard_numel])
+                col += g.shard_numel
+            if self.predivide != 1.0:
+                buf.div_(self.predivide)
+            out = torch.empty(columns, dtype=self.reduce_dtype, device=self.device)
+            work = self.reduce_scatter(out, buf.view(-1), part)
         self.in_flight.append((work, out, buf, groups))
         live = sum(b.numel() * b.element_size() for _, _, b, _ in self.in_flight)
         self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
@@ -152,5 +168,5 @@ class GradReducer:
             work.wait()
         col = 0
         for g in groups:
-            self.grad_shard[g].add_(out[col:col + g.shard_numel])
+            g.grad_shard.add_(out[col:col + g.shard_numel])
             col += g.shard_numel

@@ -23,7 +23,7 @@ import torch
 
 from .flat import FlatGroup
 
-__all__ = ["Unit", "UnitPlan", "find_unit_modules", "plan_units", "units_for_call"]
+__all__ = ["Unit", "PlannedUnit", "UnitPlan", "find_unit_modules", "plan_units", "units_for_call"]
 
 
 class Unit:
@@ -32,6 +32,8 @@ class Unit:
     def __init__(self, name: str, groups: list[FlatGroup], position: int) -> None:
         self.name = name
         self.groups = groups
+        for g in groups:
+            g.unit = self
         self.position = position  # static order (see the module docstring)
         self.pending: list = []  # async all-gather works in flight
         self.grads_expected = sum(1 for g in groups if g.trainable for s in g.slots)
@@ -75,11 +77,20 @@ def find_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @dataclasses.dataclass
+class PlannedUnit:
+    """One unit before any buffer exists."""
+
+    name: str
+    position: int  # static order (see the module docstring)
+    params: list[tuple[str, torch.nn.Parameter]]  # (name in the model, parameter)
+    persistent: bool  # ZeRO-3's small parameters: never released
+
+
+@dataclasses.dataclass
 class UnitPlan:
     """Which parameters go together, before any buffer exists."""
 
-    # (name, position, [(param name, param)], resident) per unit, in static order
-    units: list[tuple[str, int, list[tuple[str, torch.nn.Parameter]], bool]]
+    units: list[PlannedUnit]  # in static order
     # module -> names of the units whose parameters it owns (what its forward needs gathered)
     needs: dict[int, list[str]]
     hooked: list[torch.nn.Module]  # modules that get gather hooks: layers and every module outside them
@@ -128,12 +139,12 @@ def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], per
             name = f"layer{layer_modules.index(first)}"
         else:
             name = "+".join(_module_name(model, modules_by_id[o]) for o in sorted(owner_set, key=lambda o: order[o]))
-        units.append((name, position, members, False))
+        units.append(PlannedUnit(name, position, members, False))
         for o in owner_set:
             needs.setdefault(o, []).append(name)
-    units.sort(key=lambda u: u[1])
+    units.sort(key=lambda u: u.position)
     if persistent:
-        units.append(("persistent", len(order), persistent, True))
+        units.append(PlannedUnit("persistent", len(order), persistent, True))
     hooked = [m for m in model.modules() if id(m) in layer_ids or id(m) not in inside_layer]
     return UnitPlan(units, needs, hooked)
 

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..utils.scopes import scope
 from .flat import FlatGroup, storage_key
 from .units import Unit, units_for_call
 
@@ -95,7 +96,7 @@ class GatherWindow:
         hooked: list[torch.nn.Module],
         unit_of_param: dict[int, Unit],
         *,
-        all_gather: Callable[[torch.Tensor, torch.Tensor], object],
+        all_gather: Callable[[torch.Tensor, torch.Tensor, FlatGroup], object],
         in_backward: Callable[[], bool],
         on_forward_begin: Callable[[tuple, dict], None],
         on_forward_end: Callable[[list, object], None],
@@ -154,12 +155,13 @@ class GatherWindow:
         """Start the all-gather of ``unit`` unless it is whole or on its way."""
         if unit.gathered or unit.pending:
             return
-        for g in unit.groups:
-            if not g.resident:
-                g.materialize_storage()
-                work = self.all_gather(g.full, self.source(g))
-                if work is not None:
-                    unit.pending.append(work)
+        with scope("zero.gather"):
+            for g in unit.groups:
+                if not g.resident:
+                    g.materialize_storage()
+                    work = self.all_gather(g.full, self.source(g), g)  # over g's own partitioning
+                    if work is not None:
+                        unit.pending.append(work)
         self.live_numel += unit.numel()
         if not unit.pending:
             self._complete(unit)
