@@ -54,18 +54,18 @@ class Record:
     """One forward awaiting its backward."""
 
     key: Hashable                  # the forward's key (which forwards are alike)
-    used: set[int]                 # ids of the units used on some DP rank (agreed)
-    used_here: set[int]            # ids of the units this rank used
+    used: set[Unit]                # the units used on some DP rank (agreed)
+    used_here: set[Unit]           # the units this rank used
     saved: list[bool]              # per window trace entry: autograd saved a gathered weight
     trace: list                    # the window's trace of this forward (ZeRO-3; else empty)
     outputs: set[int]              # grad_fn ids of the outputs: which backward belongs to it
 
-    def saved_units(self) -> set[int]:
-        return {id(e.unit) for e, s in zip(self.trace, self.saved) if s}
+    def saved_units(self) -> set[Unit]:
+        return {e.unit for e, s in zip(self.trace, self.saved) if s}
 
     def same(self, other: "Record") -> bool:
         return self.used == other.used and self.saved == other.saved and \
-            [id(e.unit) for e in self.trace] == [id(e.unit) for e in other.trace]
+            [e.unit for e in self.trace] == [e.unit for e in other.trace]
 
     def covered_by(self, kept: "Record") -> bool:
         return self.used_here <= kept.used and self.saved_units() <= kept.saved_units()
@@ -81,10 +81,10 @@ class ForwardAgreement:
                  device: torch.device, forward_key: Optional[Callable[[tuple, dict], Hashable]] = None) -> None:
         self.units, self.all_reduce_max, self.device = units, all_reduce_max, device
         self.forward_key = forward_key or (lambda args, kwargs: ())
-        self.persistent = {id(u) for u in units if u.name == "persistent"}
+        self.persistent = {u for u in units if u.name == "persistent"}
         self.agreeing = True
         self.pending: collections.deque[Record] = collections.deque()
-        self.used: set[int] = set()
+        self.used: set[Unit] = set()
         self.key: Hashable = ()
         self.kept: dict[Hashable, Record] = {}        # static: the agreed record per key
         self._reset_step()
@@ -102,7 +102,7 @@ class ForwardAgreement:
         self.key = self.forward_key(args, kwargs or {})
 
     def mark_used(self, unit: Unit) -> None:
-        self.used.add(id(unit))
+        self.used.add(unit)
 
     def end(self, trace: Optional[list], out=None) -> None:
         """A forward with gradients ended: record it (and, agreeing, start its all-reduce)."""
@@ -113,7 +113,7 @@ class ForwardAgreement:
         rec = Record(self.key, set(self.used), set(self.used), saved, trace,
                      {id(t.grad_fn) for t in _tensors(out) if t.grad_fn is not None})
         if self.agreeing:
-            rec.local = [1 if id(u) in self.used else 0 for u in self.units] + [1 if s else 0 for s in saved]
+            rec.local = [1 if u in self.used else 0 for u in self.units] + [1 if s else 0 for s in saved]
             rec.flags = torch.tensor(rec.local, dtype=torch.uint8).to(self.device)
             rec.work = self.all_reduce_max(rec.flags)
         self.pending.append(rec)
@@ -137,7 +137,7 @@ class ForwardAgreement:
             rec.work.wait()
         agreed = rec.flags.cpu().tolist()  # the agreeing mode's one synchronisation per micro-batch
         n = len(self.units)
-        rec.used = {id(u) for u, f in zip(self.units, agreed[:n]) if f}
+        rec.used = {u for u, f in zip(self.units, agreed[:n]) if f}
         rec.saved = [bool(f) for f in agreed[n:]]
         earlier = self.step_records.get(rec.key)
         if agreed != rec.local or (earlier is not None and not earlier.same(rec)):

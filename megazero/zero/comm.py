@@ -8,13 +8,12 @@ per group name, so a step's traffic can be checked against the theory
 
 On gloo (CPU) the two ZeRO collectives are issued as their in-place equivalents. gloo's
 all-gather receives into a full-size temporary and copies out of it, and its reduce-scatter
-holds a copy of the input and the output (measured, 4 ranks: +100 MiB for a 100 MiB gather,
-+125 MiB for a 100 MiB reduce-scatter, which a ZeRO-3 step pays per unit in flight). So an
-all-gather is one broadcast per rank into the output (no temporary; 30 ms against 51 for
-12 MiB on 4 ranks), and a reduce-scatter an in-place all-reduce of the input (which it then
-holds the sum, a scratch buffer for every caller) whose own chunk is copied out (2 MiB of
-scratch; 57 ms against 81; twice the bytes on the wire). NCCL gathers and reduce-scatters in
-place already and keeps the collectives themselves.
+holds a copy of its input and output, which a ZeRO-3 step would pay per unit in flight. So an
+all-gather is one broadcast per rank into the output (no temporary), and a reduce-scatter an
+in-place all-reduce of the input (which then holds the sum: the input is scratch for every
+caller) whose own chunk is copied out, at twice the bytes on the wire. NCCL gathers and
+reduce-scatters in place already and keeps the collectives themselves. Memory and time of
+both forms: ``docs/benchmarks.md``.
 
 Which form is issued is chosen per :class:`CommCounter` (``collectives=``), or, when the engine
 builds it, by ``$MEGAZERO_ZERO_COLLECTIVES``, read once as the engine is constructed:
@@ -163,7 +162,7 @@ _GRADS_DESC = "megazero_zero3_grads"
 
 def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_size: int,
                           keep_gathered: bool) -> Optional[dist.ProcessGroup]:
-    """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the DP ranks again.
+    """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the same ranks again.
 
     Backward interleaves the window's gathers (in the agreed trace order) with the reducer's
     reduce-scatters (in the static unit order) differently on ranks whose forwards differed (a

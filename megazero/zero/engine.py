@@ -44,6 +44,7 @@ weight decay still shrinks it, where ``torch.optim.AdamW`` would skip it.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import weakref
@@ -57,7 +58,7 @@ from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max, install_us
 from .comm import CommCounter, gradient_communicator
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot
-from .full_weights import FullWeights
+from . import full_weights
 from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
 from .loss_scaler import LossScaler
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel
@@ -66,10 +67,19 @@ from .reducer import GradReducer
 from .units import Unit, UnitPlan, find_unit_modules, plan_units
 from .window import GatherWindow
 
-__all__ = ["ZeroEngine"]
+__all__ = ["ZeroEngine", "TrainingState"]
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
 logger = logging.getLogger(__name__)
+
+
+class TrainingState(enum.Enum):
+    """Which pass the engine is in (read by the hooks: a forward inside backward is a recompute)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
 
 
 def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -78,7 +88,7 @@ def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class ZeroEngine(FullWeights, Placement, torch.nn.Module):
+class ZeroEngine(torch.nn.Module):
     """Wraps a model; owns its partitioned parameters, gradients and optimizer state.
 
     ``partitioning(name, param)`` returns the :class:`Partitioning` a parameter is split and
@@ -129,10 +139,9 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         # (keeps fp16 sums in range), multiply back in the step.
         self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
         self.grads = self._build_gradient_store()
-        self.optimizer = self._build_optimizer()
-        self.param_offload = self._build_param_offload()
+        self.placement = Placement(config, self.groups, self.device, on_failure=self.fail_later)
         self.loss_scaler = LossScaler(config.fp16)
-        self._in_backward = False
+        self.state = TrainingState.IDLE
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
                        for g in self.trainable_groups for s in g.slots]
         self.agreement, self.window = self._build_forward_tracking(plan, forward_key)
@@ -207,14 +216,14 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         unit_of_param = {id(s.param): g.unit for g in self.groups for s in g.slots}
         if self.stage == 2:
             self._usage_hooks = install_usage_hooks(self.module, needs, plan.hooked, unit_of_param, agreement,
-                                                    in_backward=lambda: self._in_backward)
+                                                    in_backward=self._in_backward)
             return agreement, None
         zc = self.config.zero_optimization
         window = GatherWindow(
             self.module, self.units, needs, plan.hooked, unit_of_param,
             all_gather=lambda out, shard, g: self.comm.all_gather(out, shard, g.part.name, async_op=True),
-            source=self._gather_source if self.param_offload is not None else None,
-            in_backward=lambda: self._in_backward,
+            source=self.placement.gather_source if self.param_offload is not None else None,
+            in_backward=self._in_backward,
             on_forward_begin=agreement.begin, on_forward_end=agreement.end, mark_used=agreement.mark_used,
             prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
             hold=self.hold)
@@ -241,6 +250,9 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
 
         materialize_partitions(self.module, self.groups, self.slot_of, self.device)
 
+    def _in_backward(self) -> bool:
+        return self.state is TrainingState.BACKWARD
+
     # ------------------------------------------------------------------ views kept for callers
 
     @property
@@ -259,6 +271,53 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
     @property
     def grad_shard(self) -> dict[FlatGroup, torch.Tensor]:
         return {g: g.grad_shard for g in self.trainable_groups if g.grad_shard is not None}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the trainable fp32 masters (kept by the placement, which routes its state)."""
+        return self.placement.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.placement.optimizer = optimizer
+
+    @property
+    def offload(self):
+        """The optimizer offload (``placement.py``), or None."""
+        return self.placement.offload
+
+    @property
+    def param_offload(self):
+        """ZeRO-3's parameter offload (``placement.py``), or None."""
+        return self.placement.param_offload
+
+    def is_offloaded(self, g: FlatGroup) -> bool:
+        """Whether ``g``'s optimizer state lives on the host or NVMe."""
+        return self.placement.is_offloaded(g)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by kind and place (``Placement.state_bytes``)."""
+        return self.placement.state_bytes(self.grads.nbytes())
+
+    def optimizer_state_buffers(self, group: FlatGroup, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Where a checkpoint load writes ``group``'s optimizer state (``Placement.optimizer_state_buffers``)."""
+        return self.placement.optimizer_state_buffers(group, keys)
+
+    def drop_pages(self) -> None:
+        """Unmap the NVMe pages a whole-tensor access brought in."""
+        self.placement.drop_pages()
+
+    def load_full_weights(self, full: Callable[[str], torch.Tensor]) -> None:
+        """Set every parameter from its full, tp=1-shaped value ``full(name)`` (no communication)."""
+        full_weights.load_full_weights(self, full)
+
+    def full_master_tensors(self, which: str = "master") -> dict[str, torch.Tensor]:
+        """This TP rank's fp32 masters (or an Adam moment) by name, assembled over each partitioning."""
+        return full_weights.full_master_tensors(self, which)
+
+    def consolidated_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """Full fp32 weights with the keys of a tp=1 model (collective; rank 0 only unless told)."""
+        return full_weights.consolidated_state_dict(self, rank0_only)
 
     # ------------------------------------------------------------------ hooks
 
@@ -279,7 +338,11 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
     # ------------------------------------------------------------------ training API
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self.state = TrainingState.FORWARD
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.state = TrainingState.IDLE
 
     def backward(self, loss: torch.Tensor, output_grad: Optional[torch.Tensor] = None) -> None:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``.
@@ -293,14 +356,14 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             self.grads.begin_backward(rec)
             if self.window is not None:
                 self.window.begin_backward(rec.trace, rec.saved)
-        self._in_backward = True
+        self.state = TrainingState.BACKWARD
         try:
             if output_grad is None:
                 (loss * (self.loss_scaler.scale / self.accum)).backward()
             else:
                 torch.autograd.backward(loss, output_grad)
         finally:
-            self._in_backward = False
+            self.state = TrainingState.IDLE
             if self.window is not None:
                 self.window.end_backward()
         self.grads.end_backward()
@@ -344,8 +407,12 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
         self.micro_steps += 1
         if not boundary:
             return False
-        with scope("zero.step"):
-            return self._step()
+        self.state = TrainingState.STEP
+        try:
+            with scope("zero.step"):
+                return self._step()
+        finally:
+            self.state = TrainingState.IDLE
 
     def _step(self) -> bool:
         """The update at an accumulation boundary (see :meth:`step`)."""
@@ -377,15 +444,15 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
             clip = self.config.gradient_clipping
             if clip > 0 and norm > clip:
                 coef *= clip / (norm + 1e-6)
-            on_device = [g for g in self.trainable_groups if not self.is_offloaded(g)]
+            on_device = [g for g in self.trainable_groups if not self.placement.is_offloaded(g)]
             for g in on_device:
                 g.master.grad = grads[g].float().mul_(coef)
             self.optimizer.step()
             for g in on_device:
                 g.master.grad = None
             if self.offload is not None:  # the host's part, streamed (its return writes each shard)
-                self._offloaded_step(grads, coef)
-            self._publish_params(written=self._offloaded)
+                self.placement.offloaded_step(grads, coef)
+            self._publish_params(written=self.placement.offloaded)
             updated = True
             self.global_steps += 1
         if not (failed or forwards_differed):
@@ -400,6 +467,14 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
     def _local_grads(self) -> dict[FlatGroup, torch.Tensor]:
         """Each trainable group's reduced gradient on this rank (its partition, or the whole at ZeRO-0)."""
         return {g: self.grads.local(g) for g in self.trainable_groups}
+
+    def fail_later(self, what: str, error: BaseException) -> None:
+        """This rank failed inside a sequence of collectives (``what``): it goes on with them, the
+        next step's all-reduce carries the flag, no rank updates its parameters, every rank sees
+        ``failed_ranks > 0``, and the trainer concludes with :attr:`deferred_failure` (the first)."""
+        self.flag_failure()
+        if self.deferred_failure is None:
+            self.deferred_failure = (what, error)
 
     def flag_failure(self) -> None:
         """This rank failed outside the step (a bad sample read): the next step's all-reduce carries
@@ -470,10 +545,10 @@ class ZeroEngine(FullWeights, Placement, torch.nn.Module):
     @torch.no_grad()
     def _publish_params(self, groups: Optional[list[FlatGroup]] = None, written: frozenset = frozenset()) -> None:
         """Copy the updated fp32 masters into the compute-dtype parameters (except the groups in
-        ``written``, by id: the offloaded step already wrote their shards)."""
+        ``written``: the offloaded step already wrote their shards)."""
         for g in self.trainable_groups if groups is None else groups:
-            if g.master is not g.shard and id(g) not in written:
-                self._write_shard(g, 0, g.master)
+            if g.master is not g.shard and g not in written:
+                self.placement.write_shard(g, 0, g.master)
             if g.resident and g.partitions > 1:
                 # Every rank updated its partition only: collect the others, in place (the partition
                 # is the full buffer's own slice: no temporary).

@@ -1,8 +1,9 @@
 """Full (unpartitioned, tp = 1-shaped) weights in and out of a ZeRO engine.
 
-A mixin of :class:`megazero.zero.engine.ZeroEngine`, apart so the engine file stays about the step:
-loading a full checkpoint or pretrained weights (each rank keeps its TP shard's DP partition, no
-communication) and assembling the full fp32 masters or Adam moments (collective over DP, then TP).
+Functions of a :class:`megazero.zero.engine.ZeroEngine` (its methods of the same names call them),
+apart so the engine file stays about the step: loading a full checkpoint or pretrained weights
+(each rank keeps its TP shard's partition, no communication) and assembling the full fp32 masters
+or Adam moments (collective over each group's partitioning, then TP).
 """
 
 from __future__ import annotations
@@ -14,74 +15,74 @@ import torch.distributed as dist
 
 from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
 
-__all__ = ["FullWeights"]
+__all__ = ["tp_local", "load_full_weights", "full_master_tensors", "consolidated_state_dict"]
 
 
-class FullWeights:
-    """Methods over the engine's ``groups``, ``optimizer``, ``comm`` and TP coordinates."""
+def tp_local(engine, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's TP shard of ``full``, a tp=1-shaped value of ``param`` (or of its optimizer state)."""
+    if not is_tp_sharded(param) or engine.tp_size == 1:
+        return full
+    return shard_of_full(full, param.partition_dim, getattr(param, "partition_stride", 1), engine.tp_rank, engine.tp_size)
 
-    def tp_local(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP shard of ``full``, a tp=1-shaped value of ``param`` (or of its optimizer state)."""
-        if not is_tp_sharded(param) or self.tp_size == 1:
-            return full
-        return shard_of_full(full, param.partition_dim, getattr(param, "partition_stride", 1), self.tp_rank, self.tp_size)
 
-    @torch.no_grad()
-    def load_full_weights(self, full: Callable[[str], torch.Tensor]) -> None:
-        """Set every parameter (fp32 master and compute copy) from its full, tp=1-shaped value.
+@torch.no_grad()
+def load_full_weights(engine, full: Callable[[str], torch.Tensor]) -> None:
+    """Set every parameter (fp32 master and compute copy) from its full, tp=1-shaped value.
 
-        ``full(name)`` returns the full tensor of parameter ``name``; each rank keeps its
-        TP shard's DP partition. No communication. Raises ValueError on a shape mismatch.
-        """
-        for g in self.groups:
-            for s in g.slots:
-                value = full(s.name)
-                local = self.tp_local(s.param, value)
-                if tuple(local.shape) != tuple(s.shape):
-                    raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
-                                     f"the model has {tuple(s.shape)}; was the model configured differently?")
-                g.load_param_values(s, local)
-        self.release_gathered()  # drop gathered copies of the old values
+    ``full(name)`` returns the full tensor of parameter ``name``; each rank keeps its
+    TP shard's DP partition. No communication. Raises ValueError on a shape mismatch.
+    """
+    for g in engine.groups:
+        for s in g.slots:
+            value = full(s.name)
+            local = tp_local(engine, s.param, value)
+            if tuple(local.shape) != tuple(s.shape):
+                raise ValueError(f"{s.name}: full shape {tuple(value.shape)} gives {tuple(local.shape)} on this rank, "
+                                 f"the model has {tuple(s.shape)}; was the model configured differently?")
+            g.load_param_values(s, local)
+    engine.release_gathered()  # drop gathered copies of the old values
 
-    @torch.no_grad()
-    def full_master_tensors(self, which: str = "master") -> dict[str, torch.Tensor]:
-        """Every parameter's value (fp32 master, or an Adam moment ``exp_avg``/``exp_avg_sq``)
-        for this TP rank's shard, assembled over DP. Collective over the DP group."""
-        out = {}
-        for g in self.groups:
-            local = g.master if which == "master" else self.optimizer.state.get(g.master, {}).get(which)
-            if local is None:
-                local = torch.zeros_like(g.master)
-            full = torch.empty(g.padded_numel, dtype=torch.float32, device=self.device)
-            if g.partitions > 1:  # an offloaded master is on the host: collectives run on the device
-                self.comm.all_gather(full, local.to(self.device, torch.float32).contiguous(), g.part.name)
-            else:
-                full.copy_(local)
-            out.update({k: v.clone() for k, v in g.unflatten(full).items()})
-        return out
 
-    @torch.no_grad()
-    def consolidated_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """Full, unsharded fp32 weights with the keys of a tp=1 model (collective).
+@torch.no_grad()
+def full_master_tensors(engine, which: str = "master") -> dict[str, torch.Tensor]:
+    """Every parameter's value (fp32 master, or an Adam moment ``exp_avg``/``exp_avg_sq``)
+    for this TP rank's shard, assembled over DP. Collective over the DP group."""
+    out = {}
+    for g in engine.groups:
+        local = g.master if which == "master" else engine.optimizer.state.get(g.master, {}).get(which)
+        if local is None:
+            local = torch.zeros_like(g.master)
+        full = torch.empty(g.padded_numel, dtype=torch.float32, device=engine.device)
+        if g.partitions > 1:  # an offloaded master is on the host: collectives run on the device
+            engine.comm.all_gather(full, local.to(engine.device, torch.float32).contiguous(), g.part.name)
+        else:
+            full.copy_(local)
+        out.update({k: v.clone() for k, v in g.unflatten(full).items()})
+    return out
 
-        Returned on global rank 0 only unless ``rank0_only=False``.
-        """
-        local = self.full_master_tensors("master")
-        out = {}
-        for name, value in local.items():
-            g, slot = self._slot_by_name[name]
-            p = slot.param
-            if is_tp_sharded(p) and self.tp_size > 1:
-                parts = [torch.empty_like(value) for _ in range(self.tp_size)]
-                dist.all_gather(parts, value.contiguous(), group=self.tp_group)
-                value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
-            out[name] = value.cpu()
-        primary = {id(p): n for n, p in self.module.named_parameters()}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if name != primary[id(p)] and id(p) in self.slot_of:  # a shared weight under its other names
-                out.setdefault(self.param_name(name), out[self.slot_of[id(p)][1].name])
-        for name, b in self.module.named_buffers():
-            out.setdefault(self.param_name(name), b.detach().cpu().clone())
-        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
-            return {}
-        return out
+
+@torch.no_grad()
+def consolidated_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """Full, unsharded fp32 weights with the keys of a tp=1 model (collective).
+
+    Returned on global rank 0 only unless ``rank0_only=False``.
+    """
+    local = full_master_tensors(engine, "master")
+    out = {}
+    for name, value in local.items():
+        g, slot = engine._slot_by_name[name]
+        p = slot.param
+        if is_tp_sharded(p) and engine.tp_size > 1:
+            parts = [torch.empty_like(value) for _ in range(engine.tp_size)]
+            dist.all_gather(parts, value.contiguous(), group=engine.tp_group)
+            value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
+        out[name] = value.cpu()
+    primary = {id(p): n for n, p in engine.module.named_parameters()}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if name != primary[id(p)] and id(p) in engine.slot_of:  # a shared weight under its other names
+            out.setdefault(engine.param_name(name), out[engine.slot_of[id(p)][1].name])
+    for name, b in engine.module.named_buffers():
+        out.setdefault(engine.param_name(name), b.detach().cpu().clone())
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return out

@@ -1,7 +1,6 @@
 """Where a ZeRO engine's state lives: the accelerator, host memory or NVMe.
 
-A mixin of :class:`megazero.zero.engine.ZeroEngine`, apart so the engine file stays about the step.
-It builds the optimizer over the trainable masters with ``offload_optimizer``'s groups on the host
+The engine's :class:`Placement` member. It builds the optimizer over the trainable masters with ``offload_optimizer``'s groups on the host
 (:mod:`megazero.zero.offload`) and ZeRO-3's ``offload_param`` (:mod:`megazero.zero.param_offload`),
 routes the gathers' sources and the step's write-backs to wherever a partition lives, counts the
 bytes of each place, and turns an offload I/O failure inside a step into a flag the next step's
@@ -10,11 +9,12 @@ all-reduce carries (a rank that raised there would leave its peers waiting in a 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from .config import ZeroConfig
 from .flat import FlatGroup
 from .offload import OptimizerOffload, offloaded_groups
 from .optim import build_optimizer, say_once
@@ -24,10 +24,18 @@ __all__ = ["Placement"]
 
 
 class Placement:
-    """Methods over the engine's ``config``, ``groups``, ``trainable_groups``, ``optimizer`` and grads."""
+    """The optimizer and the offloads of one engine's flat groups, and the routing between them.
 
-    offload: Optional[OptimizerOffload]
-    param_offload: Optional[ParamOffload]
+    ``on_failure(what, error)`` is called for an offload I/O failure inside a step (the engine's
+    ``fail_later``): the step's collectives must still happen on every rank."""
+
+    def __init__(self, config: ZeroConfig, groups: list[FlatGroup], device: torch.device,
+                 on_failure: Callable[[str, BaseException], None]) -> None:
+        self.config, self.groups, self.device = config, groups, device
+        self.trainable_groups = [g for g in groups if g.trainable]
+        self.on_failure = on_failure
+        self.optimizer = self._build_optimizer()
+        self.param_offload = self._build_param_offload()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer over the trainable masters: decayed and undecayed groups (kernel: optim.py).
@@ -37,11 +45,11 @@ class Placement:
         set of hyperparameters, and its own step skips them (they carry no ``.grad``)."""
         oc = self.config.optimizer
         off = self.config.zero_optimization.offload_optimizer
-        self.offload = None
+        self.offload: Optional[OptimizerOffload] = None
         if off.enabled:
             self.offload = OptimizerOffload(offloaded_groups(self.trainable_groups, off.ratio), off, oc, self.device,
                                             rank=_rank(), say=say_once)
-        self._offloaded = frozenset(id(g) for g in self.offload.groups) if self.offload else frozenset()
+        self.offloaded = frozenset(self.offload.groups) if self.offload else frozenset()
         decay = [g.master for g in self.trainable_groups if g.weight_decay]
         no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
         param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
@@ -51,24 +59,25 @@ class Placement:
 
     def _build_param_offload(self) -> Optional[ParamOffload]:
         """ZeRO-3's ``offload_param``: the gathered groups' partitions to the host or NVMe; the
-        optimizer offload's write-back follows them (after :meth:`_build_optimizer`)."""
+        optimizer offload's write-back follows them."""
         cfg = self.config.zero_optimization.offload_param
-        if not cfg.enabled or self.stage != 3:
+        if not cfg.enabled or self.config.stage != 3:
             return None
-        host_masters = self._offloaded if self.offload is not None and not self.offload.nvme else frozenset()
+        host_masters = frozenset(id(g) for g in self.offloaded) \
+            if self.offload is not None and not self.offload.nvme else frozenset()
         offload = ParamOffload(self.groups, cfg, self.device, rank=_rank(), masters_on_host=host_masters,
                                say=say_once)
         if self.offload is not None:
-            self.offload.write_shard = self._write_shard
+            self.offload.write_shard = self.write_shard
         return offload
 
     def is_offloaded(self, g: FlatGroup) -> bool:
         """Whether ``g``'s optimizer state (fp32 master, moments) lives on the host or NVMe."""
-        return id(g) in self._offloaded
+        return g in self.offloaded
 
     # ------------------------------------------------------------------ routing
 
-    def _gather_source(self, g: FlatGroup) -> torch.Tensor:
+    def gather_source(self, g: FlatGroup) -> torch.Tensor:
         """What ``g``'s all-gather sends. A read that fails (NVMe) sends zeros and flags the failure:
         the gather itself must still happen, or the other ranks would wait in it."""
         if not self.param_offload.owns(g):
@@ -76,34 +85,26 @@ class Placement:
         try:
             return self.param_offload.source(g)
         except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
-            self.fail_later("reading the offloaded parameters", e)
+            self.on_failure("reading the offloaded parameters", e)
             return g.own_slice().zero_()
 
-    def _write_shard(self, g: FlatGroup, lo: int, src: torch.Tensor) -> None:
+    def write_shard(self, g: FlatGroup, lo: int, src: torch.Tensor) -> None:
         """Updated weights into ``g``'s compute-dtype partition at ``lo``, wherever it lives."""
         if self.param_offload is not None and self.param_offload.owns(g):
             try:
                 self.param_offload.write(g, lo, src)
             except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
-                self.fail_later("writing the offloaded parameters", e)
+                self.on_failure("writing the offloaded parameters", e)
         else:
             g.shard[lo:lo + src.numel()].copy_(src)
 
-    def _offloaded_step(self, grads: dict[FlatGroup, torch.Tensor], coef: float) -> None:
+    def offloaded_step(self, grads: dict[FlatGroup, torch.Tensor], coef: float) -> None:
         """The host's part of the step, streamed; a failure there (an NVMe read or write) is flagged
         rather than raised: the step's collectives that follow still happen on every rank."""
         try:
             self.offload.step(self.optimizer, grads, coef)
         except Exception as e:  # noqa: BLE001 - reported through the next step's all-reduce
-            self.fail_later("the offloaded optimizer step", e)
-
-    def fail_later(self, what: str, error: BaseException) -> None:
-        """This rank failed inside a sequence of collectives (``what``): it goes on with them, the
-        next step's all-reduce carries the flag, no rank updates its parameters, every rank sees
-        ``failed_ranks > 0``, and the trainer concludes with :attr:`deferred_failure` (the first)."""
-        self.flag_failure()
-        if self.deferred_failure is None:
-            self.deferred_failure = (what, error)
+            self.on_failure("the offloaded optimizer step", e)
 
     def drop_pages(self) -> None:
         """Unmap the NVMe pages a whole-tensor access (checkpoint, load, logging) brought in."""
@@ -113,16 +114,16 @@ class Placement:
 
     # ------------------------------------------------------------------ accounting
 
-    def model_state_bytes(self) -> dict[str, int]:
+    def state_bytes(self, grads: int) -> dict[str, int]:
         """Bytes of model state this rank holds on its device: parameters, gradients, optimizer
         (master + moments), and ``total``; with offload also the host's apart: ``host_optimizer``
         (offloaded masters and moments in memory), ``host_ring`` (the step's buffers), ``nvme``
         (their files' size), ``host_params`` (offloaded parameter partitions in memory),
-        ``host_param_ring`` (the NVMe reads' buffers) and ``nvme_params`` (the parameter files)."""
+        ``host_param_ring`` (the NVMe reads' buffers) and ``nvme_params`` (the parameter files).
+        ``grads``: the bytes of the gradient store's buffers."""
         po = self.param_offload
         params = sum(g.full.numel() * g.full.element_size() if g.resident else g.shard.numel() * g.shard.element_size()
                      for g in self.groups if po is None or not po.owns(g))
-        grads = self.grads.nbytes()
         opt = sum(g.master.numel() * 4 for g in self.groups if g.master is not g.shard and not self.is_offloaded(g))
         for g in self.trainable_groups:
             if not self.is_offloaded(g):

@@ -64,14 +64,13 @@ class GradReducer:
         self.bucket_numel, self.max_in_flight = max(1, bucket_numel), max(1, max_in_flight)
         self.predivide = predivide  # DeepSpeed's gradient_predivide_factor (undone by the optimizer step)
         # The current backward's units: used on some DP rank (agreed), and on this one.
-        self.used: Optional[set[int]] = None
-        self.used_here: set[int] = set()
+        self.used: Optional[set[Unit]] = None
+        self.used_here: set[Unit] = set()
         self._reset()
         self.peak_bucket_bytes = 0  # largest bucket buffers alive at once (full-size gradients)
 
     def _reset(self) -> None:
         self.pointer = 0
-        self.ready: set[int] = set()
         # one open bucket per partitioning (by name): its groups and their padded elements
         self.buckets: dict[str, tuple[Partitioning, list[FlatGroup]]] = {}
         self.fill: dict[str, int] = {}
@@ -85,7 +84,6 @@ class GradReducer:
     def grad_ready(self, unit: Unit) -> None:
         unit.grads_seen += 1
         if unit.grads_seen == unit.grads_expected:
-            self.ready.add(id(unit))
             self.advance(final=False)
 
     def advance(self, final: bool) -> None:
@@ -94,9 +92,9 @@ class GradReducer:
             return
         while self.pointer < len(self.order):
             u = self.order[self.pointer]
-            if id(u) not in self.used:
+            if u not in self.used:
                 self._drop(u)
-            elif final or id(u) in self.ready or id(u) not in self.used_here:
+            elif final or u.grads_seen >= u.grads_expected or u not in self.used_here:
                 self._add(u)
             else:
                 break

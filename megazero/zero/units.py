@@ -18,6 +18,7 @@ collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -37,7 +38,15 @@ class Unit:
         self.position = position  # static order (see the module docstring)
         self.pending: list = []  # async all-gather works in flight
         self.grads_expected = sum(1 for g in groups if g.trainable for s in g.slots)
-        self.grads_seen = 0
+        self.grads_seen = 0  # gradients complete in this backward (reducer.py)
+        # ZeRO-3's gather window (window.py): position among the gathered units; modules running
+        # that hold it; wrapped inputs whose backward has not run; issued in this pass's order;
+        # index of its last entry in this forward's trace.
+        self.index = -1
+        self.active = 0
+        self.after_backward = 0
+        self.issued = False
+        self.last_entry: Optional[int] = None
 
     @property
     def resident(self) -> bool:

@@ -110,7 +110,8 @@ class GatherWindow:
         # partition (the gather then runs in place); the parameter offload fills it from the host or NVMe.
         self.source = source or FlatGroup.fill_own_slice
         self.units = [u for u in units if not u.resident]
-        self.index = {id(u): i for i, u in enumerate(self.units)}
+        for i, u in enumerate(self.units):
+            u.index = i
         self.needs, self.unit_of_param = needs, unit_of_param
         self.all_gather, self.in_backward = all_gather, in_backward
         self.on_forward_begin, self.on_forward_end, self.mark_used = on_forward_begin, on_forward_end, mark_used
@@ -120,8 +121,6 @@ class GatherWindow:
         self.hold = hold
         self.by_storage: dict[int, Unit] = {}  # storage_key of a gathered group's full buffer -> its unit
         self.live_numel = 0
-        self.active: dict[int, int] = {}
-        self.after_backward: dict[int, int] = {}
         self.depth = 0  # nesting of the model's own forward
         self._reset_pass()
         self._root_units = list(needs.get(id(model), ()))
@@ -144,10 +143,10 @@ class GatherWindow:
     def _reset_pass(self) -> None:
         self.cursor = -1  # forward: position in self.units of the last unit passed
         self.trace: list[_Entry] = []
-        self.last_entry: dict[int, int] = {}
         self.sequence: Optional[list[Unit]] = None  # backward gather order, once agreed
         self.bcursor = -1
-        self.issued: set[int] = set()  # units issued in sequence order in this pass (forward, then backward)
+        for u in self.units:  # their window state (units.py) starts afresh with each forward
+            u.last_entry, u.issued = None, False
 
     # ---- gather / release ---------------------------------------------------------------
 
@@ -196,12 +195,13 @@ class GatherWindow:
     def release_all(self, force: bool = False) -> None:
         for u in self.units:
             self.release(u, force)
-        self.active.clear()
+            u.active = 0
 
     def end_backward(self) -> None:
         """Everything is released between a backward and the next forward."""
         self.release_all()
-        self.after_backward.clear()
+        for u in self.units:
+            u.after_backward = 0
 
     def _prefetch(self, seq: list[Unit], start: int) -> None:
         """Issue the next units of ``seq`` within the window. A unit already issued in this
@@ -215,14 +215,14 @@ class GatherWindow:
             u = seq[q]
             if u.resident:  # always whole: neither gathered nor counted
                 continue
-            if id(u) not in self.issued:
+            if not u.issued:
                 if self.live_numel + u.numel() > self.max_live_numel:
                     break
                 self._issue_once(u)
             budget -= u.numel()
 
     def _issue_once(self, unit: Unit) -> None:
-        self.issued.add(id(unit))
+        unit.issued = True
         self.issue(unit)
 
     # ---- forward ------------------------------------------------------------------------
@@ -245,7 +245,7 @@ class GatherWindow:
             self.mark_used(u)
             if not u.resident:
                 self._request_forward(u, saved=not torch.is_grad_enabled())
-                self.active[id(u)] = self.active.get(id(u), 0) + 1
+                u.active += 1
 
     def _model_post_forward(self, module, args, out):
         if self.in_backward():
@@ -257,10 +257,10 @@ class GatherWindow:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
         for u in self._module_units.pop(self._model_id, []) + [u for u in self._root_units if not u.resident]:
-            self.active[id(u)] -= 1
+            u.active -= 1
         self._catch_up(len(self.units))
         for u in self.units:
-            if not self.active.get(id(u)):
+            if not u.active:
                 self.release(u)
         self.on_forward_end(self.trace, out)
 
@@ -279,7 +279,7 @@ class GatherWindow:
                 self._request_backward(u)
             else:
                 self._request_forward(u, saved=not torch.is_grad_enabled())
-            self.active[id(u)] = self.active.get(id(u), 0) + 1
+            u.active += 1
         self._module_units[id(module)] = pending
         self.running.append(id(module))
         if pending and torch.is_grad_enabled():
@@ -291,8 +291,8 @@ class GatherWindow:
             self.running.pop()
         pending = self._module_units.pop(id(module), [])
         for u in pending:
-            self.active[id(u)] -= 1
-            if not self.active[id(u)] and not self.in_backward():
+            u.active -= 1
+            if not u.active and not self.in_backward():
                 # Done with it; autograd's saved references to it become free with the storage.
                 self.release(u)
         return None
@@ -314,15 +314,15 @@ class GatherWindow:
         held = self._module_units.setdefault(owner, [])
         if unit not in held:
             held.append(unit)
-            self.active[id(unit)] = self.active.get(id(unit), 0) + 1
+            unit.active += 1
 
     def _request_forward(self, unit: Unit, saved: bool) -> None:
-        pos = self.index[id(unit)]
+        pos = unit.index
         if pos > self.cursor:
             self._catch_up(pos)
             self.cursor = pos
             self._record(unit, saved)
-            if id(unit) not in self.issued:
+            if not unit.issued:
                 self._issue_once(unit)
             self.wait(unit)
             self._prefetch(self.units, pos + 1)
@@ -335,15 +335,15 @@ class GatherWindow:
         for q in range(self.cursor + 1, pos):
             u = self.units[q]
             self._record(u, False)
-            if id(u) not in self.issued:
+            if not u.issued:
                 self._issue_once(u)
             self.wait(u)
-            if not self.active.get(id(u)):
+            if not u.active:
                 self.release(u)
         self.cursor = max(self.cursor, pos - 1)
 
     def _record(self, unit: Unit, saved: bool) -> None:
-        self.last_entry[id(unit)] = len(self.trace)
+        unit.last_entry = len(self.trace)
         self.trace.append(_Entry(unit, saved))
 
     def _wrap_inputs(self, args, kwargs, units: list[Unit]):
@@ -351,13 +351,12 @@ class GatherWindow:
         if not idx:
             return None
         for u in units:
-            self.after_backward[id(u)] = self.after_backward.get(id(u), 0) + 1
+            u.after_backward += 1
 
         def done():
             for u in units:
-                n = self.after_backward.get(id(u), 0) - 1
-                self.after_backward[id(u)] = n
-                if n <= 0 and not self.active.get(id(u)):
+                u.after_backward -= 1
+                if u.after_backward <= 0 and not u.active:
                     self.release(u)
 
         wrapped = _AfterBackward.apply(done, *[args[i] for i in idx])
@@ -377,7 +376,7 @@ class GatherWindow:
         if unit is None:
             return t
         if not self.in_backward():
-            entry = self.last_entry.get(id(unit))
+            entry = unit.last_entry
             if entry is not None:
                 self.trace[entry].saved = True
         return _Saved(t, unit)
@@ -395,14 +394,13 @@ class GatherWindow:
         """The backward of the forward that recorded ``trace``, with the agreed "saved something"
         flag of each entry (``agreement.py``): fixes the order of the backward's gathers."""
         self.trace = trace
-        seen: set[int] = set()
-        seq = []
+        seq: list[Unit] = []
         for entry, flag in zip(reversed(trace), reversed(saved)):
-            if flag and id(entry.unit) not in seen:
-                seen.add(id(entry.unit))
+            if flag and entry.unit not in seq:
                 seq.append(entry.unit)
         self.sequence, self.bcursor = seq, -1
-        self.issued = set()
+        for u in self.units:
+            u.issued = False
 
     def _request_backward(self, unit: Unit) -> None:
         seq = self.sequence or []
@@ -410,13 +408,13 @@ class GatherWindow:
             if seq[j] is unit:
                 for q in range(self.bcursor + 1, j):  # needed by another rank before this one
                     u = seq[q]
-                    if id(u) not in self.issued:
+                    if not u.issued:
                         self._issue_once(u)
                     self.wait(u)
-                    if not self.active.get(id(u)) and not self.after_backward.get(id(u)):
+                    if not u.active and not u.after_backward:
                         self.release(u)
                 self.bcursor = j
-                if id(unit) not in self.issued:
+                if not unit.issued:
                     self._issue_once(unit)
                 self.wait(unit)
                 self._prefetch(seq, j + 1)
