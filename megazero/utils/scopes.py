@@ -8,7 +8,8 @@ variable, so threads (an offload's I/O workers) and nested scopes each see their
 
 Names in use (``<layer>.<what>``): ``zero.gather`` (ZeRO-3 all-gathers), ``zero.reduce``
 (gradient buckets being reduce-scattered), ``zero.step`` (the optimizer step: norms, update,
-publishing the new weights). Nothing here allocates on the device or synchronises.
+publishing the new weights), ``train.norms`` (the training loop's parameter and gradient
+statistics). Nothing here allocates on the device or synchronises.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ A module whose initialization cannot be captured (another in-place op, e.g.
 ``nn.Linear``'s ``kaiming_uniform_``) is initialized for real, whole, from the
 default generator, and sliced, as before: correct, but O(module) per rank.
 
-On the meta device (``megazero.training.rehearsal``) captured values are not drawn at all:
+On the meta device (``megazero.observe.rehearsal``) captured values are not drawn at all:
 the partitions have shapes and no memory.
 """
 

@@ -13,10 +13,11 @@ Kernel choice (:func:`build_optimizer`), over the engine's fp32 master partition
   same parameters stepped one by one with ``torch.optim.AdamW(fused=True)``; it differs from
   torch's default CPU kernel (for-loop) by ~1e-7 per step. apex is never tried (its kernels
   are CUDA-only).
-* Meta masters (a rehearsal, ``megazero/training/rehearsal.py``): the for-loop kernel, whose
+* Meta masters (a rehearsal, ``megazero/observe/rehearsal.py``): the for-loop kernel, whose
   temporaries (one unit's partition at a time) are closest to a fused kernel's none.
 
-The kernel and the reason it was chosen are said once per process (first rank only).
+The kernel and the reason it was chosen are logged once per process (first rank only): INFO, or
+WARNING when apex is installed but unusable.
 
 Step count (:func:`optimizer_step`, :func:`set_optimizer_step`): Adam's bias correction
 depends on how many steps were taken. torch keeps that count per parameter in
@@ -29,7 +30,8 @@ resume continues bias correction instead of restarting it at step 1.
 
 from __future__ import annotations
 
-import sys
+import functools
+import logging
 from typing import Optional
 
 import torch
@@ -41,16 +43,14 @@ __all__ = ["build_optimizer", "optimizer_step", "set_optimizer_step", "keeps_ste
 # FusedLAMB, ...; DeepSpeed's FusedAdam is apex's). Used only before the first step, when
 # neither place holds a count yet.
 _GROUP_STEP_PACKAGES = ("apex", "deepspeed")
-_SAID: set[str] = set()
+logger = logging.getLogger(__name__)
 
 
-def say_once(message: str) -> None:
-    """Print ``message`` once per process, on the first rank only."""
-    if message in _SAID:
-        return
-    _SAID.add(message)
+@functools.lru_cache(maxsize=None)  # the cache is what makes it once per process
+def say_once(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` at ``level`` once per process, on the first rank only."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[megazero] {message}", file=sys.stderr, flush=True)
+        logger.log(level, message)
 
 
 def build_optimizer(param_groups: list[dict], oc, device: torch.device, *,
@@ -76,10 +76,11 @@ def build_optimizer(param_groups: list[dict], oc, device: torch.device, *,
         opt = FusedAdam([dict(g) for g in param_groups], adam_w_mode=oc.adam_w_mode, **kwargs)
     except Exception as e:  # ImportError (no apex), RuntimeError (apex without CUDA extensions), ...
         why = f"apex FusedAdam is unusable ({type(e).__name__}: {e})"
+        level = logging.INFO if isinstance(e, ImportError) else logging.WARNING
     else:
-        say_once("optimizer: apex FusedAdam (apex is installed with its CUDA extensions)")
+        say_once("optimizer: apex FusedAdam (apex is installed with its CUDA extensions)", logging.INFO)
         return opt
-    say_once(f"optimizer: torch {torch_cls.__name__}(fused=True), because {why}")
+    say_once(f"optimizer: torch {torch_cls.__name__}(fused=True), because {why}", level)
     return torch_cls(param_groups, fused=True, **kwargs)
 
 

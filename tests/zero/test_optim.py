@@ -6,6 +6,7 @@ an apex built without its CUDA extensions does. The CUDA kernel choice is exerci
 passing ``device=cuda`` to :func:`build_optimizer` over CPU tensors (nothing touches a GPU).
 """
 
+import logging
 import sys
 import types
 
@@ -17,7 +18,7 @@ from megazero.model import GPTModel
 from megazero.zero import optim as zoptim
 from megazero.zero.checkpoint import load_zero_state, save_zero_state
 from megazero.zero.config import OptimizerConfig
-from megazero.zero.optim import build_optimizer, keeps_step_in_group, optimizer_step, set_optimizer_step
+from megazero.zero.optim import build_optimizer, keeps_step_in_group, optimizer_step, say_once, set_optimizer_step
 from tests.zero.common import BETAS, EPS, LR, SEED, WD, batches, ds_config, tiny_config
 
 ROWS = 4
@@ -69,7 +70,7 @@ def _install_apex(monkeypatch, cls):
     apex.optimizers = optimizers
     monkeypatch.setitem(sys.modules, "apex", apex)
     monkeypatch.setitem(sys.modules, "apex.optimizers", optimizers)
-    monkeypatch.setattr(zoptim, "_SAID", set())  # every test may say its choice again
+    zoptim.say_once.cache_clear()  # every test may say its choice again
     FakeFusedAdam.constructed = 0
 
 
@@ -78,15 +79,19 @@ def _groups():
     return [{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}]
 
 
-def test_cuda_uses_apex_fused_adam_when_it_works(monkeypatch, capsys):
+def test_cuda_uses_apex_fused_adam_when_it_works(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="megazero.zero.optim")
+    say_once.cache_clear()
     _install_apex(monkeypatch, FakeFusedAdam)
     opt = build_optimizer(_groups(), OptimizerConfig(), CUDA)
     assert isinstance(opt, FakeFusedAdam) and keeps_step_in_group(opt)
-    assert "apex FusedAdam" in capsys.readouterr().err
+    assert "apex FusedAdam" in caplog.text
 
 
 @pytest.mark.parametrize("apex", ["broken", "absent"])
-def test_cuda_falls_back_to_torch_on_any_apex_failure(monkeypatch, capsys, apex):
+def test_cuda_falls_back_to_torch_on_any_apex_failure(monkeypatch, caplog, apex):
+    caplog.set_level(logging.INFO, logger="megazero.zero.optim")
+    say_once.cache_clear()
     if apex == "broken":
         _install_apex(monkeypatch, BrokenFusedAdam)
     else:
@@ -99,7 +104,7 @@ def test_cuda_falls_back_to_torch_on_any_apex_failure(monkeypatch, capsys, apex)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert "adam_w_mode" not in opt.param_groups[0]  # apex's half-built groups did not leak in
     build_optimizer(_groups(), OptimizerConfig(), CUDA)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert err.count("torch AdamW(fused=True)") == 1  # said once per process
     assert ("RuntimeError" if apex == "broken" else "ModuleNotFoundError") in err
     assert not keeps_step_in_group(opt)
