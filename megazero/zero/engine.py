@@ -458,8 +458,8 @@ class ZeroEngine(torch.nn.Module):
         if not (failed or forwards_differed):
             self.loss_scaler.update(overflow)
         self._zero_grads()
-        if self.hold:
-            self.window.release_all(force=True)  # the step's gathered units end with it
+        if self.window is not None:
+            self.window.end_step()
         return updated
 
     # ------------------------------------------------------------------ step internals

@@ -197,6 +197,11 @@ class GatherWindow:
             self.release(u, force)
             u.active = 0
 
+    def end_step(self) -> None:
+        """The optimizer step is over: units kept gathered for it (``hold``) are released."""
+        if self.hold:
+            self.release_all(force=True)
+
     def end_backward(self) -> None:
         """Everything is released between a backward and the next forward."""
         self.release_all()
