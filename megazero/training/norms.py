@@ -23,7 +23,7 @@ __all__ = ["partition_stats", "params_norm", "optimizer_state_stats", "count_zer
 
 
 def _ranges(engine, group):
-    return group.norm_ranges(count_replicated=engine.tp_rank == 0, count_any=engine.stage > 0 or engine.dp_rank == 0)
+    return group.norm_ranges(count_replicated=engine.tp_rank == 0)  # copies counted once per partitioning
 
 
 def _complete(groups: ParallelGroups) -> tuple[Optional[dist.ProcessGroup], ...]:
