@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from importlib import metadata
 
@@ -89,7 +90,8 @@ def test_unknown_play(tmp_path):
         write_shakespeare_jsonl(tmp_path / "x.jsonl", plays=["cardenio"])
 
 
-def test_prepare_default_dataset_is_idempotent(tmp_path, capsys):
+def test_prepare_default_dataset_is_idempotent(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="megazero.data.corpus")
     work = tmp_path / "work"
     ds = prepare_default_dataset(work, vocab_size=400, plays=["macbeth"], verbose=False)
     files = sorted(os.listdir(work))
@@ -98,7 +100,7 @@ def test_prepare_default_dataset_is_idempotent(tmp_path, capsys):
     mtimes = {f: os.stat(work / f).st_mtime_ns for f in files}
     again = prepare_default_dataset(work, vocab_size=400, plays=["macbeth"])
     assert again == ds and {f: os.stat(work / f).st_mtime_ns for f in files} == mtimes
-    assert capsys.readouterr().out.count("reusing") == 3
+    assert caplog.text.count("reusing") == 3
 
     data = IndexedDataset(ds.data_prefix)
     tok = build_tokenizer(ds.tokenizer_type, tokenizer_model=ds.tokenizer_model)
