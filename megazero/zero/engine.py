@@ -57,14 +57,14 @@ from ..utils.scopes import scope
 from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max, install_usage_hooks
 from .comm import CommCounter, gradient_communicator
 from .config import ZeroConfig
-from .flat import FlatGroup, ParamSlot
+from .flat import FlatGroup, ParamSlot, squared_norm
 from . import full_weights
 from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
 from .loss_scaler import LossScaler
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel
 from .placement import Placement
 from .reducer import GradReducer
-from .units import Unit, UnitPlan, find_unit_modules, plan_units
+from .units import Unit, UnitPlan, build_units, find_unit_modules, plan_units
 from .window import GatherWindow
 
 __all__ = ["ZeroEngine", "TrainingState"]
@@ -159,27 +159,9 @@ class ZeroEngine(torch.nn.Module):
         """Units in static order, each split into flat groups by partitioning and optimizer class."""
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold if self.stage == 3 else -1
         plan = plan_units(self.module, self.unit_modules, threshold)
-        parts: dict[str, Partitioning] = {default.name: default}
-        units = []
-        for planned in plan.units:
-            by_part: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
-            for n, p in planned.params:
-                part = (partitioning(n, p) if partitioning is not None else None) or default
-                if parts.setdefault(part.name, part) is not part:
-                    raise ValueError(f"two partitionings are named {part.name!r}; give each process group its own name")
-                by_part.setdefault(part.name, []).append((n, p))
-            groups = []
-            for name, params in by_part.items():
-                for trainable, decay in ((True, True), (True, False), (False, False)):
-                    chosen = [(self.param_name(n), p) for n, p in params
-                              if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
-                    if chosen:
-                        groups.append(FlatGroup(chosen, part=parts[name], partitioned=self.stage > 0,
-                                                compute_dtype=self.compute_dtype, device=self.device,
-                                                resident=self.stage < 3 or planned.persistent,
-                                                weight_decay=trainable and decay, trainable=trainable))
-            units.append(Unit(planned.name, groups, planned.position))
-        self.partitionings = list(parts.values())
+        units, self.partitionings = build_units(
+            plan, stage=self.stage, no_decay=no_decay, partitioning=partitioning, default=default,
+            param_name=self.param_name, compute_dtype=self.compute_dtype, device=self.device)
         groups = [g for u in units for g in u.groups]
         self.slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {id(s.param): (g, s) for g in groups for s in g.slots}
         return units, groups, plan
@@ -499,35 +481,8 @@ class ZeroEngine(torch.nn.Module):
         return sum_sq, int(failed), differs
 
     def _sum_squares(self, grads: dict[FlatGroup, torch.Tensor]) -> torch.Tensor:
-        """Squared L2 norm of this rank's part of the model's gradient (still scaled), on the device.
-
-        Summed over DP and TP (``_step_sums``), each element of the model is counted exactly once:
-        partitions are disjoint, copies are counted on their first replica only
-        (``FlatGroup.counts_in_norm``), TP shards are disjoint, and TP-replicated parameters
-        (norms, row-parallel biases) are counted on TP rank 0 only.
-
-        One ``_foreach_norm`` over all ranges (multi-tensor kernels on CUDA, where there were 4
-        launches per range), fp32 per range, squares summed in fp64. Elements another rank counts
-        are still checked: their norm enters times 0, and 0 * (inf or nan) is nan.
-        """
-        counted: list[torch.Tensor] = []
-        others: list[torch.Tensor] = []
-        for g, t in grads.items():
-            ranges = g.norm_ranges(count_replicated=self.tp_rank == 0)
-            pos = 0
-            for lo, hi in ranges:
-                if lo > pos:
-                    others.append(t[pos:lo])
-                counted.append(t[lo:hi])
-                pos = hi
-            if pos < t.numel():
-                others.append(t[pos:])
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if counted:
-            total += torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).double().square().sum()
-        if others:
-            total += torch.stack(torch._foreach_norm(others, 2, dtype=torch.float32)).sum().double() * 0.0
-        return total
+        """Squared L2 norm of this rank's part of the model's gradient (``flat.squared_norm``)."""
+        return squared_norm(grads, tp_rank=self.tp_rank, device=self.device)
 
     @torch.no_grad()
     def publish_params(self) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from .partitioning import Partitioning
 
-__all__ = ["ParamSlot", "FlatGroup", "storage_key"]
+__all__ = ["ParamSlot", "FlatGroup", "storage_key", "squared_norm"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -259,3 +259,34 @@ def fill_range(rows: torch.Tensor, lo: int, hi: int, width: int, src: Optional[t
         pos += (r1 - r0) * width
     if c1:
         put(rows[r1, :c1], pos - lo)
+
+
+def squared_norm(grads: dict[FlatGroup, torch.Tensor], *, tp_rank: int, device: torch.device) -> torch.Tensor:
+    """Squared L2 norm of this rank's part of the model's gradient (still scaled), on the device.
+
+    Summed over the data-parallel and model-parallel groups (the engine's step), each element of
+    the model is counted exactly once: partitions are disjoint, copies are counted on their first
+    replica only (:meth:`FlatGroup.counts_in_norm`), TP shards are disjoint, and TP-replicated
+    parameters (norms, row-parallel biases) are counted on TP rank 0 only.
+
+    One ``_foreach_norm`` over all ranges (multi-tensor kernels on CUDA), fp32 per range, squares
+    summed in fp64. Elements another rank counts are still checked: their norm enters times 0, and
+    0 * (inf or nan) is nan.
+    """
+    counted: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
+    for g, t in grads.items():
+        pos = 0
+        for lo, hi in g.norm_ranges(count_replicated=tp_rank == 0):
+            if lo > pos:
+                others.append(t[pos:lo])
+            counted.append(t[lo:hi])
+            pos = hi
+        if pos < t.numel():
+            others.append(t[pos:])
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if counted:
+        total += torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).double().square().sum()
+    if others:
+        total += torch.stack(torch._foreach_norm(others, 2, dtype=torch.float32)).sum().double() * 0.0
+    return total

@@ -18,13 +18,14 @@ collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .flat import FlatGroup
+from .partitioning import PartitionFn, Partitioning
 
-__all__ = ["Unit", "PlannedUnit", "UnitPlan", "find_unit_modules", "plan_units", "units_for_call"]
+__all__ = ["Unit", "PlannedUnit", "UnitPlan", "build_units", "find_unit_modules", "plan_units", "units_for_call"]
 
 
 class Unit:
@@ -156,6 +157,39 @@ def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], per
         units.append(PlannedUnit("persistent", len(order), persistent, True))
     hooked = [m for m in model.modules() if id(m) in layer_ids or id(m) not in inside_layer]
     return UnitPlan(units, needs, hooked)
+
+
+def build_units(plan: UnitPlan, *, stage: int, no_decay: Callable[[str, torch.nn.Parameter], bool],
+                partitioning: Optional[PartitionFn], default: Partitioning, param_name: Callable[[str], str],
+                compute_dtype: torch.dtype, device: torch.device) -> tuple[list[Unit], list[Partitioning]]:
+    """The units of ``plan`` with their flat groups (no buffers yet), and the partitionings in use.
+
+    A unit's parameters are split by partitioning (``partitioning(name, param)``, None meaning
+    ``default``) and then by optimizer class: decayed, undecayed (``no_decay``), frozen. Groups are
+    partitioned from stage 1 on and resident (always whole) below stage 3 and for persistent units;
+    ``param_name`` gives the name a slot is known by (a pipeline stage's whole-model names).
+    """
+    parts: dict[str, Partitioning] = {default.name: default}
+    units = []
+    for planned in plan.units:
+        by_part: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        for n, p in planned.params:
+            part = (partitioning(n, p) if partitioning is not None else None) or default
+            if parts.setdefault(part.name, part) is not part:
+                raise ValueError(f"two partitionings are named {part.name!r}; give each process group its own name")
+            by_part.setdefault(part.name, []).append((n, p))
+        groups = []
+        for name, params in by_part.items():
+            for trainable, decay in ((True, True), (True, False), (False, False)):
+                chosen = [(param_name(n), p) for n, p in params
+                          if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
+                if chosen:
+                    groups.append(FlatGroup(chosen, part=parts[name], partitioned=stage > 0,
+                                            compute_dtype=compute_dtype, device=device,
+                                            resident=stage < 3 or planned.persistent,
+                                            weight_decay=trainable and decay, trainable=trainable))
+        units.append(Unit(planned.name, groups, planned.position))
+    return units, list(parts.values())
 
 
 def _module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
