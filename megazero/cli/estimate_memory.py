@@ -154,7 +154,7 @@ def suggestions(config: GPTConfig, plan: dict, device_memory_gib: float) -> list
         for label, change in candidates:
             est = estimate_memory(config, **{**plan, **change})
             if est.fits(device_memory_gib):
-                out.append(f"{label}: {est.total / GiB:.2f} GiB")
+                out.append(f"{label}: {est.device_total / GiB:.2f} GiB")
             progress.update()
     return out
 
@@ -171,7 +171,8 @@ def compare(argv: Sequence[str], layouts: Sequence[str]) -> str:
             progress.update()
     kinds = [("weights", lambda e: e.params), ("gradients", lambda e: e.grads),
              ("optimizer states", lambda e: e.optimizer), ("activations", lambda e: e.activations),
-             ("ZeRO-3 gather buffers", lambda e: e.buffers), ("total memory", lambda e: e.total)]
+             ("ZeRO-3 gather buffers", lambda e: e.buffers), ("total memory", lambda e: e.total),
+             ("NCCL communicators (est.)", lambda e: e.nccl), ("total with NCCL", lambda e: e.device_total)]
     if any(e.host_total or e.nvme or e.nvme_params for _, e in rows):
         kinds += [("host memory (offload)", lambda e: e.host_total),
                   ("NVMe files (offload)", lambda e: e.nvme + e.nvme_params)]
@@ -185,9 +186,9 @@ def compare(argv: Sequence[str], layouts: Sequence[str]) -> str:
 
 
 def _not_fitting(config: GPTConfig, plan: dict, est: MemoryEstimate, device_gib: float) -> None:
-    over = est.total / GiB - device_gib
+    over = est.device_total / GiB - device_gib
     fixes = suggestions(config, plan, device_gib)
-    log.error(f"error: the plan needs {est.total / GiB:.2f} GiB per GPU, {over:.2f} GiB more than the "
+    log.error(f"error: the plan needs {est.device_total / GiB:.2f} GiB per GPU, {over:.2f} GiB more than the "
               f"{device_gib:g} GiB available. "
               + ("Changes that would fit: " + "; ".join(fixes) + "." if fixes else
                  "No single change fits: combine a larger --tp / more GPUs (dp), a higher --zero-stage and "

@@ -11,7 +11,7 @@ reads the loop makes. Default ranks: first and last pipeline stage x first and l
 data-parallel rank, tensor-parallel rank 0. What is measured and how:
 megazero/observe/rehearsal.py.
 
-Exit status: 0 fits, 1 a rank's peak exceeds --device-memory-gb, 2 invalid flags, 3 the run failed.
+Exit status: 0 fits, 1 a rank's peak plus its NCCL communicators (estimate) exceeds --device-memory-gb, 2 invalid flags, 3 the run failed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", help="comma-separated global ranks to rehearse (default: one per distinct role)")
     p.add_argument("--json", help="write the figures of every rank to this file")
     p.add_argument("--device-memory-gb", "--gpu-memory-gb", dest="device_memory_gb", type=float, default=80.0,
-                   help="device capacity in GiB (an '80GB' GPU is 80 GiB): a larger peak exits 1")
+                   help="device capacity in GiB (an '80GB' GPU is 80 GiB): a larger peak plus the NCCL estimate exits 1")
     p.add_argument("--micro-batches", type=int,
                    help="rehearse this many micro-batches per iteration instead of the global batch's (faster; "
                         "the peak is the same from pp x v on; bytes sent are then for this many)")
@@ -93,8 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         write_json(args.json, reports, config, notes)
     limit = args.device_memory_gb * GiB
-    over = [r for r in reports if r.peak_bytes > limit]
+    # A GPU holds the NCCL communicators' buffers beside the rehearsed tensors (an estimate).
+    over = [r for r in reports if r.peak_bytes + r.nccl_bytes > limit]
     for r in over:
-        log.error(f"rank {r.rank}: peak {r.peak_bytes / GiB:.2f} GiB exceeds --device-memory-gb "
-                  f"{args.device_memory_gb:g}")
+        log.error(f"rank {r.rank}: peak {r.peak_bytes / GiB:.2f} GiB + NCCL communicators ~{r.nccl_bytes / GiB:.2f} "
+                  f"GiB (estimate) exceeds --device-memory-gb {args.device_memory_gb:g}")
     return 1 if over else 0

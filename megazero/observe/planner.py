@@ -35,8 +35,13 @@ micro-batches of L / (pp v) layers, i.e. L (1 + (pp - 1) / (pp v)) layers' worth
 step time; PP traffic per GPU per step is each micro-batch's boundary activation
 [s(/t under SP), b, h] sent forward and its gradient sent back, on each of v chunks.
 
-Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), NCCL
-buffers and ZeRO-1/2 reduce buckets. GPU capacities are in GiB (2**30 bytes), which
+What a GPU run adds beyond its tensors (:mod:`megazero.observe.gpu_overheads`): the NCCL
+communicators' buffers, an estimate per communicator from NCCL's defaults times the communicators
+of more than one rank a rank joins (``nccl``, in ``device_total`` and the fit verdict, not in
+``total``), and the data loader's pinned batches as torch's caching host allocator rounds them
+(``host_pinned_batches``); the offloads' host memory is exact (one exact-size registered
+allocation per offload object). Not counted: the CUDA context and allocator fragmentation
+(typically 1-3 GiB). GPU capacities are in GiB (2**30 bytes), which
 is what an "80 GB" GPU has.
 """
 
@@ -48,6 +53,8 @@ from typing import TYPE_CHECKING, Optional
 
 from megazero.model.config import GPTConfig
 from megazero.model.flops import flops_per_iteration, num_parameters
+from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
+                                            loader_pinned_bytes, nccl_communicators, nccl_line)
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
 from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
 from megazero.training.startup import replicated_parameters
@@ -93,6 +100,21 @@ class MemoryEstimate:
     host_params: float = 0.0  # parameter partitions in host memory (aliased fp32 masters excluded)
     host_param_ring: float = 0.0  # the buffers NVMe parameter reads go through
     nvme_params: float = 0.0  # the parameter files
+    # What a GPU run adds (megazero.observe.gpu_overheads): NCCL communicators a rank of the
+    # largest stage joins (name -> count; estimated bytes each), and the loader's pinned batches.
+    nccl_communicators: dict = field(default_factory=dict)
+    nccl_note: str = ""  # what the count says of ZeRO-3's gradient communicator
+    host_pinned_batches: float = 0.0  # the data loader's pinned batches, rounded as the caching allocator holds them
+
+    @property
+    def nccl(self) -> float:
+        """Device bytes of the NCCL communicators: their number x ``NCCL_COMMUNICATOR_BYTES`` (an estimate)."""
+        return float(sum(self.nccl_communicators.values()) * NCCL_COMMUNICATOR_BYTES)
+
+    @property
+    def device_total(self) -> float:
+        """``total`` (the tensors) plus the NCCL communicators' estimate: what the fit verdict uses."""
+        return self.total + self.nccl
 
     @property
     def host_total(self) -> float:
@@ -107,7 +129,8 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.grad_buckets
 
     def fits(self, gpu_memory_gib: float) -> bool:
-        return self.total <= gpu_memory_gib * GiB
+        """Whether ``device_total`` (tensors and NCCL's estimate) is within ``gpu_memory_gib`` GiB."""
+        return self.device_total <= gpu_memory_gib * GiB
 
     def to_text(self, gpu_memory_gib: Optional[float] = None) -> str:
         """A small table (GiB) with the parameter count, FLOPs and, given a capacity, the verdict."""
@@ -151,18 +174,25 @@ class MemoryEstimate:
                          f"{t['tp'] / GiB:.2f} GiB, pipeline {t['pp'] / GiB:.2f} GiB (total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
+        lines.append("  " + nccl_line(self.nccl_communicators, self.nccl_note))
+        if self.nccl:
+            lines.append(f"  {'total with NCCL':<24}{self.device_total / GiB:>10.2f}")
         if host or self.nvme or self.nvme_params:
             lines.append(f"{'per-rank host memory':<26}{'GiB':>10}")
             lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in host]
             for name, value in (("NVMe files, optimizer", self.nvme), ("NVMe files, parameters", self.nvme_params)):
                 if value:
                     lines.append(f"  {name:<24}{value / GiB:>10.2f}")
+            lines.append(f"  ({HOST_MEMORY_NOTE})")
+        if self.host_pinned_batches:
+            lines.append(f"pinned loader batches: {self.host_pinned_batches:,.0f} bytes of host memory "
+                         "(torch's caching host allocator rounds each batch up to a power of two)")
         if gpu_memory_gib is not None:
-            margin = gpu_memory_gib - self.total / GiB
+            margin = gpu_memory_gib - self.device_total / GiB
             verdict = "fits" if margin >= 0 else "does NOT fit"
             lines.append(f"GPU memory {gpu_memory_gib:g} GiB: {verdict} "
                          f"({abs(margin):.2f} GiB {'spare' if margin >= 0 else 'over'}; "
-                         f"CUDA context and fragmentation not counted)")
+                         f"NCCL estimated; CUDA context and fragmentation not counted)")
         return "\n".join(lines)
 
 
@@ -258,7 +288,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_ratio: float = 1.0, offload_buffer_count: int = 4,
                     offload_buffer_size: Optional[int] = None, offload_param: str = "none",
                     offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
-                    offload_param_buffer_size: Optional[float] = None) -> MemoryEstimate:
+                    offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
+                    num_workers: int = 0) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -280,6 +311,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     bytes are reported apart (``host_optimizer``, ``host_ring``, ``nvme``), not in ``total``.
     ``offload_param`` (ZeRO-3, ``cpu`` / ``nvme`` with ``max_in_cpu`` and the read buffers) does the
     same for the weight partition (``host_params``, ``host_param_ring``, ``nvme_params``).
+
+    On a GPU: ``nccl_communicators`` are those a first-stage rank joins (ZeRO-3's gradient
+    communicator as the engine decides it, ``keep_gathered`` being ``stage3_keep_gathered_in_step``),
+    and ``host_pinned_batches`` the loader's (``num_workers`` DataLoader workers) pinned batches.
     """
     if offload_param not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload_param must be none, cpu or nvme, got {offload_param!r}")
@@ -358,6 +393,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     host = offloaded_bytes(psi, dp=dp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
+    nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, keep_gathered=keep_gathered)
     return MemoryEstimate(
         **host,
         traffic=traffic,
@@ -369,7 +405,9 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
                   offload_ratio=ratio, offload_param=offload_param),
-        activation_detail=act, pipeline=pipeline)
+        activation_detail=act, pipeline=pipeline,
+        nccl_communicators=nccl, nccl_note=gradient_communicator_note(nccl, zero_stage, dp),
+        host_pinned_batches=float(loader_pinned_bytes(micro_batch_size, s, num_workers)))
 
 
 def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, zero_stage: int, microbatches: int,
@@ -484,7 +522,8 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
         offload_optimizer=off.device if off.enabled else "none", offload_ratio=off.ratio,
         offload_buffer_count=off.buffer_count, offload_buffer_size=off.buffer_size,
         offload_param=par.device if par.enabled else "none", offload_param_max_in_cpu=par.max_in_cpu,
-        offload_param_buffer_count=par.buffer_count, offload_param_buffer_size=par.buffer_size)
+        offload_param_buffer_count=par.buffer_count, offload_param_buffer_size=par.buffer_size,
+        keep_gathered=zc.stage3_keep_gathered_in_step, num_workers=config.data.num_workers)
 
 
 def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:

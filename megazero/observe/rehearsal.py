@@ -37,7 +37,12 @@ chosen as CUDA would): :mod:`megazero.utils.meta_device`. The rest of what diffe
 megazero picks its optimizer kernel by device type, and on meta that is torch's single-tensor
 AdamW, whose temporaries (an fp32 copy or two of one master group while it is updated) a GPU's
 fused kernel does not make; they show in ``peak_by_kind['other']`` when the step is the peak.
-The allocator's fragmentation, the CUDA context and NCCL buffers are not counted.
+What a GPU run adds beyond the tensors is reported beside them, not measured: the NCCL
+communicators this rank joins times an estimate per communicator from NCCL's defaults
+(``nccl_communicators``, ``nccl_bytes``: :mod:`megazero.observe.gpu_overheads`). The offloads'
+host bytes are exact on a GPU too (one exact-size allocation per offload object, registered with
+``cudaHostRegister``, not rounded by torch's caching host allocator). The allocator's
+fragmentation and the CUDA context are not counted.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
 from ..training.arguments import parse_args
 from ..training.config import ConfigError, TrainConfig
 from ..training.output import console
+from .gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
+                            nccl_communicators, nccl_line)
 from .planner import GiB
 
 __all__ = ["RankReport", "rehearsal_config", "default_ranks", "rehearse_rank", "rehearse", "format_report",
@@ -99,6 +106,11 @@ class RankReport:
     # the rehearsal holds as meta tensors too and takes out of state_bytes / peak_bytes; NVMe files apart.
     host_bytes: int = 0
     nvme_bytes: int = 0
+    # On a GPU, beyond the tensors: the NCCL communicators of more than one rank this rank joins
+    # (group name -> count) and their estimated device bytes (megazero.observe.gpu_overheads).
+    nccl_communicators: dict[str, int] = dataclasses.field(default_factory=dict)
+    nccl_bytes: int = 0
+    nccl_note: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -362,7 +374,8 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         calls_by_op=dict(sorted(counters.calls.items())), host_reads=counters.host_reads,
         engine_state_bytes=measured["engine_state"], host_bytes=measured["host"], nvme_bytes=measured["nvme"],
         micro_batches=config.schedule.grad_accum_steps,
-        seconds=round(time.perf_counter() - t0, 2), plan=plan_for_rank(config, groups.pp_rank))
+        seconds=round(time.perf_counter() - t0, 2), plan=plan_for_rank(config, groups.pp_rank),
+        **nccl_for_rank(config, groups.pp_rank))
 
 
 def rehearse(config: TrainConfig, ranks: Sequence[int], *, log: Optional[io.TextIOBase] = None,
@@ -404,6 +417,17 @@ def plan_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, float]:
     return {"state_bytes": float(sum(st["states"])), "peak_bytes": float(st["total"]), **host}
 
 
+def nccl_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, Any]:
+    """The NCCL communicators a rank of pipeline stage ``pp_rank`` joins on a GPU and their estimated
+    bytes (:func:`megazero.observe.gpu_overheads.nccl_communicators`): :class:`RankReport`'s fields."""
+    p = config.parallel
+    keep = config.zero_config().zero_optimization.stage3_keep_gathered_in_step
+    comms = nccl_communicators(tp=p.tp, pp=p.pp, dp=p.dp, zero_stage=p.zero_stage, keep_gathered=keep,
+                               pp_rank=pp_rank)
+    return {"nccl_communicators": comms, "nccl_bytes": sum(comms.values()) * NCCL_COMMUNICATOR_BYTES,
+            "nccl_note": gradient_communicator_note(comms, p.zero_stage, p.dp)}
+
+
 def format_report(r: RankReport) -> str:
     """A few readable lines for one rank."""
     kinds = " + ".join(f"{k} {_size(v)}" for k, v in sorted(r.peak_by_kind.items(), key=lambda kv: -kv[1]))
@@ -418,6 +442,9 @@ def format_report(r: RankReport) -> str:
         planned = f"; the plan: {_size(r.plan['host_bytes'])}" if "host_bytes" in r.plan else ""
         lines.append(f"  host memory (offload)      {_size(r.host_bytes):>11}   (offloaded state and the step's "
                      f"ring{planned})" + (f"; NVMe files {_size(r.nvme_bytes)}" if r.nvme_bytes else ""))
+        lines.append(f"    ({HOST_MEMORY_NOTE})")
+    lines.append(f"  on a GPU, {nccl_line(r.nccl_communicators, r.nccl_note)}: peak + NCCL "
+                 f"{_size(r.peak_bytes + r.nccl_bytes)}")
     if r.plan:
         lines.append(f"  the plan (tools/estimate_memory.py): state {_size(r.plan['state_bytes'])}, peak "
                      f"{_size(r.plan['peak_bytes'])}; rehearsed / plan: state "

@@ -169,3 +169,75 @@ def test_13b_script_rehearsal_agrees_with_the_plan(layout, ranks):
     assert len(ratios) == len(ranks.split(",")), r.stdout
     for state, peak in ratios:
         assert float(state) == pytest.approx(1.0, abs=0.02) and float(peak) == pytest.approx(1.0, abs=0.10), r.stdout
+
+
+# --- what a GPU run adds: NCCL communicators and pinned rounding (observe/gpu_overheads.py) -----
+
+def test_nccl_estimate_per_communicator_from_nccls_defaults():
+    from megazero.observe.gpu_overheads import NCCL_COMMUNICATOR_BYTES
+
+    # 32 channels x one ring connection x (SIMPLE 4 MiB + LL 512 KiB + LL128 120 x 640 x 8 x 8 B)
+    assert NCCL_COMMUNICATOR_BYTES == 32 * (4 * 2 ** 20 + 512 * 2 ** 10 + 4_915_200) == 308_281_344
+
+
+def test_planner_counts_the_communicators_of_a_small_layout():
+    from megazero.observe.gpu_overheads import NCCL_COMMUNICATOR_BYTES
+
+    cfg = gpt_preset("tiny", vocab_size=1000)
+    plan = dict(micro_batch_size=2, seq_length=64, precision="bf16")
+    # tp 2 x dp 2, ZeRO-3: the default group, tp, dp and model-parallel (= tp here, its own group);
+    # on NCCL the gradient reduce-scatters share the DP communicator.
+    est = estimate_memory(cfg, tp=2, dp=2, zero_stage=3, **plan)
+    assert est.nccl_communicators == {"world": 1, "tp": 1, "dp": 1, "mp": 1}
+    assert est.nccl == 4 * 308_281_344 == 4 * NCCL_COMMUNICATOR_BYTES
+    assert est.device_total == est.total + 1_233_125_376
+    text = est.to_text(80)
+    assert "NCCL communicators: 4 x ~294 MiB (estimate) = 1176 MiB per GPU (world, tp, dp, mp;" in text
+    assert "share the DP communicator on NCCL: 0 more" in text
+    # tp 2 x pp 2 x dp 2: a first stage also joins pp and the embedding group (first + last stage).
+    piped = estimate_memory(cfg, tp=2, dp=2, pp=2, zero_stage=1, global_batch_size=8, **plan)
+    assert piped.nccl_communicators == {"world": 1, "tp": 1, "dp": 1, "pp": 1, "mp": 1, "embedding": 1}
+    assert piped.nccl == 6 * 308_281_344
+    # One rank: no communicator moves anything.
+    alone = estimate_memory(cfg, tp=1, dp=1, zero_stage=3, **plan)
+    assert alone.nccl == 0 and alone.device_total == alone.total
+    assert "NCCL communicators: 0 x ~294 MiB (estimate) = 0 MiB per GPU (none: one rank;" in alone.to_text()
+
+
+def test_fit_verdict_includes_the_nccl_estimate():
+    cfg = gpt_preset("tiny", vocab_size=1000)
+    est = estimate_memory(cfg, tp=2, dp=2, zero_stage=3, micro_batch_size=2, seq_length=64)
+    assert est.total < 2 ** 30 < est.device_total
+    assert not est.fits(1.0) and est.fits(2.0)
+    assert "does NOT fit" in est.to_text(1.0)
+
+
+def test_gradient_communicator_counted_as_the_engine_decides():
+    from megazero.observe.gpu_overheads import creates_gradient_communicator, nccl_communicators
+
+    assert not creates_gradient_communicator(3, 4)  # native collectives, NCCL's path: the DP communicator
+    assert creates_gradient_communicator(3, 4, collectives="emulated")  # a second one over the same ranks
+    assert not creates_gradient_communicator(3, 4, keep_gathered=True, collectives="emulated")
+    assert not creates_gradient_communicator(2, 4, collectives="emulated")
+    assert not creates_gradient_communicator(3, 1, collectives="emulated")
+    assert nccl_communicators(tp=1, pp=1, dp=4, zero_stage=3, collectives="emulated") == \
+        {"world": 1, "dp": 1, "dp_grads": 1}
+    # A middle pipeline stage is in no embedding group; a one-rank group is not a communicator.
+    assert nccl_communicators(tp=1, pp=4, dp=1, zero_stage=1, pp_rank=1) == {"world": 1, "pp": 1, "mp": 1}
+
+
+def test_pinned_rounding_and_the_exact_offload_note():
+    from megazero.observe.gpu_overheads import caching_host_allocator_bytes, loader_pinned_bytes
+
+    assert caching_host_allocator_bytes(1_100_000_000) == 2 ** 31  # a 1.1 GB request holds 2 GiB
+    assert caching_host_allocator_bytes(4096) == 4096 and caching_host_allocator_bytes(0) == 0
+    # [2, 65] int64 = 1040 B -> 2048 B; the batch being copied and the next; two more per worker
+    assert loader_pinned_bytes(2, 64) == 2 * 2048 and loader_pinned_bytes(2, 64, num_workers=2) == 6 * 2048
+    cfg = gpt_preset("tiny", vocab_size=1000)
+    est = estimate_memory(cfg, tp=1, dp=2, zero_stage=3, micro_batch_size=2, seq_length=64,
+                          offload_optimizer="cpu", offload_param="cpu")
+    assert est.host_pinned_batches == 4096
+    text = est.to_text()
+    assert "host memory of the offloads is exact: one exact-size allocation per offload object, pinned by " \
+           "cudaHostRegister" in text
+    assert "pinned loader batches: 4,096 bytes of host memory" in text

@@ -4,6 +4,7 @@ tiny rehearsed rank against the same run done for real."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -154,3 +155,29 @@ def test_tiny_rank_rehearsed_equals_the_real_run(monkeypatch):
     loader_batches = 2 * 2 * 65 * 8  # two micro-batches of [2, seq + 1] int64 tokens, held by the loop on the host
     assert 0 <= real["state"] - rehearsed.state_bytes <= loader_batches + 64, (real, rehearsed.state_bytes)
     assert rehearsed.peak_bytes == pytest.approx(real["peak"], rel=0.01)
+
+
+def test_rehearsal_reports_the_nccl_communicators_and_counts_them_against_the_device(capsys):
+    """tp 2 x dp 2, ZeRO-3: rank 0 joins the default group, tp, dp and model-parallel on a GPU (the
+    gradient reduce-scatters share the DP communicator): 4 x the per-communicator estimate, printed
+    beside the rehearsed peak and counted against --device-memory-gb."""
+    from megazero.cli.rehearse import main
+    from megazero.observe.gpu_overheads import NCCL_COMMUNICATOR_BYTES
+    from megazero.observe.rehearsal import format_report
+
+    argv = ["--model-preset", "gpt-tiny", "--tp", "2", "--zero-stage", "3", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--lr", "1e-3", "--bf16"]
+    config, _ = rehearsal_config(argv, 4)
+    r = rehearse_rank(config, 0)
+    assert r.nccl_communicators == {"world": 1, "tp": 1, "dp": 1, "mp": 1}
+    assert r.nccl_bytes == 4 * NCCL_COMMUNICATOR_BYTES == 1_233_125_376
+    text = format_report(r)
+    assert "on a GPU, NCCL communicators: 4 x ~294 MiB (estimate) = 1176 MiB per GPU (world, tp, dp, mp;" in text
+    assert "share the DP communicator on NCCL: 0 more" in text
+    offloaded = format_report(dataclasses.replace(r, host_bytes=1 << 20))
+    assert "host memory of the offloads is exact: one exact-size allocation per offload object" in offloaded
+    # A 2 MiB peak fits 1 GiB; with the communicators' 1.15 GiB it does not.
+    assert r.peak_bytes < 2 ** 21
+    assert main(["--world-size", "4", "--ranks", "0", "--device-memory-gb", "1", "--"] + argv) == 1
+    assert "GiB (estimate) exceeds --device-memory-gb 1" in capsys.readouterr().err
