@@ -12,8 +12,9 @@ host before backward can be queued: one synchronisation per micro-batch, which s
 CPU from running ahead of a GPU. So the agreement has two modes:
 
 * **agreeing** (the first optimizer step, and for good once records were seen to differ):
-  each forward starts a tiny asynchronous all-reduce (MAX) of its record; its backward
-  waits for it and reads it. Correct for any control flow. The agreed record is kept per
+  each forward starts a tiny asynchronous all-reduce (a sum) of its record; its backward
+  waits for it and reads it: the union, and whether every rank's record was the same
+  (``Record.uniform``). Correct for any control flow. The agreed record is kept per
   forward *key*: ``forward_key(args, kwargs)`` of the model call, constant by default; forwards
   that use different units on every rank alike (a pipeline stage's virtual chunks) need keys
   that tell them apart, or the engine stays agreeing.
@@ -59,6 +60,7 @@ class Record:
     saved: list[bool]              # per window trace entry: autograd saved a gathered weight
     trace: list                    # the window's trace of this forward (ZeRO-3; else empty)
     outputs: set[int]              # grad_fn ids of the outputs: which backward belongs to it
+    uniform: bool = True           # every DP rank's record was the same (static: this rank's was the kept one)
 
     def saved_units(self) -> set[Unit]:
         return {e.unit for e, s in zip(self.trace, self.saved) if s}
@@ -77,9 +79,10 @@ class Record:
 class ForwardAgreement:
     """Records forwards and hands each backward the record to follow (see the module doc)."""
 
-    def __init__(self, units: list[Unit], all_reduce_max: Callable[[torch.Tensor], object],
+    def __init__(self, units: list[Unit], all_reduce_sum: Callable[[torch.Tensor], object], ranks: int,
                  device: torch.device, forward_key: Optional[Callable[[tuple, dict], Hashable]] = None) -> None:
-        self.units, self.all_reduce_max, self.device = units, all_reduce_max, device
+        self.units, self.all_reduce_sum, self.device = units, all_reduce_sum, device
+        self.ranks = ranks  # the DP ranks the flags are summed over
         self.forward_key = forward_key or (lambda args, kwargs: ())
         self.persistent = {u for u in units if u.name == "persistent"}
         self.agreeing = True
@@ -114,8 +117,9 @@ class ForwardAgreement:
                      {id(t.grad_fn) for t in _tensors(out) if t.grad_fn is not None})
         if self.agreeing:
             rec.local = [1 if u in self.used else 0 for u in self.units] + [1 if s else 0 for s in saved]
-            rec.flags = torch.tensor(rec.local, dtype=torch.uint8).to(self.device)
-            rec.work = self.all_reduce_max(rec.flags)
+            # one byte per flag while the sum fits (255 ranks); int32 beyond
+            rec.flags = torch.tensor(rec.local, dtype=torch.uint8 if self.ranks < 256 else torch.int32).to(self.device)
+            rec.work = self.all_reduce_sum(rec.flags)  # counts: the union, and whether all agree
         self.pending.append(rec)
 
     # ---- backward -------------------------------------------------------------------------
@@ -131,11 +135,14 @@ class ForwardAgreement:
             if kept is None or not rec.covered_by(kept):
                 self.unsettled += 1
             if kept is None:
-                return rec
-            return dataclasses.replace(kept, used_here=rec.used_here, outputs=rec.outputs)
+                return dataclasses.replace(rec, uniform=False)
+            # uniform only as far as this rank can tell: its forward is exactly the kept one
+            return dataclasses.replace(kept, used_here=rec.used_here, outputs=rec.outputs, uniform=rec.same(kept))
         if rec.work is not None:
             rec.work.wait()
-        agreed = rec.flags.cpu().tolist()  # the agreeing mode's one synchronisation per micro-batch
+        counts = rec.flags.cpu().tolist()  # the agreeing mode's one synchronisation per micro-batch
+        rec.uniform = all(c in (0, self.ranks) for c in counts)
+        agreed = [1 if c else 0 for c in counts]
         n = len(self.units)
         rec.used = {u for u, f in zip(self.units, agreed[:n]) if f}
         rec.saved = [bool(f) for f in agreed[n:]]
@@ -200,9 +207,9 @@ def _tensors(out) -> list[torch.Tensor]:
     return []
 
 
-def all_reduce_max(comm, name: str = "dp") -> Callable[[torch.Tensor], object]:
+def all_reduce_sum(comm, name: str = "dp") -> Callable[[torch.Tensor], object]:
     """The agreeing mode's collective on ``comm``'s ``name`` group."""
-    return lambda t: comm.all_reduce(t, name, op=dist.ReduceOp.MAX, async_op=True)
+    return lambda t: comm.all_reduce(t, name, op=dist.ReduceOp.SUM, async_op=True)
 
 
 def install_usage_hooks(model: torch.nn.Module, needs: dict[int, list[Unit]], hooked: list[torch.nn.Module],

@@ -77,7 +77,7 @@ class CommCounter:
         self.collectives = collectives
         self._emulate: dict[str, bool] = {}
 
-    def _emulated(self, name: str) -> bool:
+    def emulated(self, name: str) -> bool:
         """Whether group ``name`` gets the broadcast / all-reduce forms (decided once per group)."""
         if name not in self._emulate:
             if self.collectives != "auto":
@@ -105,7 +105,7 @@ class CommCounter:
             out.copy_(shard)
             return None
         group = self.groups[name]
-        if not self._emulated(name):
+        if not self.emulated(name):
             return all_gather_flat(out, shard, group=group, async_op=async_op)
         chunk, rank = out.numel() // n, dist.get_rank(group)
         mine = out.narrow(0, rank * chunk, chunk)
@@ -125,7 +125,7 @@ class CommCounter:
             out.copy_(full)
             return None
         group = self.groups[via or name]
-        if not self._emulated(via or name):
+        if not self.emulated(via or name):
             return reduce_scatter_flat(out, full, group=group, async_op=async_op)
         chunk, rank = full.numel() // n, dist.get_rank(group)
         work = dist.all_reduce(full, group=group, async_op=True)  # ``full`` is scratch: it ends as the sum
@@ -161,17 +161,21 @@ _GRADS_DESC = "megazero_zero3_grads"
 
 
 def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_size: int,
-                          keep_gathered: bool) -> Optional[dist.ProcessGroup]:
-    """The communicator ZeRO-3's per-unit gradient reduce-scatters use: the same ranks again.
+                          keep_gathered: bool, separate: bool) -> Optional[dist.ProcessGroup]:
+    """The communicator ZeRO-3's per-unit gradient reduce-scatters use: ``dp_group`` itself, or,
+    with ``separate``, a second communicator over the same ranks.
 
     Backward interleaves the window's gathers (in the agreed trace order) with the reducer's
-    reduce-scatters (in the static unit order) differently on ranks whose forwards differed (a
-    layer some ranks skip), and collectives on one communicator must come in the same order on
-    every rank: on a communicator of their own, each kind keeps its own agreed order. Costs one
-    more communicator per DP group; ZeRO-2 (no gathers in backward) and the keep-gathered policy
-    (``keep_gathered``) reuse the DP group.
+    reduce-scatters (in the static unit order) alike on every rank when every rank ran the same
+    layers, and differently on ranks whose forwards differed (a layer some ranks skip). gloo
+    progresses each communicator on its own threads, so there (``separate``: the engine asks for it
+    on the emulated, gloo path) each kind keeps its own agreed order on its own communicator, and
+    differing forwards train. NCCL offers no such independence (operations on several communicators
+    must be issued in the same order on every rank, and each communicator costs device memory), so
+    the native path shares the DP communicator and the engine refuses a ZeRO-3 step whose forwards
+    differed. ZeRO-2 (no gathers in backward) and the keep-gathered policy share it always.
     """
-    if stage < 3 or dp_size == 1 or keep_gathered:
+    if stage < 3 or dp_size == 1 or keep_gathered or not separate:
         return dp_group
     ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
     # A later engine over the same ranks (another model in this process, the next test) reuses

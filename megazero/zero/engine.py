@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.scopes import scope
-from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_max, install_usage_hooks
+from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_sum, install_usage_hooks
 from .comm import CommCounter, gradient_communicator
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, squared_norm
@@ -167,15 +167,17 @@ class ZeroEngine(torch.nn.Module):
         return units, groups, plan
 
     def _build_comm(self, dp_group, tp_group, mp_group) -> CommCounter:
-        """Named groups for the counted collectives: dp, tp, mp and each partitioning's own."""
-        groups = {"dp": dp_group, "tp": tp_group, "mp": mp_group}
+        """Named groups for the counted collectives: dp, tp, mp and each partitioning's own, and the
+        communicator each partitioning's gradient reduce-scatters take (``comm.gradient_communicator``)."""
+        comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group})
         keep_gathered = self.config.zero_optimization.stage3_keep_gathered_in_step
         for part in self.partitionings:
             check_within(part, dp_group)
-            groups[part.name] = part.shard
-            groups[part.replicate_name] = part.replicate
-            groups[grads_channel(part)] = gradient_communicator(part.shard, self.stage, part.size, keep_gathered)
-        return CommCounter(groups)
+            comm.groups[part.name] = part.shard
+            comm.groups[part.replicate_name] = part.replicate
+            comm.groups[grads_channel(part)] = gradient_communicator(
+                part.shard, self.stage, part.size, keep_gathered, separate=comm.emulated(part.name))
+        return comm
 
     def _build_gradient_store(self) -> GradientStore:
         common = dict(grad_dtype=self.grad_dtype, reduce_dtype=self.reduce_dtype, device=self.device,
@@ -192,7 +194,7 @@ class ZeroEngine(torch.nn.Module):
         ZeRO-3: the window that gathers units while they are used."""
         if self.stage < 2:
             return None, None
-        agreement = ForwardAgreement(self.units, all_reduce_max(self.comm), self.device, forward_key)
+        agreement = ForwardAgreement(self.units, all_reduce_sum(self.comm), self.dp_size, self.device, forward_key)
         unit_by_name = {u.name: u for u in self.units}
         needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}
         unit_of_param = {id(s.param): g.unit for g in self.groups for s in g.slots}
@@ -335,6 +337,8 @@ class ZeroEngine(torch.nn.Module):
         """
         if self.agreement is not None:
             rec = self.agreement.for_backward(loss)
+            if not rec.uniform:
+                self._check_differing_forwards()
             self.grads.begin_backward(rec)
             if self.window is not None:
                 self.window.begin_backward(rec.trace, rec.saved)
@@ -445,6 +449,23 @@ class ZeroEngine(torch.nn.Module):
         return updated
 
     # ------------------------------------------------------------------ step internals
+
+    def _check_differing_forwards(self) -> None:
+        """The DP ranks' forwards used different units: agreeing, every rank learns it from the same
+        sum; static, the rank whose forward left the kept record does (the launcher then stops the
+        others, waiting in their first collective). ZeRO-3 interleaves its backward gathers and
+        per-unit reduce-scatters differently on such ranks; on a shared communicator (NCCL) they
+        would pair the wrong collectives and hang, so refuse before the first of them."""
+        if self.window is None or self.reducer is None:
+            return
+        shared = [p.name for p in self.partitionings if self.comm.groups[grads_channel(p)] is self.comm.groups[p.name]]
+        if shared:
+            raise RuntimeError(
+                "ZeRO-3: the data-parallel ranks ran different layers in this forward (control flow that depends "
+                "on the data); their backward gathers and gradient reduce-scatters share one communicator "
+                f"({', '.join(shared)}) and cannot be ordered alike on every rank. Use ZeRO-2, or keep the units "
+                'gathered through the step ("stage3_keep_gathered_in_step": true), or make every rank run '
+                "every layer (as GPT layers do)")
 
     def _local_grads(self) -> dict[FlatGroup, torch.Tensor]:
         """Each trainable group's reduced gradient on this rank (its partition, or the whole at ZeRO-0)."""

@@ -21,8 +21,10 @@ offloaded state) through a ring of ``buffer_count`` host buffers, in three stage
 * return (writer thread): the updated weights in the compute dtype, slot -> accelerator; with NVMe
   also the state, slot -> file (plain ``pwrite``: no native build, no libaio).
 
-While chunk i steps, chunk i+1 arrives and chunk i-1 leaves; a slot is refilled only after its
-return finished, so at most ``buffer_count`` chunks are in flight and host memory beyond the state
+While chunk i steps, chunk i+1 arrives and chunk i-1 leaves. On CUDA both threads are bound to the
+rank's device (:func:`bind_device`) and copy on streams of their own, after an event the step's stream
+records when the step begins (the gradients and weights as it left them), each waiting for its own
+copy before the host touches the slot. A slot is refilled only after its return finished, so at most ``buffer_count`` chunks are in flight and host memory beyond the state
 is the ring: ``buffer_count x chunk x 4`` bytes (the gradient) with ``cpu``, ``x 16`` with ``nvme``
 (gradient, master, two moments). Sized by default from what is offloaded, not from the largest
 group, the ring stays a small share of the state it streams at any model size, so offloading
@@ -44,6 +46,7 @@ load path works unchanged, and a model-only load writes the offloaded masters th
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import gc
 import mmap
@@ -173,6 +176,33 @@ def file_io(op: Callable, fd: int, t: torch.Tensor, offset: int) -> None:
         done += n
 
 
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's CUDA device (CUDA's current device is per thread, 0 in a
+    new one: an I/O thread of rank k would otherwise allocate and launch on GPU 0)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def io_thread(name: str, device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread bound to ``device`` (:func:`bind_device`)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=bind_device,
+                                                 initargs=(device,))
+
+
+@contextlib.contextmanager
+def _on(stream: Optional["torch.cuda.Stream"], after: Optional["torch.cuda.Event"]):
+    """Run the body's copies on ``stream`` after ``after``, and wait for them before returning (the
+    host reads the slot next, or refills it); without a stream (CPU, meta) just run the body."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        yield
+    stream.synchronize()
+
+
 def close_all(fd_maps: list[dict[str, int]], lock_fd: Optional[int]) -> None:
     """Close the files' descriptors, then the directory's lock."""
     for fds in fd_maps:
@@ -232,8 +262,14 @@ class OptimizerOffload:
         # Descriptors close when this object goes, released or not (a lock left open would refuse
         # the next engine on the same path).
         self._closer = weakref.finalize(self, close_all, [f.fds for f in self.files.values()], self._lock_fd)
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-read")
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-write")
+        self._reader = io_thread("offload-read", self.device)
+        self._writer = io_thread("offload-write", self.device)
+        # On CUDA the threads copy on streams of their own (the legacy default stream would serialize
+        # them with everything else), ordered after the step's producer by the event ``_ready``.
+        cuda = self.device.type == "cuda"
+        self._read_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._write_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._ready: Optional[torch.cuda.Event] = None
 
     # ------------------------------------------------------------------ placement
 
@@ -286,10 +322,12 @@ class OptimizerOffload:
             for lo in range(0, g.shard_numel, self.chunk):
                 work.append((g, state, hp[id(g.master)], lo, min(lo + self.chunk, g.shard_numel), first))
         self._grads = grads
+        if self._read_stream is not None:  # the gradients and weights as the step's stream left them
+            self._ready = torch.cuda.current_stream(self.device).record_event()
         try:
             self._stream(work, coef)
         finally:
-            self._grads = {}
+            self._grads, self._ready = {}, None
 
     def _stream(self, work: list[tuple], coef: float) -> None:
         """The three-stage pipeline over ``work`` (one item per chunk) and the ring."""
@@ -324,7 +362,8 @@ class OptimizerOffload:
         t0 = time.perf_counter()
         g, state, _, lo, hi, first = item
         n = hi - lo
-        slot[0][:n].copy_(self._grads[g][lo:hi])  # accelerator -> host (fp16/bf16 widened to fp32)
+        with _on(self._read_stream, self._ready):  # accelerator -> host (fp16/bf16 widened to fp32)
+            slot[0][:n].copy_(self._grads[g][lo:hi], non_blocking=self.pinned)
         if self.nvme:
             files = self.files[g]
             files.read("master", lo, slot[1][:n])
@@ -367,7 +406,8 @@ class OptimizerOffload:
         n = hi - lo
         master, exp_avg, exp_avg_sq = self._views(item, slot)
         out = master if g.compute_dtype == torch.float32 else slot[0][:n].view(g.compute_dtype)[:n]
-        self.write_shard(g, lo, out)  # host -> accelerator (or to the parameter offload's host copy)
+        with _on(self._write_stream, self._ready):  # host -> accelerator (or to the parameter offload's host copy)
+            self.write_shard(g, lo, out)
         if self.nvme:
             files = self.files[g]
             files.write("master", lo, master)

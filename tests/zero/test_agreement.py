@@ -73,3 +73,49 @@ def test_a_forward_the_record_does_not_cover_skips_the_step_on_every_rank():
         assert log == [(True, False), (False, True), (True, True)], log
         for k, v in ref.items():
             torch.testing.assert_close(sd[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def _one_communicator(skips, backward_on):
+    """ZeRO-3 on the native collectives (the GPU path: one communicator for gathers and gradients)."""
+    import os
+
+    os.environ["MEGAZERO_ZERO_COLLECTIVES"] = "native"
+    try:
+        engine = _engine(3)
+    finally:
+        del os.environ["MEGAZERO_ZERO_COLLECTIVES"]
+    shared = engine.comm.groups["dp_grads"] is engine.comm.groups["dp"]
+    rank = dist.get_rank()
+    for step, skip in enumerate(skips):
+        ids, labels = _data(step)
+        loss = engine(ids[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2], skip[rank]).mean()
+        if rank not in backward_on[step]:
+            return shared, None
+        try:
+            engine.backward(loss)
+        except RuntimeError as e:
+            return shared, str(e)
+        engine.step()
+    return shared, None
+
+
+def test_zero3_on_one_communicator_refuses_ranks_that_ran_different_layers():
+    # Agreeing (step 0): both ranks learn from the same sum that rank 0 skipped block 1, and both refuse
+    # before any backward collective.
+    for shared, error in run_distributed(2, _one_communicator, [(1, None)], [(0, 1)]):
+        assert shared  # no second communicator on the GPU path
+        assert error is not None and "ran different layers" in error and "stage3_keep_gathered_in_step" in error
+    # Static (step 1, after an equal step 0): rank 0 leaves the kept record and refuses at once; rank 1
+    # (whose launcher would stop it) is not run into the backward here.
+    results = run_distributed(2, _one_communicator, [(None, None), (1, None)], [(0, 1), (0,)])
+    assert "ran different layers" in (results[0][1] or "") and results[1][1] is None
+
+
+def _separate(stage):
+    engine = _engine(stage)
+    return engine.comm.groups["dp_grads"] is engine.comm.groups["dp"]
+
+
+def test_a_second_gradient_communicator_only_on_the_emulated_gloo_path_at_zero3():
+    assert run_distributed(2, _separate, 3) == [False, False]  # gloo: each kind keeps its own order
+    assert run_distributed(2, _separate, 2) == [True, True]
