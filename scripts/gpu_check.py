@@ -1,0 +1,418 @@
+"""The acceptance check for a CUDA machine (``bash scripts/gpu_check.sh``): what CPU tests cannot
+show, each check an assertion, one ``PASS`` / ``FAIL`` / ``SKIP`` line per check, a summary, and
+exit status 1 when any check failed.
+
+``GPU_CHECK_DEVICE=cpu`` is a dry run of the script on the CPU: every check that can run there
+does (on CPU tensors), the others are skipped with their reason.
+
+Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B run):
+
+1. ``two_ranks_offload``: two processes on ``cuda:0`` over gloo (NCCL refuses two ranks on one
+   GPU) run ZeRO-3 with ``overlap_comm`` and both offloads pinned for a few steps; every loss is
+   within :data:`LOSS_RTOL` (relative, fp32) of the same run on the CPU.
+2. ``two_ranks_native``: the same two-process run with ``MEGAZERO_ZERO_COLLECTIVES=native`` (the
+   collectives an NCCL run issues) equals the emulated one bit for bit.
+3. ``slow_collectives``: one process, whose ZeRO all-gathers and reduce-scatters complete late: on
+   CUDA their copy runs on a side stream after ``torch.cuda._sleep`` and ``wait()`` orders the
+   current stream after it; on the CPU the copy runs only at ``wait()``. Any read before ``wait()``
+   or any free before completion changes the bits: the run must equal the ordinary one bitwise.
+4. ``offload_bitwise``: offload of parameters and optimizer (pinned) on and off are bitwise equal
+   (fp32, one process), and on CUDA the pinned bytes torch's caching host allocator holds do not
+   grow with the offloaded state, whose host figures (``model_state_bytes()``) are its pinned
+   arenas' exact sizes.
+5. ``attention_backends``: sdpa and flash-attn (when importable) agree with math attention in
+   bf16 within :data:`ATTENTION_ATOL`; ``apex_adam``: apex's FusedAdam is the optimizer kernel on
+   CUDA when apex's optimizers import.
+6. ``throughput_1p3b``: ``pretrain_gpt.py`` with the gpt-1.3b preset, bf16, ZeRO-1 on every visible
+   GPU (NCCL), mock data, a few iterations: tokens/s and MFU against the GPU's dense bf16 peak
+   (:data:`PEAK_BF16_TFLOPS`, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's megazero, installed or not
+
+LOSS_RTOL = 1e-4  # CUDA vs CPU, fp32 (TF32 off): per-step loss, relative
+ATTENTION_ATOL = 2e-2  # bf16 backends vs fp32 math attention, max |diff| over unit-variance inputs
+STEPS = 3
+# Dense bf16 peak TFLOP/s per GPU by device name fragment (NVIDIA's datasheets; SXM parts).
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+THROUGHPUT_ITERS = 8
+
+
+def device() -> torch.device:
+    """The device under check: ``$GPU_CHECK_DEVICE`` (default ``cuda``)."""
+    return torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda"))
+
+
+class Skip(Exception):
+    """A check that cannot run here; its message is the reason."""
+
+
+# ---- a tiny GPT under the ZeRO engine ----------------------------------------------------------
+
+def _tiny_config():
+    from megazero.model import GPTConfig
+
+    return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
+                     max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _ds_config(*, offload: bool, overlap: bool = True) -> dict:
+    zc = {"stage": 3, "overlap_comm": overlap, "stage3_param_persistence_threshold": 0,
+          "stage3_prefetch_bucket_size": 1, "reduce_bucket_size": 1}
+    if offload:
+        zc["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zc["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": zc,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+
+
+def train(dev: torch.device, *, offload: bool, steps: int = STEPS, rank: int = 0):
+    """``steps`` of ZeRO-3 on a tiny GPT (fp32, seeded, this rank's own batches): the losses and the
+    engine (its full weights by ``consolidated_state_dict``)."""
+    from megazero import mpu, zero
+    from megazero.model import GPTModel
+
+    torch.manual_seed(0)
+    engine = zero.initialize(GPTModel(_tiny_config(), device="meta"), _ds_config(offload=offload), device=dev,
+                             mpu=mpu if mpu.model_parallel_is_initialized() else None)
+    data = torch.randint(0, 256, (steps, 2, 33), generator=torch.Generator().manual_seed(100 + rank))
+    losses = []
+    for s in range(steps):
+        x = data[s].to(dev)
+        loss = engine(x[:, :-1], labels=x[:, 1:]).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in any bit (or exist on one side only)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+# ---- 1, 2: two ranks over gloo on one device ---------------------------------------------------
+
+def _two_rank_worker(rank: int, port: int, dev_name: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from megazero import mpu
+    from megazero.zero.comm import COLLECTIVES_ENV
+
+    dev = torch.device(dev_name)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)  # both ranks on cuda:0: gloo allows it, NCCL does not
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mpu.initialize_model_parallel(1)
+        runs = {}
+        for name, run_dev, collectives in (("cpu", "cpu", "emulated"), ("emulated", dev_name, "emulated"),
+                                           ("native", dev_name, "native")):
+            os.environ[COLLECTIVES_ENV] = collectives  # read as the engine is built
+            losses, engine = train(torch.device(run_dev), offload=True, rank=rank)
+            runs[name] = {"losses": losses, "weights": _weights(engine), "host": engine.model_state_bytes()}
+            del engine
+        torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+_TWO_RANKS: dict = {}
+
+
+def _two_ranks() -> dict:
+    """Both ranks' runs (spawned once, shared by checks 1 and 2): rank -> run name -> results."""
+    if not _TWO_RANKS:
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(_two_rank_worker, args=(port, str(device()), d), nprocs=2, join=True)
+            _TWO_RANKS.update({r: torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)})
+    return _TWO_RANKS
+
+
+def check_two_ranks_offload() -> str:
+    out = []
+    for rank, runs in _two_ranks().items():
+        ref, got = runs["cpu"]["losses"], runs["emulated"]["losses"]
+        for step, (a, b) in enumerate(zip(ref, got)):
+            assert abs(a - b) <= LOSS_RTOL * abs(a), (
+                f"rank {rank} step {step + 1}: loss on {device()} {b!r} vs CPU {a!r}, relative difference "
+                f"{abs(a - b) / abs(a):.2e} > {LOSS_RTOL:g}")
+        out.append(f"rank {rank} losses {', '.join(f'{x:.6f}' for x in got)}")
+    return "; ".join(out) + f" (within {LOSS_RTOL:g} of the CPU run)"
+
+
+def check_two_ranks_native() -> str:
+    for rank, runs in _two_ranks().items():
+        assert runs["native"]["losses"] == runs["emulated"]["losses"], (
+            f"rank {rank}: native collectives' losses {runs['native']['losses']} differ from the emulated "
+            f"{runs['emulated']['losses']}")
+        differ = _bitwise(runs["native"]["weights"], runs["emulated"]["weights"])
+        assert not differ, f"rank {rank}: native vs emulated collectives: weights differ in {differ[:5]}"
+    return "weights and losses bit-identical on both ranks"
+
+
+# ---- 3: collectives that complete late ---------------------------------------------------------
+
+class _LateWork:
+    """A collective's handle whose result is written late: ``wait()`` makes it visible."""
+
+    def __init__(self, out: torch.Tensor, src: torch.Tensor) -> None:
+        self.out, self.src, self.side = out, src, None
+        if out.device.type == "cuda":
+            # No record_stream: an early free must be able to hand the block to someone else.
+            self.side = torch.cuda.Stream(device=out.device)
+            self.side.wait_stream(torch.cuda.current_stream(out.device))
+            with torch.cuda.stream(self.side):
+                torch.cuda._sleep(50_000_000)  # ~25-50 ms: the engine's reads run ahead of it
+                out.copy_(src)
+
+    def wait(self) -> bool:
+        if self.side is not None:
+            torch.cuda.current_stream(self.out.device).wait_stream(self.side)
+        elif self.src is not None:
+            self.out.copy_(self.src)  # on the CPU the result appears only now
+        self.src = None
+        return True
+
+
+def _late(method: Callable, op: str) -> Callable:
+    def late(self, out, src, name, *args, **kwargs):
+        if self.size(name) != 1 or not kwargs.get("async_op", args[0] if args else False):
+            return method(self, out, src, name, *args, **kwargs)
+        self._count(op, name, src if op == "reduce_scatter" else out)
+        return _LateWork(out, src)
+    return late
+
+
+def check_slow_collectives() -> str:
+    from megazero.zero.comm import CommCounter
+
+    dev = device()
+    ref_losses, engine = train(dev, offload=False)
+    ref = _weights(engine)
+    del engine
+    patched = {"all_gather": CommCounter.all_gather, "reduce_scatter": CommCounter.reduce_scatter}
+    calls = {"n": 0}
+
+    def counted(fn):
+        def wrapper(*a, **k):
+            calls["n"] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    try:
+        for op, method in patched.items():
+            setattr(CommCounter, op, counted(_late(method, op)))
+        losses, engine = train(dev, offload=False)
+        got = _weights(engine)
+        del engine
+    finally:
+        for op, method in patched.items():
+            setattr(CommCounter, op, method)
+    assert calls["n"] > 0, "the engine issued no all-gather or reduce-scatter through CommCounter"
+    assert losses == ref_losses, f"late collectives changed the losses: {losses} vs {ref_losses}"
+    differ = _bitwise(got, ref)
+    assert not differ, f"late collectives changed the weights of {differ[:5]}: a read before wait() or an early free"
+    how = "a side stream after torch.cuda._sleep" if dev.type == "cuda" else "wait() (CPU)"
+    return f"{calls['n']} collectives completed late on {how}; bit-identical"
+
+
+# ---- 4: offload on and off ---------------------------------------------------------------------
+
+def check_offload_bitwise() -> str:
+    dev = device()
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None) if dev.type == "cuda" else None
+    before = stats()["allocated_bytes.current"] if stats else None
+    on_losses, on = train(dev, offload=True)
+    after = stats()["allocated_bytes.current"] if stats else None
+    counted = on.model_state_bytes()
+    host = sum(counted.get(k, 0) for k in ("host_optimizer", "host_ring", "host_params", "host_param_ring"))
+    placement = on.placement
+    arenas = [o.arena for o in (placement.offload, placement.param_offload) if o is not None]
+    on_weights = _weights(on)
+    del on
+    off_losses, off = train(dev, offload=False)
+    assert on_losses == off_losses, f"offload on {on_losses} vs off {off_losses}: losses differ"
+    differ = _bitwise(on_weights, _weights(off))
+    assert not differ, f"offload on vs off: weights differ in {differ[:5]}"
+    assert host > 0 and host == sum(a.nbytes for a in arenas), (
+        f"the engine reports {host} host bytes, its offload arenas hold {sum(a.nbytes for a in arenas)}")
+    note = f"bit-identical; host {host} bytes in {len(arenas)} exact-size arenas"
+    if dev.type != "cuda":
+        return note + " (pinned memory: skipped on the CPU, nothing can be pinned)"
+    assert all(a.pinned for a in arenas), "pin_memory was asked for but an offload arena is not pinned"
+    if stats is None:
+        return note + " (torch.cuda.memory.host_memory_stats is not in this torch: the allocator not checked)"
+    grown = after - before
+    # The arenas are registered with cudaHostRegister, outside torch's caching host allocator; had
+    # they gone through it, it would hold at least their bytes, rounded up to powers of two.
+    assert grown < host, (f"torch's caching host allocator grew by {grown} bytes while {host} bytes were "
+                          "offloaded: some offload buffer is pinned with pin_memory=True (rounded, cached)")
+    return note + f", pinned; caching host allocator grew by {grown} bytes"
+
+
+# ---- 5: flash-attn, apex -----------------------------------------------------------------------
+
+def check_attention_backends() -> str:
+    from megazero.model.attention import core_attention, flash_attn_available
+
+    dev = device()
+    if dev.type != "cuda":
+        raise Skip("bf16 attention kernels (sdpa's flash/efficient, flash-attn) need CUDA")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1024, 2, 16, 128, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    ref = core_attention(q.float(), k.float(), v.float(), backend="math")
+    out = []
+    for backend in ["sdpa", "math"] + (["flash"] if flash_attn_available() else []):
+        diff = (core_attention(q, k, v, backend=backend).float() - ref).abs().max().item()
+        assert diff <= ATTENTION_ATOL, f"attention {backend} bf16 vs fp32 math: max |diff| {diff:.3e} > {ATTENTION_ATOL}"
+        out.append(f"{backend} {diff:.1e}")
+    flash = "" if flash_attn_available() else " (flash-attn not importable: not checked)"
+    return "max |diff| vs fp32 math: " + ", ".join(out) + flash
+
+
+def check_apex_adam() -> str:
+    dev = device()
+    if dev.type != "cuda":
+        raise Skip("apex FusedAdam runs on CUDA masters only")
+    try:
+        from apex.optimizers import FusedAdam  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means apex is not usable here
+        raise Skip(f"apex's optimizers do not import ({type(e).__name__}: {e})")
+    _, engine = train(dev, offload=False, steps=1)
+    kernel = type(engine.optimizer)
+    assert kernel.__module__.startswith("apex"), (
+        f"apex is importable but the optimizer is {kernel.__module__}.{kernel.__name__}: see the engine's "
+        "'apex FusedAdam is unusable' warning")
+    return f"optimizer {kernel.__module__}.{kernel.__name__}"
+
+
+# ---- 6: 1.3B throughput ------------------------------------------------------------------------
+
+def throughput_command(ngpu: int, iters: int = THROUGHPUT_ITERS) -> list[str]:
+    """``pretrain_gpt.py`` on ``ngpu`` GPUs: gpt-1.3b, bf16, ZeRO-1, mock data, no evaluation."""
+    flash = ["--use-flash-attn"] if _importable("flash_attn") else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ngpu),
+            os.path.join(ROOT, "pretrain_gpt.py"), "--model-preset", "gpt-1.3b", "--mock-data", "--bf16",
+            "--zero-stage", "1", "--micro-batch-size", "8", "--global-batch-size", str(8 * ngpu),
+            "--seq-length", "2048", "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "2",
+            "--log-interval", "1", "--log-throughput", "--eval-iters", "0", "--eval-interval", "0", *flash]
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def peak_tflops(name: str) -> Optional[float]:
+    """The dense bf16 peak of GPU ``name``: ``$GPU_CHECK_PEAK_TFLOPS``, else :data:`PEAK_BF16_TFLOPS`."""
+    if os.environ.get("GPU_CHECK_PEAK_TFLOPS"):
+        return float(os.environ["GPU_CHECK_PEAK_TFLOPS"])
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def parse_throughput(log: str) -> tuple[float, float]:
+    """(tokens/s, TFLOP/s per rank) of the last training log line in ``log``."""
+    found = re.findall(r"tokens/s: (\d+).*?TFLOP/s per rank: ([\d.]+)", log)
+    if not found:
+        raise AssertionError("no 'tokens/s: ... TFLOP/s per rank: ...' log line in pretrain_gpt.py's output:\n"
+                             + log[-3000:])
+    tokens, tflops = found[-1]
+    return float(tokens), float(tflops)
+
+
+def check_throughput_1p3b() -> str:
+    if device().type != "cuda":
+        raise Skip("the 1.3B bf16 run needs GPUs (command: " + " ".join(throughput_command(1)[3:9]) + " ...)")
+    ngpu = torch.cuda.device_count()
+    t0 = time.time()
+    proc = subprocess.run(throughput_command(ngpu), cwd=ROOT, capture_output=True, text=True, timeout=420,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"pretrain_gpt.py exited {proc.returncode}:\n{log[-3000:]}"
+    tokens, tflops = parse_throughput(log)
+    name = torch.cuda.get_device_name()
+    peak = peak_tflops(name)
+    assert tokens > 0 and tflops > 0, f"tokens/s {tokens}, TFLOP/s per rank {tflops}"
+    mfu = "" if peak is None else f", MFU {tflops / peak:.1%} of {peak:g} TFLOP/s"
+    if peak is None:
+        mfu = f" (no dense bf16 peak known for {name!r}: set GPU_CHECK_PEAK_TFLOPS)"
+    return f"{ngpu} x {name}: {tokens:.0f} tokens/s, {tflops:.1f} TFLOP/s per GPU{mfu} ({time.time() - t0:.0f} s)"
+
+
+# ---- the runner --------------------------------------------------------------------------------
+
+CHECKS: list[tuple[str, Callable[[], str]]] = [
+    ("two_ranks_offload", check_two_ranks_offload),
+    ("two_ranks_native", check_two_ranks_native),
+    ("slow_collectives", check_slow_collectives),
+    ("offload_bitwise", check_offload_bitwise),
+    ("attention_backends", check_attention_backends),
+    ("apex_adam", check_apex_adam),
+    ("throughput_1p3b", check_throughput_1p3b),
+]
+
+
+def main(names: Optional[list[str]] = None) -> int:
+    """Run the checks (all, or those ``names``); print one line each and a summary; 1 if any failed."""
+    dev = device()
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("FAIL no CUDA device: run on a machine with a CUDA GPU and CUDA torch (or GPU_CHECK_DEVICE=cpu for "
+              "a dry run)")
+        return 1
+    unknown = set(names or ()) - {n for n, _ in CHECKS}
+    if unknown:
+        print(f"FAIL unknown checks {sorted(unknown)}; known: {', '.join(n for n, _ in CHECKS)}")
+        return 1
+    print(f"gpu_check on {dev}: torch {torch.__version__}"
+          + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if dev.type == "cuda" else ""))
+    results = {}
+    for name, check in CHECKS:
+        if names and name not in names:
+            continue
+        t0 = time.time()
+        try:
+            detail, status = check(), "PASS"
+        except Skip as e:
+            detail, status = str(e), "SKIP"
+        except Exception as e:  # noqa: BLE001 - an assertion or a crash: this check failed, the next runs
+            detail, status = f"{type(e).__name__}: {e}", "FAIL"
+            traceback.print_exc()
+        results[name] = status
+        print(f"{status} {name} ({time.time() - t0:.1f} s): {detail}", flush=True)
+    counts = {s: sum(1 for v in results.values() if v == s) for s in ("PASS", "FAIL", "SKIP")}
+    print(f"summary: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or None))
