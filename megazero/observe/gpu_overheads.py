@@ -33,8 +33,6 @@ The one path still pinning through the caching allocator is the data loader's ba
 
 from __future__ import annotations
 
-import inspect
-
 from megazero.mpu.parallel_state import group_ranks
 
 __all__ = ["NCCL_SIMPLE_BUFFSIZE", "NCCL_LL_BUFFSIZE", "NCCL_LL128_BUFFSIZE", "NCCL_CHANNELS",
@@ -62,14 +60,11 @@ def creates_gradient_communicator(zero_stage: int, dp: int, keep_gathered: bool 
     native path on NCCL), so an NCCL run of a GPT shares the DP communicator."""
     from megazero.zero.comm import gradient_communicator
 
-    kwargs = {}
-    if "separate" in inspect.signature(gradient_communicator).parameters:  # the engine asks for it on the emulated path
-        kwargs["separate"] = collectives == "emulated"
     # The rule is asked, not restated: a communicator it reuses comes back as given; one it would
     # create makes it look up the group's ranks, which this stand-in for a group cannot answer.
     stand_in = object()
     try:
-        return gradient_communicator(stand_in, zero_stage, dp, keep_gathered, **kwargs) is not stand_in
+        return gradient_communicator(stand_in, zero_stage, dp, keep_gathered, separate=collectives == "emulated") is not stand_in
     except (RuntimeError, ValueError, KeyError, AttributeError):
         return True
 
