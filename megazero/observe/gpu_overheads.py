@@ -64,7 +64,8 @@ def creates_gradient_communicator(zero_stage: int, dp: int, keep_gathered: bool 
     # create makes it look up the group's ranks, which this stand-in for a group cannot answer.
     stand_in = object()
     try:
-        return gradient_communicator(stand_in, zero_stage, dp, keep_gathered, separate=collectives == "emulated") is not stand_in
+        separate = collectives == "emulated"
+        return gradient_communicator(stand_in, zero_stage, dp, keep_gathered, separate) is not stand_in
     except (RuntimeError, ValueError, KeyError, AttributeError):
         return True
 
