@@ -40,7 +40,7 @@ def test_tool_help_shows_defaults_where_there_are_some():
     assert "(default: None)" not in text and "(default: False)" not in text
     assert re.search(r"--device-memory-gb DEVICE_MEMORY_GB, --gpu-memory-gb DEVICE_MEMORY_GB\s+device capacity", text)
     rehearse = re.sub(r"\s+", " ", parser("rehearse").format_help())
-    assert "a larger peak exits 1 (default: 80.0)" in rehearse
+    assert "a larger peak plus the NCCL estimate exits 1 (default: 80.0)" in rehearse
 
 
 def test_pretrain_help_shows_real_flags_with_their_defaults(pretrain_help):
