@@ -28,7 +28,12 @@ from .mappings import (
 )
 from .parallel_state import (
     ParallelGroups,
+    context_parallel_rank,
     destroy_model_parallel,
+    get_context_parallel_global_ranks,
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_src_rank,

@@ -50,6 +50,7 @@ import torch.distributed as dist
 __all__ = [
     "ParallelGroups",
     "rank_grid",
+    "context_parallel_rank",
     "group_ranks",
     "initialize_model_parallel",
     "model_parallel_is_initialized",
@@ -71,6 +72,10 @@ __all__ = [
     "get_position_embedding_group",
     "is_rank_in_position_embedding_group",
     "get_data_parallel_group",
+    "get_context_parallel_group",
+    "get_context_parallel_rank",
+    "get_context_parallel_world_size",
+    "get_context_parallel_global_ranks",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
     "get_data_parallel_src_rank",
@@ -108,6 +113,14 @@ class ParallelGroups:
     position_embedding_group: Optional[dist.ProcessGroup] = None
     position_embedding_ranks: tuple[int, ...] = ()
     virtual_pp_size: int = 1
+    # Context parallelism: the ranks that split one sequence (same tp, dp and pp coordinates), and
+    # data x context parallel ranks, over which parameters are replicated and ZeRO partitions.
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[dist.ProcessGroup] = None
+    cp_ranks: tuple[int, ...] = ()
+    dp_cp_group: Optional[dist.ProcessGroup] = None
+    dp_cp_ranks: tuple[int, ...] = ()
 
     def is_first_stage(self, virtual_rank: Optional[int] = 0) -> bool:
         """First virtual stage: pp rank 0 running chunk ``virtual_rank`` 0 (None ignores the chunk)."""
@@ -123,6 +136,15 @@ class ParallelGroups:
         return self.embedding_group is not None
 
     @property
+    def dp_cp_size(self) -> int:
+        """Ranks holding the same parameters: data x context parallel."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
     def mp_size(self) -> int:
         return self.tp_size * self.pp_size
 
@@ -131,46 +153,60 @@ class ParallelGroups:
         return self.pp_rank * self.tp_size + self.tp_rank
 
 
-def _data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
-    if world_size % (tp * pp) != 0:
+def _data_parallel_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ValueError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes must be >= 1")
+    if world_size % (tp * pp * cp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp}) = {tp * pp}; choose sizes whose product divides it"
+            f"context_parallel_size ({cp}) x pipeline_model_parallel_size ({pp}) = {tp * cp * pp}; "
+            "choose sizes whose product divides it"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
-    """Global ranks arranged as ``[pp, dp, tp]``; every group is a line through it."""
-    dp = _data_parallel_size(world_size, tp, pp)
-    return torch.arange(world_size).view(pp, dp, tp)
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> torch.Tensor:
+    """Global ranks arranged as ``[pp, dp, cp, tp]`` (Megatron's order tp-cp-dp-pp, tp fastest);
+    every group is a line (or, for data x context, a plane) through it."""
+    dp = _data_parallel_size(world_size, tp, pp, cp)
+    return torch.arange(world_size).view(pp, dp, cp, tp)
 
 
-def rank_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (pure host arithmetic)."""
-    dp = _data_parallel_size(world_size, tp, pp)
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+def rank_coordinates(rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
+    """``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (pure host arithmetic; its context-parallel
+    rank is :func:`context_parallel_rank`)."""
+    dp = _data_parallel_size(world_size, tp, pp, cp)
+    return rank // (dp * cp * tp), (rank // (cp * tp)) % dp, rank % tp
 
 
-def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+def context_parallel_rank(rank: int, tp: int, cp: int) -> int:
+    """The context-parallel rank of global ``rank`` (tp varies fastest, then cp)."""
+    return (rank // tp) % cp
+
+
+def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks (pure host arithmetic; no communication,
-    no tensors, so it runs the same under a fake-tensor mode)."""
-    dp = _data_parallel_size(world_size, tp, pp)
+    no tensors, so it runs the same under a fake-tensor mode). With ``cp`` > 1 also ``cp`` (the
+    ranks splitting one sequence) and ``dp_cp`` (data x context: the ranks holding the same
+    parameters); the model-parallel group is tensor x pipeline for each data and context rank."""
+    dp = _data_parallel_size(world_size, tp, pp, cp)
 
-    def r(p: int, d: int, t: int) -> int:
-        return p * dp * tp + d * tp + t
+    def r(p: int, d: int, t: int, c: int = 0) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
 
-    pipelines = [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    return {
-        "tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+    pipelines = [[r(p, d, t, c) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)]
+    out = {
+        "tp": [[r(p, d, t, c) for t in range(tp)] for p in range(pp) for d in range(dp) for c in range(cp)],
+        "dp": [[r(p, d, t, c) for d in range(dp)] for p in range(pp) for c in range(cp) for t in range(tp)],
         "pp": pipelines,
-        "mp": [[r(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "mp": [[r(p, d, t, c) for p in range(pp) for t in range(tp)] for d in range(dp) for c in range(cp)],
         "embedding": [[line[0], line[-1]] if len(line) > 1 else [line[0]] for line in pipelines],
         "position_embedding": [[line[0]] for line in pipelines],
     }
+    if cp > 1:
+        out["cp"] = [[r(p, d, t, c) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)]
+        out["dp_cp"] = [[r(p, d, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)]
+    return out
 
 
 def collective_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetime.timedelta]:
@@ -223,9 +259,10 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     *,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
     backend: Optional[str] = None,
 ) -> ParallelGroups:
-    """Build the TP/PP/DP/MP and embedding groups (Megatron's layout) and register them.
+    """Build the TP/CP/PP/DP/MP and embedding groups (Megatron's layout, tp-cp-dp-pp) and register them.
 
     ``torch.distributed`` must already be initialized; every rank must call this
     with the same sizes, because creating a group is a collective call. Every group
@@ -245,11 +282,12 @@ def initialize_model_parallel(
     if vpp < 1 or (vpp > 1 and pp < 2):
         raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
                          f"(got {pp}); leave it unset without a pipeline")
-    layout = group_ranks(world, tp, pp)
-    dp = world // (tp * pp)
+    cp = context_parallel_size
+    layout = group_ranks(world, tp, pp, cp)
+    dp = world // (tp * pp * cp)
 
     built: dict[str, tuple[Optional[dist.ProcessGroup], tuple[int, ...]]] = {}
-    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
+    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()):
         # Every rank creates every group, in the same order (new_group is collective).
         for line in layout[kind]:
             g = new_group(line, backend=backend)
@@ -260,7 +298,9 @@ def initialize_model_parallel(
     emb_group, emb_ranks = built.get("embedding", (None, ()))
     pos_group, pos_ranks = built.get("position_embedding", (None, ()))
 
-    pp_rank, dp_rank, tp_rank = rank_coordinates(rank, world, tp, pp)
+    pp_rank, dp_rank, tp_rank = rank_coordinates(rank, world, tp, pp, cp)
+    cp_group, cp_ranks = built.get("cp", (None, (rank,)))
+    dp_cp_group, dp_cp_ranks = built.get("dp_cp", (dp_group, dp_ranks))
     _GROUPS = ParallelGroups(
         tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
@@ -269,6 +309,8 @@ def initialize_model_parallel(
         embedding_group=emb_group, embedding_ranks=emb_ranks,
         position_embedding_group=pos_group, position_embedding_ranks=pos_ranks,
         virtual_pp_size=vpp,
+        cp_size=cp, cp_rank=context_parallel_rank(rank, tp, cp), cp_group=cp_group, cp_ranks=cp_ranks,
+        dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks,
     )
     return _GROUPS
 
@@ -284,7 +326,7 @@ def destroy_model_parallel() -> None:
     if groups is None or not dist.is_initialized():
         return
     for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group, groups.embedding_group,
-              groups.position_embedding_group}:
+              groups.position_embedding_group, groups.cp_group, groups.dp_cp_group}:
         if g is not None:
             try:
                 dist.destroy_process_group(g)
@@ -369,16 +411,38 @@ def is_rank_in_position_embedding_group() -> bool:
     return _GROUPS is None or _GROUPS.position_embedding_group is not None
 
 
-def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
-    return get_parallel_groups().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+    """The data-parallel group; ``with_context_parallel``: data x context (Megatron's keyword)."""
+    g = get_parallel_groups()
+    return g.dp_cp_group if with_context_parallel else g.dp_group
 
 
-def get_data_parallel_rank() -> int:
-    return _GROUPS.dp_rank if _GROUPS is not None else 0
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    if _GROUPS is None:
+        return 0
+    return _GROUPS.dp_cp_rank if with_context_parallel else _GROUPS.dp_rank
 
 
-def get_data_parallel_world_size() -> int:
-    return _GROUPS.dp_size if _GROUPS is not None else 1
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if _GROUPS is None:
+        return 1
+    return _GROUPS.dp_cp_size if with_context_parallel else _GROUPS.dp_size
+
+
+def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().cp_group
+
+
+def get_context_parallel_rank() -> int:
+    return _GROUPS.cp_rank if _GROUPS is not None else 0
+
+
+def get_context_parallel_world_size() -> int:
+    return _GROUPS.cp_size if _GROUPS is not None else 1
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    return list(get_parallel_groups().cp_ranks)
 
 
 def get_data_parallel_src_rank() -> int:

@@ -36,7 +36,9 @@ def initialize(
     """Wrap ``model`` in a :class:`ZeroEngine` configured by a DeepSpeed-schema dict or JSON path.
 
     ``mpu`` is any object with DeepSpeed's mpu contract (``megazero.mpu`` itself):
-    partitions are taken over ``mpu.get_data_parallel_group()`` only, and the
+    partitions are taken over ``mpu.get_data_parallel_group()`` only (with context
+    parallelism, Megatron's ``get_data_parallel_group(with_context_parallel=True)``: every
+    context-parallel rank holds the same parameters), and the
     gradient norm is completed over ``mpu.get_model_parallel_group()``. Without
     ``mpu`` every rank is a data-parallel peer. A model built on the meta device
     is materialized partition by partition (ZeRO-3 never holds it whole).
@@ -54,7 +56,7 @@ def initialize(
     cfg = load_config(config)
     tp_group = mp_group = None
     if mpu is not None:
-        dp_group = mpu.get_data_parallel_group()
+        dp_group = _data_parallel_group(mpu)
         mp_group = mpu.get_model_parallel_group()
         if hasattr(mpu, "get_tensor_model_parallel_group"):
             tp_group = mpu.get_tensor_model_parallel_group()
@@ -63,3 +65,12 @@ def initialize(
     return ZeroEngine(model, cfg, dp_group=dp_group, tp_group=tp_group, mp_group=mp_group,
                       no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules,
                       param_names=param_names, forward_key=forward_key, partitioning=partitioning)
+
+
+def _data_parallel_group(mpu) -> Optional[dist.ProcessGroup]:
+    """The ranks holding the same parameters: data x context parallel where ``mpu`` knows Megatron's
+    ``with_context_parallel`` keyword, the data-parallel group otherwise (DeepSpeed's contract)."""
+    try:
+        return mpu.get_data_parallel_group(with_context_parallel=True)
+    except TypeError:  # an mpu without context parallelism
+        return mpu.get_data_parallel_group()

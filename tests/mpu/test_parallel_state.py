@@ -257,3 +257,38 @@ def test_no_group_is_created_around_the_helper():
                 direct += [(path.relative_to(root.parent).as_posix(), f"import {a.name}")
                            for a in node.names if a.name in creators]
     assert direct == [("megazero/mpu/parallel_state.py", "dist.new_group")], direct
+
+
+def test_context_parallel_layout_follows_megatron_order():
+    # tp 2 x cp 2 x dp 2 x pp 2 on 16 ranks: tp fastest, then cp, then dp, then pp.
+    g = group_ranks(16, tp=2, pp=2, cp=2)
+    assert g["tp"][:2] == [[0, 1], [2, 3]]
+    assert g["cp"][:2] == [[0, 2], [1, 3]]
+    assert g["dp"][:2] == [[0, 4], [1, 5]]
+    assert g["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["pp"][0] == [0, 8]
+    assert g["mp"][0] == [0, 1, 8, 9]  # tensor x pipeline for each data and context rank
+    for kind in ("tp", "cp", "dp", "pp"):  # each kind partitions the world
+        assert sorted(r for line in g[kind] for r in line) == list(range(16)), kind
+    assert "cp" not in group_ranks(16, tp=2, pp=2)  # cp 1: the layout of before, no extra groups
+    assert group_ranks(16, tp=2, pp=2)["dp"][0] == [0, 2, 4, 6]
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        group_ranks(12, tp=2, pp=2, cp=2)
+
+
+def _cp_groups():
+    from megazero import mpu as m
+
+    groups = m.initialize_model_parallel(2, context_parallel_size=2)
+    return (groups.cp_size, groups.cp_rank, groups.cp_ranks, groups.dp_cp_ranks, groups.dp_ranks,
+            m.get_data_parallel_world_size(with_context_parallel=True), m.get_context_parallel_world_size())
+
+
+def test_context_parallel_groups_on_eight_ranks():
+    from tests.distributed import run_distributed
+
+    for rank, (cp, cp_rank, cp_ranks, dp_cp_ranks, dp_ranks, dp_cp_size, cp_size) in enumerate(
+            run_distributed(8, _cp_groups)):
+        assert (cp, cp_size, dp_cp_size) == (2, 2, 4)
+        assert cp_rank == (rank // 2) % 2 and rank in cp_ranks and len(cp_ranks) == 2
+        assert set(dp_ranks) < set(dp_cp_ranks) and len(dp_cp_ranks) == 4
