@@ -154,7 +154,7 @@ class MemoryEstimate:
             f"plan: tp {p.get('tp')} x dp {p.get('dp')} x pp {p.get('pp')}, ZeRO-{p.get('zero_stage')}, "
             f"{p.get('precision')}, micro batch {p.get('micro_batch_size')}, seq {p.get('seq_length')}, "
             f"recompute {p.get('recompute') or 'none'}, sequence parallel {'on' if p.get('sequence_parallel') else 'off'}, "
-            f"flash attention {'on' if p.get('flash_attn') else 'off'}",
+            f"attention scores {'not held (flash/SDPA kernel)' if p.get('flash_attn') else 'held (math kernel)'}",
         ]
         if self.flops_per_iteration is not None:
             lines.append(f"FLOPs per iteration (global batch {p.get('global_batch_size')}): "
@@ -515,7 +515,9 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
-        sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend == "flash",
+        # flash-attn and SDPA's fused kernels (auto picks one of them) never hold the s x s scores;
+        # only the math kernel does
+        sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend != "math",
         grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size,
         virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps,
         reduce_bucket_size=zc.reduce_bucket_size, prefetch_bucket_size=zc.stage3_prefetch_bucket_size,
