@@ -1,0 +1,204 @@
+"""Context-parallel attention by all-to-all over heads (``a2a``, DeepSpeed Ulysses) and by
+all-gather of K/V (``allgather``).
+
+Each rank of a CP group holds some tokens of every sequence in the batch (any layout:
+contiguous chunks, or the balanced 2P-chunk zigzag) and knows their global positions.
+``SequenceShard.gather`` collects every rank's positions once per batch; every layer reuses it.
+
+* ``a2a_attention``: all-to-all so each rank holds the whole sequence for heads/P of the heads,
+  reorder to the global order, run ``core_attention`` there, all-to-all back. Exact: it is the
+  one-process computation restricted to a subset of heads.
+* ``allgather_attention``: all-gather K/V along the sequence; this rank's queries attend to all
+  of it under the causal (and document) mask built from the global positions.
+
+Shapes follow ``core_attention``: q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]``,
+output ``[s_local, b, heads * d]``. ``attention_mask`` (optional, boolean, True = masked, in addition
+to causality) is given for the *global* sequence in global order: ``[b, 1, S, S]`` or ``[S, S]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero.model.attention import core_attention, resolve_backend
+from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
+                                      replicated_kv_all_to_all, seq_to_heads_all_to_all)
+from megazero.mpu.utils import group_size
+
+__all__ = [
+    "SequenceShard",
+    "a2a_head_split",
+    "a2a_attention",
+    "allgather_attention",
+    "a2a_elements",
+    "allgather_elements",
+]
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Where this rank's tokens sit in the global sequence, and where every rank's do.
+
+    ``positions``: ``[s_local]`` global indices of this rank's tokens, in the order they are held.
+    ``all_positions``: ``[S]`` every rank's ``positions``, rank-major (the order gathers produce).
+    ``order``: ``[S]`` with ``order[i]`` the rank-major index of global position ``i``.
+    """
+
+    positions: torch.Tensor
+    all_positions: torch.Tensor
+    order: torch.Tensor
+
+    @property
+    def is_identity(self) -> bool:
+        """True when rank-major order is already the global order (a contiguous layout)."""
+        return bool(torch.equal(self.all_positions, torch.arange(self.all_positions.numel(),
+                                                                 device=self.all_positions.device)))
+
+    @classmethod
+    def gather(cls, positions: torch.Tensor, group: Optional[dist.ProcessGroup]) -> "SequenceShard":
+        """Collect every rank's ``positions`` (one small all-gather, once per batch) and check that
+        together they cover ``0 .. S-1`` exactly once."""
+        if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions must be a 1-D integer tensor of this rank's global token indices; "
+                             f"got shape {tuple(positions.shape)} and dtype {positions.dtype}")
+        positions = positions.long()
+        everyone = all_gather_tensor(positions, group)
+        total = everyone.numel()
+        seen = torch.bincount(everyone.clamp(0, total), minlength=total + 1)[:total]
+        if everyone.min() < 0 or everyone.max() >= total or not bool((seen == 1).all()):
+            missing = (seen == 0).nonzero().flatten()[:8].tolist()
+            raise ValueError(f"the CP ranks' positions must cover 0..{total - 1} exactly once (every rank "
+                             f"holding the same number of tokens); missing {missing} (first 8). Give each "
+                             f"rank the global indices of the tokens it holds, e.g. from the CP layout helpers")
+        return cls(positions, everyone, torch.argsort(everyone))
+
+
+def a2a_head_split(heads: int, groups: int, cp: int) -> str:
+    """How ``a2a`` distributes KV heads: ``"split"`` (groups % cp == 0) or ``"replicate"`` (cp % groups
+    == 0, each rank gets the one KV head its query heads read); refuses other combinations."""
+    if heads % cp != 0:
+        raise ValueError(f"a2a context parallelism splits the {heads} query heads over {cp} ranks: {heads} is "
+                         f"not divisible by {cp}; pick a context parallel size dividing the heads, or use "
+                         f"cp_comm_type 'p2p' or 'allgather'")
+    if groups % cp == 0:
+        return "split"
+    if cp % groups == 0:
+        return "replicate"
+    raise ValueError(f"a2a context parallelism needs the {groups} KV groups divisible by the context parallel "
+                     f"size {cp} (heads split) or {cp} divisible by {groups} (heads replicated); neither holds. "
+                     f"Pick another context parallel size or cp_comm_type 'p2p' or 'allgather'")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, dropout_p: float) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
+        raise ValueError(f"expected q [s, b, heads, d] and k, v [s, b, groups, d]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.size(0) != shard.positions.numel():
+        raise ValueError(f"q holds {q.size(0)} tokens but the shard names {shard.positions.numel()} positions; "
+                         f"build the SequenceShard from this batch's layout")
+    if q.size(2) % k.size(2) != 0:
+        raise ValueError(f"{q.size(2)} query heads are not a multiple of {k.size(2)} KV groups")
+    if dropout_p > 0.0:
+        # Exactness across layouts needs dropout masks keyed by global position, which this path lacks.
+        raise NotImplementedError("attention dropout is not supported under context parallelism yet; "
+                                  "set the attention dropout to 0")
+
+
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
+                  group: Optional[dist.ProcessGroup], *, backend: str = "auto", dropout_p: float = 0.0,
+                  attention_mask: Optional[torch.Tensor] = None,
+                  counter: Optional[CommCounter] = None) -> torch.Tensor:
+    """Ulysses attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
+
+    Bit-identical to ``core_attention`` of the whole sequence in one process (same backend), for the
+    output and the gradients: each rank runs exactly that computation for heads/P of the heads.
+    ``heads`` must divide by P, and KV groups divide by P or P by the groups (``a2a_head_split``).
+    """
+    _check(q, k, v, shard, dropout_p)
+    cp, heads, groups, d = group_size(group), q.size(2), k.size(2), q.size(3)
+    mode = a2a_head_split(heads, groups, cp)
+    q_h = seq_to_heads_all_to_all(q, group, counter)
+    if mode == "split":
+        k_h, v_h = seq_to_heads_all_to_all(k, group, counter), seq_to_heads_all_to_all(v, group, counter)
+    else:
+        # repeated here, not after the exchange, so that backward sums the per-head gradients in one op
+        rep = heads // groups
+        k_h = replicated_kv_all_to_all(k.repeat_interleave(rep, dim=2), group, counter)
+        v_h = replicated_kv_all_to_all(v.repeat_interleave(rep, dim=2), group, counter)
+    reorder = not shard.is_identity
+    if reorder:  # rank-major -> global order, so that causality and document masks read true positions
+        q_h, k_h, v_h = (t.index_select(0, shard.order) for t in (q_h, k_h, v_h))
+    out = core_attention(q_h, k_h, v_h, backend=backend, attention_mask=attention_mask)
+    total, b = out.size(0), out.size(1)
+    out = out.view(total, b, heads // cp, d)
+    if reorder:
+        out = out.index_select(0, shard.all_positions)
+    return heads_to_seq_all_to_all(out, group, counter).reshape(q.size(0), b, heads * d)
+
+
+def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Boolean "may attend" for this rank's queries against all keys in global order."""
+    keys = torch.arange(total, device=shard.positions.device)
+    allowed = shard.positions[:, None] >= keys[None, :]  # [s_local, S]
+    if attention_mask is None:
+        return allowed
+    rows = attention_mask.to(torch.bool).index_select(-2, shard.positions.to(attention_mask.device))
+    return allowed & ~rows  # [s_local, S] or [b, 1, s_local, S]
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
+                        group: Optional[dist.ProcessGroup], *, backend: str = "auto", dropout_p: float = 0.0,
+                        attention_mask: Optional[torch.Tensor] = None,
+                        counter: Optional[CommCounter] = None) -> torch.Tensor:
+    """All-gather-KV attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
+
+    K/V (their ``groups`` heads, not repeated) are gathered along the sequence; backward
+    reduce-scatters dK/dV. Runs on ``sdpa`` or ``math`` with an explicit mask from the global
+    positions (flash-attn takes no such mask: ``auto`` picks sdpa, ``flash`` is refused).
+    """
+    _check(q, k, v, shard, dropout_p)
+    if backend == "flash":
+        raise ValueError("allgather context-parallel attention needs a mask flash-attn cannot take (queries "
+                         "at scattered positions); use backend 'auto', 'sdpa' or 'math'")
+    chosen = resolve_backend("sdpa" if backend == "auto" else backend, q, True)
+    k_all, v_all = gather_sequence(k, group, counter), gather_sequence(v, group, counter)
+    if not shard.is_identity:
+        k_all, v_all = k_all.index_select(0, shard.order), v_all.index_select(0, shard.order)
+    s, b, heads, d = q.shape
+    rep = heads // k.size(2)
+    k_all, v_all = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k_all, v_all))
+    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k_all, v_all))  # [b, n, s, d]
+    allowed = _allowed(shard, k_all.size(0), attention_mask)
+    if chosen == "sdpa":
+        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed)
+    else:  # the explicit formula, as core_attention's math backend computes it
+        scores = torch.matmul(qq, kk.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), vv)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def a2a_elements(seq: int, heads: int, groups: int, head_dim: int, cp: int, batch: int = 1,
+                 phase: str = "forward") -> int:
+    """Elements one rank sends in one ``a2a_attention`` call: S (2a + 2g) d (P-1) / P^2 per sequence.
+
+    With KV heads replicated (cp % groups == 0), g counts as P forward (one KV head to each rank)
+    and as ``heads`` backward (one gradient per query head, for a bit-exact sum).
+    """
+    if cp == 1:
+        return 0
+    mode = a2a_head_split(heads, groups, cp)
+    kv = groups if mode == "split" else (cp if phase == "forward" else heads)
+    return batch * seq * (2 * heads + 2 * kv) * head_dim * (cp - 1) // (cp * cp)
+
+
+def allgather_elements(seq: int, groups: int, head_dim: int, cp: int, batch: int = 1) -> int:
+    """Elements one rank receives in one ``allgather_attention`` call (forward: the K/V all-gather;
+    backward: the dK/dV reduce-scatter, the same volume): 2 S g d (P-1) / P per sequence."""
+    return batch * 2 * seq * groups * head_dim * (cp - 1) // cp
