@@ -271,9 +271,10 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
             saved, live = layer_input / n, n * per_layer
     else:
         layers = L * per_layer
-    # Embedding dropout mask (1 byte), final norm and output-layer inputs, fp32 logits for the loss.
+    # Embedding dropout mask (1 byte), final norm and output-layer inputs, and the loss's peak: the
+    # output layer's logits in the compute dtype alive beside the cross-entropy's fp32 working copy.
     mask = s * b * h / sp_div if c.hidden_dropout > 0 else 0
-    outside = mask + 2 * act_bytes * s * b * h / sp_div + 4 * s * b * c.padded_vocab_size / t
+    outside = mask + 2 * act_bytes * s * b * h / sp_div + (4 + act_bytes) * s * b * c.padded_vocab_size / t
     return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside,
             "saved_per_layer": saved, "recompute_live": live, "layer_input": layer_input, "embedding_mask": mask}
 

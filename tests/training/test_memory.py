@@ -89,7 +89,8 @@ def test_korthikanti_per_layer(tp, sp, scores, per_layer):
 
 
 def test_activation_totals_by_recompute_mode():
-    outside = 4096 * (1 + 2 * 2) + 4 * 32 * 2 * 128  # dropout mask, norm + logit-layer inputs, fp32 logits
+    # dropout mask, norm + logit-layer inputs, the logits (bf16) beside the loss's fp32 copy
+    outside = 4096 * (1 + 2 * 2) + (4 + 2) * 32 * 2 * 128
     kw = dict(tp=1, dp=1, zero_stage=0, micro_batch_size=2)
     assert estimate_memory(SMALL, **kw).activations == 2 * 4096 * 44 + outside
     assert estimate_memory(SMALL, recompute="selective", **kw).activations == 2 * 4096 * 34 + outside
@@ -97,7 +98,7 @@ def test_activation_totals_by_recompute_mode():
     # full: each layer keeps its 2sbh input, plus one layer's activations while it is recomputed
     assert estimate_memory(SMALL, recompute="full", **kw).activations == 2 * 2 * 4096 + 4096 * 44 + outside
     fp32 = estimate_memory(SMALL, precision="fp32", **kw).activations
-    assert fp32 == 2 * 4096 * (4 * 4 + 2 + 4 * 12 + 10 * 9 / 5) + 4096 * (1 + 2 * 4) + 4 * 32 * 2 * 128
+    assert fp32 == 2 * 4096 * (4 * 4 + 2 + 4 * 12 + 10 * 9 / 5) + 4096 * (1 + 2 * 4) + (4 + 4) * 32 * 2 * 128
 
 
 def test_13b_plan_and_flops():

@@ -181,3 +181,17 @@ def test_rehearsal_reports_the_nccl_communicators_and_counts_them_against_the_de
     assert r.peak_bytes < 2 ** 21
     assert main(["--world-size", "4", "--ranks", "0", "--device-memory-gb", "1", "--"] + argv) == 1
     assert "GiB (estimate) exceeds --device-memory-gb 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seq", [32768, 131072])
+def test_the_plan_is_within_ten_percent_of_the_rehearsal_for_long_sequences(seq):
+    # One rank, 4 layers of hidden 2048, bf16, ZeRO-1, a score-free attention kernel (flash on a GPU;
+    # the rehearsal runs SDPA's memory): the peak is the loss's logits beside every layer's activations.
+    flags = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", str(seq),
+             "--max-position-embeddings", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--bf16", "--zero-stage", "1", "--vocab-size", "32000", "--tokenizer-type", "NullTokenizer",
+             "--mock-data", "--train-iters", "1", "--lr", "1e-4", "--attention-backend", "flash"]
+    config, _ = rehearsal_config(flags, 1)
+    report = rehearse_rank(config, 0)
+    assert report.plan["state_bytes"] == pytest.approx(report.state_bytes, rel=0.01)
+    assert report.plan["peak_bytes"] == pytest.approx(report.peak_bytes, rel=0.10), (report.plan, report.peak_bytes)
