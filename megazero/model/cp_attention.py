@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,11 +64,19 @@ class SequenceShard:
     def gather(cls, positions: torch.Tensor, group: Optional[dist.ProcessGroup]) -> "SequenceShard":
         """Collect every rank's ``positions`` (one small all-gather, once per batch) and check that
         together they cover ``0 .. S-1`` exactly once."""
-        if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"positions must be a 1-D integer tensor of this rank's global token indices; "
-                             f"got shape {tuple(positions.shape)} and dtype {positions.dtype}")
-        positions = positions.long()
-        everyone = all_gather_tensor(positions, group)
+        return cls._checked(_as_positions(positions), all_gather_tensor(_as_positions(positions), group))
+
+    @classmethod
+    def from_rank_positions(cls, per_rank: Sequence[torch.Tensor], rank: int) -> "SequenceShard":
+        """The same without communication, from every rank's positions (a layout every rank can compute,
+        e.g. ``[layout.positions(r) for r in range(cp)]``) and this rank's index."""
+        per_rank = [_as_positions(p) for p in per_rank]
+        if len({p.numel() for p in per_rank}) != 1:
+            raise ValueError(f"every CP rank must hold the same number of tokens; got {[p.numel() for p in per_rank]}")
+        return cls._checked(per_rank[rank], torch.cat(per_rank))
+
+    @classmethod
+    def _checked(cls, positions: torch.Tensor, everyone: torch.Tensor) -> "SequenceShard":
         total = everyone.numel()
         seen = torch.bincount(everyone.clamp(0, total), minlength=total + 1)[:total]
         if everyone.min() < 0 or everyone.max() >= total or not bool((seen == 1).all()):
@@ -77,6 +85,13 @@ class SequenceShard:
                              f"holding the same number of tokens); missing {missing} (first 8). Give each "
                              f"rank the global indices of the tokens it holds, e.g. from the CP layout helpers")
         return cls(positions, everyone, torch.argsort(everyone))
+
+
+def _as_positions(positions: torch.Tensor) -> torch.Tensor:
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be a 1-D integer tensor of a rank's global token indices; "
+                         f"got shape {tuple(positions.shape)} and dtype {positions.dtype}")
+    return positions.long()
 
 
 def a2a_head_split(heads: int, groups: int, cp: int) -> str:

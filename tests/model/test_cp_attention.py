@@ -64,8 +64,12 @@ def _reference(q, k, v, go, backend, mask):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_run(fn, q, k, v, go, pos, backend, mask, counter):
+def _cp_run(fn, q, k, v, go, pos, backend, mask, counter, layout=None, cp=None):
     shard = SequenceShard.gather(pos, None)
+    if layout is not None:  # computed from the layout alone, the shard is the same without communication
+        rank = torch.distributed.get_rank()
+        alone = SequenceShard.from_rank_positions([layout_positions(layout, S, cp, r) for r in range(cp)], rank)
+        assert all(torch.equal(a, b) for a, b in zip(vars(alone).values(), vars(shard).values()))
     ql, kl, vl = (t[pos].clone().requires_grad_() for t in (q, k, v))
     out = fn(ql, kl, vl, shard, None, backend=backend, attention_mask=mask, counter=counter)
     out.backward(go[pos])
@@ -97,7 +101,7 @@ def _a2a_cases(cp: int, cases):
         ref = _reference(q, k, v, go, backend, mask)
         pos = layout_positions(layout, S, cp, rank)
         counter = CommCounter()
-        got = _cp_run(a2a_attention, q, k, v, go, pos, backend, mask, counter)
+        got = _cp_run(a2a_attention, q, k, v, go, pos, backend, mask, counter, layout, cp)
         for name, r, g in zip(("out", "dq", "dk", "dv"), ref, got):
             assert torch.equal(g, r[pos]), (name, groups, mask_kind, backend, layout, dtype,
                                             (g - r[pos]).abs().max().item())
@@ -161,6 +165,8 @@ def _refusals(cp):
         a2a_attention(q, k, v, shard, None)
     with pytest.raises(ValueError, match="cover 0..63 exactly once"):
         SequenceShard.gather(torch.arange(S // cp), None)  # every rank claims the same tokens
+    with pytest.raises(ValueError, match="the same number of tokens"):
+        SequenceShard.from_rank_positions([torch.arange(3), torch.arange(3, 8)], 0)
     with pytest.raises(ValueError, match="shard names"):
         a2a_attention(q[:4], k[:4], v[:4], shard, None)
     with pytest.raises(NotImplementedError, match="dropout"):
