@@ -48,17 +48,14 @@ class SequenceShard:
     ``positions``: ``[s_local]`` global indices of this rank's tokens, in the order they are held.
     ``all_positions``: ``[S]`` every rank's ``positions``, rank-major (the order gathers produce).
     ``order``: ``[S]`` with ``order[i]`` the rank-major index of global position ``i``.
+    ``is_identity``: rank-major order is already the global order (a contiguous layout), so no reordering.
+    Built once per batch (its checks read values on the host), then reused by every layer.
     """
 
     positions: torch.Tensor
     all_positions: torch.Tensor
     order: torch.Tensor
-
-    @property
-    def is_identity(self) -> bool:
-        """True when rank-major order is already the global order (a contiguous layout)."""
-        return bool(torch.equal(self.all_positions, torch.arange(self.all_positions.numel(),
-                                                                 device=self.all_positions.device)))
+    is_identity: bool
 
     @classmethod
     def gather(cls, positions: torch.Tensor, group: Optional[dist.ProcessGroup]) -> "SequenceShard":
@@ -84,7 +81,9 @@ class SequenceShard:
             raise ValueError(f"the CP ranks' positions must cover 0..{total - 1} exactly once (every rank "
                              f"holding the same number of tokens); missing {missing} (first 8). Give each "
                              f"rank the global indices of the tokens it holds, e.g. from the CP layout helpers")
-        return cls(positions, everyone, torch.argsort(everyone))
+        order = torch.argsort(everyone)
+        identity = bool(torch.equal(everyone, torch.arange(total, device=everyone.device)))
+        return cls(positions, everyone, order, identity)
 
 
 def _as_positions(positions: torch.Tensor) -> torch.Tensor:
