@@ -3,7 +3,8 @@ all-gather of K/V (``allgather``).
 
 Each rank of a CP group holds some tokens of every sequence in the batch (any layout:
 contiguous chunks, or the balanced 2P-chunk zigzag) and knows their global positions.
-``SequenceShard.gather`` collects every rank's positions once per batch; every layer reuses it.
+``SequenceShard.gather`` collects every rank's positions once per batch (``from_rank_positions``
+builds the same from a layout, without communication); every layer reuses it.
 
 * ``a2a_attention``: all-to-all so each rank holds the whole sequence for heads/P of the heads,
   reorder to the global order, run ``core_attention`` there, all-to-all back. Exact: it is the
@@ -12,7 +13,8 @@ contiguous chunks, or the balanced 2P-chunk zigzag) and knows their global posit
   of it under the causal (and document) mask built from the global positions.
 
 Shapes follow ``core_attention``: q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]``,
-output ``[s_local, b, heads * d]``. ``attention_mask`` (optional, boolean, True = masked, in addition
+output ``[s_local, b, heads * d]``. ``group`` is the CP process group (``None``: the default group,
+every process). ``attention_mask`` (optional, boolean, True = masked, in addition
 to causality) is given for the *global* sequence in global order: ``[b, 1, S, S]`` or ``[S, S]``.
 """
 
@@ -109,7 +111,8 @@ def a2a_head_split(heads: int, groups: int, cp: int) -> str:
                      f"Pick another context parallel size or cp_comm_type 'p2p' or 'allgather'")
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, dropout_p: float) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, dropout_p: float,
+           attention_mask: Optional[torch.Tensor]) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
         raise ValueError(f"expected q [s, b, heads, d] and k, v [s, b, groups, d]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -118,6 +121,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceSha
                          f"build the SequenceShard from this batch's layout")
     if q.size(2) % k.size(2) != 0:
         raise ValueError(f"{q.size(2)} query heads are not a multiple of {k.size(2)} KV groups")
+    total = shard.all_positions.numel()
+    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (total, total):
+        raise ValueError(f"attention_mask must cover the global sequence, [b, 1, {total}, {total}] or "
+                         f"[{total}, {total}] in global order; got {tuple(attention_mask.shape)}")
     if dropout_p > 0.0:
         # Exactness across layouts needs dropout masks keyed by global position, which this path lacks.
         raise NotImplementedError("attention dropout is not supported under context parallelism yet; "
@@ -134,7 +141,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
     output and the gradients: each rank runs exactly that computation for heads/P of the heads.
     ``heads`` must divide by P, and KV groups divide by P or P by the groups (``a2a_head_split``).
     """
-    _check(q, k, v, shard, dropout_p)
+    _check(q, k, v, shard, dropout_p, attention_mask)
     cp, heads, groups, d = group_size(group), q.size(2), k.size(2), q.size(3)
     mode = a2a_head_split(heads, groups, cp)
     q_h = seq_to_heads_all_to_all(q, group, counter)
@@ -176,7 +183,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     reduce-scatters dK/dV. Runs on ``sdpa`` or ``math`` with an explicit mask from the global
     positions (flash-attn takes no such mask: ``auto`` picks sdpa, ``flash`` is refused).
     """
-    _check(q, k, v, shard, dropout_p)
+    _check(q, k, v, shard, dropout_p, attention_mask)
     if backend == "flash":
         raise ValueError("allgather context-parallel attention needs a mask flash-attn cannot take (queries "
                          "at scattered positions); use backend 'auto', 'sdpa' or 'math'")
