@@ -7,9 +7,10 @@ the forward half of a pair whose backward is its conjugate:
 
 * ``seq_to_heads_all_to_all``: ``[s/P, b, n, d]`` -> ``[s, b, n/P, d]``; backward the reverse;
 * ``heads_to_seq_all_to_all``: ``[s, b, n/P, d]`` -> ``[s/P, b, n, d]``; backward the reverse;
+* ``replicated_kv_all_to_all``: the first, for KV heads fewer than the ranks (each rank gets one);
 * ``gather_sequence``: ``[s/P, ...]`` -> ``[s, ...]``; backward reduce-scatter (sum over ranks).
 
-The gathered sequence is in rank-major order (rank 0's tokens, then rank 1's, ...), whatever
+``group`` is the CP process group (``None``: the default group). The gathered sequence is in rank-major order (rank 0's tokens, then rank 1's, ...), whatever
 layout put which tokens on which rank; callers reorder by global positions.
 
 ``CommCounter`` records what each call moves on this rank: for an all-to-all the
