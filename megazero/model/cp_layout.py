@@ -1,0 +1,190 @@
+"""Which tokens of a sequence each context-parallel (CP) rank holds, and which attention blocks it computes.
+
+Pure functions, no communication. A sequence of ``S`` tokens is cut into ``2P`` equal chunks for ``P``
+CP ranks; rank ``r`` holds chunks ``r`` and ``2P-1-r`` (Megatron's DualChunkSwap, "zigzag"), so under a
+causal mask every rank computes the same number of query-key pairs. With packed documents
+(block-diagonal causal mask) each document is cut into ``2P`` chunks the same way and a rank holds
+its two chunks of every document, in document order; a document whose length is not a multiple of
+``2P`` is refused (as Megatron does): pad the documents, or choose another CP size.
+
+A layout is a list of *runs* per rank: ``(document, global start, length)``, contiguous in the
+global sequence, in the order the rank stores them. :func:`plan_blocks` turns the runs of a query
+rank and a key/value rank into the dense sub-blocks the ring kernel computes, skipping fully masked
+work; :func:`work_per_rank` counts the query-key pairs those blocks compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["CPLayout", "Block", "zigzag_layout", "document_layout", "contiguous_layout",
+           "cu_seqlens_from_document_ids", "split_for_rank", "gather_from_ranks", "plan_blocks",
+           "work_per_rank"]
+
+Run = tuple[int, int, int]  # (document, global start, length)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One dense block: local query rows ``[q_lo, q_hi)`` x local key columns ``[k_lo, k_hi)``.
+    ``causal``: rows and columns are the same tokens in increasing global order (mask j > i);
+    otherwise every pair is allowed."""
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    causal: bool
+
+    @property
+    def pairs(self) -> int:
+        """The unmasked query-key pairs of the block (what a causal kernel computes)."""
+        n, m = self.q_hi - self.q_lo, self.k_hi - self.k_lo
+        return n * (n + 1) // 2 if self.causal else n * m
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """The tokens each of ``cp_size`` ranks holds of a ``seq_len`` sequence (see the module docstring)."""
+    seq_len: int
+    cp_size: int
+    runs: tuple[tuple[Run, ...], ...]  # per rank
+
+    @property
+    def local_len(self) -> int:
+        return sum(n for _, _, n in self.runs[0])
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global token indices rank ``rank`` holds, in its storage order (for RoPE, position ids, dropout keys)."""
+        return torch.cat([torch.arange(s, s + n) for _, s, n in self.runs[rank]])
+
+    def position_ids(self, rank: int, doc_starts: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Position ids of the rank's tokens; with ``doc_starts`` (cu_seqlens) counted from each document's start."""
+        if doc_starts is None:
+            return self.positions(rank)
+        return torch.cat([torch.arange(s, s + n) - doc_starts[d] for d, s, n in self.runs[rank]])
+
+
+def _chunk_runs(doc: int, start: int, length: int, rank: int, p: int) -> list[Run]:
+    c = length // (2 * p)
+    return [(doc, start + rank * c, c), (doc, start + (2 * p - 1 - rank) * c, c)]
+
+
+def zigzag_layout(seq_len: int, cp_size: int) -> CPLayout:
+    """Load-balanced causal layout: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``."""
+    if cp_size < 1 or seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel size = "
+                         f"{2 * cp_size}: the balanced layout cuts it into {2 * cp_size} equal chunks; use a "
+                         f"sequence length that is a multiple of {2 * cp_size} (e.g. "
+                         f"{-(-seq_len // (2 * cp_size)) * 2 * cp_size}) or another CP size")
+    return CPLayout(seq_len, cp_size, tuple(tuple(_chunk_runs(0, 0, seq_len, r, cp_size)) for r in range(cp_size)))
+
+
+def document_layout(cu_seqlens: Sequence[int], cp_size: int) -> CPLayout:
+    """Per-document balanced layout for packed documents ``cu_seqlens`` = [0, end of doc 0, ..., S]:
+    each document cut into ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P-1-r`` of each."""
+    cu = [int(x) for x in cu_seqlens]
+    if not cu or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu}")
+    bad = [(d, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if (b - a) % (2 * cp_size)]
+    if bad:
+        shown = ", ".join(f"document {d} has {n} tokens" for d, n in bad[:5])
+        raise ValueError(f"{shown}{' ...' if len(bad) > 5 else ''}: with context-parallel size {cp_size} every "
+                         f"packed document must be a multiple of {2 * cp_size} tokens (it is cut into "
+                         f"{2 * cp_size} chunks for load balance); pad each document to a multiple of "
+                         f"{2 * cp_size} or choose another CP size")
+    runs = tuple(tuple(run for d, (a, b) in enumerate(zip(cu, cu[1:])) for run in _chunk_runs(d, a, b - a, r, cp_size))
+                 for r in range(cp_size))
+    return CPLayout(cu[-1], cp_size, runs)
+
+
+def contiguous_layout(seq_len: int, cp_size: int) -> CPLayout:
+    """Rank ``r`` holds the ``r``-th of ``P`` contiguous chunks: the unbalanced baseline."""
+    if seq_len % cp_size:
+        raise ValueError(f"sequence length {seq_len} is not divisible by the context-parallel size {cp_size}")
+    c = seq_len // cp_size
+    return CPLayout(seq_len, cp_size, tuple(((0, r * c, c),) for r in range(cp_size)))
+
+
+def cu_seqlens_from_document_ids(doc_ids: torch.Tensor) -> list[int]:
+    """cu_seqlens of a packed sequence from its per-token document ids (a new document where the id changes)."""
+    ids = doc_ids.reshape(-1)
+    cuts = (torch.nonzero(ids[1:] != ids[:-1]).reshape(-1) + 1).tolist()
+    return [0] + cuts + [ids.numel()]
+
+
+def split_for_rank(x: torch.Tensor, rank: int, cp_size: int, dim: int = 0,
+                   layout: Optional[CPLayout] = None) -> torch.Tensor:
+    """The tokens of the full-sequence ``x`` (sequence along ``dim``) that ``rank`` holds (zigzag by default)."""
+    layout = layout or zigzag_layout(x.size(dim), cp_size)
+    return x.index_select(dim, layout.positions(rank).to(x.device))
+
+
+def gather_from_ranks(parts: Sequence[torch.Tensor], dim: int = 0, layout: Optional[CPLayout] = None) -> torch.Tensor:
+    """Inverse of :func:`split_for_rank`: the full sequence from every rank's part, in rank order."""
+    layout = layout or zigzag_layout(sum(p.size(dim) for p in parts), len(parts))
+    index = torch.cat([layout.positions(r) for r in range(len(parts))]).to(parts[0].device)
+    out = torch.empty_like(torch.cat(list(parts), dim))
+    return out.index_copy_(dim, index, torch.cat(list(parts), dim))
+
+
+def _offsets(runs: Sequence[Run]) -> list[int]:
+    out, at = [], 0
+    for _, _, n in runs:
+        out.append(at)
+        at += n
+    return out
+
+
+def _diagonal_blocks(runs: Sequence[Run]) -> list[Block]:
+    """A rank's own tokens: one causal block per document (its runs are in increasing global order)."""
+    blocks, offs = [], _offsets(runs)
+    for i, (doc, start, n) in enumerate(runs):
+        last = blocks[-1] if blocks else None
+        if last and runs[i - 1][0] == doc and runs[i - 1][1] < start and last.q_hi == offs[i]:
+            blocks[-1] = Block(last.q_lo, offs[i] + n, last.k_lo, offs[i] + n, True)
+        else:
+            blocks.append(Block(offs[i], offs[i] + n, offs[i], offs[i] + n, True))
+    return blocks
+
+
+def _visible(qrun: Run, krun: Run) -> bool:
+    """Whether every key of ``krun`` is visible to every query of ``qrun`` (False: none is)."""
+    (qd, qs, qn), (kd, ks, kn) = qrun, krun
+    if qd != kd or ks >= qs + qn:
+        return False
+    if ks + kn <= qs:
+        return True
+    raise ValueError(f"key run {krun} partly overlaps query run {qrun}: layouts must be cut on one chunk grid")
+
+
+def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run]) -> list[Block]:
+    """The dense blocks a rank holding ``q_runs`` computes against a key/value block holding ``k_runs``
+    under the causal (per-document) mask: nothing fully masked, neighbouring blocks merged."""
+    if tuple(q_runs) == tuple(k_runs):
+        return _diagonal_blocks(q_runs)
+    q_off, k_off = _offsets(q_runs), _offsets(k_runs)
+    rows: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []  # (q_lo, q_hi, key ranges)
+    for qi, qrun in enumerate(q_runs):
+        ranges: list[tuple[int, int]] = []
+        for ki, krun in enumerate(k_runs):
+            if _visible(qrun, krun):
+                lo, hi = k_off[ki], k_off[ki] + krun[2]
+                if ranges and ranges[-1][1] == lo:  # adjacent in storage: one wider block
+                    ranges[-1] = (ranges[-1][0], hi)
+                else:
+                    ranges.append((lo, hi))
+        q_lo, q_hi = q_off[qi], q_off[qi] + qrun[2]
+        if rows and rows[-1][1] == q_lo and rows[-1][2] == tuple(ranges):
+            rows[-1] = (rows[-1][0], q_hi, rows[-1][2])
+        else:
+            rows.append((q_lo, q_hi, tuple(ranges)))
+    return [Block(q_lo, q_hi, k_lo, k_hi, False) for q_lo, q_hi, ranges in rows for k_lo, k_hi in ranges]
+
+
+def work_per_rank(layout: CPLayout) -> list[int]:
+    """Query-key pairs each rank computes over the whole ring (the blocks of :func:`plan_blocks`)."""
+    p = layout.cp_size
+    return [sum(b.pairs for j in range(p) for b in plan_blocks(layout.runs[r], layout.runs[j])) for r in range(p)]
