@@ -34,6 +34,7 @@ SLOW_TESTS = {
     "tests/cli/test_progress.py::test_generate_reports_tensors_loaded",
     "tests/cli/test_progress.py::test_rehearse_reports_ranks",
     "tests/model/test_flops.py::test_sharded_meta_models_count_the_same",
+    "tests/model/test_ring_attention.py::test_ring_on_8_ranks",
     "tests/mpu/test_parallel_state.py::test_embedding_groups_8_ranks_tp2_pp2_dp2",
     "tests/mpu/test_parallel_state.py::test_layout_8_ranks_tp2_pp2_rank_by_rank",
     "tests/pipeline/test_training.py::test_tp2_pp2_dp2_matches_pp1",

@@ -1,0 +1,275 @@
+"""Ring (``p2p``) context-parallel attention: exact causal attention of a sequence split over a CP group.
+
+Each of the ``P`` ranks of ``group`` holds some tokens of the sequence (a :class:`~megazero.model.cp_layout.CPLayout`,
+normally the balanced zigzag or per-document layout) as q ``[s_local, b, heads, d]`` and k/v
+``[s_local, b, groups, d]``. Forward: ``P`` steps; at each the local queries attend to the key/value
+block of one rank (only the sub-blocks the causal / document mask leaves unmasked, planned by
+:func:`~megazero.model.cp_layout.plan_blocks`), and the partial results are merged in fp32 (fp64 for fp64
+inputs) by their log-sum-exp; meanwhile ``batch_isend_irecv`` passes the key/value block on to the next
+rank, so at most two blocks (the one computed, the one arriving) are alive besides the local one.
+Backward runs the ring again, recomputing each block from the saved local q, k, v, output and LSE,
+and passes the dK/dV accumulators along with the blocks, so each rank ends with the gradients of its
+own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``.
+
+The block kernel is pluggable (:func:`register_block_kernel`): ``math`` (explicit formula, any dtype),
+``cpu_flash`` (torch's CPU flash-attention op and its backward op). A CUDA flash-attn kernel plugs in
+the same way: its forward is ``flash_attn_func(q, k, v, softmax_scale=..., causal=...,
+return_attn_probs=True)`` (out and ``softmax_lse``, in ``[b, s, heads, d]`` layout), its backward
+flash-attn's ``_flash_attn_backward`` given the *global* out and LSE, which makes the block gradients
+those of the whole attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megazero.model.cp_layout import Block, CPLayout, plan_blocks
+
+__all__ = ["ring_attention", "RingStats", "BlockKernel", "register_block_kernel", "block_kernel"]
+
+
+class BlockKernel(Protocol):
+    """Attention of one dense block. q ``[b, heads, n, d]``, k/v ``[b, groups, m, d]``; ``causal`` means
+    n == m and key j is masked for query i < j. ``forward`` -> (out ``[b, heads, n, d]`` in q's dtype,
+    lse ``[b, heads, n]`` in fp32, fp64 for fp64 q). ``backward`` gets the *merged* out and lse of the
+    whole attention and returns this block's (dq, dk, dv)."""
+
+    def forward(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float) -> tuple[torch.Tensor, ...]: ...
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _MathKernel:
+    """The explicit formula in fp32 (fp64 for fp64 inputs); GQA by grouping query heads, not copying K/V."""
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        b, h, n, d = q.shape
+        g, acc = k.size(1), _acc_dtype(q.dtype)
+        qg = q.to(acc).reshape(b, g, h // g, n, d)
+        scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, h/g, n, m]
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        return scores
+
+    def forward(self, q, k, v, causal, scale):
+        b, h, n, d = q.shape
+        scores = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(scores.dtype).unsqueeze(2))
+        return out.reshape(b, h, n, d).to(q.dtype), lse.reshape(b, h, n)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        b, h, n, d = q.shape
+        g = k.size(1)
+        scores = self._scores(q, k, causal, scale)
+        acc = scores.dtype
+        probs = torch.exp(scores - lse.to(acc).reshape(b, g, h // g, n, 1))
+        do = dout.to(acc).reshape(b, g, h // g, n, d)
+        dv = torch.matmul(probs.transpose(-1, -2), do).sum(2)
+        dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
+        delta = (do * out.to(acc).reshape(b, g, h // g, n, d)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
+        ds = probs * (dp - delta) * scale
+        dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(b, h, n, d)
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, g, h // g, n, d)).sum(2)
+        return dq, dk, dv
+
+
+class _CpuFlashKernel:
+    """torch's CPU flash-attention op: (out, lse) forward, and a backward op that takes the global out and lse."""
+
+    def forward(self, q, k, v, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return op(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+
+
+_KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _CpuFlashKernel()}
+
+
+def register_block_kernel(name: str, kernel: BlockKernel) -> None:
+    """Make ``kernel`` selectable as ``ring_attention(..., kernel=name)`` (e.g. a CUDA flash-attn kernel)."""
+    _KERNELS[name] = kernel
+
+
+def block_kernel(name: str, q: torch.Tensor) -> BlockKernel:
+    """The kernel ``name`` ('auto' or a registered name) runs for ``q``: 'auto' is cpu_flash for CPU
+    fp32/bf16/fp16 when torch has the op, math otherwise."""
+    if name == "auto":
+        has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+        cpu_ok = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        name = "cpu_flash" if cpu_ok and has_op else "math"
+    if name not in _KERNELS:
+        raise ValueError(f"unknown ring attention block kernel {name!r}; registered: {sorted(_KERNELS)} "
+                         f"(add one with register_block_kernel)")
+    return _KERNELS[name]
+
+
+@dataclass
+class RingStats:
+    """Counters a caller passes to :func:`ring_attention`; each call adds to them.
+
+    Bytes are those handed to ``isend``: forward ``2 * s_local * b * groups * d * (P - 1)`` elements of the
+    input dtype (the key/value blocks); backward the same again plus the dK/dV accumulators once around
+    the ring, ``2 * s_local * b * groups * d * P`` fp32 (fp64) elements. Pairs are the query-key pairs of
+    the blocks computed (:attr:`~megazero.model.cp_layout.Block.pairs`)."""
+    forward_bytes_sent: int = 0
+    backward_bytes_sent: int = 0
+    forward_pairs: int = 0
+    backward_pairs: int = 0
+
+
+def _count(stats: Optional[RingStats], **added: int) -> None:
+    if stats is not None:
+        for name, n in added.items():
+            setattr(stats, name, getattr(stats, name) + n)
+
+
+class _Ring:
+    """Asynchronous exchange with the ring neighbours: send to rank + 1, receive from rank - 1."""
+
+    def __init__(self, group, rank: int, size: int) -> None:
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
+        self.prev = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
+
+    def exchange(self, tensors: tuple[torch.Tensor, ...], tag: int) -> tuple[tuple[torch.Tensor, ...], list, int]:
+        """Start sending ``tensors`` on and receiving their successors; returns (buffers, works, bytes sent)."""
+        received = tuple(torch.empty_like(t) for t in tensors)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag + i) for i, r in enumerate(received)]
+        return received, dist.batch_isend_irecv(ops), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """``[s, b, heads, d]`` -> the kernels' ``[b, heads, s, d]`` (a view)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk: Block, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold one block's (out, lse) into the running rows: weights exp(lse_i - lse_new) <= 1, so nothing overflows."""
+    rows = slice(blk.q_lo, blk.q_hi)
+    old = acc_lse[:, :, rows]
+    new = torch.logaddexp(old, lse.to(acc_lse.dtype))  # every computed row has a key, so new is finite
+    acc_out[:, :, rows] = (acc_out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
+                           + out.to(acc_out.dtype) * torch.exp(lse - new).unsqueeze(-1))
+    acc_lse[:, :, rows] = new
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, rank, layout, scale, kernel, stats):
+        size = layout.cp_size
+        ring = _Ring(group, rank, size) if size > 1 else None
+        s, b, h, d = q.shape
+        acc = _acc_dtype(q.dtype)
+        acc_out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+        acc_lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+        qt, cur = _bhsd(q), (k.contiguous(), v.contiguous())
+        for step in range(size):
+            if step < size - 1:  # the next block travels while this one is computed
+                nxt, works, sent = ring.exchange(cur, tag=0)
+                _count(stats, forward_bytes_sent=sent)
+            kt, vt = _bhsd(cur[0]), _bhsd(cur[1])
+            for blk in plan_blocks(layout.runs[rank], layout.runs[(rank - step) % size]):
+                o, lse = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
+                                        vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale)
+                _merge(acc_out, acc_lse, blk, o, lse)
+                _count(stats, forward_pairs=blk.pairs)
+            if step < size - 1:
+                _wait(works)
+                cur = nxt
+        out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * d)
+        lse = acc_lse if acc == torch.float64 else acc_lse.float()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.rank, ctx.layout, ctx.scale, ctx.kernel, ctx.stats = ring, rank, layout, scale, kernel, stats
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, rank, layout, stats, size = ctx.ring, ctx.rank, ctx.layout, ctx.stats, ctx.layout.cp_size
+        s, b, h, d = q.shape
+        acc = _acc_dtype(q.dtype)
+        qt, dot, ot = _bhsd(q), _bhsd(grad_out.reshape(s, b, h, d)), _bhsd(out.reshape(s, b, h, d))
+        dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+        cur, dkv_works, dkv_in = (k.contiguous(), v.contiguous()), [], None
+        for step in range(size):
+            if step < size - 1:
+                nxt, kv_works, sent = ring.exchange(cur, tag=0)
+                _count(stats, backward_bytes_sent=sent)
+            dkv = _block_grads(ctx, layout.runs[rank], layout.runs[(rank - step) % size], cur, qt, dot, ot, lse, dq)
+            if dkv_in is not None:  # the accumulators of this block from the ranks it has visited
+                _wait(dkv_works)
+                dkv[0].add_(dkv_in[0])
+                dkv[1].add_(dkv_in[1])
+            if ring is not None:  # P sends: the last one brings each rank's accumulators home
+                dkv_in, dkv_works, sent = ring.exchange(dkv, tag=2)
+                _count(stats, backward_bytes_sent=sent)
+            if step < size - 1:
+                _wait(kv_works)
+                cur = nxt
+        if ring is not None:
+            _wait(dkv_works)
+            dkv = dkv_in
+        dq = dq.to(q.dtype).permute(2, 0, 1, 3)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def _block_grads(ctx, q_runs, k_runs, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the blocks' dq into ``dq``; return this key/value block's (dk, dv) ``[s, b, groups, d]`` in fp32/fp64."""
+    dk, dv = (torch.zeros(t.shape, dtype=dq.dtype, device=dq.device) for t in kv)
+    kt, vt, dkt, dvt = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dk), _bhsd(dv)
+    for blk in plan_blocks(q_runs, k_runs):
+        rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
+        g = ctx.kernel.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols],
+                                ot[:, :, rows], lse[:, :, rows], blk.causal, ctx.scale)
+        dq[:, :, rows] += g[0]
+        dkt[:, :, cols] += g[1]
+        dvt[:, :, cols] += g[2]
+        _count(ctx.stats, backward_pairs=blk.pairs)
+    return dk, dv
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,
+                   group: Optional[dist.ProcessGroup] = None, *, softmax_scale: Optional[float] = None,
+                   kernel: str = "auto", stats: Optional[RingStats] = None) -> torch.Tensor:
+    """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
+
+    q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]`` hold the tokens ``layout`` assigns to this
+    rank of ``group`` (``layout.cp_size`` ranks; None: the default group). Returns ``[s_local, b, heads * d]``,
+    the rows of the full attention for those tokens; gradients flow to q, k, v. ``softmax_scale``
+    defaults to 1/sqrt(d). Every rank of the group must call it with the same layout and shapes.
+    """
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if layout.cp_size != size:
+        raise ValueError(f"layout is for {layout.cp_size} context-parallel ranks but the group has {size}; "
+                         f"build the layout with the group's size")
+    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
+        raise ValueError(f"expected q [s, b, heads, d] and k, v [s, b, groups, d] with the same s, b, d; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.size(2) % k.size(2):
+        raise ValueError(f"query heads {q.size(2)} are not a multiple of key/value groups {k.size(2)}")
+    if q.size(0) != layout.local_len:
+        raise ValueError(f"this rank holds {q.size(0)} tokens but the layout gives each rank {layout.local_len} "
+                         f"(of {layout.seq_len}); split the sequence with split_for_rank and the same layout")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
+    return _RingAttention.apply(q, k, v, group, rank, layout, scale, block_kernel(kernel, q), stats)

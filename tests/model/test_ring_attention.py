@@ -1,0 +1,206 @@
+"""Ring (p2p) context-parallel attention against one-process attention of the gathered sequence.
+
+Each rank builds the same full q, k, v, computes the reference on the whole sequence, runs the ring on
+its tokens and compares its rows of the output and of dq/dk/dv. Also: the pairs each rank computes,
+bytes sent against the formula, and bytes saved for backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero.model.cp_layout import document_layout, split_for_rank, work_per_rank, zigzag_layout
+from megazero.model.ring_attention import RingStats, ring_attention
+from tests.distributed import run_distributed
+from tests.helpers import assert_close, randn
+
+B, HEADS, D = 2, 4, 16
+
+
+def _doc_lengths(p: int) -> list[int]:
+    """Four packed documents of unequal lengths, each a multiple of 2P: 32P tokens in all."""
+    return [2 * p * n for n in (3, 5, 1, 7)]
+
+
+def _layout(kind: str, seq: int, p: int):
+    if kind == "causal":
+        return zigzag_layout(seq, p), None
+    cu = [0]
+    for n in _doc_lengths(p):
+        cu.append(cu[-1] + n)
+    return document_layout(cu, p), cu
+
+
+def _allowed(seq: int, cu) -> torch.Tensor:
+    """[seq, seq] True where query i may attend key j: causal, and within one document."""
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril_()
+    if cu is not None:
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+        allowed &= doc[:, None] == doc[None, :]
+    return allowed
+
+
+def _reference(q, k, v, allowed, dtype):
+    """One-process attention ``[s, b, heads * d]``: SDPA in fp32 (bf16 inputs too), the explicit formula in fp64."""
+    s, b, h, d = q.shape
+    qt, kt, vt = (t.permute(1, 2, 0, 3).to(torch.promote_types(dtype, torch.float32)) for t in (q, k, v))
+    kt, vt = (t.repeat_interleave(h // t.size(1), dim=1) for t in (kt, vt))
+    if dtype == torch.float64:
+        scores = (qt @ kt.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ vt
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed)
+    return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def _inputs(seq, groups, dtype):
+    shapes = ((1, HEADS), (2, groups), (3, groups))
+    q, k, v = (randn(seq, B, n, D, seed=s, dtype=dtype).requires_grad_() for s, n in shapes)
+    return q, k, v, randn(seq, B, HEADS * D, seed=4, dtype=dtype)
+
+
+def _ring_case(kind, seq, groups, dtype, kernel, group_ranks=None, q_scale=1.0):
+    """On every rank: max |ring - reference| of out, dq, dk, dv, and the ring's counters."""
+    group, rank = None, dist.get_rank()
+    if group_ranks is not None:  # several CP groups side by side: ranks are translated to global ones
+        groups_made = [dist.new_group(r) for r in group_ranks]
+        index = next(i for i, r in enumerate(group_ranks) if rank in r)
+        group, rank = groups_made[index], group_ranks[index].index(rank)
+    p = dist.get_world_size(group)
+    layout, cu = _layout(kind, seq, p)
+    q, k, v, grad = _inputs(seq, groups, dtype)
+    q = (q.detach() * q_scale).requires_grad_()
+    ref = _reference(q, k, v, _allowed(seq, cu), dtype)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+
+    local = [split_for_rank(t.detach(), rank, p, 0, layout).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    out = ring_attention(*local, layout, group, kernel=kernel, stats=stats)
+    grads = torch.autograd.grad(out, local, split_for_rank(grad, rank, p, 0, layout))
+    tol_out, tol_grad = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-2, 2e-2)}[dtype]
+    rtol = 1.6e-2 if dtype == torch.bfloat16 else 0.0  # two bf16 ulps
+    tol_out *= q_scale
+    errors = [_error(out, split_for_rank(ref.detach(), rank, p, 0, layout), "output", tol_out, rtol)]
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        if q_scale == 1:  # with huge logits the gradients are ill-conditioned: only finiteness is checked
+            errors.append(_error(got, split_for_rank(want, rank, p, 0, layout), name, tol_grad, rtol))
+        assert torch.isfinite(got).all(), name
+    return errors, stats, work_per_rank(layout)[rank]
+
+
+def _error(got, want, what, atol, rtol) -> float:
+    """Max |got - want| in their own dtype (fp64 errors are below fp32's resolution); asserts <= atol."""
+    want = want.detach().to(got.dtype)  # bf16: the fp32 reference rounded to bf16
+    assert_close(got, want, what, atol, rtol)
+    return float((got.detach().double() - want.double()).abs().max())
+
+
+def _check(world, kind, groups, dtype=torch.float32, kernel="auto", seq=None):
+    seq = seq or 32 * world
+    results = run_distributed(world, _ring_case, kind, seq, groups, dtype, kernel)
+    layout, cu = _layout(kind, seq, world)
+    for errors, stats, work in results:
+        assert stats.forward_pairs == stats.backward_pairs == work, "the ring computes the blocks planned"
+    lengths = [seq] if cu is None else _doc_lengths(world)
+    total = sum(n * (n + 1) // 2 for n in lengths)
+    assert sum(r[1].forward_pairs for r in results) == total, "every unmasked pair once, no masked pair"
+    return [max(r[0][i] for r in results) for i in range(4)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["causal", "documents"])
+def test_ring_matches_one_process_sdpa(world, kind):
+    for groups in (HEADS, 2, 1):
+        _check(world, kind, groups)
+
+
+def test_ring_on_8_ranks():
+    for kind in ("causal", "documents"):
+        for groups in (HEADS, 2):
+            _check(8, kind, groups)
+        _check(8, kind, 2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_math_kernel_matches_too(world):
+    _check(world, "documents", 2, kernel="math")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp64_within_1e_12(world):
+    for kind in ("causal", "documents"):
+        _check(world, kind, 2, dtype=torch.float64)
+
+
+def test_bf16_against_fp32_attention():
+    """bf16 blocks merged in fp32: bf16 rounding of the output and gradients only."""
+    _check(4, "documents", 2, dtype=torch.bfloat16)
+
+
+def test_two_cp_groups_side_by_side():
+    """4 ranks as two CP groups of 2: the ring's neighbours are the group's ranks, not the world's."""
+    results = run_distributed(4, _ring_case, "causal", 64, 2, torch.float32, "auto", [[0, 2], [1, 3]])
+    assert all(stats.forward_bytes_sent > 0 for _, stats, _ in results)
+
+
+def test_huge_logits_do_not_overflow_the_merge():
+    """Logits in the thousands: exp() of them overflows fp32, the max-shifted merge does not."""
+    for errors, _, _ in run_distributed(4, _ring_case, "documents", 128, 2, torch.float32, "auto", None, 1000.0):
+        assert errors[0] <= 1e-3
+
+
+def _bytes_case(seq, groups, dtype):
+    p, rank = dist.get_world_size(), dist.get_rank()
+    layout = zigzag_layout(seq, p)
+    q, k, v, grad = _inputs(seq, groups, dtype)
+    local = [split_for_rank(t.detach(), rank, p, 0, layout).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    out = ring_attention(*local, layout, kernel="math", stats=stats)
+    out.backward(split_for_rank(grad, rank, p, 0, layout))
+    return stats
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_sent_equal_the_formula(world):
+    seq, groups = 16 * world, 2
+    for dtype in (torch.float32, torch.bfloat16):
+        elem = torch.empty(0, dtype=dtype).element_size()
+        block = seq // world * B * groups * D  # elements of one key (or value) block: groups heads, not HEADS
+        for stats in run_distributed(world, _bytes_case, seq, groups, dtype):
+            assert stats.forward_bytes_sent == 2 * block * (world - 1) * elem
+            # backward: the key/value blocks again, and the fp32 dK/dV accumulators once around the whole ring
+            assert stats.backward_bytes_sent == 2 * block * (world - 1) * elem + 2 * block * world * 4
+
+
+def _saved_bytes(fn) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _saved_case(seq, groups):
+    p, rank = dist.get_world_size(), dist.get_rank()
+    layout = zigzag_layout(seq, p)
+    q, k, v, _ = _inputs(seq, groups, torch.float32)
+    full = [t.detach().permute(1, 2, 0, 3).contiguous().requires_grad_() for t in (q, k, v)]
+    one = _saved_bytes(lambda: F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True))
+    local = [split_for_rank(t.detach(), rank, p, 0, layout).requires_grad_() for t in (q, k, v)]
+    ring = _saved_bytes(lambda: ring_attention(*local, layout))
+    return one, ring, 2 * local[1].numel() * local[1].element_size()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_saved_for_backward_is_the_share_of_one_process(world):
+    for one, ring, kv_block in run_distributed(world, _saved_case, 32 * world, 2):
+        assert one > 0 and ring <= one / world + 2 * kv_block, (one, ring, kv_block)
