@@ -204,3 +204,49 @@ def _saved_case(seq, groups):
 def test_saved_for_backward_is_the_share_of_one_process(world):
     for one, ring, kv_block in run_distributed(world, _saved_case, 32 * world, 2):
         assert one > 0 and ring <= one / world + 2 * kv_block, (one, ring, kv_block)
+
+
+class _CountingKernel:
+    """A registered kernel wrapping the math one: shows the hook reaches forward and backward."""
+
+    def __init__(self):
+        from megazero.model.ring_attention import block_kernel
+        self.inner, self.calls = block_kernel("math", torch.zeros(1, dtype=torch.float64)), []
+
+    def forward(self, *args):
+        self.calls.append("forward")
+        return self.inner.forward(*args)
+
+    def backward(self, *args):
+        self.calls.append("backward")
+        return self.inner.backward(*args)
+
+
+def test_one_rank_strided_inputs_and_a_registered_kernel():
+    """Without a process group the ring is one block: plain causal attention, here on views of a wider tensor."""
+    from megazero.model.ring_attention import register_block_kernel
+
+    kernel = _CountingKernel()
+    register_block_kernel("counting", kernel)
+    wide = randn(32, B, HEADS + 4, D, seed=5).requires_grad_()
+    q, k, v = wide[:, :, :HEADS], wide[:, :, HEADS:HEADS + 2], wide[:, :, HEADS + 2:]
+    out = ring_attention(q, k, v, zigzag_layout(32, 1), kernel="counting")
+    grad = randn(32, B, HEADS * D, seed=6)
+    got = torch.autograd.grad(out, wide, grad)[0]
+    ref = _reference(q, k, v, _allowed(32, None), torch.float32)
+    want = torch.autograd.grad(ref, wide, grad)[0]
+    _error(out, ref, "output", 1e-6, 0.0)
+    _error(got, want, "grad", 1e-5, 0.0)
+    assert kernel.calls == ["forward", "backward"]
+
+
+def test_mismatched_inputs_are_refused():
+    q, kv = torch.zeros(16, B, HEADS, D), torch.zeros(16, B, 3, D)
+    with pytest.raises(ValueError, match="layout is for 2 context-parallel ranks but the group has 1"):
+        ring_attention(q, q, q, zigzag_layout(32, 2))
+    with pytest.raises(ValueError, match="query heads 4 are not a multiple of key/value groups 3"):
+        ring_attention(q, kv, kv, zigzag_layout(16, 1))
+    with pytest.raises(ValueError, match="this rank holds 16 tokens but the layout gives each rank 32"):
+        ring_attention(q, q, q, zigzag_layout(32, 1))
+    with pytest.raises(ValueError, match="unknown ring attention block kernel 'nope'"):
+        ring_attention(q, q, q, zigzag_layout(16, 1), kernel="nope")
