@@ -34,8 +34,9 @@ __all__ = ["ring_attention", "RingStats", "BlockKernel", "register_block_kernel"
 
 
 class BlockKernel(Protocol):
-    """Attention of one dense block. q ``[b, heads, n, d]``, k/v ``[b, groups, m, d]``; ``causal`` means
-    n == m and key j is masked for query i < j. ``forward`` -> (out ``[b, heads, n, d]`` in q's dtype,
+    """Attention of one dense block. q ``[b, heads, n, d]``, k/v ``[b, groups, m, d]`` (strided views; only
+    the last dimension is contiguous); ``causal`` means n == m and key j is masked for query i < j (square,
+    so top-left and bottom-right aligned causal masks agree). ``forward`` -> (out ``[b, heads, n, d]`` in q's dtype,
     lse ``[b, heads, n]`` in fp32, fp64 for fp64 q). ``backward`` gets the *merged* out and lse of the
     whole attention and returns this block's (dq, dk, dv)."""
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero.model.cp_layout import document_layout, split_for_rank, work_per_rank, zigzag_layout
+from megazero.model.cp_layout import (contiguous_layout, document_layout, split_for_rank, work_per_rank,
+                                      zigzag_layout)
 from megazero.model.ring_attention import RingStats, ring_attention
 from tests.distributed import run_distributed
 from tests.helpers import assert_close, randn
@@ -30,6 +31,8 @@ def _doc_lengths(p: int) -> list[int]:
 def _layout(kind: str, seq: int, p: int):
     if kind == "causal":
         return zigzag_layout(seq, p), None
+    if kind == "contiguous":  # the unbalanced baseline
+        return contiguous_layout(seq, p), None
     cu = [0]
     for n in _doc_lengths(p):
         cu.append(cu[-1] + n)
@@ -124,6 +127,12 @@ def test_ring_on_8_ranks():
         for groups in (HEADS, 2):
             _check(8, kind, groups)
         _check(8, kind, 2, dtype=torch.float64)
+    for one, ring, kv_block in run_distributed(8, _saved_case, 256, 2):
+        assert ring <= one / 8 + 2 * kv_block, (one, ring, kv_block)
+
+
+def test_unbalanced_contiguous_layout_is_exact_too():
+    _check(4, "contiguous", 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
