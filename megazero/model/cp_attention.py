@@ -29,11 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.model.attention import core_attention, resolve_backend
+from megazero.model.cp_layout import CPLayout
+from megazero.model.ring_attention import ring_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
 from megazero.mpu.utils import group_size
 
 __all__ = [
+    "ContextParallel",
+    "context_parallel_attention",
     "SequenceShard",
     "a2a_head_split",
     "a2a_attention",
@@ -223,3 +227,51 @@ def allgather_elements(seq: int, groups: int, head_dim: int, cp: int, batch: int
     """Elements one rank receives in one ``allgather_attention`` call (forward: the K/V all-gather;
     backward: the dK/dV reduce-scatter, the same volume): 2 S g d (P-1) / P per sequence."""
     return batch * 2 * seq * groups * head_dim * (cp - 1) // cp
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """What a model's attention needs to run context-parallel for one batch: the CP ``group``, the
+    exchange (``comm_type``: ``p2p`` ring, ``a2a`` or ``allgather``), where this rank's tokens sit
+    (``shard``; the ring also needs the ``layout`` they were split by, documents included), built
+    once per batch. The model's position ids must be the tokens' global positions."""
+
+    group: Optional[dist.ProcessGroup]
+    comm_type: str
+    shard: SequenceShard
+    layout: Optional[CPLayout] = None
+    counter: Optional[object] = None  # CommCounter (a2a, allgather) or RingStats (p2p)
+
+    def __post_init__(self) -> None:
+        if self.comm_type not in COMM_TYPES:
+            raise ValueError(f"cp comm type {self.comm_type!r} is not available here; choose one of {COMM_TYPES}")
+        if self.comm_type == "p2p" and self.layout is None:
+            raise ValueError("the p2p (ring) exchange needs the layout the sequence was split by: "
+                             "build it with ContextParallel.from_layout")
+
+    @classmethod
+    def from_layout(cls, layout: CPLayout, rank: int, group: Optional[dist.ProcessGroup], comm_type: str,
+                    counter: Optional[object] = None) -> "ContextParallel":
+        """The context of CP rank ``rank`` for a sequence split by ``layout`` (no communication)."""
+        shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(layout.cp_size)], rank)
+        return cls(group, comm_type, shard, layout, counter)
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
+                               backend: str = "auto", dropout_p: float = 0.0,
+                               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``core_attention`` of this rank's queries over the whole sequence, by ``cp.comm_type``. The ring
+    takes its documents from the layout, not from a mask, and uses its own block kernel."""
+    if cp.comm_type != "p2p":
+        kernel = a2a_attention if cp.comm_type == "a2a" else allgather_attention
+        return kernel(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
+                      attention_mask=attention_mask, counter=cp.counter)
+    if attention_mask is not None:
+        raise ValueError("the p2p (ring) exchange takes packed documents from its layout (document_layout), "
+                         "not from an attention mask; pass the layout and no mask, or use a2a / allgather")
+    if dropout_p > 0:
+        raise NotImplementedError("attention dropout inside the ring is not supported; set --attention-dropout 0")
+    return ring_attention(q, k, v, cp.layout, cp.group, stats=cp.counter)
+
+
+COMM_TYPES = ("p2p", "a2a", "allgather")

@@ -33,6 +33,7 @@ from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
 from .config import GPTConfig
+from .cp_attention import ContextParallel
 from .norms import build_norm
 from .rope import RotaryEmbedding
 from .transformer import TransformerLayer, dropout, init_methods
@@ -148,16 +149,23 @@ class GPTModel(torch.nn.Module):
         self._input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                context_parallel: Optional[ContextParallel] = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` -> per-token fp32 loss ``[b, s]`` if ``labels`` (``-100`` = ignored),
         else this rank's vocab-parallel logits ``[b, s, padded_vocab/tp]``.
 
         ``position_ids``: ``[s]`` or ``[b, s]``, default ``0..s-1``. ``attention_mask``: optional
         boolean ``[b, 1, s, s]`` or ``[s, s]``, True = masked out, on top of the causal mask.
+        ``context_parallel``: this rank holds some tokens of each sequence (``input_ids``, ``labels``
+        and ``position_ids``, which must then be given: the tokens' global positions) and attention
+        runs over the whole sequence (``cp_attention.py``); ``attention_mask`` is then the whole
+        sequence's, in global order. Dropout must be 0 (its masks are not yet keyed by position).
         """
+        if context_parallel is not None:
+            _check_context_parallel(self.config, position_ids, self.training)
         c = self.config
         if not self.pre_process:
-            return self._stage_forward(position_ids, attention_mask, labels)
+            return self._stage_forward(position_ids, attention_mask, labels, context_parallel)
         b, s = input_ids.shape
         if c.position_embedding_type == "learned" and s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({c.max_position_embeddings})")
@@ -177,12 +185,12 @@ class GPTModel(torch.nn.Module):
         x = dropout(x, c.hidden_dropout, self.training, self.sequence_parallel)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
 
-        x = self._run_layers(x, rotary, attention_mask)
+        x = self._run_layers(x, rotary, attention_mask, context_parallel)
         if not self.post_process:
             return x  # [s(/tp), b, h] for the next pipeline stage
         return self._head(x, labels)
 
-    def _stage_forward(self, position_ids, attention_mask, labels) -> torch.Tensor:
+    def _stage_forward(self, position_ids, attention_mask, labels, cp=None) -> torch.Tensor:
         """A later pipeline stage: start from the hidden states handed over by ``set_input_tensor``."""
         x, self._input_tensor = self._input_tensor, None
         if x is None:
@@ -192,7 +200,7 @@ class GPTModel(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=x.device)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        x = self._run_layers(x, rotary, attention_mask)
+        x = self._run_layers(x, rotary, attention_mask, cp)
         return self._head(x, labels) if self.post_process else x
 
     def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
@@ -206,12 +214,12 @@ class GPTModel(torch.nn.Module):
                                                 vocab_size=c.vocab_size, inplace=True)  # [s, b] fp32
         return loss.t().contiguous()
 
-    def _run_layers(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rotary, attention_mask, cp=None) -> torch.Tensor:
         c = self.config
 
         def run(layers, h):
             for layer in layers:
-                h = layer(h, rotary, attention_mask)
+                h = layer(h, rotary, attention_mask, cp)
             return h
 
         if not (c.recompute_granularity == "full" and self.training and torch.is_grad_enabled()):
@@ -223,7 +231,7 @@ class GPTModel(torch.nn.Module):
                 x = mpu.checkpoint(lambda h, chunk=chunk: run(chunk, h), x)
             return x
         for i, layer in enumerate(self.layers):  # 'block': checkpoint only the first k layers
-            x = mpu.checkpoint(lambda h, layer=layer: run([layer], h), x) if i < k else layer(x, rotary, attention_mask)
+            x = mpu.checkpoint(lambda h, layer=layer: run([layer], h), x) if i < k else layer(x, rotary, attention_mask, cp)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,3 +241,13 @@ class GPTModel(torch.nn.Module):
             padded = torch.arange(logits.size(-1), device=logits.device) >= self._first_padded_col
             logits = logits.masked_fill(padded, float("-inf"))
         return logits
+
+
+def _check_context_parallel(config: GPTConfig, position_ids: Optional[torch.Tensor], training: bool) -> None:
+    """Refuse what a context-parallel forward cannot do yet, saying how to run instead."""
+    if position_ids is None:
+        raise ValueError("a context-parallel forward needs position_ids: the global positions of this rank's tokens "
+                         "(the layout's positions), or positions, rotary angles and masks would be the chunk's own")
+    if training and (config.hidden_dropout > 0 or config.attention_dropout > 0):
+        raise NotImplementedError("dropout under context parallelism is not keyed by the global position yet; set "
+                                  "--hidden-dropout 0 --attention-dropout 0 (or run without context parallelism)")

@@ -32,6 +32,7 @@ from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_, scaled_init_method_normal
 
 from .attention import core_attention
+from .cp_attention import ContextParallel, context_parallel_attention
 from .config import GPTConfig
 from .norms import build_norm
 from .rope import apply_rotary
@@ -103,11 +104,16 @@ class SelfAttention(torch.nn.Module):
         else:
             self.q_layernorm = self.k_layernorm = None
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
+              cp: Optional[ContextParallel] = None) -> torch.Tensor:
         p = self.config.attention_dropout if self.training else 0.0
+        if cp is not None:
+            return context_parallel_attention(q, k, v, cp, backend=self.config.attention_backend, dropout_p=p,
+                                              attention_mask=attention_mask)
         return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=p, attention_mask=attention_mask)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
+                cp: Optional[ContextParallel] = None) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)  # [s, b, (heads + 2*groups)/tp * d], full s even under SP
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
@@ -122,9 +128,9 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask), q, k, v)
+            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp), q, k, v)
         else:
-            ctx = self._core(q, k, v, attention_mask)  # [s, b, heads/tp * d]
+            ctx = self._core(q, k, v, attention_mask, cp)  # [s, b, heads/tp * d]
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out
 
@@ -173,7 +179,8 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = build_norm(config, **kw)
         self.mlp = MLP(config, **kw)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
+                cp: Optional[ContextParallel] = None) -> torch.Tensor:
         drop = lambda t: dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
+        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp))
         return x + drop(self.mlp(self.pre_mlp_layernorm(x)))
