@@ -151,7 +151,9 @@ class MemoryEstimate:
         lines = [
             f"parameters: {self.params_total:,} ({self.params_total / 1e9:.2f}B); "
             f"per GPU after TP: {self.params_per_rank:,.0f}",
-            f"plan: tp {p.get('tp')} x dp {p.get('dp')} x pp {p.get('pp')}, ZeRO-{p.get('zero_stage')}, "
+            f"plan: tp {p.get('tp')} x "
+            + (f"cp {p.get('cp')} (each rank's activations for seq / cp) x " if p.get("cp", 1) > 1 else "")
+            + f"dp {p.get('dp')} x pp {p.get('pp')}, ZeRO-{p.get('zero_stage')}, "
             f"{p.get('precision')}, micro batch {p.get('micro_batch_size')}, seq {p.get('seq_length')}, "
             f"recompute {p.get('recompute') or 'none'}, sequence parallel {'on' if p.get('sequence_parallel') else 'off'}, "
             f"attention scores {'not held (flash/SDPA kernel)' if p.get('flash_attn') else 'held (math kernel)'}",
@@ -290,7 +292,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_buffer_size: Optional[int] = None, offload_param: str = "none",
                     offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
                     offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
-                    num_workers: int = 0) -> MemoryEstimate:
+                    num_workers: int = 0, context_parallel: int = 1) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -331,6 +333,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     if tp < 1 or pp < 1 or micro_batch_size < 1:
         raise ValueError(f"tp, pp and micro_batch_size must be >= 1, got {tp}, {pp}, {micro_batch_size}")
     s = seq_length or config.seq_length
+    s_rank = s // context_parallel  # the tokens of each sequence one rank holds (context parallelism)
     total = num_parameters(config)
     replicated = replicated_parameters(config)
     psi = ((total - replicated) / tp + replicated) / pp
@@ -350,7 +353,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision,
                                               grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio,
                                               weights_on_device=kept)
-    act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s, tp=tp,
+    act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
     buffers = 0.0
@@ -382,13 +385,13 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         pipeline, stage = _pipeline_plan(config, total=total, replicated=replicated, tp=tp, dp=dp, pp=pp,
                                          v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
-                                         seq_length=s, sequence_parallel=sequence_parallel and tp > 1,
+                                         seq_length=s_rank, sequence_parallel=sequence_parallel and tp > 1,
                                          offload_ratio=ratio, weights_on_device=kept)
         psi, (weights, grads, optim) = stage["params"], stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
     traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=dp, zero_stage=zero_stage, microbatches=m_steps,
-                                     micro_batch_size=micro_batch_size, seq_length=s, precision=precision,
+                                     micro_batch_size=micro_batch_size, seq_length=s_rank, precision=precision,
                                      layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0),
                                      recompute=recompute, grad_accum_dtype=grad_accum_dtype)
     host = offloaded_bytes(psi, dp=dp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
@@ -402,7 +405,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         grad_buckets=grad_buckets,
         params_total=total, params_per_rank=psi,
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
-        plan=dict(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, micro_batch_size=micro_batch_size, seq_length=s,
+        plan=dict(tp=tp, dp=dp, pp=pp, cp=context_parallel, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
+                  seq_length=s,
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
                   offload_ratio=ratio, offload_param=offload_param),
@@ -513,9 +517,11 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     m, p = config.model, config.parallel
     zc = config.zero_config().zero_optimization
     off, par = zc.offload_optimizer, zc.offload_param
+    # Context parallelism: each rank's activations are those of a sequence cp times shorter; the
+    # exchanges' buffers and ZeRO's partitioning over dp x cp are not modelled yet (state is over-counted).
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
-        seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
+        context_parallel=p.cp, seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         # flash-attn and SDPA's fused kernels (auto picks one of them) never hold the s x s scores;
         # only the math kernel does
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend != "math",

@@ -138,7 +138,8 @@ class PipelineStage:
         self.v = len(self.chunks)
         c = self.chunks[0].config
         sp = c.sequence_parallel and groups.tp_size > 1
-        shape = (seq_length // groups.tp_size if sp else seq_length, micro_batch_size, c.hidden_size)
+        local = seq_length // getattr(groups, "cp_size", 1)  # context parallelism: this rank's tokens
+        shape = (local // groups.tp_size if sp else local, micro_batch_size, c.hidden_size)
         # What crosses a stage boundary is the residual stream: fp32 under --fp32-residual-connection.
         dtype = torch.float32 if getattr(c, "fp32_residual_connection", False) else \
             getattr(engine, "compute_dtype", c.params_dtype)
@@ -162,8 +163,10 @@ class PipelineStage:
         last = self.runner.is_last(chunk)
         if x is not None:
             self.chunks[chunk].set_input_tensor(x)
+        cp = getattr(mb, "context_parallel", None)
         out = self._forward(chunk, tokens if x is None else None, position_ids=position_ids,
-                            attention_mask=attention_mask, labels=labels if last else None)
+                            attention_mask=attention_mask, labels=labels if last else None,
+                            **({"context_parallel": cp} if cp is not None else {}))
         return self.loss_fn(out, mb) if last else out
 
     def _set_accumulation(self, m: int) -> None:

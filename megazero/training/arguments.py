@@ -47,7 +47,8 @@ from megazero.training.resolve.logs import resolve_logging
 from megazero.training.resolve.model import (GPT2_VOCAB_SIZE, MODEL_FIELD_FLAGS, build_gpt_config, model_field_kwargs,
                                              resolve_model)
 from megazero.training.resolve.optim import resolve_optim
-from megazero.training.resolve.parallel import check_local_rank, pipeline_plan_line, resolve_parallel, resolve_pipeline
+from megazero.training.resolve.parallel import (check_local_rank, pipeline_plan_line, resolve_context_parallel,
+                                                resolve_parallel, resolve_pipeline)
 from megazero.training.resolve.precision import resolve_precision
 from megazero.training.resolve.resume import resolve_checkpoint
 from megazero.training.resolve.schedule import resolve_schedule
@@ -107,6 +108,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     schedule = resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     resolve_pipeline(ns, parallel, model, schedule)
+    resolve_context_parallel(parallel, model, data.reset_attention_mask)
     checkpoint = resolve_checkpoint(ns, notes, check_files)
     logging_cfg = resolve_logging(ns, ds, notes, check_files)
     generate = GenerateConfig(prompt=ns.generate_prompt, tokens=default(ns.generate_tokens, 32))
@@ -181,7 +183,9 @@ def describe(config: TrainConfig) -> str:
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
         f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}",
-        f"parallel: world {p.world_size} = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO stage {p.zero_stage}, "
+        f"parallel: world {p.world_size} = tp {p.tp} x "
+        + (f"cp {p.cp} ({p.cp_comm_type}) x " if p.cp > 1 else "")
+        + f"pp {p.pp} x dp {p.dp}, ZeRO stage {p.zero_stage}, "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, precision {config.precision.dtype}, "
         f"recompute {m.recompute_granularity or 'none'}, attention {m.attention_backend}",
         f"batch: global {s.global_batch_size} = micro {s.micro_batch_size} x dp {p.dp} x accumulation "

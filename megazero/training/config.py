@@ -39,14 +39,16 @@ __all__ = [
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: world = tp x pp x dp."""
+    """How the world is split: world = tp x cp x pp x dp."""
 
     tp: int = 1  # tensor-model-parallel size
     pp: int = 1  # pipeline-model-parallel size
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven split: layers of the first stage
     decoder_last_pipeline_num_layers: Optional[int] = None  # uneven split: layers of the last stage
-    dp: int = 1  # data-parallel size = world_size // (tp * pp); ZeRO partitions over it
+    dp: int = 1  # data-parallel size = world_size // (tp * cp * pp): ranks that read different samples
+    cp: int = 1  # context-parallel size: ranks that split one sequence; ZeRO partitions over dp x cp
+    cp_comm_type: str = "p2p"  # p2p (ring) | a2a (Ulysses) | allgather
     world_size: int = 1
     zero_stage: int = 1  # 0: plain DP, 1: optimizer states, 2: + grads, 3: + params partitioned
     sequence_parallel: bool = False  # Megatron 2022 SP (needs tp > 1)

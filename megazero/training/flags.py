@@ -114,9 +114,15 @@ g(H, "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B given as layer
 g(H, "--decoder-first-pipeline-num-layers", "layers of the first pipeline stage (Megatron-core's uneven split; "
   "the other stages share the rest evenly)", int)
 g(H, "--decoder-last-pipeline-num-layers", "layers of the last pipeline stage (Megatron-core's uneven split)", int)
-g(R, "--context-parallel-size", "context parallelism does not exist in megazero; use --sequence-parallel "
-  "(activations sharded over the tensor-parallel group) and --recompute-granularity", int,
-  )
+g(H, ("--context-parallel-size", "--cp"), "context-parallel size: each sequence is split over cp ranks in 2 x cp "
+  "balanced chunks (rank r holds chunks r and 2cp-1-r) and attention runs over the whole sequence "
+  "(--cp-comm-type); parameters are replicated over cp and ZeRO partitions over dp x cp; world = tp x cp x pp x dp",
+  int, dest="context_parallel_size", default=1)
+g(H, "--cp-comm-type", "how context-parallel attention exchanges: p2p (a ring of K/V blocks, overlapped with the "
+  "block computation), a2a (all-to-all over heads, DeepSpeed Ulysses) or allgather (K/V gathered); one value for "
+  "every layer", dest="cp_comm_type", nargs="+", default=None)
+g(R, "--hierarchical-context-parallel-sizes", "the a2a+p2p combination is not available in megazero yet; use "
+  "--cp-comm-type p2p, a2a or allgather", int, nargs="+")
 g(H, "--sequence-parallel", "Megatron 2022 sequence parallelism (needs tensor parallelism > 1)")
 g(H, "--zero-stage", "ZeRO stage 0-3 over the data-parallel group (Megatron-DeepSpeed)", int, default=1)
 g(M, "--use-distributed-optimizer", "Megatron's distributed optimizer (optimizer states sharded over data "

@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu, zero
-from ..data import build_batch, masked_mean, to_device
+from ..data import GPTBatch, build_batch, masked_mean, to_device
+from ..model.cp_attention import ContextParallel
+from ..model.cp_layout import zigzag_layout
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig
@@ -36,8 +38,34 @@ def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def _loss(per_token: torch.Tensor, mb) -> torch.Tensor:
-    """Megatron's loss_func: the mean per-token loss over the micro-batch's loss mask."""
+    """Megatron's loss_func: the mean per-token loss over the micro-batch's loss mask. Under context
+    parallelism this rank's share of it: its tokens' sum over the whole sequence's count, so the
+    shares of the context-parallel ranks add up to the mean, once."""
+    if isinstance(mb, ContextParallelBatch):
+        return (per_token.float() * mb.loss_mask.float()).sum() / mb.loss_tokens.clamp_min(1.0)
     return masked_mean(per_token, mb.loss_mask)
+
+
+@dataclasses.dataclass
+class ContextParallelBatch(GPTBatch):
+    """This rank's tokens of a micro-batch split over the context-parallel ranks: inputs, labels,
+    loss mask and global positions of its tokens, the attention's context, and the loss mask's sum
+    over the whole sequence (every CP rank reads the whole sample, so it needs no collective)."""
+
+    context_parallel: Optional[ContextParallel] = None
+    loss_tokens: Optional[torch.Tensor] = None
+
+
+def split_for_context_parallel(b: GPTBatch, groups, comm_type: str) -> ContextParallelBatch:
+    """Rank ``groups.cp_rank``'s balanced share of ``b`` (chunks r and 2cp-1-r of every sequence)."""
+    s = b.tokens.size(1)
+    layout = zigzag_layout(s, groups.cp_size)
+    pos = layout.positions(groups.cp_rank).to(b.tokens.device)
+    positions = b.position_ids[:, pos] if b.position_ids is not None else pos
+    ctx = ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type)
+    return ContextParallelBatch(tokens=b.tokens[:, pos], labels=b.labels[:, pos], loss_mask=b.loss_mask[:, pos],
+                                position_ids=positions, attention_mask=b.attention_mask, context_parallel=ctx,
+                                loss_tokens=b.loss_mask.float().sum())
 
 
 def _chunk_index(args: tuple, kwargs: dict) -> int:
@@ -72,7 +100,10 @@ class TrainModel:
         b = build_batch(to_device(text, self.device), eod, d.reset_position_ids, d.reset_attention_mask,
                         d.eod_mask_loss)
         # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
-        return b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
+        b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
+        if self.groups.cp_size > 1:
+            return split_for_context_parallel(b, self.groups, self.config.parallel.cp_comm_type)
+        return b
 
     def _local_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean micro-batch loss (0 elsewhere), on the device."""
@@ -116,11 +147,13 @@ class LossLog:
         if not values:
             return []
         t = torch.stack(values).to(torch.float64)
-        if self.groups.pp_size > 1:
-            dist.all_reduce(t, group=self.groups.pp_group)  # only the last stage's are non-zero
-        if self.groups.dp_size > 1:
-            dist.all_reduce(t, group=self.groups.dp_group)
-        return (t / self.groups.dp_size).tolist()
+        g = self.groups
+        if g.pp_size > 1:
+            dist.all_reduce(t, group=g.pp_group)  # only the last stage's are non-zero
+        # Context-parallel ranks hold shares of one sample's mean: summed with the data-parallel means.
+        if g.dp_size * g.cp_size > 1:
+            dist.all_reduce(t, group=g.dp_cp_group if g.cp_size > 1 else g.dp_group)
+        return (t / g.dp_size).tolist()
 
     def flush(self) -> dict[int, float]:
         """Every pending iteration's DP-mean loss (``{iteration: loss}``); empties the log."""

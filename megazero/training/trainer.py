@@ -154,9 +154,10 @@ def _set_up_groups(config: TrainConfig):
     mpu.init_distributed(p.distributed_backend)
     if not mpu.model_parallel_is_initialized():
         return mpu.initialize_model_parallel(p.tp, p.pp, virtual_pipeline_model_parallel_size=p.virtual_pp
-                                             if p.virtual_pp > 1 else None)
+                                             if p.virtual_pp > 1 else None, context_parallel_size=p.cp)
     groups = mpu.get_parallel_groups()
-    if (groups.tp_size, groups.pp_size, groups.virtual_pp_size) != (p.tp, p.pp, p.virtual_pp):
+    if (groups.tp_size, groups.pp_size, groups.virtual_pp_size, groups.cp_size) != (p.tp, p.pp, p.virtual_pp, p.cp):
         raise RuntimeError(f"model parallel groups were set up for tp {groups.tp_size} x pp {groups.pp_size} x "
-                           f"v {groups.virtual_pp_size}, the run asks tp {p.tp} x pp {p.pp} x v {p.virtual_pp}")
+                           f"v {groups.virtual_pp_size} x cp {groups.cp_size}, the run asks tp {p.tp} x pp {p.pp} x "
+                           f"v {p.virtual_pp} x cp {p.cp}")
     return groups

@@ -54,8 +54,9 @@ def initialize(
     data-parallel group (an expert over its expert-data-parallel group), or None.
     """
     cfg = load_config(config)
-    tp_group = mp_group = None
+    tp_group = mp_group = samples = None
     if mpu is not None:
+        samples = mpu.get_data_parallel_world_size()  # sample shards: context-parallel ranks share theirs
         dp_group = _data_parallel_group(mpu)
         mp_group = mpu.get_model_parallel_group()
         if hasattr(mpu, "get_tensor_model_parallel_group"):
@@ -64,7 +65,8 @@ def initialize(
         dp_group = dist.group.WORLD if dist.is_initialized() else None
     return ZeroEngine(model, cfg, dp_group=dp_group, tp_group=tp_group, mp_group=mp_group,
                       no_weight_decay=no_weight_decay, device=device, unit_modules=unit_modules,
-                      param_names=param_names, forward_key=forward_key, partitioning=partitioning)
+                      param_names=param_names, forward_key=forward_key, partitioning=partitioning,
+                      data_parallel_size=samples)
 
 
 def _data_parallel_group(mpu) -> Optional[dist.ProcessGroup]:

@@ -108,6 +108,7 @@ class ZeroEngine(torch.nn.Module):
         param_names: Optional[Callable[[str], str]] = None,
         forward_key: Optional[Callable[[tuple, dict], Hashable]] = None,
         partitioning: Optional[PartitionFn] = None,
+        data_parallel_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.module, self.config, self.stage = model, config, config.stage
@@ -116,9 +117,12 @@ class ZeroEngine(torch.nn.Module):
         # model's (pp = 1) names, so the model is a function of the seed, not of the layout.
         self.param_name = param_names or (lambda n: n)
         self.dp_size, self.dp_rank = _group_info(dp_group)
+        # Ranks reading different samples: the gradients' divisor and DeepSpeed's batch invariant. It is
+        # dp_size unless context parallelism splits each sample over several ranks of dp_group.
+        self.data_parallel_size = data_parallel_size or self.dp_size
         self.tp_size, self.tp_rank = _group_info(tp_group)
         self.tp_group = tp_group
-        config.check_batch(self.dp_size)
+        config.check_batch(self.data_parallel_size)
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.grad_dtype  # accumulated gradient partitions
         self.reduce_dtype = config.reduce_dtype  # what the DP collectives carry
@@ -423,7 +427,7 @@ class ZeroEngine(torch.nn.Module):
             self.skipped_steps += 1
             self._global_grad_norm = float("nan")
         else:
-            inv = self._predivide / (self.loss_scaler.scale * self.dp_size)
+            inv = self._predivide / (self.loss_scaler.scale * self.data_parallel_size)
             norm = math.sqrt(sum_sq) * inv
             self._global_grad_norm = norm
             coef = inv

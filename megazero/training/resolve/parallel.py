@@ -36,9 +36,21 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
                              ("--decoder-last-pipeline-num-layers", ns.decoder_last_pipeline_num_layers)):
         if value is not None and pp == 1:
             raise ConfigError(f"{flag_name} {value} needs a pipeline (--pipeline-model-parallel-size > 1), got --pp 1")
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}; "
-                          f"launch a multiple of {tp * pp} processes or change --tp")
+    cp = default(ns.context_parallel_size, 1)
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size must be >= 1, got {cp}")
+    if world_size % (tp * cp * pp):
+        what = f"--tp {tp} x --pp {pp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+        raise ConfigError(f"world size {world_size} is not divisible by {what} = {tp * cp * pp}; "
+                          f"launch a multiple of {tp * cp * pp} processes or change --tp")
+    comm_types = sorted(set(ns.cp_comm_type or ["p2p"]))
+    if len(comm_types) > 1:
+        raise ConfigError(f"--cp-comm-type {' '.join(ns.cp_comm_type)}: one exchange per layer is not available in "
+                          "megazero yet; give one of p2p, a2a, allgather for every layer")
+    if comm_types[0] not in ("p2p", "a2a", "allgather"):
+        raise ConfigError(f"--cp-comm-type {comm_types[0]} is not one of p2p, a2a, allgather"
+                          + (" (a2a+p2p, the hierarchical combination, is not available yet)"
+                             if comm_types[0] == "a2a+p2p" else ""))
     zero_stage = ns.zero_stage
     if ns.use_distributed_optimizer:
         if zero_stage == 0:
@@ -58,7 +70,8 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     if backend == "nccl" and check_files and not torch.cuda.is_available():
         raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
                           "--distributed-backend gloo to run on CPUs")
-    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
+    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp, cp_comm_type=comm_types[0],
+                          world_size=world_size,
                           zero_stage=zero_stage, sequence_parallel=sp, distributed_backend=backend,
                           decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
                           decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers)
@@ -121,3 +134,30 @@ def pipeline_plan_line(config: TrainConfig) -> str:
     kind = "1F1B" if p.virtual_pp == 1 else f"interleaved 1F1B, {p.virtual_pp} chunks per rank"
     return (f"{kind}, {m} micro-batches per step, bubble (pp-1)/(v m) = {(p.pp - 1) / (p.virtual_pp * m):.3f}; "
             + "; ".join(stages))
+
+
+def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, reset_attention_mask: bool) -> None:
+    """What context parallelism needs of the model and the data, refused at parse time with the numbers."""
+    cp = par.cp
+    if cp == 1:
+        return
+    s = model.seq_length
+    if s % (2 * cp):
+        raise ConfigError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
+                          f"sequence is split into 2 x cp balanced chunks); use a multiple of {2 * cp}")
+    if model.hidden_dropout > 0 or model.attention_dropout > 0:
+        raise ConfigError("context parallelism does not key dropout by the global token position yet: set "
+                          "--hidden-dropout 0 --attention-dropout 0 (or drop --context-parallel-size)")
+    heads, groups = model.num_attention_heads // par.tp, model.query_groups // par.tp
+    if par.cp_comm_type == "a2a":
+        from megazero.model.cp_attention import a2a_head_split
+
+        try:
+            a2a_head_split(heads, groups, cp)
+        except ValueError as e:
+            raise ConfigError(f"--cp-comm-type a2a with {heads} heads and {groups} key/value groups per tensor-parallel "
+                              f"rank over {cp} context-parallel ranks: {e}; use --cp-comm-type p2p or allgather") from e
+    if par.cp_comm_type == "p2p" and reset_attention_mask:
+        raise ConfigError("--reset-attention-mask with --cp-comm-type p2p: the ring splits each document itself and "
+                          "the documents differ between the samples of a micro-batch; use --cp-comm-type a2a or "
+                          "allgather (they take the per-sample document masks)")
