@@ -146,6 +146,8 @@ DS_KEYS: tuple[DSKey, ...] = (
     _K("activation_checkpointing.number_checkpoints", MAPPED, "= --recompute-num-layers"),
     _K("activation_checkpointing.synchronize_checkpoint_boundary", IGNORED, _INTERNAL),
     _K("activation_checkpointing.profile", IGNORED, _INTERNAL),
+    _K("sequence_parallel_size", MAPPED, "DeepSpeed-Ulysses: = --context-parallel-size with --cp-comm-type a2a "
+       "(all-to-all over heads) unless --cp-comm-type is given"),
     _K("zero_allow_untested_optimizer", IGNORED, "DeepSpeed's guard for foreign optimizers; megazero builds its own"),
     _K("zero_force_ds_cpu_optimizer", IGNORED, "DeepSpeed's guard that offload runs its own CPU Adam; megazero's "
        "offload always steps torch's fused CPU AdamW"),

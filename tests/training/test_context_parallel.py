@@ -58,3 +58,33 @@ def test_world_not_divisible_by_tp_cp_pp_is_refused():
                     "--max-position-embeddings", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters",
                     "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
                     "--context-parallel-size", "2", "--tp", "2"], world_size=6, check_files=False)
+
+
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_at_another_tp_dp(data, one_process, tmp_path):  # noqa: F811
+    # Saved every iteration by dp 2 x cp 2 with ZeRO-3 (partitions over data x context); resumed from
+    # iteration 2 at cp 1 (one process) and at tp 2 x dp 2 ZeRO-1: iterations 3-4 equal the one-process run.
+    model = ["--num-query-groups", "2", "--position-embedding-type", "rope"]
+    saved = str(tmp_path / "cp2_ckpt")
+    launch(4, flags(data, *model, "--context-parallel-size", "2", "--zero-stage", "3", "--save", saved,
+                    "--save-interval", "1"), tmp_path, "cp2_save")
+    tail = {it: r for it, r in one_process.items() if it > 2}
+    for world, extra in ((1, []), (4, ["--tp", "2", "--zero-stage", "1"])):
+        got = launch(world, flags(data, *model, *extra, "--load", saved, "--ckpt-step", "2"), tmp_path,
+                     f"cp2_resumed_{world}")
+        assert_same_run(got, tail, what=f"saved at cp 2, resumed at world {world} {extra}")
+
+
+def test_deepspeed_ulysses_sequence_parallel_size_is_context_parallelism_by_all_to_all(tmp_path):
+    import json
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+                              "zero_optimization": {"stage": 1}}))
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--deepspeed", "--deepspeed_config", str(ds)]
+    p = parse_args(argv, world_size=4, check_files=False).parallel
+    assert (p.cp, p.cp_comm_type, p.dp) == (2, "a2a", 2)
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):  # disagreeing with the command line
+        parse_args(argv + ["--context-parallel-size", "4"], world_size=4, check_files=False)

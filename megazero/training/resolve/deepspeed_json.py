@@ -25,6 +25,8 @@ _DS_KEYS: list[tuple[str, str, str, Callable[[Any], Any]]] = [
     ("bfloat16.enabled", "bf16", "--bf16", bool),  # DeepSpeed's older spelling
     ("fp16.enabled", "fp16", "--fp16", bool),
     ("optimizer.params.momentum", "sgd_momentum", "--sgd-momentum", float),
+    # DeepSpeed-Ulysses: the sequence split over this many ranks, attention by all-to-all over heads
+    ("sequence_parallel_size", "context_parallel_size", "--context-parallel-size", int),
     # The fp16 loss-scaler keys are resolved in resolve_precision: there the JSON's block governs.
 ]
 
@@ -46,6 +48,8 @@ def load_deepspeed_json(path: Optional[str]) -> Optional[dict[str, Any]]:
 
 def merge_deepspeed_json(ns: argparse.Namespace, ds: dict[str, Any], path: str) -> None:
     """Fill flags the command line left unset from the JSON; refuse disagreements."""
+    if json_get(ds, "sequence_parallel_size") not in (None, 1) and ns.cp_comm_type is None:
+        ns.cp_comm_type = ["a2a"]  # Ulysses is context parallelism by all-to-all over heads
     for key, attr, flag_name, convert in _DS_KEYS:
         raw = json_get(ds, key)
         if raw is None:
