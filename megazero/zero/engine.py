@@ -61,7 +61,7 @@ from .flat import FlatGroup, ParamSlot, squared_norm
 from . import full_weights
 from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
 from .loss_scaler import LossScaler
-from .partitioning import PartitionFn, Partitioning, check_within, data_parallel
+from .partitioning import PartitionFn, Partitioning, check_within, data_parallel, group_info
 from .placement import Placement
 from .reducer import GradReducer
 from .units import Unit, UnitPlan, build_units, find_unit_modules, plan_units
@@ -80,12 +80,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     STEP = "step"
-
-
-def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if group is None or not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 class ZeroEngine(torch.nn.Module):
@@ -116,11 +110,11 @@ class ZeroEngine(torch.nn.Module):
         # values by and what checkpoints list. A pipeline stage maps its local names to the whole
         # model's (pp = 1) names, so the model is a function of the seed, not of the layout.
         self.param_name = param_names or (lambda n: n)
-        self.dp_size, self.dp_rank = _group_info(dp_group)
+        self.dp_size, self.dp_rank = group_info(dp_group)
         # Ranks reading different samples: the gradients' divisor and DeepSpeed's batch invariant. It is
         # dp_size unless context parallelism splits each sample over several ranks of dp_group.
         self.data_parallel_size = data_parallel_size or self.dp_size
-        self.tp_size, self.tp_rank = _group_info(tp_group)
+        self.tp_size, self.tp_rank = group_info(tp_group)
         self.tp_group = tp_group
         config.check_batch(self.data_parallel_size)
         self.compute_dtype = config.compute_dtype

@@ -18,12 +18,10 @@ predivide) until the step divides them.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .comm import CommCounter
-from .flat import FlatGroup, ParamSlot, fill_range
+from .flat import FlatGroup, ParamSlot, fill_range, storage_key
 from .reducer import GradReducer
 from .units import Unit
 
@@ -74,8 +72,8 @@ class GradientStore:
         seen, total = set(), 0
         for g in self.groups:
             for buf in (g.grad_full, g.grad_shard):
-                if buf is not None and buf.untyped_storage()._cdata not in seen:
-                    seen.add(buf.untyped_storage()._cdata)
+                if buf is not None and storage_key(buf) not in seen:  # ZeRO-1's shard is a view of grad_full
+                    seen.add(storage_key(buf))
                     total += buf.untyped_storage().nbytes()
         return total
 

@@ -26,10 +26,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Partitioning", "PartitionFn", "data_parallel", "check_within"]
+__all__ = ["Partitioning", "PartitionFn", "data_parallel", "check_within", "group_info"]
 
 
-def _info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+def group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """``(size, rank)`` of ``group``; ``(1, 0)`` for None (this process alone) or without torch.distributed."""
     if group is None or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -48,20 +49,20 @@ class Partitioning:
     @property
     def size(self) -> int:
         """Ranks the state is partitioned over."""
-        return _info(self.shard)[0]
+        return group_info(self.shard)[0]
 
     @property
     def rank(self) -> int:
         """This rank's partition index."""
-        return _info(self.shard)[1]
+        return group_info(self.shard)[1]
 
     @property
     def replicas(self) -> int:
-        return _info(self.replicate)[0]
+        return group_info(self.replicate)[0]
 
     @property
     def replica_rank(self) -> int:
-        return _info(self.replicate)[1]
+        return group_info(self.replicate)[1]
 
     @property
     def replicate_name(self) -> str:
