@@ -69,6 +69,11 @@ class SequenceShard:
         together they cover ``0 .. S-1`` exactly once."""
         return cls._checked(_as_positions(positions), all_gather_tensor(_as_positions(positions), group))
 
+    def to(self, device: torch.device) -> "SequenceShard":
+        """The same shard with its index tensors on ``device`` (where the attention's tensors are)."""
+        return SequenceShard(self.positions.to(device), self.all_positions.to(device), self.order.to(device),
+                             self.is_identity)
+
     @classmethod
     def from_rank_positions(cls, per_rank: Sequence[torch.Tensor], rank: int) -> "SequenceShard":
         """The same without communication, from every rank's positions (a layout every rank can compute,
@@ -251,10 +256,11 @@ class ContextParallel:
 
     @classmethod
     def from_layout(cls, layout: CPLayout, rank: int, group: Optional[dist.ProcessGroup], comm_type: str,
-                    counter: Optional[object] = None) -> "ContextParallel":
-        """The context of CP rank ``rank`` for a sequence split by ``layout`` (no communication)."""
+                    counter: Optional[object] = None, device: Optional[torch.device] = None) -> "ContextParallel":
+        """The context of CP rank ``rank`` for a sequence split by ``layout`` (no communication), its
+        index tensors on ``device``. Checked on the host, then moved: no device synchronisation."""
         shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(layout.cp_size)], rank)
-        return cls(group, comm_type, shard, layout, counter)
+        return cls(group, comm_type, shard if device is None else shard.to(device), layout, counter)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,

@@ -56,13 +56,17 @@ class ContextParallelBatch(GPTBatch):
     loss_tokens: Optional[torch.Tensor] = None
 
 
-def split_for_context_parallel(b: GPTBatch, groups, comm_type: str) -> ContextParallelBatch:
-    """Rank ``groups.cp_rank``'s balanced share of ``b`` (chunks r and 2cp-1-r of every sequence)."""
-    s = b.tokens.size(1)
-    layout = zigzag_layout(s, groups.cp_size)
-    pos = layout.positions(groups.cp_rank).to(b.tokens.device)
+def context_parallel_context(seq_length: int, groups, comm_type: str, device: torch.device) -> ContextParallel:
+    """Rank ``groups.cp_rank``'s share of a ``seq_length`` sequence (chunks r and 2cp-1-r of 2cp), with
+    the attention's context, its index tensors on ``device``. The same for every micro-batch of that length."""
+    layout = zigzag_layout(seq_length, groups.cp_size)
+    return ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type, device=device)
+
+
+def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel) -> ContextParallelBatch:
+    """This rank's share of ``b`` under ``ctx`` (:func:`context_parallel_context`)."""
+    pos = ctx.shard.positions
     positions = b.position_ids[:, pos] if b.position_ids is not None else pos
-    ctx = ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type)
     return ContextParallelBatch(tokens=b.tokens[:, pos], labels=b.labels[:, pos], loss_mask=b.loss_mask[:, pos],
                                 position_ids=positions, attention_mask=b.attention_mask, context_parallel=ctx,
                                 loss_tokens=b.loss_mask.float().sum())
@@ -87,6 +91,7 @@ class TrainModel:
                                       no_weight_decay=megatron_no_weight_decay, device=device,
                                       param_names=global_name_fn(self.chunks),
                                       forward_key=_chunk_index if len(self.chunks) > 1 else None)
+        self._cp_contexts: dict[int, ContextParallel] = {}  # sequence length -> this rank's CP context
         self.stage = PipelineStage(self.engine, self.chunks, groups, micro_batch_size=config.schedule.micro_batch_size,
                                    seq_length=config.model.seq_length, loss_fn=_loss)
 
@@ -102,7 +107,11 @@ class TrainModel:
         # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
         b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
         if self.groups.cp_size > 1:
-            return split_for_context_parallel(b, self.groups, self.config.parallel.cp_comm_type)
+            s = b.tokens.size(1)
+            if s not in self._cp_contexts:  # the layout depends on the length only: built once, not per micro-batch
+                self._cp_contexts[s] = context_parallel_context(s, self.groups, self.config.parallel.cp_comm_type,
+                                                                self.device)
+            return split_for_context_parallel(b, self._cp_contexts[s])
         return b
 
     def _local_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
