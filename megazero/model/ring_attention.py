@@ -106,8 +106,15 @@ def register_block_kernel(name: str, kernel: BlockKernel) -> None:
 
 def block_kernel(name: str, q: torch.Tensor) -> BlockKernel:
     """The kernel ``name`` ('auto' or a registered name) runs for ``q``: 'auto' is cpu_flash for CPU
-    fp32/bf16/fp16 when torch has the op, math otherwise."""
+    fp32/bf16/fp16 when torch has the op, math otherwise (meta: a rehearsal); on CUDA it refuses."""
     if name == "auto":
+        if q.device.type == "cuda":
+            # The math block holds every block's (s/cp)^2 scores per head: at long sequences more than
+            # the GPU has, where the point of the ring is to hold none.
+            raise NotImplementedError(
+                "the ring (--cp-comm-type p2p) has no CUDA block kernel yet, and its math block would hold "
+                "(seq/cp)^2 attention scores per head; use --cp-comm-type a2a or allgather on GPUs (they run "
+                "flash-attn or SDPA), or register a flash-attn block kernel (register_block_kernel)")
         has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
         cpu_ok = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         name = "cpu_flash" if cpu_ok and has_op else "math"

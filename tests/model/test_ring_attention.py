@@ -259,3 +259,14 @@ def test_mismatched_inputs_are_refused():
         ring_attention(q, q, q, zigzag_layout(32, 1))
     with pytest.raises(ValueError, match="unknown ring attention block kernel 'nope'"):
         ring_attention(q, q, q, zigzag_layout(16, 1), kernel="nope")
+
+
+def test_auto_refuses_cuda_until_a_flash_block_kernel_is_registered():
+    import types
+
+    from megazero.model.ring_attention import block_kernel
+
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="a2a or allgather"):
+        block_kernel("auto", q)
+    assert block_kernel("math", q) is not None  # an explicit kernel is taken as given
