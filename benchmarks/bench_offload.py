@@ -51,6 +51,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+
+def _run_child(cmd: list[str], label: str) -> dict:
+    """Run one configuration in its own process (glibc returning freed memory, so RSS follows live
+    memory) and return the dict it prints on its ``RESULT`` line; exit with its output if it failed."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{label}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(line[7:])
+
 def _child(args: argparse.Namespace) -> dict:
     """One configuration, measured inside its own process."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1")
@@ -207,12 +218,7 @@ def pretrain_main(args: argparse.Namespace) -> None:
             cmd = [sys.executable, __file__, "--pretrain-config", name, "--nvme-path", nvme,
                    "--port", str(args.port + i)] + [f"--{k.replace('_', '-')}={getattr(args, k)}"
                                                     for k in ("num_layers", "hidden_size", "vocab_size", "seq_length")]
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-            results[name] = json.loads(line[7:])
+            results[name] = _run_child(cmd, name)
     mib = 2 ** 20
     moved = 8 * n / 2  # the two fp32 moments of a rank's half of the parameters
     base = results["none"]["peak_rss"]
@@ -263,12 +269,7 @@ def main() -> None:
                    "--zero-stage", str(stage), "--nvme-path", nvme, "--port", str(args.port + i)] + [
                 f"--{k.replace('_', '-')}={getattr(args, k)}"
                 for k in ("num_layers", "hidden_size", "vocab_size", "seq_length", "threads")]
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{device}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-            results[device] = json.loads(line[7:])
+            results[device] = _run_child(cmd, device)
     mib = 2 ** 20
     base = results["none"]
     n = base["params"]
