@@ -20,10 +20,14 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
    (fp32, one process), and on CUDA the pinned bytes torch's caching host allocator holds do not
    grow with the offloaded state, whose host figures (``model_state_bytes()``) are its pinned
    arenas' exact sizes.
-5. ``attention_backends``: sdpa and flash-attn (when importable) agree with math attention in
+5. ``ring_kernels``: the ring's block kernels (torch's flash op in bf16, its efficient op in fp32 on
+   CUDA; the CPU flash op in the dry run) computing a GQA causal attention block by block, as a
+   context-parallel rank does: forward blocks merged by their log-sum-exp, each block's backward given
+   the merged output and LSE; output and gradients within :data:`RING_RTOL` of fp64 math attention.
+6. ``attention_backends``: sdpa and flash-attn (when importable) agree with math attention in
    bf16 within :data:`ATTENTION_ATOL`; ``apex_adam``: apex's FusedAdam is the optimizer kernel on
    CUDA when apex's optimizers import.
-6. ``throughput_1p3b``: ``pretrain_gpt.py`` with the gpt-1.3b preset, bf16, ZeRO-1 on every visible
+7. ``throughput_1p3b``: ``pretrain_gpt.py`` with the gpt-1.3b preset, bf16, ZeRO-1 on every visible
    GPU (NCCL), mock data, a few iterations: tokens/s and MFU against the GPU's dense bf16 peak
    (:data:`PEAK_BF16_TFLOPS`, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
 """
@@ -48,6 +52,7 @@ sys.path.insert(0, ROOT)  # this checkout's megazero, installed or not
 LOSS_RTOL = 1e-4  # CUDA vs CPU, fp32 (TF32 off): per-step loss, relative
 ATTENTION_ATOL = 2e-2  # bf16 backends vs fp32 math attention, max |diff| over unit-variance inputs
 STEPS = 3
+RING_RTOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # max |diff| / max |ref|; fp32 without TF32
 # Dense bf16 peak TFLOP/s per GPU by device name fragment (NVIDIA's datasheets; SXM parts).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 THROUGHPUT_ITERS = 8
@@ -277,7 +282,7 @@ def check_offload_bitwise() -> str:
     return note + f", pinned; caching host allocator grew by {grown} bytes"
 
 
-# ---- 5: flash-attn, apex -----------------------------------------------------------------------
+# ---- 6: flash-attn, apex -----------------------------------------------------------------------
 
 def check_attention_backends() -> str:
     from megazero.model.attention import core_attention, flash_attn_available
@@ -313,7 +318,61 @@ def check_apex_adam() -> str:
     return f"optimizer {kernel.__module__}.{kernel.__name__}"
 
 
-# ---- 6: 1.3B throughput ------------------------------------------------------------------------
+# ---- 5: the ring's block kernels ---------------------------------------------------------------
+
+def _blockwise_attention(q, k, v, kernel, chunks: int):
+    """Causal attention of [b, h, s, d] q over [b, g, s, d] k/v from ``chunks`` query and key chunks per
+    side, the way the ring computes it: diagonal blocks causal, blocks below it full, merged in fp32."""
+    b, h, s, d = q.shape
+    c, scale = s // chunks, d ** -0.5
+    out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    blocks = [(i, j) for i in range(chunks) for j in range(i + 1)]
+    for i, j in blocks:
+        rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+        o, l_ = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], i == j, scale)
+        new = torch.logaddexp(lse[:, :, rows], l_.float())
+        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new).unsqueeze(-1)
+                           + o.float() * torch.exp(l_.float() - new).unsqueeze(-1))
+        lse[:, :, rows] = new
+    out = out.to(q.dtype)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+    dout = torch.ones_like(out)
+    for i, j in blocks:
+        rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+        g = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
+                            lse[:, :, rows], i == j, scale)
+        grads[0][:, :, rows] += g[0].float()
+        grads[1][:, :, cols] += g[1].float()
+        grads[2][:, :, cols] += g[2].float()
+    return out, grads
+
+
+def check_ring_kernels() -> str:
+    from megazero.model.ring_kernels import block_kernel
+
+    dev = device()
+    cases = [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)] if dev.type == "cuda" \
+        else [("cpu_flash", torch.bfloat16), ("cpu_flash", torch.float32)]
+    g = torch.Generator(device=dev).manual_seed(0)
+    base = [torch.randn(1024, 2, heads, 128, device=dev, generator=g) for heads in (16, 4, 4)]
+    ref_in = [t.double().permute(1, 2, 0, 3).requires_grad_() for t in base]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
+    out = []
+    for name, dtype in cases:
+        q, k, v = (t.to(dtype).permute(1, 2, 0, 3) for t in base)  # strided views, as the ring passes them
+        got, grads = _blockwise_attention(q, k, v, block_kernel(name, q), chunks=4)
+        worst = 0.0
+        for what, a, b in [("output", got, ref)] + list(zip(("dq", "dk", "dv"), grads, ref_grads)):
+            err = ((a.double() - b).abs().max() / b.abs().max()).item()
+            assert err <= RING_RTOL[dtype], f"{name} {dtype}: {what} off by {err:.2e} (relative) > {RING_RTOL[dtype]}"
+            worst = max(worst, err)
+        out.append(f"{name} {str(dtype).split('.')[-1]} {worst:.1e}")
+    return "block-merged GQA causal attention vs fp64, worst relative error: " + ", ".join(out)
+
+
+# ---- 7: 1.3B throughput ------------------------------------------------------------------------
 
 def throughput_command(ngpu: int, iters: int = THROUGHPUT_ITERS) -> list[str]:
     """``pretrain_gpt.py`` on ``ngpu`` GPUs: gpt-1.3b, bf16, ZeRO-1, mock data, no evaluation."""
@@ -376,6 +435,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("two_ranks_native", check_two_ranks_native),
     ("slow_collectives", check_slow_collectives),
     ("offload_bitwise", check_offload_bitwise),
+    ("ring_kernels", check_ring_kernels),
     ("attention_backends", check_attention_backends),
     ("apex_adam", check_apex_adam),
     ("throughput_1p3b", check_throughput_1p3b),

@@ -267,7 +267,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                backend: str = "auto", dropout_p: float = 0.0,
                                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``core_attention`` of this rank's queries over the whole sequence, by ``cp.comm_type``. The ring
-    takes its documents from the layout, not from a mask, and uses its own block kernel."""
+    takes its documents from the layout, not from a mask, and its block kernel from ``ring_kernels``
+    (the explicit formula when ``backend`` is 'math')."""
     if cp.comm_type != "p2p":
         kernel = a2a_attention if cp.comm_type == "a2a" else allgather_attention
         return kernel(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
@@ -277,7 +278,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          "not from an attention mask; pass the layout and no mask, or use a2a / allgather")
     if dropout_p > 0:
         raise NotImplementedError("attention dropout inside the ring is not supported; set --attention-dropout 0")
-    return ring_attention(q, k, v, cp.layout, cp.group, stats=cp.counter)
+    return ring_attention(q, k, v, cp.layout, cp.group, stats=cp.counter,
+                          kernel="math" if backend == "math" else "auto")
 
 
 COMM_TYPES = ("p2p", "a2a", "allgather")

@@ -11,117 +11,24 @@ Backward runs the ring again, recomputing each block from the saved local q, k, 
 and passes the dK/dV accumulators along with the blocks, so each rank ends with the gradients of its
 own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``.
 
-The block kernel is pluggable (:func:`register_block_kernel`): ``math`` (explicit formula, any dtype),
-``cpu_flash`` (torch's CPU flash-attention op and its backward op). A CUDA flash-attn kernel plugs in
-the same way: its forward is ``flash_attn_func(q, k, v, softmax_scale=..., causal=...,
-return_attn_probs=True)`` (out and ``softmax_lse``, in ``[b, s, heads, d]`` layout), its backward
-flash-attn's ``_flash_attn_backward`` given the *global* out and LSE, which makes the block gradients
-those of the whole attention.
+The block kernel (:mod:`megazero.model.ring_kernels`) is chosen by device and dtype: torch's flash
+op on CPU and on CUDA (fp16/bf16), its memory-efficient op for fp32 on CUDA, the explicit formula for
+fp64; each holds one block's working set, never the (s/cp)^2 scores of a whole exchange.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megazero.model.cp_layout import Block, CPLayout, plan_blocks
+from megazero.model.ring_kernels import acc_dtype, block_kernel
 
-__all__ = ["ring_attention", "RingStats", "BlockKernel", "register_block_kernel", "block_kernel"]
-
-
-class BlockKernel(Protocol):
-    """Attention of one dense block. q ``[b, heads, n, d]``, k/v ``[b, groups, m, d]`` (strided views; only
-    the last dimension is contiguous); ``causal`` means n == m and key j is masked for query i < j (square,
-    so top-left and bottom-right aligned causal masks agree). ``forward`` -> (out ``[b, heads, n, d]`` in q's dtype,
-    lse ``[b, heads, n]`` in fp32, fp64 for fp64 q). ``backward`` gets the *merged* out and lse of the
-    whole attention and returns this block's (dq, dk, dv)."""
-
-    def forward(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float) -> tuple[torch.Tensor, ...]: ...
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class _MathKernel:
-    """The explicit formula in fp32 (fp64 for fp64 inputs); GQA by grouping query heads, not copying K/V."""
-
-    @staticmethod
-    def _scores(q, k, causal, scale):
-        b, h, n, d = q.shape
-        g, acc = k.size(1), _acc_dtype(q.dtype)
-        qg = q.to(acc).reshape(b, g, h // g, n, d)
-        scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, h/g, n, m]
-        if causal:
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-        return scores
-
-    def forward(self, q, k, v, causal, scale):
-        b, h, n, d = q.shape
-        scores = self._scores(q, k, causal, scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(scores.dtype).unsqueeze(2))
-        return out.reshape(b, h, n, d).to(q.dtype), lse.reshape(b, h, n)
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        b, h, n, d = q.shape
-        g = k.size(1)
-        scores = self._scores(q, k, causal, scale)
-        acc = scores.dtype
-        probs = torch.exp(scores - lse.to(acc).reshape(b, g, h // g, n, 1))
-        do = dout.to(acc).reshape(b, g, h // g, n, d)
-        dv = torch.matmul(probs.transpose(-1, -2), do).sum(2)
-        dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
-        delta = (do * out.to(acc).reshape(b, g, h // g, n, d)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
-        ds = probs * (dp - delta) * scale
-        dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(b, h, n, d)
-        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, g, h // g, n, d)).sum(2)
-        return dq, dk, dv
-
-
-class _CpuFlashKernel:
-    """torch's CPU flash-attention op: (out, lse) forward, and a backward op that takes the global out and lse."""
-
-    def forward(self, q, k, v, causal, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        return op(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
-
-
-_KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _CpuFlashKernel()}
-
-
-def register_block_kernel(name: str, kernel: BlockKernel) -> None:
-    """Make ``kernel`` selectable as ``ring_attention(..., kernel=name)`` (e.g. a CUDA flash-attn kernel)."""
-    _KERNELS[name] = kernel
-
-
-def block_kernel(name: str, q: torch.Tensor) -> BlockKernel:
-    """The kernel ``name`` ('auto' or a registered name) runs for ``q``: 'auto' is cpu_flash for CPU
-    fp32/bf16/fp16 when torch has the op, math otherwise (meta: a rehearsal); on CUDA it refuses."""
-    if name == "auto":
-        if q.device.type == "cuda":
-            # The math block holds every block's (s/cp)^2 scores per head: at long sequences more than
-            # the GPU has, where the point of the ring is to hold none.
-            raise NotImplementedError(
-                "the ring (--cp-comm-type p2p) has no CUDA block kernel yet, and its math block would hold "
-                "(seq/cp)^2 attention scores per head; use --cp-comm-type a2a or allgather on GPUs (they run "
-                "flash-attn or SDPA), or register a flash-attn block kernel (register_block_kernel)")
-        has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
-        cpu_ok = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        name = "cpu_flash" if cpu_ok and has_op else "math"
-    if name not in _KERNELS:
-        raise ValueError(f"unknown ring attention block kernel {name!r}; registered: {sorted(_KERNELS)} "
-                         f"(add one with register_block_kernel)")
-    return _KERNELS[name]
+__all__ = ["ring_attention", "RingStats"]
 
 
 @dataclass
@@ -187,7 +94,7 @@ class _RingAttention(torch.autograd.Function):
         size = layout.cp_size
         ring = _Ring(group, rank, size) if size > 1 else None
         s, b, h, d = q.shape
-        acc = _acc_dtype(q.dtype)
+        acc = acc_dtype(q.dtype)
         acc_out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         acc_lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
         qt, cur = _bhsd(q), (k.contiguous(), v.contiguous())
@@ -215,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, rank, layout, stats, size = ctx.ring, ctx.rank, ctx.layout, ctx.stats, ctx.layout.cp_size
         s, b, h, d = q.shape
-        acc = _acc_dtype(q.dtype)
+        acc = acc_dtype(q.dtype)
         qt, dot, ot = _bhsd(q), _bhsd(grad_out.reshape(s, b, h, d)), _bhsd(out.reshape(s, b, h, d))
         dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         cur, dkv_works, dkv_in = (k.contiguous(), v.contiguous()), [], None

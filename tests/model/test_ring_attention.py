@@ -219,7 +219,7 @@ class _CountingKernel:
     """A registered kernel wrapping the math one: shows the hook reaches forward and backward."""
 
     def __init__(self):
-        from megazero.model.ring_attention import block_kernel
+        from megazero.model.ring_kernels import block_kernel
         self.inner, self.calls = block_kernel("math", torch.zeros(1, dtype=torch.float64)), []
 
     def forward(self, *args):
@@ -233,7 +233,7 @@ class _CountingKernel:
 
 def test_one_rank_strided_inputs_and_a_registered_kernel():
     """Without a process group the ring is one block: plain causal attention, here on views of a wider tensor."""
-    from megazero.model.ring_attention import register_block_kernel
+    from megazero.model.ring_kernels import register_block_kernel
 
     kernel = _CountingKernel()
     register_block_kernel("counting", kernel)
@@ -261,12 +261,35 @@ def test_mismatched_inputs_are_refused():
         ring_attention(q, q, q, zigzag_layout(16, 1), kernel="nope")
 
 
-def test_auto_refuses_cuda_until_a_flash_block_kernel_is_registered():
+@pytest.mark.parametrize("device, dtype, head_dim, want", [
+    ("cuda", torch.bfloat16, 128, "cuda_flash"), ("cuda", torch.float16, 64, "cuda_flash"),
+    ("cuda", torch.bfloat16, 72 + 1, "cuda_efficient"), ("cuda", torch.float32, 128, "cuda_efficient"),
+    ("cuda", torch.float64, 64, "math"), ("cpu", torch.float32, 64, "cpu_flash"),
+    ("cpu", torch.bfloat16, 64, "cpu_flash"), ("cpu", torch.float64, 64, "math"), ("meta", torch.bfloat16, 64, "math")])
+def test_auto_kernel_by_device_and_dtype(device, dtype, head_dim, want):
     import types
 
-    from megazero.model.ring_attention import block_kernel
+    from megazero.model.ring_kernels import _KERNELS, block_kernel
 
-    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="a2a or allgather"):
-        block_kernel("auto", q)
-    assert block_kernel("math", q) is not None  # an explicit kernel is taken as given
+    q = types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 4, 16, head_dim))
+    assert block_kernel("auto", q) is _KERNELS[want]
+
+
+@pytest.mark.parametrize("name, dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_kernels_keep_the_block_contract_on_meta_tensors(name, dtype, causal):
+    """torch's CUDA ops have meta implementations: the kernels' argument lists, GQA folding and the
+    efficient op's padded LSE are checked here for shapes and dtypes (the numbers by scripts/gpu_check.sh)."""
+    from megazero.model.ring_kernels import block_kernel
+
+    b, h, g, n, d = 2, 8, 2, 40, 64
+    wide = torch.empty(n, b, h + 2 * g, d, device="meta", dtype=dtype)  # [s, b, heads, d] views, as the ring passes
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (wide[:, :, :h], wide[:, :, h:h + g], wide[:, :, h + g:]))
+    kernel = block_kernel(name, q)
+    out, lse = kernel.forward(q, k, v, causal, 0.125)
+    assert out.shape == (b, h, n, d) and out.dtype == dtype
+    assert lse.shape == (b, h, n) and lse.dtype == torch.float32
+    dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, causal, 0.125)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, (dq.shape, dk.shape, dv.shape)
+    ring = ring_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), zigzag_layout(n, 1), kernel=name)
+    assert ring.shape == (n, b, h * d)

@@ -1,0 +1,181 @@
+"""Block kernels of ring attention: attention of one dense query block against one key/value block.
+
+A kernel returns the block's output and its log-sum-exp, and its backward takes the *merged* output
+and log-sum-exp of the whole attention, which makes the block gradients those of the whole attention
+(the FlashAttention recurrence: dS = P * (dP - rowsum(dO * O))). Registered kernels:
+
+- ``math``: the explicit formula in fp32 (fp64 for fp64 inputs); any device and dtype; holds the
+  block's scores, so only for short blocks, fp64 references and rehearsals.
+- ``cpu_flash``: torch's CPU flash-attention op and its backward op.
+- ``cuda_flash``: torch's CUDA flash-attention op (fp16/bf16, head dim a multiple of 8 up to 256).
+- ``cuda_efficient``: torch's CUDA memory-efficient op (fp32 as well).
+
+``auto`` picks the flash op for the device and dtype, the efficient one for fp32 on CUDA, and math
+where neither applies. :func:`register_block_kernel` adds another (e.g. flash-attn's own kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = ["BlockKernel", "register_block_kernel", "block_kernel"]
+
+
+class BlockKernel(Protocol):
+    """Attention of one dense block. q ``[b, heads, n, d]``, k/v ``[b, groups, m, d]`` (strided views; only
+    the last dimension is contiguous); ``causal`` means n == m and key j is masked for query i < j (square,
+    so top-left and bottom-right aligned causal masks agree). ``forward`` -> (out ``[b, heads, n, d]`` in q's dtype,
+    lse ``[b, heads, n]`` in fp32, fp64 for fp64 q). ``backward`` gets the *merged* out and lse of the
+    whole attention and returns this block's (dq, dk, dv)."""
+
+    def forward(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float) -> tuple[torch.Tensor, ...]: ...
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are merged in: fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _MathKernel:
+    """The explicit formula in fp32 (fp64 for fp64 inputs); GQA by grouping query heads, not copying K/V."""
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        b, h, n, d = q.shape
+        g, acc = k.size(1), acc_dtype(q.dtype)
+        qg = q.to(acc).reshape(b, g, h // g, n, d)
+        scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, h/g, n, m]
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        return scores
+
+    def forward(self, q, k, v, causal, scale):
+        b, h, n, d = q.shape
+        scores = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(scores.dtype).unsqueeze(2))
+        return out.reshape(b, h, n, d).to(q.dtype), lse.reshape(b, h, n)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        b, h, n, d = q.shape
+        g = k.size(1)
+        scores = self._scores(q, k, causal, scale)
+        acc = scores.dtype
+        probs = torch.exp(scores - lse.to(acc).reshape(b, g, h // g, n, 1))
+        do = dout.to(acc).reshape(b, g, h // g, n, d)
+        dv = torch.matmul(probs.transpose(-1, -2), do).sum(2)
+        dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
+        delta = (do * out.to(acc).reshape(b, g, h // g, n, d)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
+        ds = probs * (dp - delta) * scale
+        dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(b, h, n, d)
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, g, h // g, n, d)).sum(2)
+        return dq, dk, dv
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V ``[b, groups, m, d]`` -> ``[b, heads, m, d]`` (a copy when groups < heads): the fused ops want equal heads."""
+    g = t.size(1)
+    return t if g == heads else t.repeat_interleave(heads // g, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_expand`: sum each group's query heads."""
+    b, h, m, d = grad.shape
+    return grad if h == groups else grad.reshape(b, groups, h // groups, m, d).sum(2)
+
+
+class _CpuFlashKernel:
+    """torch's CPU flash-attention op (GQA native): (out, lse) forward, and a backward op that takes the
+    global out and lse."""
+
+    def forward(self, q, k, v, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return op(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+
+
+class _CudaFlashKernel:
+    """torch's CUDA flash-attention op (the one SDPA dispatches to for fp16/bf16) and its backward op; K/V of a
+    GQA block are expanded to the query heads for the op (a block-sized copy) and their gradients summed back."""
+
+    def forward(self, q, k, v, causal, scale):
+        h = q.size(1)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, _expand(k, h), _expand(v, h), 0.0, causal,
+                                                                 False, scale=scale)
+        return res[0], res[1]
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        h, g, n, m = q.size(1), k.size(1), q.size(2), k.size(2)
+        no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.contiguous(), q, _expand(k, h), _expand(v, h), out.contiguous(), lse.contiguous(), None, None,
+            n, m, 0.0, causal, no_rng, no_rng[:1].reshape(()), scale=scale)
+        return dq, _fold(dk, g), _fold(dv, g)
+
+
+def _lse_padded(lse: torch.Tensor) -> torch.Tensor:
+    """The efficient op's log-sum-exp rows are padded to a multiple of 32; its backward reads that shape."""
+    n = lse.size(-1)
+    width = -(-n // 32) * 32
+    if width == n:
+        return lse.contiguous()
+    padded = torch.zeros(*lse.shape[:-1], width, dtype=lse.dtype, device=lse.device)
+    padded[..., :n] = lse
+    return padded
+
+
+class _CudaEfficientKernel:
+    """torch's CUDA memory-efficient attention op (fp32, fp16, bf16) and its backward op."""
+
+    def forward(self, q, k, v, causal, scale):
+        h = q.size(1)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _expand(k, h), _expand(v, h), None, True, 0.0, causal, scale=scale)
+        return out, lse[..., :q.size(2)]
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        h, g = q.size(1), k.size(1)
+        no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.contiguous(), q, _expand(k, h), _expand(v, h), None, out.contiguous(), _lse_padded(lse),
+            no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, _fold(dk, g), _fold(dv, g)
+
+
+_KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _CpuFlashKernel(),
+                                    "cuda_flash": _CudaFlashKernel(), "cuda_efficient": _CudaEfficientKernel()}
+
+
+def register_block_kernel(name: str, kernel: BlockKernel) -> None:
+    """Make ``kernel`` selectable as ``ring_attention(..., kernel=name)`` (e.g. flash-attn's own kernels)."""
+    _KERNELS[name] = kernel
+
+
+def _auto(q: torch.Tensor) -> str:
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.device.type == "cuda":
+        d = q.shape[-1]
+        if half and d % 8 == 0 and d <= 256:
+            return "cuda_flash"
+        if q.dtype != torch.float64:
+            return "cuda_efficient"
+        return "math"
+    has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if q.device.type == "cpu" and has_op and (half or q.dtype == torch.float32):
+        return "cpu_flash"
+    return "math"  # fp64 references; meta tensors in a rehearsal
+
+
+def block_kernel(name: str, q: torch.Tensor) -> BlockKernel:
+    """The kernel ``name`` ('auto' or a registered name) runs for ``q``; 'auto' chooses by device and dtype."""
+    chosen = _auto(q) if name == "auto" else name
+    if chosen not in _KERNELS:
+        raise ValueError(f"unknown ring attention block kernel {name!r}; registered: {sorted(_KERNELS)} "
+                         f"(add one with register_block_kernel)")
+    return _KERNELS[chosen]
