@@ -53,6 +53,7 @@ class GPTBatch:
     loss_mask: torch.Tensor  # [b, s] float32, 0 where no loss is taken
     position_ids: torch.Tensor  # [b, s] int64
     attention_mask: Optional[torch.Tensor]  # [b, 1, s, s] bool, True = masked; None = plain causal
+    dropout_keys: Optional[torch.Tensor] = None  # [b] int64 samples' keys of position-keyed dropout
 
 
 def build_batch(text: torch.Tensor, eod: Optional[int], reset_position_ids: bool = False,

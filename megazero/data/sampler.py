@@ -69,11 +69,28 @@ class MegatronPretrainingSampler:
             yield list(range(first, min(first + self.micro_batch_size, self.total_samples)))
 
 
+class _WithIndex(torch.utils.data.Dataset):
+    """``dataset``'s samples with their index in it, which keys position-keyed dropout per sample."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.dataset[i], "index": i}
+
+
 def collate_text(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """``[{"text": int array [seq+1]}, ...]`` -> ``{"text": LongTensor [b, seq+1]}``."""
+    """``[{"text": int array [seq+1], "index": int (optional)}, ...]`` -> ``{"text": LongTensor [b, seq+1]}``
+    and, when the samples carry it, ``"index"``: LongTensor [b], their indices in the dataset."""
     if not samples:
         return {"text": torch.empty(0, 0, dtype=torch.long)}
-    return {"text": torch.from_numpy(np.stack([np.asarray(s["text"], dtype=np.int64) for s in samples]))}
+    out = {"text": torch.from_numpy(np.stack([np.asarray(s["text"], dtype=np.int64) for s in samples]))}
+    if "index" in samples[0]:
+        out["index"] = torch.tensor([s["index"] for s in samples], dtype=torch.long)
+    return out
 
 
 def build_pretraining_data_loader(
@@ -87,8 +104,9 @@ def build_pretraining_data_loader(
     drop_last: bool = True,
     device=None,
 ) -> torch.utils.data.DataLoader | None:
-    """DataLoader over ``dataset`` yielding ``{"text": LongTensor [micro_batch, seq+1]}``
-    for this DP rank, starting after ``consumed_samples``. None for a None dataset.
+    """DataLoader over ``dataset`` yielding ``{"text": LongTensor [micro_batch, seq+1], "index":
+    LongTensor [micro_batch]}`` (the samples' indices in ``dataset``) for this DP rank, starting after
+    ``consumed_samples``. None for a None dataset.
 
     ``device`` is where the batches go (with :func:`megazero.data.batch.to_device`): the
     batches are pinned for a CUDA device only. Without it, they are pinned when CUDA exists.
@@ -103,7 +121,7 @@ def build_pretraining_data_loader(
     # A private generator: creating the iterator draws a seed from it, and drawing from the
     # global one would shift dropout masks after a checkpoint restores the RNG (inexact resume).
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_text,
+        _WithIndex(dataset), batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_text,
         generator=torch.Generator().manual_seed(0),
         pin_memory=torch.cuda.is_available() if device is None else pin_memory_for(device),
         persistent_workers=num_workers > 0,

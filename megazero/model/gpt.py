@@ -18,7 +18,10 @@ and the loss equals that of an unpadded model (and of the exported HF model).
 
 Dropout: replicated activations use the default generator; attention dropout and
 sequence-parallel hidden dropout use the model-parallel stream, so training with
-dropout > 0 needs ``mpu.model_parallel_manual_seed(seed)`` first.
+dropout > 0 needs ``mpu.model_parallel_manual_seed(seed)`` first. With
+``dropout_rng='position'`` hidden-dropout masks are keyed by (sample, token index, feature,
+site) instead (``keyed_dropout.py``), the same at every layout: forward then takes the
+samples' keys.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
 from .config import GPTConfig
 from .cp_attention import ContextParallel
+from .keyed_dropout import DropoutKey
 from .norms import build_norm
 from .rope import RotaryEmbedding
 from .transformer import TransformerLayer, dropout, init_methods
@@ -126,7 +130,7 @@ class GPTModel(torch.nn.Module):
                                                       params_dtype=c.params_dtype, device="meta", init_method=init)
                                     if c.position_embedding_type == "learned" and pre_process else None)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
-        self.layers = torch.nn.ModuleList(TransformerLayer(c, **kw) for _ in layers)
+        self.layers = torch.nn.ModuleList(TransformerLayer(c, number=i, **kw) for i in layers)
         self.final_norm = build_norm(c, **kw) if post_process else None
         # Tied: the output layer owns no weight and is handed the embedding's (Megatron-core's way).
         self.output_layer = (mpu.ColumnParallelLinear(
@@ -150,7 +154,8 @@ class GPTModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                context_parallel: Optional[ContextParallel] = None) -> torch.Tensor:
+                context_parallel: Optional[ContextParallel] = None,
+                dropout_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` -> per-token fp32 loss ``[b, s]`` if ``labels`` (``-100`` = ignored),
         else this rank's vocab-parallel logits ``[b, s, padded_vocab/tp]``.
 
@@ -165,7 +170,7 @@ class GPTModel(torch.nn.Module):
             _check_context_parallel(self.config, position_ids, self.training)
         c = self.config
         if not self.pre_process:
-            return self._stage_forward(position_ids, attention_mask, labels, context_parallel)
+            return self._stage_forward(position_ids, attention_mask, labels, context_parallel, dropout_keys)
         b, s = input_ids.shape
         if c.position_embedding_type == "learned" and s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({c.max_position_embeddings})")
@@ -182,15 +187,31 @@ class GPTModel(torch.nn.Module):
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.sequence_parallel:
             x = mpu.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-        x = dropout(x, c.hidden_dropout, self.training, self.sequence_parallel)
+        key = self._dropout_key(x, dropout_keys, context_parallel)
+        x = dropout(x, c.hidden_dropout, self.training, self.sequence_parallel, key, site=0)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
 
-        x = self._run_layers(x, rotary, attention_mask, context_parallel)
+        x = self._run_layers(x, rotary, attention_mask, context_parallel, key)
         if not self.post_process:
             return x  # [s(/tp), b, h] for the next pipeline stage
         return self._head(x, labels)
 
-    def _stage_forward(self, position_ids, attention_mask, labels, cp=None) -> torch.Tensor:
+    def _dropout_key(self, x: torch.Tensor, keys: Optional[torch.Tensor],
+                     cp: Optional[ContextParallel]) -> Optional[DropoutKey]:
+        """The forward's keyed-dropout key for activations ``x`` ``[rows, b, h]`` (None when not keyed)."""
+        c = self.config
+        if c.dropout_rng != "position" or not self.training or c.hidden_dropout == 0:
+            return None
+        if keys is None:
+            raise ValueError("position-keyed dropout (dropout_rng='position') needs dropout_keys: the samples' "
+                             "keys (keyed_dropout.sample_keys(seed, sample indices)) for each forward in training")
+        n = x.size(0) * (self.tp_size if self.sequence_parallel else 1)
+        rows = cp.shard.positions if cp is not None else torch.arange(n, device=x.device)  # index in the sequence
+        if self.sequence_parallel:
+            rows = rows[self.tp_rank * x.size(0):(self.tp_rank + 1) * x.size(0)]
+        return DropoutKey(samples=keys, rows=rows)
+
+    def _stage_forward(self, position_ids, attention_mask, labels, cp=None, dropout_keys=None) -> torch.Tensor:
         """A later pipeline stage: start from the hidden states handed over by ``set_input_tensor``."""
         x, self._input_tensor = self._input_tensor, None
         if x is None:
@@ -200,7 +221,7 @@ class GPTModel(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=x.device)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        x = self._run_layers(x, rotary, attention_mask, cp)
+        x = self._run_layers(x, rotary, attention_mask, cp, self._dropout_key(x, dropout_keys, cp))
         return self._head(x, labels) if self.post_process else x
 
     def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
@@ -214,12 +235,12 @@ class GPTModel(torch.nn.Module):
                                                 vocab_size=c.vocab_size, inplace=True)  # [s, b] fp32
         return loss.t().contiguous()
 
-    def _run_layers(self, x: torch.Tensor, rotary, attention_mask, cp=None) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rotary, attention_mask, cp=None, key=None) -> torch.Tensor:
         c = self.config
 
         def run(layers, h):
             for layer in layers:
-                h = layer(h, rotary, attention_mask, cp)
+                h = layer(h, rotary, attention_mask, cp, key)
             return h
 
         if not (c.recompute_granularity == "full" and self.training and torch.is_grad_enabled()):
@@ -231,7 +252,7 @@ class GPTModel(torch.nn.Module):
                 x = mpu.checkpoint(lambda h, chunk=chunk: run(chunk, h), x)
             return x
         for i, layer in enumerate(self.layers):  # 'block': checkpoint only the first k layers
-            x = mpu.checkpoint(lambda h, layer=layer: run([layer], h), x) if i < k else layer(x, rotary, attention_mask, cp)
+            x = mpu.checkpoint(lambda h, layer=layer: run([layer], h), x) if i < k else run([layer], x)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,6 +269,10 @@ def _check_context_parallel(config: GPTConfig, position_ids: Optional[torch.Tens
     if position_ids is None:
         raise ValueError("a context-parallel forward needs position_ids: the global positions of this rank's tokens "
                          "(the layout's positions), or positions, rotary angles and masks would be the chunk's own")
-    if training and (config.hidden_dropout > 0 or config.attention_dropout > 0):
-        raise NotImplementedError("dropout under context parallelism is not keyed by the global position yet; set "
-                                  "--hidden-dropout 0 --attention-dropout 0 (or run without context parallelism)")
+    if training and config.attention_dropout > 0:
+        raise NotImplementedError("attention dropout under context parallelism: the fused attention kernels draw "
+                                  "masks of their own, which depend on the split; set --attention-dropout 0")
+    if training and config.hidden_dropout > 0 and config.dropout_rng != "position":
+        raise NotImplementedError("hidden dropout under context parallelism needs masks keyed by position "
+                                  "(dropout_rng='position', --dropout-rng position), or torch's masks would "
+                                  "depend on the split")

@@ -35,6 +35,7 @@ from .attention import core_attention
 from .cp_attention import ContextParallel, context_parallel_attention
 from .config import GPTConfig
 from .norms import build_norm
+from .keyed_dropout import DropoutKey, keyed_dropout
 from .rope import apply_rotary
 
 __all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinear", "dropout", "init_methods"]
@@ -42,12 +43,16 @@ __all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinea
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
-    """Hidden dropout. Sequence-parallel shards hold different tokens on each TP rank,
-    so their masks come from the model-parallel RNG stream; replicated activations use
-    the default generator (identical on all TP ranks, as the math requires)."""
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
+            key: Optional[DropoutKey] = None, site: int = 0) -> torch.Tensor:
+    """Hidden dropout. With ``key``, keyed by position at ``site`` (``keyed_dropout.py``). Otherwise
+    sequence-parallel shards hold different tokens on each TP rank, so their masks come from the
+    model-parallel RNG stream; replicated activations use the default generator (identical on all
+    TP ranks, as the math requires)."""
     if not training or p == 0.0:
         return x
+    if key is not None:
+        return keyed_dropout(x, p, key, site)
     with mpu.get_rng_tracker().fork(device=x.device) if sequence_parallel else contextlib.nullcontext():
         return F.dropout(x, p)
 
@@ -169,9 +174,12 @@ class MLP(torch.nn.Module):
 class TransformerLayer(torch.nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+                 number: int = 0) -> None:
+        """``number``: the layer's index in the whole model (its keyed-dropout sites are 2n+1 and 2n+2)."""
         super().__init__()
         kw = dict(tp_group=tp_group, tp_size=tp_size, device=device)
+        self.number = number
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         self.input_layernorm = build_norm(config, **kw)
@@ -180,7 +188,9 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = MLP(config, **kw)
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
-                cp: Optional[ContextParallel] = None) -> torch.Tensor:
-        drop = lambda t: dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp))
-        return x + drop(self.mlp(self.pre_mlp_layernorm(x)))
+                cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
+        def drop(t: torch.Tensor, site: int) -> torch.Tensor:
+            return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel, dropout_key, site)
+
+        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp), 2 * self.number + 1)
+        return x + drop(self.mlp(self.pre_mlp_layernorm(x)), 2 * self.number + 2)

@@ -163,10 +163,11 @@ class PipelineStage:
         last = self.runner.is_last(chunk)
         if x is not None:
             self.chunks[chunk].set_input_tensor(x)
-        cp = getattr(mb, "context_parallel", None)
+        # Passed only when set: a model without context parallelism or keyed dropout need not take them.
+        extra = {name: getattr(mb, name) for name in ("context_parallel", "dropout_keys")
+                 if getattr(mb, name, None) is not None}
         out = self._forward(chunk, tokens if x is None else None, position_ids=position_ids,
-                            attention_mask=attention_mask, labels=labels if last else None,
-                            **({"context_parallel": cp} if cp is not None else {}))
+                            attention_mask=attention_mask, labels=labels if last else None, **extra)
         return self.loss_fn(out, mb) if last else out
 
     def _set_accumulation(self, m: int) -> None:

@@ -25,6 +25,7 @@ from .. import mpu, zero
 from ..data import GPTBatch, build_batch, masked_mean, to_device
 from ..model.cp_attention import ContextParallel
 from ..model.cp_layout import zigzag_layout
+from ..model.keyed_dropout import sample_keys
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig
@@ -69,7 +70,7 @@ def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel) -> ContextPara
     positions = b.position_ids[:, pos] if b.position_ids is not None else pos
     return ContextParallelBatch(tokens=b.tokens[:, pos], labels=b.labels[:, pos], loss_mask=b.loss_mask[:, pos],
                                 position_ids=positions, attention_mask=b.attention_mask, context_parallel=ctx,
-                                loss_tokens=b.loss_mask.float().sum())
+                                dropout_keys=b.dropout_keys, loss_tokens=b.loss_mask.float().sum())
 
 
 def _chunk_index(args: tuple, kwargs: dict) -> int:
@@ -99,13 +100,19 @@ class TrainModel:
     def is_last_stage(self) -> bool:
         return self.stage.is_last_stage
 
-    def micro_batch(self, text: torch.Tensor, eod: Optional[int]):
-        """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch."""
+    def micro_batch(self, text: torch.Tensor, eod: Optional[int], index: Optional[torch.Tensor] = None):
+        """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch;
+        with position-keyed dropout also the samples' keys, from their dataset ``index`` (the loader's)."""
         d = self.config.data
         b = build_batch(to_device(text, self.device), eod, d.reset_position_ids, d.reset_attention_mask,
                         d.eod_mask_loss)
         # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
         b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
+        if self.config.model.dropout_rng == "position":
+            if index is None:
+                raise ValueError("position-keyed dropout needs each sample's index in the dataset: the loader's "
+                                 "batches carry it as 'index' (build_pretraining_data_loader)")
+            b = dataclasses.replace(b, dropout_keys=sample_keys(self.config.seed, to_device(index, self.device)))
         if self.groups.cp_size > 1:
             s = b.tokens.size(1)
             if s not in self._cp_contexts:  # the layout depends on the length only: built once, not per micro-batch
@@ -123,7 +130,8 @@ class TrainModel:
     def train_step(self, batches: list[dict], eod: Optional[int],
                    lap: Optional[Callable[[str], None]] = None) -> tuple[torch.Tensor, bool]:
         """One iteration over the loader's ``batches``: ``(local loss on the device, updated)``."""
-        losses, updated = self.stage.train_step([self.micro_batch(b["text"], eod) for b in batches], lap)
+        micro_batches = [self.micro_batch(b["text"], eod, b.get("index")) for b in batches]
+        losses, updated = self.stage.train_step(micro_batches, lap)
         return self._local_mean(losses), updated
 
     @torch.no_grad()
@@ -131,7 +139,7 @@ class TrainModel:
         """Forward only through the pipeline: the local mean loss on the device."""
         self.engine.eval()
         try:
-            losses = self.stage.forward_only([self.micro_batch(b["text"], eod) for b in batches])
+            losses = self.stage.forward_only([self.micro_batch(b["text"], eod, b.get("index")) for b in batches])
         finally:
             self.engine.train()
         return self._local_mean(losses)

@@ -1,6 +1,6 @@
 """pretrain_gpt.py with --context-parallel-size, compared with the one-process run of the same flags:
-per-iteration loss and grad norm within 2e-5 (fp32, dropout 0), for each exchange; and the
-refusals at parse time."""
+per-iteration loss and grad norm within 2e-5 (fp32), for each exchange, with dropout 0 and with hidden
+dropout keyed by position; and the refusals at parse time."""
 
 from __future__ import annotations
 
@@ -32,9 +32,36 @@ def test_context_parallel_equals_one_process(data, one_process, tmp_path, comm_t
     assert_same_run(got, one_process, what=f"cp 2 {comm_type} world {world}")
 
 
+DROPOUT = ("--hidden-dropout", "0.1", "--dropout-rng", "position")
+
+
+@pytest.fixture(scope="module")
+def one_process_dropout(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", *DROPOUT),
+                  tmp_path_factory.mktemp("cp1_dropout"), "cp1_dropout")
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--cp-comm-type", "p2p"]),
+    (4, ["--cp-comm-type", "p2p", "--tp", "2", "--sequence-parallel"]),  # SP slices the CP rows again
+    (4, ["--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"]),
+])
+def test_hidden_dropout_keyed_by_position_equals_one_process(data, one_process, one_process_dropout, tmp_path,  # noqa: F811
+                                                              world, extra):
+    # The masks are a function of (sample, token index, feature, site): cp 2 (with SP, with pipeline
+    # stages and another micro-batch size) applies the one-process run's masks, so its losses follow.
+    args = flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", *DROPOUT,
+                 "--context-parallel-size", "2", *extra)
+    got = launch(world, args, tmp_path, "cp2_dropout")
+    assert_same_run(got, one_process_dropout, what=f"cp 2 with keyed dropout, world {world} {extra}")
+    assert all(abs(one_process_dropout[it]["lm_loss"] - one_process[it]["lm_loss"]) > 1e-4 for it in one_process), \
+        "dropout 0.1 left the losses unchanged: the masks are not applied"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--seq-length", "18", "--max-position-embeddings", "18"], "not divisible by 2 x --context-parallel-size"),
-    (["--hidden-dropout", "0.1"], "dropout"),
+    (["--attention-dropout", "0.1"], "set --attention-dropout 0"),
+    (["--hidden-dropout", "0.1", "--dropout-rng", "stream"], "use --dropout-rng position"),
     (["--cp-comm-type", "a2a", "--num-attention-heads", "6", "--hidden-size", "48", "--context-parallel-size", "4"],
      "a2a"),
     (["--cp-comm-type", "p2p", "--reset-attention-mask"], "reset-attention-mask"),

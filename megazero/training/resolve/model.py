@@ -193,6 +193,9 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]
     kw.update({k: v for k, v in forced.items() if k in fields})
+    # Context parallelism splits each sequence: only position-keyed masks survive that unchanged.
+    kw["dropout_rng"] = ns.dropout_rng or ("position" if par.cp > 1 and not kw.get("attention_dropout", 0.1)
+                                           else "stream")
     kw["vocab_padding_tp"] = par.tp  # Megatron pads to make_vocab_size_divisible_by x tp
     if check_files:
         keep_saved_vocab_padding(ns, kw, par.tp, notes)

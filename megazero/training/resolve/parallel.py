@@ -145,9 +145,14 @@ def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, reset_attent
     if s % (2 * cp):
         raise ConfigError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
                           f"sequence is split into 2 x cp balanced chunks); use a multiple of {2 * cp}")
-    if model.hidden_dropout > 0 or model.attention_dropout > 0:
-        raise ConfigError("context parallelism does not key dropout by the global token position yet: set "
-                          "--hidden-dropout 0 --attention-dropout 0 (or drop --context-parallel-size)")
+    if model.attention_dropout > 0:
+        raise ConfigError(f"--attention-dropout {model.attention_dropout} with --context-parallel-size {cp}: the fused "
+                          "attention kernels draw masks of their own, which would depend on the split; set "
+                          "--attention-dropout 0 (hidden dropout is keyed by position and stays)")
+    if model.hidden_dropout > 0 and model.dropout_rng != "position":
+        raise ConfigError(f"--dropout-rng {model.dropout_rng} with --hidden-dropout {model.hidden_dropout} and "
+                          f"--context-parallel-size {cp}: torch's masks would depend on the split; use "
+                          "--dropout-rng position (the default under context parallelism) or --hidden-dropout 0")
     heads, groups = model.num_attention_heads // par.tp, model.query_groups // par.tp
     if par.cp_comm_type == "a2a":
         from megazero.model.cp_attention import a2a_head_split

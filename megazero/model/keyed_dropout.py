@@ -1,0 +1,92 @@
+"""Hidden dropout keyed by position: a mask that is a function of the sample, the token's place in the
+sequence, the feature and the dropout site, never of how the batch is split over ranks.
+
+torch's dropout draws a mask for the tensor a rank holds, in the order it holds it: split the sequence
+over context-parallel ranks (or over tensor-parallel ranks by sequence parallelism, or the batch over
+data-parallel ranks) and the masks change. Here element (token t of sample n, feature j) at site ``site``
+is kept when ``hash(key_n, site, t, j)`` clears the threshold, where ``key_n`` is the sample's key
+(:func:`sample_keys`: the run's seed and the sample's index in the dataset) and ``t`` the token's index in
+the whole sequence. Any rank computes the mask of exactly the elements it holds, so cp 2 applies the
+masks cp 1 does, bit for bit, and so does any tp x sp x pp x dp or micro-batch size. The mask is
+recomputed in backward rather than saved. The hash is 32-bit integer arithmetic on int64 tensors, the
+same bits on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DropoutKey", "sample_keys", "keyed_mask", "keyed_dropout"]
+
+_M32 = 0xFFFFFFFF
+_CHUNK = 1 << 22  # elements hashed at a time: bounds the int64 temporaries to 32 MiB each
+_THRESHOLD_BITS = 24
+
+
+def _mix32(x):
+    """A 32-bit integer finalizer (Wellons' lowbias32) on an int or an int64 tensor holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def sample_keys(seed: int, sample_ids: torch.Tensor) -> torch.Tensor:
+    """``[b]`` int64 keys (< 2^32) of the samples with dataset indices ``sample_ids``, for the run's ``seed``;
+    computed where ``sample_ids`` lives (no host copy)."""
+    ids = sample_ids.to(torch.int64)
+    return _mix32(_mix32((ids & _M32) ^ _mix32(seed & _M32)) ^ ((ids >> 32) & _M32) ^ _mix32((seed >> 32) & _M32))
+
+
+@dataclass(frozen=True)
+class DropoutKey:
+    """What keys one forward's hidden-dropout masks: ``samples`` ``[b]`` the samples' keys
+    (:func:`sample_keys`), ``rows`` ``[s_rows]`` the index in the whole sequence of each row (dim 0) of the
+    activations this rank holds (its context-parallel tokens, its sequence-parallel slice of them)."""
+
+    samples: torch.Tensor
+    rows: torch.Tensor
+
+
+def keyed_mask(key: DropoutKey, site: int, features: int, p: float) -> torch.Tensor:
+    """The keep mask ``[s_rows, b, features]`` (bool) of dropout with probability ``p`` at ``site``."""
+    site_key = _mix32((site * 0x9E3779B1 + 0x632BE5AB) & _M32)
+    rows = _mix32((key.rows.to(torch.int64) & _M32) ^ site_key)  # [s]
+    row_keys = _mix32(rows[:, None] ^ key.samples[None, :])  # [s, b]
+    cols = _mix32(torch.arange(features, dtype=torch.int64, device=rows.device) ^ 0xB5297A4D)  # [h]
+    threshold = round(p * (1 << _THRESHOLD_BITS))
+    s, b = row_keys.shape
+    keep = torch.empty(s, b, features, dtype=torch.bool, device=rows.device)
+    step = max(1, _CHUNK // max(1, b * features))
+    for lo in range(0, s, step):
+        u = _mix32(row_keys[lo:lo + step, :, None] ^ cols)
+        torch.ge(u >> (32 - _THRESHOLD_BITS), threshold, out=keep[lo:lo + step])
+    return keep
+
+
+class _KeyedDropout(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, key, site, p):
+        ctx.key, ctx.site, ctx.p = key, site, p
+        return x * keyed_mask(key, site, x.size(-1), p).to(x.dtype) * (1.0 / (1.0 - p))
+
+    @staticmethod
+    def backward(ctx, grad):
+        mask = keyed_mask(ctx.key, ctx.site, grad.size(-1), ctx.p)
+        return grad * mask.to(grad.dtype) * (1.0 / (1.0 - ctx.p)), None, None, None
+
+
+def keyed_dropout(x: torch.Tensor, p: float, key: DropoutKey, site: int) -> torch.Tensor:
+    """Dropout of ``x`` ``[s_rows, b, features]`` with the masks ``key`` and ``site`` give (see the module)."""
+    if x.dim() != 3 or x.size(0) != key.rows.numel() or x.size(1) != key.samples.numel():
+        raise ValueError(f"keyed dropout expects [rows, batch, features] with {key.rows.numel()} rows and "
+                         f"{key.samples.numel()} samples (the key's), got {tuple(x.shape)}")
+    if p <= 0.0:
+        return x
+    if p >= 1.0:
+        raise ValueError(f"dropout probability must be below 1, got {p}")
+    return _KeyedDropout.apply(x, key, site, p)
