@@ -21,6 +21,7 @@ to causality) is given for the *global* sequence in global order: ``[b, 1, S, S]
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.model.attention import core_attention, resolve_backend
-from megazero.model.cp_layout import CPLayout
+from megazero.model.cp_layout import CPLayout, zigzag_document_layout
 from megazero.model.ring_attention import ring_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
@@ -238,14 +239,16 @@ def allgather_elements(seq: int, groups: int, head_dim: int, cp: int, batch: int
 class ContextParallel:
     """What a model's attention needs to run context-parallel for one batch: the CP ``group``, the
     exchange (``comm_type``: ``p2p`` ring, ``a2a`` or ``allgather``), where this rank's tokens sit
-    (``shard``; the ring also needs the ``layout`` they were split by, documents included), built
-    once per batch. The model's position ids must be the tokens' global positions."""
+    (``shard``; the ring also needs the ``layout`` they were split by, documents included, or one
+    layout per sample: :meth:`with_documents`). The model's position ids must be the tokens' global
+    positions."""
 
     group: Optional[dist.ProcessGroup]
     comm_type: str
     shard: SequenceShard
     layout: Optional[CPLayout] = None
     counter: Optional[object] = None  # CommCounter (a2a, allgather) or RingStats (p2p)
+    sample_layouts: Optional[tuple[CPLayout, ...]] = None  # the ring's per-sample documents
 
     def __post_init__(self) -> None:
         if self.comm_type not in COMM_TYPES:
@@ -262,6 +265,18 @@ class ContextParallel:
         shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(layout.cp_size)], rank)
         return cls(group, comm_type, shard if device is None else shard.to(device), layout, counter)
 
+    def with_documents(self, cu_seqlens: Sequence[Sequence[int]]) -> "ContextParallel":
+        """This context for a batch of packed documents, ``cu_seqlens`` per sample ([0, end of doc 0, ...,
+        S]): the ring's blocks are cut at each sample's document boundaries (zigzag placement kept, so the
+        same tokens stay on this rank). The all-to-all and all-gather exchanges take the mask instead."""
+        if self.comm_type != "p2p":
+            raise ValueError(f"per-sample document layouts are the ring's; {self.comm_type} takes an attention mask")
+        layouts = tuple(zigzag_document_layout(cu, self.layout.cp_size) for cu in cu_seqlens)
+        if any(x.seq_len != self.layout.seq_len for x in layouts):
+            raise ValueError(f"documents must cover the {self.layout.seq_len} tokens of the sequence, got "
+                             f"{[x.seq_len for x in layouts]}")
+        return dataclasses.replace(self, sample_layouts=layouts)
+
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
                                backend: str = "auto", dropout_p: float = 0.0,
@@ -274,11 +289,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return kernel(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
                       attention_mask=attention_mask, counter=cp.counter)
     if attention_mask is not None:
-        raise ValueError("the p2p (ring) exchange takes packed documents from its layout (document_layout), "
-                         "not from an attention mask; pass the layout and no mask, or use a2a / allgather")
+        raise ValueError("the p2p (ring) exchange takes packed documents from its layouts "
+                         "(ContextParallel.with_documents), not from an attention mask; pass no mask")
     if dropout_p > 0:
         raise NotImplementedError("attention dropout inside the ring is not supported; set --attention-dropout 0")
-    return ring_attention(q, k, v, cp.layout, cp.group, stats=cp.counter,
+    return ring_attention(q, k, v, cp.sample_layouts or cp.layout, cp.group, stats=cp.counter,
                           kernel="math" if backend == "math" else "auto")
 
 

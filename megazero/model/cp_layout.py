@@ -15,12 +15,13 @@ work; :func:`work_per_rank` counts the query-key pairs those blocks compute.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["CPLayout", "Block", "zigzag_layout", "document_layout", "contiguous_layout",
+__all__ = ["CPLayout", "Block", "zigzag_layout", "document_layout", "zigzag_document_layout", "contiguous_layout",
            "cu_seqlens_from_document_ids", "split_for_rank", "gather_from_ranks", "plan_blocks",
            "work_per_rank"]
 
@@ -98,6 +99,29 @@ def document_layout(cu_seqlens: Sequence[int], cp_size: int) -> CPLayout:
     runs = tuple(tuple(run for d, (a, b) in enumerate(zip(cu, cu[1:])) for run in _chunk_runs(d, a, b - a, r, cp_size))
                  for r in range(cp_size))
     return CPLayout(cu[-1], cp_size, runs)
+
+
+def zigzag_document_layout(cu_seqlens: Sequence[int], cp_size: int) -> CPLayout:
+    """Packed documents of any lengths on the zigzag placement: rank ``r`` holds the tokens
+    :func:`zigzag_layout` gives it, and its runs are cut at the document boundaries ``cu_seqlens``
+    ([0, end of doc 0, ..., S]), so the ring masks across documents. Documents need no padding; the
+    work per rank then depends on where the documents fall (:func:`work_per_rank` says how much)."""
+    cu = [int(x) for x in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu}")
+    base = zigzag_layout(cu[-1], cp_size)
+    runs = []
+    for rank_runs in base.runs:
+        cut: list[Run] = []
+        for _, start, n in rank_runs:
+            at = start
+            while at < start + n:
+                doc = bisect.bisect_right(cu, at) - 1
+                end = min(cu[doc + 1], start + n)
+                cut.append((doc, at, end - at))
+                at = end
+        runs.append(tuple(cut))
+    return CPLayout(cu[-1], cp_size, tuple(runs))
 
 
 def contiguous_layout(seq_len: int, cp_size: int) -> CPLayout:

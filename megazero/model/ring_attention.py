@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,8 +90,8 @@ def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk: Block, out: torch.
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, layout, scale, kernel, stats):
-        size = layout.cp_size
+    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats):
+        size = layouts[0].cp_size
         ring = _Ring(group, rank, size) if size > 1 else None
         s, b, h, d = q.shape
         acc = acc_dtype(q.dtype)
@@ -103,24 +103,25 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works, sent = ring.exchange(cur, tag=0)
                 _count(stats, forward_bytes_sent=sent)
             kt, vt = _bhsd(cur[0]), _bhsd(cur[1])
-            for blk in plan_blocks(layout.runs[rank], layout.runs[(rank - step) % size]):
-                o, lse = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
-                                        vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale)
-                _merge(acc_out, acc_lse, blk, o, lse)
-                _count(stats, forward_pairs=blk.pairs)
+            for bs, layout in _by_sample(layouts):
+                for blk in plan_blocks(layout.runs[rank], layout.runs[(rank - step) % size]):
+                    o, lse = kernel.forward(qt[bs, :, blk.q_lo:blk.q_hi], kt[bs, :, blk.k_lo:blk.k_hi],
+                                            vt[bs, :, blk.k_lo:blk.k_hi], blk.causal, scale)
+                    _merge(acc_out[bs], acc_lse[bs], blk, o, lse)
+                    _count(stats, forward_pairs=blk.pairs)
             if step < size - 1:
                 _wait(works)
                 cur = nxt
         out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * d)
         lse = acc_lse if acc == torch.float64 else acc_lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.rank, ctx.layout, ctx.scale, ctx.kernel, ctx.stats = ring, rank, layout, scale, kernel, stats
+        ctx.ring, ctx.rank, ctx.layouts, ctx.scale, ctx.kernel, ctx.stats = ring, rank, layouts, scale, kernel, stats
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, rank, layout, stats, size = ctx.ring, ctx.rank, ctx.layout, ctx.stats, ctx.layout.cp_size
+        ring, rank, stats, size = ctx.ring, ctx.rank, ctx.stats, ctx.layouts[0].cp_size
         s, b, h, d = q.shape
         acc = acc_dtype(q.dtype)
         qt, dot, ot = _bhsd(q), _bhsd(grad_out.reshape(s, b, h, d)), _bhsd(out.reshape(s, b, h, d))
@@ -130,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 nxt, kv_works, sent = ring.exchange(cur, tag=0)
                 _count(stats, backward_bytes_sent=sent)
-            dkv = _block_grads(ctx, layout.runs[rank], layout.runs[(rank - step) % size], cur, qt, dot, ot, lse, dq)
+            dkv = _block_grads(ctx, (rank - step) % size, cur, qt, dot, ot, lse, dq)
             if dkv_in is not None:  # the accumulators of this block from the ranks it has visited
                 _wait(dkv_works)
                 dkv[0].add_(dkv_in[0])
@@ -148,33 +149,50 @@ class _RingAttention(torch.autograd.Function):
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def _block_grads(ctx, q_runs, k_runs, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the blocks' dq into ``dq``; return this key/value block's (dk, dv) ``[s, b, groups, d]`` in fp32/fp64."""
+def _block_grads(ctx, src: int, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the blocks' dq against rank ``src``'s key/value block ``kv`` into ``dq``; return that block's
+    (dk, dv) ``[s, b, groups, d]`` in fp32/fp64."""
     dk, dv = (torch.zeros(t.shape, dtype=dq.dtype, device=dq.device) for t in kv)
     kt, vt, dkt, dvt = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dk), _bhsd(dv)
-    for blk in plan_blocks(q_runs, k_runs):
-        rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
-        g = ctx.kernel.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols],
-                                ot[:, :, rows], lse[:, :, rows], blk.causal, ctx.scale)
-        dq[:, :, rows] += g[0]
-        dkt[:, :, cols] += g[1]
-        dvt[:, :, cols] += g[2]
-        _count(ctx.stats, backward_pairs=blk.pairs)
+    for bs, layout in _by_sample(ctx.layouts):
+        for blk in plan_blocks(layout.runs[ctx.rank], layout.runs[src]):
+            rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
+            g = ctx.kernel.backward(dot[bs, :, rows], qt[bs, :, rows], kt[bs, :, cols], vt[bs, :, cols],
+                                    ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale)
+            dq[bs, :, rows] += g[0]
+            dkt[bs, :, cols] += g[1]
+            dvt[bs, :, cols] += g[2]
+            _count(ctx.stats, backward_pairs=blk.pairs)
     return dk, dv
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,
+def _by_sample(layouts: tuple[CPLayout, ...]):
+    """(batch slice, layout) pairs: one layout for the whole batch, or one per sample (its documents)."""
+    if len(layouts) == 1:
+        return [(slice(None), layouts[0])]
+    return [(slice(i, i + 1), layout) for i, layout in enumerate(layouts)]
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout | Sequence[CPLayout],
                    group: Optional[dist.ProcessGroup] = None, *, softmax_scale: Optional[float] = None,
                    kernel: str = "auto", stats: Optional[RingStats] = None) -> torch.Tensor:
     """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
 
     q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]`` hold the tokens ``layout`` assigns to this
-    rank of ``group`` (``layout.cp_size`` ranks; None: the default group). Returns ``[s_local, b, heads * d]``,
-    the rows of the full attention for those tokens; gradients flow to q, k, v. ``softmax_scale``
-    defaults to 1/sqrt(d). Every rank of the group must call it with the same layout and shapes.
+    rank of ``group`` (``layout.cp_size`` ranks; None: the default group). ``layout`` is one layout for the
+    batch, or one per sample (packed documents differ between samples), all placing the tokens alike.
+    Returns ``[s_local, b, heads * d]``, the rows of the full attention for those tokens; gradients flow
+    to q, k, v. ``softmax_scale`` defaults to 1/sqrt(d). Every rank of the group must call it with the
+    same layouts and shapes.
     """
+    layouts = (layout,) if isinstance(layout, CPLayout) else tuple(layout)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if len(layouts) not in (1, q.size(1)) or any(x.cp_size != layouts[0].cp_size or x.local_len != layouts[0].local_len
+                                                  for x in layouts):
+        raise ValueError(f"{len(layouts)} layouts for a batch of {q.size(1)}: give one layout, or one per sample "
+                         f"with the same CP size and tokens per rank")
+    layout = layouts[0]
     if layout.cp_size != size:
         raise ValueError(f"layout is for {layout.cp_size} context-parallel ranks but the group has {size}; "
                          f"build the layout with the group's size")
@@ -187,4 +205,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
         raise ValueError(f"this rank holds {q.size(0)} tokens but the layout gives each rank {layout.local_len} "
                          f"(of {layout.seq_len}); split the sequence with split_for_rank and the same layout")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
-    return _RingAttention.apply(q, k, v, group, rank, layout, scale, block_kernel(kernel, q), stats)
+    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, block_kernel(kernel, q), stats)

@@ -108,7 +108,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     schedule = resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     resolve_pipeline(ns, parallel, model, schedule)
-    resolve_context_parallel(parallel, model, data.reset_attention_mask)
+    resolve_context_parallel(parallel, model)
     checkpoint = resolve_checkpoint(ns, notes, check_files)
     logging_cfg = resolve_logging(ns, ds, notes, check_files)
     generate = GenerateConfig(prompt=ns.generate_prompt, tokens=default(ns.generate_tokens, 32))

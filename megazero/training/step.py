@@ -64,13 +64,30 @@ def context_parallel_context(seq_length: int, groups, comm_type: str, device: to
     return ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type, device=device)
 
 
-def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel) -> ContextParallelBatch:
-    """This rank's share of ``b`` under ``ctx`` (:func:`context_parallel_context`)."""
+def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel,
+                               documents: Optional[list[list[int]]] = None) -> ContextParallelBatch:
+    """This rank's share of ``b`` under ``ctx`` (:func:`context_parallel_context`). ``documents``: each
+    sample's packed documents as cu_seqlens (``--reset-attention-mask``); the ring takes them in place
+    of the attention mask."""
     pos = ctx.shard.positions
     positions = b.position_ids[:, pos] if b.position_ids is not None else pos
+    mask = b.attention_mask
+    if documents is not None and ctx.comm_type == "p2p":
+        ctx, mask = ctx.with_documents(documents), None
     return ContextParallelBatch(tokens=b.tokens[:, pos], labels=b.labels[:, pos], loss_mask=b.loss_mask[:, pos],
-                                position_ids=positions, attention_mask=b.attention_mask, context_parallel=ctx,
+                                position_ids=positions, attention_mask=mask, context_parallel=ctx,
                                 dropout_keys=b.dropout_keys, loss_tokens=b.loss_mask.float().sum())
+
+
+def document_bounds(text: torch.Tensor, eod: int) -> list[list[int]]:
+    """Each sample's packed documents as cu_seqlens, from the loader's host tokens ``[b, s + 1]``: a
+    document ends after each end-of-document token of the inputs (Megatron's reset semantics)."""
+    s = text.size(1) - 1
+    ends = (text[:, :s - 1] == eod).nonzero().tolist()  # an EOD at the last input ends nothing inside
+    cuts: list[list[int]] = [[0] for _ in range(text.size(0))]
+    for sample, i in ends:
+        cuts[sample].append(i + 1)
+    return [c + [s] for c in cuts]
 
 
 def _chunk_index(args: tuple, kwargs: dict) -> int:
@@ -104,7 +121,9 @@ class TrainModel:
         """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch;
         with position-keyed dropout also the samples' keys, from their dataset ``index`` (the loader's)."""
         d = self.config.data
-        b = build_batch(to_device(text, self.device), eod, d.reset_position_ids, d.reset_attention_mask,
+        # The ring takes each sample's documents as cut points, not as an [s, s] mask (16 GiB at 128K tokens).
+        ring = self.groups.cp_size > 1 and self.config.parallel.cp_comm_type == "p2p"
+        b = build_batch(to_device(text, self.device), eod, d.reset_position_ids, d.reset_attention_mask and not ring,
                         d.eod_mask_loss)
         # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
         b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
@@ -118,7 +137,8 @@ class TrainModel:
             if s not in self._cp_contexts:  # the layout depends on the length only: built once, not per micro-batch
                 self._cp_contexts[s] = context_parallel_context(s, self.groups, self.config.parallel.cp_comm_type,
                                                                 self.device)
-            return split_for_context_parallel(b, self._cp_contexts[s])
+            documents = document_bounds(text, eod) if d.reset_attention_mask else None  # host tokens: no sync
+            return split_for_context_parallel(b, self._cp_contexts[s], documents)
         return b
 
     def _local_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.model.cp_layout import (contiguous_layout, document_layout, split_for_rank, work_per_rank,
-                                      zigzag_layout)
+                                      zigzag_document_layout, zigzag_layout)
 from megazero.model.ring_attention import RingStats, ring_attention
 from tests.distributed import run_distributed
 from tests.helpers import assert_close, randn
@@ -161,6 +161,48 @@ def test_huge_logits_do_not_overflow_the_merge():
     """Logits in the thousands: exp() of them overflows fp32, the max-shifted merge does not."""
     for errors, _, _ in run_distributed(4, _ring_case, "documents", 128, 2, torch.float32, "auto", None, 1000.0):
         assert errors[0] <= 1e-3
+
+
+# Packed documents of any lengths (no padding to 2P), different in each sample of the batch.
+SAMPLE_DOCS = ([0, 5, 23, 24, 41, 64], [0, 37, 64])
+
+
+def _sample_documents_case(groups, dtype):
+    p, rank = dist.get_world_size(), dist.get_rank()
+    seq = SAMPLE_DOCS[0][-1]
+    layouts = [zigzag_document_layout(cu, p) for cu in SAMPLE_DOCS]
+    q, k, v, grad = _inputs(seq, groups, dtype)
+    refs = [_reference(*(t[:, i:i + 1] for t in (q, k, v)), _allowed(seq, cu), dtype) for i, cu in enumerate(SAMPLE_DOCS)]
+    ref = torch.cat(refs, dim=1)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    local = [split_for_rank(t.detach(), rank, p).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    out = ring_attention(*local, layouts, kernel="auto", stats=stats)
+    grads = torch.autograd.grad(out, local, split_for_rank(grad, rank, p))
+    tol_out, tol_grad = (1e-12, 1e-12) if dtype == torch.float64 else (1e-6, 1e-5)
+    _error(out, split_for_rank(ref.detach(), rank, p), "output", tol_out, 0.0)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _error(got, split_for_rank(want, rank, p), name, tol_grad, 0.0)
+    return stats.forward_pairs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_sample_its_own_packed_documents_on_the_zigzag_placement(world):
+    """Documents of any lengths, different per sample: the ring cuts the zigzag chunks at each sample's
+    document boundaries; every unmasked pair of each sample once."""
+    for dtype in (torch.float32, torch.float64):
+        pairs = run_distributed(world, _sample_documents_case, 2, dtype)
+        want = sum(n * (n + 1) // 2 for cu in SAMPLE_DOCS for n in torch.tensor(cu).diff().tolist())
+        assert sum(pairs) == want, (pairs, want)
+
+
+def test_zigzag_document_layout_places_tokens_as_zigzag():
+    for p in (1, 2, 4, 8):
+        cu = [0, 3, 17, 18, 40, 64]
+        docs, plain = zigzag_document_layout(cu, p), zigzag_layout(64, p)
+        for r in range(p):
+            assert torch.equal(docs.positions(r), plain.positions(r))
+            assert all(cu[d] <= start and start + n <= cu[d + 1] for d, start, n in docs.runs[r])
 
 
 def _bytes_case(seq, groups, dtype):

@@ -64,7 +64,6 @@ def test_hidden_dropout_keyed_by_position_equals_one_process(data, one_process, 
     (["--hidden-dropout", "0.1", "--dropout-rng", "stream"], "use --dropout-rng position"),
     (["--cp-comm-type", "a2a", "--num-attention-heads", "6", "--hidden-size", "48", "--context-parallel-size", "4"],
      "a2a"),
-    (["--cp-comm-type", "p2p", "--reset-attention-mask"], "reset-attention-mask"),
     (["--cp-comm-type", "p2p", "a2a"], "one exchange per layer"),
     (["--hierarchical-context-parallel-sizes", "2", "2"], "hierarchical"),
 ])
@@ -77,6 +76,30 @@ def test_impossible_context_parallel_settings_are_refused_with_the_numbers(argv,
     with pytest.raises((ConfigError, SystemExit)) as e:
         parse_args(base + argv, world_size=4, check_files=False)
     assert message in str(e.value) or isinstance(e.value, SystemExit), str(e.value)
+
+
+DOCUMENTS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+
+
+@pytest.fixture(scope="module")
+def one_process_documents(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS),
+                  tmp_path_factory.mktemp("cp1_documents"), "cp1_documents")
+
+
+@pytest.mark.parametrize("comm_type,world,extra", [
+    ("p2p", 2, []),  # each sample's documents cut the ring's blocks
+    ("a2a", 2, []),
+    ("allgather", 4, ["--pipeline-model-parallel-size", "2"]),
+])
+def test_packed_documents_equal_one_process(data, one_process, one_process_documents, tmp_path,  # noqa: F811
+                                            comm_type, world, extra):
+    args = flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS,
+                 "--context-parallel-size", "2", "--cp-comm-type", comm_type, *extra)
+    got = launch(world, args, tmp_path, f"cp2_documents_{comm_type}")
+    assert_same_run(got, one_process_documents, what=f"cp 2 {comm_type} with packed documents, world {world}")
+    assert any(abs(one_process_documents[it]["lm_loss"] - one_process[it]["lm_loss"]) > 1e-4 for it in one_process), \
+        "the document flags changed nothing: the data has no end-of-document tokens"
 
 
 def test_world_not_divisible_by_tp_cp_pp_is_refused():

@@ -136,7 +136,7 @@ def pipeline_plan_line(config: TrainConfig) -> str:
             + "; ".join(stages))
 
 
-def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, reset_attention_mask: bool) -> None:
+def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
     """What context parallelism needs of the model and the data, refused at parse time with the numbers."""
     cp = par.cp
     if cp == 1:
@@ -162,7 +162,3 @@ def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, reset_attent
         except ValueError as e:
             raise ConfigError(f"--cp-comm-type a2a with {heads} heads and {groups} key/value groups per tensor-parallel "
                               f"rank over {cp} context-parallel ranks: {e}; use --cp-comm-type p2p or allgather") from e
-    if par.cp_comm_type == "p2p" and reset_attention_mask:
-        raise ConfigError("--reset-attention-mask with --cp-comm-type p2p: the ring splits each document itself and "
-                          "the documents differ between the samples of a micro-batch; use --cp-comm-type a2a or "
-                          "allgather (they take the per-sample document masks)")
