@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from megazero.model.attention import core_attention, resolve_backend
 from megazero.model.cp_layout import CPLayout, zigzag_document_layout
-from megazero.model.ring_attention import ring_attention
+from megazero.model.ring_attention import block_attention, ring_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
 from megazero.mpu.utils import group_size
@@ -186,21 +186,28 @@ def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Te
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
                         group: Optional[dist.ProcessGroup], *, backend: str = "auto", dropout_p: float = 0.0,
                         attention_mask: Optional[torch.Tensor] = None,
-                        counter: Optional[CommCounter] = None) -> torch.Tensor:
+                        counter: Optional[CommCounter] = None, layout: Optional[CPLayout] = None) -> torch.Tensor:
     """All-gather-KV attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
 
     K/V (their ``groups`` heads, not repeated) are gathered along the sequence; backward
-    reduce-scatters dK/dV. Runs on ``sdpa`` or ``math`` with an explicit mask from the global
-    positions (flash-attn takes no such mask: ``auto`` picks sdpa, ``flash`` is refused).
+    reduce-scatters dK/dV. Given the ``layout`` the tokens were split by and no mask, each of this
+    rank's chunks attends to the keys before it and (causally) to itself through the ring's block
+    kernels (flash on CPU and CUDA): no mask, no scores held. Otherwise (a mask: packed documents)
+    ``sdpa`` or ``math`` with an explicit mask from the global positions (``flash`` is refused).
     """
     _check(q, k, v, shard, dropout_p, attention_mask)
-    if backend == "flash":
-        raise ValueError("allgather context-parallel attention needs a mask flash-attn cannot take (queries "
-                         "at scattered positions); use backend 'auto', 'sdpa' or 'math'")
-    chosen = resolve_backend("sdpa" if backend == "auto" else backend, q, True)
     k_all, v_all = gather_sequence(k, group, counter), gather_sequence(v, group, counter)
     if not shard.is_identity:
         k_all, v_all = k_all.index_select(0, shard.order), v_all.index_select(0, shard.order)
+    if layout is not None and attention_mask is None:
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        k_runs = sorted((run for runs in layout.runs for run in runs), key=lambda run: run[1])  # global order
+        return block_attention(q, k_all, v_all, layout.runs[rank], k_runs,
+                               kernel="math" if backend == "math" else "auto")
+    if backend == "flash":
+        raise ValueError("allgather context-parallel attention with an attention mask needs a kernel that takes "
+                         "one (queries at scattered positions); use backend 'auto', 'sdpa' or 'math'")
+    chosen = resolve_backend("sdpa" if backend == "auto" else backend, q, True)
     s, b, heads, d = q.shape
     rep = heads // k.size(2)
     k_all, v_all = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k_all, v_all))
@@ -284,10 +291,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``core_attention`` of this rank's queries over the whole sequence, by ``cp.comm_type``. The ring
     takes its documents from the layout, not from a mask, and its block kernel from ``ring_kernels``
     (the explicit formula when ``backend`` is 'math')."""
-    if cp.comm_type != "p2p":
-        kernel = a2a_attention if cp.comm_type == "a2a" else allgather_attention
-        return kernel(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
-                      attention_mask=attention_mask, counter=cp.counter)
+    if cp.comm_type == "a2a":
+        return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
+                             attention_mask=attention_mask, counter=cp.counter)
+    if cp.comm_type == "allgather":
+        return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
+                                   attention_mask=attention_mask, counter=cp.counter, layout=cp.layout)
     if attention_mask is not None:
         raise ValueError("the p2p (ring) exchange takes packed documents from its layouts "
                          "(ContextParallel.with_documents), not from an attention mask; pass no mask")

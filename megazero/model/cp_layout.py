@@ -186,15 +186,19 @@ def _visible(qrun: Run, krun: Run) -> bool:
 
 def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run]) -> list[Block]:
     """The dense blocks a rank holding ``q_runs`` computes against a key/value block holding ``k_runs``
-    under the causal (per-document) mask: nothing fully masked, neighbouring blocks merged."""
+    under the causal (per-document) mask: nothing fully masked, neighbouring blocks merged; a run on
+    both sides (keys gathered from every rank) is a causal block."""
     if tuple(q_runs) == tuple(k_runs):
         return _diagonal_blocks(q_runs)
     q_off, k_off = _offsets(q_runs), _offsets(k_runs)
     rows: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []  # (q_lo, q_hi, key ranges)
+    diagonal: list[Block] = []  # the same tokens on both sides (all keys gathered): causal blocks
     for qi, qrun in enumerate(q_runs):
         ranges: list[tuple[int, int]] = []
         for ki, krun in enumerate(k_runs):
-            if _visible(qrun, krun):
+            if krun == qrun:
+                diagonal.append(Block(q_off[qi], q_off[qi] + qrun[2], k_off[ki], k_off[ki] + krun[2], True))
+            elif _visible(qrun, krun):
                 lo, hi = k_off[ki], k_off[ki] + krun[2]
                 if ranges and ranges[-1][1] == lo:  # adjacent in storage: one wider block
                     ranges[-1] = (ranges[-1][0], hi)
@@ -205,7 +209,7 @@ def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run]) -> list[Block]:
             rows[-1] = (rows[-1][0], q_hi, rows[-1][2])
         else:
             rows.append((q_lo, q_hi, tuple(ranges)))
-    return [Block(q_lo, q_hi, k_lo, k_hi, False) for q_lo, q_hi, ranges in rows for k_lo, k_hi in ranges]
+    return [Block(q_lo, q_hi, k_lo, k_hi, False) for q_lo, q_hi, ranges in rows for k_lo, k_hi in ranges] + diagonal
 
 
 def work_per_rank(layout: CPLayout) -> list[int]:

@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.model.cp_layout import Block, CPLayout, plan_blocks
+from megazero.model.cp_layout import Block, CPLayout, Run, plan_blocks
 from megazero.model.ring_kernels import acc_dtype, block_kernel
 
-__all__ = ["ring_attention", "RingStats"]
+__all__ = ["ring_attention", "block_attention", "RingStats"]
 
 
 @dataclass
@@ -171,6 +171,56 @@ def _by_sample(layouts: tuple[CPLayout, ...]):
     if len(layouts) == 1:
         return [(slice(None), layouts[0])]
     return [(slice(i, i + 1), layout) for i, layout in enumerate(layouts)]
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Attention of local queries against key/values already at hand (gathered), block by block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_runs, k_runs, scale, kernel):
+        s, b, h, d = q.shape
+        acc = acc_dtype(q.dtype)
+        acc_out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+        acc_lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+        qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
+        blocks = plan_blocks(q_runs, k_runs)
+        for blk in blocks:
+            o, lse = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
+                                    vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale)
+            _merge(acc_out, acc_lse, blk, o, lse)
+        out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * d)
+        ctx.save_for_backward(q, k, v, out, acc_lse if acc == torch.float64 else acc_lse.float())
+        ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        s, b, h, d = q.shape
+        acc = acc_dtype(q.dtype)
+        qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
+        dot, ot = _bhsd(grad_out.reshape(s, b, h, d)), _bhsd(out.reshape(s, b, h, d))
+        dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+        dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v))
+        dkt, dvt = _bhsd(dk), _bhsd(dv)
+        for blk in ctx.blocks:
+            rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
+            g = ctx.kernel.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols], ot[:, :, rows],
+                                    lse[:, :, rows], blk.causal, ctx.scale)
+            dq[:, :, rows] += g[0]
+            dkt[:, :, cols] += g[1]
+            dvt[:, :, cols] += g[2]
+        return dq.to(q.dtype).permute(2, 0, 1, 3), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run],
+                    k_runs: Sequence[Run], *, softmax_scale: Optional[float] = None,
+                    kernel: str = "auto") -> torch.Tensor:
+    """Causal (per-document) attention of queries q ``[n, b, heads, d]`` holding the tokens ``q_runs``
+    against k/v ``[m, b, groups, d]`` holding ``k_runs`` (e.g. every rank's, gathered), computed by the
+    ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or scores. Returns ``[n, b, heads * d]``."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
+    return _BlockAttention.apply(q, k, v, tuple(q_runs), tuple(k_runs), scale, block_kernel(kernel, q))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout | Sequence[CPLayout],

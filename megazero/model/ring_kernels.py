@@ -159,7 +159,7 @@ def register_block_kernel(name: str, kernel: BlockKernel) -> None:
 
 def _auto(q: torch.Tensor) -> str:
     half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.device.type == "cuda":
+    if q.device.type in ("cuda", "meta"):  # meta: a rehearsal of a GPU launch, whose memory the CUDA ops show
         d = q.shape[-1]
         if half and d % 8 == 0 and d <= 256:
             return "cuda_flash"
@@ -169,7 +169,7 @@ def _auto(q: torch.Tensor) -> str:
     has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
     if q.device.type == "cpu" and has_op and (half or q.dtype == torch.float32):
         return "cpu_flash"
-    return "math"  # fp64 references; meta tensors in a rehearsal
+    return "math"  # fp64 references
 
 
 def block_kernel(name: str, q: torch.Tensor) -> BlockKernel:

@@ -71,22 +71,23 @@ def creates_gradient_communicator(zero_stage: int, dp: int, keep_gathered: bool 
 
 
 def nccl_communicators(*, tp: int, pp: int, dp: int, zero_stage: int, keep_gathered: bool = False,
-                       pp_rank: int = 0, collectives: str = "auto") -> dict[str, int]:
+                       pp_rank: int = 0, collectives: str = "auto", cp: int = 1) -> dict[str, int]:
     """The NCCL communicators of more than one rank that a rank of pipeline stage ``pp_rank`` joins
-    in a tp x pp x dp launch, by group name (``world``, ``tp``, ``dp``, ``pp``, ``mp``, ``embedding``:
-    ``megazero.mpu.parallel_state``'s groups; ``dp_grads``: ZeRO-3's gradient communicator, per
-    :func:`creates_gradient_communicator`), each counted 1. The default ``pp_rank`` 0 is a first
-    stage, which joins the most (the embedding group when pp > 1)."""
-    if min(tp, pp, dp) < 1 or not 0 <= pp_rank < pp:
-        raise ValueError(f"tp, pp and dp must be >= 1 and 0 <= pp_rank < pp, got tp {tp}, pp {pp}, dp {dp}, "
-                         f"pp_rank {pp_rank}")
-    world = tp * pp * dp
-    rank = pp_rank * dp * tp  # tp rank 0, dp rank 0 of that stage: every rank of a stage joins alike
+    in a tp x cp x pp x dp launch, by group name (``world``, ``tp``, ``dp``, ``pp``, ``mp``, ``embedding``,
+    ``cp``, ``dp_cp``: ``megazero.mpu.parallel_state``'s groups; ``dp_grads``: ZeRO-3's gradient
+    communicator, per :func:`creates_gradient_communicator`, over the ranks ZeRO partitions over),
+    each counted 1. The default ``pp_rank`` 0 is a first stage, which joins the most (the embedding
+    group when pp > 1)."""
+    if min(tp, pp, dp, cp) < 1 or not 0 <= pp_rank < pp:
+        raise ValueError(f"tp, pp, dp and cp must be >= 1 and 0 <= pp_rank < pp, got tp {tp}, pp {pp}, dp {dp}, "
+                         f"cp {cp}, pp_rank {pp_rank}")
+    world = tp * pp * dp * cp
+    rank = pp_rank * dp * cp * tp  # tp, cp and dp rank 0 of that stage: every rank of a stage joins alike
     out = {"world": 1} if world > 1 else {}
-    for kind, lines in group_ranks(world, tp, pp).items():
+    for kind, lines in group_ranks(world, tp, pp, cp).items():
         if any(rank in line and len(line) > 1 for line in lines):
             out[kind] = 1
-    if dp > 1 and creates_gradient_communicator(zero_stage, dp, keep_gathered, collectives):
+    if dp * cp > 1 and creates_gradient_communicator(zero_stage, dp * cp, keep_gathered, collectives):
         out["dp_grads"] = 1
     return out
 

@@ -281,6 +281,27 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
             "saved_per_layer": saved, "recompute_live": live, "layer_input": layer_input, "embedding_mask": mask}
 
 
+def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int, cp: int,
+                 recompute: Optional[str], act_bytes: int) -> dict:
+    """The all-gather exchange's extra: each layer keeps the whole sequence's K/V for backward (the
+    other ranks' (cp-1)/cp of it beside its own), and backward holds their fp32 gradients and the
+    cast of them while it reduce-scatters, in place of the loss's logits at the peak."""
+    c = config
+    kv = 2 * seq_length * micro_batch_size * (c.query_groups / tp) * c.head_dim
+    extra = kv * act_bytes * (cp - 1) / cp
+    out = dict(act, per_layer=act["per_layer"] + extra)
+    if recompute == "full":
+        out["recompute_live"] = act["recompute_live"] + extra * max(c.recompute_num_layers, 1)
+        out["total"] = act["total"] + extra * max(c.recompute_num_layers, 1)
+    else:
+        out["saved_per_layer"] = act["saved_per_layer"] + extra
+        out["layers"] = act["layers"] + c.num_layers * extra
+        out["total"] = act["total"] + c.num_layers * extra
+    backward = kv * (4 + act_bytes)
+    out["total"] += max(0.0, backward - act["outside_layers"])
+    return out
+
+
 def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_stage: int, micro_batch_size: int,
                     seq_length: Optional[int] = None, precision: str = "bf16", recompute: Optional[str] = None,
                     sequence_parallel: bool = False, flash_attn: bool = False,
@@ -292,7 +313,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_buffer_size: Optional[int] = None, offload_param: str = "none",
                     offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
                     offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
-                    num_workers: int = 0, context_parallel: int = 1) -> MemoryEstimate:
+                    num_workers: int = 0, context_parallel: int = 1, cp_comm_type: str = "p2p") -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -334,6 +355,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         raise ValueError(f"tp, pp and micro_batch_size must be >= 1, got {tp}, {pp}, {micro_batch_size}")
     s = seq_length or config.seq_length
     s_rank = s // context_parallel  # the tokens of each sequence one rank holds (context parallelism)
+    zdp = dp * context_parallel  # the ranks ZeRO partitions and reduces over: data x context parallel
     total = num_parameters(config)
     replicated = replicated_parameters(config)
     psi = ((total - replicated) / tp + replicated) / pp
@@ -341,21 +363,24 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     # The largest flat group's partition (a layer's weights, or the word embedding): what one
     # offload buffer needs at most.
     largest = max((total - replicated - _embedding_params(config)) / config.num_layers / tp,
-                  config.padded_vocab_size * config.hidden_size / tp) / (dp if zero_stage else 1)
+                  config.padded_vocab_size * config.hidden_size / tp) / (zdp if zero_stage else 1)
 
     def param_host(n: float) -> dict[str, float]:
-        return offloaded_param_bytes(n, dp=dp, precision=precision, device=offload_param, largest=largest,
+        return offloaded_param_bytes(n, dp=zdp, precision=precision, device=offload_param, largest=largest,
                                      max_in_cpu=offload_param_max_in_cpu, buffer_count=offload_param_buffer_count,
                                      buffer_size=offload_param_buffer_size, optimizer_device=offload_optimizer,
                                      optimizer_ratio=ratio)
 
     kept = param_host(psi)["weights_on_device"]
-    weights, grads, optim = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision,
+    weights, grads, optim = model_state_bytes(psi, dp=zdp, zero_stage=zero_stage, precision=precision,
                                               grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio,
                                               weights_on_device=kept)
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
+    if context_parallel > 1 and cp_comm_type == "allgather":
+        act = _gathered_kv(act, config, seq_length=s, micro_batch_size=micro_batch_size, tp=tp, cp=context_parallel,
+                           recompute=recompute, act_bytes=_DTYPE_BYTES[precision])
     buffers = 0.0
     if zero_stage == 3:
         # The layer being computed plus the one being prefetched, gathered to full (TP-local) size.
@@ -382,7 +407,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     pipeline: dict = {}
     if pp > 1:
         m = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
-        pipeline, stage = _pipeline_plan(config, total=total, replicated=replicated, tp=tp, dp=dp, pp=pp,
+        pipeline, stage = _pipeline_plan(config, total=total, replicated=replicated, tp=tp, dp=zdp, pp=pp,
                                          v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
                                          seq_length=s_rank, sequence_parallel=sequence_parallel and tp > 1,
@@ -390,14 +415,15 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         psi, (weights, grads, optim) = stage["params"], stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
-    traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=dp, zero_stage=zero_stage, microbatches=m_steps,
+    traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=zdp, zero_stage=zero_stage, microbatches=m_steps,
                                      micro_batch_size=micro_batch_size, seq_length=s_rank, precision=precision,
                                      layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0),
                                      recompute=recompute, grad_accum_dtype=grad_accum_dtype)
-    host = offloaded_bytes(psi, dp=dp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
+    host = offloaded_bytes(psi, dp=zdp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
-    nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, keep_gathered=keep_gathered)
+    nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, cp=context_parallel, zero_stage=zero_stage,
+                              keep_gathered=keep_gathered)
     return MemoryEstimate(
         **host,
         traffic=traffic,
@@ -411,7 +437,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                   flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
                   offload_ratio=ratio, offload_param=offload_param),
         activation_detail=act, pipeline=pipeline,
-        nccl_communicators=nccl, nccl_note=gradient_communicator_note(nccl, zero_stage, dp),
+        nccl_communicators=nccl, nccl_note=gradient_communicator_note(nccl, zero_stage, zdp),
         host_pinned_batches=float(loader_pinned_bytes(micro_batch_size, s, num_workers)))
 
 
@@ -517,11 +543,11 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     m, p = config.model, config.parallel
     zc = config.zero_config().zero_optimization
     off, par = zc.offload_optimizer, zc.offload_param
-    # Context parallelism: each rank's activations are those of a sequence cp times shorter; the
-    # exchanges' buffers and ZeRO's partitioning over dp x cp are not modelled yet (state is over-counted).
+    # Context parallelism: each rank's activations are those of a sequence cp times shorter, and
+    # ZeRO partitions over dp x cp.
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
-        context_parallel=p.cp, seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
+        context_parallel=p.cp, cp_comm_type=p.cp_comm_type, seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         # flash-attn and SDPA's fused kernels (auto picks one of them) never hold the s x s scores;
         # only the math kernel does
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend != "math",

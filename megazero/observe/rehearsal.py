@@ -259,7 +259,8 @@ class _Counters:
             g = mpu.get_parallel_groups()
             for name, group in (("tp", g.tp_group), ("pp", g.pp_group), ("dp", g.dp_group),
                                 ("embedding", g.embedding_group), ("mp", g.mp_group),
-                                ("position_embedding", g.position_embedding_group)):
+                                ("position_embedding", g.position_embedding_group), ("cp", g.cp_group),
+                                ("dp_cp", g.dp_cp_group)):
                 if group is not None:
                     self._names.setdefault(id(group), name)
             self._names.setdefault(id(dist.group.WORLD), "world")
@@ -267,7 +268,8 @@ class _Counters:
             g, name = mpu.get_parallel_groups(), "other"
             try:
                 ranks = dist.get_process_group_ranks(pg)
-                name = next((n for n, grp in (("dp", g.dp_group), ("tp", g.tp_group), ("pp", g.pp_group))
+                name = next((n for n, grp in (("dp", g.dp_group), ("dp_cp", g.dp_cp_group), ("tp", g.tp_group),
+                                              ("pp", g.pp_group), ("cp", g.cp_group))
                              if grp is not None and dist.get_process_group_ranks(grp) == ranks), "other")
             except (RuntimeError, ValueError, KeyError, TypeError):
                 pass
@@ -422,10 +424,10 @@ def nccl_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, Any]:
     bytes (:func:`megazero.observe.gpu_overheads.nccl_communicators`): :class:`RankReport`'s fields."""
     p = config.parallel
     keep = config.zero_config().zero_optimization.stage3_keep_gathered_in_step
-    comms = nccl_communicators(tp=p.tp, pp=p.pp, dp=p.dp, zero_stage=p.zero_stage, keep_gathered=keep,
+    comms = nccl_communicators(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, zero_stage=p.zero_stage, keep_gathered=keep,
                                pp_rank=pp_rank)
     return {"nccl_communicators": comms, "nccl_bytes": sum(comms.values()) * NCCL_COMMUNICATOR_BYTES,
-            "nccl_note": gradient_communicator_note(comms, p.zero_stage, p.dp)}
+            "nccl_note": gradient_communicator_note(comms, p.zero_stage, p.dp * p.cp)}
 
 
 def format_report(r: RankReport) -> str:

@@ -307,7 +307,8 @@ def test_mismatched_inputs_are_refused():
     ("cuda", torch.bfloat16, 128, "cuda_flash"), ("cuda", torch.float16, 64, "cuda_flash"),
     ("cuda", torch.bfloat16, 72 + 1, "cuda_efficient"), ("cuda", torch.float32, 128, "cuda_efficient"),
     ("cuda", torch.float64, 64, "math"), ("cpu", torch.float32, 64, "cpu_flash"),
-    ("cpu", torch.bfloat16, 64, "cpu_flash"), ("cpu", torch.float64, 64, "math"), ("meta", torch.bfloat16, 64, "math")])
+    ("cpu", torch.bfloat16, 64, "cpu_flash"), ("cpu", torch.float64, 64, "math"), ("meta", torch.bfloat16, 64, "cuda_flash"),
+    ("meta", torch.float32, 64, "cuda_efficient")])
 def test_auto_kernel_by_device_and_dtype(device, dtype, head_dim, want):
     import types
 

@@ -183,15 +183,19 @@ def test_rehearsal_reports_the_nccl_communicators_and_counts_them_against_the_de
     assert "GiB (estimate) exceeds --device-memory-gb 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("seq", [32768, 131072])
-def test_the_plan_is_within_ten_percent_of_the_rehearsal_for_long_sequences(seq):
-    # One rank, 4 layers of hidden 2048, bf16, ZeRO-1, a score-free attention kernel (flash on a GPU;
-    # the rehearsal runs SDPA's memory): the peak is the loss's logits beside every layer's activations.
+@pytest.mark.parametrize("seq,cp,exchange", [(32768, 1, "p2p"), (131072, 1, "p2p"), (32768, 8, "p2p"),
+                                              (131072, 8, "p2p"), (131072, 8, "a2a"), (131072, 8, "allgather")])
+def test_the_plan_is_within_ten_percent_of_the_rehearsal_for_long_sequences(seq, cp, exchange):
+    # Rank 0 of cp ranks, 4 layers of hidden 2048, bf16, ZeRO-1 (over the cp ranks), a score-free
+    # attention kernel (flash on a GPU; the rehearsal runs the CUDA ops' meta memory): the peak is the
+    # loss's logits beside every layer's activations for seq / cp tokens, and the all-gather
+    # exchange's K/V of the whole sequence.
     flags = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", str(seq),
              "--max-position-embeddings", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
              "--bf16", "--zero-stage", "1", "--vocab-size", "32000", "--tokenizer-type", "NullTokenizer",
-             "--mock-data", "--train-iters", "1", "--lr", "1e-4", "--attention-backend", "flash"]
-    config, _ = rehearsal_config(flags, 1)
+             "--mock-data", "--train-iters", "1", "--lr", "1e-4", "--attention-backend", "flash",
+             "--context-parallel-size", str(cp), "--cp-comm-type", exchange, "--attention-dropout", "0"]
+    config, _ = rehearsal_config(flags, cp)
     report = rehearse_rank(config, 0)
     assert report.plan["state_bytes"] == pytest.approx(report.state_bytes, rel=0.01)
     assert report.plan["peak_bytes"] == pytest.approx(report.peak_bytes, rel=0.10), (report.plan, report.peak_bytes)
