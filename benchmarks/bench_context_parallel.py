@@ -69,7 +69,8 @@ def _inputs(seq: int, shape: Shape, rank: int, cp: int, layout) -> list[torch.Te
 
 def _step(variant: str, layout, rank: int, q, k, v) -> dict[str, int]:
     """Forward and backward once; returns the counters of the exchange."""
-    from megazero.model.cp_attention import ContextParallel, a2a_attention
+    from megazero.model.cp_attention import a2a_attention
+    from megazero.model.cp_context import ContextParallel
     from megazero.model.ring_attention import RingStats, ring_attention
     from megazero.mpu.cp_exchange import CommCounter
 

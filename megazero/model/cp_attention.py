@@ -21,7 +21,6 @@ to causality) is given for the *global* sequence in global order: ``[b, 1, S, S]
 from __future__ import annotations
 
 import math
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -30,16 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.model.attention import core_attention, resolve_backend
-from megazero.model.cp_layout import CPLayout, zigzag_document_layout
-from megazero.model.ring_attention import block_attention, ring_attention
+from megazero.model.cp_layout import CPLayout
+from megazero.model.ring_attention import block_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
 from megazero.mpu.utils import group_size
 
 __all__ = [
-    "ContextParallel",
-    "context_parallel_attention",
     "SequenceShard",
+    "scatter_heads",
     "a2a_head_split",
     "a2a_attention",
     "allgather_attention",
@@ -141,6 +139,23 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceSha
                                   "set the attention dropout to 0")
 
 
+def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
+                  counter: Optional[CommCounter] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ulysses' first all-to-all: q ``[s_local, b, heads, d]`` and k/v ``[s_local, b, groups, d]`` ->
+    every rank's tokens (rank-major) for heads/P query heads and their K/V heads (split, or replicated
+    per query head when P > groups: :func:`a2a_head_split`)."""
+    heads, groups = q.size(2), k.size(2)
+    mode = a2a_head_split(heads, groups, group_size(group))
+    q_h = seq_to_heads_all_to_all(q, group, counter)
+    if mode == "split":
+        return q_h, seq_to_heads_all_to_all(k, group, counter), seq_to_heads_all_to_all(v, group, counter)
+    # repeated here, not after the exchange, so that backward sums the per-head gradients in one op
+    rep = heads // groups
+    k_h = replicated_kv_all_to_all(k.repeat_interleave(rep, dim=2), group, counter)
+    v_h = replicated_kv_all_to_all(v.repeat_interleave(rep, dim=2), group, counter)
+    return q_h, k_h, v_h
+
+
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
                   group: Optional[dist.ProcessGroup], *, backend: str = "auto", dropout_p: float = 0.0,
                   attention_mask: Optional[torch.Tensor] = None,
@@ -152,16 +167,8 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
     ``heads`` must divide by P, and KV groups divide by P or P by the groups (``a2a_head_split``).
     """
     _check(q, k, v, shard, dropout_p, attention_mask)
-    cp, heads, groups, d = group_size(group), q.size(2), k.size(2), q.size(3)
-    mode = a2a_head_split(heads, groups, cp)
-    q_h = seq_to_heads_all_to_all(q, group, counter)
-    if mode == "split":
-        k_h, v_h = seq_to_heads_all_to_all(k, group, counter), seq_to_heads_all_to_all(v, group, counter)
-    else:
-        # repeated here, not after the exchange, so that backward sums the per-head gradients in one op
-        rep = heads // groups
-        k_h = replicated_kv_all_to_all(k.repeat_interleave(rep, dim=2), group, counter)
-        v_h = replicated_kv_all_to_all(v.repeat_interleave(rep, dim=2), group, counter)
+    cp, heads, d = group_size(group), q.size(2), q.size(3)
+    q_h, k_h, v_h = scatter_heads(q, k, v, group, counter)
     reorder = not shard.is_identity
     if reorder:  # rank-major -> global order, so that causality and document masks read true positions
         q_h, k_h, v_h = (t.index_select(0, shard.order) for t in (q_h, k_h, v_h))
@@ -240,70 +247,3 @@ def allgather_elements(seq: int, groups: int, head_dim: int, cp: int, batch: int
     """Elements one rank receives in one ``allgather_attention`` call (forward: the K/V all-gather;
     backward: the dK/dV reduce-scatter, the same volume): 2 S g d (P-1) / P per sequence."""
     return batch * 2 * seq * groups * head_dim * (cp - 1) // cp
-
-
-@dataclass(frozen=True)
-class ContextParallel:
-    """What a model's attention needs to run context-parallel for one batch: the CP ``group``, the
-    exchange (``comm_type``: ``p2p`` ring, ``a2a`` or ``allgather``), where this rank's tokens sit
-    (``shard``; the ring also needs the ``layout`` they were split by, documents included, or one
-    layout per sample: :meth:`with_documents`). The model's position ids must be the tokens' global
-    positions."""
-
-    group: Optional[dist.ProcessGroup]
-    comm_type: str
-    shard: SequenceShard
-    layout: Optional[CPLayout] = None
-    counter: Optional[object] = None  # CommCounter (a2a, allgather) or RingStats (p2p)
-    sample_layouts: Optional[tuple[CPLayout, ...]] = None  # the ring's per-sample documents
-
-    def __post_init__(self) -> None:
-        if self.comm_type not in COMM_TYPES:
-            raise ValueError(f"cp comm type {self.comm_type!r} is not available here; choose one of {COMM_TYPES}")
-        if self.comm_type == "p2p" and self.layout is None:
-            raise ValueError("the p2p (ring) exchange needs the layout the sequence was split by: "
-                             "build it with ContextParallel.from_layout")
-
-    @classmethod
-    def from_layout(cls, layout: CPLayout, rank: int, group: Optional[dist.ProcessGroup], comm_type: str,
-                    counter: Optional[object] = None, device: Optional[torch.device] = None) -> "ContextParallel":
-        """The context of CP rank ``rank`` for a sequence split by ``layout`` (no communication), its
-        index tensors on ``device``. Checked on the host, then moved: no device synchronisation."""
-        shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(layout.cp_size)], rank)
-        return cls(group, comm_type, shard if device is None else shard.to(device), layout, counter)
-
-    def with_documents(self, cu_seqlens: Sequence[Sequence[int]]) -> "ContextParallel":
-        """This context for a batch of packed documents, ``cu_seqlens`` per sample ([0, end of doc 0, ...,
-        S]): the ring's blocks are cut at each sample's document boundaries (zigzag placement kept, so the
-        same tokens stay on this rank). The all-to-all and all-gather exchanges take the mask instead."""
-        if self.comm_type != "p2p":
-            raise ValueError(f"per-sample document layouts are the ring's; {self.comm_type} takes an attention mask")
-        layouts = tuple(zigzag_document_layout(cu, self.layout.cp_size) for cu in cu_seqlens)
-        if any(x.seq_len != self.layout.seq_len for x in layouts):
-            raise ValueError(f"documents must cover the {self.layout.seq_len} tokens of the sequence, got "
-                             f"{[x.seq_len for x in layouts]}")
-        return dataclasses.replace(self, sample_layouts=layouts)
-
-
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
-                               backend: str = "auto", dropout_p: float = 0.0,
-                               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``core_attention`` of this rank's queries over the whole sequence, by ``cp.comm_type``. The ring
-    takes its documents from the layout, not from a mask, and its block kernel from ``ring_kernels``
-    (the explicit formula when ``backend`` is 'math')."""
-    if cp.comm_type == "a2a":
-        return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
-                             attention_mask=attention_mask, counter=cp.counter)
-    if cp.comm_type == "allgather":
-        return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
-                                   attention_mask=attention_mask, counter=cp.counter, layout=cp.layout)
-    if attention_mask is not None:
-        raise ValueError("the p2p (ring) exchange takes packed documents from its layouts "
-                         "(ContextParallel.with_documents), not from an attention mask; pass no mask")
-    if dropout_p > 0:
-        raise NotImplementedError("attention dropout inside the ring is not supported; set --attention-dropout 0")
-    return ring_attention(q, k, v, cp.sample_layouts or cp.layout, cp.group, stats=cp.counter,
-                          kernel="math" if backend == "math" else "auto")
-
-
-COMM_TYPES = ("p2p", "a2a", "allgather")

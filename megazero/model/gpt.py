@@ -36,7 +36,7 @@ from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
 from .config import GPTConfig
-from .cp_attention import ContextParallel
+from .cp_context import ContextParallel
 from .keyed_dropout import DropoutKey
 from .norms import build_norm
 from .rope import RotaryEmbedding

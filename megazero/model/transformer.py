@@ -32,7 +32,7 @@ from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_, scaled_init_method_normal
 
 from .attention import core_attention
-from .cp_attention import ContextParallel, context_parallel_attention
+from .cp_context import ContextParallel, context_parallel_attention
 from .config import GPTConfig
 from .norms import build_norm
 from .keyed_dropout import DropoutKey, keyed_dropout
@@ -87,10 +87,12 @@ class GatedColumnParallelLinear(mpu.ColumnParallelLinear):
 class SelfAttention(torch.nn.Module):
     """Fused-QKV causal self-attention over this rank's heads (optionally GQA and RoPE)."""
 
-    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+                 number: int = 0) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.number = number  # the layer's index in the whole model: its context-parallel exchange
         self.kv_channels = c.head_dim
         self.groups_per_rank = c.query_groups // tp_size
         self.heads_per_group = c.num_attention_heads // c.query_groups
@@ -113,8 +115,8 @@ class SelfAttention(torch.nn.Module):
               cp: Optional[ContextParallel] = None) -> torch.Tensor:
         p = self.config.attention_dropout if self.training else 0.0
         if cp is not None:
-            return context_parallel_attention(q, k, v, cp, backend=self.config.attention_backend, dropout_p=p,
-                                              attention_mask=attention_mask)
+            return context_parallel_attention(q, k, v, cp, layer=self.number, backend=self.config.attention_backend,
+                                              dropout_p=p, attention_mask=attention_mask)
         return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=p, attention_mask=attention_mask)
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
@@ -183,7 +185,7 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         self.input_layernorm = build_norm(config, **kw)
-        self.self_attention = SelfAttention(config, **kw)
+        self.self_attention = SelfAttention(config, number=number, **kw)
         self.pre_mlp_layernorm = build_norm(config, **kw)
         self.mlp = MLP(config, **kw)
 

@@ -32,6 +32,7 @@ from .parallel_state import (
     destroy_model_parallel,
     get_context_parallel_global_ranks,
     get_context_parallel_group,
+    get_hierarchical_context_parallel_groups,
     get_context_parallel_rank,
     get_context_parallel_world_size,
     get_data_parallel_group,

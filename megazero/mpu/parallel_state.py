@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,9 @@ class ParallelGroups:
     cp_ranks: tuple[int, ...] = ()
     dp_cp_group: Optional[dist.ProcessGroup] = None
     dp_cp_ranks: tuple[int, ...] = ()
+    # Hierarchical CP (a2a inside, p2p across): this rank's all-to-all and ring groups, or None.
+    hcp_a2a_group: Optional[dist.ProcessGroup] = None
+    hcp_p2p_group: Optional[dist.ProcessGroup] = None
 
     def is_first_stage(self, virtual_rank: Optional[int] = 0) -> bool:
         """First virtual stage: pp rank 0 running chunk ``virtual_rank`` 0 (None ignores the chunk)."""
@@ -184,11 +187,14 @@ def context_parallel_rank(rank: int, tp: int, cp: int) -> int:
     return (rank // tp) % cp
 
 
-def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1,
+                hierarchical_cp: Optional[Sequence[int]] = None) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks (pure host arithmetic; no communication,
     no tensors, so it runs the same under a fake-tensor mode). With ``cp`` > 1 also ``cp`` (the
     ranks splitting one sequence) and ``dp_cp`` (data x context: the ranks holding the same
-    parameters); the model-parallel group is tensor x pipeline for each data and context rank."""
+    parameters); the model-parallel group is tensor x pipeline for each data and context rank.
+    ``hierarchical_cp`` (a2a size, p2p size), product ``cp``: also ``hcp_a2a`` (consecutive context
+    ranks of one CP group) and ``hcp_p2p`` (those a2a-size apart), Megatron's hierarchical CP groups."""
     dp = _data_parallel_size(world_size, tp, pp, cp)
 
     def r(p: int, d: int, t: int, c: int = 0) -> int:
@@ -206,6 +212,14 @@ def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, lis
     if cp > 1:
         out["cp"] = [[r(p, d, t, c) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)]
         out["dp_cp"] = [[r(p, d, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)]
+    if hierarchical_cp is not None:
+        inner, outer = (int(x) for x in hierarchical_cp)
+        if inner * outer != cp or min(inner, outer) < 1:
+            raise ValueError(f"hierarchical context-parallel sizes {inner} x {outer} must multiply to the "
+                             f"context-parallel size {cp}")
+        lines = out.get("cp", [])
+        out["hcp_a2a"] = [line[o * inner:(o + 1) * inner] for line in lines for o in range(outer)]
+        out["hcp_p2p"] = [line[i::inner] for line in lines for i in range(inner)]
     return out
 
 
@@ -260,6 +274,7 @@ def initialize_model_parallel(
     *,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     backend: Optional[str] = None,
 ) -> ParallelGroups:
     """Build the TP/CP/PP/DP/MP and embedding groups (Megatron's layout, tp-cp-dp-pp) and register them.
@@ -283,11 +298,13 @@ def initialize_model_parallel(
         raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
                          f"(got {pp}); leave it unset without a pipeline")
     cp = context_parallel_size
-    layout = group_ranks(world, tp, pp, cp)
+    hcp = tuple(hierarchical_context_parallel_sizes) if hierarchical_context_parallel_sizes else None
+    layout = group_ranks(world, tp, pp, cp, hcp)
     dp = world // (tp * pp * cp)
 
     built: dict[str, tuple[Optional[dist.ProcessGroup], tuple[int, ...]]] = {}
-    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()):
+    kinds = ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ())
+    for kind in kinds + (("hcp_a2a", "hcp_p2p") if hcp and cp > 1 else ()):
         # Every rank creates every group, in the same order (new_group is collective).
         for line in layout[kind]:
             g = new_group(line, backend=backend)
@@ -311,6 +328,7 @@ def initialize_model_parallel(
         virtual_pp_size=vpp,
         cp_size=cp, cp_rank=context_parallel_rank(rank, tp, cp), cp_group=cp_group, cp_ranks=cp_ranks,
         dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks,
+        hcp_a2a_group=built.get("hcp_a2a", (None,))[0], hcp_p2p_group=built.get("hcp_p2p", (None,))[0],
     )
     return _GROUPS
 
@@ -326,7 +344,8 @@ def destroy_model_parallel() -> None:
     if groups is None or not dist.is_initialized():
         return
     for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group, groups.embedding_group,
-              groups.position_embedding_group, groups.cp_group, groups.dp_cp_group}:
+              groups.position_embedding_group, groups.cp_group, groups.dp_cp_group, groups.hcp_a2a_group,
+              groups.hcp_p2p_group}:
         if g is not None:
             try:
                 dist.destroy_process_group(g)
@@ -431,6 +450,12 @@ def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
 
 def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
     return get_parallel_groups().cp_group
+
+
+def get_hierarchical_context_parallel_groups() -> Optional[list[dist.ProcessGroup]]:
+    """Megatron's name: [all-to-all group, ring group] of hierarchical CP, or None without it."""
+    g = get_parallel_groups()
+    return [g.hcp_a2a_group, g.hcp_p2p_group] if g.hcp_a2a_group is not None else None
 
 
 def get_context_parallel_rank() -> int:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
 from megazero.model.flops import flops_per_iteration, num_parameters
@@ -282,21 +282,21 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
 
 
 def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int, cp: int,
-                 recompute: Optional[str], act_bytes: int) -> dict:
-    """The all-gather exchange's extra: each layer keeps the whole sequence's K/V for backward (the
+                 recompute: Optional[str], act_bytes: int, layers: int) -> dict:
+    """The all-gather exchange's extra (``layers`` of the model use it): each layer keeps the whole sequence's K/V for backward (the
     other ranks' (cp-1)/cp of it beside its own), and backward holds their fp32 gradients and the
     cast of them while it reduce-scatters, in place of the loss's logits at the peak."""
     c = config
     kv = 2 * seq_length * micro_batch_size * (c.query_groups / tp) * c.head_dim
     extra = kv * act_bytes * (cp - 1) / cp
-    out = dict(act, per_layer=act["per_layer"] + extra)
+    out = dict(act, per_layer=act["per_layer"] + extra * layers / c.num_layers)
     if recompute == "full":
         out["recompute_live"] = act["recompute_live"] + extra * max(c.recompute_num_layers, 1)
         out["total"] = act["total"] + extra * max(c.recompute_num_layers, 1)
     else:
-        out["saved_per_layer"] = act["saved_per_layer"] + extra
-        out["layers"] = act["layers"] + c.num_layers * extra
-        out["total"] = act["total"] + c.num_layers * extra
+        out["saved_per_layer"] = act["saved_per_layer"] + extra * layers / c.num_layers
+        out["layers"] = act["layers"] + layers * extra
+        out["total"] = act["total"] + layers * extra
     backward = kv * (4 + act_bytes)
     out["total"] += max(0.0, backward - act["outside_layers"])
     return out
@@ -313,7 +313,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_buffer_size: Optional[int] = None, offload_param: str = "none",
                     offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
                     offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
-                    num_workers: int = 0, context_parallel: int = 1, cp_comm_type: str = "p2p") -> MemoryEstimate:
+                    num_workers: int = 0, context_parallel: int = 1,
+                    cp_comm_type: Union[str, tuple[str, ...]] = "p2p") -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -378,9 +379,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
-    if context_parallel > 1 and cp_comm_type == "allgather":
+    kinds = [cp_comm_type] * config.num_layers if isinstance(cp_comm_type, str) else list(cp_comm_type)
+    if context_parallel > 1 and "allgather" in kinds:
         act = _gathered_kv(act, config, seq_length=s, micro_batch_size=micro_batch_size, tp=tp, cp=context_parallel,
-                           recompute=recompute, act_bytes=_DTYPE_BYTES[precision])
+                           recompute=recompute, act_bytes=_DTYPE_BYTES[precision], layers=kinds.count("allgather"))
     buffers = 0.0
     if zero_stage == 3:
         # The layer being computed plus the one being prefetched, gathered to full (TP-local) size.

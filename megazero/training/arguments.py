@@ -176,6 +176,12 @@ def parse_args_or_exit(argv: Optional[Sequence[str]] = None, world_size: Optiona
         sys.exit(2)
 
 
+def _exchanges(p) -> str:
+    """The context-parallel exchange(s) as the start-up line shows them."""
+    kinds = p.cp_comm_type if isinstance(p.cp_comm_type, str) else "/".join(p.cp_comm_types) + " by layer"
+    return kinds + (f" {p.hierarchical_cp[0]}x{p.hierarchical_cp[1]}" if p.hierarchical_cp else "")
+
+
 def describe(config: TrainConfig) -> str:
     """A few human lines summarising the resolved run (printed at startup and by dry runs)."""
     m, p, s, o = config.model, config.parallel, config.schedule, config.optim
@@ -184,7 +190,7 @@ def describe(config: TrainConfig) -> str:
         f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
         f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}",
         f"parallel: world {p.world_size} = tp {p.tp} x "
-        + (f"cp {p.cp} ({p.cp_comm_type}) x " if p.cp > 1 else "")
+        + (f"cp {p.cp} ({_exchanges(p)}) x " if p.cp > 1 else "")
         + f"pp {p.pp} x dp {p.dp}, ZeRO stage {p.zero_stage}, "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, precision {config.precision.dtype}, "
         f"recompute {m.recompute_granularity or 'none'}, attention {m.attention_backend}",

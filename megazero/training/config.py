@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -48,7 +48,15 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None  # uneven split: layers of the last stage
     dp: int = 1  # data-parallel size = world_size // (tp * cp * pp): ranks that read different samples
     cp: int = 1  # context-parallel size: ranks that split one sequence; ZeRO partitions over dp x cp
-    cp_comm_type: str = "p2p"  # p2p (ring) | a2a (Ulysses) | allgather
+    # p2p (ring) | a2a (Ulysses) | allgather | a2a+p2p (hierarchical); or a tuple of them, one per layer
+    cp_comm_type: Union[str, tuple[str, ...]] = "p2p"
+    hierarchical_cp: tuple[int, ...] = ()  # a2a+p2p: (all-to-all size, ring size), product cp
+
+    @property
+    def cp_comm_types(self) -> tuple[str, ...]:
+        """The exchanges in use, each once, in order of first use."""
+        kinds = (self.cp_comm_type,) if isinstance(self.cp_comm_type, str) else self.cp_comm_type
+        return tuple(dict.fromkeys(kinds))
     world_size: int = 1
     zero_stage: int = 1  # 0: plain DP, 1: optimizer states, 2: + grads, 3: + params partitioned
     sequence_parallel: bool = False  # Megatron 2022 SP (needs tp > 1)

@@ -119,10 +119,12 @@ g(H, ("--context-parallel-size", "--cp"), "context-parallel size: each sequence 
   "(--cp-comm-type); parameters are replicated over cp and ZeRO partitions over dp x cp; world = tp x cp x pp x dp",
   int, dest="context_parallel_size", default=1)
 g(H, "--cp-comm-type", "how context-parallel attention exchanges: p2p (a ring of K/V blocks, overlapped with the "
-  "block computation), a2a (all-to-all over heads, DeepSpeed Ulysses) or allgather (K/V gathered); one value for "
-  "every layer", dest="cp_comm_type", nargs="+", default=None)
-g(R, "--hierarchical-context-parallel-sizes", "the a2a+p2p combination is not available in megazero yet; use "
-  "--cp-comm-type p2p, a2a or allgather", int, nargs="+")
+  "block computation), a2a (all-to-all over heads, DeepSpeed Ulysses), allgather (K/V gathered) or a2a+p2p "
+  "(all-to-all inside groups of --hierarchical-context-parallel-sizes' first size, the ring across them); one "
+  "value for every layer, or one per layer", dest="cp_comm_type", nargs="+", default=None)
+g(H, "--hierarchical-context-parallel-sizes", "a2a+p2p's two levels: the all-to-all group size (consecutive "
+  "context-parallel ranks, within a node) and the ring size; their product is --context-parallel-size",
+  int, nargs="+")
 g(H, "--sequence-parallel", "Megatron 2022 sequence parallelism (needs tensor parallelism > 1)")
 g(H, "--zero-stage", "ZeRO stage 0-3 over the data-parallel group (Megatron-DeepSpeed)", int, default=1)
 g(M, "--use-distributed-optimizer", "Megatron's distributed optimizer (optimizer states sharded over data "

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from .. import mpu, zero
 from ..data import GPTBatch, build_batch, masked_mean, to_device
-from ..model.cp_attention import ContextParallel
+from ..model.cp_context import ContextParallel
+from ..model.cp_hierarchical import Hierarchy
 from ..model.cp_layout import zigzag_layout
 from ..model.keyed_dropout import sample_keys
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
@@ -57,11 +58,16 @@ class ContextParallelBatch(GPTBatch):
     loss_tokens: Optional[torch.Tensor] = None
 
 
-def context_parallel_context(seq_length: int, groups, comm_type: str, device: torch.device) -> ContextParallel:
+def context_parallel_context(seq_length: int, groups, comm_type, device: torch.device,
+                             hierarchical: tuple[int, ...] = ()) -> ContextParallel:
     """Rank ``groups.cp_rank``'s share of a ``seq_length`` sequence (chunks r and 2cp-1-r of 2cp), with
-    the attention's context, its index tensors on ``device``. The same for every micro-batch of that length."""
+    the attention's context (``comm_type``: one exchange or one per layer; ``hierarchical``: a2a+p2p's
+    sizes), its index tensors on ``device``. The same for every micro-batch of that length."""
     layout = zigzag_layout(seq_length, groups.cp_size)
-    return ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type, device=device)
+    hierarchy = (Hierarchy.build(seq_length, hierarchical[0], hierarchical[1], groups.hcp_a2a_group,
+                                 groups.hcp_p2p_group, device) if hierarchical else None)
+    return ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type, device=device,
+                                       hierarchy=hierarchy)
 
 
 def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel,
@@ -72,8 +78,9 @@ def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel,
     pos = ctx.shard.positions
     positions = b.position_ids[:, pos] if b.position_ids is not None else pos
     mask = b.attention_mask
-    if documents is not None and ctx.comm_type == "p2p":
-        ctx, mask = ctx.with_documents(documents), None
+    if documents is not None and {"p2p", "a2a+p2p"} & set(ctx.comm_types):
+        ctx = ctx.with_documents(documents)
+        mask = mask if {"a2a", "allgather"} & set(ctx.comm_types) else None
     return ContextParallelBatch(tokens=b.tokens[:, pos], labels=b.labels[:, pos], loss_mask=b.loss_mask[:, pos],
                                 position_ids=positions, attention_mask=mask, context_parallel=ctx,
                                 dropout_keys=b.dropout_keys, loss_tokens=b.loss_mask.float().sum())
@@ -122,9 +129,10 @@ class TrainModel:
         with position-keyed dropout also the samples' keys, from their dataset ``index`` (the loader's)."""
         d = self.config.data
         # The ring takes each sample's documents as cut points, not as an [s, s] mask (16 GiB at 128K tokens).
-        ring = self.groups.cp_size > 1 and self.config.parallel.cp_comm_type == "p2p"
-        b = build_batch(to_device(text, self.device), eod, d.reset_position_ids, d.reset_attention_mask and not ring,
-                        d.eod_mask_loss)
+        kinds = set(self.config.parallel.cp_comm_types) if self.groups.cp_size > 1 else set()
+        ring_only = bool(kinds) and not kinds & {"a2a", "allgather"}
+        b = build_batch(to_device(text, self.device), eod, d.reset_position_ids,
+                        d.reset_attention_mask and not ring_only, d.eod_mask_loss)
         # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
         b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
         if self.config.model.dropout_rng == "position":
@@ -135,8 +143,9 @@ class TrainModel:
         if self.groups.cp_size > 1:
             s = b.tokens.size(1)
             if s not in self._cp_contexts:  # the layout depends on the length only: built once, not per micro-batch
-                self._cp_contexts[s] = context_parallel_context(s, self.groups, self.config.parallel.cp_comm_type,
-                                                                self.device)
+                p = self.config.parallel
+                self._cp_contexts[s] = context_parallel_context(s, self.groups, p.cp_comm_type, self.device,
+                                                                hierarchical=p.hierarchical_cp)
             documents = document_bounds(text, eod) if d.reset_attention_mask else None  # host tokens: no sync
             return split_for_context_parallel(b, self._cp_contexts[s], documents)
         return b

@@ -154,7 +154,8 @@ def _set_up_groups(config: TrainConfig):
     mpu.init_distributed(p.distributed_backend)
     if not mpu.model_parallel_is_initialized():
         return mpu.initialize_model_parallel(p.tp, p.pp, virtual_pipeline_model_parallel_size=p.virtual_pp
-                                             if p.virtual_pp > 1 else None, context_parallel_size=p.cp)
+                                             if p.virtual_pp > 1 else None, context_parallel_size=p.cp,
+                                             hierarchical_context_parallel_sizes=p.hierarchical_cp or None)
     groups = mpu.get_parallel_groups()
     if (groups.tp_size, groups.pp_size, groups.virtual_pp_size, groups.cp_size) != (p.tp, p.pp, p.virtual_pp, p.cp):
         raise RuntimeError(f"model parallel groups were set up for tp {groups.tp_size} x pp {groups.pp_size} x "

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.model import GPTConfig, GPTModel
-from megazero.model.cp_attention import ContextParallel, SequenceShard
+from megazero.model.cp_attention import SequenceShard
+from megazero.model.cp_context import ContextParallel
 from megazero.model.cp_layout import document_layout, zigzag_layout
 from tests.distributed import run_distributed
 

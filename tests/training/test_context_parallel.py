@@ -24,6 +24,8 @@ def one_process(data, tmp_path_factory):  # noqa: F811
     ("p2p", 4, ["--zero-stage", "3"]),  # dp 2 x cp 2: ZeRO partitions over data x context
     ("a2a", 4, ["--pipeline-model-parallel-size", "2"]),  # pp 2 x cp 2: the stages pass [s/cp, b, h]
     ("allgather", 4, ["--tp", "2", "--sequence-parallel"]),  # tp 2 (SP) x cp 2
+    # interleaved 1F1B: pp 2 x 2 chunks per rank, 4 micro-batches
+    ("p2p", 4, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
 ])
 def test_context_parallel_equals_one_process(data, one_process, tmp_path, comm_type, world, extra):  # noqa: F811
     args = flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope",
@@ -64,8 +66,11 @@ def test_hidden_dropout_keyed_by_position_equals_one_process(data, one_process, 
     (["--hidden-dropout", "0.1", "--dropout-rng", "stream"], "use --dropout-rng position"),
     (["--cp-comm-type", "a2a", "--num-attention-heads", "6", "--hidden-size", "48", "--context-parallel-size", "4"],
      "a2a"),
-    (["--cp-comm-type", "p2p", "a2a"], "one exchange per layer"),
-    (["--hierarchical-context-parallel-sizes", "2", "2"], "hierarchical"),
+    (["--cp-comm-type", "p2p", "a2a", "p2p"], "gives 3 exchanges for 2 layers"),
+    (["--hierarchical-context-parallel-sizes", "2", "2"], "is for --cp-comm-type a2a+p2p"),
+    (["--cp-comm-type", "a2a+p2p"], "needs --hierarchical-context-parallel-sizes A P"),
+    (["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"], "A x P"),
+    (["--cp-comm-type", "ring"], "choose p2p, a2a, allgather or a2a+p2p"),
 ])
 def test_impossible_context_parallel_settings_are_refused_with_the_numbers(argv, message):
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -100,6 +105,28 @@ def test_packed_documents_equal_one_process(data, one_process, one_process_docum
     assert_same_run(got, one_process_documents, what=f"cp 2 {comm_type} with packed documents, world {world}")
     assert any(abs(one_process_documents[it]["lm_loss"] - one_process[it]["lm_loss"]) > 1e-4 for it in one_process), \
         "the document flags changed nothing: the data has no end-of-document tokens"
+
+
+@pytest.mark.parametrize("world,extra", [
+    # all-to-all inside pairs of context ranks, the ring across the two pairs (cp 4)
+    (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2",
+         "2"]),
+    # one exchange per layer (4 layers), Megatron's list form
+    (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "allgather", "p2p"]),
+])
+def test_hierarchical_and_per_layer_exchanges_equal_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
+    args = flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", "--seq-length", "16", *extra)
+    got = launch(world, args, tmp_path, "cp_mixed")
+    assert_same_run(got, one_process, what=f"world {world} {extra}")
+
+
+def test_per_layer_exchanges_with_packed_documents(data, one_process_documents, tmp_path):  # noqa: F811
+    # the ring layers take the documents as cut points, the all-to-all layers the mask, in one model
+    args = flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS,
+                 "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "a2a", "p2p", "allgather",
+                 "--hierarchical-context-parallel-sizes", "2", "2")
+    got = launch(4, args, tmp_path, "cp_mixed_documents")
+    assert_same_run(got, one_process_documents, what="cp 4, per-layer exchanges, packed documents")
 
 
 def test_world_not_divisible_by_tp_cp_pp_is_refused():

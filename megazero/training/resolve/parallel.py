@@ -43,14 +43,19 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
         what = f"--tp {tp} x --pp {pp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
         raise ConfigError(f"world size {world_size} is not divisible by {what} = {tp * cp * pp}; "
                           f"launch a multiple of {tp * cp * pp} processes or change --tp")
-    comm_types = sorted(set(ns.cp_comm_type or ["p2p"]))
-    if len(comm_types) > 1:
-        raise ConfigError(f"--cp-comm-type {' '.join(ns.cp_comm_type)}: one exchange per layer is not available in "
-                          "megazero yet; give one of p2p, a2a, allgather for every layer")
-    if comm_types[0] not in ("p2p", "a2a", "allgather"):
-        raise ConfigError(f"--cp-comm-type {comm_types[0]} is not one of p2p, a2a, allgather"
-                          + (" (a2a+p2p, the hierarchical combination, is not available yet)"
-                             if comm_types[0] == "a2a+p2p" else ""))
+    comm_types = [t.lower() for t in (ns.cp_comm_type or ["p2p"])]
+    unknown = sorted(set(comm_types) - {"p2p", "a2a", "allgather", "a2a+p2p"})
+    if unknown:
+        raise ConfigError(f"--cp-comm-type {' '.join(unknown)}: choose p2p, a2a, allgather or a2a+p2p")
+    hierarchical = tuple(ns.hierarchical_context_parallel_sizes or ())
+    if "a2a+p2p" in comm_types:
+        if len(hierarchical) != 2 or hierarchical[0] * hierarchical[1] != cp:
+            raise ConfigError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the "
+                              f"all-to-all and ring sizes) with A x P = --context-parallel-size {cp}, got "
+                              f"{' '.join(map(str, hierarchical)) or 'none'}")
+    elif hierarchical:
+        raise ConfigError("--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p; drop it or "
+                          "choose a2a+p2p")
     zero_stage = ns.zero_stage
     if ns.use_distributed_optimizer:
         if zero_stage == 0:
@@ -70,7 +75,9 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     if backend == "nccl" and check_files and not torch.cuda.is_available():
         raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
                           "--distributed-backend gloo to run on CPUs")
-    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp, cp_comm_type=comm_types[0],
+    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp,
+                          cp_comm_type=comm_types[0] if len(set(comm_types)) == 1 else tuple(comm_types),
+                          hierarchical_cp=hierarchical,
                           world_size=world_size,
                           zero_stage=zero_stage, sequence_parallel=sp, distributed_backend=backend,
                           decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
@@ -153,12 +160,20 @@ def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
         raise ConfigError(f"--dropout-rng {model.dropout_rng} with --hidden-dropout {model.hidden_dropout} and "
                           f"--context-parallel-size {cp}: torch's masks would depend on the split; use "
                           "--dropout-rng position (the default under context parallelism) or --hidden-dropout 0")
+    kinds = par.cp_comm_type
+    if not isinstance(kinds, str) and len(kinds) != model.num_layers:
+        raise ConfigError(f"--cp-comm-type gives {len(kinds)} exchanges for {model.num_layers} layers: give one value "
+                          f"for every layer, or one per layer")
     heads, groups = model.num_attention_heads // par.tp, model.query_groups // par.tp
-    if par.cp_comm_type == "a2a":
+    for kind in par.cp_comm_types:
+        if kind not in ("a2a", "a2a+p2p"):
+            continue
         from megazero.model.cp_attention import a2a_head_split
 
+        over = cp if kind == "a2a" else par.hierarchical_cp[0]
         try:
-            a2a_head_split(heads, groups, cp)
+            a2a_head_split(heads, groups, over)
         except ValueError as e:
-            raise ConfigError(f"--cp-comm-type a2a with {heads} heads and {groups} key/value groups per tensor-parallel "
-                              f"rank over {cp} context-parallel ranks: {e}; use --cp-comm-type p2p or allgather") from e
+            raise ConfigError(f"--cp-comm-type {kind} with {heads} heads and {groups} key/value groups per "
+                              f"tensor-parallel rank over {over} all-to-all ranks: {e}; use --cp-comm-type p2p "
+                              "or allgather") from e
