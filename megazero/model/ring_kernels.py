@@ -77,7 +77,8 @@ class _MathKernel:
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """K/V ``[b, groups, m, d]`` -> ``[b, heads, m, d]`` (a copy when groups < heads): the fused ops want equal heads."""
+    """K/V ``[b, groups, m, d]`` -> ``[b, heads, m, d]`` (a copy when groups < heads): the CUDA ops are
+    given equal heads."""
     g = t.size(1)
     return t if g == heads else t.repeat_interleave(heads // g, dim=1)
 

@@ -283,9 +283,10 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
 
 def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int, cp: int,
                  recompute: Optional[str], act_bytes: int, layers: int) -> dict:
-    """The all-gather exchange's extra (``layers`` of the model use it): each layer keeps the whole sequence's K/V for backward (the
-    other ranks' (cp-1)/cp of it beside its own), and backward holds their fp32 gradients and the
-    cast of them while it reduce-scatters, in place of the loss's logits at the peak."""
+    """The all-gather exchange's extra (``layers`` of the model use it): each layer keeps the whole
+    sequence's K/V for backward (the other ranks' (cp-1)/cp of it beside its own), and backward holds
+    their fp32 gradients and the cast of them while it reduce-scatters, in place of the loss's logits
+    at the peak."""
     c = config
     kv = 2 * seq_length * micro_batch_size * (c.query_groups / tp) * c.head_dim
     extra = kv * act_bytes * (cp - 1) / cp
@@ -314,7 +315,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_param_max_in_cpu: float = 1e9, offload_param_buffer_count: int = 5,
                     offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
                     num_workers: int = 0, context_parallel: int = 1,
-                    cp_comm_type: Union[str, tuple[str, ...]] = "p2p") -> MemoryEstimate:
+                    cp_comm_type: Union[str, tuple[str, ...]] = "p2p",
+                    hierarchical_cp: tuple[int, ...] = ()) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -424,8 +426,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     host = offloaded_bytes(psi, dp=zdp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
-    nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, cp=context_parallel, zero_stage=zero_stage,
-                              keep_gathered=keep_gathered)
+    nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, cp=context_parallel, hierarchical_cp=hierarchical_cp,
+                              zero_stage=zero_stage, keep_gathered=keep_gathered)
     return MemoryEstimate(
         **host,
         traffic=traffic,
@@ -549,7 +551,8 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     # ZeRO partitions over dp x cp.
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
-        context_parallel=p.cp, cp_comm_type=p.cp_comm_type, seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
+        context_parallel=p.cp, cp_comm_type=p.cp_comm_type, hierarchical_cp=p.hierarchical_cp,
+        seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         # flash-attn and SDPA's fused kernels (auto picks one of them) never hold the s x s scores;
         # only the math kernel does
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend != "math",

@@ -184,7 +184,8 @@ def test_rehearsal_reports_the_nccl_communicators_and_counts_them_against_the_de
 
 
 @pytest.mark.parametrize("seq,cp,exchange", [(32768, 1, "p2p"), (131072, 1, "p2p"), (32768, 8, "p2p"),
-                                              (131072, 8, "p2p"), (131072, 8, "a2a"), (131072, 8, "allgather")])
+                                              (131072, 8, "p2p"), (131072, 8, "a2a"), (131072, 8, "allgather"),
+                                              (131072, 8, "a2a+p2p")])
 def test_the_plan_is_within_ten_percent_of_the_rehearsal_for_long_sequences(seq, cp, exchange):
     # Rank 0 of cp ranks, 4 layers of hidden 2048, bf16, ZeRO-1 (over the cp ranks), a score-free
     # attention kernel (flash on a GPU; the rehearsal runs the CUDA ops' meta memory): the peak is the
@@ -195,7 +196,12 @@ def test_the_plan_is_within_ten_percent_of_the_rehearsal_for_long_sequences(seq,
              "--bf16", "--zero-stage", "1", "--vocab-size", "32000", "--tokenizer-type", "NullTokenizer",
              "--mock-data", "--train-iters", "1", "--lr", "1e-4", "--attention-backend", "flash",
              "--context-parallel-size", str(cp), "--cp-comm-type", exchange, "--attention-dropout", "0"]
+    if exchange == "a2a+p2p":
+        flags += ["--hierarchical-context-parallel-sizes", "2", "4"]
     config, _ = rehearsal_config(flags, cp)
     report = rehearse_rank(config, 0)
+    if cp > 1:  # the groups a rank of the launch joins, hierarchical ones included
+        assert {"cp", "dp_cp"} <= set(report.nccl_communicators), report.nccl_communicators
+        assert ("hcp_a2a" in report.nccl_communicators) == (exchange == "a2a+p2p")
     assert report.plan["state_bytes"] == pytest.approx(report.state_bytes, rel=0.01)
     assert report.plan["peak_bytes"] == pytest.approx(report.peak_bytes, rel=0.10), (report.plan, report.peak_bytes)
