@@ -111,6 +111,7 @@ class RankReport:
     nccl_communicators: dict[str, int] = dataclasses.field(default_factory=dict)
     nccl_bytes: int = 0
     nccl_note: str = ""
+    cp_rank: int = 0  # this rank's place in its context-parallel group
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -370,7 +371,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     for key, value in counters.sent.items():
         sent[key.split("/")[0]] = sent.get(key.split("/")[0], 0) + int(value)
     return RankReport(
-        rank=rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+        rank=rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, cp_rank=groups.cp_rank,
         state_bytes=measured["state"], peak_bytes=measured["peak"], peak_by_kind=measured["peak_by_kind"],
         peak_at=measured["peak_at"],
         sent_bytes=sent, sent_by_op={k: int(v) for k, v in sorted(counters.sent.items())},
@@ -435,7 +436,8 @@ def format_report(r: RankReport) -> str:
     """A few readable lines for one rank."""
     kinds = " + ".join(f"{k} {_size(v)}" for k, v in sorted(r.peak_by_kind.items(), key=lambda kv: -kv[1]))
     mbs = f"{r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''}"
-    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}): {mbs} per iteration, "
+    cp = f", cp {r.cp_rank}" if r.cp_rank or "cp" in r.nccl_communicators else ""
+    lines = [f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}): {mbs} per iteration, "
              f"rehearsed in {r.seconds:.1f} s",
              f"  state after iteration 1    {_size(r.state_bytes):>11}   (the ZeRO engine's own count: "
              f"{_size(r.engine_state_bytes)})",
