@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megazero.model.cp_attention import SequenceShard, a2a_attention, allgather_attention
 from megazero.model.cp_hierarchical import Hierarchy, hierarchical_attention
-from megazero.model.cp_layout import CPLayout, zigzag_document_layout
+from megazero.model.cp_layout import CPLayout, balanced_document_layout, zigzag_document_layout
 from megazero.model.ring_attention import ring_attention
 
 __all__ = ["ContextParallel", "context_parallel_attention", "COMM_TYPES"]
@@ -40,6 +40,10 @@ class ContextParallel:
     sample_layouts: Optional[tuple[CPLayout, ...]] = None  # the ring's per-sample documents
     hierarchy: Optional[Hierarchy] = None
     documents: bool = False  # the attention mask's documents are in the layouts (the ring ignores the mask)
+    # With documents balanced per sample: [b, s_local] the global indices of this rank's tokens of each
+    # sample (they differ between samples); None: ``shard.positions`` for every sample.
+    sample_positions: Optional[torch.Tensor] = None
+    rank: int = 0  # this rank's index in the CP group
 
     def __post_init__(self) -> None:
         for t in self.comm_types:
@@ -72,12 +76,26 @@ class ContextParallel:
         index tensors on ``device``. Checked on the host, then moved: no device synchronisation."""
         shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(layout.cp_size)], rank)
         kind = comm_type if isinstance(comm_type, str) else tuple(comm_type)
-        return cls(group, kind, shard if device is None else shard.to(device), layout, counter, hierarchy=hierarchy)
+        return cls(group, kind, shard if device is None else shard.to(device), layout, counter, hierarchy=hierarchy,
+                   rank=rank)
 
-    def with_documents(self, cu_seqlens: Sequence[Sequence[int]]) -> "ContextParallel":
+    def with_documents(self, cu_seqlens: Sequence[Sequence[int]], balanced: bool = False,
+                       device: Optional[torch.device] = None) -> "ContextParallel":
         """This context for a batch of packed documents, ``cu_seqlens`` per sample ([0, end of doc 0, ...,
-        S]): the ring's blocks are cut at each sample's document boundaries (zigzag placement kept, so the
-        same tokens stay on this rank). The all-to-all and all-gather exchanges take the mask instead."""
+        S]). ``balanced`` (every layer a ring): each sample's documents are split evenly over the ranks
+        (:func:`~megazero.model.cp_layout.balanced_document_layout`), so the tokens a rank holds differ
+        between samples: ``sample_positions`` says which (on ``device``). Otherwise the zigzag placement
+        is kept and the rings' blocks are cut at the document boundaries; the all-to-all and all-gather
+        exchanges take the mask instead."""
+        if balanced:
+            if set(self.comm_types) != {"p2p"}:
+                raise ValueError(f"documents balanced per sample need the ring in every layer, got {self.comm_types}")
+            layouts = tuple(balanced_document_layout(cu, self.layout.cp_size) for cu in cu_seqlens)
+            positions = torch.stack([x.positions(self.rank) for x in layouts])
+            if device is not None and device.type == "cuda":  # pinned: the copy does not wait for the GPU
+                positions = positions.pin_memory()
+            positions = positions.to(device if device is not None else positions.device, non_blocking=True)
+            return dataclasses.replace(self, sample_layouts=layouts, documents=True, sample_positions=positions)
         seq = self.shard.all_positions.numel()
         if any(int(cu[-1]) != seq for cu in cu_seqlens):
             raise ValueError(f"documents must cover the {seq} tokens of the sequence, got "

@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["CPLayout", "Block", "zigzag_layout", "document_layout", "zigzag_document_layout", "contiguous_layout",
+__all__ = ["CPLayout", "Block", "zigzag_layout", "document_layout", "balanced_document_layout", "zigzag_document_layout",
+           "contiguous_layout",
            "cu_seqlens_from_document_ids", "split_for_rank", "gather_from_ranks", "plan_blocks",
            "work_per_rank"]
 
@@ -99,6 +100,35 @@ def document_layout(cu_seqlens: Sequence[int], cp_size: int) -> CPLayout:
     runs = tuple(tuple(run for d, (a, b) in enumerate(zip(cu, cu[1:])) for run in _chunk_runs(d, a, b - a, r, cp_size))
                  for r in range(cp_size))
     return CPLayout(cu[-1], cp_size, runs)
+
+
+def balanced_document_layout(cu_seqlens: Sequence[int], cp_size: int) -> CPLayout:
+    """Packed documents of any lengths, each balanced on its own: document d of n tokens is cut into 2P
+    chunks of n // 2P tokens, rank r holding chunks r and 2P-1-r (its two in document order), and the
+    n % 2P tokens left over lengthen chunks one token each, dealt round-robin over the ranks across
+    all documents, so that every rank holds exactly S / P tokens (S a multiple of 2P). The causal work
+    of every document is then split evenly (up to those single tokens), whatever the lengths."""
+    cu = [int(x) for x in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu}")
+    p = cp_size
+    if cu[-1] % (2 * p):
+        raise ValueError(f"sequence length {cu[-1]} is not divisible by 2 x context-parallel size = {2 * p}")
+    runs: list[list[Run]] = [[] for _ in range(p)]
+    deal = 0  # the next rank a left-over token goes to
+    for d, (a, b) in enumerate(zip(cu, cu[1:])):
+        n = b - a
+        sizes = [n // (2 * p)] * (2 * p)
+        for _ in range(n % (2 * p)):  # a rank takes its first chunk's extra token, then its mirror's
+            r = deal % p
+            sizes[r if sizes[r] == n // (2 * p) else 2 * p - 1 - r] += 1
+            deal += 1
+        starts = [a + sum(sizes[:j]) for j in range(2 * p)]
+        for r in range(p):
+            for j in (r, 2 * p - 1 - r):
+                if sizes[j]:
+                    runs[r].append((d, starts[j], sizes[j]))
+    return CPLayout(cu[-1], p, tuple(tuple(r) for r in runs))
 
 
 def zigzag_document_layout(cu_seqlens: Sequence[int], cp_size: int) -> CPLayout:

@@ -206,7 +206,10 @@ class GPTModel(torch.nn.Module):
             raise ValueError("position-keyed dropout (dropout_rng='position') needs dropout_keys: the samples' "
                              "keys (keyed_dropout.sample_keys(seed, sample indices)) for each forward in training")
         n = x.size(0) * (self.tp_size if self.sequence_parallel else 1)
-        rows = cp.shard.positions if cp is not None else torch.arange(n, device=x.device)  # index in the sequence
+        if cp is None:
+            rows = torch.arange(n, device=x.device)  # index in the sequence
+        else:  # each sample's own when its documents are balanced over the ranks: [s, b]
+            rows = cp.shard.positions if cp.sample_positions is None else cp.sample_positions.t()
         if self.sequence_parallel:
             rows = rows[self.tp_rank * x.size(0):(self.tp_rank + 1) * x.size(0)]
         return DropoutKey(samples=keys, rows=rows)

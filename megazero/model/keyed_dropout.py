@@ -44,8 +44,9 @@ def sample_keys(seed: int, sample_ids: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class DropoutKey:
     """What keys one forward's hidden-dropout masks: ``samples`` ``[b]`` the samples' keys
-    (:func:`sample_keys`), ``rows`` ``[s_rows]`` the index in the whole sequence of each row (dim 0) of the
-    activations this rank holds (its context-parallel tokens, its sequence-parallel slice of them)."""
+    (:func:`sample_keys`), ``rows`` ``[s_rows]`` (or ``[s_rows, b]`` when each sample's tokens sit
+    differently) the index in the whole sequence of each row (dim 0) of the activations this rank
+    holds (its context-parallel tokens, its sequence-parallel slice of them)."""
 
     samples: torch.Tensor
     rows: torch.Tensor
@@ -54,8 +55,8 @@ class DropoutKey:
 def keyed_mask(key: DropoutKey, site: int, features: int, p: float) -> torch.Tensor:
     """The keep mask ``[s_rows, b, features]`` (bool) of dropout with probability ``p`` at ``site``."""
     site_key = _mix32((site * 0x9E3779B1 + 0x632BE5AB) & _M32)
-    rows = _mix32((key.rows.to(torch.int64) & _M32) ^ site_key)  # [s]
-    row_keys = _mix32(rows[:, None] ^ key.samples[None, :])  # [s, b]
+    rows = _mix32((key.rows.to(torch.int64) & _M32) ^ site_key)  # [s] or [s, b]
+    row_keys = _mix32((rows[:, None] if rows.dim() == 1 else rows) ^ key.samples[None, :])  # [s, b]
     cols = _mix32(torch.arange(features, dtype=torch.int64, device=rows.device) ^ 0xB5297A4D)  # [h]
     threshold = round(p * (1 << _THRESHOLD_BITS))
     s, b = row_keys.shape
@@ -82,8 +83,8 @@ class _KeyedDropout(torch.autograd.Function):
 
 def keyed_dropout(x: torch.Tensor, p: float, key: DropoutKey, site: int) -> torch.Tensor:
     """Dropout of ``x`` ``[s_rows, b, features]`` with the masks ``key`` and ``site`` give (see the module)."""
-    if x.dim() != 3 or x.size(0) != key.rows.numel() or x.size(1) != key.samples.numel():
-        raise ValueError(f"keyed dropout expects [rows, batch, features] with {key.rows.numel()} rows and "
+    if x.dim() != 3 or x.size(0) != key.rows.size(0) or x.size(1) != key.samples.numel():
+        raise ValueError(f"keyed dropout expects [rows, batch, features] with {key.rows.size(0)} rows and "
                          f"{key.samples.numel()} samples (the key's), got {tuple(x.shape)}")
     if p <= 0.0:
         return x

@@ -75,13 +75,19 @@ def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel,
     """This rank's share of ``b`` under ``ctx`` (:func:`context_parallel_context`). ``documents``: each
     sample's packed documents as cu_seqlens (``--reset-attention-mask``); the ring takes them in place
     of the attention mask."""
-    pos = ctx.shard.positions
-    positions = b.position_ids[:, pos] if b.position_ids is not None else pos
     mask = b.attention_mask
     if documents is not None and {"p2p", "a2a+p2p"} & set(ctx.comm_types):
-        ctx = ctx.with_documents(documents)
+        # Rings in every layer: each sample's documents balanced over the ranks (its own placement).
+        ctx = ctx.with_documents(documents, balanced=set(ctx.comm_types) == {"p2p"}, device=b.tokens.device)
         mask = mask if {"a2a", "allgather"} & set(ctx.comm_types) else None
-    return ContextParallelBatch(tokens=b.tokens[:, pos], labels=b.labels[:, pos], loss_mask=b.loss_mask[:, pos],
+    if ctx.sample_positions is not None:
+        pos = ctx.sample_positions  # [b, s_local]
+        take = lambda t: t.gather(1, pos)  # noqa: E731
+    else:
+        pos = ctx.shard.positions
+        take = lambda t: t[:, pos]  # noqa: E731
+    positions = take(b.position_ids) if b.position_ids is not None else pos
+    return ContextParallelBatch(tokens=take(b.tokens), labels=take(b.labels), loss_mask=take(b.loss_mask),
                                 position_ids=positions, attention_mask=mask, context_parallel=ctx,
                                 dropout_keys=b.dropout_keys, loss_tokens=b.loss_mask.float().sum())
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero.model.cp_layout import (contiguous_layout, document_layout, split_for_rank, work_per_rank,
-                                      zigzag_document_layout, zigzag_layout)
+from megazero.model.cp_layout import (balanced_document_layout, contiguous_layout, document_layout, split_for_rank,
+                                      work_per_rank, zigzag_document_layout, zigzag_layout)
 from megazero.model.ring_attention import RingStats, ring_attention
 from tests.distributed import run_distributed
 from tests.helpers import assert_close, randn
@@ -194,6 +194,59 @@ def test_each_sample_its_own_packed_documents_on_the_zigzag_placement(world):
         pairs = run_distributed(world, _sample_documents_case, 2, dtype)
         want = sum(n * (n + 1) // 2 for cu in SAMPLE_DOCS for n in torch.tensor(cu).diff().tolist())
         assert sum(pairs) == want, (pairs, want)
+
+
+def _balanced_documents_case(groups):
+    """Each sample's documents balanced over the ranks: its own placement, gathered per sample."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    seq = SAMPLE_DOCS[0][-1]
+    layouts = [balanced_document_layout(cu, p) for cu in SAMPLE_DOCS]
+    q, k, v, grad = _inputs(seq, groups, torch.float32)
+    ref = torch.cat([_reference(*(t[:, i:i + 1] for t in (q, k, v)), _allowed(seq, cu), torch.float32)
+                     for i, cu in enumerate(SAMPLE_DOCS)], dim=1)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    index = torch.stack([x.positions(rank) for x in layouts], dim=1)  # [s_local, b]
+
+    def mine(t):
+        return t.gather(0, index.view(*index.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+
+    local = [mine(t.detach()).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    out = ring_attention(*local, layouts, stats=stats)
+    grads = torch.autograd.grad(out, local, mine(grad))
+    _error(out, mine(ref.detach()), "output", 1e-6, 0.0)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _error(got, mine(want), name, 1e-5, 0.0)
+    return stats.forward_pairs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_documents_balanced_per_sample(world):
+    pairs = run_distributed(world, _balanced_documents_case, 2)
+    want = sum(n * (n + 1) // 2 for cu in SAMPLE_DOCS for n in torch.tensor(cu).diff().tolist())
+    assert sum(pairs) == want and max(pairs) / (sum(pairs) / world) <= 1.05, pairs
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balanced_document_layout_holds_s_over_cp_tokens_and_balances_the_work(cp):
+    """Exponential document lengths (mean 512 to 8192 tokens) packed into 32K: every rank S/cp tokens,
+    every token once, the busiest rank's causal work within 1.05 of the mean (zigzag placement: > 1.3)."""
+    import random
+
+    rng = random.Random(cp)
+    worst = 0.0
+    for mean in (512, 2048, 8192):
+        for _ in range(5):
+            cu = [0]
+            while cu[-1] < 32768:
+                cu.append(min(32768, cu[-1] + max(1, int(rng.expovariate(1 / mean)))))
+            layout = balanced_document_layout(cu, cp)
+            held = torch.cat([layout.positions(r) for r in range(cp)])
+            assert all(len(layout.positions(r)) == 32768 // cp for r in range(cp))
+            assert torch.equal(held.sort().values, torch.arange(32768))
+            work = work_per_rank(layout)
+            worst = max(worst, max(work) / (sum(work) / cp))
+    assert worst <= 1.05, worst
 
 
 def test_zigzag_document_layout_places_tokens_as_zigzag():

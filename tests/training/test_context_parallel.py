@@ -120,6 +120,16 @@ def test_hierarchical_and_per_layer_exchanges_equal_one_process(data, one_proces
     assert_same_run(got, one_process, what=f"world {world} {extra}")
 
 
+def test_balanced_documents_with_keyed_dropout_equal_one_process(data, tmp_path):  # noqa: F811
+    # Rings in every layer: each sample's documents are balanced over the ranks (a placement of its
+    # own), and the dropout masks follow each token's index in the sequence, so cp 2 equals cp 1.
+    model = ["--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS, *DROPOUT]
+    one = launch(1, flags(data, *model), tmp_path, "cp1_documents_dropout")
+    got = launch(2, flags(data, *model, "--context-parallel-size", "2", "--cp-comm-type", "p2p"), tmp_path,
+                 "cp2_documents_dropout")
+    assert_same_run(got, one, what="cp 2 p2p, documents balanced per sample, keyed dropout")
+
+
 def test_per_layer_exchanges_with_packed_documents(data, one_process_documents, tmp_path):  # noqa: F811
     # the ring layers take the documents as cut points, the all-to-all layers the mask, in one model
     args = flags(data, "--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS,
