@@ -70,6 +70,17 @@ class GPTConfig:
     apply_layernorm_1p: bool = False
     add_bias_linear: bool = True  # biases on every linear layer (QKV, proj, MLP)
     tie_embeddings: bool = True  # output layer reuses the input embedding matrix
+    # --- mixture of experts (Megatron-core's names; moe.py) -----------------------------------
+    num_experts: Optional[int] = None  # None: dense MLPs
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_layer_freq: int = 1  # layer i is a mixture of experts when i % freq == 0
+    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' (Switch's, per micro-batch) | 'none'
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    # True: softmax over all experts, then the top k (weights not renormalised, Qwen2-MoE); False:
+    # the top k logits, then their softmax (Mixtral).
+    moe_router_pre_softmax: bool = False
     # --- regularisation and init -----------------------------------------------------------
     hidden_dropout: float = 0.1  # on embeddings and on each residual branch
     attention_dropout: float = 0.1  # on attention probabilities
@@ -144,6 +155,27 @@ class GPTConfig:
 
     # ---- checks -----------------------------------------------------------------------------
 
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def _validate_moe(self, tp_size: int) -> None:
+        e, k = self.num_experts, self.moe_router_topk
+        if e < 1 or not 1 <= k <= e:
+            raise ValueError(f"num_experts must be >= 1 and moe_router_topk in 1..num_experts, got {e} experts, "
+                             f"top-{k}")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        if self.moe_ffn_size % tp_size:
+            raise ValueError(f"moe ffn size ({self.moe_ffn_size}) must be divisible by the tensor parallel size "
+                             f"({tp_size})")
+        if self.add_bias_linear:
+            raise ValueError("experts have no biases here: a mixture of experts needs add_bias_linear=False "
+                             "(--disable-bias-linear), as Mixtral and Qwen-MoE are built")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+            raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r}: 'aux_loss' "
+                             "or 'none' (seq_aux_loss and sinkhorn are not available)")
+
     def validate(self, tp_size: int = 1) -> "GPTConfig":
         """Raise ValueError (naming the clashing numbers) if this config cannot run at ``tp_size``."""
         for name, allowed in _ENUMS.items():
@@ -195,6 +227,8 @@ class GPTConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
+        if self.num_experts is not None:
+            self._validate_moe(tp_size)
         if self.dropout_rng not in ("stream", "position"):
             raise ValueError(f"dropout_rng must be 'stream' or 'position', got {self.dropout_rng!r}")
         if self.dropout_rng == "position" and self.attention_dropout > 0:

@@ -40,7 +40,8 @@ from .cp_context import ContextParallel
 from .keyed_dropout import DropoutKey
 from .norms import build_norm
 from .rope import RotaryEmbedding
-from .transformer import TransformerLayer, dropout, init_methods
+from .moe import AuxLossScale
+from .transformer import ExpertParallel, TransformerLayer, dropout, init_methods
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_"]
 
@@ -96,12 +97,14 @@ class GPTModel(torch.nn.Module):
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device | str] = None, pre_process: bool = True, post_process: bool = True,
-                 layers: Optional[range] = None) -> None:
+                 layers: Optional[range] = None, ep_group: Optional[dist.ProcessGroup] = None) -> None:
         """Pipeline stages (Megatron's names): ``pre_process`` builds the embedding (first stage),
         ``post_process`` the final norm, head and loss (last stage), ``layers`` the global indices of
         the transformer layers this stage holds (default: all). A last stage with tied embeddings
         and no ``pre_process`` holds a copy of the word embedding as its head, marked
-        ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it once."""
+        ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it once.
+        ``ep_group``: the expert-parallel group of a mixture of experts (default: the registered mpu
+        group; none: this rank holds every expert). ``moe_aux`` scales the routers' auxiliary losses."""
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
@@ -130,7 +133,12 @@ class GPTModel(torch.nn.Module):
                                                       params_dtype=c.params_dtype, device="meta", init_method=init)
                                     if c.position_embedding_type == "learned" and pre_process else None)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
-        self.layers = torch.nn.ModuleList(TransformerLayer(c, number=i, **kw) for i in layers)
+        if ep_group is None and c.num_experts and mpu.model_parallel_is_initialized():
+            ep_group = mpu.get_expert_model_parallel_group()
+        self.moe_aux = AuxLossScale()
+        experts = ExpertParallel(ep_group, mpu.utils.group_size(ep_group) if ep_group is not None else 1,
+                                 mpu.utils.group_rank(ep_group) if ep_group is not None else 0, self.moe_aux)
+        self.layers = torch.nn.ModuleList(TransformerLayer(c, number=i, experts=experts, **kw) for i in layers)
         self.final_norm = build_norm(c, **kw) if post_process else None
         # Tied: the output layer owns no weight and is handed the embedding's (Megatron-core's way).
         self.output_layer = (mpu.ColumnParallelLinear(

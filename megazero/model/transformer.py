@@ -22,6 +22,7 @@ The head dimension ``d`` is ``config.head_dim`` (``kv_channels``), which need no
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,11 +37,23 @@ from .cp_context import ContextParallel, context_parallel_attention
 from .config import GPTConfig
 from .norms import build_norm
 from .keyed_dropout import DropoutKey, keyed_dropout
+from .moe import AuxLossScale, MoELayer, is_moe_layer
 from .rope import apply_rotary
 
 __all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinear", "dropout", "init_methods"]
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ExpertParallel:
+    """Where a model's experts live: the expert-parallel ``group`` (None: one rank holds them all), its
+    ``size`` and this rank's place, and the model's :class:`~megazero.model.moe.AuxLossScale`."""
+
+    group: Optional[dist.ProcessGroup] = None
+    size: int = 1
+    rank: int = 0
+    aux_scale: AuxLossScale = field(default_factory=AuxLossScale)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
@@ -145,40 +158,52 @@ class SelfAttention(torch.nn.Module):
 class MLP(torch.nn.Module):
     """h -> ffn -> h with GeLU (tanh approximation, = HF 'gelu_new'), SwiGLU or squared ReLU."""
 
-    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None) -> None:
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+                 expert: bool = False) -> None:
+        """``expert``: one expert of a mixture (moe.py): ``moe_ffn_size`` wide, no biases, no sequence
+        parallelism (the layer gathers the tokens), run through :meth:`partial`."""
         super().__init__()
         c = config
         self.activation = c.activation
         self.swiglu = c.activation == "swiglu"
-        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=c.sequence_parallel,
-                      bias=c.add_bias_linear)
+        ffn = c.moe_ffn_size if expert else c.ffn_size
+        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device,
+                      sequence_parallel=c.sequence_parallel and not expert, bias=c.add_bias_linear and not expert)
         init, output_init = init_methods(c)
         if self.swiglu:
-            self.linear_fc1 = GatedColumnParallelLinear(c.hidden_size, c.ffn_size, init_method=init, **common)
+            self.linear_fc1 = GatedColumnParallelLinear(c.hidden_size, ffn, init_method=init, **common)
         else:
-            self.linear_fc1 = mpu.ColumnParallelLinear(c.hidden_size, c.ffn_size, gather_output=False, init_method=init, **common)
-        self.linear_fc2 = mpu.RowParallelLinear(c.ffn_size, c.hidden_size, input_is_parallel=True,
+            self.linear_fc1 = mpu.ColumnParallelLinear(c.hidden_size, ffn, gather_output=False, init_method=init, **common)
+        self.linear_fc2 = mpu.RowParallelLinear(ffn, c.hidden_size, input_is_parallel=True,
                                                 init_method=output_init, **common)
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        if self.activation == "squared_relu":
+            return torch.square(F.relu(h))
+        return F.gelu(h, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "squared_relu":
-            h = torch.square(F.relu(h))
-        else:
-            h = F.gelu(h, approximate="tanh")
-        out, _ = self.linear_fc2(h)
+        out, _ = self.linear_fc2(self._act(h))
         return out
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of the MLP without its collectives: ``x`` is whole on every TP rank and
+        the output a partial sum over TP (an expert's: the mixture reduces all experts at once)."""
+        return F.linear(self._act(F.linear(x, self.linear_fc1.weight)), self.linear_fc2.weight)
 
 
 class TransformerLayer(torch.nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
-                 number: int = 0) -> None:
-        """``number``: the layer's index in the whole model (its keyed-dropout sites are 2n+1 and 2n+2)."""
+                 number: int = 0, experts: Optional[ExpertParallel] = None) -> None:
+        """``number``: the layer's index in the whole model (its keyed-dropout sites are 2n+1 and 2n+2);
+        ``experts``: where a mixture-of-experts layer's experts live (its MLP is one when
+        :func:`~megazero.model.moe.is_moe_layer`)."""
         super().__init__()
         kw = dict(tp_group=tp_group, tp_size=tp_size, device=device)
         self.number = number
@@ -187,7 +212,13 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = build_norm(config, **kw)
         self.self_attention = SelfAttention(config, number=number, **kw)
         self.pre_mlp_layernorm = build_norm(config, **kw)
-        self.mlp = MLP(config, **kw)
+        if is_moe_layer(config, number):
+            ep = experts or ExpertParallel()
+            self.mlp = MoELayer(config, lambda: MLP(config, expert=True, **kw), tp_group=tp_group, tp_size=tp_size,
+                                ep_group=ep.group, ep_size=ep.size, ep_rank=ep.rank, aux_scale=ep.aux_scale,
+                                init_method=init_methods(config)[0], device=device)
+        else:
+            self.mlp = MLP(config, **kw)
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
                 cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:

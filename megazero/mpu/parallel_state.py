@@ -124,6 +124,15 @@ class ParallelGroups:
     # Hierarchical CP (a2a inside, p2p across): this rank's all-to-all and ring groups, or None.
     hcp_a2a_group: Optional[dist.ProcessGroup] = None
     hcp_p2p_group: Optional[dist.ProcessGroup] = None
+    # Expert parallelism: the ranks whose experts together make a layer's (ep), and the ranks holding
+    # the same experts (edp: expert data parallel, over which ZeRO partitions them). Without EP the
+    # experts are replicated like the dense weights: ep_group None, edp the data x context group.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
+    ep_ranks: tuple[int, ...] = ()
+    edp_group: Optional[dist.ProcessGroup] = None
+    edp_ranks: tuple[int, ...] = ()
 
     def is_first_stage(self, virtual_rank: Optional[int] = 0) -> bool:
         """First virtual stage: pp rank 0 running chunk ``virtual_rank`` 0 (None ignores the chunk)."""
@@ -188,13 +197,16 @@ def context_parallel_rank(rank: int, tp: int, cp: int) -> int:
 
 
 def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1,
-                hierarchical_cp: Optional[Sequence[int]] = None) -> dict[str, list[list[int]]]:
+                hierarchical_cp: Optional[Sequence[int]] = None, ep: int = 1) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks (pure host arithmetic; no communication,
     no tensors, so it runs the same under a fake-tensor mode). With ``cp`` > 1 also ``cp`` (the
     ranks splitting one sequence) and ``dp_cp`` (data x context: the ranks holding the same
     parameters); the model-parallel group is tensor x pipeline for each data and context rank.
     ``hierarchical_cp`` (a2a size, p2p size), product ``cp``: also ``hcp_a2a`` (consecutive context
-    ranks of one CP group) and ``hcp_p2p`` (those a2a-size apart), Megatron's hierarchical CP groups."""
+    ranks of one CP group) and ``hcp_p2p`` (those a2a-size apart), Megatron's hierarchical CP groups.
+    ``ep`` > 1 (expert parallelism, expert tensor parallelism = tp): also ``ep`` (ep consecutive ranks
+    of the data x context ranks, one expert shard each) and ``edp`` (those ep apart, holding the same
+    experts), Megatron-core's expert layout (tp-ep-dp-pp over the ranks of a pipeline stage)."""
     dp = _data_parallel_size(world_size, tp, pp, cp)
 
     def r(p: int, d: int, t: int, c: int = 0) -> int:
@@ -220,6 +232,13 @@ def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1,
         lines = out.get("cp", [])
         out["hcp_a2a"] = [line[o * inner:(o + 1) * inner] for line in lines for o in range(outer)]
         out["hcp_p2p"] = [line[i::inner] for line in lines for i in range(inner)]
+    if ep > 1:
+        if (dp * cp) % ep:
+            raise ValueError(f"expert_model_parallel_size {ep} must divide data x context parallel ranks "
+                             f"{dp} x {cp} = {dp * cp} (the ranks of a pipeline stage over tensor parallelism)")
+        stage = [[r(p, d, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)]
+        out["ep"] = [line[e * ep:(e + 1) * ep] for line in stage for e in range(dp * cp // ep)]
+        out["edp"] = [line[i::ep] for line in stage for i in range(ep)]
     return out
 
 
@@ -275,6 +294,7 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+    expert_model_parallel_size: int = 1,
     backend: Optional[str] = None,
 ) -> ParallelGroups:
     """Build the TP/CP/PP/DP/MP and embedding groups (Megatron's layout, tp-cp-dp-pp) and register them.
@@ -299,12 +319,14 @@ def initialize_model_parallel(
                          f"(got {pp}); leave it unset without a pipeline")
     cp = context_parallel_size
     hcp = tuple(hierarchical_context_parallel_sizes) if hierarchical_context_parallel_sizes else None
-    layout = group_ranks(world, tp, pp, cp, hcp)
+    ep = expert_model_parallel_size
+    layout = group_ranks(world, tp, pp, cp, hcp, ep)
     dp = world // (tp * pp * cp)
 
     built: dict[str, tuple[Optional[dist.ProcessGroup], tuple[int, ...]]] = {}
     kinds = ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ())
-    for kind in kinds + (("hcp_a2a", "hcp_p2p") if hcp and cp > 1 else ()):
+    kinds += (("hcp_a2a", "hcp_p2p") if hcp and cp > 1 else ()) + (("ep", "edp") if ep > 1 else ())
+    for kind in kinds:
         # Every rank creates every group, in the same order (new_group is collective).
         for line in layout[kind]:
             g = new_group(line, backend=backend)
@@ -329,6 +351,9 @@ def initialize_model_parallel(
         cp_size=cp, cp_rank=context_parallel_rank(rank, tp, cp), cp_group=cp_group, cp_ranks=cp_ranks,
         dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks,
         hcp_a2a_group=built.get("hcp_a2a", (None,))[0], hcp_p2p_group=built.get("hcp_p2p", (None,))[0],
+        ep_size=ep, ep_rank=built["ep"][1].index(rank) if ep > 1 else 0,
+        ep_group=built.get("ep", (None,))[0], ep_ranks=built.get("ep", (None, (rank,)))[1],
+        edp_group=built.get("edp", (dp_cp_group,))[0], edp_ranks=built.get("edp", (None, dp_cp_ranks))[1],
     )
     return _GROUPS
 
@@ -345,7 +370,7 @@ def destroy_model_parallel() -> None:
         return
     for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group, groups.embedding_group,
               groups.position_embedding_group, groups.cp_group, groups.dp_cp_group, groups.hcp_a2a_group,
-              groups.hcp_p2p_group}:
+              groups.hcp_p2p_group, groups.ep_group, groups.edp_group}:
         if g is not None:
             try:
                 dist.destroy_process_group(g)
@@ -456,6 +481,32 @@ def get_hierarchical_context_parallel_groups() -> Optional[list[dist.ProcessGrou
     """Megatron's name: [all-to-all group, ring group] of hierarchical CP, or None without it."""
     g = get_parallel_groups()
     return [g.hcp_a2a_group, g.hcp_p2p_group] if g.hcp_a2a_group is not None else None
+
+
+def get_expert_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_groups().ep_group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _GROUPS.ep_size if _GROUPS is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _GROUPS.ep_rank if _GROUPS is not None else 0
+
+
+def get_expert_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The ranks holding the same experts (ZeRO partitions the experts over them)."""
+    return get_parallel_groups().edp_group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return len(get_parallel_groups().edp_ranks) if _GROUPS is not None else 1
+
+
+def get_expert_data_parallel_rank() -> int:
+    g = get_parallel_groups()
+    return g.edp_ranks.index(dist.get_rank()) if g.edp_ranks else 0
 
 
 def get_context_parallel_rank() -> int:

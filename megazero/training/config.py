@@ -51,6 +51,7 @@ class ParallelConfig:
     # p2p (ring) | a2a (Ulysses) | allgather | a2a+p2p (hierarchical); or a tuple of them, one per layer
     cp_comm_type: Union[str, tuple[str, ...]] = "p2p"
     hierarchical_cp: tuple[int, ...] = ()  # a2a+p2p: (all-to-all size, ring size), product cp
+    ep: int = 1  # expert-parallel size: ranks sharing each MoE layer's experts (divides dp x cp)
 
     @property
     def cp_comm_types(self) -> tuple[str, ...]:

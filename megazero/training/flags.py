@@ -94,7 +94,6 @@ def _group(name: str):
 
 H, M, R = HONOURED, MAPPED, REFUSED
 _NO_TE = "Transformer Engine does not exist in megazero; its layers are megazero's own (megazero.mpu)"
-_NO_MOE = "mixture-of-experts does not exist in megazero (dense GPT only); drop the MoE flags"
 _NO_FP8 = "FP8 training does not exist in megazero; use --bf16 (or --fp16)"
 
 # ------------------------------------------------------------------------------------------- launcher
@@ -207,13 +206,46 @@ g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this
 g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (PyTorch SDPA), unfused/local "
   "(PyTorch math)", _lower, choices=("auto", "flash", "fused", "unfused", "local"), default="auto")
 g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
-g(R, ("--num-experts", "--expert-model-parallel-size", "--moe-router-topk", "--moe-ffn-hidden-size",
-      "--moe-expert-parallel-size", "--topk", "--expert-interval"), _NO_MOE, str, nargs="+")
-g(R, ("--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-load-balancing-type",
-      "--moe-token-dispatcher-type", "--moe-layer-freq", "--moe-train-capacity-factor",
-      "--moe-eval-capacity-factor", "--moe-min-capacity", "--moe-loss-coeff", "--mlp-type"), _NO_MOE, str)
-g(R, ("--moe-grouped-gemm", "--disable-moe-token-dropping", "--create-moe-param-group", "--moe-token-dropping"),
-  _NO_MOE)
+g(H, "--num-experts", "experts of each mixture-of-experts layer (dense MLPs without it); one value (Megatron-"
+  "DeepSpeed's per-layer list is refused)", int, nargs="+")
+g(H, "--moe-router-topk", "experts each token is routed to", int, default=2)
+g(M, "--topk", "Megatron-DeepSpeed's name: --moe-router-topk", int, dest="moe_router_topk")
+g(H, ("--expert-model-parallel-size", "--ep"), "expert-parallel size: each rank holds num_experts / ep experts "
+  "of every MoE layer, tokens reach them by all-to-all; it divides the data x context ranks, over the rest of "
+  "which (expert data parallel) ZeRO partitions the experts", int, dest="expert_model_parallel_size", default=1)
+g(M, "--moe-expert-parallel-size", "Megatron-DeepSpeed's name: --expert-model-parallel-size", int,
+  dest="expert_model_parallel_size")
+g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts: megazero shards experts over the "
+  "tensor-parallel group (Megatron's default), so it must equal --tp", int)
+g(H, "--moe-ffn-hidden-size", "hidden size of each expert's MLP (default --ffn-hidden-size)", int)
+g(H, "--moe-layer-freq", "every n-th layer is a mixture of experts (layer i when i % n == 0)", int, default=1)
+g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch) or none",
+  _lower, choices=("aux_loss", "none", "seq_aux_loss", "sinkhorn"), default="aux_loss",
+  refuse_values=tuple((v, f"--moe-router-load-balancing-type {v} is not available in megazero; use aux_loss or "
+                          "none") for v in ("seq_aux_loss", "sinkhorn")))
+g(H, "--moe-aux-loss-coeff", "weight of the load-balancing loss (its gradient is added in backward, scaled as "
+  "the language-model loss)", float, default=0.0)
+g(M, "--moe-loss-coeff", "Megatron-DeepSpeed's name: --moe-aux-loss-coeff", float, dest="moe_aux_loss_coeff")
+g(H, "--moe-z-loss-coeff", "weight of the router z-loss (mean logsumexp of the logits, squared)", float, default=0.0)
+g(H, "--moe-router-pre-softmax", "softmax over all experts before the top k (weights not renormalised, "
+  "Qwen2-MoE); without it the softmax is over the k chosen logits (Mixtral)")
+g(H, "--moe-token-dispatcher-type", "alltoall; allgather is mapped to it (the same tokens reach the same "
+  "experts)", _lower, choices=("alltoall", "allgather", "flex"), default="alltoall",
+  refuse_values=(("flex", "--moe-token-dispatcher-type flex (DeepEP) is not available; use alltoall"),))
+g(M, "--moe-grouped-gemm", "the experts' matmuls run as an exact per-expert loop; accepted")
+g(M, "--disable-moe-token-dropping", "megazero's MoE is dropless; accepted")
+_NO_CAPACITY = ("token dropping (expert capacity) is not available: megazero's mixture of experts is dropless "
+                "(every token reaches its k experts); drop the capacity flags")
+g(R, ("--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-train-capacity-factor",
+      "--moe-eval-capacity-factor", "--moe-min-capacity"), _NO_CAPACITY, str)
+g(R, ("--moe-pad-expert-input-to-capacity", "--moe-token-dropping"), _NO_CAPACITY)
+_NO_MOE_YET = "is not available in megazero's mixture of experts yet; drop it"
+for _flag in ("--moe-shared-expert-intermediate-size", "--moe-router-score-function", "--moe-router-bias-update-rate",
+              "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
+              "--moe-router-dtype", "--expert-interval", "--mlp-type"):
+    g(R, _flag, f"{_flag} {_NO_MOE_YET}", str)
+for _flag in ("--moe-shared-expert-gate", "--moe-router-enable-expert-bias", "--create-moe-param-group"):
+    g(R, _flag, f"{_flag} {_NO_MOE_YET}")
 g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo"), _NO_FP8, str)
 g(R, ("--fp8-param-gather", "--no-fp8-wgrad"), _NO_FP8)

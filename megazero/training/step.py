@@ -27,6 +27,7 @@ from ..model.cp_context import ContextParallel
 from ..model.cp_hierarchical import Hierarchy
 from ..model.cp_layout import zigzag_layout
 from ..model.keyed_dropout import sample_keys
+from ..model.moe import is_expert_parameter
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig
@@ -103,6 +104,15 @@ def document_bounds(text: torch.Tensor, eod: int) -> list[list[int]]:
     return [c + [s] for c in cuts]
 
 
+def expert_partitioning(groups):
+    """ZeRO's partitioning of the experts under expert parallelism: each expert over the ranks that
+    hold it (expert data parallel); every other parameter over data x context (None: the default)."""
+    if groups.ep_size == 1:
+        return None
+    edp = zero.Partitioning("edp", shard=groups.edp_group)
+    return lambda name, param: edp if is_expert_parameter(name) else None
+
+
 def _chunk_index(args: tuple, kwargs: dict) -> int:
     """Which virtual chunk a call of :class:`~megazero.model.pipeline_split.StageChunks` runs."""
     return args[0]
@@ -121,7 +131,8 @@ class TrainModel:
         self.engine = zero.initialize(module, config.zero_config(), mpu=mpu,
                                       no_weight_decay=megatron_no_weight_decay, device=device,
                                       param_names=global_name_fn(self.chunks),
-                                      forward_key=_chunk_index if len(self.chunks) > 1 else None)
+                                      forward_key=_chunk_index if len(self.chunks) > 1 else None,
+                                      partitioning=expert_partitioning(groups))
         self._cp_contexts: dict[int, ContextParallel] = {}  # sequence length -> this rank's CP context
         self.stage = PipelineStage(self.engine, self.chunks, groups, micro_batch_size=config.schedule.micro_batch_size,
                                    seq_length=config.model.seq_length, loss_fn=_loss)
@@ -165,6 +176,10 @@ class TrainModel:
     def train_step(self, batches: list[dict], eod: Optional[int],
                    lap: Optional[Callable[[str], None]] = None) -> tuple[torch.Tensor, bool]:
         """One iteration over the loader's ``batches``: ``(local loss on the device, updated)``."""
+        if self.config.model.num_experts:  # the routers' losses are scaled in backward as the LM loss is
+            for chunk in self.chunks:
+                chunk.moe_aux.value = self.engine.loss_scaler.scale / len(batches)
+                chunk.moe_aux.take()
         micro_batches = [self.micro_batch(b["text"], eod, b.get("index")) for b in batches]
         losses, updated = self.stage.train_step(micro_batches, lap)
         return self._local_mean(losses), updated

@@ -78,6 +78,20 @@ def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """GPTConfig keyword arguments of the mixture-of-experts flags (none without --num-experts)."""
+    if not ns.num_experts:
+        return {}
+    kw: dict[str, Any] = {"num_experts": ns.num_experts[0]}
+    for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_load_balancing_type",
+                 "moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(ns, name) is not None:
+            kw[name] = getattr(ns, name)
+    if ns.moe_router_pre_softmax:
+        kw["moe_router_pre_softmax"] = True
+    return kw
+
+
 def build_gpt_config(kw: dict[str, Any]) -> GPTConfig:
     """GPTConfig(**kw), refusing (not dropping) options this build's GPTConfig has no field for."""
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -189,6 +203,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         if value is not None:
             kw[attr] = value
     kw.update(model_field_kwargs(ns))
+    kw.update(moe_kwargs(ns))
     for key in ("kv_channels", eps_field):
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]

@@ -56,6 +56,7 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     elif hierarchical:
         raise ConfigError("--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p; drop it or "
                           "choose a2a+p2p")
+    ep = _expert_parallel(ns, tp, world_size // (tp * cp * pp), cp)
     zero_stage = ns.zero_stage
     if ns.use_distributed_optimizer:
         if zero_stage == 0:
@@ -77,7 +78,7 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
                           "--distributed-backend gloo to run on CPUs")
     return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp,
                           cp_comm_type=comm_types[0] if len(set(comm_types)) == 1 else tuple(comm_types),
-                          hierarchical_cp=hierarchical,
+                          hierarchical_cp=hierarchical, ep=ep,
                           world_size=world_size,
                           zero_stage=zero_stage, sequence_parallel=sp, distributed_backend=backend,
                           decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
@@ -141,6 +142,33 @@ def pipeline_plan_line(config: TrainConfig) -> str:
     kind = "1F1B" if p.virtual_pp == 1 else f"interleaved 1F1B, {p.virtual_pp} chunks per rank"
     return (f"{kind}, {m} micro-batches per step, bubble (pp-1)/(v m) = {(p.pp - 1) / (p.virtual_pp * m):.3f}; "
             + "; ".join(stages))
+
+
+def _expert_parallel(ns, tp: int, dp: int, cp: int) -> int:
+    """The expert-parallel size, refused at parse time when the experts or the ranks do not allow it."""
+    ep = default(ns.expert_model_parallel_size, 1)
+    experts = ns.num_experts
+    if ep < 1:
+        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if ns.expert_tensor_parallel_size not in (None, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {ns.expert_tensor_parallel_size} differs from --tp {tp}: "
+                          "megazero shards experts over the tensor-parallel group; drop the flag or set it to --tp")
+    if ep > 1 and not experts:
+        raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts (a mixture of experts)")
+    if experts:
+        if len(experts) != 1:
+            raise ConfigError(f"--num-experts {' '.join(map(str, experts))}: one number of experts for every MoE "
+                              "layer (a per-layer list is not available); give one value")
+        if experts[0] % ep:
+            raise ConfigError(f"--num-experts {experts[0]} is not divisible by --expert-model-parallel-size {ep}")
+        if (dp * cp) % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data x context parallel ranks "
+                              f"{dp} x {cp} = {dp * cp} (expert parallelism x expert tensor parallelism = tp must "
+                              "divide the ranks of a pipeline stage)")
+        if cp > 1:
+            raise ConfigError("--num-experts with --context-parallel-size > 1: the load-balancing loss is not yet "
+                              "counted over the context-parallel ranks; drop one of them")
+    return ep
 
 
 def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:

@@ -1,0 +1,215 @@
+"""Mixture of experts (Megatron-core's MoELayer): a top-k router, experts sharded over the
+expert-parallel (EP) ranks, and a dropless dispatch by all-to-all.
+
+Per layer, on this rank's tokens ``[s(/tp), b, h]``:
+
+1. **Route** in fp32: logits ``x W_r^T`` ``[T, E]``; the top k experts of each token by logit, ties
+   broken by the lower expert index; their weights ``softmax`` over the k chosen logits (Mixtral,
+   Megatron's default) or, with ``moe_router_pre_softmax``, the softmax over all experts at the chosen
+   ones (Qwen2-MoE's, not renormalised). The load-balancing loss (Switch: E / (k T^2) sum_e P_e n_e,
+   P_e the summed probabilities, n_e the tokens routed to e) and the z-loss (mean logsumexp^2) add
+   their gradients in backward (:class:`AuxLossScale`), not to the returned activations.
+2. **Dispatch**: each token copy goes to the rank holding its expert (experts ``r*E/ep ..`` on EP rank
+   ``r``) by one uneven all-to-all; the rows an expert receives are ordered by (source rank, token),
+   which is one process's token order, so the expert's matmuls see the same rows at any EP.
+3. **Experts**: SwiGLU/GeLU MLPs, one module per expert named by its global index (so initial weights
+   and checkpoints do not depend on EP), each sharded over TP like the dense MLP (expert tensor
+   parallelism = TP). Their outputs are partial sums over TP, reduced once for all experts.
+4. **Combine**: the reverse all-to-all, then each token's k outputs weighted and summed.
+
+Under sequence parallelism the router runs on the rank's own tokens (its weight's gradient summed
+over TP), and tokens and routing are all-gathered over TP before the dispatch; the combined output
+is reduce-scattered back. Dropless: every token reaches its k experts (the rows an expert gets vary,
+and reading the all-to-all's splits waits for the device once per layer and micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero import mpu
+from megazero.mpu.initializers import initialize_sharded_
+from megazero.mpu.mappings import all_gather_first_dim
+from megazero.mpu.moe_exchange import all_to_all_rows, exchange_counts
+
+from .config import GPTConfig
+
+__all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter"]
+
+
+@dataclass
+class AuxLossScale:
+    """The factor the auxiliary losses' gradients get in backward: the training step sets it to what the
+    language-model loss is scaled by (loss scale / micro-batches of the step). ``losses`` collects each
+    MoE layer's (aux, z) losses of the forwards since the last :meth:`take` (detached), for the log."""
+
+    value: Union[float, torch.Tensor] = 1.0
+    losses: list = field(default_factory=list)
+
+    def take(self) -> list:
+        out, self.losses = self.losses, []
+        return out
+
+
+class _WithAuxGrad(torch.autograd.Function):
+    """Identity on ``x``; backward also gives ``aux`` the gradient ``scale.value`` (Megatron's
+    MoEAuxLossAutoScaler): the loss takes effect without travelling with the activations."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        value = ctx.scale.value
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device) * value, None
+
+
+def is_moe_layer(config: GPTConfig, number: int) -> bool:
+    """Layer ``number`` (its index in the whole model) is a mixture of experts."""
+    return bool(config.num_experts) and number % config.moe_layer_freq == 0
+
+
+def is_expert_parameter(name: str) -> bool:
+    """A routed expert's weight, by its name (``...mlp.experts.<e>....``): ZeRO partitions these over
+    the expert-data-parallel ranks."""
+    return ".mlp.experts." in f".{name}"
+
+
+class Router(torch.nn.Module):
+    """``[E, h]`` router weight, replicated over TP and EP, computed in fp32."""
+
+    def __init__(self, config: GPTConfig, init_method, device=None) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.init_method = config.num_experts, config.hidden_size, init_method
+        self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
+                                                     dtype=config.params_dtype, device=device))
+
+    def reset_parameters(self) -> None:
+        initialize_sharded_(self.weight, (self.num_experts, self.hidden_size), 0, 0, 1, self.init_method)
+
+
+def route(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits`` ``[T, E]`` fp32 -> (expert indices ``[T, k]``, their weights ``[T, k]``, probabilities
+    over all experts ``[T, E]``). Ties go to the lower expert index (a stable sort)."""
+    probs = torch.softmax(logits, dim=-1)
+    top = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = probs.gather(1, top) if pre_softmax else torch.softmax(logits.gather(1, top), dim=-1)
+    return top, weights, probs
+
+
+class MoELayer(torch.nn.Module):
+    """The MLP of a mixture-of-experts layer: ``[s(/tp), b, h]`` -> the same shape (see the module).
+
+    ``expert`` builds one expert (an MLP sharded over TP whose ``partial(x)`` skips the TP reduction);
+    this rank holds experts ``ep_rank * E/ep .. (ep_rank+1) * E/ep - 1`` of ``ep_group``."""
+
+    def __init__(self, config: GPTConfig, expert, *, tp_group: Optional[dist.ProcessGroup], tp_size: int,
+                 ep_group: Optional[dist.ProcessGroup], ep_size: int, ep_rank: int, aux_scale: AuxLossScale,
+                 init_method, device=None) -> None:
+        super().__init__()
+        c = config
+        if c.num_experts % ep_size:
+            raise ValueError(f"{c.num_experts} experts are not divisible by the expert-parallel size {ep_size}")
+        self.config, self.tp_group, self.tp_size = c, tp_group, tp_size
+        self.ep_group, self.ep_size, self.aux_scale = ep_group, ep_size, aux_scale
+        self.sequence_parallel = c.sequence_parallel and tp_size > 1
+        per_rank = c.num_experts // ep_size
+        self.local = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        self.router = Router(c, init_method, device=device)
+        self.experts = torch.nn.ModuleDict({str(e): expert() for e in self.local})
+        self.counter: Optional[dict] = None  # bytes the all-to-alls send, when a caller asks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        w = self.router.weight
+        if self.sequence_parallel:  # each rank routes its own tokens: the weight's gradient is partial
+            w = mpu.copy_to_tensor_model_parallel_region(w, self.tp_group)
+        logits = F.linear(tokens.float(), w.float())
+        top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax)
+        aux = self._aux_losses(logits, probs, top)
+        if self.sequence_parallel:
+            tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
+            weights = mpu.gather_from_sequence_parallel_region(weights, self.tp_group)
+            top = all_gather_first_dim(top, self.tp_group)
+        elif self.tp_size > 1:  # the experts' input gradients are partial over TP; the router's are not
+            tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
+        y = self._experts(tokens, top, weights.to(x.dtype))
+        if self.sequence_parallel:
+            y = mpu.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        elif self.tp_size > 1:
+            y = mpu.reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        y = y.view(s, b, h)
+        return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
+
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, top: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's share of the layer's load-balancing and z losses over the micro-batch's tokens
+        (under SP the shares of the TP ranks add up to them); None when both are off."""
+        c = self.config
+        use_aux = c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff > 0
+        if not use_aux and c.moe_z_loss_coeff <= 0:
+            return None
+        tokens = logits.size(0) * (self.tp_size if self.sequence_parallel else 1)
+        total = logits.new_zeros(())
+        if use_aux:
+            counts = torch.bincount(top.reshape(-1), minlength=c.num_experts).float()
+            if self.sequence_parallel:
+                dist.all_reduce(counts, group=self.tp_group)
+            scale = c.moe_aux_loss_coeff * c.num_experts / (c.moe_router_topk * tokens * tokens)
+            total = total + scale * (probs.sum(0) * counts).sum()
+        if c.moe_z_loss_coeff > 0:
+            total = total + c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / tokens
+        self.aux_scale.losses.append(total.detach())
+        return total
+
+    def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token's k expert outputs (partial over TP), weighted and summed: ``[T, h]``."""
+        n, k = top.shape
+        flat = top.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
+        rows = tokens.index_select(0, order // k)
+        counts = torch.bincount(flat, minlength=self.config.num_experts)
+        if self.ep_size > 1:
+            rows, plan = self._dispatch(rows, counts)
+        else:
+            plan = None
+        per_expert = plan[0] if plan is not None else counts.tolist()  # the one host read of the layer
+        out = torch.cat([self.experts[str(e)].partial(chunk)
+                         for e, chunk in zip(self.local, rows.split(per_expert))])
+        if plan is not None:
+            out = self._combine(out, plan)
+        out = out.index_select(0, torch.argsort(order))  # back to (token, choice) order
+        return (out.view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor):
+        """Send each expert's rows to its rank; return the rows this rank's experts get, ordered by
+        (expert, source rank, token), and what :meth:`_combine` needs to send the outputs back."""
+        ep, per_rank = self.ep_size, len(self.local)
+        send = counts.view(ep, per_rank)
+        table = torch.stack([send, exchange_counts(send, self.ep_group)]).tolist()  # [2, ep, E/ep], on the host
+        send_splits, recv_table = [sum(r) for r in table[0]], table[1]
+        recv_splits = [sum(r) for r in recv_table]
+        got = all_to_all_rows(rows, self.ep_group, recv_splits, send_splits, self.counter)
+        starts, at = [], 0
+        for r in range(ep):
+            starts.append([])
+            for e in range(per_rank):
+                starts[r].append(at)
+                at += recv_table[r][e]
+        index = [starts[r][e] + i for e in range(per_rank) for r in range(ep) for i in range(recv_table[r][e])]
+        index = torch.tensor(index, dtype=torch.long, device=rows.device)
+        per_expert = [sum(recv_table[r][e] for r in range(ep)) for e in range(per_rank)]
+        return got.index_select(0, index), (per_expert, index, send_splits, recv_splits)
+
+    def _combine(self, out: torch.Tensor, plan) -> torch.Tensor:
+        _, index, send_splits, recv_splits = plan
+        out = out.index_select(0, torch.argsort(index))  # (source rank, expert) order, as received
+        return all_to_all_rows(out, self.ep_group, send_splits, recv_splits, self.counter)

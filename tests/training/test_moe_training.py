@@ -1,0 +1,67 @@
+"""pretrain_gpt.py with a mixture of experts (--num-experts) at several expert-parallel layouts, compared
+with the one-process run of the same flags: loss and grad norm per iteration within 2e-5 (fp32, dropout 0),
+the load-balancing and z losses on; and the refusals at parse time."""
+
+from __future__ import annotations
+
+import pytest
+
+from megazero.training.arguments import parse_args
+from megazero.training.config import ConfigError
+from tests.training.test_layout_invariance import assert_same_run, data, flags, launch  # noqa: F401 (fixture)
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--disable-bias-linear",
+       "--swiglu", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-layer-freq", "2")
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *MOE), tmp_path_factory.mktemp("moe1"), "moe1")
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--expert-model-parallel-size", "2"]),
+    (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+    (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3"]),  # experts over expert-DP 2 inside DP 4
+    # ep 4: one expert per rank, ZeRO-2. The micro-batches hold the samples one process's do (the
+    # load-balancing loss is over a micro-batch's tokens, as Megatron's aux_loss: it changes with them).
+    (4, ["--expert-model-parallel-size", "4", "--zero-stage", "2"]),
+])
+def test_mixture_of_experts_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
+    got = launch(world, flags(data, *MOE, *extra), tmp_path, "moe")
+    assert_same_run(got, one_process, what=f"MoE world {world} {extra}")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by --expert-model-parallel-size 4"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the data x context parallel ranks"),
+    (["--expert-model-parallel-size", "2"], "needs --num-experts"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk in 1..num_experts"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "differs from --tp 2"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.25"], "dropless"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], "not available"),
+    (["--num-experts", "4", "8"], "one number of experts"),
+])
+def test_impossible_moe_settings_are_refused_with_the_numbers(argv, message):
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--lr", "1e-3", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64", "--disable-bias-linear"]
+    with pytest.raises((ConfigError, SystemExit)) as e:
+        parse_args(base + argv, world_size=4, check_files=False)
+    assert message in str(e.value) or isinstance(e.value, SystemExit), str(e.value)
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp_path):  # noqa: F811
+    # Saved every iteration by ep 2 with ZeRO-3 (each expert partitioned over its expert-DP ranks);
+    # resumed from iteration 2 in one process and at ep 4 with ZeRO-1: iterations 3-4 equal the
+    # uninterrupted one-process run (optimizer state included).
+    saved = str(tmp_path / "ep2_ckpt")
+    launch(4, flags(data, *MOE, "--expert-model-parallel-size", "2", "--zero-stage", "3", "--save", saved,
+                    "--save-interval", "1"), tmp_path, "ep2_save")
+    tail = {it: r for it, r in one_process.items() if it > 2}
+    for world, extra in ((1, []), (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"])):
+        got = launch(world, flags(data, *MOE, *extra, "--load", saved, "--ckpt-step", "2"), tmp_path,
+                     f"ep2_resumed_{world}")
+        assert_same_run(got, tail, what=f"saved at ep 2, resumed at world {world} {extra}")
