@@ -1,4 +1,5 @@
-"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints.
+"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints (and the Llama-shaped
+mixtures of experts Mixtral and Qwen3-MoE, whose mixture layers ``hf_moe.py`` maps).
 
 * default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
   <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 
 from .config import GPTConfig
+from .hf_moe import MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, moe_layer_from_hf, moe_layer_to_hf, \
+    moe_mismatches
 
 __all__ = ["hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
@@ -73,7 +76,15 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 
 
 def hf_architecture(config: GPTConfig) -> str:
-    """'gpt2' or 'llama': the HF model family that represents ``config`` exactly."""
+    """'gpt2', 'llama', 'mixtral' or 'qwen3_moe': the HF model family that represents ``config`` exactly."""
+    if config.num_experts:
+        need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu"),
+                ("rotary_percent", 1.0)]
+        bad = [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in need if getattr(config, k) != v]
+        bad += moe_mismatches(config)
+        if bad:
+            raise ValueError("config is not representable in HF Mixtral or Qwen3-MoE: " + ", ".join(bad) + ".")
+        return moe_family(config)
     gpt2, llama = _gpt2_mismatches(config), _llama_mismatches(config)
     if not gpt2:
         return "gpt2"
@@ -143,10 +154,14 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
             for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
                 for name, t in zip(names, _split_qkv(sd[p + "self_attention.linear_qkv." + suffix], c)):
                     out[f"{h}{name}.{suffix}"] = t
+                out[f"{h}self_attn.o_proj.{suffix}"] = sd[p + "self_attention.linear_proj." + suffix]
+                if c.num_experts:
+                    continue
                 gate, up = sd[p + "mlp.linear_fc1." + suffix].chunk(2, dim=0)
                 out[f"{h}mlp.gate_proj.{suffix}"], out[f"{h}mlp.up_proj.{suffix}"] = gate, up
-                out[f"{h}self_attn.o_proj.{suffix}"] = sd[p + "self_attention.linear_proj." + suffix]
                 out[f"{h}mlp.down_proj.{suffix}"] = sd[p + "mlp.linear_fc2." + suffix]
+            if c.num_experts:
+                out.update(moe_layer_to_hf(sd, c, i))
     if arch == "gpt2":
         out["transformer.wte.weight"] = _unpad(sd["embedding.weight"], c)
         out["transformer.wpe.weight"] = sd["position_embeddings.weight"]
@@ -206,9 +221,13 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
                 q, k, v = (take(f"{h}self_attn.{n}_proj.{suffix}") for n in "qkv")
                 out[p + "self_attention.linear_qkv." + suffix] = _merge_qkv(q, k, v, c)
                 out[p + "self_attention.linear_proj." + suffix] = take(f"{h}self_attn.o_proj.{suffix}")
+                if c.num_experts:
+                    continue
                 gate, up = take(f"{h}mlp.gate_proj.{suffix}"), take(f"{h}mlp.up_proj.{suffix}")
                 out[p + "mlp.linear_fc1." + suffix] = torch.cat([gate, up])
                 out[p + "mlp.linear_fc2." + suffix] = take(f"{h}mlp.down_proj.{suffix}")
+            if c.num_experts:
+                out.update(moe_layer_from_hf(take, c, i))
     if arch == "gpt2":
         out["embedding.weight"] = _pad(take("transformer.wte.weight"), c)
         out["position_embeddings.weight"] = take("transformer.wpe.weight")
@@ -240,13 +259,14 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
                     attn_pdrop=c.attention_dropout, layer_norm_epsilon=c.layernorm_epsilon,
                     initializer_range=c.init_method_std, tie_word_embeddings=True,
                     bos_token_id=50256 if gpt2_tokens else None, eos_token_id=50256 if gpt2_tokens else None)
-    return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size,
-                hidden_size=c.hidden_size, intermediate_size=c.ffn_size, num_hidden_layers=c.num_layers,
-                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.query_groups, head_dim=c.head_dim,
-                max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
-                rope_theta=c.rotary_base, attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear,
-                tie_word_embeddings=c.tie_embeddings, attention_dropout=c.attention_dropout, hidden_act="silu",
-                initializer_range=c.init_method_std)
+    llama = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size,
+                 hidden_size=c.hidden_size, intermediate_size=c.ffn_size, num_hidden_layers=c.num_layers,
+                 num_attention_heads=c.num_attention_heads, num_key_value_heads=c.query_groups, head_dim=c.head_dim,
+                 max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
+                 rope_theta=c.rotary_base, attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear,
+                 tie_word_embeddings=c.tie_embeddings, attention_dropout=c.attention_dropout, hidden_act="silu",
+                 initializer_range=c.init_method_std)
+    return moe_hf_config_dict(c, llama) if c.num_experts else llama
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
@@ -269,7 +289,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
                   max_position_embeddings=hf.get("n_positions", 1024), seq_length=hf.get("n_positions", 1024),
                   hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
                   layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02))
-    elif mt == "llama":
+    elif mt == "llama" or mt in MOE_FAMILIES:
         h, n = hf["hidden_size"], hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}
         scaling = hf.get("rope_scaling")
@@ -284,8 +304,10 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
             problems.append(f"hidden_act={hf['hidden_act']!r} (needs 'silu')")
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
             problems.append("attention_bias != mlp_bias (megazero has one add_bias_linear)")
+        moe, more = moe_config_kwargs(hf) if mt in MOE_FAMILIES else ({}, [])
+        problems += more
         if problems:
-            raise ValueError("HF Llama config not representable in megazero: " + ", ".join(problems))
+            raise ValueError(f"HF {mt} config not representable in megazero: " + ", ".join(problems))
         max_pos = hf.get("max_position_embeddings", 2048)
         kw = dict(num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=n, vocab_size=hf["vocab_size"],
                   ffn_hidden_size=hf["intermediate_size"], num_query_groups=hf.get("num_key_value_heads") or n,
@@ -295,9 +317,10 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
                   activation="swiglu", add_bias_linear=hf.get("attention_bias", False),
                   tie_embeddings=hf.get("tie_word_embeddings", False), hidden_dropout=0.0,
                   attention_dropout=hf.get("attention_dropout", 0.0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-                  init_method_std=hf.get("initializer_range", 0.02))
+                  init_method_std=hf.get("initializer_range", 0.02), **moe)
     else:
-        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts 'gpt2' and 'llama'")
+        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts 'gpt2', 'llama', 'mixtral' "
+                         "and 'qwen3_moe'")
     return GPTConfig(**{**kw, **overrides}).validate()
 
 
@@ -335,8 +358,9 @@ def build_hf_config(config: GPTConfig):
     else:
         kw = {k: v for k, v in kw.items() if k != "model_type"}
         theta = kw.pop("rope_theta")
+        cls = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}.get(hf_architecture(config), "LlamaConfig")
         # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta.
-        hf_config = transformers.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
+        hf_config = getattr(transformers, cls)(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         if getattr(hf_config, "rope_theta", None) is not None:
             hf_config.rope_theta = theta
     return hf_config

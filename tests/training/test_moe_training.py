@@ -65,3 +65,39 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp
         got = launch(world, flags(data, *MOE, *extra, "--load", saved, "--ckpt-step", "2"), tmp_path,
                      f"ep2_resumed_{world}")
         assert_same_run(got, tail, what=f"saved at ep 2, resumed at world {world} {extra}")
+
+
+def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # noqa: F811
+    # Mixtral's shape (RoPE, RMSNorm, SwiGLU, GQA, every layer a mixture), trained 2 iterations at
+    # ep 2 with ZeRO-3 and saved; tools/convert_to_hf.py writes the per-expert HF names, transformers
+    # loads them, and its logits are those of the checkpoint's weights read back by megazero.
+    import importlib.util
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from megazero.model import GPTModel
+    from megazero.model.state_dict import load_full_state_dict
+    from megazero.training.checkpointing import open_checkpoint
+
+    mixtral = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--swiglu",
+               "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--moe-aux-loss-coeff", "0.02"]
+    saved = str(tmp_path / "ckpt")
+    launch(4, flags(data, *mixtral, "--expert-model-parallel-size", "2", "--zero-stage", "3", "--save", saved,
+                    "--train-iters", "2"), tmp_path, "mixtral_ep2")
+    from pathlib import Path
+
+    tool_path = Path(__file__).resolve().parents[2] / "tools" / "convert_to_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_to_hf", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--input", saved, "--output", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    config, reader, _ = open_checkpoint(saved)
+    model = GPTModel(config.replace(recompute_granularity=None)).eval()
+    load_full_state_dict(model, {n: reader.full(n) for n in reader.names})
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :config.vocab_size], hf(ids).logits, atol=1e-4, rtol=1e-4)
