@@ -24,7 +24,29 @@ import torch
 
 from .config import GPTConfig
 
-__all__ = ["num_parameters", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token"]
+__all__ = ["num_parameters", "expert_parameters", "active_parameters", "moe_layers", "flops_per_iteration",
+           "flops_per_token", "layer_forward_flops_per_token"]
+
+
+def moe_layers(c: GPTConfig) -> int:
+    """How many layers are mixtures of experts (layer i when i % moe_layer_freq == 0)."""
+    return len(range(0, c.num_layers, c.moe_layer_freq)) if c.num_experts else 0
+
+
+def _expert(c: GPTConfig) -> int:
+    """One routed expert's parameters (no biases)."""
+    gate = 2 if c.activation == "swiglu" else 1
+    return c.hidden_size * gate * c.moe_ffn_size + c.moe_ffn_size * c.hidden_size
+
+
+def expert_parameters(c: GPTConfig) -> int:
+    """The routed experts' parameters of the whole model (0 for a dense model)."""
+    return moe_layers(c) * c.num_experts * _expert(c) if c.num_experts else 0
+
+
+def active_parameters(c: GPTConfig) -> int:
+    """Parameters one token passes through: all but the routed experts, plus the k it is routed to."""
+    return num_parameters(c) - expert_parameters(c) + moe_layers(c) * c.moe_router_topk * _expert(c)
 
 
 def _config_parameters(c: GPTConfig) -> int:
@@ -39,7 +61,10 @@ def _config_parameters(c: GPTConfig) -> int:
              + n * d * h + bias * h  # linear_proj
              + h * gate * f + bias * gate * f  # linear_fc1
              + f * h + bias * h)  # linear_fc2
+    mlp = h * gate * f + bias * gate * f + f * h + bias * h
     total = v * h + c.num_layers * layer + norm
+    if c.num_experts:  # a mixture's MLP is its router and experts
+        total += moe_layers(c) * (h * c.num_experts + c.num_experts * _expert(c) - mlp)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if not c.tie_embeddings:
@@ -70,12 +95,22 @@ def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] =
     return 2 * h * (n + 2 * g) * d + 4 * s * n * d + 2 * n * d * h + 2 * h * gate * f + 2 * f * h
 
 
+def _moe_flops_per_token(c: GPTConfig) -> int:
+    """What the mixtures add to :func:`layer_forward_flops_per_token` summed over the layers: the k
+    experts' MLPs and the router (2hE) in place of the dense MLP."""
+    if not c.num_experts:
+        return 0
+    gate = 2 if c.activation == "swiglu" else 1
+    dense = 2 * c.hidden_size * gate * c.ffn_size + 2 * c.ffn_size * c.hidden_size
+    return moe_layers(c) * (c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts - dense)
+
+
 def flops_per_iteration(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None,
                         recompute_full: bool = False) -> float:
     """Training FLOPs (forward + backward [+ recompute]) of one iteration of ``global_batch_size`` sequences."""
     s = seq_length or config.seq_length
     f = 4 if recompute_full else 3
-    layers = config.num_layers * layer_forward_flops_per_token(config, s)
+    layers = config.num_layers * layer_forward_flops_per_token(config, s) + _moe_flops_per_token(config)
     logits = 2 * config.hidden_size * config.padded_vocab_size
     return float(global_batch_size * s * (f * layers + 3 * logits))
 

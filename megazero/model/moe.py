@@ -104,6 +104,19 @@ def route(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torch.Tensor
     return top, weights, probs
 
 
+def _counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """Token copies per expert ``[E]``. On the meta device (a rehearsal) the routing is unknown: the
+    counts are taken uniform, the typical load a balanced router reaches."""
+    if flat.device.type != "meta":
+        return torch.bincount(flat, minlength=experts)
+    base, extra = divmod(flat.numel(), experts)
+    return torch.tensor([base + (e < extra) for e in range(experts)], dtype=torch.long)
+
+
+def _host(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
 class MoELayer(torch.nn.Module):
     """The MLP of a mixture-of-experts layer: ``[s(/tp), b, h]`` -> the same shape (see the module).
 
@@ -160,7 +173,7 @@ class MoELayer(torch.nn.Module):
         tokens = logits.size(0) * (self.tp_size if self.sequence_parallel else 1)
         total = logits.new_zeros(())
         if use_aux:
-            counts = torch.bincount(top.reshape(-1), minlength=c.num_experts).float()
+            counts = _counts(top.reshape(-1), c.num_experts).float()
             if self.sequence_parallel:
                 dist.all_reduce(counts, group=self.tp_group)
             scale = c.moe_aux_loss_coeff * c.num_experts / (c.moe_router_topk * tokens * tokens)
@@ -176,12 +189,12 @@ class MoELayer(torch.nn.Module):
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
         rows = tokens.index_select(0, order // k)
-        counts = torch.bincount(flat, minlength=self.config.num_experts)
+        counts = _counts(flat, self.config.num_experts)
         if self.ep_size > 1:
             rows, plan = self._dispatch(rows, counts)
         else:
             plan = None
-        per_expert = plan[0] if plan is not None else counts.tolist()  # the one host read of the layer
+        per_expert = plan[0] if plan is not None else _host(counts)  # the one host read of the layer
         out = torch.cat([self.experts[str(e)].partial(chunk)
                          for e, chunk in zip(self.local, rows.split(per_expert))])
         if plan is not None:
@@ -194,7 +207,12 @@ class MoELayer(torch.nn.Module):
         (expert, source rank, token), and what :meth:`_combine` needs to send the outputs back."""
         ep, per_rank = self.ep_size, len(self.local)
         send = counts.view(ep, per_rank)
-        table = torch.stack([send, exchange_counts(send, self.ep_group)]).tolist()  # [2, ep, E/ep], on the host
+        received = exchange_counts(send, self.ep_group)
+        if counts.device.type == "meta":  # a rehearsal: every rank routes alike (uniform), so it receives what it sends
+            mine = _host(counts)[self.local.start:self.local.stop]
+            table = [_host(counts.view(ep, per_rank)), [mine] * ep]
+        else:
+            table = torch.stack([send, received]).tolist()  # [2, ep, E/ep], on the host
         send_splits, recv_table = [sum(r) for r in table[0]], table[1]
         recv_splits = [sum(r) for r in recv_table]
         got = all_to_all_rows(rows, self.ep_group, recv_splits, send_splits, self.counter)

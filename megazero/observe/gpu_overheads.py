@@ -72,10 +72,11 @@ def creates_gradient_communicator(zero_stage: int, dp: int, keep_gathered: bool 
 
 def nccl_communicators(*, tp: int, pp: int, dp: int, zero_stage: int, keep_gathered: bool = False,
                        pp_rank: int = 0, collectives: str = "auto", cp: int = 1,
-                       hierarchical_cp: tuple[int, ...] = ()) -> dict[str, int]:
+                       hierarchical_cp: tuple[int, ...] = (), ep: int = 1) -> dict[str, int]:
     """The NCCL communicators of more than one rank that a rank of pipeline stage ``pp_rank`` joins
     in a tp x cp x pp x dp launch, by group name (``world``, ``tp``, ``dp``, ``pp``, ``mp``, ``embedding``,
-    ``cp``, ``dp_cp``, with ``hierarchical_cp`` ``hcp_a2a`` and ``hcp_p2p``: ``megazero.mpu.parallel_state``'s groups; ``dp_grads``: ZeRO-3's gradient
+    ``cp``, ``dp_cp``, with ``hierarchical_cp`` ``hcp_a2a`` and ``hcp_p2p``, with ``ep`` > 1 ``ep`` and ``edp``:
+    ``megazero.mpu.parallel_state``'s groups; ``dp_grads``: ZeRO-3's gradient
     communicator, per :func:`creates_gradient_communicator`, over the ranks ZeRO partitions over),
     each counted 1. The default ``pp_rank`` 0 is a first stage, which joins the most (the embedding
     group when pp > 1)."""
@@ -85,7 +86,7 @@ def nccl_communicators(*, tp: int, pp: int, dp: int, zero_stage: int, keep_gathe
     world = tp * pp * dp * cp
     rank = pp_rank * dp * cp * tp  # tp, cp and dp rank 0 of that stage: every rank of a stage joins alike
     out = {"world": 1} if world > 1 else {}
-    for kind, lines in group_ranks(world, tp, pp, cp, hierarchical_cp or None).items():
+    for kind, lines in group_ranks(world, tp, pp, cp, hierarchical_cp or None, ep).items():
         if any(rank in line and len(line) > 1 for line in lines):
             out[kind] = 1
     if dp * cp > 1 and creates_gradient_communicator(zero_stage, dp * cp, keep_gathered, collectives):

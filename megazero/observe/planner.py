@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import flops_per_iteration, num_parameters
+from megazero.model.flops import expert_parameters, flops_per_iteration, moe_layers, num_parameters
 from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
                                             loader_pinned_bytes, nccl_communicators, nccl_line)
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
@@ -236,6 +236,9 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         e s b (n d + 2 g d + n d + gate f + f) = 24 s b h;
       attention scores (dropped by selective recompute / flash attention): softmax
         output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
+    Mixture-of-experts layers (averaged over the layers): the k experts' MLP activations per token in
+    place of the dense MLP's (sharded by TP), the dispatched and combined token copies ``2 e k s b h``,
+    the router's fp32 input and its logits and probabilities (whole on every TP rank).
     """
     c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
     h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
@@ -246,7 +249,13 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     sharded = e * s * b * (n * d + 2 * g * d + n * d + gate * f + f)
     score_bytes = 2 * e + 1 if c.attention_dropout > 0 else e
     scores = n * s * s * b * score_bytes if keep_attention_scores else 0
-    return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t
+    whole = 0.0
+    if c.num_experts:
+        # SwiGLU keeps gate, up, silu(gate) and their product per token copy; GeLU input and output.
+        share, k, fm = moe_layers(c) / c.num_layers, c.moe_router_topk, c.moe_ffn_size
+        sharded += share * e * s * b * (k * (2 * gate * fm if gate == 2 else 2 * fm) - (gate * f + f))
+        whole = share * (2 * e * k * s * b * h + 4 * s * b * h + 3 * 4 * s * b * c.num_experts)
+    return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t + whole
 
 
 def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int, sequence_parallel: bool,
@@ -303,6 +312,11 @@ def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_s
     return out
 
 
+def _with_experts(dense: tuple, experts: tuple) -> tuple:
+    """(weights, grads, optimizer) bytes of the dense parameters plus those of the routed experts."""
+    return tuple(a + b for a, b in zip(dense, experts))
+
+
 def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_stage: int, micro_batch_size: int,
                     seq_length: Optional[int] = None, precision: str = "bf16", recompute: Optional[str] = None,
                     sequence_parallel: bool = False, flash_attn: bool = False,
@@ -316,7 +330,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
                     num_workers: int = 0, context_parallel: int = 1,
                     cp_comm_type: Union[str, tuple[str, ...]] = "p2p",
-                    hierarchical_cp: tuple[int, ...] = ()) -> MemoryEstimate:
+                    hierarchical_cp: tuple[int, ...] = (), expert_parallel: int = 1) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -361,7 +375,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     zdp = dp * context_parallel  # the ranks ZeRO partitions and reduces over: data x context parallel
     total = num_parameters(config)
     replicated = replicated_parameters(config)
-    psi = ((total - replicated) / tp + replicated) / pp
+    # Routed experts: sharded over tp and ep, partitioned by ZeRO over expert data parallel (zdp / ep).
+    experts = expert_parameters(config)
+    psi_experts, edp = experts / (tp * expert_parallel * pp), zdp // expert_parallel
+    psi = ((total - experts - replicated) / tp + replicated) / pp
 
     # The largest flat group's partition (a layer's weights, or the word embedding): what one
     # offload buffer needs at most.
@@ -375,9 +392,11 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                      optimizer_ratio=ratio)
 
     kept = param_host(psi)["weights_on_device"]
-    weights, grads, optim = model_state_bytes(psi, dp=zdp, zero_stage=zero_stage, precision=precision,
-                                              grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio,
-                                              weights_on_device=kept)
+    weights, grads, optim = _with_experts(
+        model_state_bytes(psi, dp=zdp, zero_stage=zero_stage, precision=precision, grad_accum_dtype=grad_accum_dtype,
+                          offload_ratio=ratio, weights_on_device=kept),
+        model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision,
+                          grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept))
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
@@ -411,12 +430,18 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     pipeline: dict = {}
     if pp > 1:
         m = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
-        pipeline, stage = _pipeline_plan(config, total=total, replicated=replicated, tp=tp, dp=zdp, pp=pp,
+        pipeline, stage = _pipeline_plan(config, total=total - experts, replicated=replicated, tp=tp, dp=zdp, pp=pp,
                                          v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
                                          seq_length=s_rank, sequence_parallel=sequence_parallel and tp > 1,
                                          offload_ratio=ratio, weights_on_device=kept)
-        psi, (weights, grads, optim) = stage["params"], stage["states"]
+        expert_states = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision,
+                                          grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept)
+        for st in pipeline["stages"]:  # every stage holds its share of the experts (layers split evenly)
+            st["states"] = _with_experts(st["states"], expert_states)
+            st["total"] += sum(expert_states)
+            st["params"] += psi_experts
+        psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
     traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=zdp, zero_stage=zero_stage, microbatches=m_steps,
@@ -427,13 +452,13 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
     nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, cp=context_parallel, hierarchical_cp=hierarchical_cp,
-                              zero_stage=zero_stage, keep_gathered=keep_gathered)
+                              ep=expert_parallel, zero_stage=zero_stage, keep_gathered=keep_gathered)
     return MemoryEstimate(
         **host,
         traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
         grad_buckets=grad_buckets,
-        params_total=total, params_per_rank=psi,
+        params_total=total, params_per_rank=psi + psi_experts,
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
         plan=dict(tp=tp, dp=dp, pp=pp, cp=context_parallel, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
                   seq_length=s,
@@ -551,7 +576,7 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     # ZeRO partitions over dp x cp.
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
-        context_parallel=p.cp, cp_comm_type=p.cp_comm_type, hierarchical_cp=p.hierarchical_cp,
+        context_parallel=p.cp, cp_comm_type=p.cp_comm_type, hierarchical_cp=p.hierarchical_cp, expert_parallel=p.ep,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         # flash-attn and SDPA's fused kernels (auto picks one of them) never hold the s x s scores;
         # only the math kernel does

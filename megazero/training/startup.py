@@ -23,6 +23,7 @@ import time
 import torch
 
 from ..model import GPTConfig, num_parameters
+from ..model.flops import moe_layers
 
 __all__ = ["StartupEstimate", "estimate_startup", "measure_rates", "replicated_parameters"]
 
@@ -31,7 +32,8 @@ GB = 1e9
 
 def replicated_parameters(config: GPTConfig) -> int:
     """Parameters that tensor parallelism does not shard: norms, row-parallel biases
-    (attention projection, second MLP linear) and the learned position table."""
+    (attention projection, second MLP linear), the learned position table and the routers of a
+    mixture of experts."""
     c = config
     h = c.hidden_size
     norm = h * (2 if c.normalization == "layernorm" else 1)
@@ -39,6 +41,8 @@ def replicated_parameters(config: GPTConfig) -> int:
     total = c.num_layers * (2 * norm + row_bias) + norm
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
+    if c.num_experts:
+        total += moe_layers(c) * h * c.num_experts
     return total
 
 

@@ -205,3 +205,35 @@ def test_the_plan_is_within_ten_percent_of_the_rehearsal_for_long_sequences(seq,
         assert ("hcp_a2a" in report.nccl_communicators) == (exchange == "a2a+p2p")
     assert report.plan["state_bytes"] == pytest.approx(report.state_bytes, rel=0.01)
     assert report.plan["peak_bytes"] == pytest.approx(report.peak_bytes, rel=0.10), (report.plan, report.peak_bytes)
+
+
+MIXTRAL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups", "8",
+           "--ffn-hidden-size", "14336", "--seq-length", "4096", "--max-position-embeddings", "32768",
+           "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16", "--vocab-size", "32000",
+           "--make-vocab-size-divisible-by", "128", "--tokenizer-type", "NullTokenizer", "--mock-data",
+           "--train-iters", "1", "--lr", "1e-4", "--num-experts", "8", "--moe-router-topk", "2",
+           "--disable-bias-linear", "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+           "--untie-embeddings-and-output-weights", "--attention-backend", "flash", "--hidden-dropout", "0",
+           "--attention-dropout", "0"]
+
+
+def test_a_mixtral_8x7b_launch_on_64_ranks_is_rehearsed_against_the_formula():
+    """tp 1, pp 4, ep 8 (expert data parallel 2), bf16, the distributed optimizer: each rank holds a
+    quarter of the layers and one expert of each; its state is the planner's and the formula's."""
+    from megazero.model.flops import active_parameters, expert_parameters, num_parameters
+
+    config, _ = rehearsal_config(MIXTRAL + ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
+                                            "--use-distributed-optimizer"], 64)
+    hf_shape = config.model.replace(vocab_size=32000)  # the Hub's count: the unpadded vocabulary
+    assert (num_parameters(hf_shape), active_parameters(hf_shape)) == (46_702_792_704, 12_879_925_248)
+    experts = expert_parameters(config.model)
+    assert experts == 45_097_156_608
+    for rank in (0, 63):  # first and last stage
+        r = rehearse_rank(config, rank)
+        assert r.plan["state_bytes"] == pytest.approx(r.state_bytes, rel=0.01), (rank, r.plan, r.state_bytes)
+        assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.10), (rank, r.plan, r.peak_bytes)
+        assert {"ep", "edp"} <= set(r.nccl_communicators)
+        # ZeRO-1 over expert data parallel 2: bf16 weights and gradients (2 + 2 bytes) of the rank's
+        # experts, and their fp32 master and Adam moments (12 bytes) halved.
+        x = experts / (8 * 4)
+        assert r.engine_state_bytes >= 4 * x + 12 * x / 2
