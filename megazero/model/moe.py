@@ -46,13 +46,16 @@ __all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_para
 class AuxLossScale:
     """The factor the auxiliary losses' gradients get in backward: the training step sets it to what the
     language-model loss is scaled by (loss scale / micro-batches of the step). ``losses`` collects each
-    MoE layer's (aux, z) losses of the forwards since the last :meth:`take` (detached), for the log."""
+    MoE layer's auxiliary loss (this rank's share, detached) and ``loads`` its busiest expert's token
+    copies over the mean, for the forwards since the last :meth:`take`, for the log."""
 
     value: Union[float, torch.Tensor] = 1.0
     losses: list = field(default_factory=list)
+    loads: list = field(default_factory=list)
 
-    def take(self) -> list:
-        out, self.losses = self.losses, []
+    def take(self) -> tuple[list, list]:
+        out = (self.losses, self.loads)
+        self.losses, self.loads = [], []
         return out
 
 
@@ -190,6 +193,8 @@ class MoELayer(torch.nn.Module):
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
         rows = tokens.index_select(0, order // k)
         counts = _counts(flat, self.config.num_experts)
+        if self.training:
+            self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
         if self.ep_size > 1:
             rows, plan = self._dispatch(rows, counts)
         else:

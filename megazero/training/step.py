@@ -182,7 +182,25 @@ class TrainModel:
                 chunk.moe_aux.take()
         micro_batches = [self.micro_batch(b["text"], eod, b.get("index")) for b in batches]
         losses, updated = self.stage.train_step(micro_batches, lap)
-        return self._local_mean(losses), updated
+        loss = self._local_mean(losses)
+        return (torch.cat([loss.view(1), self._moe_stats(len(batches))]) if self.config.model.num_experts
+                else loss), updated
+
+    def _moe_stats(self, micro_batches: int) -> torch.Tensor:
+        """``[aux losses per micro-batch, sum of expert loads, their count]`` of this rank's layers, on the
+        device; summed over the stages and averaged over DP with the loss, they give the logged figures."""
+        aux, loads = [], []
+        for chunk in self.chunks:
+            a, l_ = chunk.moe_aux.take()
+            aux += a
+            loads += l_
+        dev = self.device
+        total = torch.stack(aux).sum().double() / micro_batches if aux else torch.zeros((), dtype=torch.float64, device=dev)
+        if aux and self.groups.tp_size > 1 and self.config.model.sequence_parallel:
+            dist.all_reduce(total, group=self.groups.tp_group)  # each TP rank routed its own tokens: shares
+        load = torch.stack(loads).sum().double() if loads else torch.zeros((), dtype=torch.float64, device=dev)
+        return torch.stack([total.to(dev), load.to(dev), torch.tensor(float(len(loads)), dtype=torch.float64,
+                                                                       device=dev)])
 
     @torch.no_grad()
     def eval_step(self, batches: list[dict], eod: Optional[int]) -> torch.Tensor:

@@ -31,6 +31,11 @@ def one_process(data, tmp_path_factory):  # noqa: F811
 def test_mixture_of_experts_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
     got = launch(world, flags(data, *MOE, *extra), tmp_path, "moe")
     assert_same_run(got, one_process, what=f"MoE world {world} {extra}")
+    # the log line's router loss and expert load (in the metrics file and TensorBoard too)
+    for it, ref in one_process.items():
+        for key in ("moe_aux_loss", "expert_load_max_over_mean"):
+            assert got[it][key] == pytest.approx(ref[key], rel=1e-5), (it, key, got[it][key], ref[key])
+    assert all(r["moe_aux_loss"] > 0 and r["expert_load_max_over_mean"] >= 1 for r in one_process.values())
 
 
 @pytest.mark.parametrize("argv,message", [

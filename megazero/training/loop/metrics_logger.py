@@ -87,11 +87,18 @@ class MetricsLogger:
 
     def flush(self, state: TrainState) -> None:
         """The pending losses to the host, checked and counted in the interval."""
-        for it, loss in self.drain().items():
+        for it, value in self.drain().items():
+            values = {"lm loss": value}
+            if isinstance(value, list):  # a mixture of experts: the routers' losses and the experts' load too
+                loss, aux, load_sum, layers = value
+                values = {"lm loss": loss, "moe aux loss": aux}
+                if layers:
+                    values["expert load max over mean"] = load_sum / layers
+            loss = values["lm loss"]
             self.losses[it] = loss
             if self.check is not None:
                 self.check(state, it, loss)
-            self.meter.update({"lm loss": loss}, skipped=self.skipped_at.pop(it, False))
+            self.meter.update(values, skipped=self.skipped_at.pop(it, False))
 
     def after_step(self, state: TrainState) -> None:
         """Log at every ``--log-interval``-th iteration and at the last one."""
