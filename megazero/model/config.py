@@ -81,6 +81,10 @@ class GPTConfig:
     # True: softmax over all experts, then the top k (weights not renormalised, Qwen2-MoE); False:
     # the top k logits, then their softmax (Mixtral).
     moe_router_pre_softmax: bool = False
+    # Token dropping: each expert takes at most ceil(k T / E * factor) of the T tokens' copies a rank
+    # routes (its micro-batch, gathered over TP), by routing weight ('probs') or order ('position').
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_token_drop_policy: str = "probs"
     # --- regularisation and init -----------------------------------------------------------
     hidden_dropout: float = 0.1  # on embeddings and on each residual branch
     attention_dropout: float = 0.1  # on attention probabilities
@@ -172,6 +176,10 @@ class GPTConfig:
         if self.add_bias_linear:
             raise ValueError("experts have no biases here: a mixture of experts needs add_bias_linear=False "
                              "(--disable-bias-linear), as Mixtral and Qwen-MoE are built")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {self.moe_token_drop_policy!r}")
         if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r}: 'aux_loss' "
                              "or 'none' (seq_aux_loss and sinkhorn are not available)")

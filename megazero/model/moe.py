@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -52,10 +54,11 @@ class AuxLossScale:
     value: Union[float, torch.Tensor] = 1.0
     losses: list = field(default_factory=list)
     loads: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)  # the share of token copies over capacity, per layer
 
-    def take(self) -> tuple[list, list]:
-        out = (self.losses, self.loads)
-        self.losses, self.loads = [], []
+    def take(self) -> tuple[list, list, list]:
+        out = (self.losses, self.loads, self.dropped)
+        self.losses, self.loads, self.dropped = [], [], []
         return out
 
 
@@ -105,6 +108,25 @@ def route(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torch.Tensor
     top = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probs.gather(1, top) if pre_softmax else torch.softmax(logits.gather(1, top), dim=-1)
     return top, weights, probs
+
+
+def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor: float, policy: str) -> torch.Tensor:
+    """``[T, k]`` True for the token copies an expert cannot take: each expert keeps at most
+    ceil(k T / E * factor) of its copies, those of the highest routing weight ('probs'; ties to the
+    earlier token) or the earliest ('position')."""
+    n, k = top.shape
+    capacity = math.ceil(n * k / experts * factor)
+    flat = top.reshape(-1)
+    order = torch.arange(flat.numel(), device=flat.device)
+    if policy == "probs":  # by weight, descending; a stable sort keeps token order among equals
+        order = torch.sort(weights.reshape(-1).detach(), descending=True, stable=True).indices
+    order = order[torch.sort(flat[order], stable=True).indices]  # then by expert
+    counts = torch.bincount(flat, minlength=experts)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]  # rank within its expert
+    drop = torch.empty_like(flat, dtype=torch.bool)
+    drop[order] = place >= capacity
+    return drop.view(n, k)
 
 
 def _counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
@@ -188,11 +210,19 @@ class MoELayer(torch.nn.Module):
 
     def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's k expert outputs (partial over TP), weighted and summed: ``[T, h]``."""
+        c = self.config
         n, k = top.shape
         flat = top.reshape(-1)
+        buckets = c.num_experts
+        if c.moe_expert_capacity_factor is not None and flat.device.type != "meta":
+            # Copies over capacity go to a bucket past the last expert: sorted last, sent nowhere, output 0.
+            drop = over_capacity(top, weights, c.num_experts, c.moe_expert_capacity_factor, c.moe_token_drop_policy)
+            flat, buckets = torch.where(drop.reshape(-1), c.num_experts, flat), c.num_experts + 1
+            if self.training:
+                self.aux_scale.dropped.append(drop.float().mean())
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
+        counts = _counts(flat, buckets)[:c.num_experts]
         rows = tokens.index_select(0, order // k)
-        counts = _counts(flat, self.config.num_experts)
         if self.training:
             self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
         if self.ep_size > 1:
@@ -200,10 +230,14 @@ class MoELayer(torch.nn.Module):
         else:
             plan = None
         per_expert = plan[0] if plan is not None else _host(counts)  # the one host read of the layer
+        if plan is None:
+            rows = rows[:sum(per_expert)]  # without the dropped copies
         out = torch.cat([self.experts[str(e)].partial(chunk)
                          for e, chunk in zip(self.local, rows.split(per_expert))])
         if plan is not None:
             out = self._combine(out, plan)
+        if out.size(0) < n * k:  # the dropped copies' outputs: zeros
+            out = torch.cat([out, out.new_zeros(n * k - out.size(0), out.size(1))])
         out = out.index_select(0, torch.argsort(order))  # back to (token, choice) order
         return (out.view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
 
@@ -220,6 +254,7 @@ class MoELayer(torch.nn.Module):
             table = torch.stack([send, received]).tolist()  # [2, ep, E/ep], on the host
         send_splits, recv_table = [sum(r) for r in table[0]], table[1]
         recv_splits = [sum(r) for r in recv_table]
+        rows = rows[:sum(send_splits)]  # without the dropped copies
         got = all_to_all_rows(rows, self.ep_group, recv_splits, send_splits, self.counter)
         starts, at = [], 0
         for r in range(ep):

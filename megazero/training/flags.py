@@ -234,11 +234,17 @@ g(H, "--moe-token-dispatcher-type", "alltoall; allgather is mapped to it (the sa
   refuse_values=(("flex", "--moe-token-dispatcher-type flex (DeepEP) is not available; use alltoall"),))
 g(M, "--moe-grouped-gemm", "the experts' matmuls run as an exact per-expert loop; accepted")
 g(M, "--disable-moe-token-dropping", "megazero's MoE is dropless; accepted")
-_NO_CAPACITY = ("token dropping (expert capacity) is not available: megazero's mixture of experts is dropless "
-                "(every token reaches its k experts); drop the capacity flags")
-g(R, ("--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-train-capacity-factor",
-      "--moe-eval-capacity-factor", "--moe-min-capacity"), _NO_CAPACITY, str)
-g(R, ("--moe-pad-expert-input-to-capacity", "--moe-token-dropping"), _NO_CAPACITY)
+g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most ceil(k T / E x factor) of the "
+  "T token copies a rank routes in a micro-batch (gathered over TP), the rest are dropped (their output 0); "
+  "the same tokens are dropped at every tp, sp and ep", float)
+g(H, "--moe-token-drop-policy", "which copies an expert keeps: probs (the highest routing weights, ties to the "
+  "earlier token) or position (the earliest)", _lower, choices=("probs", "position"), default="probs")
+g(M, "--moe-pad-expert-input-to-capacity", "the experts' matmuls take the rows each expert keeps; padding to "
+  "capacity adds zero rows that change nothing; accepted")
+g(R, ("--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity"),
+  "DeepSpeed-MoE's capacity flags are not mapped (its capacity counts differ); use --moe-expert-capacity-factor "
+  "and --moe-token-drop-policy", str)
+g(R, "--moe-token-dropping", "DeepSpeed-MoE's switch: use --moe-expert-capacity-factor (dropless without it)")
 _NO_MOE_YET = "is not available in megazero's mixture of experts yet; drop it"
 for _flag in ("--moe-shared-expert-intermediate-size", "--moe-router-score-function", "--moe-router-bias-update-rate",
               "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",

@@ -187,20 +187,25 @@ class TrainModel:
                 else loss), updated
 
     def _moe_stats(self, micro_batches: int) -> torch.Tensor:
-        """``[aux losses per micro-batch, sum of expert loads, their count]`` of this rank's layers, on the
-        device; summed over the stages and averaged over DP with the loss, they give the logged figures."""
-        aux, loads = [], []
+        """``[aux losses per micro-batch, sum of expert loads, their count, sum of dropped shares]`` of this
+        rank's layers, on the device; summed over the stages and averaged over DP with the loss, they give
+        the logged figures."""
+        aux, loads, dropped = [], [], []
         for chunk in self.chunks:
-            a, l_ = chunk.moe_aux.take()
+            a, l_, d = chunk.moe_aux.take()
             aux += a
             loads += l_
+            dropped += d
         dev = self.device
         total = torch.stack(aux).sum().double() / micro_batches if aux else torch.zeros((), dtype=torch.float64, device=dev)
         if aux and self.groups.tp_size > 1 and self.config.model.sequence_parallel:
             dist.all_reduce(total, group=self.groups.tp_group)  # each TP rank routed its own tokens: shares
-        load = torch.stack(loads).sum().double() if loads else torch.zeros((), dtype=torch.float64, device=dev)
-        return torch.stack([total.to(dev), load.to(dev), torch.tensor(float(len(loads)), dtype=torch.float64,
-                                                                       device=dev)])
+        def summed(values):
+            return torch.stack(values).sum().double().to(dev) if values else torch.zeros((), dtype=torch.float64,
+                                                                                          device=dev)
+
+        layers = torch.tensor(float(len(loads)), dtype=torch.float64, device=dev)
+        return torch.stack([total.to(dev), summed(loads), layers, summed(dropped)])
 
     @torch.no_grad()
     def eval_step(self, batches: list[dict], eod: Optional[int]) -> torch.Tensor:

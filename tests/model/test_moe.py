@@ -56,7 +56,7 @@ def test_aux_losses_and_their_gradient_in_backward():
     layer = _layer(c, scale=scale)
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
     y = layer(x)
-    (aux,) = scale.take()
+    (aux,), _, _ = scale.take()
     logits = x.detach().reshape(-1, H) @ layer.router.weight.detach().t()
     top, _, probs = route(logits, 2, False)
     n = S * B
@@ -115,3 +115,35 @@ def _ep_case(size: int):
 @pytest.mark.parametrize("size", [2, 4])
 def test_expert_parallel_equals_one_process(size):
     run_distributed(size, _ep_case, size)
+
+
+def test_over_capacity_keeps_each_experts_heaviest_or_earliest_copies():
+    from megazero.model.moe import over_capacity
+
+    top = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    w = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.7, 0.3]])
+    # capacity ceil(4 * 2 / 4 * 1.0) = 2 copies per expert
+    assert over_capacity(top, w, 4, 1.0, "probs").tolist() == [[False, True], [False, False], [True, False],
+                                                               [False, True]]
+    assert over_capacity(top, w, 4, 1.0, "position").tolist() == [[False, False], [False, False], [True, False],
+                                                                  [True, True]]
+    assert not over_capacity(top, w, 4, 2.0, "probs").any()  # enough room: dropless
+
+
+def test_dropped_copies_contribute_nothing():
+    c = _config(moe_expert_capacity_factor=0.5)
+    layer = _layer(c)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4))
+    y = layer(x)
+    (dropped,) = layer.aux_scale.dropped
+    assert 0.4 < dropped.item() < 0.6  # half the capacity of a uniform load: about half the copies
+    # the same tokens through the dropless layer, with the dropped copies' weights zeroed, agree
+    from megazero.model.moe import over_capacity
+
+    logits = x.reshape(-1, H) @ layer.router.weight.t()
+    top, weights, _ = route(logits, 2, False)
+    keep = ~over_capacity(top, weights, E, 0.5, "probs")
+    rows = [sum(weights[t, j] * layer.experts[str(int(top[t, j]))].partial(x.reshape(-1, H)[t:t + 1])[0]
+                for j in range(2) if keep[t, j]) for t in range(S * B)]
+    want = torch.stack([r if torch.is_tensor(r) else torch.zeros(H) for r in rows]).view(S, B, H)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)

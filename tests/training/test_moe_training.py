@@ -38,13 +38,37 @@ def test_mixture_of_experts_equals_one_process(data, one_process, tmp_path, worl
     assert all(r["moe_aux_loss"] > 0 and r["expert_load_max_over_mean"] >= 1 for r in one_process.values())
 
 
+CAPACITY = ("--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs")
+
+
+@pytest.fixture(scope="module")
+def one_process_capacity(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *MOE, *CAPACITY), tmp_path_factory.mktemp("moe1_capacity"), "moe1_capacity")
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--expert-model-parallel-size", "2"]),
+    (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+])
+def test_token_dropping_drops_the_same_copies_at_every_layout(data, one_process, one_process_capacity, tmp_path,  # noqa: F811
+                                                              world, extra):
+    # Capacity is decided over the micro-batch a rank routes (gathered over TP): the dropped copies,
+    # and so the losses, are those of one process.
+    got = launch(world, flags(data, *MOE, *CAPACITY, *extra), tmp_path, "moe_capacity")
+    assert_same_run(got, one_process_capacity, what=f"MoE capacity 1.0, world {world} {extra}")
+    for it, ref in one_process_capacity.items():
+        assert got[it]["moe_dropped_fraction"] == pytest.approx(ref["moe_dropped_fraction"], rel=1e-6)
+    assert any(r["moe_dropped_fraction"] > 0 for r in one_process_capacity.values()), "nothing was dropped"
+    assert any(abs(one_process_capacity[it]["lm_loss"] - one_process[it]["lm_loss"]) > 1e-6 for it in one_process)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the data x context parallel ranks"),
     (["--expert-model-parallel-size", "2"], "needs --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk in 1..num_experts"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "differs from --tp 2"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.25"], "dropless"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], "not available"),
     (["--num-experts", "4", "8"], "one number of experts"),
 ])

@@ -90,10 +90,12 @@ class MetricsLogger:
         for it, value in self.drain().items():
             values = {"lm loss": value}
             if isinstance(value, list):  # a mixture of experts: the routers' losses and the experts' load too
-                loss, aux, load_sum, layers = value
+                loss, aux, load_sum, layers, dropped = value
                 values = {"lm loss": loss, "moe aux loss": aux}
                 if layers:
                     values["expert load max over mean"] = load_sum / layers
+                    if self.config.model.moe_expert_capacity_factor is not None:
+                        values["moe dropped fraction"] = dropped / layers
             loss = values["lm loss"]
             self.losses[it] = loss
             if self.check is not None:
