@@ -69,6 +69,7 @@ class GPTConfig:
     # towards 1 rather than 0 (Megatron's --apply-layernorm-1p). The function is unchanged.
     apply_layernorm_1p: bool = False
     add_bias_linear: bool = True  # biases on every linear layer (QKV, proj, MLP)
+    add_qkv_bias: bool = False  # a bias on the QKV projection alone (Megatron's --add-qkv-bias, Qwen2's)
     tie_embeddings: bool = True  # output layer reuses the input embedding matrix
     # --- mixture of experts (Megatron-core's names; moe.py) -----------------------------------
     num_experts: Optional[int] = None  # None: dense MLPs
@@ -85,6 +86,10 @@ class GPTConfig:
     # routes (its micro-batch, gathered over TP), by routing weight ('probs') or order ('position').
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"
+    # Shared experts (Qwen2-MoE, DeepSeek): an MLP of this width every token passes through beside its
+    # routed experts, its output scaled by sigmoid(x w_gate) when moe_shared_expert_gate.
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
     # --- regularisation and init -----------------------------------------------------------
     hidden_dropout: float = 0.1  # on embeddings and on each residual branch
     attention_dropout: float = 0.1  # on attention probabilities
@@ -176,6 +181,12 @@ class GPTConfig:
         if self.add_bias_linear:
             raise ValueError("experts have no biases here: a mixture of experts needs add_bias_linear=False "
                              "(--disable-bias-linear), as Mixtral and Qwen-MoE are built")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (shared < 1 or shared % tp_size):
+            raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be >= 1 and divisible by the "
+                             f"tensor parallel size ({tp_size})")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size (a shared expert)")
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
             raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
         if self.moe_token_drop_policy not in ("probs", "position"):

@@ -33,10 +33,17 @@ def moe_layers(c: GPTConfig) -> int:
     return len(range(0, c.num_layers, c.moe_layer_freq)) if c.num_experts else 0
 
 
-def _expert(c: GPTConfig) -> int:
-    """One routed expert's parameters (no biases)."""
+def _expert(c: GPTConfig, width: Optional[int] = None) -> int:
+    """One routed expert's parameters (no biases); ``width``: another MLP width (a shared expert)."""
     gate = 2 if c.activation == "swiglu" else 1
-    return c.hidden_size * gate * c.moe_ffn_size + c.moe_ffn_size * c.hidden_size
+    f = width or c.moe_ffn_size
+    return c.hidden_size * gate * f + f * c.hidden_size
+
+
+def _shared(c: GPTConfig) -> int:
+    """A mixture layer's shared expert and its gate (0 without one)."""
+    width = c.moe_shared_expert_intermediate_size
+    return (_expert(c, width) + (c.hidden_size if c.moe_shared_expert_gate else 0)) if width else 0
 
 
 def expert_parameters(c: GPTConfig) -> int:
@@ -57,14 +64,14 @@ def _config_parameters(c: GPTConfig) -> int:
     qkv = (n + 2 * g) * d
     qk_norm = 2 * d * (2 if c.normalization == "layernorm" else 1) if c.qk_layernorm else 0
     layer = (2 * norm + qk_norm
-             + h * qkv + bias * qkv  # linear_qkv
+             + h * qkv + (1 if c.add_bias_linear or c.add_qkv_bias else 0) * qkv  # linear_qkv
              + n * d * h + bias * h  # linear_proj
              + h * gate * f + bias * gate * f  # linear_fc1
              + f * h + bias * h)  # linear_fc2
     mlp = h * gate * f + bias * gate * f + f * h + bias * h
     total = v * h + c.num_layers * layer + norm
     if c.num_experts:  # a mixture's MLP is its router and experts
-        total += moe_layers(c) * (h * c.num_experts + c.num_experts * _expert(c) - mlp)
+        total += moe_layers(c) * (h * c.num_experts + c.num_experts * _expert(c) + _shared(c) - mlp)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if not c.tie_embeddings:
@@ -102,7 +109,8 @@ def _moe_flops_per_token(c: GPTConfig) -> int:
         return 0
     gate = 2 if c.activation == "swiglu" else 1
     dense = 2 * c.hidden_size * gate * c.ffn_size + 2 * c.ffn_size * c.hidden_size
-    return moe_layers(c) * (c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts - dense)
+    return moe_layers(c) * (c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts + 2 * _shared(c)
+                            - dense)
 
 
 def flops_per_iteration(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None,

@@ -160,6 +160,9 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
                 gate, up = sd[p + "mlp.linear_fc1." + suffix].chunk(2, dim=0)
                 out[f"{h}mlp.gate_proj.{suffix}"], out[f"{h}mlp.up_proj.{suffix}"] = gate, up
                 out[f"{h}mlp.down_proj.{suffix}"] = sd[p + "mlp.linear_fc2." + suffix]
+            if c.add_qkv_bias and not c.add_bias_linear:  # Qwen2's biases on q, k and v alone
+                for name, t in zip(names, _split_qkv(sd[p + "self_attention.linear_qkv.bias"], c)):
+                    out[f"{h}{name}.bias"] = t
             if c.num_experts:
                 out.update(moe_layer_to_hf(sd, c, i))
     if arch == "gpt2":
@@ -226,6 +229,9 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
                 gate, up = take(f"{h}mlp.gate_proj.{suffix}"), take(f"{h}mlp.up_proj.{suffix}")
                 out[p + "mlp.linear_fc1." + suffix] = torch.cat([gate, up])
                 out[p + "mlp.linear_fc2." + suffix] = take(f"{h}mlp.down_proj.{suffix}")
+            if c.add_qkv_bias and not c.add_bias_linear:
+                out[p + "self_attention.linear_qkv.bias"] = _merge_qkv(*(take(f"{h}self_attn.{n}_proj.bias") for n in "qkv"),
+                                                                       c)
             if c.num_experts:
                 out.update(moe_layer_from_hf(take, c, i))
     if arch == "gpt2":
@@ -358,7 +364,8 @@ def build_hf_config(config: GPTConfig):
     else:
         kw = {k: v for k, v in kw.items() if k != "model_type"}
         theta = kw.pop("rope_theta")
-        cls = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}.get(hf_architecture(config), "LlamaConfig")
+        cls = {"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}.get(
+            hf_architecture(config), "LlamaConfig")
         # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta.
         hf_config = getattr(transformers, cls)(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         if getattr(hf_config, "rope_theta", None) is not None:

@@ -129,6 +129,23 @@ def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor
     return drop.view(n, k)
 
 
+class SharedGate(torch.nn.Module):
+    """The shared expert's gate ``sigmoid(x w)``, ``w`` ``[1, h]`` replicated over TP. It scales the
+    expert's partial (per TP rank) output, so its weight's gradient is partial too: summed over TP."""
+
+    def __init__(self, config: GPTConfig, init_method, device=None) -> None:
+        super().__init__()
+        self.hidden_size, self.init_method = config.hidden_size, init_method
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device))
+
+    def reset_parameters(self) -> None:
+        initialize_sharded_(self.weight, (1, self.hidden_size), 0, 0, 1, self.init_method)
+
+    def forward(self, tokens: torch.Tensor, tp_group) -> torch.Tensor:
+        w = self.weight if tp_group is None else mpu.copy_to_tensor_model_parallel_region(self.weight, tp_group)
+        return torch.sigmoid(F.linear(tokens, w))
+
+
 def _counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
     """Token copies per expert ``[E]``. On the meta device (a rehearsal) the routing is unknown: the
     counts are taken uniform, the typical load a balanced router reaches."""
@@ -150,7 +167,7 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, config: GPTConfig, expert, *, tp_group: Optional[dist.ProcessGroup], tp_size: int,
                  ep_group: Optional[dist.ProcessGroup], ep_size: int, ep_rank: int, aux_scale: AuxLossScale,
-                 init_method, device=None) -> None:
+                 init_method, device=None, shared=None) -> None:
         super().__init__()
         c = config
         if c.num_experts % ep_size:
@@ -162,6 +179,10 @@ class MoELayer(torch.nn.Module):
         self.local = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         self.router = Router(c, init_method, device=device)
         self.experts = torch.nn.ModuleDict({str(e): expert() for e in self.local})
+        # ``shared`` builds the shared expert (every token, every EP rank holds it whole), with its gate.
+        self.shared_experts = shared() if shared is not None else None
+        self.shared_gate = (SharedGate(c, init_method, device) if shared is not None and c.moe_shared_expert_gate
+                            else None)
         self.counter: Optional[dict] = None  # bytes the all-to-alls send, when a caller asks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,6 +202,11 @@ class MoELayer(torch.nn.Module):
         elif self.tp_size > 1:  # the experts' input gradients are partial over TP; the router's are not
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
         y = self._experts(tokens, top, weights.to(x.dtype))
+        if self.shared_experts is not None:  # partial over TP too: reduced with the routed experts' outputs
+            shared = self.shared_experts.partial(tokens)
+            if self.shared_gate is not None:
+                shared = shared * self.shared_gate(tokens, self.tp_group if self.tp_size > 1 else None)
+            y = y + shared
         if self.sequence_parallel:
             y = mpu.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         elif self.tp_size > 1:

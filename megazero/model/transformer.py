@@ -114,8 +114,8 @@ class SelfAttention(torch.nn.Module):
                       bias=c.add_bias_linear)
         init, output_init = init_methods(c)
         qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
-        self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False,
-                                                   init_method=init, **common)
+        self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False, init_method=init,
+                                                   **{**common, "bias": c.add_bias_linear or c.add_qkv_bias})
         self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
                                                  input_is_parallel=True, init_method=output_init, **common)
         if c.qk_layernorm:
@@ -159,14 +159,14 @@ class MLP(torch.nn.Module):
     """h -> ffn -> h with GeLU (tanh approximation, = HF 'gelu_new'), SwiGLU or squared ReLU."""
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
-                 expert: bool = False) -> None:
-        """``expert``: one expert of a mixture (moe.py): ``moe_ffn_size`` wide, no biases, no sequence
-        parallelism (the layer gathers the tokens), run through :meth:`partial`."""
+                 expert: bool = False, ffn_size: Optional[int] = None) -> None:
+        """``expert``: one expert of a mixture (moe.py): ``moe_ffn_size`` wide (or ``ffn_size``: a shared
+        expert), no biases, no sequence parallelism (the layer gathers the tokens), run through :meth:`partial`."""
         super().__init__()
         c = config
         self.activation = c.activation
         self.swiglu = c.activation == "swiglu"
-        ffn = c.moe_ffn_size if expert else c.ffn_size
+        ffn = ffn_size or (c.moe_ffn_size if expert else c.ffn_size)
         common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device,
                       sequence_parallel=c.sequence_parallel and not expert, bias=c.add_bias_linear and not expert)
         init, output_init = init_methods(c)
@@ -214,9 +214,11 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = build_norm(config, **kw)
         if is_moe_layer(config, number):
             ep = experts or ExpertParallel()
+            shared = config.moe_shared_expert_intermediate_size
             self.mlp = MoELayer(config, lambda: MLP(config, expert=True, **kw), tp_group=tp_group, tp_size=tp_size,
                                 ep_group=ep.group, ep_size=ep.size, ep_rank=ep.rank, aux_scale=ep.aux_scale,
-                                init_method=init_methods(config)[0], device=device)
+                                init_method=init_methods(config)[0], device=device,
+                                shared=(lambda: MLP(config, expert=True, ffn_size=shared, **kw)) if shared else None)
         else:
             self.mlp = MLP(config, **kw)
 

@@ -246,11 +246,15 @@ g(R, ("--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-ca
   "and --moe-token-drop-policy", str)
 g(R, "--moe-token-dropping", "DeepSpeed-MoE's switch: use --moe-expert-capacity-factor (dropless without it)")
 _NO_MOE_YET = "is not available in megazero's mixture of experts yet; drop it"
-for _flag in ("--moe-shared-expert-intermediate-size", "--moe-router-score-function", "--moe-router-bias-update-rate",
+g(H, "--moe-shared-expert-intermediate-size", "width of the shared expert every token passes through beside its "
+  "routed ones (Qwen2-MoE, DeepSeek)", int)
+g(H, "--moe-shared-expert-gate", "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE's shared_expert_gate)")
+g(H, "--add-qkv-bias", "a bias on the query/key/value projection only (Qwen2's)")
+for _flag in ("--moe-router-score-function", "--moe-router-bias-update-rate",
               "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
               "--moe-router-dtype", "--expert-interval", "--mlp-type"):
     g(R, _flag, f"{_flag} {_NO_MOE_YET}", str)
-for _flag in ("--moe-shared-expert-gate", "--moe-router-enable-expert-bias", "--create-moe-param-group"):
+for _flag in ("--moe-router-enable-expert-bias", "--create-moe-param-group"):
     g(R, _flag, f"{_flag} {_NO_MOE_YET}")
 g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo"), _NO_FP8, str)

@@ -41,8 +41,8 @@ def replicated_parameters(config: GPTConfig) -> int:
     total = c.num_layers * (2 * norm + row_bias) + norm
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
-    if c.num_experts:
-        total += moe_layers(c) * h * c.num_experts
+    if c.num_experts:  # routers and shared-expert gates
+        total += moe_layers(c) * h * (c.num_experts + (1 if c.moe_shared_expert_gate else 0))
     return total
 
 

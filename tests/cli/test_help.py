@@ -55,7 +55,7 @@ def test_pretrain_help_leaves_refused_and_no_effect_flags_to_the_docs(pretrain_h
     listed = _option_lines(pretrain_help)
     refused = {n for f in FLAGS if f.status == REFUSED for n in f.names}
     hidden = {n for f in FLAGS if not f.in_help for n in f.names}
-    assert refused <= hidden and "--moe-shared-expert-gate" in refused and "--deepspeed" in hidden
+    assert refused <= hidden and "--moe-router-enable-expert-bias" in refused and "--deepspeed" in hidden
     assert not listed & hidden, sorted(listed & hidden)
     shown = {n for f in FLAGS if f.in_help for n in f.names}
     assert shown <= listed, sorted(shown - listed)

@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral and Qwen3-MoE (both routings) <-> megazero: random HF models imported give
+"""Hugging Face Mixtral, Qwen2-MoE (gated shared expert, QKV biases) and Qwen3-MoE (both routings) <-> megazero: random HF models imported give
 transformers' logits within 1e-4 and export back to the same per-expert tensors bit for bit; a
 megazero mixture exports to a directory transformers loads with its logits."""
 
@@ -24,6 +24,10 @@ def _random_hf(kind: str, out_dir):
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=96, num_local_experts=4,
                                                                            **COMMON))
+    elif kind == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=4,
+            **COMMON))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             intermediate_size=96, moe_intermediate_size=48, num_experts=4, norm_topk_prob=kind == "qwen3_moe_norm",
@@ -35,12 +39,13 @@ def _random_hf(kind: str, out_dir):
     return model
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_norm"])
 def test_import_matches_transformers_and_exports_back_bit_for_bit(kind, tmp_path):
     hf = _random_hf(kind, tmp_path / "hf")
     config, full_sd = import_from_hf(str(tmp_path / "hf"), make_vocab_size_divisible_by=32)
     assert hf_architecture(config) == kind.replace("_norm", "")
-    assert config.moe_router_pre_softmax == (kind == "qwen3_moe")  # Qwen3 without norm_topk_prob: not renormalised
+    # Qwen2/3 without norm_topk_prob: the full softmax's weights, not renormalised
+    assert config.moe_router_pre_softmax == (kind in ("qwen2_moe", "qwen3_moe"))
     model = GPTModel(config).eval()
     load_full_state_dict(model, full_sd)
     ids = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -62,6 +62,21 @@ def test_token_dropping_drops_the_same_copies_at_every_layout(data, one_process,
     assert any(abs(one_process_capacity[it]["lm_loss"] - one_process[it]["lm_loss"]) > 1e-6 for it in one_process)
 
 
+QWEN2 = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--disable-bias-linear",
+         "--add-qkv-bias", "--swiglu", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "40",
+         "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0.001")
+
+
+def test_shared_experts_and_qkv_bias_equal_one_process(data, tmp_path):  # noqa: F811
+    # Qwen2-MoE's layer: a gated shared expert beside the routed ones, a bias on QKV only. At tp 2 the
+    # shared expert's output and its gate's gradient are partial per rank and summed with the experts'.
+    one = launch(1, flags(data, *QWEN2), tmp_path, "qwen2_moe1")
+    for world, extra in ((2, ["--expert-model-parallel-size", "2"]),
+                         (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"])):
+        got = launch(world, flags(data, *QWEN2, *extra), tmp_path, f"qwen2_moe_{world}")
+        assert_same_run(got, one, what=f"shared experts, world {world} {extra}")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the data x context parallel ranks"),

@@ -68,7 +68,7 @@ def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         kw["rotary_percent"] = ns.rotary_percent
     if ns.kv_channels is not None:
         kw["kv_channels"] = ns.kv_channels
-    for attr in ("qk_layernorm", "apply_layernorm_1p", "fp32_residual_connection"):
+    for attr in ("qk_layernorm", "apply_layernorm_1p", "fp32_residual_connection", "add_qkv_bias"):
         if getattr(ns, attr):
             kw[attr] = True
     if ns.init_method_xavier_uniform:
@@ -87,8 +87,11 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                  "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
-    if ns.moe_router_pre_softmax:
-        kw["moe_router_pre_softmax"] = True
+    for name in ("moe_router_pre_softmax", "moe_shared_expert_gate"):
+        if getattr(ns, name):
+            kw[name] = True
+    if ns.moe_shared_expert_intermediate_size is not None:
+        kw["moe_shared_expert_intermediate_size"] = ns.moe_shared_expert_intermediate_size
     return kw
 
 
