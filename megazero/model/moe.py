@@ -231,8 +231,14 @@ class MoELayer(torch.nn.Module):
             total = total + scale * (probs.sum(0) * counts).sum()
         if c.moe_z_loss_coeff > 0:
             total = total + c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / tokens
-        self.aux_scale.losses.append(total.detach())
+        if self._recording():
+            self.aux_scale.losses.append(total.detach())
         return total
+
+    def _recording(self) -> bool:
+        """Whether this forward's figures go to the log: in training, once per micro-batch (under full
+        recomputation the first, gradient-free pass is skipped; the recomputation records)."""
+        return self.training and torch.is_grad_enabled()
 
     def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's k expert outputs (partial over TP), weighted and summed: ``[T, h]``."""
@@ -244,12 +250,12 @@ class MoELayer(torch.nn.Module):
             # Copies over capacity go to a bucket past the last expert: sorted last, sent nowhere, output 0.
             drop = over_capacity(top, weights, c.num_experts, c.moe_expert_capacity_factor, c.moe_token_drop_policy)
             flat, buckets = torch.where(drop.reshape(-1), c.num_experts, flat), c.num_experts + 1
-            if self.training:
+            if self._recording():
                 self.aux_scale.dropped.append(drop.float().mean())
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
         counts = _counts(flat, buckets)[:c.num_experts]
         rows = tokens.index_select(0, order // k)
-        if self.training:
+        if self._recording():
             self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
         if self.ep_size > 1:
             rows, plan = self._dispatch(rows, counts)

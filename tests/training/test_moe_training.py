@@ -27,6 +27,12 @@ def one_process(data, tmp_path_factory):  # noqa: F811
     # ep 4: one expert per rank, ZeRO-2. The micro-batches hold the samples one process's do (the
     # load-balancing loss is over a micro-batch's tokens, as Megatron's aux_loss: it changes with them).
     (4, ["--expert-model-parallel-size", "4", "--zero-stage", "2"]),
+    # interleaved 1F1B (2 chunks per rank, 4 micro-batches) with ep 2
+    (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--virtual-pipeline-model-parallel-size", "2"]),
+    # full recomputation and the optimizer state offloaded to the host, at ep 2 with ZeRO-2
+    (2, ["--expert-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--zero-stage", "2", "--optimizer-cpu-offload"]),
 ])
 def test_mixture_of_experts_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
     got = launch(world, flags(data, *MOE, *extra), tmp_path, "moe")
