@@ -84,6 +84,11 @@ class GPTConfig:
     moe_router_pre_softmax: bool = False
     # Token dropping: each expert takes at most ceil(k T / E * factor) of the T tokens' copies a rank
     # routes (its micro-batch, gathered over TP), by routing weight ('probs') or order ('position').
+    moe_router_score_function: str = "softmax"  # 'softmax' | 'sigmoid' (DeepSeek-V3)
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: expert groups ...
+    moe_router_group_topk: Optional[int] = None  # ... and how many of them a token may use
+    moe_router_topk_scaling_factor: Optional[float] = None  # the routing weights times this
+    moe_router_dtype: str = "fp32"  # 'fp32' | 'fp64': the router's logits, scores and losses
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"
     # Shared experts (Qwen2-MoE, DeepSeek): an MLP of this width every token passes through beside its
@@ -187,6 +192,17 @@ class GPTConfig:
                              f"tensor parallel size ({tp_size})")
         if self.moe_shared_expert_gate and shared is None:
             raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size (a shared expert)")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router_score_function must be 'softmax' or 'sigmoid', got "
+                             f"{self.moe_router_score_function!r}")
+        if self.moe_router_dtype not in ("fp32", "fp64"):
+            raise ValueError(f"moe_router_dtype must be 'fp32' or 'fp64', got {self.moe_router_dtype!r}")
+        g, gk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (g is None) != (gk is None):
+            raise ValueError("moe_router_num_groups and moe_router_group_topk go together")
+        if g is not None and (e % g or not 1 <= gk <= g or k % gk or (e // g) < k // gk):
+            raise ValueError(f"group-limited routing: {e} experts in {g} groups (must divide), {gk} groups per "
+                             f"token (1..{g}, dividing top-{k}), each group holding at least {k} // {gk} experts")
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
             raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
         if self.moe_token_drop_policy not in ("probs", "position"):

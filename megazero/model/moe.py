@@ -68,13 +68,13 @@ class _WithAuxGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, aux, scale):
-        ctx.scale = scale
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         value = ctx.scale.value
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device) * value, None
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device) * value, None
 
 
 def is_moe_layer(config: GPTConfig, number: int) -> bool:
@@ -101,13 +101,43 @@ class Router(torch.nn.Module):
         initialize_sharded_(self.weight, (self.num_experts, self.hidden_size), 0, 0, 1, self.init_method)
 
 
-def route(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``logits`` ``[T, E]`` fp32 -> (expert indices ``[T, k]``, their weights ``[T, k]``, probabilities
-    over all experts ``[T, E]``). Ties go to the lower expert index (a stable sort)."""
-    probs = torch.softmax(logits, dim=-1)
-    top = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
-    weights = probs.gather(1, top) if pre_softmax else torch.softmax(logits.gather(1, top), dim=-1)
-    return top, weights, probs
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest of each row, ties to the lower index (a stable sort)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _limit_groups(scores: torch.Tensor, k: int, groups: int, group_topk: int) -> torch.Tensor:
+    """DeepSeek's group-limited routing: experts in ``groups`` consecutive groups, a group scored by the sum
+    of its k / group_topk best experts; the experts outside the best ``group_topk`` groups masked out."""
+    t, e = scores.shape
+    per_group = scores.view(t, groups, e // groups)
+    group_scores = torch.sort(per_group, dim=-1, descending=True, stable=True).values[..., :k // group_topk].sum(-1)
+    keep = torch.zeros(t, groups, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, _top(group_scores, group_topk), True)
+    return scores.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
+
+
+def route(logits: torch.Tensor, k: int, pre_softmax: bool, score: str = "softmax", groups: Optional[int] = None,
+          group_topk: Optional[int] = None, scaling: Optional[float] = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits`` ``[T, E]`` (fp32 or fp64) -> (expert indices ``[T, k]``, their weights ``[T, k]``, the
+    scores over all experts the load-balancing loss reads ``[T, E]``), Megatron-core's routing:
+    softmax (the k top logits' softmax, or with ``pre_softmax`` the full softmax at the top k) or
+    sigmoid (the top k sigmoids, renormalised when k > 1: DeepSeek-V3's); optionally limited to the
+    best ``group_topk`` of ``groups`` expert groups, and the weights times ``scaling``."""
+    limit = (lambda s: _limit_groups(s, k, groups, group_topk)) if groups else (lambda s: s)
+    if score == "sigmoid":
+        scores = torch.sigmoid(logits)
+        top = _top(limit(scores), k)
+        weights = scores.gather(1, top)
+        if k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        top = _top(limit(probs if pre_softmax else logits), k)
+        weights = probs.gather(1, top) if pre_softmax else torch.softmax(logits.gather(1, top), dim=-1)
+    return top, weights * scaling if scaling else weights, probs
 
 
 def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor: float, policy: str) -> torch.Tensor:
@@ -192,8 +222,10 @@ class MoELayer(torch.nn.Module):
         w = self.router.weight
         if self.sequence_parallel:  # each rank routes its own tokens: the weight's gradient is partial
             w = mpu.copy_to_tensor_model_parallel_region(w, self.tp_group)
-        logits = F.linear(tokens.float(), w.float())
-        top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax)
+        dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+        logits = F.linear(tokens.to(dtype), w.to(dtype))
+        top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_router_score_function,
+                                    c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor)
         aux = self._aux_losses(logits, probs, top)
         if self.sequence_parallel:
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
@@ -201,7 +233,7 @@ class MoELayer(torch.nn.Module):
             top = all_gather_first_dim(top, self.tp_group)
         elif self.tp_size > 1:  # the experts' input gradients are partial over TP; the router's are not
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
-        y = self._experts(tokens, top, weights.to(x.dtype))
+        y = self._experts(tokens, top, weights.to(x.dtype))  # the routing in fp64 only when asked
         if self.shared_experts is not None:  # partial over TP too: reduced with the routed experts' outputs
             shared = self.shared_experts.partial(tokens)
             if self.shared_gate is not None:

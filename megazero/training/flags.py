@@ -250,9 +250,15 @@ g(H, "--moe-shared-expert-intermediate-size", "width of the shared expert every 
   "routed ones (Qwen2-MoE, DeepSeek)", int)
 g(H, "--moe-shared-expert-gate", "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE's shared_expert_gate)")
 g(H, "--add-qkv-bias", "a bias on the query/key/value projection only (Qwen2's)")
-for _flag in ("--moe-router-score-function", "--moe-router-bias-update-rate",
-              "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
-              "--moe-router-dtype", "--expert-interval", "--mlp-type"):
+g(H, "--moe-router-score-function", "softmax, or sigmoid (DeepSeek-V3: the top k sigmoids renormalised)", _lower,
+  choices=("softmax", "sigmoid"), default="softmax")
+g(H, "--moe-router-num-groups", "group-limited routing (DeepSeek): the experts in this many groups", int)
+g(H, "--moe-router-group-topk", "group-limited routing: the groups a token's experts may come from, those whose "
+  "best top-k / group-topk experts score highest", int)
+g(H, "--moe-router-topk-scaling-factor", "the routing weights times this (DeepSeek-V3's routed scaling factor)", float)
+g(H, "--moe-router-dtype", "the router's precision: fp32, or fp64 (tie-safe routing for layout comparisons)",
+  _lower, choices=("fp32", "fp64"), default="fp32")
+for _flag in ("--moe-router-bias-update-rate", "--expert-interval", "--mlp-type"):
     g(R, _flag, f"{_flag} {_NO_MOE_YET}", str)
 for _flag in ("--moe-router-enable-expert-bias", "--create-moe-param-group"):
     g(R, _flag, f"{_flag} {_NO_MOE_YET}")

@@ -147,3 +147,29 @@ def test_dropped_copies_contribute_nothing():
                 for j in range(2) if keep[t, j]) for t in range(S * B)]
     want = torch.stack([r if torch.is_tensor(r) else torch.zeros(H) for r in rows]).view(S, B, H)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sigmoid_group_limited_routing_as_deepseek_v3():
+    """Sigmoid scores; 8 experts in 4 groups of 2, a token's 4 experts from its 2 best groups (a group
+    scored by the sum of its best 4 / 2 = 2 experts); their sigmoids renormalised and scaled by 2.5."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 8, generator=g, dtype=torch.float64)
+    top, w, probs = route(logits, 4, False, "sigmoid", groups=4, group_topk=2, scaling=2.5)
+    s = torch.sigmoid(logits)
+    for t in range(16):
+        group_scores = s[t].view(4, 2).sort(descending=True).values[:, :2].sum(-1)
+        allowed = set(group_scores.argsort(descending=True)[:2].tolist())
+        cand = [e for e in range(8) if e // 2 in allowed]
+        want = sorted(cand, key=lambda e: -s[t, e].item())[:4]
+        assert sorted(top[t].tolist()) == sorted(want)
+        torch.testing.assert_close(w[t], s[t, top[t]] / s[t, top[t]].sum() * 2.5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(16, dtype=torch.float64))
+
+
+def test_fp64_router_runs_end_to_end():
+    c = _config(moe_router_dtype="fp64", moe_aux_loss_coeff=0.01, moe_router_score_function="sigmoid")
+    layer = _layer(c)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    layer(x).sum().backward()
+    (aux,), _, _ = layer.aux_scale.take()
+    assert aux.dtype == torch.float64 and layer.router.weight.grad is not None and x.grad is not None

@@ -83,6 +83,20 @@ def test_shared_experts_and_qkv_bias_equal_one_process(data, tmp_path):  # noqa:
         assert_same_run(got, one, what=f"shared experts, world {world} {extra}")
 
 
+DEEPSEEK = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--disable-bias-linear",
+            "--swiglu", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+            "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp64",
+            "--moe-aux-loss-coeff", "0.01", "--moe-shared-expert-intermediate-size", "24")
+
+
+def test_deepseek_routing_equals_one_process(data, tmp_path):  # noqa: F811
+    # Sigmoid scores, group-limited to the best of 2 groups, scaled weights, an fp64 router and a
+    # shared expert: ep 2 inside dp 2 against one process.
+    one = launch(1, flags(data, *DEEPSEEK), tmp_path, "deepseek1")
+    got = launch(2, flags(data, *DEEPSEEK, "--expert-model-parallel-size", "2"), tmp_path, "deepseek2")
+    assert_same_run(got, one, what="DeepSeek-style routing at ep 2")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the data x context parallel ranks"),

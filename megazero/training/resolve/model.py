@@ -84,7 +84,9 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         return {}
     kw: dict[str, Any] = {"num_experts": ns.num_experts[0]}
     for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_load_balancing_type",
-                 "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy"):
+                 "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
+                 "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_router_topk_scaling_factor", "moe_router_dtype"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
     for name in ("moe_router_pre_softmax", "moe_shared_expert_gate"):
