@@ -76,7 +76,8 @@ class GPTConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_layer_freq: int = 1  # layer i is a mixture of experts when i % freq == 0
-    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' (Switch's, per micro-batch) | 'none'
+    # 'aux_loss' (Switch's, per micro-batch) | 'seq_aux_loss' (per sequence, DeepSeek-V2's) | 'none'
+    moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     # True: softmax over all experts, then the top k (weights not renormalised, Qwen2-MoE); False:
@@ -207,9 +208,9 @@ class GPTConfig:
             raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
         if self.moe_token_drop_policy not in ("probs", "position"):
             raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {self.moe_token_drop_policy!r}")
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
-            raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r}: 'aux_loss' "
-                             "or 'none' (seq_aux_loss and sinkhorn are not available)")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+            raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r}: 'aux_loss', "
+                             "'seq_aux_loss' or 'none' (sinkhorn is not available)")
 
     def validate(self, tp_size: int = 1) -> "GPTConfig":
         """Raise ValueError (naming the clashing numbers) if this config cannot run at ``tp_size``."""

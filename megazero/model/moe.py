@@ -226,7 +226,7 @@ class MoELayer(torch.nn.Module):
         logits = F.linear(tokens.to(dtype), w.to(dtype))
         top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_router_score_function,
                                     c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor)
-        aux = self._aux_losses(logits, probs, top)
+        aux = self._aux_losses(logits, probs, top, b)
         if self.sequence_parallel:
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
             weights = mpu.gather_from_sequence_parallel_region(weights, self.tp_group)
@@ -246,21 +246,33 @@ class MoELayer(torch.nn.Module):
         y = y.view(s, b, h)
         return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
 
-    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, top: torch.Tensor) -> Optional[torch.Tensor]:
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, top: torch.Tensor,
+                    batch: int = 1) -> Optional[torch.Tensor]:
         """This rank's share of the layer's load-balancing and z losses over the micro-batch's tokens
-        (under SP the shares of the TP ranks add up to them); None when both are off."""
+        (under SP the shares of the TP ranks add up to them); None when both are off. ``aux_loss`` is
+        Switch's over the micro-batch; ``seq_aux_loss`` the same per sequence (DeepSeek-V2's), averaged
+        over the micro-batch's ``batch`` sequences, so that any split of a global batch into micro-batches
+        and data-parallel ranks gives the same loss."""
         c = self.config
-        use_aux = c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff > 0
+        kind = c.moe_router_load_balancing_type
+        use_aux = kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0
         if not use_aux and c.moe_z_loss_coeff <= 0:
             return None
         tokens = logits.size(0) * (self.tp_size if self.sequence_parallel else 1)
         total = logits.new_zeros(())
         if use_aux:
-            counts = _counts(top.reshape(-1), c.num_experts).float()
+            e, k = c.num_experts, c.moe_router_topk
+            if kind == "aux_loss":
+                counts, probs_sum, length = _counts(top.reshape(-1), e).to(probs.dtype), probs.sum(0), tokens
+            else:  # tokens are [s, b] flattened: token t belongs to sequence t % b
+                seq = (torch.arange(top.size(0), device=top.device) % batch).repeat_interleave(k)
+                counts = torch.zeros(batch, e, dtype=probs.dtype, device=top.device)
+                counts.index_put_((seq, top.reshape(-1)), torch.ones_like(seq, dtype=probs.dtype), accumulate=True)
+                probs_sum, length = probs.view(-1, batch, e).sum(0), tokens // batch
             if self.sequence_parallel:
                 dist.all_reduce(counts, group=self.tp_group)
-            scale = c.moe_aux_loss_coeff * c.num_experts / (c.moe_router_topk * tokens * tokens)
-            total = total + scale * (probs.sum(0) * counts).sum()
+            scale = c.moe_aux_loss_coeff * e / (k * length * length)
+            total = total + scale * (probs_sum * counts).sum() / (batch if kind == "seq_aux_loss" else 1)
         if c.moe_z_loss_coeff > 0:
             total = total + c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / tokens
         if self._recording():

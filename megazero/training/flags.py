@@ -219,10 +219,11 @@ g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts: megaze
   "tensor-parallel group (Megatron's default), so it must equal --tp", int)
 g(H, "--moe-ffn-hidden-size", "hidden size of each expert's MLP (default --ffn-hidden-size)", int)
 g(H, "--moe-layer-freq", "every n-th layer is a mixture of experts (layer i when i % n == 0)", int, default=1)
-g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch) or none",
+g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch), "
+  "seq_aux_loss (the same per sequence, averaged: independent of how the global batch is split) or none",
   _lower, choices=("aux_loss", "none", "seq_aux_loss", "sinkhorn"), default="aux_loss",
-  refuse_values=tuple((v, f"--moe-router-load-balancing-type {v} is not available in megazero; use aux_loss or "
-                          "none") for v in ("seq_aux_loss", "sinkhorn")))
+  refuse_values=(("sinkhorn", "--moe-router-load-balancing-type sinkhorn is not available in megazero; use aux_loss, "
+                              "seq_aux_loss or none"),))
 g(H, "--moe-aux-loss-coeff", "weight of the load-balancing loss (its gradient is added in backward, scaled as "
   "the language-model loss)", float, default=0.0)
 g(M, "--moe-loss-coeff", "Megatron-DeepSpeed's name: --moe-aux-loss-coeff", float, dest="moe_aux_loss_coeff")

@@ -97,6 +97,21 @@ def test_deepseek_routing_equals_one_process(data, tmp_path):  # noqa: F811
     assert_same_run(got, one, what="DeepSeek-style routing at ep 2")
 
 
+def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, tmp_path):  # noqa: F811
+    # seq_aux_loss averages a per-sequence loss over the sequences: micro-batches of 1 or 2, on one
+    # rank or on dp 2 with ep 2 and tp 2 (SP), train the same model. (Switch's aux_loss would not:
+    # it is over a micro-batch's tokens.)
+    seq = [a if a != "0.01" else "0.05" for a in MOE] + ["--moe-router-load-balancing-type", "seq_aux_loss"]
+    one = launch(1, flags(data, *seq), tmp_path, "seqaux_mb2")
+    for world, extra in ((1, ["--micro-batch-size", "1"]),
+                         (4, ["--micro-batch-size", "1", "--expert-model-parallel-size", "2", "--tp", "2",
+                              "--sequence-parallel"])):
+        got = launch(world, flags(data, *seq, *extra), tmp_path, f"seqaux_{world}")
+        assert_same_run(got, one, what=f"seq_aux_loss, world {world} {extra}")
+        for it, ref in one.items():
+            assert got[it]["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the data x context parallel ranks"),
@@ -104,7 +119,7 @@ def test_deepseek_routing_equals_one_process(data, tmp_path):  # noqa: F811
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk in 1..num_experts"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "differs from --tp 2"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
-    (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], "not available"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
     (["--num-experts", "4", "8"], "one number of experts"),
 ])
 def test_impossible_moe_settings_are_refused_with_the_numbers(argv, message):
