@@ -215,8 +215,11 @@ class MoELayer(torch.nn.Module):
                             else None)
         self.counter: Optional[dict] = None  # bytes the all-to-alls send, when a caller asks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+        """``cp_group``: the context-parallel group when each rank holds part of every sequence (the
+        load-balancing loss then counts the tokens of all of them)."""
         c = self.config
+        cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         w = self.router.weight
@@ -226,7 +229,7 @@ class MoELayer(torch.nn.Module):
         logits = F.linear(tokens.to(dtype), w.to(dtype))
         top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_router_score_function,
                                     c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor)
-        aux = self._aux_losses(logits, probs, top, b)
+        aux = self._aux_losses(logits, probs, top, b, cp_group)
         if self.sequence_parallel:
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
             weights = mpu.gather_from_sequence_parallel_region(weights, self.tp_group)
@@ -246,19 +249,19 @@ class MoELayer(torch.nn.Module):
         y = y.view(s, b, h)
         return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
 
-    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, top: torch.Tensor,
-                    batch: int = 1) -> Optional[torch.Tensor]:
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, top: torch.Tensor, batch: int = 1,
+                    cp_group: Optional[dist.ProcessGroup] = None) -> Optional[torch.Tensor]:
         """This rank's share of the layer's load-balancing and z losses over the micro-batch's tokens
         (under SP the shares of the TP ranks add up to them); None when both are off. ``aux_loss`` is
         Switch's over the micro-batch; ``seq_aux_loss`` the same per sequence (DeepSeek-V2's), averaged
         over the micro-batch's ``batch`` sequences, so that any split of a global batch into micro-batches
         and data-parallel ranks gives the same loss."""
         c = self.config
-        kind = c.moe_router_load_balancing_type
-        use_aux = kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0
+        kind, use_aux = c.moe_router_load_balancing_type, self._balancing()
         if not use_aux and c.moe_z_loss_coeff <= 0:
             return None
-        tokens = logits.size(0) * (self.tp_size if self.sequence_parallel else 1)
+        cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        tokens = logits.size(0) * (self.tp_size if self.sequence_parallel else 1) * cp
         total = logits.new_zeros(())
         if use_aux:
             e, k = c.num_experts, c.moe_router_topk
@@ -271,6 +274,11 @@ class MoELayer(torch.nn.Module):
                 probs_sum, length = probs.view(-1, batch, e).sum(0), tokens // batch
             if self.sequence_parallel:
                 dist.all_reduce(counts, group=self.tp_group)
+            if cp_group is not None:  # the other parts of the sequences
+                dist.all_reduce(counts, group=cp_group)
+            if self._recording():  # the load over the whole micro-batch, as these counts are
+                whole = counts if counts.dim() == 1 else counts.sum(0)
+                self.aux_scale.loads.append(whole.max() / whole.mean())
             scale = c.moe_aux_loss_coeff * e / (k * length * length)
             total = total + scale * (probs_sum * counts).sum() / (batch if kind == "seq_aux_loss" else 1)
         if c.moe_z_loss_coeff > 0:
@@ -278,6 +286,11 @@ class MoELayer(torch.nn.Module):
         if self._recording():
             self.aux_scale.losses.append(total.detach())
         return total
+
+    def _balancing(self) -> bool:
+        """Whether a load-balancing loss is on (it counts the loads over the whole micro-batch)."""
+        c = self.config
+        return c.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0
 
     def _recording(self) -> bool:
         """Whether this forward's figures go to the log: in training, once per micro-batch (under full
@@ -299,7 +312,7 @@ class MoELayer(torch.nn.Module):
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
         counts = _counts(flat, buckets)[:c.num_experts]
         rows = tokens.index_select(0, order // k)
-        if self._recording():
+        if self._recording() and not self._balancing():  # else the loss recorded the whole micro-batch's
             self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
         if self.ep_size > 1:
             rows, plan = self._dispatch(rows, counts)

@@ -228,4 +228,6 @@ class TransformerLayer(torch.nn.Module):
             return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel, dropout_key, site)
 
         x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp), 2 * self.number + 1)
-        return x + drop(self.mlp(self.pre_mlp_layernorm(x)), 2 * self.number + 2)
+        h = self.pre_mlp_layernorm(x)
+        h = self.mlp(h, cp.group if cp is not None else None) if isinstance(self.mlp, MoELayer) else self.mlp(h)
+        return x + drop(h, 2 * self.number + 2)

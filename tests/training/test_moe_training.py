@@ -30,6 +30,8 @@ def one_process(data, tmp_path_factory):  # noqa: F811
     # interleaved 1F1B (2 chunks per rank, 4 micro-batches) with ep 2
     (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
          "--virtual-pipeline-model-parallel-size", "2"]),
+    # context parallelism: cp 2 x ep 2 (the experts over the data x context ranks), ring attention
+    (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     # full recomputation and the optimizer state offloaded to the host, at ep 2 with ZeRO-2
     (2, ["--expert-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--zero-stage", "2", "--optimizer-cpu-offload"]),
@@ -120,6 +122,8 @@ def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, t
     (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "differs from --tp 2"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--context-parallel-size", "2",
+      "--hidden-dropout", "0", "--attention-dropout", "0"], "decided on each rank's part of the sequences"),
     (["--num-experts", "4", "8"], "one number of experts"),
 ])
 def test_impossible_moe_settings_are_refused_with_the_numbers(argv, message):

@@ -165,9 +165,10 @@ def _expert_parallel(ns, tp: int, dp: int, cp: int) -> int:
             raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data x context parallel ranks "
                               f"{dp} x {cp} = {dp * cp} (expert parallelism x expert tensor parallelism = tp must "
                               "divide the ranks of a pipeline stage)")
-        if cp > 1:
-            raise ConfigError("--num-experts with --context-parallel-size > 1: the load-balancing loss is not yet "
-                              "counted over the context-parallel ranks; drop one of them")
+        if cp > 1 and ns.moe_expert_capacity_factor is not None:
+            raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1: the capacity would be "
+                              "decided on each rank's part of the sequences, which changes the dropped tokens with cp; "
+                              "drop one of them")
     return ep
 
 
