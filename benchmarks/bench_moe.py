@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Mixture of experts: megazero's MoELayer at expert parallelism 1, 2 and 4, against its dense equivalent.
+
+One MoE layer (fp32, Mixtral-like and scaled down: hidden 512, 8 experts, top-2, SwiGLU experts of ffn
+1024, load-balancing loss 0.01), forward and backward on T tokens per rank, ep gloo ranks (one process,
+one thread each; every rank holds its own tokens, as under data parallelism, and E/ep experts):
+
+* dense:      a SwiGLU MLP of ffn = top_k x moe ffn (2048): the same active FLOPs per token, one rank;
+* megazero:   ``MoELayer`` at ep 1, 2, 4 (dropless, uneven all-to-all);
+* DeepSpeed:  ``deepspeed.moe.layer.MoE`` at ep 1 (top-2 gate, ``drop_tokens=False``: the capacity is the
+  busiest expert's load, every expert's buffer padded to it), when ``import deepspeed`` works.
+
+Per configuration and rank: main-thread CPU time of forward + backward (median of the timed steps;
+wall time too, but the ranks share the machine's cores, so per-rank CPU time is the figure), tokens/s
+per rank = T / CPU s, the peak of the live tensor bytes the step allocated (``LiveMemoryTracker``;
+inputs and parameters excluded, parameter gradients included), the expert parameter bytes the rank
+holds, and the bytes its all-to-alls send (``layer.counter``) against the formula
+(rows dispatched away + rows returned to other ranks) x h x 4 forward, the same backward (with a
+balanced router, about 2 x rows leaving the rank x h x 4). Ratios against megazero at ep 1 and the dense MLP.
+
+    python benchmarks/bench_moe.py            # 3-5 min on 2 shared cores
+    python benchmarks/bench_moe.py --quick    # tiny shapes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+ELEM = 4  # fp32
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    experts: int
+    topk: int
+    moe_ffn: int
+    seq: int
+    batch: int
+    steps: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.batch
+
+
+def _config(shape: Shape, dense: bool = False):
+    from megazero.model.config import GPTConfig
+
+    kw = dict(num_layers=1, hidden_size=shape.hidden, num_attention_heads=8, seq_length=shape.seq,
+              max_position_embeddings=shape.seq, vocab_size=128, add_bias_linear=False, hidden_dropout=0.0,
+              attention_dropout=0.0, activation="swiglu")
+    if dense:
+        return GPTConfig(**kw, ffn_hidden_size=shape.topk * shape.moe_ffn).validate()
+    return GPTConfig(**kw, num_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
+                     moe_aux_loss_coeff=0.01).validate()
+
+
+class _Expert(torch.nn.Module):
+    """megazero's expert MLP as a plain module (DeepSpeed calls its experts' forward)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from megazero.model.transformer import MLP
+
+        self.mlp = MLP(config, tp_group=None, tp_size=1, expert=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp.partial(x)
+
+
+def _build(kind: str, shape: Shape, ep: int, rank: int):
+    """(module, step(x) -> output, expert parameters) of one configuration."""
+    from megazero.model.moe import AuxLossScale, MoELayer
+    from megazero.model.transformer import MLP, init_methods
+
+    torch.manual_seed(0)  # the router alike on every rank
+    if kind == "dense":
+        mlp = MLP(_config(shape, dense=True), tp_group=None, tp_size=1)
+        return mlp, lambda x: mlp.partial(x.view(-1, shape.hidden)), list(mlp.parameters())
+    c = _config(shape)
+    if kind == "DeepSpeed":
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        moe = MoE(shape.hidden, _Expert(c), num_experts=shape.experts, ep_size=ep, k=shape.topk,
+                  drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+        moe.set_deepspeed_parallelism()
+        return moe, lambda x: moe(x)[0], list(moe.deepspeed_moe.experts.parameters())
+    layer = MoELayer(c, lambda: MLP(c, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
+                     ep_group=dist.group.WORLD if ep > 1 else None, ep_size=ep, ep_rank=rank,
+                     aux_scale=AuxLossScale(), init_method=init_methods(c)[0])
+    layer.router.reset_parameters()
+    return layer, layer, list(layer.experts.parameters())
+
+
+def _routing(layer, x: torch.Tensor, shape: Shape, ep: int) -> torch.Tensor:
+    """Token copies rank src sends to rank dst's experts: ``[ep, ep]`` (all ranks' rows)."""
+    from megazero.model.moe import route
+
+    logits = x.detach().reshape(-1, shape.hidden) @ layer.router.weight.detach().t()
+    top = route(logits, shape.topk, False)[0].flatten()
+    mine = torch.bincount(top // (shape.experts // ep), minlength=ep)
+    rows = [torch.empty_like(mine) for _ in range(ep)]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows)
+
+
+def _measure(kind: str, shape: Shape, ep: int, rank: int) -> dict[str, Any]:
+    from megazero.utils.memory_tracker import LiveMemoryTracker
+
+    module, step, experts = _build(kind, shape, ep, rank)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank's own tokens
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g).requires_grad_()
+    grad = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g).view(-1, shape.hidden)
+
+    def once() -> None:
+        step(x).reshape(-1, shape.hidden).backward(grad)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    once()  # warm-up
+    cpus, walls = [], []
+    for _ in range(shape.steps):
+        dist.barrier()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        once()
+        cpus.append(time.thread_time() - cpu0)
+        walls.append(time.perf_counter() - wall0)
+    dist.barrier()
+    if kind == "megazero":
+        module.counter = {}
+    with LiveMemoryTracker("cpu", scan_existing=False) as tracker:
+        step(x).reshape(-1, shape.hidden).backward(grad)
+    out = dict(cpu=statistics.median(cpus), wall=statistics.median(walls), peak=tracker.peak_bytes,
+               expert_bytes=sum(p.numel() * p.element_size() for p in experts), fwd=0, bwd=0, formula=0, rows=0)
+    if kind == "megazero":
+        table = _routing(module, x, shape, ep)
+        away = int(table[rank].sum() - table[rank, rank])
+        back = int(table[:, rank].sum() - table[rank, rank])
+        out.update(fwd=module.counter.get("forward", 0), bwd=module.counter.get("backward", 0),
+                   formula=(away + back) * shape.hidden * ELEM, rows=int(table[:, rank].sum()), away=away)
+    return out
+
+
+def _rank(rank: int, ep: int, port: int, kinds: list, shape: Shape, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      RANK=str(rank), WORLD_SIZE=str(ep), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ep)
+    results = []
+    for kind in kinds:
+        try:
+            results.append(_measure(kind, shape, ep, rank))
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
+            results.append(dict(error=f"{type(e).__name__}: {e}"))
+    out.put((rank, results))
+    dist.destroy_process_group()
+
+
+def run_ep(ep: int, kinds: list, shape: Shape) -> list[list[dict]]:
+    """Every kind on ``ep`` ranks: per kind, the ranks' results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, ep, port, kinds, shape, q)) for r in range(ep)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"a rank of ep {ep} failed (exit code {p.exitcode})")
+    return [[got[r][i] for r in range(ep)] for i in range(len(kinds))]
+
+
+def _row(kind: str, ep: int, ranks: list[dict], shape: Shape) -> dict[str, Any]:
+    if any("error" in r for r in ranks):
+        return dict(kind=kind, ep=ep, error=next(r["error"] for r in ranks if "error" in r))
+    cpu = [r["cpu"] for r in ranks]
+    rows = [r["rows"] for r in ranks]
+    return dict(kind=kind, ep=ep, cpu_max=max(cpu), cpu_mean=sum(cpu) / ep, wall=max(r["wall"] for r in ranks),
+                tps=shape.tokens / max(cpu), peak=max(r["peak"] for r in ranks),
+                expert=max(r["expert_bytes"] for r in ranks), fwd=max(r["fwd"] for r in ranks),
+                bwd=max(r["bwd"] for r in ranks), formula=max(r["formula"] for r in ranks),
+                exact=all(r["fwd"] == r["formula"] == r["bwd"] for r in ranks),
+                away=max(r.get("away", 0) for r in ranks),
+                load=max(rows) / (sum(rows) / ep) if sum(rows) else 1.0)
+
+
+def _print(rows: list[dict]) -> None:
+    mib = 2 ** 20
+    print(f"{'layer':<10}{'ep':>3}{'CPU s max':>10}{'mean':>7}{'wall s':>8}{'tokens/s':>9}{'peak MiB':>9}"
+          f"{'experts MiB':>12}{'a2a fwd MiB':>12}{'formula':>8}{'bwd MiB':>8}{'= formula':>10}{'load max/mean':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kind']:<10}{r['ep']:>3}  not run: {r['error'][:200]}")
+            continue
+        print(f"{r['kind']:<10}{r['ep']:>3}{r['cpu_max']:10.3f}{r['cpu_mean']:7.3f}{r['wall']:8.3f}{r['tps']:9.0f}"
+              f"{r['peak'] / mib:9.1f}{r['expert'] / mib:12.1f}{r['fwd'] / mib:12.2f}{r['formula'] / mib:8.2f}"
+              f"{r['bwd'] / mib:8.2f}{str(r['exact']):>10}{r['load']:14.2f}")
+
+
+def _ratios(rows: list[dict]) -> None:
+    ok = [r for r in rows if "error" not in r]
+    base = next((r for r in ok if r["kind"] == "megazero" and r["ep"] == 1), None)
+    dense = next((r for r in ok if r["kind"] == "dense"), None)
+    print("\nratios (largest rank): expert parameter bytes and CPU time against megazero ep 1; CPU time against dense")
+    for r in ok:
+        line = f"{r['kind']:<10} ep {r['ep']}"
+        if base:
+            line += f"  vs megazero ep 1: experts {r['expert'] / base['expert']:.2f}x, CPU {r['cpu_max'] / base['cpu_max']:.2f}x"
+        if dense:
+            line += f"; vs dense: CPU {r['cpu_max'] / dense['cpu_max']:.2f}x, peak {r['peak'] / dense['peak']:.2f}x"
+        print(line)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes (hidden 64, moe ffn 128, 256 tokens per rank)")
+    p.add_argument("--eps", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median)")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed row")
+    a = p.parse_args(argv)
+    shape = Shape(64, 8, 2, 128, 128, 2, a.steps or 2) if a.quick else Shape(512, 8, 2, 1024, 2048, 2, a.steps or 3)
+    print(f"MoE layer, fp32, hidden {shape.hidden}, {shape.experts} experts, top-{shape.topk}, SwiGLU moe ffn "
+          f"{shape.moe_ffn} (dense: ffn {shape.topk * shape.moe_ffn}); {shape.tokens} tokens per rank; forward + "
+          f"backward; ep gloo ranks x 1 thread on {os.cpu_count()} cores, torch {torch.__version__}")
+    print("CPU s: main-thread CPU time per rank (median of steps); wall s is contended; tokens/s = tokens per rank / "
+          "max CPU s; peak: live bytes the step allocated; a2a: bytes sent per rank per step, formula (rows away + "
+          "rows back) x h x 4; load: token copies the rank's experts get, max / mean over ranks\n")
+    rows = []
+    for ep in a.eps:
+        kinds = ["megazero"]
+        if ep == 1:
+            kinds = ["dense"] + kinds + ([] if a.no_deepspeed else ["DeepSpeed"])
+        for kind, ranks in zip(kinds, run_ep(ep, kinds, shape)):
+            rows.append(_row(kind, ep, ranks, shape))
+    _print(rows)
+    _ratios(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
