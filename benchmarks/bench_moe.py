@@ -106,7 +106,6 @@ def _build(kind: str, shape: Shape, ep: int, rank: int):
     layer = MoELayer(c, lambda: MLP(c, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
                      ep_group=dist.group.WORLD if ep > 1 else None, ep_size=ep, ep_rank=rank,
                      aux_scale=AuxLossScale(), init_method=init_methods(c)[0])
-    layer.router.reset_parameters()
     return layer, layer, list(layer.experts.parameters())
 
 

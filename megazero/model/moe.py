@@ -96,6 +96,8 @@ class Router(torch.nn.Module):
         self.num_experts, self.hidden_size, self.init_method = config.num_experts, config.hidden_size, init_method
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype, device=device))
+        if device is None or torch.device(device).type != "meta":  # built for use, not for planning
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         initialize_sharded_(self.weight, (self.num_experts, self.hidden_size), 0, 0, 1, self.init_method)
@@ -167,6 +169,8 @@ class SharedGate(torch.nn.Module):
         super().__init__()
         self.hidden_size, self.init_method = config.hidden_size, init_method
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device))
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         initialize_sharded_(self.weight, (1, self.hidden_size), 0, 0, 1, self.init_method)

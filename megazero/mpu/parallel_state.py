@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .rank_layout import _data_parallel_size, context_parallel_rank, group_ranks, rank_coordinates, rank_grid
 
 __all__ = [
     "ParallelGroups",
@@ -163,83 +164,6 @@ class ParallelGroups:
     @property
     def mp_rank(self) -> int:
         return self.pp_rank * self.tp_size + self.tp_rank
-
-
-def _data_parallel_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
-    if tp < 1 or pp < 1 or cp < 1:
-        raise ValueError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes must be >= 1")
-    if world_size % (tp * pp * cp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"context_parallel_size ({cp}) x pipeline_model_parallel_size ({pp}) = {tp * cp * pp}; "
-            "choose sizes whose product divides it"
-        )
-    return world_size // (tp * pp * cp)
-
-
-def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> torch.Tensor:
-    """Global ranks arranged as ``[pp, dp, cp, tp]`` (Megatron's order tp-cp-dp-pp, tp fastest);
-    every group is a line (or, for data x context, a plane) through it."""
-    dp = _data_parallel_size(world_size, tp, pp, cp)
-    return torch.arange(world_size).view(pp, dp, cp, tp)
-
-
-def rank_coordinates(rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
-    """``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (pure host arithmetic; its context-parallel
-    rank is :func:`context_parallel_rank`)."""
-    dp = _data_parallel_size(world_size, tp, pp, cp)
-    return rank // (dp * cp * tp), (rank // (cp * tp)) % dp, rank % tp
-
-
-def context_parallel_rank(rank: int, tp: int, cp: int) -> int:
-    """The context-parallel rank of global ``rank`` (tp varies fastest, then cp)."""
-    return (rank // tp) % cp
-
-
-def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1,
-                hierarchical_cp: Optional[Sequence[int]] = None, ep: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of each kind, as lists of global ranks (pure host arithmetic; no communication,
-    no tensors, so it runs the same under a fake-tensor mode). With ``cp`` > 1 also ``cp`` (the
-    ranks splitting one sequence) and ``dp_cp`` (data x context: the ranks holding the same
-    parameters); the model-parallel group is tensor x pipeline for each data and context rank.
-    ``hierarchical_cp`` (a2a size, p2p size), product ``cp``: also ``hcp_a2a`` (consecutive context
-    ranks of one CP group) and ``hcp_p2p`` (those a2a-size apart), Megatron's hierarchical CP groups.
-    ``ep`` > 1 (expert parallelism, expert tensor parallelism = tp): also ``ep`` (ep consecutive ranks
-    of the data x context ranks, one expert shard each) and ``edp`` (those ep apart, holding the same
-    experts), Megatron-core's expert layout (tp-ep-dp-pp over the ranks of a pipeline stage)."""
-    dp = _data_parallel_size(world_size, tp, pp, cp)
-
-    def r(p: int, d: int, t: int, c: int = 0) -> int:
-        return ((p * dp + d) * cp + c) * tp + t
-
-    pipelines = [[r(p, d, t, c) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)]
-    out = {
-        "tp": [[r(p, d, t, c) for t in range(tp)] for p in range(pp) for d in range(dp) for c in range(cp)],
-        "dp": [[r(p, d, t, c) for d in range(dp)] for p in range(pp) for c in range(cp) for t in range(tp)],
-        "pp": pipelines,
-        "mp": [[r(p, d, t, c) for p in range(pp) for t in range(tp)] for d in range(dp) for c in range(cp)],
-        "embedding": [[line[0], line[-1]] if len(line) > 1 else [line[0]] for line in pipelines],
-        "position_embedding": [[line[0]] for line in pipelines],
-    }
-    if cp > 1:
-        out["cp"] = [[r(p, d, t, c) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)]
-        out["dp_cp"] = [[r(p, d, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)]
-    if hierarchical_cp is not None:
-        inner, outer = (int(x) for x in hierarchical_cp)
-        if inner * outer != cp or min(inner, outer) < 1:
-            raise ValueError(f"hierarchical context-parallel sizes {inner} x {outer} must multiply to the "
-                             f"context-parallel size {cp}")
-        lines = out.get("cp", [])
-        out["hcp_a2a"] = [line[o * inner:(o + 1) * inner] for line in lines for o in range(outer)]
-        out["hcp_p2p"] = [line[i::inner] for line in lines for i in range(inner)]
-    if ep > 1:
-        if (dp * cp) % ep:
-            raise ValueError(f"expert_model_parallel_size {ep} must divide data x context parallel ranks "
-                             f"{dp} x {cp} = {dp * cp} (the ranks of a pipeline stage over tensor parallelism)")
-        stage = [[r(p, d, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)]
-        out["ep"] = [line[e * ep:(e + 1) * ep] for line in stage for e in range(dp * cp // ep)]
-        out["edp"] = [line[i::ep] for line in stage for i in range(ep)]
-    return out
 
 
 def collective_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetime.timedelta]:

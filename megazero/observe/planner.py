@@ -52,10 +52,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import expert_parameters, flops_per_iteration, moe_layers, num_parameters
+from megazero.model.flops import expert_parameters, flops_per_iteration, num_parameters
 from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
                                             loader_pinned_bytes, nccl_communicators, nccl_line)
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
+from megazero.observe.planner_activations import _activations, _gathered_kv, activation_bytes_per_layer
 from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
 from megazero.training.startup import replicated_parameters
 
@@ -222,94 +223,6 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = 
     return (w * psi / (dp if zero_stage >= 3 else 1) * (weights_on_device if zero_stage >= 3 else 1.0),
             g * psi / (dp if zero_stage >= 2 else 1),
             o * psi / (dp if zero_stage >= 1 else 1) * (1.0 - offload_ratio))
-
-
-def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int = 1,
-                               sequence_parallel: bool = False, keep_attention_scores: bool = True,
-                               act_bytes: int = 2) -> float:
-    """Saved activations of one transformer layer (Korthikanti et al. 2022, Sec. 4.1).
-
-    Generalised over the paper's 34 s b h + 5 a s^2 b (16-bit, ffn = 4h, MHA):
-      replicated under TP (sharded with SP): 2 norm inputs + QKV and fc1 inputs at
-        ``act_bytes`` and 2 dropout masks at 1 byte: s b h (4e + 2) = 10 s b h;
-      sharded by TP: Q, K, V, projection input, fc1 output, activation output:
-        e s b (n d + 2 g d + n d + gate f + f) = 24 s b h;
-      attention scores (dropped by selective recompute / flash attention): softmax
-        output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
-    Mixture-of-experts layers (averaged over the layers): the k experts' MLP activations per token in
-    place of the dense MLP's (sharded by TP), the dispatched and combined token copies ``2 e k s b h``,
-    the router's fp32 input and its logits and probabilities (whole on every TP rank).
-    """
-    c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
-    h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
-    gate = 2 if c.activation == "swiglu" else 1
-    # Dropout masks (1 byte) and dropout outputs exist only with dropout > 0 (the paper assumes it).
-    hidden_masks = 2 if c.hidden_dropout > 0 else 0
-    replicated = s * b * h * (4 * e + hidden_masks)
-    sharded = e * s * b * (n * d + 2 * g * d + n * d + gate * f + f)
-    score_bytes = 2 * e + 1 if c.attention_dropout > 0 else e
-    scores = n * s * s * b * score_bytes if keep_attention_scores else 0
-    whole = 0.0
-    if c.num_experts:
-        # SwiGLU keeps gate, up, silu(gate) and their product per token copy; GeLU input and output.
-        share, k, fm = moe_layers(c) / c.num_layers, c.moe_router_topk, c.moe_ffn_size
-        sharded += share * e * s * b * (k * (2 * gate * fm if gate == 2 else 2 * fm) - (gate * f + f))
-        whole = share * (2 * e * k * s * b * h + 4 * s * b * h + 3 * 4 * s * b * c.num_experts)
-    return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t + whole
-
-
-def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int, sequence_parallel: bool,
-                 recompute: Optional[str], flash_attn: bool, act_bytes: int) -> dict[str, float]:
-    c, s, b, t = config, seq_length, micro_batch_size, tp
-    L, h = c.num_layers, c.hidden_size
-    sp_div = t if sequence_parallel else 1
-    per_layer = activation_bytes_per_layer(
-        c, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
-        keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes)
-    layer_input = act_bytes * s * b * h / sp_div
-    # Per layer and micro-batch, what is kept until backward; and what is live once per stage
-    # (the chunk being recomputed): a pipeline stage holds the first for each micro-batch in flight.
-    saved, live = per_layer, 0.0
-    if recompute == "full":
-        n = min(max(c.recompute_num_layers, 1), L)
-        if c.recompute_method == "block":
-            # The first n layers keep only their input; the rest keep everything.
-            layers = n * layer_input + (L - n) * per_layer + (per_layer if n else 0)
-            saved = layers / L
-        else:
-            # Chunks of n layers keep their input; one chunk is live while it is recomputed.
-            layers = math.ceil(L / n) * layer_input + n * per_layer
-            saved, live = layer_input / n, n * per_layer
-    else:
-        layers = L * per_layer
-    # Embedding dropout mask (1 byte), final norm and output-layer inputs, and the loss's peak: the
-    # output layer's logits in the compute dtype alive beside the cross-entropy's fp32 working copy.
-    mask = s * b * h / sp_div if c.hidden_dropout > 0 else 0
-    outside = mask + 2 * act_bytes * s * b * h / sp_div + (4 + act_bytes) * s * b * c.padded_vocab_size / t
-    return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside,
-            "saved_per_layer": saved, "recompute_live": live, "layer_input": layer_input, "embedding_mask": mask}
-
-
-def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int, cp: int,
-                 recompute: Optional[str], act_bytes: int, layers: int) -> dict:
-    """The all-gather exchange's extra (``layers`` of the model use it): each layer keeps the whole
-    sequence's K/V for backward (the other ranks' (cp-1)/cp of it beside its own), and backward holds
-    their fp32 gradients and the cast of them while it reduce-scatters, in place of the loss's logits
-    at the peak."""
-    c = config
-    kv = 2 * seq_length * micro_batch_size * (c.query_groups / tp) * c.head_dim
-    extra = kv * act_bytes * (cp - 1) / cp
-    out = dict(act, per_layer=act["per_layer"] + extra * layers / c.num_layers)
-    if recompute == "full":
-        out["recompute_live"] = act["recompute_live"] + extra * max(c.recompute_num_layers, 1)
-        out["total"] = act["total"] + extra * max(c.recompute_num_layers, 1)
-    else:
-        out["saved_per_layer"] = act["saved_per_layer"] + extra * layers / c.num_layers
-        out["layers"] = act["layers"] + layers * extra
-        out["total"] = act["total"] + layers * extra
-    backward = kv * (4 + act_bytes)
-    out["total"] += max(0.0, backward - act["outside_layers"])
-    return out
 
 
 def _with_experts(dense: tuple, experts: tuple) -> tuple:

@@ -173,3 +173,12 @@ def test_fp64_router_runs_end_to_end():
     layer(x).sum().backward()
     (aux,), _, _ = layer.aux_scale.take()
     assert aux.dtype == torch.float64 and layer.router.weight.grad is not None and x.grad is not None
+
+
+def test_a_layer_built_on_its_own_is_initialised():
+    c = _config(moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True)
+    layer = MoELayer(c, lambda: MLP(c, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
+                     ep_group=None, ep_size=1, ep_rank=0, aux_scale=AuxLossScale(), init_method=init_methods(c)[0],
+                     shared=lambda: MLP(c, tp_group=None, tp_size=1, expert=True, ffn_size=16))
+    for name, p in layer.named_parameters():
+        assert torch.isfinite(p).all() and p.abs().max() < 1.0, name  # N(0, 0.02), not torch.empty's bytes
