@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 VARIANTS = ("ring zigzag", "ring contiguous", "a2a")
 ELEM = 4  # fp32
@@ -121,30 +120,13 @@ def _measure(variant: str, seq: int, shape: Shape, rank: int, cp: int) -> dict[s
     return dict(counts, cpu=cpu, wall=wall, peak=tracker.peak_bytes, saved=saved)
 
 
-def _rank(rank: int, cp: int, port: int, configs: list, shape: Shape, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    results = [_measure(variant, seq, shape, rank, cp) for seq, variant in configs]
-    out.put((rank, results))
-    dist.destroy_process_group()
+def _rank(rank: int, cp: int, configs: list, shape: Shape) -> list[dict]:
+    return [_measure(variant, seq, shape, rank, cp) for seq, variant in configs]
 
 
 def run_cp(cp: int, configs: list, shape: Shape) -> list[list[dict]]:
     """Every (seq, variant) of ``configs`` on ``cp`` ranks: per configuration, the ranks' results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, cp, port, configs, shape, q)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank of cp {cp} failed (exit code {p.exitcode})")
+    got = run_ranks(cp, _rank, configs, shape)
     return [[got[r][i] for r in range(cp)] for i in range(len(configs))]
 
 

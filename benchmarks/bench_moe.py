@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 ELEM = 4  # fp32
 
@@ -158,36 +157,19 @@ def _measure(kind: str, shape: Shape, ep: int, rank: int) -> dict[str, Any]:
     return out
 
 
-def _rank(rank: int, ep: int, port: int, kinds: list, shape: Shape, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      RANK=str(rank), WORLD_SIZE=str(ep), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ep)
+def _rank(rank: int, ep: int, kinds: list, shape: Shape) -> list[dict]:
     results = []
     for kind in kinds:
         try:
             results.append(_measure(kind, shape, ep, rank))
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
             results.append(dict(error=f"{type(e).__name__}: {e}"))
-    out.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def run_ep(ep: int, kinds: list, shape: Shape) -> list[list[dict]]:
     """Every kind on ``ep`` ranks: per kind, the ranks' results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, ep, port, kinds, shape, q)) for r in range(ep)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank of ep {ep} failed (exit code {p.exitcode})")
+    got = run_ranks(ep, _rank, kinds, shape)
     return [[got[r][i] for r in range(ep)] for i in range(len(kinds))]
 
 

@@ -17,9 +17,7 @@ schedule's (pp - 1) / (v m). Figures only, not a test:
 from __future__ import annotations
 
 import argparse
-import os
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 8, 256, 8, 128, 4096, 2
 
@@ -47,10 +45,7 @@ def _ds(accum: int) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1}}
 
 
-def _run(rank: int, world: int, port: int, layout: dict, steps: int, m_global: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _run(rank: int, world: int, layout: dict, steps: int, m_global: int) -> dict:
     from megazero import mpu, zero
     from megazero.model import GPTModel
     from megazero.model.pipeline_split import build_pipeline_model
@@ -101,26 +96,14 @@ def _run(rank: int, world: int, port: int, layout: dict, steps: int, m_global: i
     elapsed = time.perf_counter() - t0
     tokens = steps * m_global * MICRO * SEQ
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((rank, dict(tokens_per_s=tokens / elapsed, peak_mib=peak_mib, bubble=waited[0] / elapsed,
-                        state_mib=engine.model_state_bytes()["total"] / 2 ** 20)))
+    result = dict(tokens_per_s=tokens / elapsed, peak_mib=peak_mib, bubble=waited[0] / elapsed,
+                  state_mib=engine.model_state_bytes()["total"] / 2 ** 20)
     mpu.shutdown_distributed()
+    return result
 
 
 def measure(layout: dict, steps: int, m_global: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, 4, port, layout, steps, m_global, q)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank of {layout} failed (exit code {p.exitcode})")
-    return [results[r] for r in range(4)]
+    return run_ranks(4, _run, layout, steps, m_global, timeout=1800)
 
 
 def main() -> None:
