@@ -8,7 +8,8 @@ import pytest
 
 from megazero.training.arguments import parse_args
 from megazero.training.config import ConfigError
-from tests.training.test_layout_invariance import assert_same_run, data, flags, launch  # noqa: F401 (fixture)
+from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401
+                                                   launch)
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +152,8 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_at_another_tp_dp(data, one
     # Saved every iteration by dp 2 x cp 2 with ZeRO-3 (partitions over data x context); resumed from
     # iteration 2 at cp 1 (one process) and at tp 2 x dp 2 ZeRO-1: iterations 3-4 equal the one-process run.
     model = ["--num-query-groups", "2", "--position-embedding-type", "rope"]
-    saved = str(tmp_path / "cp2_ckpt")
-    launch(4, flags(data, *model, "--context-parallel-size", "2", "--zero-stage", "3", "--save", saved,
-                    "--save-interval", "1"), tmp_path, "cp2_save")
-    tail = {it: r for it, r in one_process.items() if it > 2}
-    for world, extra in ((1, []), (4, ["--tp", "2", "--zero-stage", "1"])):
-        got = launch(world, flags(data, *model, *extra, "--load", saved, "--ckpt-step", "2"), tmp_path,
-                     f"cp2_resumed_{world}")
-        assert_same_run(got, tail, what=f"saved at cp 2, resumed at world {world} {extra}")
+    assert_resumes_elsewhere(data, model, (4, ["--context-parallel-size", "2", "--zero-stage", "3"]),
+                             [(1, []), (4, ["--tp", "2", "--zero-stage", "1"])], one_process, tmp_path, "cp2")
 
 
 def test_deepspeed_ulysses_sequence_parallel_size_is_context_parallelism_by_all_to_all(tmp_path):

@@ -80,6 +80,20 @@ def assert_same_run(got: dict, ref: dict, rtol: float = RTOL, what: str = "") ->
             assert abs(a - b) <= rtol * abs(b), f"{what}: iteration {it} {key} {a} vs one process {b}"
 
 
+def assert_resumes_elsewhere(data_prefix: str, model: list, saved_at: tuple[int, list], resumed_at: list,
+                             reference: dict, tmp_path, name: str) -> None:
+    """Train with ``model`` flags at ``saved_at`` = (world, flags), saving every iteration; resume from
+    iteration 2 at each (world, flags) of ``resumed_at``: iterations 3 on equal ``reference``'s."""
+    saved = str(tmp_path / f"{name}_ckpt")
+    world, extra = saved_at
+    launch(world, flags(data_prefix, *model, *extra, "--save", saved, "--save-interval", "1"), tmp_path, f"{name}_save")
+    tail = {it: r for it, r in reference.items() if it > 2}
+    for world, extra in resumed_at:
+        got = launch(world, flags(data_prefix, *model, *extra, "--load", saved, "--ckpt-step", "2"), tmp_path,
+                     f"{name}_resumed_{world}")
+        assert_same_run(got, tail, what=f"{name}: saved at {saved_at}, resumed at world {world} {extra}")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("layout_runs")

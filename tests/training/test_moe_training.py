@@ -8,7 +8,8 @@ import pytest
 
 from megazero.training.arguments import parse_args
 from megazero.training.config import ConfigError
-from tests.training.test_layout_invariance import assert_same_run, data, flags, launch  # noqa: F401 (fixture)
+from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401
+                                                   launch)
 
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--disable-bias-linear",
        "--swiglu", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-layer-freq", "2")
@@ -140,14 +141,9 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp
     # Saved every iteration by ep 2 with ZeRO-3 (each expert partitioned over its expert-DP ranks);
     # resumed from iteration 2 in one process and at ep 4 with ZeRO-1: iterations 3-4 equal the
     # uninterrupted one-process run (optimizer state included).
-    saved = str(tmp_path / "ep2_ckpt")
-    launch(4, flags(data, *MOE, "--expert-model-parallel-size", "2", "--zero-stage", "3", "--save", saved,
-                    "--save-interval", "1"), tmp_path, "ep2_save")
-    tail = {it: r for it, r in one_process.items() if it > 2}
-    for world, extra in ((1, []), (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"])):
-        got = launch(world, flags(data, *MOE, *extra, "--load", saved, "--ckpt-step", "2"), tmp_path,
-                     f"ep2_resumed_{world}")
-        assert_same_run(got, tail, what=f"saved at ep 2, resumed at world {world} {extra}")
+    assert_resumes_elsewhere(data, list(MOE), (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3"]),
+                             [(1, []), (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"])], one_process,
+                             tmp_path, "ep2")
 
 
 def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # noqa: F811
