@@ -144,6 +144,26 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp
     assert_resumes_elsewhere(data, list(MOE), (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3"]),
                              [(1, []), (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"])], one_process,
                              tmp_path, "ep2")
+    # tools/generate.py's loader reads the experts of that checkpoint at tp 1 and 2: the losses of
+    # the whole model read back by megazero
+    import torch
+
+    from megazero.model import GPTModel
+    from megazero.mpu import NO_GROUP
+    from megazero.training.checkpointing import load_full_model
+    from tests.distributed import run_distributed
+    from tests.training.test_tools_scale import _generate_losses
+
+    src = str(tmp_path / "ep2_ckpt")
+    cfg, weights, _ = load_full_model(src)
+    model = GPTModel(cfg, tp_group=NO_GROUP)
+    model.load_state_dict(weights, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model.eval()(ids[:, :-1], labels=ids[:, 1:])
+    for tp in (1, 2):
+        for loss, _, _ in run_distributed(tp, _generate_losses, src, tp):
+            torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # noqa: F811
