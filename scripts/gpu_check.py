@@ -24,6 +24,8 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
    CUDA; the CPU flash op in the dry run) computing a GQA causal attention block by block, as a
    context-parallel rank does: forward blocks merged by their log-sum-exp, each block's backward given
    the merged output and LSE; output and gradients within :data:`RING_RTOL` of fp64 math attention.
+   ``moe_layer``: the mixture-of-experts layer (router, token dropping, a gated shared expert, the
+   load-balancing loss's gradient) on the device against the CPU in fp32, within :data:`MOE_RTOL`.
 6. ``attention_backends``: sdpa and flash-attn (when importable) agree with math attention in
    bf16 within :data:`ATTENTION_ATOL`; ``apex_adam``: apex's FusedAdam is the optimizer kernel on
    CUDA when apex's optimizers import.
@@ -52,6 +54,7 @@ sys.path.insert(0, ROOT)  # this checkout's megazero, installed or not
 LOSS_RTOL = 1e-4  # CUDA vs CPU, fp32 (TF32 off): per-step loss, relative
 ATTENTION_ATOL = 2e-2  # bf16 backends vs fp32 math attention, max |diff| over unit-variance inputs
 STEPS = 3
+MOE_RTOL = 1e-4  # the MoE layer on the device vs the CPU, fp32 without TF32 (routing must agree exactly)
 RING_RTOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # max |diff| / max |ref|; fp32 without TF32
 # Dense bf16 peak TFLOP/s per GPU by device name fragment (NVIDIA's datasheets; SXM parts).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
@@ -372,6 +375,43 @@ def check_ring_kernels() -> str:
     return "block-merged GQA causal attention vs fp64, worst relative error: " + ", ".join(out)
 
 
+# ---- 5b: the mixture-of-experts layer -------------------------------------------------------------
+
+def check_moe_layer() -> str:
+    from megazero.model.config import GPTConfig
+    from megazero.model.moe import AuxLossScale, MoELayer
+    from megazero.model.transformer import MLP, init_methods
+
+    dev = device()
+    c = GPTConfig(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=512, max_position_embeddings=512,
+                  vocab_size=128, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512, add_bias_linear=False,
+                  activation="swiglu", moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=256,
+                  moe_shared_expert_gate=True, moe_expert_capacity_factor=1.25).validate()
+
+    def build(where):
+        torch.manual_seed(0)
+        return MoELayer(c, lambda: MLP(c, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
+                        ep_group=None, ep_size=1, ep_rank=0, aux_scale=AuxLossScale(value=1.0),
+                        init_method=init_methods(c)[0], shared=lambda: MLP(c, tp_group=None, tp_size=1, expert=True,
+                                                                           ffn_size=256)).to(where)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 2, 256, generator=g)
+    grad = torch.randn(512, 2, 256, generator=g)
+    runs = []
+    for where in ("cpu", dev):
+        layer = build(where)
+        xi = x.to(where).requires_grad_()
+        y = layer(xi)
+        y.backward(grad.to(where))
+        runs.append((y.detach().cpu(), xi.grad.cpu(), {n: p.grad.cpu() for n, p in layer.named_parameters()}))
+    (y0, dx0, g0), (y1, dx1, g1) = runs
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in [(y1, y0), (dx1, dx0)]
+                + [(g1[n], g0[n]) for n in g0 if g0[n].abs().max() > 0])
+    assert worst <= MOE_RTOL, f"MoE layer on {dev} vs CPU (fp32): relative difference {worst:.2e} > {MOE_RTOL}"
+    return f"router, dropping, shared expert, aux loss on {dev} vs CPU fp32: worst relative difference {worst:.1e}"
+
+
 # ---- 7: 1.3B throughput ------------------------------------------------------------------------
 
 def throughput_command(ngpu: int, iters: int = THROUGHPUT_ITERS) -> list[str]:
@@ -436,6 +476,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("slow_collectives", check_slow_collectives),
     ("offload_bitwise", check_offload_bitwise),
     ("ring_kernels", check_ring_kernels),
+    ("moe_layer", check_moe_layer),
     ("attention_backends", check_attention_backends),
     ("apex_adam", check_apex_adam),
     ("throughput_1p3b", check_throughput_1p3b),
