@@ -90,6 +90,10 @@ class GPTConfig:
     moe_router_group_topk: Optional[int] = None  # ... and how many of them a token may use
     moe_router_topk_scaling_factor: Optional[float] = None  # the routing weights times this
     moe_router_dtype: str = "fp32"  # 'fp32' | 'fp64': the router's logits, scores and losses
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores that choose the
+    # experts (not to the weights), moved by this rate against each expert's load once per step.
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"
     # Shared experts (Qwen2-MoE, DeepSeek): an MLP of this width every token passes through beside its
@@ -196,6 +200,9 @@ class GPTConfig:
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"moe_router_score_function must be 'softmax' or 'sigmoid', got "
                              f"{self.moe_router_score_function!r}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (DeepSeek-V3's "
+                             "routing; the bias is added to the sigmoid scores that choose the experts)")
         if self.moe_router_dtype not in ("fp32", "fp64"):
             raise ValueError(f"moe_router_dtype must be 'fp32' or 'fp64', got {self.moe_router_dtype!r}")
         g, gk = self.moe_router_num_groups, self.moe_router_group_topk

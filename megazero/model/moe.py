@@ -96,11 +96,29 @@ class Router(torch.nn.Module):
         self.num_experts, self.hidden_size, self.init_method = config.num_experts, config.hidden_size, init_method
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype, device=device))
+        if config.moe_router_enable_expert_bias:  # fp32 whatever the model's dtype; the bias is checkpointed
+            self.register_buffer("expert_bias", torch.empty(config.num_experts, device=device))
+            self.register_buffer("tokens_per_expert", torch.empty(config.num_experts, device=device), persistent=False)
         if device is None or torch.device(device).type != "meta":  # built for use, not for planning
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
         initialize_sharded_(self.weight, (self.num_experts, self.hidden_size), 0, 0, 1, self.init_method)
+        if hasattr(self, "expert_bias") and not self.weight.is_meta:
+            self.place_buffers(self.weight.device)
+
+    def place_buffers(self, device) -> None:
+        """The expert bias and its counts as zeros on ``device``: a model built on the meta device gets
+        its parameters from the ZeRO engine and these from here, before the engine binds it."""
+        self.expert_bias = torch.zeros(self.num_experts, device=device)
+        self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """Move the bias by ``rate`` towards balance: up for the experts below the mean load of ``counts``
+        (the step's token copies per expert over the whole batch), down for those above."""
+        self.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
+        self.tokens_per_expert.zero_()
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -120,17 +138,18 @@ def _limit_groups(scores: torch.Tensor, k: int, groups: int, group_topk: int) ->
 
 
 def route(logits: torch.Tensor, k: int, pre_softmax: bool, score: str = "softmax", groups: Optional[int] = None,
-          group_topk: Optional[int] = None, scaling: Optional[float] = None
+          group_topk: Optional[int] = None, scaling: Optional[float] = None, bias: Optional[torch.Tensor] = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logits`` ``[T, E]`` (fp32 or fp64) -> (expert indices ``[T, k]``, their weights ``[T, k]``, the
     scores over all experts the load-balancing loss reads ``[T, E]``), Megatron-core's routing:
     softmax (the k top logits' softmax, or with ``pre_softmax`` the full softmax at the top k) or
     sigmoid (the top k sigmoids, renormalised when k > 1: DeepSeek-V3's); optionally limited to the
-    best ``group_topk`` of ``groups`` expert groups, and the weights times ``scaling``."""
+    best ``group_topk`` of ``groups`` expert groups, and the weights times ``scaling``. ``bias`` (sigmoid
+    only): added to the scores that choose the experts, not to their weights (DeepSeek-V3)."""
     limit = (lambda s: _limit_groups(s, k, groups, group_topk)) if groups else (lambda s: s)
     if score == "sigmoid":
         scores = torch.sigmoid(logits)
-        top = _top(limit(scores), k)
+        top = _top(limit(scores if bias is None else scores + bias.to(scores.dtype)), k)
         weights = scores.gather(1, top)
         if k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -231,8 +250,10 @@ class MoELayer(torch.nn.Module):
             w = mpu.copy_to_tensor_model_parallel_region(w, self.tp_group)
         dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
         logits = F.linear(tokens.to(dtype), w.to(dtype))
+        bias = self.router.expert_bias if c.moe_router_enable_expert_bias else None
         top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_router_score_function,
-                                    c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor)
+                                    c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
+                                    bias)
         aux = self._aux_losses(logits, probs, top, b, cp_group)
         if self.sequence_parallel:
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
@@ -240,6 +261,8 @@ class MoELayer(torch.nn.Module):
             top = all_gather_first_dim(top, self.tp_group)
         elif self.tp_size > 1:  # the experts' input gradients are partial over TP; the router's are not
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
+        if bias is not None and self._recording():  # the micro-batch's load (gathered over TP), for the step's update
+            self.router.tokens_per_expert += _counts(top.reshape(-1), c.num_experts).to(top.device).float()
         y = self._experts(tokens, top, weights.to(x.dtype))  # the routing in fp64 only when asked
         if self.shared_experts is not None:  # partial over TP too: reduced with the routed experts' outputs
             shared = self.shared_experts.partial(tokens)

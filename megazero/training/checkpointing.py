@@ -77,6 +77,39 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+def _persistent_buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """The model's state that is not a parameter (e.g. the routers' expert biases), by global name, on
+    the host. Every rank holding a buffer writes it; ranks holding the same one write the same values."""
+    return {engine.param_name(name): b.detach().cpu().contiguous() for name, b in _named_persistent_buffers(engine)}
+
+
+def _named_persistent_buffers(engine: ZeroEngine):
+    for prefix, module in engine.module.named_modules():
+        for name, b in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), b
+
+
+def _restore_buffers(engine: ZeroEngine, directory: str, manifest: dict) -> None:
+    """Copy the saved persistent buffers into this rank's (found by global name in any rank's file, so a
+    checkpoint resumes at another layout); a buffer the checkpoint lacks is an error."""
+    mine = {engine.param_name(n): b for n, b in _named_persistent_buffers(engine)}
+    if not mine:
+        return
+    from safetensors.torch import load_file
+
+    saved: dict[str, torch.Tensor] = {}
+    for name in sorted(f for f in manifest["files"] if f.startswith("buffers_rank")):
+        saved.update(load_file(_verified(directory, manifest, name)))
+    missing = sorted(set(mine) - set(saved))
+    if missing:
+        raise CheckpointError(f"{directory} lacks the model buffers {missing[:4]}: it was saved by a model without "
+                              "them (e.g. without --moe-router-enable-expert-bias); resume with the same model")
+    with torch.no_grad():
+        for name, b in mine.items():
+            b.copy_(saved[name].to(b.device, b.dtype))
+
+
 def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(tensors["cpu"])
     if "cuda" in tensors and torch.cuda.is_available():
@@ -124,6 +157,12 @@ def save_checkpoint(
         save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, rng_path)
         fsync_path(rng_path)
         paths = [rng_path]
+        buffers = _persistent_buffers(engine)
+        if buffers:
+            buffers_path = os.path.join(partial, f"buffers_rank{rank:05d}.safetensors")
+            save_file(buffers, buffers_path)
+            fsync_path(buffers_path)
+            paths.append(buffers_path)
         if rank == 0:
             for name, obj in (("train_state.json", train_state), ("config.json", config)):
                 path = os.path.join(partial, name)
@@ -267,6 +306,7 @@ def load_checkpoint(load: str, engine: ZeroEngine, iteration: Optional[int] = No
             from safetensors.torch import load_file
 
             rng = load_file(_verified(directory, manifest, rng_name))
+        _restore_buffers(engine, directory, manifest)
         state = json.load(open(_verified(directory, manifest, "train_state.json")))
         state["resharded"] = not same_layout
         state["bytes_read"] = meta["bytes_read"]

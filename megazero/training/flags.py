@@ -259,9 +259,13 @@ g(H, "--moe-router-group-topk", "group-limited routing: the groups a token's exp
 g(H, "--moe-router-topk-scaling-factor", "the routing weights times this (DeepSeek-V3's routed scaling factor)", float)
 g(H, "--moe-router-dtype", "the router's precision: fp32, or fp64 (tie-safe routing for layout comparisons)",
   _lower, choices=("fp32", "fp64"), default="fp32")
-for _flag in ("--moe-router-bias-update-rate", "--expert-interval", "--mlp-type"):
+g(H, "--moe-router-enable-expert-bias", "DeepSeek-V3's auxiliary-loss-free balancing (sigmoid routing): a bias per "
+  "expert added to the scores that choose the experts, moved once per step by --moe-router-bias-update-rate "
+  "against the expert's load over the global batch; checkpointed")
+g(H, "--moe-router-bias-update-rate", "how far the expert bias moves per step", float, default=1e-3)
+for _flag in ("--expert-interval", "--mlp-type"):
     g(R, _flag, f"{_flag} {_NO_MOE_YET}", str)
-for _flag in ("--moe-router-enable-expert-bias", "--create-moe-param-group"):
+for _flag in ("--create-moe-param-group",):
     g(R, _flag, f"{_flag} {_NO_MOE_YET}")
 g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo"), _NO_FP8, str)

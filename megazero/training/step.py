@@ -27,7 +27,7 @@ from ..model.cp_context import ContextParallel
 from ..model.cp_hierarchical import Hierarchy
 from ..model.cp_layout import zigzag_layout
 from ..model.keyed_dropout import sample_keys
-from ..model.moe import is_expert_parameter
+from ..model.moe import Router, is_expert_parameter
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig
@@ -128,6 +128,8 @@ class TrainModel:
         # with values keyed by the pp = 1 names (equal to a full initialization at any layout).
         module, self.chunks = build_pipeline_model(config.model, groups, first=p.decoder_first_pipeline_num_layers,
                                                    last=p.decoder_last_pipeline_num_layers, device="meta")
+        for router in (m for m in module.modules() if isinstance(m, Router) and hasattr(m, "expert_bias")):
+            router.place_buffers(device)
         self.engine = zero.initialize(module, config.zero_config(), mpu=mpu,
                                       no_weight_decay=megatron_no_weight_decay, device=device,
                                       param_names=global_name_fn(self.chunks),
@@ -182,9 +184,25 @@ class TrainModel:
                 chunk.moe_aux.take()
         micro_batches = [self.micro_batch(b["text"], eod, b.get("index")) for b in batches]
         losses, updated = self.stage.train_step(micro_batches, lap)
+        if self.config.model.moe_router_enable_expert_bias:
+            self._update_expert_biases(updated)
         loss = self._local_mean(losses)
         return (torch.cat([loss.view(1), self._moe_stats(len(batches))]) if self.config.model.num_experts
                 else loss), updated
+
+    def _update_expert_biases(self, updated: bool) -> None:
+        """Once per step: every router's bias from its experts' token copies over the whole global batch
+        (summed over data x context ranks in one all-reduce; TP ranks counted the same gathered tokens)."""
+        routers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, Router)]
+        if not routers:
+            return
+        counts = torch.stack([r.tokens_per_expert for r in routers])
+        if self.groups.dp_size * self.groups.cp_size > 1:
+            dist.all_reduce(counts, group=self.groups.dp_cp_group)
+        for router, c in zip(routers, counts):
+            if updated:  # a skipped step (overflow) leaves the biases as they were
+                router.update_expert_bias(c, self.config.model.moe_router_bias_update_rate)
+            router.tokens_per_expert.zero_()
 
     def _moe_stats(self, micro_batches: int) -> torch.Tensor:
         """``[aux losses per micro-batch, sum of expert loads, their count, sum of dropped shares]`` of this

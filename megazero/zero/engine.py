@@ -216,7 +216,7 @@ class ZeroEngine(torch.nn.Module):
         for g in self.groups:
             g.bind()
         for name, b in self.module.named_buffers():
-            if b.is_meta:
+            if b.is_meta and self.device.type != "meta":  # (a rehearsal on the meta device holds meta buffers)
                 raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
                                 "reset_parameters() or compute it lazily in forward")
 

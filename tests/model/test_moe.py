@@ -182,3 +182,22 @@ def test_a_layer_built_on_its_own_is_initialised():
                      shared=lambda: MLP(c, tp_group=None, tp_size=1, expert=True, ffn_size=16))
     for name, p in layer.named_parameters():
         assert torch.isfinite(p).all() and p.abs().max() < 1.0, name  # N(0, 0.02), not torch.empty's bytes
+
+
+def test_expert_bias_chooses_the_experts_but_not_their_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0])
+    top, w, _ = route(logits, 2, False, "sigmoid", bias=bias)
+    assert sorted(top[0].tolist()) == [0, 2]  # expert 2 chosen through its bias ...
+    s = torch.sigmoid(logits)[0]
+    torch.testing.assert_close(w[0], s[top[0]] / s[top[0]].sum())  # ... weighted by its own score
+
+
+def test_expert_bias_moves_against_the_load():
+    from megazero.model.moe import Router
+
+    c = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    router = Router(c, init_methods(c)[0])
+    assert torch.equal(router.expert_bias, torch.zeros(E)) and "expert_bias" in router.state_dict()
+    router.update_expert_bias(torch.tensor([8.0, 0, 0, 0, 0, 0, 0, 0]), 0.01)
+    assert torch.equal(router.expert_bias, torch.tensor([-0.01] + [0.01] * 7)) and not router.tokens_per_expert.any()

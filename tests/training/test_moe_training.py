@@ -100,6 +100,19 @@ def test_deepseek_routing_equals_one_process(data, tmp_path):  # noqa: F811
     assert_same_run(got, one, what="DeepSeek-style routing at ep 2")
 
 
+def test_expert_bias_is_the_same_at_every_layout_and_resumes(data, tmp_path):  # noqa: F811
+    # Auxiliary-loss-free balancing: the biases move with the global batch's loads (summed over the
+    # data-parallel ranks once per step), so ep 2 inside dp 2 trains as one process; they are
+    # checkpointed, so a run saved at ep 2 and resumed in one process continues as if uninterrupted.
+    bias = [a for a in DEEPSEEK if a not in ("--moe-router-dtype", "fp64")] + [
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    one = launch(1, flags(data, *bias), tmp_path, "bias1")
+    got = launch(2, flags(data, *bias, "--expert-model-parallel-size", "2"), tmp_path, "bias2")
+    assert_same_run(got, one, what="expert bias at ep 2")
+    assert_resumes_elsewhere(data, bias, (2, ["--expert-model-parallel-size", "2"]), [(1, [])], one, tmp_path,
+                             "bias")
+
+
 def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, tmp_path):  # noqa: F811
     # seq_aux_loss averages a per-sequence loss over the sequences: micro-batches of 1 or 2, on one
     # rank or on dp 2 with ep 2 and tp 2 (SP), train the same model. (Switch's aux_loss would not:

@@ -86,10 +86,10 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_load_balancing_type",
                  "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
                  "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
-                 "moe_router_topk_scaling_factor", "moe_router_dtype"):
+                 "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_router_bias_update_rate"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
-    for name in ("moe_router_pre_softmax", "moe_shared_expert_gate"):
+    for name in ("moe_router_pre_softmax", "moe_shared_expert_gate", "moe_router_enable_expert_bias"):
         if getattr(ns, name):
             kw[name] = True
     if ns.moe_shared_expert_intermediate_size is not None:
