@@ -25,7 +25,8 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
    context-parallel rank does: forward blocks merged by their log-sum-exp, each block's backward given
    the merged output and LSE; output and gradients within :data:`RING_RTOL` of fp64 math attention.
    ``moe_layer``: the mixture-of-experts layer (router, token dropping, a gated shared expert, the
-   load-balancing loss's gradient) on the device against the CPU in fp32, within :data:`MOE_RTOL`.
+   load-balancing loss's gradient, the experts as grouped matmuls) on the device against the CPU's
+   per-expert loop in fp32, within :data:`MOE_RTOL`.
 6. ``attention_backends``: sdpa and flash-attn (when importable) agree with math attention in
    bf16 within :data:`ATTENTION_ATOL`; ``apex_adam``: apex's FusedAdam is the optimizer kernel on
    CUDA when apex's optimizers import.
@@ -388,19 +389,20 @@ def check_moe_layer() -> str:
                   activation="swiglu", moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=256,
                   moe_shared_expert_gate=True, moe_expert_capacity_factor=1.25).validate()
 
-    def build(where):
+    def build(where, grouped):
         torch.manual_seed(0)
-        return MoELayer(c, lambda: MLP(c, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
+        cg = c.replace(moe_grouped_gemm=grouped)
+        return MoELayer(cg, lambda: MLP(cg, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
                         ep_group=None, ep_size=1, ep_rank=0, aux_scale=AuxLossScale(value=1.0),
-                        init_method=init_methods(c)[0], shared=lambda: MLP(c, tp_group=None, tp_size=1, expert=True,
-                                                                           ffn_size=256)).to(where)
+                        init_method=init_methods(cg)[0], shared=lambda: MLP(cg, tp_group=None, tp_size=1,
+                                                                             expert=True, ffn_size=256)).to(where)
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(512, 2, 256, generator=g)
     grad = torch.randn(512, 2, 256, generator=g)
     runs = []
-    for where in ("cpu", dev):
-        layer = build(where)
+    for where, grouped in (("cpu", False), (dev, True)):  # the device runs the grouped matmuls
+        layer = build(where, grouped)
         xi = x.to(where).requires_grad_()
         y = layer(xi)
         y.backward(grad.to(where))
@@ -409,7 +411,8 @@ def check_moe_layer() -> str:
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in [(y1, y0), (dx1, dx0)]
                 + [(g1[n], g0[n]) for n in g0 if g0[n].abs().max() > 0])
     assert worst <= MOE_RTOL, f"MoE layer on {dev} vs CPU (fp32): relative difference {worst:.2e} > {MOE_RTOL}"
-    return f"router, dropping, shared expert, aux loss on {dev} vs CPU fp32: worst relative difference {worst:.1e}"
+    return (f"router, dropping, shared expert, aux loss, grouped matmuls on {dev} vs the CPU's per-expert loop "
+            f"(fp32): worst relative difference {worst:.1e}")
 
 
 # ---- 7: 1.3B throughput ------------------------------------------------------------------------

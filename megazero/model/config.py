@@ -94,6 +94,9 @@ class GPTConfig:
     # experts (not to the weights), moved by this rate against each expert's load once per step.
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    # The experts' matmuls as torch._grouped_mm over the stacked weights of a rank's experts (fp32/bf16/fp16
+    # where the build has it and the widths are 16-byte aligned), else an exact per-expert loop.
+    moe_grouped_gemm: bool = False
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"
     # Shared experts (Qwen2-MoE, DeepSeek): an MLP of this width every token passes through beside its

@@ -180,6 +180,19 @@ def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor
     return drop.view(n, k)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward refuses the
+    broadcast, stride-0 gradients a sum produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class SharedGate(torch.nn.Module):
     """The shared expert's gate ``sigmoid(x w)``, ``w`` ``[1, h]`` replicated over TP. It scales the
     expert's partial (per TP rank) output, so its weight's gradient is partial too: summed over TP."""
@@ -348,14 +361,39 @@ class MoELayer(torch.nn.Module):
         per_expert = plan[0] if plan is not None else _host(counts)  # the one host read of the layer
         if plan is None:
             rows = rows[:sum(per_expert)]  # without the dropped copies
-        out = torch.cat([self.experts[str(e)].partial(chunk)
-                         for e, chunk in zip(self.local, rows.split(per_expert))])
+        if self._grouped(rows):
+            out = self._grouped_mlp(rows, per_expert)
+        else:
+            out = torch.cat([self.experts[str(e)].partial(chunk)
+                             for e, chunk in zip(self.local, rows.split(per_expert))])
         if plan is not None:
             out = self._combine(out, plan)
         if out.size(0) < n * k:  # the dropped copies' outputs: zeros
             out = torch.cat([out, out.new_zeros(n * k - out.size(0), out.size(1))])
         out = out.index_select(0, torch.argsort(order))  # back to (token, choice) order
         return (out.view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def _grouped(self, rows: torch.Tensor) -> bool:
+        """Whether the experts run as grouped matmuls (asked, available, the dtype and widths allow)."""
+        if not self.config.moe_grouped_gemm or not hasattr(torch, "_grouped_mm") or rows.device.type == "meta":
+            return False
+        fc2 = self.experts[str(self.local.start)].linear_fc2.weight
+        size = rows.element_size()
+        return rows.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
+            (rows.size(-1) * size) % 16 == 0 and (fc2.size(1) * size) % 16 == 0
+
+    def _grouped_mlp(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
+        """Every local expert's MLP over its rows in two grouped matmuls (the same bits as the loop)."""
+        experts = [self.experts[str(e)] for e in self.local]
+        w1 = torch.stack([m.linear_fc1.weight for m in experts]).transpose(1, 2)  # [E, h, ffn (x2)]
+        w2 = torch.stack([m.linear_fc2.weight for m in experts]).transpose(1, 2)  # [E, ffn, h]
+        ends, at = [], 0
+        for n in per_expert:
+            at += n
+            ends.append(at)
+        offs = torch.tensor(ends, dtype=torch.int32).to(rows.device, non_blocking=True)
+        h = experts[0]._act(torch._grouped_mm(_ContiguousGrad.apply(rows), w1, offs=offs))
+        return torch._grouped_mm(_ContiguousGrad.apply(h.contiguous()), w2, offs=offs)
 
     def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor):
         """Send each expert's rows to its rank; return the rows this rank's experts get, ordered by

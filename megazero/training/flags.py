@@ -233,7 +233,8 @@ g(H, "--moe-router-pre-softmax", "softmax over all experts before the top k (wei
 g(H, "--moe-token-dispatcher-type", "alltoall; allgather is mapped to it (the same tokens reach the same "
   "experts)", _lower, choices=("alltoall", "allgather", "flex"), default="alltoall",
   refuse_values=(("flex", "--moe-token-dispatcher-type flex (DeepEP) is not available; use alltoall"),))
-g(M, "--moe-grouped-gemm", "the experts' matmuls run as an exact per-expert loop; accepted")
+g(H, "--moe-grouped-gemm", "the experts' matmuls as grouped matmuls (torch._grouped_mm over a rank's stacked "
+  "experts; fp32/bf16/fp16, 16-byte aligned widths), the same bits as the per-expert loop used otherwise")
 g(M, "--disable-moe-token-dropping", "megazero's MoE is dropless; accepted")
 g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most ceil(k T / E x factor) of the "
   "T token copies a rank routes in a micro-batch (gathered over TP), the rest are dropped (their output 0); "

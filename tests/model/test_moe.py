@@ -201,3 +201,24 @@ def test_expert_bias_moves_against_the_load():
     assert torch.equal(router.expert_bias, torch.zeros(E)) and "expert_bias" in router.state_dict()
     router.update_expert_bias(torch.tensor([8.0, 0, 0, 0, 0, 0, 0, 0]), 0.01)
     assert torch.equal(router.expert_bias, torch.tensor([-0.01] + [0.01] * 7)) and not router.tokens_per_expert.any()
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch build has no torch._grouped_mm")
+def test_grouped_matmuls_give_the_loops_bits():
+    """--moe-grouped-gemm: the experts' two grouped matmuls against the per-expert loop, forward and
+    every gradient bit for bit (fp32)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(S, B, H, generator=g)
+    grad = torch.randn(S, B, H, generator=g)
+    runs = []
+    for grouped in (False, True):
+        layer = _layer(_config(moe_grouped_gemm=grouped))
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(grad)
+        assert layer._grouped(xi.reshape(-1, H)) == grouped
+        runs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (y0, dx0, g0), (y1, dx1, g1) = runs
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name

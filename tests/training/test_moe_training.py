@@ -28,6 +28,7 @@ def one_process(data, tmp_path_factory):  # noqa: F811
     # ep 4: one expert per rank, ZeRO-2. The micro-batches hold the samples one process's do (the
     # load-balancing loss is over a micro-batch's tokens, as Megatron's aux_loss: it changes with them).
     (4, ["--expert-model-parallel-size", "4", "--zero-stage", "2"]),
+    (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"]),  # grouped matmuls: the loop's bits
     # interleaved 1F1B (2 chunks per rank, 4 micro-batches) with ep 2
     (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
          "--virtual-pipeline-model-parallel-size", "2"]),

@@ -89,7 +89,8 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                  "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_router_bias_update_rate"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
-    for name in ("moe_router_pre_softmax", "moe_shared_expert_gate", "moe_router_enable_expert_bias"):
+    for name in ("moe_router_pre_softmax", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
+                 "moe_grouped_gemm"):
         if getattr(ns, name):
             kw[name] = True
     if ns.moe_shared_expert_intermediate_size is not None:
