@@ -221,10 +221,6 @@ def _counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
     return torch.tensor([base + (e < extra) for e in range(experts)], dtype=torch.long)
 
 
-def _host(t: torch.Tensor) -> list:
-    return t.tolist()
-
-
 class MoELayer(torch.nn.Module):
     """The MLP of a mixture-of-experts layer: ``[s(/tp), b, h]`` -> the same shape (see the module).
 
@@ -358,7 +354,7 @@ class MoELayer(torch.nn.Module):
             rows, plan = self._dispatch(rows, counts)
         else:
             plan = None
-        per_expert = plan[0] if plan is not None else _host(counts)  # the one host read of the layer
+        per_expert = plan[0] if plan is not None else counts.tolist()  # the one host read of the layer
         if plan is None:
             rows = rows[:sum(per_expert)]  # without the dropped copies
         if self._grouped(rows):
@@ -402,8 +398,8 @@ class MoELayer(torch.nn.Module):
         send = counts.view(ep, per_rank)
         received = exchange_counts(send, self.ep_group)
         if counts.device.type == "meta":  # a rehearsal: every rank routes alike (uniform), so it receives what it sends
-            mine = _host(counts)[self.local.start:self.local.stop]
-            table = [_host(counts.view(ep, per_rank)), [mine] * ep]
+            mine = counts.tolist()[self.local.start:self.local.stop]
+            table = [counts.view(ep, per_rank).tolist(), [mine] * ep]
         else:
             table = torch.stack([send, received]).tolist()  # [2, ep, E/ep], on the host
         send_splits, recv_table = [sum(r) for r in table[0]], table[1]

@@ -305,11 +305,11 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                      optimizer_ratio=ratio)
 
     kept = param_host(psi)["weights_on_device"]
+    expert_states = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision,
+                                      grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept)
     weights, grads, optim = _with_experts(
         model_state_bytes(psi, dp=zdp, zero_stage=zero_stage, precision=precision, grad_accum_dtype=grad_accum_dtype,
-                          offload_ratio=ratio, weights_on_device=kept),
-        model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision,
-                          grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept))
+                          offload_ratio=ratio, weights_on_device=kept), expert_states)
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
                        act_bytes=_DTYPE_BYTES[precision])
@@ -348,8 +348,6 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
                                          seq_length=s_rank, sequence_parallel=sequence_parallel and tp > 1,
                                          offload_ratio=ratio, weights_on_device=kept)
-        expert_states = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision,
-                                          grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept)
         for st in pipeline["stages"]:  # every stage holds its share of the experts (layers split evenly)
             st["states"] = _with_experts(st["states"], expert_states)
             st["total"] += sum(expert_states)
