@@ -5,6 +5,11 @@ tensor cut into ``k * tp`` equal blocks along ``d``; rank ``r`` holds blocks
 ``r, r + tp, ..., r + (k-1) * tp``, concatenated. With ``k = 1`` that is one
 contiguous chunk per rank; ``k = 2`` is e.g. SwiGLU's fused [gate; up] weight,
 where every rank holds its slice of both halves.
+
+A parameter is shard ``(rank, world)`` over the tensor-parallel group unless it says otherwise:
+an expert under an expert tensor-parallel size other than the TP size carries ``tp_shard =
+(rank, world)`` and ``tp_shard_group`` (the group of those ``world`` shards; None when
+``world == 1``). :func:`tp_shard_of` and :func:`tp_shard_group_of` read either.
 """
 
 from __future__ import annotations
@@ -16,11 +21,31 @@ import torch.distributed as dist
 
 from .utils import group_size
 
-__all__ = ["shard_of_full", "full_from_shards", "gather_tensor_model_parallel", "is_tp_sharded"]
+__all__ = ["shard_of_full", "full_from_shards", "gather_tensor_model_parallel", "is_tp_sharded", "tp_shard_of",
+           "tp_shard_group_of"]
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a shard of a larger tensor along ``partition_dim``."""
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def tp_shard_of(param: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
+    """``(rank, world)``: ``param`` is shard ``rank`` of ``world`` of its full (tp=1) tensor.
+
+    Its own ``tp_shard`` when it has one, else the given default (the TP group's coordinates).
+    Meaningful for TP-sharded parameters only (:func:`is_tp_sharded`)."""
+    shard = getattr(param, "tp_shard", None)
+    return (rank, world) if shard is None else (int(shard[0]), int(shard[1]))
+
+
+def tp_shard_group_of(param: torch.Tensor,
+                      default_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The process group over which ``param``'s shards lie: its own ``tp_shard_group`` when it has
+    a ``tp_shard`` (None for a whole tensor), else ``default_group`` (the TP group)."""
+    if getattr(param, "tp_shard", None) is None:
+        return default_group
+    return getattr(param, "tp_shard_group", None)
 
 
 def shard_of_full(full: torch.Tensor, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
@@ -44,7 +69,9 @@ def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch
 
 
 def gather_tensor_model_parallel(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """The full tensor of a TP-sharded parameter (replicated ones are returned as they are)."""
+    """The full tensor of a TP-sharded parameter (replicated ones are returned as they are),
+    gathered over its own shard group when it has one (:func:`tp_shard_group_of`), else ``group``."""
+    group = tp_shard_group_of(t, group)
     if not is_tp_sharded(t) or group is None or group_size(group) == 1:
         return t.detach().clone()
     world = dist.get_world_size(group)

@@ -3,7 +3,10 @@
 Each rank writes one safetensors file with its fp32 master partitions and the
 optimizer's per-element state (Adam's two moments, SGD's momentum buffer), plus
 JSON metadata saying which parameter (by its tp=1 name) lies
-where in each flat partition and how it is TP-sharded.
+where in each flat partition and how it is TP-sharded: a TP-sharded slot records
+``"shard": [rank, world]``, the shard of its full tensor it holds (its TP shard, or an
+expert's own, :func:`~megazero.mpu.sharding.tp_shard_of`); a slot saved without it
+is its file's TP shard ``[tp_rank, tp_size]``.
 
 Loading plans, for every element range this rank will own under *its* layout,
 where those elements lie in the saved files: same tp x dp x stage, that is the
@@ -15,8 +18,8 @@ ZeRO-3 resumes at tp=1 x dp=4 with ZeRO-1, weights and optimizer state
 identical.
 
 Element mapping. A TP-sharded tensor of full shape ``[A, S, B]`` (``S`` the
-partition dim) with stride ``k`` over ``T`` ranks is cut into ``k*T`` blocks
-along ``S``; rank ``t`` holds blocks ``s*T + t``. Local and saved flat indices
+partition dim) with stride ``k`` over ``T`` shards (the saved slot's world) is
+cut into ``k*T`` blocks along ``S``; shard ``t`` holds blocks ``s*T + t``. Local and saved flat indices
 are related through the full (tp=1) flat index; equal TP layouts and
 replicated tensors need no index arithmetic at all.
 
@@ -33,6 +36,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..mpu.sharding import is_tp_sharded, tp_shard_of
 from .engine import ZeroEngine
 from .optim import optimizer_step, set_optimizer_step
 from .shard_io import CheckpointError, ReadCounter, ShardFile, fsync_path
@@ -78,11 +82,7 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
         groups_meta.append({
             "partitions": g.partitions, "shard_start": g.shard_start, "shard_numel": g.shard_numel,
             "padded_numel": g.padded_numel, "partitioning": g.part.name, "replica_rank": g.part.replica_rank,
-            "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset,
-                       "numel": s.numel, "tp_sharded": bool(getattr(s.param, "tensor_model_parallel", False)),
-                       "partition_dim": int(getattr(s.param, "partition_dim", 0)),
-                       "partition_stride": int(getattr(s.param, "partition_stride", 1))} for s in g.slots
-                      if not getattr(s.param, "pipeline_shared_copy", False)],
+            "slots": [_slot_meta(engine, s) for s in g.slots if not getattr(s.param, "pipeline_shared_copy", False)],
         })
     meta = {
         "format": "megazero-zero-1",
@@ -99,6 +99,34 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
     engine.drop_pages()  # the NVMe maps' pages this save read (offload)
     fsync_path(path)
     return path
+
+
+def _slot_meta(engine: ZeroEngine, s) -> dict:
+    """A slot's saved metadata; a TP-sharded one names the shard it holds (``"shard"``)."""
+    p = s.param
+    meta = {"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel,
+            "tp_sharded": is_tp_sharded(p), "partition_dim": int(getattr(p, "partition_dim", 0)),
+            "partition_stride": int(getattr(p, "partition_stride", 1))}
+    if meta["tp_sharded"]:
+        meta["shard"] = list(tp_shard_of(p, engine.tp_rank, engine.tp_size))
+    return meta
+
+
+def _saved_shard(slot: dict, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``(rank, world)`` of the full tensor a saved slot holds, read from a file of TP coordinates
+    ``(tp_rank, tp_size)``: ``(0, 1)`` for a whole (TP-replicated) tensor; a TP-sharded slot saved
+    without ``"shard"`` holds its file's TP shard."""
+    if not slot["tp_sharded"]:
+        return 0, 1
+    rank, world = slot.get("shard", (tp_rank, tp_size))
+    return int(rank), int(world)
+
+
+def _follows_tp(meta: dict) -> bool:
+    """Whether every TP-sharded slot of a file holds the file's own TP shard (no expert of
+    another expert tensor-parallel size): then TP rank ``t``'s files hold shard ``t`` of every name."""
+    t, tp = meta["tp_rank"], meta["tp_size"]
+    return all(_saved_shard(s, t, tp) == (t, tp) for g in meta["groups"] for s in g["slots"] if s["tp_sharded"])
 
 
 # ---------------------------------------------------------------------------- element mapping
@@ -141,14 +169,21 @@ def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 class _Location:
-    """Where one saved tensor lies: its slot and group metadata, its pipeline stage, and the
-    (file, group index) of each of its partitions (``uniform``: every DP rank's file, same index)."""
+    """Where one saved shard lies: its slot and group metadata, its pipeline stage, the ``(rank,
+    world)`` of the full tensor it is (``shard``), and the (file, group index) of each of its
+    partitions (``uniform``: every DP rank's file of its TP rank, same group index)."""
 
-    __slots__ = ("slot", "group", "pp", "gi", "uniform", "holders")
+    __slots__ = ("slot", "group", "pp", "gi", "uniform", "shard", "holders")
 
-    def __init__(self, slot: dict, group: dict, pp: int, gi: int, uniform: bool) -> None:
-        self.slot, self.group, self.pp, self.gi, self.uniform = slot, group, pp, gi, uniform
+    def __init__(self, slot: dict, group: dict, pp: int, gi: int, uniform: bool, shard: tuple[int, int]) -> None:
+        self.slot, self.group, self.pp, self.gi, self.uniform, self.shard = slot, group, pp, gi, uniform, shard
         self.holders: dict[int, tuple[str, int]] = {}
+
+    def admits(self, slot: dict, group: dict) -> bool:
+        """Whether a file's copy of this shard is laid out alike (the ranks of one partitioning
+        always are), so that its partitions combine with this location's."""
+        return (slot["offset"], group["partitions"], group["shard_numel"]) == (
+            self.slot["offset"], self.group["partitions"], self.group["shard_numel"])
 
 
 class CheckpointReader:
@@ -156,7 +191,9 @@ class CheckpointReader:
 
     Headers are read lazily: one file per saved TP rank (they share the group
     structure), preferring ``prefer_dp``'s file so that a rank of an unchanged
-    layout opens its own file only.
+    layout opens its own file only. A checkpoint whose files hold shards other than
+    their TP rank's (experts of another expert tensor-parallel size) is looked up
+    in every file of the stage.
     """
 
     def __init__(self, directory: str, manifest: Optional[dict] = None, *, prefer_dp: int = 0,
@@ -220,28 +257,58 @@ class CheckpointReader:
     def first_meta(self) -> dict:
         return self.file_of(0, self.prefer_dp).meta
 
-    def where(self, tp_rank: int) -> dict[str, "_Location"]:
-        """name -> where its partitions lie in the files of saved TP rank ``tp_rank``.
+    def where(self, t: int) -> dict[str, "_Location"]:
+        """name -> where the partitions of its shard index ``t`` lie (a whole tensor: any copy,
+        preferably saved TP rank ``t``'s; a whole TP-sharded one, saved at world 1: ``t = 0`` only).
 
-        Groups over the data-parallel group lie alike in every DP rank's file: the preferred
-        file's header says it all. A checkpoint with other partitionings (experts, replicated
-        groups) names its tensors differently per file: every DP file's header of the TP rank
-        is read, and each partition is taken from the first file holding it."""
-        if tp_rank not in self._where:
+        When the files hold their TP rank's shards, those of TP rank ``t`` say it all. Groups over
+        the data-parallel group lie alike in every DP rank's file: the preferred file's header
+        suffices. A checkpoint with other partitionings (experts, replicated groups) names its
+        tensors differently per file: every DP file's header of the TP rank is read, and each
+        partition is taken from the first file holding it."""
+        if t not in self._where:
             where: dict[str, _Location] = {}
             for pp in range(self.pp_size):  # every stage's names (pp = 1 names when saved by a pipeline)
-                files = self.stages[pp]
-                meta = self.file_of(tp_rank, self.prefer_dp, pp).meta
-                uniform = all(g.get("partitioning", "dp") == "dp" for g in meta["groups"])
-                ranks = [self.prefer_dp] + ([] if uniform else [d for d in range(self.dp_size) if d != self.prefer_dp])
-                for d in ranks:
-                    for gi, g in enumerate(self.file_of(tp_rank, d, pp).meta["groups"]):
-                        index = g["shard_start"] // g["shard_numel"] if g["partitions"] > 1 else 0
-                        for s in g["slots"]:
-                            loc = where.setdefault(s["name"], _Location(s, g, pp, gi, uniform))
-                            loc.holders.setdefault(index, (files[(tp_rank, d)], gi))
-            self._where[tp_rank] = where
-        return self._where[tp_rank]
+                if t < self.tp_size and _follows_tp(self.file_of(t, self.prefer_dp, pp).meta):
+                    self._where_tp(where, t, pp)
+                else:
+                    self._where_any(where, t, pp)
+            self._where[t] = where
+        return self._where[t]
+
+    def _index(self, g: dict) -> int:
+        """The partition a saved group's file holds (0: unpartitioned, every file holds it all)."""
+        return g["shard_start"] // g["shard_numel"] if g["partitions"] > 1 else 0
+
+    def _where_tp(self, where: dict, tp_rank: int, pp: int) -> None:
+        """:meth:`where` for a stage whose TP rank ``tp_rank`` files hold its TP shards."""
+        files = self.stages[pp]
+        meta = self.file_of(tp_rank, self.prefer_dp, pp).meta
+        uniform = all(g.get("partitioning", "dp") == "dp" for g in meta["groups"])
+        ranks = [self.prefer_dp] + ([] if uniform else [d for d in range(self.dp_size) if d != self.prefer_dp])
+        for d in ranks:
+            for gi, g in enumerate(self.file_of(tp_rank, d, pp).meta["groups"]):
+                for s in g["slots"]:
+                    loc = where.setdefault(s["name"], _Location(s, g, pp, gi, uniform,
+                                                                _saved_shard(s, tp_rank, self.tp_size)))
+                    loc.holders.setdefault(self._index(g), (files[(tp_rank, d)], gi))
+
+    def _where_any(self, where: dict, t: int, pp: int) -> None:
+        """:meth:`where` for a stage whose files hold other shards than their TP rank's: every
+        file's header is read, TP rank ``t``'s first (its preferred DP rank's first of all), and
+        each slot of shard index ``t`` (or whole) is taken where it lies, keyed by its partition."""
+        files = self.stages[pp]
+        order = sorted(files, key=lambda k: (k[0] != t, k[1] != self.prefer_dp, k))
+        for key in order:
+            meta = self._open(files[key]).meta
+            for gi, g in enumerate(meta["groups"]):
+                for s in g["slots"]:
+                    shard = _saved_shard(s, key[0], self.tp_size)
+                    if s["tp_sharded"] and shard[0] != t:
+                        continue
+                    loc = where.setdefault(s["name"], _Location(s, g, pp, gi, False, shard))
+                    if loc.admits(s, g):
+                        loc.holders.setdefault(self._index(g), (files[key], gi))
 
     @property
     def names(self) -> list[str]:
@@ -254,15 +321,22 @@ class CheckpointReader:
         return hit.slot
 
     def own_group_names(self) -> set[str]:
-        """Names saved in groups partitioned over a group of their own (experts): a rank may
-        hold some of them only."""
-        return {n for n, loc in self.where(0).items() if loc.group.get("partitioning", "dp") != "dp"}
+        """Names saved in groups partitioned over a group of their own, or sharded other than over
+        TP (experts): a rank may hold some of them only."""
+        return {n for n, loc in self.where(0).items() if loc.group.get("partitioning", "dp") != "dp"
+                or (loc.slot["tp_sharded"] and loc.shard[1] != self.tp_size)}
+
+    def saved_world(self, name: str) -> int:
+        """How many shards ``name`` was saved in (1: whole, or not TP-sharded)."""
+        self.slot(name)  # a missing name raises CheckpointError
+        return self.where(0)[name].shard[1]
 
     def full_shape(self, name: str) -> list[int]:
+        """The full (tp=1) shape of ``name``."""
         s = self.slot(name)
         shape = list(s["shape"])
         if s["tp_sharded"]:
-            shape[s["partition_dim"]] *= self.tp_size
+            shape[s["partition_dim"]] *= self.saved_world(name)
         return shape
 
     def state_keys(self) -> tuple[str, ...]:
@@ -272,16 +346,18 @@ class CheckpointReader:
 
     # ---- planning
 
-    def _split_dp(self, plan: dict, tp_rank: int, name: str, key: str, lo: int, hi: int, dest: torch.Tensor) -> None:
-        """Queue saved-local elements ``[lo, hi)`` of ``name`` (saved TP rank ``tp_rank``) for ``dest``."""
-        loc = self.where(tp_rank)[name]
+    def _split_dp(self, plan: dict, t: int, name: str, key: str, lo: int, hi: int, dest: torch.Tensor) -> None:
+        """Queue saved-local elements ``[lo, hi)`` of ``name``'s saved shard index ``t`` for ``dest``."""
+        loc = self.where(t).get(name)
+        if loc is None:
+            raise CheckpointError(f"{self.directory}: no file holds shard {t} of {name}; the checkpoint is incomplete")
         g, files = loc.group, self.stages[loc.pp]
 
         def holder(d: int) -> tuple[str, int]:
             if loc.uniform:
-                return files[(tp_rank, d)], loc.gi
+                return files[(t, d)], loc.gi
             if d not in loc.holders:
-                raise CheckpointError(f"{self.directory}: no file holds partition {d} of {name} (tp rank {tp_rank}); "
+                raise CheckpointError(f"{self.directory}: no file holds partition {d} of {name} (shard {t}); "
                                       "the checkpoint is incomplete")
             return loc.holders[d]
 
@@ -298,8 +374,9 @@ class CheckpointReader:
 
     def plan(self, plan: dict, name: str, key: str, local_shape: list[int], tp_sharded: bool, dim: int,
              stride: int, rank: int, world: int, lo: int, hi: int, dest: torch.Tensor) -> None:
-        """Queue the elements ``[lo, hi)`` of the flattened local TP shard ``(rank, world)`` of
-        ``name`` (a tp=1 shape when ``world == 1``) for ``dest`` (1-D, ``hi - lo`` elements)."""
+        """Queue the elements ``[lo, hi)`` of the flattened local shard ``(rank, world)`` of
+        ``name`` (a tp=1 shape when ``world == 1``) for ``dest`` (1-D, ``hi - lo`` elements).
+        The saved side is cut as it was saved: in the slot's own world of shards."""
         saved = self.slot(name)
         full = list(local_shape)
         if tp_sharded:
@@ -307,22 +384,23 @@ class CheckpointReader:
         if full != self.full_shape(name):
             raise CheckpointError(f"{name}: the checkpoint holds shape {tuple(self.full_shape(name))} (tp=1), the model "
                                   f"{tuple(full)}; was the model configured differently?")
-        if saved["tp_sharded"] and self.tp_size > 1:
-            sdim, sstride = saved["partition_dim"], saved["partition_stride"]
-        else:
-            sdim, sstride = dim, stride
-        same = (not saved["tp_sharded"] or self.tp_size == 1) and (not tp_sharded or world == 1)
-        same = same or (saved["tp_sharded"] and tp_sharded and world == self.tp_size and (sdim, sstride) == (dim, stride))
+        sworld = self.saved_world(name)
+        split = saved["tp_sharded"] and sworld > 1  # saved in several shards
+        sdim, sstride = (saved["partition_dim"], saved["partition_stride"]) if split else (dim, stride)
+        # A whole saved tensor: a TP-sharded one saved at world 1 is shard 0; a TP-replicated one is
+        # read from the requester's TP rank's copy, most often its own file.
+        whole = 0 if saved["tp_sharded"] else rank % self.tp_size
+        same = not split and (not tp_sharded or world == 1)
+        same = same or (split and tp_sharded and world == sworld and (sdim, sstride) == (dim, stride))
         if same:
-            t = rank if saved["tp_sharded"] and self.tp_size > 1 else rank % self.tp_size
-            self._split_dp(plan, t, name, key, lo, hi, dest)
+            self._split_dp(plan, rank if split else whole, name, key, lo, hi, dest)
             return
         idx = torch.arange(lo, hi, dtype=torch.long)
         fidx = _local_to_full(idx, full, dim, stride, rank, world) if tp_sharded and world > 1 else idx
-        if saved["tp_sharded"] and self.tp_size > 1:
-            owner, loc = _full_to_local(fidx, full, sdim, sstride, self.tp_size)
+        if split:
+            owner, loc = _full_to_local(fidx, full, sdim, sstride, sworld)
         else:
-            owner, loc = torch.full_like(fidx, rank % self.tp_size), fidx
+            owner, loc = torch.full_like(fidx, whole), fidx
         pos = idx - lo
         for t in torch.unique(owner).tolist():
             mask = owner == t
@@ -413,10 +491,11 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
             if not n:
                 continue
             p = s.param
+            rank, world = tp_shard_of(p, engine.tp_rank, engine.tp_size)
             for key in keys:
-                reader.plan(plan, s.name, key, list(s.shape), bool(getattr(p, "tensor_model_parallel", False)),
+                reader.plan(plan, s.name, key, list(s.shape), is_tp_sharded(p),
                             int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1)),
-                            engine.tp_rank, engine.tp_size, p0, p0 + n, stage[key][s0:s0 + n])
+                            rank, world, p0, p0 + n, stage[key][s0:s0 + n])
         reader.execute(plan)
         for key in keys:
             bufs[key].copy_(stage[key])
@@ -505,22 +584,22 @@ def load_full_weights_file(engine: ZeroEngine, path: str) -> None:
             sl = f.get_slice(s.name)
             full_shape = list(sl.get_shape())
             p = s.param
-            sharded = bool(getattr(p, "tensor_model_parallel", False)) and engine.tp_size > 1
+            rank, world = tp_shard_of(p, engine.tp_rank, engine.tp_size)
+            sharded = is_tp_sharded(p) and world > 1
             dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
             local = list(full_shape)
             if sharded:
-                local[dim] //= engine.tp_size
+                local[dim] //= world
             if local != list(s.shape):
                 raise CheckpointError(f"{path}: {s.name} has shape {tuple(full_shape)}, which gives {tuple(local)} on "
                                       f"this rank; the model has {tuple(s.shape)}: was it configured differently?")
             if g.resident:
-                values = _read_local_rows(sl, full_shape, sharded, dim, stride, engine.tp_rank, engine.tp_size, 0, s.numel)
+                values = _read_local_rows(sl, full_shape, sharded, dim, stride, rank, world, 0, s.numel)
                 g.load_param_values(s, values.view(s.shape))
                 continue
             p0, s0, n = g.owned_range(s)
             if n:
-                values = _read_local_rows(sl, full_shape, sharded, dim, stride, engine.tp_rank, engine.tp_size,
-                                          p0, p0 + n)
+                values = _read_local_rows(sl, full_shape, sharded, dim, stride, rank, world, p0, p0 + n)
                 g.master[s0:s0 + n].copy_(values)
                 if g.master is not g.shard:
                     g.shard[s0:s0 + n].copy_(values)

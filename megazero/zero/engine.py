@@ -170,7 +170,7 @@ class ZeroEngine(torch.nn.Module):
         comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group})
         keep_gathered = self.config.zero_optimization.stage3_keep_gathered_in_step
         for part in self.partitionings:
-            check_within(part, dp_group)
+            check_within(part, dp_group, tp_group)
             comm.groups[part.name] = part.shard
             comm.groups[part.replicate_name] = part.replicate
             comm.groups[grads_channel(part)] = gradient_communicator(

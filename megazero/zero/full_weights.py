@@ -13,16 +13,20 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full
+from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full, tp_shard_group_of, tp_shard_of
 
 __all__ = ["tp_local", "load_full_weights", "full_master_tensors", "consolidated_state_dict"]
 
 
 def tp_local(engine, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's TP shard of ``full``, a tp=1-shaped value of ``param`` (or of its optimizer state)."""
-    if not is_tp_sharded(param) or engine.tp_size == 1:
+    """This rank's shard of ``full``, a tp=1-shaped value of ``param`` (or of its optimizer state):
+    the parameter's own shard (:func:`~megazero.mpu.sharding.tp_shard_of`), by default its TP shard."""
+    if not is_tp_sharded(param):
         return full
-    return shard_of_full(full, param.partition_dim, getattr(param, "partition_stride", 1), engine.tp_rank, engine.tp_size)
+    rank, world = tp_shard_of(param, engine.tp_rank, engine.tp_size)
+    if world == 1:
+        return full
+    return shard_of_full(full, param.partition_dim, getattr(param, "partition_stride", 1), rank, world)
 
 
 @torch.no_grad()
@@ -65,16 +69,18 @@ def full_master_tensors(engine, which: str = "master") -> dict[str, torch.Tensor
 def consolidated_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """Full, unsharded fp32 weights with the keys of a tp=1 model (collective).
 
-    Returned on global rank 0 only unless ``rank0_only=False``.
+    Returned on global rank 0 only unless ``rank0_only=False``. A TP-sharded parameter is gathered
+    over its own shard group (by default the TP group); a rank returns the parameters it holds.
     """
     local = full_master_tensors(engine, "master")
     out = {}
     for name, value in local.items():
         g, slot = engine._slot_by_name[name]
         p = slot.param
-        if is_tp_sharded(p) and engine.tp_size > 1:
-            parts = [torch.empty_like(value) for _ in range(engine.tp_size)]
-            dist.all_gather(parts, value.contiguous(), group=engine.tp_group)
+        world = tp_shard_of(p, engine.tp_rank, engine.tp_size)[1] if is_tp_sharded(p) else 1
+        if world > 1:
+            parts = [torch.empty_like(value) for _ in range(world)]
+            dist.all_gather(parts, value.contiguous(), group=tp_shard_group_of(p, engine.tp_group))
             value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
         out[name] = value.cpu()
     primary = {id(p): n for n, p in engine.module.named_parameters()}

@@ -11,9 +11,12 @@ whose ranks see different data. Some parameters need another group:
   (``replicate``): its gradient is reduce-scattered within ``shard`` and all-reduced across
   ``replicate``.
 
-Invariants the engine relies on: ``shard`` and ``replicate`` hold ranks of the data-parallel
-group only (the step's norm and flags are summed over that group), and ``shard x replicate``
-ranks together hold one copy of the parameter. The global gradient norm counts an element on
+Invariants the engine relies on: ``shard`` and ``replicate`` hold ranks of this pipeline stage
+only (the data-parallel group x the tensor-parallel group), and ``shard x replicate`` ranks
+together hold one copy of the parameter. An expert under an expert tensor-parallel size below
+the TP size is partitioned over an expert-data-parallel group that spans TP ranks too; the step
+sums the norm over DP, then over the model-parallel group, which still counts each element once
+since the stage's expert partitions are disjoint. The global gradient norm counts an element on
 the first replica only; gradients are divided by the data-parallel size whatever the group
 (every data-parallel rank's loss is one term of the mean, whichever parameters it touched).
 """
@@ -26,7 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Partitioning", "PartitionFn", "data_parallel", "check_within", "group_info"]
+__all__ = ["Partitioning", "PartitionFn", "data_parallel", "check_within", "stage_ranks", "group_info"]
 
 
 def group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -78,20 +81,34 @@ def data_parallel(dp_group: Optional[dist.ProcessGroup]) -> Partitioning:
     return Partitioning("dp", dp_group)
 
 
-def check_within(part: Partitioning, dp_group: Optional[dist.ProcessGroup]) -> None:
-    """Raise ValueError unless ``part``'s groups hold data-parallel ranks only and together are no
-    larger than the data-parallel group."""
+def stage_ranks(dp_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup] = None) -> set[int]:
+    """Global ranks of this rank's pipeline stage: the data-parallel group x the tensor-parallel group.
+
+    Ranks lie on a grid (every mpu layout: each group a line or plane through it), so the stage's
+    rank at DP peer ``d`` and TP peer ``t`` is ``d + t - me``. Without torch.distributed: {0}."""
+    if not dist.is_initialized():
+        return {0}
+    me = dist.get_rank()
+    dp = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
+    tp = dist.get_process_group_ranks(tp_group) if tp_group is not None else [me]
+    return {d + t - me for d in dp for t in tp}
+
+
+def check_within(part: Partitioning, dp_group: Optional[dist.ProcessGroup],
+                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Raise ValueError unless ``part``'s groups hold ranks of this pipeline stage only
+    (:func:`stage_ranks`) and together are no larger than the stage."""
     if not dist.is_initialized():
         return
-    dp = set(dist.get_process_group_ranks(dp_group or dist.group.WORLD))
+    stage = stage_ranks(dp_group, tp_group)
     for label, g in (("shard", part.shard), ("replicate", part.replicate)):
         if g is None:
             continue
-        outside = sorted(set(dist.get_process_group_ranks(g)) - dp)
+        outside = sorted(set(dist.get_process_group_ranks(g)) - stage)
         if outside:
             raise ValueError(f"partitioning {part.name!r}: its {label} group holds ranks {outside[:8]} outside the "
-                             f"data-parallel group {sorted(dp)[:8]}...; partition over data-parallel ranks only "
-                             "(build the group from mpu's data-parallel ranks)")
-    if part.size * part.replicas > len(dp):
+                             f"pipeline stage's data-parallel x tensor-parallel ranks {sorted(stage)[:8]}...; "
+                             "partition over ranks of this stage only (build the group from mpu's groups)")
+    if part.size * part.replicas > len(stage):
         raise ValueError(f"partitioning {part.name!r}: {part.size} partitions x {part.replicas} replicas exceed the "
-                         f"{len(dp)} data-parallel ranks")
+                         f"{len(stage)} ranks of the pipeline stage")

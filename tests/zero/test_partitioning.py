@@ -175,10 +175,12 @@ def test_groups_of_one_engine_train_like_one_process(stage, offload, tmp_path):
             _close(moments, ref_moments, moments)
 
 
-def _bad_group():
-    mpu.initialize_model_parallel(2)  # tp 2 x dp 2: a group over TP peers is outside DP
-    tp_peers = mpu.get_tensor_model_parallel_group()
-    part = Partitioning("edp", tp_peers)
+def _group_over(peers: str):
+    """Partition every parameter over this rank's TP peers (tp 2 x dp 2) or pipeline peers (pp 2 x dp 2);
+    returns the refusal's message, None when accepted."""
+    mpu.initialize_model_parallel(*((2, 1) if peers == "tp" else (1, 2)))
+    group = mpu.get_tensor_model_parallel_group() if peers == "tp" else mpu.get_pipeline_model_parallel_group()
+    part = Partitioning("edp", group)
     try:
         zero.initialize(toy_for(0), config(1, 1, 0.0), mpu=mpu, partitioning=lambda n, p: part)
     except ValueError as e:
@@ -186,6 +188,9 @@ def _bad_group():
     return None
 
 
-def test_a_partitioning_outside_the_data_parallel_group_is_refused():
-    for message in run_distributed(4, _bad_group):
-        assert message is not None and "outside the data-parallel group" in message
+def test_a_partitioning_outside_the_pipeline_stage_is_refused():
+    # TP peers lie within the stage (experts of an expert TP size below the TP size are partitioned
+    # across TP ranks); another stage's ranks do not.
+    assert run_distributed(4, _group_over, "tp") == [None] * 4
+    for message in run_distributed(4, _group_over, "pp"):
+        assert message is not None and "outside the pipeline stage" in message
