@@ -26,6 +26,8 @@ samples' keys.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch
@@ -97,14 +99,17 @@ class GPTModel(torch.nn.Module):
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device | str] = None, pre_process: bool = True, post_process: bool = True,
-                 layers: Optional[range] = None, ep_group: Optional[dist.ProcessGroup] = None) -> None:
+                 layers: Optional[range] = None, ep_group: Optional[dist.ProcessGroup] = None,
+                 expert_groups: Optional[ExpertParallel] = None) -> None:
         """Pipeline stages (Megatron's names): ``pre_process`` builds the embedding (first stage),
         ``post_process`` the final norm, head and loss (last stage), ``layers`` the global indices of
         the transformer layers this stage holds (default: all). A last stage with tied embeddings
         and no ``pre_process`` holds a copy of the word embedding as its head, marked
         ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it once.
         ``ep_group``: the expert-parallel group of a mixture of experts (default: the registered mpu
-        group; none: this rank holds every expert). ``moe_aux`` scales the routers' auxiliary losses."""
+        group; none: this rank holds every expert); ``expert_groups`` gives every expert group at once
+        (expert tensor parallelism too; its ``aux_scale`` is replaced by the model's). ``moe_aux`` scales
+        the routers' auxiliary losses."""
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
@@ -133,11 +138,8 @@ class GPTModel(torch.nn.Module):
                                                       params_dtype=c.params_dtype, device="meta", init_method=init)
                                     if c.position_embedding_type == "learned" and pre_process else None)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
-        if ep_group is None and c.num_experts and mpu.model_parallel_is_initialized():
-            ep_group = mpu.get_expert_model_parallel_group()
         self.moe_aux = AuxLossScale()
-        experts = ExpertParallel(ep_group, mpu.utils.group_size(ep_group) if ep_group is not None else 1,
-                                 mpu.utils.group_rank(ep_group) if ep_group is not None else 0, self.moe_aux)
+        experts = self._expert_placement(ep_group, expert_groups)
         self.layers = torch.nn.ModuleList(TransformerLayer(c, number=i, experts=experts, **kw) for i in layers)
         self.final_norm = build_norm(c, **kw) if post_process else None
         # Tied: the output layer owns no weight and is handed the embedding's (Megatron-core's way).
@@ -159,6 +161,21 @@ class GPTModel(torch.nn.Module):
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Hidden states ``[s(/tp), b, h]`` from the previous stage for the next forward (no ``pre_process``)."""
         self._input_tensor = input_tensor
+
+    def _expert_placement(self, ep_group, given: Optional[ExpertParallel]) -> ExpertParallel:
+        """Where this model's experts live: ``given``, else ``ep_group``, else the registered mpu groups."""
+        if given is not None:
+            return dataclasses.replace(given, aux_scale=self.moe_aux)
+        registered = self.config.num_experts and mpu.model_parallel_is_initialized()
+        if ep_group is None and registered:
+            ep_group = mpu.get_expert_model_parallel_group()
+        placement = ExpertParallel(ep_group, mpu.utils.group_size(ep_group) if ep_group is not None else 1,
+                                   mpu.utils.group_rank(ep_group) if ep_group is not None else 0, self.moe_aux)
+        if registered and mpu.get_expert_tensor_parallel_world_size() != self.tp_size:
+            g = mpu.get_parallel_groups()
+            placement = dataclasses.replace(placement, tensor_group=g.etp_group, tensor_size=g.etp_size,
+                                            tensor_rank=g.etp_rank, exchange_group=g.expert_group)
+        return placement
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,

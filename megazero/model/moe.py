@@ -13,22 +13,24 @@ Per layer, on this rank's tokens ``[s(/tp), b, h]``:
    ``r``) by one uneven all-to-all; the rows an expert receives are ordered by (source rank, token),
    which is one process's token order, so the expert's matmuls see the same rows at any EP.
 3. **Experts**: SwiGLU/GeLU MLPs, one module per expert named by its global index (so initial weights
-   and checkpoints do not depend on EP), each sharded over TP like the dense MLP (expert tensor
-   parallelism = TP). Their outputs are partial sums over TP, reduced once for all experts.
+   and checkpoints do not depend on EP), each sharded over the expert tensor-parallel (ETP) group,
+   TP by default. Their outputs are partial sums over ETP.
 4. **Combine**: the reverse all-to-all, then each token's k outputs weighted and summed.
 
-Under sequence parallelism the router runs on the rank's own tokens (its weight's gradient summed
-over TP), and tokens and routing are all-gathered over TP before the dispatch; the combined output
-is reduce-scattered back. Dropless: every token reaches its k experts (the rows an expert gets vary,
-and reading the all-to-all's splits waits for the device once per layer and micro-batch).
+With ETP = TP, under sequence parallelism the router runs on the rank's own tokens (its weight's
+gradient summed over TP), and tokens and routing are all-gathered over TP before the dispatch; the
+experts' partial outputs are reduced (scattered) over TP once. With ETP other than TP (Megatron-core's
+``--expert-tensor-parallel-size``, e.g. whole experts under TP 2), each rank routes and sends only its
+own tokens, to every ETP rank of their expert, over the etp x ep group; the partial outputs come back
+and are summed on the token's rank. Capacity and the logged loads are decided over the TP group's
+tokens either way. Dropless: every token reaches its k experts (the rows an expert gets vary, and
+reading the all-to-all's splits waits for the device once per layer and micro-batch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Union
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -40,8 +42,9 @@ from megazero.mpu.mappings import all_gather_first_dim
 from megazero.mpu.moe_exchange import all_to_all_rows, exchange_counts
 
 from .config import GPTConfig
+from .moe_routing import over_capacity, route
 
-__all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter"]
+__all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter", "route", "over_capacity"]
 
 
 @dataclass
@@ -121,65 +124,6 @@ class Router(torch.nn.Module):
         self.tokens_per_expert.zero_()
 
 
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k highest of each row, ties to the lower index (a stable sort)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-
-
-def _limit_groups(scores: torch.Tensor, k: int, groups: int, group_topk: int) -> torch.Tensor:
-    """DeepSeek's group-limited routing: experts in ``groups`` consecutive groups, a group scored by the sum
-    of its k / group_topk best experts; the experts outside the best ``group_topk`` groups masked out."""
-    t, e = scores.shape
-    per_group = scores.view(t, groups, e // groups)
-    group_scores = torch.sort(per_group, dim=-1, descending=True, stable=True).values[..., :k // group_topk].sum(-1)
-    keep = torch.zeros(t, groups, dtype=torch.bool, device=scores.device)
-    keep.scatter_(1, _top(group_scores, group_topk), True)
-    return scores.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
-
-
-def route(logits: torch.Tensor, k: int, pre_softmax: bool, score: str = "softmax", groups: Optional[int] = None,
-          group_topk: Optional[int] = None, scaling: Optional[float] = None, bias: Optional[torch.Tensor] = None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``logits`` ``[T, E]`` (fp32 or fp64) -> (expert indices ``[T, k]``, their weights ``[T, k]``, the
-    scores over all experts the load-balancing loss reads ``[T, E]``), Megatron-core's routing:
-    softmax (the k top logits' softmax, or with ``pre_softmax`` the full softmax at the top k) or
-    sigmoid (the top k sigmoids, renormalised when k > 1: DeepSeek-V3's); optionally limited to the
-    best ``group_topk`` of ``groups`` expert groups, and the weights times ``scaling``. ``bias`` (sigmoid
-    only): added to the scores that choose the experts, not to their weights (DeepSeek-V3)."""
-    limit = (lambda s: _limit_groups(s, k, groups, group_topk)) if groups else (lambda s: s)
-    if score == "sigmoid":
-        scores = torch.sigmoid(logits)
-        top = _top(limit(scores if bias is None else scores + bias.to(scores.dtype)), k)
-        weights = scores.gather(1, top)
-        if k > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    else:
-        probs = torch.softmax(logits, dim=-1)
-        top = _top(limit(probs if pre_softmax else logits), k)
-        weights = probs.gather(1, top) if pre_softmax else torch.softmax(logits.gather(1, top), dim=-1)
-    return top, weights * scaling if scaling else weights, probs
-
-
-def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor: float, policy: str) -> torch.Tensor:
-    """``[T, k]`` True for the token copies an expert cannot take: each expert keeps at most
-    ceil(k T / E * factor) of its copies, those of the highest routing weight ('probs'; ties to the
-    earlier token) or the earliest ('position')."""
-    n, k = top.shape
-    capacity = math.ceil(n * k / experts * factor)
-    flat = top.reshape(-1)
-    order = torch.arange(flat.numel(), device=flat.device)
-    if policy == "probs":  # by weight, descending; a stable sort keeps token order among equals
-        order = torch.sort(weights.reshape(-1).detach(), descending=True, stable=True).indices
-    order = order[torch.sort(flat[order], stable=True).indices]  # then by expert
-    counts = torch.bincount(flat, minlength=experts)
-    starts = torch.cumsum(counts, 0) - counts
-    place = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]  # rank within its expert
-    drop = torch.empty_like(flat, dtype=torch.bool)
-    drop[order] = place >= capacity
-    return drop.view(n, k)
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward refuses the
     broadcast, stride-0 gradients a sum produces)."""
@@ -224,12 +168,16 @@ def _counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
 class MoELayer(torch.nn.Module):
     """The MLP of a mixture-of-experts layer: ``[s(/tp), b, h]`` -> the same shape (see the module).
 
-    ``expert`` builds one expert (an MLP sharded over TP whose ``partial(x)`` skips the TP reduction);
-    this rank holds experts ``ep_rank * E/ep .. (ep_rank+1) * E/ep - 1`` of ``ep_group``."""
+    ``expert`` builds one expert (an MLP sharded over the expert tensor-parallel group whose
+    ``partial(x)`` skips its reduction); this rank holds experts ``ep_rank * E/ep .. (ep_rank+1) * E/ep - 1``
+    of ``ep_group``. Expert tensor parallelism (``etp_*``) defaults to TP; when it differs,
+    ``exchange_group`` is the etp x ep group (Megatron-core's expert tensor and model parallel group)
+    the tokens travel over, and each rank routes its own tokens (sequence parallelism when tp > 1)."""
 
     def __init__(self, config: GPTConfig, expert, *, tp_group: Optional[dist.ProcessGroup], tp_size: int,
                  ep_group: Optional[dist.ProcessGroup], ep_size: int, ep_rank: int, aux_scale: AuxLossScale,
-                 init_method, device=None, shared=None) -> None:
+                 init_method, device=None, shared=None, etp_group=None, etp_size: Optional[int] = None,
+                 etp_rank: int = 0, exchange_group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
         c = config
         if c.num_experts % ep_size:
@@ -237,10 +185,23 @@ class MoELayer(torch.nn.Module):
         self.config, self.tp_group, self.tp_size = c, tp_group, tp_size
         self.ep_group, self.ep_size, self.aux_scale = ep_group, ep_size, aux_scale
         self.sequence_parallel = c.sequence_parallel and tp_size > 1
+        self.tp_rank = mpu.utils.group_rank(tp_group) if tp_size > 1 else 0
+        etp_size = tp_size if etp_size is None else etp_size
+        # Each rank routes its own tokens and sends each copy to every etp rank of its expert; else the
+        # tokens are gathered over TP (= etp) first and each TP rank sends to its own etp peer.
+        self.own_tokens = etp_size != tp_size
+        if self.own_tokens and tp_size > 1 and not self.sequence_parallel:
+            raise ValueError(f"expert tensor parallel size {etp_size} differs from tensor parallel size {tp_size}: "
+                             "each rank routes its own tokens, which needs sequence parallelism")
+        self.copies = etp_size if self.own_tokens else 1  # destinations of a token copy: one per etp rank
+        self.exchange = exchange_group if self.own_tokens else ep_group
+        self.exchange_size = ep_size * self.copies
         per_rank = c.num_experts // ep_size
         self.local = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         self.router = Router(c, init_method, device=device)
         self.experts = torch.nn.ModuleDict({str(e): expert() for e in self.local})
+        for p in self.experts.parameters():  # the shard each holds (engine and checkpoints read it)
+            p.tp_shard, p.tp_shard_group = (etp_rank, etp_size), (etp_group if etp_size > 1 else None)
         # ``shared`` builds the shared expert (every token, every EP rank holds it whole), with its gate.
         self.shared_experts = shared() if shared is not None else None
         self.shared_gate = (SharedGate(c, init_method, device) if shared is not None and c.moe_shared_expert_gate
@@ -264,6 +225,17 @@ class MoELayer(torch.nn.Module):
                                     c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
                                     bias)
         aux = self._aux_losses(logits, probs, top, b, cp_group)
+        if self.own_tokens:
+            y = self._own_tokens(tokens, top, weights, bias)
+        else:
+            y = self._gathered_tokens(tokens, top, weights, bias)
+        y = y.view(s, b, h)
+        return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
+
+    def _gathered_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias) -> torch.Tensor:
+        """Expert TP = TP: the TP group's tokens gathered, each TP rank's expert shards over all of them,
+        the partial outputs (routed and shared) reduced (scattered under SP) over TP once."""
+        c = self.config
         if self.sequence_parallel:
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
             weights = mpu.gather_from_sequence_parallel_region(weights, self.tp_group)
@@ -272,18 +244,49 @@ class MoELayer(torch.nn.Module):
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
         if bias is not None and self._recording():  # the micro-batch's load (gathered over TP), for the step's update
             self.router.tokens_per_expert += _counts(top.reshape(-1), c.num_experts).to(top.device).float()
-        y = self._experts(tokens, top, weights.to(x.dtype))  # the routing in fp64 only when asked
-        if self.shared_experts is not None:  # partial over TP too: reduced with the routed experts' outputs
-            shared = self.shared_experts.partial(tokens)
-            if self.shared_gate is not None:
-                shared = shared * self.shared_gate(tokens, self.tp_group if self.tp_size > 1 else None)
-            y = y + shared
+        y = self._experts(tokens, top, weights.to(tokens.dtype))  # the routing in fp64 only when asked
+        if self.shared_experts is not None:
+            y = y + self._shared(tokens)
         if self.sequence_parallel:
-            y = mpu.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
-        elif self.tp_size > 1:
-            y = mpu.reduce_from_tensor_model_parallel_region(y, self.tp_group)
-        y = y.view(s, b, h)
-        return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
+            return mpu.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        if self.tp_size > 1:
+            return mpu.reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        return y
+
+    def _own_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias) -> torch.Tensor:
+        """Expert TP other than TP: this rank's own tokens go to their experts' etp ranks, whose partial
+        outputs come back and are summed here; only the shared expert (sharded over TP) gathers over TP.
+        Capacity and the load figures are decided over the TP group's tokens, as one process does."""
+        c = self.config
+        capacity = c.moe_expert_capacity_factor is not None and top.device.type != "meta"
+        loads = self._recording() and (bias is not None or not self._balancing())
+        whole = all_gather_first_dim(top, self.tp_group) if self.sequence_parallel and (capacity or loads) else top
+        drop = None
+        if capacity:
+            every = all_gather_first_dim(weights.detach(), self.tp_group) if self.sequence_parallel else weights
+            drop = self._over_capacity(whole, every).chunk(self.tp_size if self.sequence_parallel else 1)[
+                self.tp_rank if self.sequence_parallel else 0]
+        if loads:
+            counts = _counts(whole.reshape(-1), c.num_experts).to(top.device)
+            if bias is not None:
+                self.router.tokens_per_expert += counts.float()
+            if not self._balancing():
+                self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
+        y = self._experts(tokens, top, weights.to(tokens.dtype), drop, record_loads=False)
+        if self.shared_experts is None:
+            return y
+        gathered = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group) if self.sequence_parallel else tokens
+        shared = self._shared(gathered)
+        if self.sequence_parallel:
+            return y + mpu.reduce_scatter_to_sequence_parallel_region(shared, self.tp_group)
+        return y + shared
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert over ``tokens`` (all of the TP group's), partial over TP, gated when asked."""
+        shared = self.shared_experts.partial(tokens)
+        if self.shared_gate is not None:
+            shared = shared * self.shared_gate(tokens, self.tp_group if self.tp_size > 1 else None)
+        return shared
 
     def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, top: torch.Tensor, batch: int = 1,
                     cp_group: Optional[dist.ProcessGroup] = None) -> Optional[torch.Tensor]:
@@ -333,24 +336,33 @@ class MoELayer(torch.nn.Module):
         recomputation the first, gradient-free pass is skipped; the recomputation records)."""
         return self.training and torch.is_grad_enabled()
 
-    def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each token's k expert outputs (partial over TP), weighted and summed: ``[T, h]``."""
+    def _over_capacity(self, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The token copies over their experts' capacity (:func:`over_capacity`), their share recorded."""
+        c = self.config
+        drop = over_capacity(top, weights, c.num_experts, c.moe_expert_capacity_factor, c.moe_token_drop_policy)
+        if self._recording():
+            self.aux_scale.dropped.append(drop.float().mean())
+        return drop
+
+    def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor,
+                 drop: Optional[torch.Tensor] = None, record_loads: bool = True) -> torch.Tensor:
+        """Each token's k expert outputs, weighted and summed: ``[T, h]`` (partial over TP when the tokens
+        were gathered over TP; whole when this rank routed its own). ``drop``: the copies over capacity
+        (decided here over ``top`` when None and a capacity is set)."""
         c = self.config
         n, k = top.shape
         flat = top.reshape(-1)
         buckets = c.num_experts
-        if c.moe_expert_capacity_factor is not None and flat.device.type != "meta":
-            # Copies over capacity go to a bucket past the last expert: sorted last, sent nowhere, output 0.
-            drop = over_capacity(top, weights, c.num_experts, c.moe_expert_capacity_factor, c.moe_token_drop_policy)
+        if drop is None and c.moe_expert_capacity_factor is not None and flat.device.type != "meta":
+            drop = self._over_capacity(top, weights)
+        if drop is not None:  # copies over capacity go to a bucket past the last expert: sorted last, sent nowhere, output 0
             flat, buckets = torch.where(drop.reshape(-1), c.num_experts, flat), c.num_experts + 1
-            if self._recording():
-                self.aux_scale.dropped.append(drop.float().mean())
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token
         counts = _counts(flat, buckets)[:c.num_experts]
         rows = tokens.index_select(0, order // k)
-        if self._recording() and not self._balancing():  # else the loss recorded the whole micro-batch's
+        if record_loads and self._recording() and not self._balancing():  # else the loss recorded the micro-batch's
             self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
-        if self.ep_size > 1:
+        if self.exchange_size > 1:
             rows, plan = self._dispatch(rows, counts)
         else:
             plan = None
@@ -392,32 +404,41 @@ class MoELayer(torch.nn.Module):
         return torch._grouped_mm(_ContiguousGrad.apply(h.contiguous()), w2, offs=offs)
 
     def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor):
-        """Send each expert's rows to its rank; return the rows this rank's experts get, ordered by
-        (expert, source rank, token), and what :meth:`_combine` needs to send the outputs back."""
-        ep, per_rank = self.ep_size, len(self.local)
-        send = counts.view(ep, per_rank)
-        received = exchange_counts(send, self.ep_group)
+        """Send each expert's rows to its rank (to each of its etp ranks when this rank routes its own
+        tokens); return the rows this rank's experts get, ordered by (expert, source rank, token), and
+        what :meth:`_combine` needs to send the outputs back."""
+        ranks, per_rank, copies = self.exchange_size, len(self.local), self.copies
+        send = counts.view(self.ep_size, per_rank).repeat_interleave(copies, dim=0)  # row j: to exchange rank j
+        received = exchange_counts(send, self.exchange)
         if counts.device.type == "meta":  # a rehearsal: every rank routes alike (uniform), so it receives what it sends
             mine = counts.tolist()[self.local.start:self.local.stop]
-            table = [counts.view(ep, per_rank).tolist(), [mine] * ep]
+            table = [send.tolist(), [mine] * ranks]
         else:
-            table = torch.stack([send, received]).tolist()  # [2, ep, E/ep], on the host
+            table = torch.stack([send, received]).tolist()  # [2, ranks, E/ep], on the host
         send_splits, recv_table = [sum(r) for r in table[0]], table[1]
         recv_splits = [sum(r) for r in recv_table]
-        rows = rows[:sum(send_splits)]  # without the dropped copies
-        got = all_to_all_rows(rows, self.ep_group, recv_splits, send_splits, self.counter)
+        rows = rows[:sum(send_splits) // copies]  # without the dropped copies
+        if copies > 1:  # each EP rank's block once per etp rank holding its experts
+            rows = torch.cat([b for b in rows.split(send_splits[::copies]) for _ in range(copies)])
+        got = all_to_all_rows(rows, self.exchange, recv_splits, send_splits, self.counter)
         starts, at = [], 0
-        for r in range(ep):
+        for r in range(ranks):
             starts.append([])
             for e in range(per_rank):
                 starts[r].append(at)
                 at += recv_table[r][e]
-        index = [starts[r][e] + i for e in range(per_rank) for r in range(ep) for i in range(recv_table[r][e])]
+        index = [starts[r][e] + i for e in range(per_rank) for r in range(ranks) for i in range(recv_table[r][e])]
         index = torch.tensor(index, dtype=torch.long, device=rows.device)
-        per_expert = [sum(recv_table[r][e] for r in range(ep)) for e in range(per_rank)]
+        per_expert = [sum(recv_table[r][e] for r in range(ranks)) for e in range(per_rank)]
         return got.index_select(0, index), (per_expert, index, send_splits, recv_splits)
 
     def _combine(self, out: torch.Tensor, plan) -> torch.Tensor:
+        """The experts' outputs back to their tokens' ranks; with etp copies, their partial sums added
+        here in etp-rank order."""
         _, index, send_splits, recv_splits = plan
         out = out.index_select(0, torch.argsort(index))  # (source rank, expert) order, as received
-        return all_to_all_rows(out, self.ep_group, send_splits, recv_splits, self.counter)
+        back = all_to_all_rows(out, self.exchange, send_splits, recv_splits, self.counter)
+        if self.copies == 1:
+            return back
+        parts = back.split(send_splits)
+        return torch.cat([sum(parts[j + 1:j + self.copies], parts[j]) for j in range(0, len(parts), self.copies)])

@@ -48,12 +48,19 @@ Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 @dataclass
 class ExpertParallel:
     """Where a model's experts live: the expert-parallel ``group`` (None: one rank holds them all), its
-    ``size`` and this rank's place, and the model's :class:`~megazero.model.moe.AuxLossScale`."""
+    ``size`` and this rank's place, and the model's :class:`~megazero.model.moe.AuxLossScale`. Expert
+    tensor parallelism: ``tensor_size`` None is the model's TP (the experts sharded over its group);
+    otherwise the experts are sharded over ``tensor_group`` (``tensor_rank`` of ``tensor_size``) and the
+    tokens travel over ``exchange_group`` (etp x ep)."""
 
     group: Optional[dist.ProcessGroup] = None
     size: int = 1
     rank: int = 0
     aux_scale: AuxLossScale = field(default_factory=AuxLossScale)
+    tensor_group: Optional[dist.ProcessGroup] = None
+    tensor_size: Optional[int] = None
+    tensor_rank: int = 0
+    exchange_group: Optional[dist.ProcessGroup] = None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
@@ -215,10 +222,17 @@ class TransformerLayer(torch.nn.Module):
         if is_moe_layer(config, number):
             ep = experts or ExpertParallel()
             shared = config.moe_shared_expert_intermediate_size
-            self.mlp = MoELayer(config, lambda: MLP(config, expert=True, **kw), tp_group=tp_group, tp_size=tp_size,
+            own = ep.tensor_size is not None and ep.tensor_size != tp_size  # experts sharded over a group of their own
+            ekw = dict(tp_group=ep.tensor_group if ep.tensor_size > 1 else mpu.NO_GROUP, tp_size=ep.tensor_size,
+                       device=device) if own else kw
+            self.mlp = MoELayer(config, lambda: MLP(config, expert=True, **ekw), tp_group=tp_group, tp_size=tp_size,
                                 ep_group=ep.group, ep_size=ep.size, ep_rank=ep.rank, aux_scale=ep.aux_scale,
                                 init_method=init_methods(config)[0], device=device,
-                                shared=(lambda: MLP(config, expert=True, ffn_size=shared, **kw)) if shared else None)
+                                shared=(lambda: MLP(config, expert=True, ffn_size=shared, **kw)) if shared else None,
+                                etp_group=ep.tensor_group if own else tp_group,
+                                etp_size=ep.tensor_size if own else tp_size,
+                                etp_rank=ep.tensor_rank if own else mpu.utils.group_rank(tp_group) if tp_size > 1 else 0,
+                                exchange_group=ep.exchange_group)
         else:
             self.mlp = MLP(config, **kw)
 

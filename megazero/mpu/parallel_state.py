@@ -134,6 +134,13 @@ class ParallelGroups:
     ep_ranks: tuple[int, ...] = ()
     edp_group: Optional[dist.ProcessGroup] = None
     edp_ranks: tuple[int, ...] = ()
+    # Expert tensor parallelism: the ranks sharing one expert's weights (the TP group when etp = tp,
+    # None when 1), and etp x ep (built only when etp differs from tp: the experts' own exchange).
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: Optional[dist.ProcessGroup] = None
+    expert_group: Optional[dist.ProcessGroup] = None
+    expert_ranks: tuple[int, ...] = ()
 
     def is_first_stage(self, virtual_rank: Optional[int] = 0) -> bool:
         """First virtual stage: pp rank 0 running chunk ``virtual_rank`` 0 (None ignores the chunk)."""
@@ -219,6 +226,7 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> ParallelGroups:
     """Build the TP/CP/PP/DP/MP and embedding groups (Megatron's layout, tp-cp-dp-pp) and register them.
@@ -244,12 +252,13 @@ def initialize_model_parallel(
     cp = context_parallel_size
     hcp = tuple(hierarchical_context_parallel_sizes) if hierarchical_context_parallel_sizes else None
     ep = expert_model_parallel_size
-    layout = group_ranks(world, tp, pp, cp, hcp, ep)
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    layout = group_ranks(world, tp, pp, cp, hcp, ep, etp)
     dp = world // (tp * pp * cp)
 
     built: dict[str, tuple[Optional[dist.ProcessGroup], tuple[int, ...]]] = {}
     kinds = ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ())
-    kinds += (("hcp_a2a", "hcp_p2p") if hcp and cp > 1 else ()) + (("ep", "edp") if ep > 1 else ())
+    kinds += (("hcp_a2a", "hcp_p2p") if hcp and cp > 1 else ()) + _expert_kinds(tp, ep, etp)
     for kind in kinds:
         # Every rank creates every group, in the same order (new_group is collective).
         for line in layout[kind]:
@@ -278,8 +287,29 @@ def initialize_model_parallel(
         ep_size=ep, ep_rank=built["ep"][1].index(rank) if ep > 1 else 0,
         ep_group=built.get("ep", (None,))[0], ep_ranks=built.get("ep", (None, (rank,)))[1],
         edp_group=built.get("edp", (dp_cp_group,))[0], edp_ranks=built.get("edp", (None, dp_cp_ranks))[1],
+        **_expert_tensor_fields(built, rank, tp, etp, tp_group),
     )
     return _GROUPS
+
+
+def _expert_kinds(tp: int, ep: int, etp: int) -> tuple[str, ...]:
+    """The expert groups a launch builds: none without experts' own layout; the etp and etp x ep groups
+    only where they are not the TP or EP groups already built."""
+    if ep == 1 and etp == tp:
+        return ()
+    own = etp != tp and etp > 1
+    return (("etp",) if own else ()) + (("ep",) if ep > 1 else ()) + (("expert",) if own and ep > 1 else ()) \
+        + ("edp",)
+
+
+def _expert_tensor_fields(built: dict, rank: int, tp: int, etp: int, tp_group) -> dict:
+    """ParallelGroups' expert tensor-parallel fields from the groups built."""
+    if etp == tp:
+        return dict(etp_size=tp, etp_rank=rank % tp, etp_group=tp_group)
+    etp_group = built.get("etp", (None,))[0]
+    expert_group, expert_ranks = built.get("expert", built.get("ep", built.get("etp", (None, (rank,)))))
+    return dict(etp_size=etp, etp_rank=rank % etp, etp_group=etp_group, expert_group=expert_group,
+                expert_ranks=expert_ranks)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -294,7 +324,7 @@ def destroy_model_parallel() -> None:
         return
     for g in {groups.tp_group, groups.pp_group, groups.dp_group, groups.mp_group, groups.embedding_group,
               groups.position_embedding_group, groups.cp_group, groups.dp_cp_group, groups.hcp_a2a_group,
-              groups.hcp_p2p_group, groups.ep_group, groups.edp_group}:
+              groups.hcp_p2p_group, groups.ep_group, groups.edp_group, groups.etp_group, groups.expert_group}:
         if g is not None:
             try:
                 dist.destroy_process_group(g)
@@ -417,6 +447,24 @@ def get_expert_model_parallel_world_size() -> int:
 
 def get_expert_model_parallel_rank() -> int:
     return _GROUPS.ep_rank if _GROUPS is not None else 0
+
+
+def get_expert_tensor_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The ranks sharing one expert's weights (the TP group when etp = tp; None when etp = 1)."""
+    return get_parallel_groups().etp_group
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _GROUPS.etp_size if _GROUPS is not None else 1
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _GROUPS.etp_rank if _GROUPS is not None else 0
+
+
+def get_expert_tensor_and_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """etp x ep: the ranks that together hold every expert once (built when etp differs from tp)."""
+    return get_parallel_groups().expert_group
 
 
 def get_expert_data_parallel_group() -> Optional[dist.ProcessGroup]:

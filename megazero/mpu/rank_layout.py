@@ -46,16 +46,21 @@ def context_parallel_rank(rank: int, tp: int, cp: int) -> int:
 
 
 def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1,
-                hierarchical_cp: Optional[Sequence[int]] = None, ep: int = 1) -> dict[str, list[list[int]]]:
+                hierarchical_cp: Optional[Sequence[int]] = None, ep: int = 1,
+                etp: Optional[int] = None) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks (pure host arithmetic; no communication,
     no tensors, so it runs the same under a fake-tensor mode). With ``cp`` > 1 also ``cp`` (the
     ranks splitting one sequence) and ``dp_cp`` (data x context: the ranks holding the same
     parameters); the model-parallel group is tensor x pipeline for each data and context rank.
     ``hierarchical_cp`` (a2a size, p2p size), product ``cp``: also ``hcp_a2a`` (consecutive context
     ranks of one CP group) and ``hcp_p2p`` (those a2a-size apart), Megatron's hierarchical CP groups.
-    ``ep`` > 1 (expert parallelism, expert tensor parallelism = tp): also ``ep`` (ep consecutive ranks
-    of the data x context ranks, one expert shard each) and ``edp`` (those ep apart, holding the same
-    experts), Megatron-core's expert layout (tp-ep-dp-pp over the ranks of a pipeline stage)."""
+
+    Experts (``ep`` > 1, or an expert tensor-parallel size ``etp`` other than ``tp``) lay the ranks of
+    a pipeline stage out again as etp x ep x expert-dp, etp fastest (Megatron-core's tp-ep-dp-pp over
+    the stage's ranks in their tp-cp-dp order): also ``etp`` (the ranks sharing one expert's weights),
+    ``ep`` (one rank of each etp group holding different experts), ``expert`` (etp x ep: together
+    they hold every expert once) and ``edp`` (the ranks holding the same expert shard). With etp = tp
+    an ``etp`` group is a TP group and ep runs over data x context."""
     dp = _data_parallel_size(world_size, tp, pp, cp)
 
     def r(p: int, d: int, t: int, c: int = 0) -> int:
@@ -81,11 +86,23 @@ def group_ranks(world_size: int, tp: int, pp: int, cp: int = 1,
         lines = out.get("cp", [])
         out["hcp_a2a"] = [line[o * inner:(o + 1) * inner] for line in lines for o in range(outer)]
         out["hcp_p2p"] = [line[i::inner] for line in lines for i in range(inner)]
-    if ep > 1:
-        if (dp * cp) % ep:
-            raise ValueError(f"expert_model_parallel_size {ep} must divide data x context parallel ranks "
-                             f"{dp} x {cp} = {dp * cp} (the ranks of a pipeline stage over tensor parallelism)")
-        stage = [[r(p, d, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)]
-        out["ep"] = [line[e * ep:(e + 1) * ep] for line in stage for e in range(dp * cp // ep)]
-        out["edp"] = [line[i::ep] for line in stage for i in range(ep)]
+    etp = tp if etp is None else etp
+    if ep > 1 or etp != tp:
+        out.update(_expert_groups(pp, world_size // pp, ep, etp))
+    return out
+
+
+def _expert_groups(pp: int, stage: int, ep: int, etp: int) -> dict[str, list[list[int]]]:
+    """The etp, ep, expert (etp x ep) and edp groups of every pipeline stage of ``stage`` ranks."""
+    if ep < 1 or etp < 1 or stage % (ep * etp):
+        raise ValueError(f"expert_model_parallel_size {ep} x expert_tensor_parallel_size {etp} = {ep * etp} must "
+                         f"divide the {stage} ranks of a pipeline stage (tp x cp x dp)")
+    width, edp = ep * etp, stage // (ep * etp)
+    out: dict[str, list[list[int]]] = {"etp": [], "ep": [], "expert": [], "edp": []}
+    for p in range(pp):
+        ranks = range(p * stage, (p + 1) * stage)  # in tp-cp-dp order
+        out["etp"] += [list(ranks[b * etp:(b + 1) * etp]) for b in range(stage // etp)]
+        out["expert"] += [list(ranks[x * width:(x + 1) * width]) for x in range(edp)]
+        out["ep"] += [list(ranks[x * width + t:(x + 1) * width:etp]) for x in range(edp) for t in range(etp)]
+        out["edp"] += [list(ranks[t + etp * e::width]) for e in range(ep) for t in range(etp)]
     return out

@@ -33,6 +33,8 @@ The one path still pinning through the caching allocator is the data loader's ba
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megazero.mpu.parallel_state import group_ranks
 
 __all__ = ["NCCL_SIMPLE_BUFFSIZE", "NCCL_LL_BUFFSIZE", "NCCL_LL128_BUFFSIZE", "NCCL_CHANNELS",
@@ -72,10 +74,12 @@ def creates_gradient_communicator(zero_stage: int, dp: int, keep_gathered: bool 
 
 def nccl_communicators(*, tp: int, pp: int, dp: int, zero_stage: int, keep_gathered: bool = False,
                        pp_rank: int = 0, collectives: str = "auto", cp: int = 1,
-                       hierarchical_cp: tuple[int, ...] = (), ep: int = 1) -> dict[str, int]:
+                       hierarchical_cp: tuple[int, ...] = (), ep: int = 1,
+                       etp: Optional[int] = None) -> dict[str, int]:
     """The NCCL communicators of more than one rank that a rank of pipeline stage ``pp_rank`` joins
     in a tp x cp x pp x dp launch, by group name (``world``, ``tp``, ``dp``, ``pp``, ``mp``, ``embedding``,
-    ``cp``, ``dp_cp``, with ``hierarchical_cp`` ``hcp_a2a`` and ``hcp_p2p``, with ``ep`` > 1 ``ep`` and ``edp``:
+    ``cp``, ``dp_cp``, with ``hierarchical_cp`` ``hcp_a2a`` and ``hcp_p2p``, with ``ep`` > 1 ``ep`` and ``edp``,
+    with an ``etp`` other than ``tp`` also ``etp`` and ``expert`` where they are not TP or EP groups:
     ``megazero.mpu.parallel_state``'s groups; ``dp_grads``: ZeRO-3's gradient
     communicator, per :func:`creates_gradient_communicator`, over the ranks ZeRO partitions over),
     each counted 1. The default ``pp_rank`` 0 is a first stage, which joins the most (the embedding
@@ -86,7 +90,11 @@ def nccl_communicators(*, tp: int, pp: int, dp: int, zero_stage: int, keep_gathe
     world = tp * pp * dp * cp
     rank = pp_rank * dp * cp * tp  # tp, cp and dp rank 0 of that stage: every rank of a stage joins alike
     out = {"world": 1} if world > 1 else {}
-    for kind, lines in group_ranks(world, tp, pp, cp, hierarchical_cp or None, ep).items():
+    etp = tp if etp is None else etp
+    same = {"etp", "expert"} if etp == tp else ({"expert"} if min(ep, etp) == 1 else set())  # the TP or EP groups
+    for kind, lines in group_ranks(world, tp, pp, cp, hierarchical_cp or None, ep, etp).items():
+        if kind in same:
+            continue
         if any(rank in line and len(line) > 1 for line in lines):
             out[kind] = 1
     if dp * cp > 1 and creates_gradient_communicator(zero_stage, dp * cp, keep_gathered, collectives):

@@ -243,7 +243,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     offload_param_buffer_size: Optional[float] = None, keep_gathered: bool = False,
                     num_workers: int = 0, context_parallel: int = 1,
                     cp_comm_type: Union[str, tuple[str, ...]] = "p2p",
-                    hierarchical_cp: tuple[int, ...] = (), expert_parallel: int = 1) -> MemoryEstimate:
+                    hierarchical_cp: tuple[int, ...] = (), expert_parallel: int = 1,
+                    expert_tensor_parallel: Optional[int] = None) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -288,9 +289,11 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     zdp = dp * context_parallel  # the ranks ZeRO partitions and reduces over: data x context parallel
     total = num_parameters(config)
     replicated = replicated_parameters(config)
-    # Routed experts: sharded over tp and ep, partitioned by ZeRO over expert data parallel (zdp / ep).
+    # Routed experts: sharded over etp (default tp) and ep, partitioned by ZeRO over expert data parallel:
+    # the stage's tp x dp x cp ranks over etp x ep.
+    etp = tp if expert_tensor_parallel is None else expert_tensor_parallel
     experts = expert_parameters(config)
-    psi_experts, edp = experts / (tp * expert_parallel * pp), zdp // expert_parallel
+    psi_experts, edp = experts / (etp * expert_parallel * pp), zdp * tp // (expert_parallel * etp)
     psi = ((total - experts - replicated) / tp + replicated) / pp
 
     # The largest flat group's partition (a layer's weights, or the word embedding): what one
@@ -312,7 +315,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                           offload_ratio=ratio, weights_on_device=kept), expert_states)
     act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
                        sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
-                       act_bytes=_DTYPE_BYTES[precision])
+                       act_bytes=_DTYPE_BYTES[precision], expert_tp=etp)
     kinds = [cp_comm_type] * config.num_layers if isinstance(cp_comm_type, str) else list(cp_comm_type)
     if context_parallel > 1 and "allgather" in kinds:
         act = _gathered_kv(act, config, seq_length=s, micro_batch_size=micro_batch_size, tp=tp, cp=context_parallel,
@@ -363,7 +366,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
     nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, cp=context_parallel, hierarchical_cp=hierarchical_cp,
-                              ep=expert_parallel, zero_stage=zero_stage, keep_gathered=keep_gathered)
+                              ep=expert_parallel, etp=etp, zero_stage=zero_stage, keep_gathered=keep_gathered)
     return MemoryEstimate(
         **host,
         traffic=traffic,
@@ -488,6 +491,7 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     return dict(
         tp=p.tp, dp=p.dp, pp=p.pp, zero_stage=p.zero_stage, micro_batch_size=config.schedule.micro_batch_size,
         context_parallel=p.cp, cp_comm_type=p.cp_comm_type, hierarchical_cp=p.hierarchical_cp, expert_parallel=p.ep,
+        expert_tensor_parallel=p.etp,
         seq_length=m.seq_length, precision=config.precision.dtype, recompute=m.recompute_granularity,
         # flash-attn and SDPA's fused kernels (auto picks one of them) never hold the s x s scores;
         # only the math kernel does

@@ -16,7 +16,7 @@ __all__ = ["activation_bytes_per_layer"]
 
 def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int = 1,
                                sequence_parallel: bool = False, keep_attention_scores: bool = True,
-                               act_bytes: int = 2) -> float:
+                               act_bytes: int = 2, expert_tp: Optional[int] = None) -> float:
     """Saved activations of one transformer layer (Korthikanti et al. 2022, Sec. 4.1).
 
     Generalised over the paper's 34 s b h + 5 a s^2 b (16-bit, ffn = 4h, MHA):
@@ -28,7 +28,9 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
     Mixture-of-experts layers (averaged over the layers): the k experts' MLP activations per token in
     place of the dense MLP's (sharded by TP), the dispatched and combined token copies ``2 e k s b h``,
-    the router's fp32 input and its logits and probabilities (whole on every TP rank).
+    the router's fp32 input and its logits and probabilities (whole on every TP rank). With an expert
+    tensor-parallel size ``expert_tp`` other than ``tp`` each rank routes its own s b / tp tokens and
+    holds their copies once per etp rank of their experts (the experts' own activations are the same).
     """
     c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
     h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
@@ -44,18 +46,21 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         # SwiGLU keeps gate, up, silu(gate) and their product per token copy; GeLU input and output.
         share, k, fm = moe_layers(c) / c.num_layers, c.moe_router_topk, c.moe_ffn_size
         sharded += share * e * s * b * (k * (2 * gate * fm if gate == 2 else 2 * fm) - (gate * f + f))
-        whole = share * (2 * e * k * s * b * h + 4 * s * b * h + 3 * 4 * s * b * c.num_experts)
+        own = expert_tp is not None and expert_tp != t  # own tokens: s b / tp of them, sent to etp ranks each
+        tokens, copies = (s * b / t, s * b * expert_tp / t) if own else (s * b, s * b)
+        whole = share * (2 * e * k * copies * h + 4 * tokens * h + 3 * 4 * tokens * c.num_experts)
     return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t + whole
 
 
 def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int, sequence_parallel: bool,
-                 recompute: Optional[str], flash_attn: bool, act_bytes: int) -> dict[str, float]:
+                 recompute: Optional[str], flash_attn: bool, act_bytes: int,
+                 expert_tp: Optional[int] = None) -> dict[str, float]:
     c, s, b, t = config, seq_length, micro_batch_size, tp
     L, h = c.num_layers, c.hidden_size
     sp_div = t if sequence_parallel else 1
     per_layer = activation_bytes_per_layer(
         c, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
-        keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes)
+        keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes, expert_tp=expert_tp)
     layer_input = act_bytes * s * b * h / sp_div
     # Per layer and micro-batch, what is kept until backward; and what is live once per stage
     # (the chunk being recomputed): a pipeline stage holds the first for each micro-batch in flight.

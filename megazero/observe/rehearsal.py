@@ -262,7 +262,8 @@ class _Counters:
                                 ("embedding", g.embedding_group), ("mp", g.mp_group),
                                 ("position_embedding", g.position_embedding_group), ("cp", g.cp_group),
                                 ("dp_cp", g.dp_cp_group), ("hcp_a2a", g.hcp_a2a_group),
-                                ("hcp_p2p", g.hcp_p2p_group), ("ep", g.ep_group), ("edp", g.edp_group)):
+                                ("hcp_p2p", g.hcp_p2p_group), ("ep", g.ep_group), ("edp", g.edp_group),
+                                ("etp", g.etp_group), ("expert", g.expert_group)):
                 if group is not None:
                     self._names.setdefault(id(group), name)
             self._names.setdefault(id(dist.group.WORLD), "world")
@@ -427,7 +428,7 @@ def nccl_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, Any]:
     p = config.parallel
     keep = config.zero_config().zero_optimization.stage3_keep_gathered_in_step
     comms = nccl_communicators(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, zero_stage=p.zero_stage, keep_gathered=keep,
-                               pp_rank=pp_rank, hierarchical_cp=p.hierarchical_cp, ep=p.ep)
+                               pp_rank=pp_rank, hierarchical_cp=p.hierarchical_cp, ep=p.ep, etp=p.etp)
     return {"nccl_communicators": comms, "nccl_bytes": sum(comms.values()) * NCCL_COMMUNICATOR_BYTES,
             "nccl_note": gradient_communicator_note(comms, p.zero_stage, p.dp * p.cp)}
 

@@ -191,7 +191,8 @@ def describe(config: TrainConfig) -> str:
         f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}",
         f"parallel: world {p.world_size} = tp {p.tp} x "
         + (f"cp {p.cp} ({_exchanges(p)}) x " if p.cp > 1 else "")
-        + f"pp {p.pp} x dp {p.dp}" + (f" (experts: ep {p.ep} x expert-dp {p.dp * p.cp // p.ep})" if p.ep > 1 else "")
+        + f"pp {p.pp} x dp {p.dp}" + (f" (experts: etp {p.etp} x ep {p.ep} x expert-dp {p.dp * p.cp * p.tp // (p.ep * p.etp)})"
+                                        if p.ep > 1 or p.etp != p.tp else "")
         + f", ZeRO stage {p.zero_stage}, "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, precision {config.precision.dtype}, "
         f"recompute {m.recompute_granularity or 'none'}, attention {m.attention_backend}",

@@ -51,7 +51,12 @@ class ParallelConfig:
     # p2p (ring) | a2a (Ulysses) | allgather | a2a+p2p (hierarchical); or a tuple of them, one per layer
     cp_comm_type: Union[str, tuple[str, ...]] = "p2p"
     hierarchical_cp: tuple[int, ...] = ()  # a2a+p2p: (all-to-all size, ring size), product cp
-    ep: int = 1  # expert-parallel size: ranks sharing each MoE layer's experts (divides dp x cp)
+    ep: int = 1  # expert-parallel size: ranks holding different experts of each MoE layer
+    etp: Optional[int] = None  # expert tensor-parallel size: ranks sharing one expert's weights (None: tp)
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            self.etp = self.tp
 
     @property
     def cp_comm_types(self) -> tuple[str, ...]:

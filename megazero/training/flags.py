@@ -211,12 +211,14 @@ g(H, "--num-experts", "experts of each mixture-of-experts layer (dense MLPs with
 g(H, "--moe-router-topk", "experts each token is routed to", int, default=2)
 g(M, "--topk", "Megatron-DeepSpeed's name: --moe-router-topk", int, dest="moe_router_topk")
 g(H, ("--expert-model-parallel-size", "--ep"), "expert-parallel size: each rank holds num_experts / ep experts "
-  "of every MoE layer, tokens reach them by all-to-all; it divides the data x context ranks, over the rest of "
-  "which (expert data parallel) ZeRO partitions the experts", int, dest="expert_model_parallel_size", default=1)
+  "of every MoE layer, tokens reach them by all-to-all; ep x --expert-tensor-parallel-size divides the ranks of "
+  "a pipeline stage, over the rest of which (expert data parallel) ZeRO partitions the experts", int, dest="expert_model_parallel_size", default=1)
 g(M, "--moe-expert-parallel-size", "Megatron-DeepSpeed's name: --expert-model-parallel-size", int,
   dest="expert_model_parallel_size")
-g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts: megazero shards experts over the "
-  "tensor-parallel group (Megatron's default), so it must equal --tp", int)
+g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts (default --tp): each expert's weights are "
+  "sharded over this many ranks; ep x etp divides the ranks of a pipeline stage (tp x dp x cp), laid out etp "
+  "fastest, then ep, then expert data parallel (Megatron-core's order). Other than --tp it needs "
+  "--sequence-parallel when tp > 1", int)
 g(H, "--moe-ffn-hidden-size", "hidden size of each expert's MLP (default --ffn-hidden-size)", int)
 g(H, "--moe-layer-freq", "every n-th layer is a mixture of experts (layer i when i % n == 0)", int, default=1)
 g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch), "

@@ -105,9 +105,10 @@ def document_bounds(text: torch.Tensor, eod: int) -> list[list[int]]:
 
 
 def expert_partitioning(groups):
-    """ZeRO's partitioning of the experts under expert parallelism: each expert over the ranks that
-    hold it (expert data parallel); every other parameter over data x context (None: the default)."""
-    if groups.ep_size == 1:
+    """ZeRO's partitioning of the experts under expert (tensor) parallelism: each expert shard over the
+    ranks that hold it (expert data parallel); every other parameter over data x context (None: the
+    default)."""
+    if groups.ep_size == 1 and groups.etp_size == groups.tp_size:
         return None
     edp = zero.Partitioning("edp", shard=groups.edp_group)
     return lambda name, param: edp if is_expert_parameter(name) else None

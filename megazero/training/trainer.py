@@ -156,11 +156,11 @@ def _set_up_groups(config: TrainConfig):
         return mpu.initialize_model_parallel(p.tp, p.pp, virtual_pipeline_model_parallel_size=p.virtual_pp
                                              if p.virtual_pp > 1 else None, context_parallel_size=p.cp,
                                              hierarchical_context_parallel_sizes=p.hierarchical_cp or None,
-                                             expert_model_parallel_size=p.ep)
+                                             expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
     groups = mpu.get_parallel_groups()
-    if (groups.tp_size, groups.pp_size, groups.virtual_pp_size, groups.cp_size, groups.ep_size) != (
-            p.tp, p.pp, p.virtual_pp, p.cp, p.ep):
+    if (groups.tp_size, groups.pp_size, groups.virtual_pp_size, groups.cp_size, groups.ep_size, groups.etp_size) != (
+            p.tp, p.pp, p.virtual_pp, p.cp, p.ep, p.etp):
         raise RuntimeError(f"model parallel groups were set up for tp {groups.tp_size} x pp {groups.pp_size} x "
-                           f"v {groups.virtual_pp_size} x cp {groups.cp_size}, the run asks tp {p.tp} x pp {p.pp} x "
-                           f"v {p.virtual_pp} x cp {p.cp}")
+                           f"v {groups.virtual_pp_size} x cp {groups.cp_size} (ep {groups.ep_size}, etp {groups.etp_size}), the run "
+                           f"asks tp {p.tp} x pp {p.pp} x v {p.virtual_pp} x cp {p.cp} (ep {p.ep}, etp {p.etp})")
     return groups

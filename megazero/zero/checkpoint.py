@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Iterator, Optional
 
 import torch
@@ -448,6 +449,19 @@ def iter_full_parameters(directory: str, names: Optional[list[str]] = None,
         yield n, reader.full(n)
 
 
+def _template(name: str) -> str:
+    """``name`` with its indices blanked: ``layers.#.mlp.experts.#.linear_fc1.weight``."""
+    return re.sub(r"\d+", "#", name)
+
+
+def _held_elsewhere(engine: ZeroEngine, names: list[str]) -> set[str]:
+    """Those of ``names`` that may belong to another rank's share of a group this rank partitions over a
+    group of its own (experts saved where one rank held them all, loaded where each holds some): they
+    have the shape of such a name of this rank's."""
+    own = {_template(s.name) for g in engine.groups if g.part.name != "dp" for s in g.slots}
+    return {n for n in names if _template(n) in own} if own else set()
+
+
 @torch.no_grad()
 def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict] = None,
                     counter: Optional[ReadCounter] = None, *, load_optimizer: bool = True,
@@ -469,7 +483,8 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     if partial_model:
         unexpected = []  # a pipeline stage holds part of the model; the other stages load the rest
     else:  # experts: each rank holds those of its own group
-        unexpected = [n for n in unexpected if n not in reader.own_group_names()]
+        elsewhere = reader.own_group_names() | _held_elsewhere(engine, unexpected)
+        unexpected = [n for n in unexpected if n not in elsewhere]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)

@@ -222,3 +222,58 @@ def test_grouped_matmuls_give_the_loops_bits():
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+def _etp_case(tp: int, etp: int, ep: int):
+    """Expert TP other than TP: each rank routes its own (sequence-parallel) tokens and sends them to
+    every etp rank of their experts. Against one process on all ranks' tokens in rank order."""
+    from megazero import mpu
+    from megazero.mpu.sharding import shard_of_full
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(9)
+    x_all = torch.randn(S * world // tp, B, H, generator=g)
+    grad_all = torch.randn(x_all.shape, generator=g)
+    one = _layer(_config())  # built before the groups: one process, no TP
+    xo = x_all.clone().requires_grad_()
+    y_all = one(xo)
+    y_all.backward(grad_all)
+    groups = mpu.initialize_model_parallel(tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    c = _config(sequence_parallel=tp > 1)
+    torch.manual_seed(3)
+    mine = MoELayer(c, lambda: MLP(c, tp_group=groups.etp_group if etp > 1 else mpu.NO_GROUP, tp_size=etp, expert=True),
+                    tp_group=groups.tp_group, tp_size=tp, ep_group=groups.ep_group, ep_size=ep, ep_rank=groups.ep_rank,
+                    aux_scale=AuxLossScale(), init_method=init_methods(c)[0], etp_group=groups.etp_group,
+                    etp_size=etp, etp_rank=groups.etp_rank, exchange_group=groups.expert_group)
+    assert mine.own_tokens
+    with torch.no_grad():  # the one process's weights, this rank's shard of each of its experts
+        mine.router.weight.copy_(one.router.weight)
+        for e, expert in mine.experts.items():
+            for p, q in zip(expert.parameters(), one.experts[e].parameters()):
+                p.copy_(shard_of_full(q, p.partition_dim, p.partition_stride, groups.etp_rank, etp))
+                assert p.tp_shard == (groups.etp_rank, etp)
+    rows = slice(rank * S // tp, (rank + 1) * S // tp)  # global rank = dp rank x tp + tp rank: rank order
+    x = x_all[rows].clone().requires_grad_()
+    y = mine(x)
+    y.backward(grad_all[rows])
+    # Bit for bit when each expert is whole and gets every token routed to it (in one process's order);
+    # sums over etp shards, or an expert's rows split over ranks (ep 1), round differently.
+    atol = 0 if etp == 1 and ep * etp == world else 1e-5
+    torch.testing.assert_close(y, y_all[rows].detach(), rtol=0, atol=atol)
+    torch.testing.assert_close(x.grad, xo.grad[rows], rtol=0, atol=atol)
+    for e, expert in mine.experts.items():
+        for p, q in zip(expert.parameters(), one.experts[e].parameters()):
+            want = shard_of_full(q.grad, p.partition_dim, p.partition_stride, groups.etp_rank, etp)
+            if ep * etp < world:  # the expert's rows are spread over its expert-data-parallel ranks
+                dist.all_reduce(p.grad, group=groups.edp_group)
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=atol)
+    router = mine.router.weight.grad.clone()  # summed over TP by the layer; over data parallel here
+    dist.all_reduce(router, group=groups.dp_group)
+    tol = 1e-5 if etp > 1 else 1e-6  # the partial sums over etp round differently
+    torch.testing.assert_close(router, one.router.weight.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("world,tp,etp,ep", [(2, 2, 1, 2), (4, 2, 1, 4), (4, 1, 2, 2), (2, 2, 1, 1)])
+def test_expert_tensor_parallelism_other_than_tp_equals_one_process(world, tp, etp, ep):
+    run_distributed(world, _etp_case, tp, etp, ep)

@@ -292,3 +292,42 @@ def test_context_parallel_groups_on_eight_ranks():
         assert (cp, cp_size, dp_cp_size) == (2, 2, 4)
         assert cp_rank == (rank // 2) % 2 and rank in cp_ranks and len(cp_ranks) == 2
         assert set(dp_ranks) < set(dp_cp_ranks) and len(dp_cp_ranks) == 4
+
+
+def test_expert_layout_follows_megatron_core_order():
+    """The ranks of a pipeline stage laid out again as etp x ep x expert-dp, etp fastest; etp = tp keeps the
+    layout where ep runs over data x context at each TP rank."""
+    g = group_ranks(16, tp=2, pp=2, ep=2, etp=1)  # a stage: 8 ranks = tp 2 x dp 4 -> ep 2 x edp 4
+    assert g["ep"][:2] == [[0, 1], [2, 3]] and g["etp"][0] == [0]
+    assert g["edp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]] and g["edp"][2] == [8, 10, 12, 14]
+    g = group_ranks(16, tp=2, pp=1, ep=2, etp=4)  # 16 ranks = etp 4 x ep 2 x edp 2
+    assert g["etp"][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["ep"][:2] == [[0, 4], [1, 5]] and g["expert"][0] == list(range(8))
+    assert g["edp"][0] == [0, 8]
+    same = group_ranks(16, tp=2, pp=2, ep=2)  # etp = tp: the etp groups are the TP groups
+    assert same["etp"] == same["tp"] and same["ep"][:2] == [[0, 2], [1, 3]] and same["edp"][0] == [0, 4]
+    with pytest.raises(ValueError, match="must divide the 8 ranks of a pipeline stage"):
+        group_ranks(16, tp=2, pp=2, ep=4, etp=4)
+
+
+def _expert_groups(tp: int, ep: int, etp: int):
+    from megazero import mpu as m
+
+    g = m.initialize_model_parallel(tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return (m.get_expert_tensor_parallel_world_size(), m.get_expert_tensor_parallel_rank(),
+            m.get_expert_model_parallel_rank(), g.edp_ranks, g.expert_ranks,
+            g.etp_group is g.tp_group, g.expert_group is not None)
+
+
+def test_expert_tensor_parallel_groups_on_four_ranks():
+    from tests.distributed import run_distributed
+
+    # tp 2, whole experts: ep 2 over each TP pair, expert-DP over the pairs; no etp group (size 1)
+    for rank, (etp, etp_rank, ep_rank, edp, expert, is_tp, _) in enumerate(run_distributed(4, _expert_groups, 2, 2, 1)):
+        assert (etp, etp_rank, ep_rank) == (1, 0, rank % 2)
+        assert edp == (rank % 2, rank % 2 + 2) and expert == (rank - rank % 2, rank - rank % 2 + 1)
+    # tp 1, experts sharded over pairs: etp x ep = all 4, expert-DP 1
+    for rank, (etp, etp_rank, ep_rank, edp, expert, _, built) in enumerate(run_distributed(4, _expert_groups, 1, 2, 2)):
+        assert (etp, etp_rank, ep_rank, edp, expert, built) == (2, rank % 2, rank // 2, (rank,), (0, 1, 2, 3), True)
+    # etp = tp: the TP group itself
+    assert all(r[5] and r[0] == 2 for r in run_distributed(4, _expert_groups, 2, 2, 2))

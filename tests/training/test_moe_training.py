@@ -37,6 +37,15 @@ def one_process(data, tmp_path_factory):  # noqa: F811
     # full recomputation and the optimizer state offloaded to the host, at ep 2 with ZeRO-2
     (2, ["--expert-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--zero-stage", "2", "--optimizer-cpu-offload"]),
+    # expert tensor parallelism other than TP: whole experts under tp 2 (each rank routes its own tokens) ...
+    (2, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"]),
+    (4, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+         "--pipeline-model-parallel-size", "2"]),
+    (4, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "4",
+         "--zero-stage", "3"]),
+    (2, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--zero-stage", "2"]),  # ep 1
+    # ... and experts sharded over 2 data-parallel ranks at tp 1, over expert-DP 2 with ZeRO-3
+    (4, ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2", "--zero-stage", "3"]),
 ])
 def test_mixture_of_experts_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
     got = launch(world, flags(data, *MOE, *extra), tmp_path, "moe")
@@ -59,11 +68,12 @@ def one_process_capacity(data, tmp_path_factory):  # noqa: F811
 @pytest.mark.parametrize("world,extra", [
     (2, ["--expert-model-parallel-size", "2"]),
     (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+    (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
 ])
 def test_token_dropping_drops_the_same_copies_at_every_layout(data, one_process, one_process_capacity, tmp_path,  # noqa: F811
                                                               world, extra):
-    # Capacity is decided over the micro-batch a rank routes (gathered over TP): the dropped copies,
-    # and so the losses, are those of one process.
+    # Capacity is decided over the micro-batch a rank routes (gathered over TP, also where each TP rank
+    # sends its own tokens): the dropped copies, and so the losses, are those of one process.
     got = launch(world, flags(data, *MOE, *CAPACITY, *extra), tmp_path, "moe_capacity")
     assert_same_run(got, one_process_capacity, what=f"MoE capacity 1.0, world {world} {extra}")
     for it, ref in one_process_capacity.items():
@@ -131,10 +141,15 @@ def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, t
 
 @pytest.mark.parametrize("argv,message", [
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by --expert-model-parallel-size 4"),
-    (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the data x context parallel ranks"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "8"], "must divide the ranks of a pipeline stage"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tp", "2", "--sequence-parallel"],
+     "2 x 2 x 1 = 4"),  # ep 4 x etp (= tp) 2 = 8 over a stage of 4 ranks
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "8"], "--expert-tensor-parallel-size 8 = 8 must"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "4", "--moe-ffn-hidden-size", "6"],
+     "not divisible by --expert-tensor-parallel-size 4"),
     (["--expert-model-parallel-size", "2"], "needs --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk in 1..num_experts"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "differs from --tp 2"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "needs --sequence-parallel"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--context-parallel-size", "2",
@@ -158,6 +173,15 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp
     assert_resumes_elsewhere(data, list(MOE), (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3"]),
                              [(1, []), (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"])], one_process,
                              tmp_path, "ep2")
+    # saved with whole experts under tp 2 (expert tensor parallelism 1, ZeRO-3 over expert-DP 2); resumed in
+    # one process, and with the experts sharded over etp = tp 2 at ep 2
+    etp1 = ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size",
+            "2", "--zero-stage", "3"]
+    assert_resumes_elsewhere(data, list(MOE), (4, etp1), [(1, []), (4, ["--tp", "2", "--sequence-parallel",
+                                                                          "--expert-model-parallel-size", "2"])],
+                             one_process, tmp_path, "etp1")
+    # saved in one process (every expert on the rank), resumed with whole experts spread over tp 2 x ep 2
+    assert_resumes_elsewhere(data, list(MOE), (1, []), [(4, etp1[:-2])], one_process, tmp_path, "ep1")
     # tools/generate.py's loader reads the experts of that checkpoint at tp 1 and 2: the losses of
     # the whole model read back by megazero
     import torch
@@ -178,6 +202,15 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp
     for tp in (1, 2):
         for loss, _, _ in run_distributed(tp, _generate_losses, src, tp):
             torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    # the etp 1 checkpoint (whole experts in the files of both TP ranks) reads back whole, and at tp 2
+    src = str(tmp_path / "etp1_ckpt")
+    cfg, weights, _ = load_full_model(src)
+    model = GPTModel(cfg, tp_group=NO_GROUP)
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        ref = model.eval()(ids[:, :-1], labels=ids[:, 1:])
+    for loss, _, _ in run_distributed(2, _generate_losses, src, 2):
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # noqa: F811

@@ -56,7 +56,7 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     elif hierarchical:
         raise ConfigError("--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p; drop it or "
                           "choose a2a+p2p")
-    ep = _expert_parallel(ns, tp, world_size // (tp * cp * pp), cp)
+    ep, etp = _expert_parallel(ns, tp, world_size // (tp * cp * pp), cp)
     zero_stage = ns.zero_stage
     if ns.use_distributed_optimizer:
         if zero_stage == 0:
@@ -78,7 +78,7 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
                           "--distributed-backend gloo to run on CPUs")
     return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp,
                           cp_comm_type=comm_types[0] if len(set(comm_types)) == 1 else tuple(comm_types),
-                          hierarchical_cp=hierarchical, ep=ep,
+                          hierarchical_cp=hierarchical, ep=ep, etp=etp,
                           world_size=world_size,
                           zero_stage=zero_stage, sequence_parallel=sp, distributed_backend=backend,
                           decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
@@ -144,32 +144,40 @@ def pipeline_plan_line(config: TrainConfig) -> str:
             + "; ".join(stages))
 
 
-def _expert_parallel(ns, tp: int, dp: int, cp: int) -> int:
-    """The expert-parallel size, refused at parse time when the experts or the ranks do not allow it."""
+def _expert_parallel(ns, tp: int, dp: int, cp: int) -> tuple[int, int]:
+    """The expert-parallel and expert tensor-parallel sizes, refused at parse time when the experts or the
+    ranks do not allow them."""
     ep = default(ns.expert_model_parallel_size, 1)
+    etp = default(ns.expert_tensor_parallel_size, tp)
     experts = ns.num_experts
-    if ep < 1:
-        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {ep}")
-    if ns.expert_tensor_parallel_size not in (None, tp):
-        raise ConfigError(f"--expert-tensor-parallel-size {ns.expert_tensor_parallel_size} differs from --tp {tp}: "
-                          "megazero shards experts over the tensor-parallel group; drop the flag or set it to --tp")
-    if ep > 1 and not experts:
-        raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts (a mixture of experts)")
-    if experts:
-        if len(experts) != 1:
-            raise ConfigError(f"--num-experts {' '.join(map(str, experts))}: one number of experts for every MoE "
-                              "layer (a per-layer list is not available); give one value")
-        if experts[0] % ep:
-            raise ConfigError(f"--num-experts {experts[0]} is not divisible by --expert-model-parallel-size {ep}")
-        if (dp * cp) % ep:
-            raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data x context parallel ranks "
-                              f"{dp} x {cp} = {dp * cp} (expert parallelism x expert tensor parallelism = tp must "
-                              "divide the ranks of a pipeline stage)")
-        if cp > 1 and ns.moe_expert_capacity_factor is not None:
-            raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1: the capacity would be "
-                              "decided on each rank's part of the sequences, which changes the dropped tokens with cp; "
-                              "drop one of them")
-    return ep
+    if ep < 1 or etp < 1:
+        raise ConfigError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
+    if (ep > 1 or etp != tp) and not experts:
+        flag = (f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}")
+        raise ConfigError(f"{flag} needs --num-experts (a mixture of experts)")
+    if not experts:
+        return ep, etp
+    if len(experts) != 1:
+        raise ConfigError(f"--num-experts {' '.join(map(str, experts))}: one number of experts for every MoE "
+                          "layer (a per-layer list is not available); give one value")
+    if experts[0] % ep:
+        raise ConfigError(f"--num-experts {experts[0]} is not divisible by --expert-model-parallel-size {ep}")
+    if (tp * dp * cp) % (ep * etp):
+        raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} must "
+                          f"divide the ranks of a pipeline stage, tp x dp x cp = {tp} x {dp} x {cp} = {tp * dp * cp}")
+    ffn = default(ns.moe_ffn_hidden_size, ns.ffn_hidden_size)
+    if ffn is not None and ffn % etp:
+        raise ConfigError(f"the experts' hidden size {ffn} (--moe-ffn-hidden-size, else --ffn-hidden-size) is not "
+                          f"divisible by --expert-tensor-parallel-size {etp}")
+    if etp != tp and tp > 1 and not ns.sequence_parallel:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tp {tp}: each rank then routes "
+                          "tokens of its own, which needs --sequence-parallel (as in Megatron-LM); add it, or set "
+                          f"--expert-tensor-parallel-size {tp}")
+    if cp > 1 and ns.moe_expert_capacity_factor is not None:
+        raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1: the capacity would be "
+                          "decided on each rank's part of the sequences, which changes the dropped tokens with cp; "
+                          "drop one of them")
+    return ep, etp
 
 
 def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
