@@ -42,6 +42,7 @@ from megazero.mpu.mappings import all_gather_first_dim
 from megazero.mpu.moe_exchange import all_to_all_rows, exchange_counts
 
 from .config import GPTConfig
+from .cp_context import ContextParallel
 from .moe_routing import over_capacity, route
 
 __all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter", "route", "over_capacity"]
@@ -208,11 +209,12 @@ class MoELayer(torch.nn.Module):
                             else None)
         self.counter: Optional[dict] = None  # bytes the all-to-alls send, when a caller asks
 
-    def forward(self, x: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-        """``cp_group``: the context-parallel group when each rank holds part of every sequence (the
-        load-balancing loss then counts the tokens of all of them)."""
+    def forward(self, x: torch.Tensor, cp: Optional[ContextParallel] = None) -> torch.Tensor:
+        """``cp``: context parallelism, when each rank holds part of every sequence (the load-balancing
+        loss then counts the tokens of all of them, and capacity is decided over whole sequences)."""
         c = self.config
-        cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
+        cp = cp if cp is not None and cp.group is not None and dist.get_world_size(cp.group) > 1 else None
+        cp_group = cp.group if cp is not None else None
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         w = self.router.weight
@@ -225,16 +227,19 @@ class MoELayer(torch.nn.Module):
                                     c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
                                     bias)
         aux = self._aux_losses(logits, probs, top, b, cp_group)
+        drop = self._drops(top, weights, b, cp)
         if self.own_tokens:
-            y = self._own_tokens(tokens, top, weights, bias)
+            y = self._own_tokens(tokens, top, weights, bias, drop)
         else:
-            y = self._gathered_tokens(tokens, top, weights, bias)
+            y = self._gathered_tokens(tokens, top, weights, bias, drop)
         y = y.view(s, b, h)
         return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
 
-    def _gathered_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias) -> torch.Tensor:
+    def _gathered_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias,
+                         drop: Optional[torch.Tensor]) -> torch.Tensor:
         """Expert TP = TP: the TP group's tokens gathered, each TP rank's expert shards over all of them,
-        the partial outputs (routed and shared) reduced (scattered under SP) over TP once."""
+        the partial outputs (routed and shared) reduced (scattered under SP) over TP once. ``drop``:
+        :meth:`_drops` of the gathered tokens."""
         c = self.config
         if self.sequence_parallel:
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
@@ -244,7 +249,7 @@ class MoELayer(torch.nn.Module):
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
         if bias is not None and self._recording():  # the micro-batch's load (gathered over TP), for the step's update
             self.router.tokens_per_expert += _counts(top.reshape(-1), c.num_experts).to(top.device).float()
-        y = self._experts(tokens, top, weights.to(tokens.dtype))  # the routing in fp64 only when asked
+        y = self._experts(tokens, top, weights.to(tokens.dtype), drop)  # the routing in fp64 only when asked
         if self.shared_experts is not None:
             y = y + self._shared(tokens)
         if self.sequence_parallel:
@@ -253,19 +258,14 @@ class MoELayer(torch.nn.Module):
             return mpu.reduce_from_tensor_model_parallel_region(y, self.tp_group)
         return y
 
-    def _own_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias) -> torch.Tensor:
+    def _own_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias,
+                    drop: Optional[torch.Tensor]) -> torch.Tensor:
         """Expert TP other than TP: this rank's own tokens go to their experts' etp ranks, whose partial
         outputs come back and are summed here; only the shared expert (sharded over TP) gathers over TP.
-        Capacity and the load figures are decided over the TP group's tokens, as one process does."""
+        The load figures are counted over the TP group's tokens, as one process does."""
         c = self.config
-        capacity = c.moe_expert_capacity_factor is not None and top.device.type != "meta"
         loads = self._recording() and (bias is not None or not self._balancing())
-        whole = all_gather_first_dim(top, self.tp_group) if self.sequence_parallel and (capacity or loads) else top
-        drop = None
-        if capacity:
-            every = all_gather_first_dim(weights.detach(), self.tp_group) if self.sequence_parallel else weights
-            drop = self._over_capacity(whole, every).chunk(self.tp_size if self.sequence_parallel else 1)[
-                self.tp_rank if self.sequence_parallel else 0]
+        whole = all_gather_first_dim(top, self.tp_group) if self.sequence_parallel and loads else top
         if loads:
             counts = _counts(whole.reshape(-1), c.num_experts).to(top.device)
             if bias is not None:
@@ -336,6 +336,43 @@ class MoELayer(torch.nn.Module):
         recomputation the first, gradient-free pass is skipped; the recomputation records)."""
         return self.training and torch.is_grad_enabled()
 
+    def _drops(self, top: torch.Tensor, weights: torch.Tensor, batch: int,
+               cp: Optional[ContextParallel]) -> Optional[torch.Tensor]:
+        """``[T, k]`` the copies over capacity among this rank's routed tokens (None without a capacity),
+        returned for the rows the experts take here: the TP group's (gathered) tokens, or with ETP other
+        than TP this rank's own. Decided over the whole micro-batch, gathered over TP and CP and put in one
+        process's token order (sequence position x batch), so the same copies drop at every layout."""
+        c = self.config
+        if c.moe_expert_capacity_factor is None or top.device.type == "meta":
+            return None
+        k = top.size(1)
+        rows = torch.cat([top.double(), weights.detach().double()], 1)  # exact: indices and fp32/fp64 weights
+        if self.sequence_parallel:
+            rows = all_gather_first_dim(rows, self.tp_group)
+        if cp is None:
+            drop = self._over_capacity(rows[:, :k].long(), rows[:, k:])
+        else:
+            index = self._token_index(rows.size(0) // batch, batch, cp).double().unsqueeze(1)
+            rows = all_gather_first_dim(torch.cat([rows, index], 1), cp.group)
+            order = torch.argsort(rows[:, -1])
+            kept = self._over_capacity(rows[order, :k].long(), rows[order, k:2 * k])
+            drop = torch.empty_like(kept).index_copy_(0, order, kept)
+            drop = drop.chunk(dist.get_world_size(cp.group))[dist.get_rank(cp.group)]
+        if self.own_tokens and self.sequence_parallel:
+            return drop.chunk(self.tp_size)[self.tp_rank]
+        return drop
+
+    @staticmethod
+    def _token_index(length: int, batch: int, cp: ContextParallel) -> torch.Tensor:
+        """``[length * batch]`` one process's flat index (position x batch + sample) of this CP rank's
+        tokens, held ``[length, batch]`` flattened."""
+        if cp.sample_positions is not None:  # documents balanced per sample: each its own positions
+            positions = cp.sample_positions.t()
+        else:
+            positions = cp.shard.positions.view(-1, 1).expand(length, batch)
+        sample = torch.arange(batch, device=positions.device).view(1, -1)
+        return (positions.to(sample.device) * batch + sample).reshape(-1)
+
     def _over_capacity(self, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The token copies over their experts' capacity (:func:`over_capacity`), their share recorded."""
         c = self.config
@@ -347,14 +384,11 @@ class MoELayer(torch.nn.Module):
     def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor,
                  drop: Optional[torch.Tensor] = None, record_loads: bool = True) -> torch.Tensor:
         """Each token's k expert outputs, weighted and summed: ``[T, h]`` (partial over TP when the tokens
-        were gathered over TP; whole when this rank routed its own). ``drop``: the copies over capacity
-        (decided here over ``top`` when None and a capacity is set)."""
+        were gathered over TP; whole when this rank routed its own). ``drop``: the copies over capacity."""
         c = self.config
         n, k = top.shape
         flat = top.reshape(-1)
         buckets = c.num_experts
-        if drop is None and c.moe_expert_capacity_factor is not None and flat.device.type != "meta":
-            drop = self._over_capacity(top, weights)
         if drop is not None:  # copies over capacity go to a bucket past the last expert: sorted last, sent nowhere, output 0
             flat, buckets = torch.where(drop.reshape(-1), c.num_experts, flat), c.num_experts + 1
         order = torch.argsort(flat, stable=True)  # token copies by expert, then by token

@@ -243,5 +243,5 @@ class TransformerLayer(torch.nn.Module):
 
         x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp), 2 * self.number + 1)
         h = self.pre_mlp_layernorm(x)
-        h = self.mlp(h, cp.group if cp is not None else None) if isinstance(self.mlp, MoELayer) else self.mlp(h)
+        h = self.mlp(h, cp) if isinstance(self.mlp, MoELayer) else self.mlp(h)
         return x + drop(h, 2 * self.number + 2)

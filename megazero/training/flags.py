@@ -239,8 +239,9 @@ g(H, "--moe-grouped-gemm", "the experts' matmuls as grouped matmuls (torch._grou
   "experts; fp32/bf16/fp16, 16-byte aligned widths), the same bits as the per-expert loop used otherwise")
 g(M, "--disable-moe-token-dropping", "megazero's MoE is dropless; accepted")
 g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most ceil(k T / E x factor) of the "
-  "T token copies a rank routes in a micro-batch (gathered over TP), the rest are dropped (their output 0); "
-  "the same tokens are dropped at every tp, sp and ep", float)
+  "k T token copies of a data-parallel rank's micro-batch (decided over its T tokens, gathered over TP and CP in "
+  "one process's order), the rest are dropped (their output 0); the same tokens are dropped at every tp, sp, cp, "
+  "ep and etp", float)
 g(H, "--moe-token-drop-policy", "which copies an expert keeps: probs (the highest routing weights, ties to the "
   "earlier token) or position (the earliest)", _lower, choices=("probs", "position"), default="probs")
 g(M, "--moe-pad-expert-input-to-capacity", "the experts' matmuls take the rows each expert keeps; padding to "

@@ -69,6 +69,11 @@ def one_process_capacity(data, tmp_path_factory):  # noqa: F811
     (2, ["--expert-model-parallel-size", "2"]),
     (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
     (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+    # context parallelism: each rank holds two chunks of every sequence; the drops are decided over the
+    # whole sequences, in one process's token order
+    (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tp", "2", "--sequence-parallel"]),
+    (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 ])
 def test_token_dropping_drops_the_same_copies_at_every_layout(data, one_process, one_process_capacity, tmp_path,  # noqa: F811
                                                               world, extra):
@@ -80,6 +85,24 @@ def test_token_dropping_drops_the_same_copies_at_every_layout(data, one_process,
         assert got[it]["moe_dropped_fraction"] == pytest.approx(ref["moe_dropped_fraction"], rel=1e-6)
     assert any(r["moe_dropped_fraction"] > 0 for r in one_process_capacity.values()), "nothing was dropped"
     assert any(abs(one_process_capacity[it]["lm_loss"] - one_process[it]["lm_loss"]) > 1e-6 for it in one_process)
+
+
+def test_dropping_the_latest_copies_under_context_parallelism_equals_one_process(data, tmp_path):  # noqa: F811
+    # 'position' keeps each expert's earliest copies: under cp 2 a rank holds chunks from both ends of
+    # each sequence, so "earliest" must be read in one process's token order.
+    position = [a if a != "probs" else "position" for a in CAPACITY]
+    one = launch(1, flags(data, *MOE, *position), tmp_path, "position1")
+    got = launch(4, flags(data, *MOE, *position, "--context-parallel-size", "2", "--expert-model-parallel-size", "2"),
+                 tmp_path, "position_cp2")
+    assert_same_run(got, one, what="capacity by position, cp 2 x ep 2")
+    assert all(got[it]["moe_dropped_fraction"] == pytest.approx(one[it]["moe_dropped_fraction"]) for it in one)
+    # packed documents balanced per sample: each sample's tokens sit at positions of their own
+    documents = [*MOE, *position, "--position-embedding-type", "rope", "--reset-position-ids",
+                 "--reset-attention-mask", "--eod-mask-loss"]
+    one = launch(1, flags(data, *documents), tmp_path, "position1_documents")
+    got = launch(2, flags(data, *documents, "--context-parallel-size", "2", "--cp-comm-type", "p2p"), tmp_path,
+                 "position_cp2_documents")
+    assert_same_run(got, one, what="capacity by position, cp 2, documents balanced per sample")
 
 
 QWEN2 = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--disable-bias-linear",
@@ -152,8 +175,6 @@ def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, t
     (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "needs --sequence-parallel"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--context-parallel-size", "2",
-      "--hidden-dropout", "0", "--attention-dropout", "0"], "decided on each rank's part of the sequences"),
     (["--num-experts", "4", "8"], "one number of experts"),
 ])
 def test_impossible_moe_settings_are_refused_with_the_numbers(argv, message):

@@ -173,10 +173,6 @@ def _expert_parallel(ns, tp: int, dp: int, cp: int) -> tuple[int, int]:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tp {tp}: each rank then routes "
                           "tokens of its own, which needs --sequence-parallel (as in Megatron-LM); add it, or set "
                           f"--expert-tensor-parallel-size {tp}")
-    if cp > 1 and ns.moe_expert_capacity_factor is not None:
-        raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1: the capacity would be "
-                          "decided on each rank's part of the sequences, which changes the dropped tokens with cp; "
-                          "drop one of them")
     return ep, etp
 
 
