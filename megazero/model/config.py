@@ -99,6 +99,9 @@ class GPTConfig:
     moe_grouped_gemm: bool = False
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"
+    # With a capacity: each rank sends every expert a fixed number of rows (its kept copies, then zeros),
+    # so the all-to-all's sizes are known without reading the routing on the host.
+    moe_pad_expert_input_to_capacity: bool = False
     # Shared experts (Qwen2-MoE, DeepSeek): an MLP of this width every token passes through beside its
     # routed experts, its output scaled by sigmoid(x w_gate) when moe_shared_expert_gate.
     moe_shared_expert_intermediate_size: Optional[int] = None
@@ -216,6 +219,8 @@ class GPTConfig:
                              f"token (1..{g}, dividing top-{k}), each group holding at least {k} // {gk} experts")
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
             raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (the capacity to pad to)")
         if self.moe_token_drop_policy not in ("probs", "position"):
             raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {self.moe_token_drop_policy!r}")
         if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):

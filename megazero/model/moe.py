@@ -29,6 +29,7 @@ reading the all-to-all's splits waits for the device once per layer and micro-ba
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -227,16 +228,16 @@ class MoELayer(torch.nn.Module):
                                     c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
                                     bias)
         aux = self._aux_losses(logits, probs, top, b, cp_group)
-        drop = self._drops(top, weights, b, cp)
+        drop, slots = self._drops(top, weights, b, cp), self._slots(top.size(0), cp)
         if self.own_tokens:
-            y = self._own_tokens(tokens, top, weights, bias, drop)
+            y = self._own_tokens(tokens, top, weights, bias, drop, slots)
         else:
-            y = self._gathered_tokens(tokens, top, weights, bias, drop)
+            y = self._gathered_tokens(tokens, top, weights, bias, drop, slots)
         y = y.view(s, b, h)
         return _WithAuxGrad.apply(y, aux, self.aux_scale) if aux is not None else y
 
     def _gathered_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias,
-                         drop: Optional[torch.Tensor]) -> torch.Tensor:
+                         drop: Optional[torch.Tensor], slots: Optional[int]) -> torch.Tensor:
         """Expert TP = TP: the TP group's tokens gathered, each TP rank's expert shards over all of them,
         the partial outputs (routed and shared) reduced (scattered under SP) over TP once. ``drop``:
         :meth:`_drops` of the gathered tokens."""
@@ -249,7 +250,7 @@ class MoELayer(torch.nn.Module):
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
         if bias is not None and self._recording():  # the micro-batch's load (gathered over TP), for the step's update
             self.router.tokens_per_expert += _counts(top.reshape(-1), c.num_experts).to(top.device).float()
-        y = self._experts(tokens, top, weights.to(tokens.dtype), drop)  # the routing in fp64 only when asked
+        y = self._experts(tokens, top, weights.to(tokens.dtype), drop, slots)  # the routing in fp64 only when asked
         if self.shared_experts is not None:
             y = y + self._shared(tokens)
         if self.sequence_parallel:
@@ -259,7 +260,7 @@ class MoELayer(torch.nn.Module):
         return y
 
     def _own_tokens(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor, bias,
-                    drop: Optional[torch.Tensor]) -> torch.Tensor:
+                    drop: Optional[torch.Tensor], slots: Optional[int]) -> torch.Tensor:
         """Expert TP other than TP: this rank's own tokens go to their experts' etp ranks, whose partial
         outputs come back and are summed here; only the shared expert (sharded over TP) gathers over TP.
         The load figures are counted over the TP group's tokens, as one process does."""
@@ -272,7 +273,7 @@ class MoELayer(torch.nn.Module):
                 self.router.tokens_per_expert += counts.float()
             if not self._balancing():
                 self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
-        y = self._experts(tokens, top, weights.to(tokens.dtype), drop, record_loads=False)
+        y = self._experts(tokens, top, weights.to(tokens.dtype), drop, slots, record_loads=False)
         if self.shared_experts is None:
             return y
         gathered = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group) if self.sequence_parallel else tokens
@@ -362,6 +363,19 @@ class MoELayer(torch.nn.Module):
             return drop.chunk(self.tp_size)[self.tp_rank]
         return drop
 
+    def _slots(self, routed: int, cp: Optional[ContextParallel]) -> Optional[int]:
+        """With padding to capacity: the rows this rank sends each expert, min(capacity, its tokens)
+        (a rank cannot hold more of an expert's kept copies than either); None otherwise. ``routed``:
+        the tokens this rank routed (its own under SP)."""
+        c = self.config
+        if not c.moe_pad_expert_input_to_capacity:
+            return None
+        whole = routed * (self.tp_size if self.sequence_parallel else 1)
+        here = routed if self.own_tokens else whole  # the rows the experts take here
+        micro_batch = whole * (dist.get_world_size(cp.group) if cp is not None else 1)
+        capacity = math.ceil(micro_batch * c.moe_router_topk / c.num_experts * c.moe_expert_capacity_factor)
+        return min(capacity, here)
+
     @staticmethod
     def _token_index(length: int, batch: int, cp: ContextParallel) -> torch.Tensor:
         """``[length * batch]`` one process's flat index (position x batch + sample) of this CP rank's
@@ -382,9 +396,11 @@ class MoELayer(torch.nn.Module):
         return drop
 
     def _experts(self, tokens: torch.Tensor, top: torch.Tensor, weights: torch.Tensor,
-                 drop: Optional[torch.Tensor] = None, record_loads: bool = True) -> torch.Tensor:
+                 drop: Optional[torch.Tensor] = None, slots: Optional[int] = None,
+                 record_loads: bool = True) -> torch.Tensor:
         """Each token's k expert outputs, weighted and summed: ``[T, h]`` (partial over TP when the tokens
-        were gathered over TP; whole when this rank routed its own). ``drop``: the copies over capacity."""
+        were gathered over TP; whole when this rank routed its own). ``drop``: the copies over capacity;
+        ``slots``: pad each expert's rows to this many (:meth:`_padded_experts`)."""
         c = self.config
         n, k = top.shape
         flat = top.reshape(-1)
@@ -396,6 +412,8 @@ class MoELayer(torch.nn.Module):
         rows = tokens.index_select(0, order // k)
         if record_loads and self._recording() and not self._balancing():  # else the loss recorded the micro-batch's
             self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
+        if slots is not None:
+            return self._padded_experts(rows, flat, order, weights, slots)
         if self.exchange_size > 1:
             rows, plan = self._dispatch(rows, counts)
         else:
@@ -403,17 +421,60 @@ class MoELayer(torch.nn.Module):
         per_expert = plan[0] if plan is not None else counts.tolist()  # the one host read of the layer
         if plan is None:
             rows = rows[:sum(per_expert)]  # without the dropped copies
-        if self._grouped(rows):
-            out = self._grouped_mlp(rows, per_expert)
-        else:
-            out = torch.cat([self.experts[str(e)].partial(chunk)
-                             for e, chunk in zip(self.local, rows.split(per_expert))])
+        out = self._expert_mlps(rows, per_expert)
         if plan is not None:
             out = self._combine(out, plan)
         if out.size(0) < n * k:  # the dropped copies' outputs: zeros
             out = torch.cat([out, out.new_zeros(n * k - out.size(0), out.size(1))])
         out = out.index_select(0, torch.argsort(order))  # back to (token, choice) order
         return (out.view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def _padded_experts(self, rows: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                        slots: int) -> torch.Tensor:
+        """:meth:`_experts` with every expert given ``slots`` rows by this rank (its kept copies in token
+        order, then zero rows): every size is known on the host, so nothing waits for the device. ``rows``
+        are the token copies sorted by expert (dropped ones last), ``order`` that sort of ``flat``."""
+        e, (n, k) = self.config.num_experts, weights.shape
+        src, slot = self._slot_indices(flat, order, slots)
+        rows = torch.cat([rows, rows.new_zeros(1, rows.size(1))])  # the padding's zero row
+        send = rows.index_select(0, src)  # [E * slots, h], expert-major
+        per_rank, ranks = len(self.local) * slots, self.exchange_size
+        if ranks > 1:  # each EP rank's block once per etp rank of its experts, equal splits
+            send = send.view(self.ep_size, 1, per_rank, -1).expand(-1, self.copies, -1, -1).reshape(-1, send.size(-1))
+            got = all_to_all_rows(send, self.exchange, [per_rank] * ranks, [per_rank] * ranks, self.counter)
+            got = got.view(ranks, len(self.local), slots, -1).transpose(0, 1).reshape(-1, got.size(-1))
+        else:
+            got = send
+        out = self._expert_mlps(got, [ranks * slots] * len(self.local))
+        if ranks > 1:
+            out = out.view(len(self.local), ranks, slots, -1).transpose(0, 1).reshape(-1, out.size(-1))
+            out = all_to_all_rows(out, self.exchange, [per_rank] * ranks, [per_rank] * ranks, self.counter)
+            out = out.view(self.ep_size, self.copies, per_rank, -1).sum(1).reshape(e * slots, -1)  # etp partials
+        out = torch.cat([out, out.new_zeros(1, out.size(1))])  # a dropped copy's output: zeros
+        return (out.index_select(0, slot).view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def _slot_indices(self, flat: torch.Tensor, order: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src [E * slots], slot [T * k])``: which sorted copy fills each expert's slot (the zero row
+        past them all when the expert has fewer), and each copy's slot in (token, choice) order (the
+        zero row after every slot when dropped). Device arithmetic only."""
+        e, copies = self.config.num_experts, flat.numel()
+        if flat.device.type == "meta":
+            return (torch.empty(e * slots, dtype=torch.long, device="meta"),
+                    torch.empty(copies, dtype=torch.long, device="meta"))
+        counts = torch.bincount(flat, minlength=e + 1)  # the last bucket: dropped copies
+        starts = torch.cumsum(counts, 0) - counts
+        p = torch.arange(slots, device=flat.device)
+        src = torch.where(p < counts[:e, None], starts[:e, None] + p, copies).reshape(-1)
+        expert = flat[order]
+        place = torch.arange(copies, device=flat.device) - starts[expert]
+        sorted_slot = torch.where(expert < e, expert * slots + place, e * slots)
+        return src, torch.empty_like(sorted_slot).index_copy_(0, order, sorted_slot)
+
+    def _expert_mlps(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
+        """This rank's experts over their rows (``per_expert[i]`` consecutive rows for local expert i)."""
+        if self._grouped(rows):
+            return self._grouped_mlp(rows, per_expert)
+        return torch.cat([self.experts[str(e)].partial(chunk) for e, chunk in zip(self.local, rows.split(per_expert))])
 
     def _grouped(self, rows: torch.Tensor) -> bool:
         """Whether the experts run as grouped matmuls (asked, available, the dtype and widths allow)."""

@@ -30,7 +30,8 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     place of the dense MLP's (sharded by TP), the dispatched and combined token copies ``2 e k s b h``,
     the router's fp32 input and its logits and probabilities (whole on every TP rank). With an expert
     tensor-parallel size ``expert_tp`` other than ``tp`` each rank routes its own s b / tp tokens and
-    holds their copies once per etp rank of their experts (the experts' own activations are the same).
+    holds their copies once per etp rank of their experts (the experts' own activations are the same);
+    padded to capacity, the copies are the capacity factor times more.
     """
     c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
     h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
@@ -45,9 +46,11 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     if c.num_experts:
         # SwiGLU keeps gate, up, silu(gate) and their product per token copy; GeLU input and output.
         share, k, fm = moe_layers(c) / c.num_layers, c.moe_router_topk, c.moe_ffn_size
-        sharded += share * e * s * b * (k * (2 * gate * fm if gate == 2 else 2 * fm) - (gate * f + f))
+        # padded to capacity, every expert gets capacity rows: the copies times the factor
+        pad = c.moe_expert_capacity_factor if c.moe_pad_expert_input_to_capacity else 1.0
+        sharded += share * e * s * b * (k * pad * (2 * gate * fm if gate == 2 else 2 * fm) - (gate * f + f))
         own = expert_tp is not None and expert_tp != t  # own tokens: s b / tp of them, sent to etp ranks each
-        tokens, copies = (s * b / t, s * b * expert_tp / t) if own else (s * b, s * b)
+        tokens, copies = (s * b / t, s * b * expert_tp / t * pad) if own else (s * b, s * b * pad)
         whole = share * (2 * e * k * copies * h + 4 * tokens * h + 3 * 4 * tokens * c.num_experts)
     return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t + whole
 

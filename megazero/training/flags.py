@@ -244,8 +244,9 @@ g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most 
   "ep and etp", float)
 g(H, "--moe-token-drop-policy", "which copies an expert keeps: probs (the highest routing weights, ties to the "
   "earlier token) or position (the earliest)", _lower, choices=("probs", "position"), default="probs")
-g(M, "--moe-pad-expert-input-to-capacity", "the experts' matmuls take the rows each expert keeps; padding to "
-  "capacity adds zero rows that change nothing; accepted")
+g(H, "--moe-pad-expert-input-to-capacity", "with --moe-expert-capacity-factor: each rank sends every expert "
+  "min(capacity, its tokens) rows, its kept copies then zero rows, so the all-to-all's sizes are known without "
+  "waiting for the device (no host synchronisation per MoE layer); the experts compute the zero rows too")
 g(R, ("--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity"),
   "DeepSpeed-MoE's capacity flags are not mapped (its capacity counts differ); use --moe-expert-capacity-factor "
   "and --moe-token-drop-policy", str)

@@ -5,6 +5,8 @@ all-to-alls send equal to the rows that leave the rank."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -277,3 +279,38 @@ def _etp_case(tp: int, etp: int, ep: int):
 @pytest.mark.parametrize("world,tp,etp,ep", [(2, 2, 1, 2), (4, 2, 1, 4), (4, 1, 2, 2), (2, 2, 1, 1)])
 def test_expert_tensor_parallelism_other_than_tp_equals_one_process(world, tp, etp, ep):
     run_distributed(world, _etp_case, tp, etp, ep)
+
+
+def _padded_case(size: int):
+    """Padded to capacity at ep ``size`` against one process without padding on every rank's tokens."""
+    rank = dist.get_rank()
+    kw = dict(moe_expert_capacity_factor=1.0)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(S, B, H, generator=g) for _ in range(size)]
+    grads = [torch.randn(S, B, H, generator=g) for _ in range(size)]
+    outs = []
+    for r in range(size):  # one process: each rank's micro-batch on its own, not padded
+        one = _layer(_config(**kw))
+        x = xs[r].clone().requires_grad_()
+        y = one(x)
+        y.backward(grads[r])
+        outs.append((y.detach(), x.grad, {n: p.grad for n, p in one.named_parameters()}))
+    mine = _layer(_config(moe_pad_expert_input_to_capacity=True, **kw), dist.group.WORLD, size, rank)
+    mine.counter = {}
+    x = xs[rank].clone().requires_grad_()
+    y = mine(x)
+    y.backward(grads[rank])
+    torch.testing.assert_close(y, outs[rank][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, outs[rank][1], rtol=1e-5, atol=1e-6)
+    for name, p in mine.named_parameters():
+        if ".experts." in f".{name}":  # an expert's gradient: the sum over every rank's micro-batch
+            torch.testing.assert_close(p.grad, sum(o[2][name] for o in outs), rtol=1e-4, atol=1e-5)
+    slots = min(math.ceil(S * B * 2 / E), S * B)  # capacity factor 1, top-2
+    per_rank = E // size * slots * H * 4
+    sent = 2 * (size - 1) * per_rank  # dispatch and combine, to each other rank, whatever the routing
+    assert mine.counter == ({"forward": sent, "backward": sent} if size > 1 else {}), mine.counter
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_padding_to_capacity_changes_nothing_but_the_bytes(size):
+    run_distributed(size, _padded_case, size)

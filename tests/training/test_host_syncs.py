@@ -120,3 +120,27 @@ def test_one_host_sync_per_iteration(tmp_path, world, extra):
         for it in steady:
             assert sum(it.values()) == 1, (r["rank"], it)  # the counters are live: the step's read is seen
             assert all(k.startswith("tolist@engine.py:_step_sums") for k in it), it
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--swiglu", "--moe-aux-loss-coeff",
+       "0.01", "--moe-expert-capacity-factor", "1.0"]
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--zero-stage", "1", "--expert-model-parallel-size", "2"]),
+    (4, ["--zero-stage", "3", "--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel",
+         "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm"]),
+])
+def test_mixture_of_experts_padded_to_capacity_waits_once_per_iteration(tmp_path, world, extra):
+    # Padded to capacity, every all-to-all's sizes are known on the host: the step's read stays the only one.
+    for r in _count(world, *MOE, "--moe-pad-expert-input-to-capacity", *extra):
+        for it in r["iterations"][1:-1]:
+            assert it == {"tolist@engine.py:_step_sums": 1}, (r["rank"], it)
+
+
+def test_dropless_mixture_of_experts_reads_its_all_to_all_sizes_once_per_layer_and_micro_batch(tmp_path):
+    # Without padding the expert rows a rank receives are read on the host (Megatron's alltoall dispatcher
+    # does the same): 4 layers x 4 micro-batches per rank and iteration, besides the step's read.
+    for r in _count(2, *MOE, "--expert-model-parallel-size", "2"):
+        for it in r["iterations"][1:-1]:
+            assert it == {"tolist@engine.py:_step_sums": 1, "tolist@moe.py:_dispatch": 16}, (r["rank"], it)

@@ -74,6 +74,12 @@ def one_process_capacity(data, tmp_path_factory):  # noqa: F811
     (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tp", "2", "--sequence-parallel"]),
     (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    # padded to capacity (fixed all-to-all sizes): the same dropped copies, zero rows besides
+    (2, ["--expert-model-parallel-size", "2", "--moe-pad-expert-input-to-capacity"]),
+    (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+         "--moe-pad-expert-input-to-capacity"]),
+    (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--moe-pad-expert-input-to-capacity",
+         "--moe-grouped-gemm"]),
 ])
 def test_token_dropping_drops_the_same_copies_at_every_layout(data, one_process, one_process_capacity, tmp_path,  # noqa: F811
                                                               world, extra):
@@ -175,6 +181,7 @@ def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, t
     (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "needs --sequence-parallel"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--num-experts", "4", "8"], "one number of experts"),
 ])
 def test_impossible_moe_settings_are_refused_with_the_numbers(argv, message):

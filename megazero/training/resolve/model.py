@@ -83,6 +83,9 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     if not ns.num_experts:
         return {}
     kw: dict[str, Any] = {"num_experts": ns.num_experts[0]}
+    if ns.moe_pad_expert_input_to_capacity and ns.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity each "
+                          "expert's rows are padded to); add it, or drop the padding (dropless)")
     for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_load_balancing_type",
                  "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
                  "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
@@ -90,7 +93,7 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
     for name in ("moe_router_pre_softmax", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
-                 "moe_grouped_gemm"):
+                 "moe_grouped_gemm", "moe_pad_expert_input_to_capacity"):
         if getattr(ns, name):
             kw[name] = True
     if ns.moe_shared_expert_intermediate_size is not None:
