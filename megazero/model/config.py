@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -75,7 +75,9 @@ class GPTConfig:
     num_experts: Optional[int] = None  # None: dense MLPs
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
-    moe_layer_freq: int = 1  # layer i is a mixture of experts when i % freq == 0
+    # layer i is a mixture of experts when i % freq == 0; or a pattern, one 0/1 per layer (Megatron's
+    # "([0]*3+[1]*58)": DeepSeek-V3's three dense layers first)
+    moe_layer_freq: Union[int, tuple[int, ...]] = 1
     # 'aux_loss' (Switch's, per micro-batch) | 'seq_aux_loss' (per sequence, DeepSeek-V2's) | 'none'
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
@@ -189,8 +191,13 @@ class GPTConfig:
         if e < 1 or not 1 <= k <= e:
             raise ValueError(f"num_experts must be >= 1 and moe_router_topk in 1..num_experts, got {e} experts, "
                              f"top-{k}")
-        if self.moe_layer_freq < 1:
-            raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        f = self.moe_layer_freq
+        if isinstance(f, (tuple, list)):
+            if len(f) != self.num_layers or set(f) - {0, 1}:
+                raise ValueError(f"moe_layer_freq pattern {list(f)} must give 0 (dense) or 1 (experts) for each of the "
+                                 f"{self.num_layers} layers")
+        elif f < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {f}")
         if self.moe_ffn_size % tp_size:
             raise ValueError(f"moe ffn size ({self.moe_ffn_size}) must be divisible by the tensor parallel size "
                              f"({tp_size})")
@@ -293,6 +300,11 @@ class GPTConfig:
             raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) exceeds num_layers ({self.num_layers})")
         return self
 
+    def is_moe_layer(self, number: int) -> bool:
+        """Layer ``number`` (its index in the whole model) is a mixture of experts."""
+        f = self.moe_layer_freq
+        return bool(self.num_experts) and bool(f[number] if isinstance(f, (tuple, list)) else number % f == 0)
+
     def replace(self, **changes: Any) -> "GPTConfig":
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -315,6 +327,8 @@ class GPTConfig:
         d = dict(d)
         if isinstance(d.get("params_dtype"), str):
             d["params_dtype"] = getattr(torch, d["params_dtype"].replace("torch.", ""))
+        if isinstance(d.get("moe_layer_freq"), list):  # JSON keeps a pattern as a list
+            d["moe_layer_freq"] = tuple(d["moe_layer_freq"])
         return cls(**d)
 
 

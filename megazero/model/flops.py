@@ -24,13 +24,13 @@ import torch
 
 from .config import GPTConfig
 
-__all__ = ["num_parameters", "expert_parameters", "active_parameters", "moe_layers", "flops_per_iteration",
+__all__ = ["num_parameters", "expert_parameters", "mlp_parameters", "active_parameters", "moe_layers", "flops_per_iteration",
            "flops_per_token", "layer_forward_flops_per_token"]
 
 
 def moe_layers(c: GPTConfig) -> int:
-    """How many layers are mixtures of experts (layer i when i % moe_layer_freq == 0)."""
-    return len(range(0, c.num_layers, c.moe_layer_freq)) if c.num_experts else 0
+    """How many layers are mixtures of experts (:meth:`GPTConfig.is_moe_layer`)."""
+    return sum(c.is_moe_layer(i) for i in range(c.num_layers))
 
 
 def _expert(c: GPTConfig, width: Optional[int] = None) -> int:
@@ -44,6 +44,14 @@ def _shared(c: GPTConfig) -> int:
     """A mixture layer's shared expert and its gate (0 without one)."""
     width = c.moe_shared_expert_intermediate_size
     return (_expert(c, width) + (c.hidden_size if c.moe_shared_expert_gate else 0)) if width else 0
+
+
+def mlp_parameters(c: GPTConfig) -> tuple[int, int]:
+    """(a dense layer's MLP, a mixture layer's MLP without its routed experts: the router and the shared
+    expert), the parameters by which the two kinds of layer differ outside the experts."""
+    h, f, gate = c.hidden_size, c.ffn_size, 2 if c.activation == "swiglu" else 1
+    bias = 1 if c.add_bias_linear else 0
+    return h * gate * f + bias * gate * f + f * h + bias * h, (h * c.num_experts + _shared(c)) if c.num_experts else 0
 
 
 def expert_parameters(c: GPTConfig) -> int:
@@ -68,10 +76,10 @@ def _config_parameters(c: GPTConfig) -> int:
              + n * d * h + bias * h  # linear_proj
              + h * gate * f + bias * gate * f  # linear_fc1
              + f * h + bias * h)  # linear_fc2
-    mlp = h * gate * f + bias * gate * f + f * h + bias * h
+    mlp, mixture = mlp_parameters(c)
     total = v * h + c.num_layers * layer + norm
     if c.num_experts:  # a mixture's MLP is its router and experts
-        total += moe_layers(c) * (h * c.num_experts + c.num_experts * _expert(c) + _shared(c) - mlp)
+        total += moe_layers(c) * (mixture + c.num_experts * _expert(c) - mlp)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if not c.tie_embeddings:

@@ -84,7 +84,7 @@ class _WithAuxGrad(torch.autograd.Function):
 
 def is_moe_layer(config: GPTConfig, number: int) -> bool:
     """Layer ``number`` (its index in the whole model) is a mixture of experts."""
-    return bool(config.num_experts) and number % config.moe_layer_freq == 0
+    return config.is_moe_layer(number)
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import expert_parameters, flops_per_iteration, num_parameters
+from megazero.model.flops import (expert_parameters, flops_per_iteration, mlp_parameters, moe_layers,
+                                  num_parameters)
 from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
                                             loader_pinned_bytes, nccl_communicators, nccl_line)
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
@@ -313,9 +314,13 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     weights, grads, optim = _with_experts(
         model_state_bytes(psi, dp=zdp, zero_stage=zero_stage, precision=precision, grad_accum_dtype=grad_accum_dtype,
                           offload_ratio=ratio, weights_on_device=kept), expert_states)
-    act = _activations(config, micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp,
-                       sequence_parallel=sequence_parallel and tp > 1, recompute=recompute, flash_attn=flash_attn,
-                       act_bytes=_DTYPE_BYTES[precision], expert_tp=etp)
+    act_kw = dict(micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp, recompute=recompute,
+                  sequence_parallel=sequence_parallel and tp > 1, flash_attn=flash_attn,
+                  act_bytes=_DTYPE_BYTES[precision], expert_tp=etp)
+    act = _activations(config, **act_kw)
+    if 0 < moe_layers(config) < config.num_layers:  # a dense and a mixture layer's, for stages holding other shares
+        act["saved_by_kind"] = tuple(_activations(c, **act_kw)["saved_per_layer"] for c in (
+            config.replace(num_experts=None), config.replace(moe_layer_freq=1)))
     kinds = [cp_comm_type] * config.num_layers if isinstance(cp_comm_type, str) else list(cp_comm_type)
     if context_parallel > 1 and "allgather" in kinds:
         act = _gathered_kv(act, config, seq_length=s, micro_batch_size=micro_batch_size, tp=tp, cp=context_parallel,
@@ -351,10 +356,13 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                          grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
                                          seq_length=s_rank, sequence_parallel=sequence_parallel and tp > 1,
                                          offload_ratio=ratio, weights_on_device=kept)
-        for st in pipeline["stages"]:  # every stage holds its share of the experts (layers split evenly)
-            st["states"] = _with_experts(st["states"], expert_states)
-            st["total"] += sum(expert_states)
-            st["params"] += psi_experts
+        for st in pipeline["stages"]:  # each stage holds the experts of its MoE layers
+            share = _stage_moe_share(config, st["stage"], pp, virtual_pp)
+            st["states"] = _with_experts(st["states"], tuple(x * share for x in expert_states))
+            st["total"] += sum(expert_states) * share
+            st["params"] += psi_experts * share
+            st["expert_params"] = psi_experts * share
+        psi_experts = stage["expert_params"]  # the largest stage's
         psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
@@ -421,6 +429,18 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
             "pp": pp_bytes, "total": dp_bytes + tp_bytes + pp_bytes}
 
 
+def _stage_moe_share(config: GPTConfig, stage: int, pp: int, v: int) -> float:
+    """Pipeline stage ``stage``'s MoE layers over the average stage's (layers split evenly into pp x v
+    chunks, chunk c of stage r holding the (c pp + r)-th slice): 1 unless a pattern leaves some dense."""
+    total = moe_layers(config)
+    if not total:
+        return 1.0
+    per_chunk = config.num_layers // (pp * v)
+    mine = sum(config.is_moe_layer(i) for c in range(v)
+               for i in range((c * pp + stage) * per_chunk, (c * pp + stage + 1) * per_chunk))
+    return mine * pp / total
+
+
 def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,
                    zero_stage: int, precision: str, grad_accum_dtype: Optional[str], act: dict,
                    micro_batch_size: int, seq_length: int, sequence_parallel: bool,
@@ -438,9 +458,16 @@ def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, d
     # Each micro-batch in flight also keeps the stage's output it sent (every stage but the last;
     # the pipeline keeps it for backward), and on the first stage the embedding's dropout mask.
     stages, worst = [], None
+    dense_mlp, mixture = (x / tp for x in mlp_parameters(c))  # (the router is replicated; the rest sharded)
+    moe_total = moe_layers(c)
     for r in range(pp):
         n = L // pp
-        params = n * layer
+        # the average layer, corrected for the stage's mixtures (a pattern puts dense layers where it says)
+        here = _stage_moe_share(c, r, pp, v) * moe_total / pp
+        params = n * layer + (here - n * moe_total / L) * (mixture - dense_mlp)
+        if "saved_by_kind" in act:  # the stage's own mix of dense and mixture layers
+            dense, mixed = act["saved_by_kind"]
+            saved = act["saved_per_layer"] + (here / n - moe_total / L) * (mixed - dense)
         ends = []
         if r == 0:
             params += word + pos

@@ -23,7 +23,8 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
       replicated under TP (sharded with SP): 2 norm inputs + QKV and fc1 inputs at
         ``act_bytes`` and 2 dropout masks at 1 byte: s b h (4e + 2) = 10 s b h;
       sharded by TP: Q, K, V, projection input, fc1 output, activation output:
-        e s b (n d + 2 g d + n d + gate f + f) = 24 s b h;
+        e s b (n d + 2 g d + n d + 2 f) = 24 s b h (SwiGLU: 4 f, fc1's gate and up, silu(gate)
+        and their product);
       attention scores (dropped by selective recompute / flash attention): softmax
         output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
     Mixture-of-experts layers (averaged over the layers): the k experts' MLP activations per token in
@@ -39,7 +40,9 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     # Dropout masks (1 byte) and dropout outputs exist only with dropout > 0 (the paper assumes it).
     hidden_masks = 2 if c.hidden_dropout > 0 else 0
     replicated = s * b * h * (4 * e + hidden_masks)
-    sharded = e * s * b * (n * d + 2 * g * d + n * d + gate * f + f)
+    # SwiGLU keeps fc1's output (gate, up), silu(gate) and their product (fc2's input): 4 f; GeLU 2 f
+    mlp = 4 * f if gate == 2 else 2 * f
+    sharded = e * s * b * (n * d + 2 * g * d + n * d + mlp)
     score_bytes = 2 * e + 1 if c.attention_dropout > 0 else e
     scores = n * s * s * b * score_bytes if keep_attention_scores else 0
     whole = 0.0
@@ -48,7 +51,7 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         share, k, fm = moe_layers(c) / c.num_layers, c.moe_router_topk, c.moe_ffn_size
         # padded to capacity, every expert gets capacity rows: the copies times the factor
         pad = c.moe_expert_capacity_factor if c.moe_pad_expert_input_to_capacity else 1.0
-        sharded += share * e * s * b * (k * pad * (2 * gate * fm if gate == 2 else 2 * fm) - (gate * f + f))
+        sharded += share * e * s * b * (k * pad * (2 * gate * fm if gate == 2 else 2 * fm) - mlp)
         own = expert_tp is not None and expert_tp != t  # own tokens: s b / tp of them, sent to etp ranks each
         tokens, copies = (s * b / t, s * b * expert_tp / t * pad) if own else (s * b, s * b * pad)
         whole = share * (2 * e * k * copies * h + 4 * tokens * h + 3 * 4 * tokens * c.num_experts)

@@ -188,7 +188,9 @@ def describe(config: TrainConfig) -> str:
     lines = [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
-        f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}",
+        f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}"
+        + (f"; {sum(m.is_moe_layer(i) for i in range(m.num_layers))} of {m.num_layers} layers mixtures of "
+           f"{m.num_experts} experts, top-{m.moe_router_topk}" if m.num_experts else ""),
         f"parallel: world {p.world_size} = tp {p.tp} x "
         + (f"cp {p.cp} ({_exchanges(p)}) x " if p.cp > 1 else "")
         + f"pp {p.pp} x dp {p.dp}" + (f" (experts: etp {p.etp} x ep {p.ep} x expert-dp {p.dp * p.cp * p.tp // (p.ep * p.etp)})"

@@ -74,6 +74,29 @@ def _lower(s: str) -> str:
     return s.lower()
 
 
+def _layer_freq(s: str):
+    """``--moe-layer-freq``: an int, or Megatron's pattern expression of 0s and 1s ("([0]*3+[1]*58)", "[1,0,1,0]"),
+    read without eval."""
+    text = s.replace(" ", "")
+    if text.isdigit():
+        return int(text)
+    if not text or set(text) - set("0123456789[](),+*"):
+        raise argparse.ArgumentTypeError(f"{s!r}: give an int or a list of 0/1 per layer such as ([0]*3+[1]*58)")
+    return tuple(_pattern(text.strip("()") if text.startswith("(") and text.endswith(")") else text, s))
+
+
+def _pattern(text: str, original: str) -> list:
+    """Sums of ``[a, b, ...]`` or ``[a, ...]*n`` terms."""
+    out: list = []
+    for term in text.split("+"):
+        body, _, times = term.partition("*")
+        if not (body.startswith("[") and body.endswith("]")) or (times and not times.isdigit()):
+            raise argparse.ArgumentTypeError(f"{original!r}: each term is [0/1, ...] or [0/1, ...]*n")
+        values = [int(v) for v in body[1:-1].split(",") if v]
+        out += values * (int(times) if times else 1)
+    return out
+
+
 _ROWS: list[Flag] = []
 
 
@@ -220,7 +243,8 @@ g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts (defaul
   "fastest, then ep, then expert data parallel (Megatron-core's order). Other than --tp it needs "
   "--sequence-parallel when tp > 1", int)
 g(H, "--moe-ffn-hidden-size", "hidden size of each expert's MLP (default --ffn-hidden-size)", int)
-g(H, "--moe-layer-freq", "every n-th layer is a mixture of experts (layer i when i % n == 0)", int, default=1)
+g(H, "--moe-layer-freq", "every n-th layer is a mixture of experts (layer i when i % n == 0), or a pattern of "
+  "0 (dense) and 1 (experts), one per layer, in Megatron's form: \"([0]*3+[1]*58)\"", _layer_freq, default=1)
 g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch), "
   "seq_aux_loss (the same per sequence, averaged: independent of how the global batch is split) or none",
   _lower, choices=("aux_loss", "none", "seq_aux_loss", "sinkhorn"), default="aux_loss",

@@ -111,6 +111,17 @@ def test_dropping_the_latest_copies_under_context_parallelism_equals_one_process
     assert_same_run(got, one, what="capacity by position, cp 2, documents balanced per sample")
 
 
+def test_a_layer_pattern_with_dense_layers_first_equals_one_process(data, tmp_path):  # noqa: F811
+    # Megatron's --moe-layer-freq pattern (DeepSeek-V3 puts its dense layers first): layer 0 dense, 1-3
+    # mixtures; at pp 2 x ep 2 the first stage holds one mixture, the second two.
+    pattern = [*MOE[:-2], "--moe-layer-freq", "([0]*1+[1]*3)"]
+    one = launch(1, flags(data, *pattern), tmp_path, "pattern1")
+    got = launch(4, flags(data, *pattern, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"),
+                 tmp_path, "pattern4")
+    assert_same_run(got, one, what="--moe-layer-freq ([0]*1+[1]*3), pp 2 x ep 2")
+    assert "3 of 4 layers mixtures of 4 experts, top-2" in open(tmp_path / "pattern4.log").read()
+
+
 QWEN2 = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--disable-bias-linear",
          "--add-qkv-bias", "--swiglu", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "40",
          "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0.001")
@@ -183,6 +194,9 @@ def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, t
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--num-experts", "4", "8"], "one number of experts"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], "for each of the 2 layers"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,2]"], "for each of the 2 layers"),
+    (["--num-experts", "4", "--moe-layer-freq", "range(2)"], "give an int or a list of 0/1"),
 ])
 def test_impossible_moe_settings_are_refused_with_the_numbers(argv, message):
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -254,3 +254,17 @@ def test_whole_experts_under_tensor_parallelism_are_rehearsed_against_the_formul
     assert {"ep", "edp"} <= set(r.nccl_communicators) and "etp" not in r.nccl_communicators
     x = expert_parameters(config.model) / (8 * 4)  # one whole expert of each of the stage's 8 layers
     assert r.engine_state_bytes >= 4 * x + 12 * x / 2
+
+
+def test_a_layer_pattern_with_dense_layers_first_is_planned_per_stage():
+    """DeepSeek-V3's layout on Mixtral's shape: the first 8 layers dense (--moe-layer-freq ([0]*8+[1]*24)),
+    pp 4: the first stage holds no experts and four dense MLPs' worth more than a mixture stage; the
+    plan follows each stage's own layers."""
+    config, _ = rehearsal_config(MIXTRAL + ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
+                                            "--use-distributed-optimizer", "--moe-layer-freq", "([0]*8+[1]*24)"], 64)
+    first, last = rehearse_rank(config, 0), rehearse_rank(config, 63)
+    for r in (first, last):
+        assert r.plan["state_bytes"] == pytest.approx(r.state_bytes, rel=0.01), (r.rank, r.plan, r.state_bytes)
+        # the rehearsal's unfused RMSNorm keeps an fp32 copy of its input (apex's fused one on a GPU does not)
+        assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.20), (r.rank, r.plan, r.peak_bytes)
+    assert "ep" in last.nccl_communicators and first.state_bytes < last.state_bytes
