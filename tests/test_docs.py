@@ -275,7 +275,7 @@ def test_the_checks_see_what_they_should():
     assert split_flags(*runs[0]) == [("pretrain_gpt", "--tp"), ("pretrain_gpt", "--bogus")]
     assert split_flags(*runs[1]) == [("rehearse", "--world-size"), ("pretrain_gpt", "--pp")]
     assert "--bogus" not in accepted("pretrain_gpt") and "--tp" in accepted("pretrain_gpt")
-    assert "--expert-interval" not in accepted("pretrain_gpt")  # refused: not usable
+    assert "--moe-token-dropping" not in accepted("pretrain_gpt")  # refused: not usable
     assert "--world-size" in accepted("rehearse")
     assert _repo_path_words("see tools/rehearse.py, examples/azure/ and SAVE/iter_0000100/ or data/x.bin") == [
         "tools/rehearse.py", "examples/azure/"]

@@ -104,6 +104,8 @@ class GPTConfig:
     # With a capacity: each rank sends every expert a fixed number of rows (its kept copies, then zeros),
     # so the all-to-all's sizes are known without reading the routing on the host.
     moe_pad_expert_input_to_capacity: bool = False
+    moe_min_capacity: int = 0  # an expert's capacity is at least this many copies (DeepSpeed-MoE's min_capacity)
+    moe_eval_capacity_factor: Optional[float] = None  # the factor in evaluation (None: the training one)
     # Shared experts (Qwen2-MoE, DeepSeek): an MLP of this width every token passes through beside its
     # routed experts, its output scaled by sigmoid(x w_gate) when moe_shared_expert_gate.
     moe_shared_expert_intermediate_size: Optional[int] = None
@@ -201,9 +203,6 @@ class GPTConfig:
         if self.moe_ffn_size % tp_size:
             raise ValueError(f"moe ffn size ({self.moe_ffn_size}) must be divisible by the tensor parallel size "
                              f"({tp_size})")
-        if self.add_bias_linear:
-            raise ValueError("experts have no biases here: a mixture of experts needs add_bias_linear=False "
-                             "(--disable-bias-linear), as Mixtral and Qwen-MoE are built")
         shared = self.moe_shared_expert_intermediate_size
         if shared is not None and (shared < 1 or shared % tp_size):
             raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be >= 1 and divisible by the "

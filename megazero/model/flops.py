@@ -34,10 +34,12 @@ def moe_layers(c: GPTConfig) -> int:
 
 
 def _expert(c: GPTConfig, width: Optional[int] = None) -> int:
-    """One routed expert's parameters (no biases); ``width``: another MLP width (a shared expert)."""
+    """One routed expert's parameters (with biases where the model has them); ``width``: another MLP width
+    (a shared expert)."""
     gate = 2 if c.activation == "swiglu" else 1
     f = width or c.moe_ffn_size
-    return c.hidden_size * gate * f + f * c.hidden_size
+    bias = gate * f + c.hidden_size if c.add_bias_linear else 0
+    return c.hidden_size * gate * f + f * c.hidden_size + bias
 
 
 def _shared(c: GPTConfig) -> int:

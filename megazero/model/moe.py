@@ -29,7 +29,6 @@ reading the all-to-all's splits waits for the device once per layer and micro-ba
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -44,7 +43,7 @@ from megazero.mpu.moe_exchange import all_to_all_rows, exchange_counts
 
 from .config import GPTConfig
 from .cp_context import ContextParallel
-from .moe_routing import over_capacity, route
+from .moe_routing import capacity_of, over_capacity, route
 
 __all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter", "route", "over_capacity"]
 
@@ -204,6 +203,8 @@ class MoELayer(torch.nn.Module):
         self.experts = torch.nn.ModuleDict({str(e): expert() for e in self.local})
         for p in self.experts.parameters():  # the shard each holds (engine and checkpoints read it)
             p.tp_shard, p.tp_shard_group = (etp_rank, etp_size), (etp_group if etp_size > 1 else None)
+            if etp_size == 1 and tp_size > 1 and not getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel, p.partition_dim = True, 0  # a whole expert's bias: this rank's own
         # ``shared`` builds the shared expert (every token, every EP rank holds it whole), with its gate.
         self.shared_experts = shared() if shared is not None else None
         self.shared_gate = (SharedGate(c, init_method, device) if shared is not None and c.moe_shared_expert_gate
@@ -373,8 +374,15 @@ class MoELayer(torch.nn.Module):
         whole = routed * (self.tp_size if self.sequence_parallel else 1)
         here = routed if self.own_tokens else whole  # the rows the experts take here
         micro_batch = whole * (dist.get_world_size(cp.group) if cp is not None else 1)
-        capacity = math.ceil(micro_batch * c.moe_router_topk / c.num_experts * c.moe_expert_capacity_factor)
+        capacity = capacity_of(micro_batch, c.moe_router_topk, c.num_experts, self._capacity_factor(),
+                               c.moe_min_capacity)
         return min(capacity, here)
+
+    def _capacity_factor(self) -> float:
+        """The capacity factor of this pass: in evaluation the eval one where given."""
+        c = self.config
+        return c.moe_eval_capacity_factor if not self.training and c.moe_eval_capacity_factor else \
+            c.moe_expert_capacity_factor
 
     @staticmethod
     def _token_index(length: int, batch: int, cp: ContextParallel) -> torch.Tensor:
@@ -390,7 +398,8 @@ class MoELayer(torch.nn.Module):
     def _over_capacity(self, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The token copies over their experts' capacity (:func:`over_capacity`), their share recorded."""
         c = self.config
-        drop = over_capacity(top, weights, c.num_experts, c.moe_expert_capacity_factor, c.moe_token_drop_policy)
+        drop = over_capacity(top, weights, c.num_experts, self._capacity_factor(), c.moe_token_drop_policy,
+                             c.moe_min_capacity)
         if self._recording():
             self.aux_scale.dropped.append(drop.float().mean())
         return drop
@@ -479,6 +488,8 @@ class MoELayer(torch.nn.Module):
     def _grouped(self, rows: torch.Tensor) -> bool:
         """Whether the experts run as grouped matmuls (asked, available, the dtype and widths allow)."""
         if not self.config.moe_grouped_gemm or not hasattr(torch, "_grouped_mm") or rows.device.type == "meta":
+            return False
+        if self.config.add_bias_linear:  # the grouped matmuls carry no biases: the loop adds them
             return False
         fc2 = self.experts[str(self.local.start)].linear_fc2.weight
         size = rows.element_size()

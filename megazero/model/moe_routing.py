@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["route", "over_capacity"]
+__all__ = ["route", "over_capacity", "capacity_of"]
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,12 +52,18 @@ def route(logits: torch.Tensor, k: int, pre_softmax: bool, score: str = "softmax
     return top, weights * scaling if scaling else weights, probs
 
 
-def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor: float, policy: str) -> torch.Tensor:
+def capacity_of(tokens: int, k: int, experts: int, factor: float, minimum: int = 0) -> int:
+    """The copies an expert keeps out of ``tokens`` tokens' k: max(ceil(k T / E * factor), minimum)."""
+    return max(math.ceil(tokens * k / experts * factor), minimum)
+
+
+def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor: float, policy: str,
+                  minimum: int = 0) -> torch.Tensor:
     """``[T, k]`` True for the token copies an expert cannot take: each expert keeps at most
-    ceil(k T / E * factor) of its copies, those of the highest routing weight ('probs'; ties to the
+    :func:`capacity_of` of its copies, those of the highest routing weight ('probs'; ties to the
     earlier token) or the earliest ('position')."""
     n, k = top.shape
-    capacity = math.ceil(n * k / experts * factor)
+    capacity = capacity_of(n, k, experts, factor, minimum)
     flat = top.reshape(-1)
     order = torch.arange(flat.numel(), device=flat.device)
     if policy == "probs":  # by weight, descending; a stable sort keeps token order among equals

@@ -168,14 +168,14 @@ class MLP(torch.nn.Module):
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
                  expert: bool = False, ffn_size: Optional[int] = None) -> None:
         """``expert``: one expert of a mixture (moe.py): ``moe_ffn_size`` wide (or ``ffn_size``: a shared
-        expert), no biases, no sequence parallelism (the layer gathers the tokens), run through :meth:`partial`."""
+        expert), no sequence parallelism (the layer gathers the tokens), run through :meth:`partial`."""
         super().__init__()
         c = config
         self.activation = c.activation
         self.swiglu = c.activation == "swiglu"
         ffn = ffn_size or (c.moe_ffn_size if expert else c.ffn_size)
         common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device,
-                      sequence_parallel=c.sequence_parallel and not expert, bias=c.add_bias_linear and not expert)
+                      sequence_parallel=c.sequence_parallel and not expert, bias=c.add_bias_linear)
         init, output_init = init_methods(c)
         if self.swiglu:
             self.linear_fc1 = GatedColumnParallelLinear(c.hidden_size, ffn, init_method=init, **common)
@@ -199,8 +199,17 @@ class MLP(torch.nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This TP rank's share of the MLP without its collectives: ``x`` is whole on every TP rank and
-        the output a partial sum over TP (an expert's: the mixture reduces all experts at once)."""
-        return F.linear(self._act(F.linear(x, self.linear_fc1.weight)), self.linear_fc2.weight)
+        the output a partial sum over TP (an expert's: the mixture reduces all experts at once). The
+        output bias enters the sum once, from TP rank 0, and its gradient is summed over TP so that
+        every rank's copy gets it."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        out = F.linear(self._act(F.linear(x, fc1.weight, fc1.bias)), fc2.weight)
+        if fc2.bias is None:
+            return out
+        if fc2.tp_size == 1:
+            return out + fc2.bias
+        bias = mpu.copy_to_tensor_model_parallel_region(fc2.bias, fc2.tp_group)
+        return out + bias * (1.0 if fc2.tp_rank == 0 else 0.0)
 
 
 class TransformerLayer(torch.nn.Module):

@@ -43,6 +43,7 @@ from megazero.training.output import console
 from megazero.training.resolve.common import default
 from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, resolve_data
 from megazero.training.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
+from megazero.training.resolve.deepspeed_moe import merge_deepspeed_moe
 from megazero.training.resolve.logs import resolve_logging
 from megazero.training.resolve.model import (GPT2_VOCAB_SIZE, MODEL_FIELD_FLAGS, build_gpt_config, model_field_kwargs,
                                              resolve_model)
@@ -100,6 +101,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     ds = load_deepspeed_json(ns.deepspeed_config)
     if ds is not None:
         merge_deepspeed(ns, ds, notes)
+    merge_deepspeed_moe(ns, notes)
     parallel = resolve_parallel(ns, world_size, notes, check_files)
     parallel.local_rank = ns.local_rank
     precision = resolve_precision(ns, ds, ns.deepspeed_config, notes)

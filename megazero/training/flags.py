@@ -231,13 +231,14 @@ g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (
 g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
 g(H, "--num-experts", "experts of each mixture-of-experts layer (dense MLPs without it); one value (Megatron-"
   "DeepSpeed's per-layer list is refused)", int, nargs="+")
-g(H, "--moe-router-topk", "experts each token is routed to", int, default=2)
-g(M, "--topk", "Megatron-DeepSpeed's name: --moe-router-topk", int, dest="moe_router_topk")
+g(H, "--moe-router-topk", "experts each token is routed to (default 2; 1 with DeepSpeed-MoE's flags)", int)
+_DS_MOE = "DeepSpeed-MoE (Megatron-DeepSpeed): "
+g(M, "--topk", _DS_MOE + "--moe-router-topk (its default 1; top-1 weighs by the softmax over all experts, as "
+  "DeepSpeed's gate)", int, dest="ds_topk")
 g(H, ("--expert-model-parallel-size", "--ep"), "expert-parallel size: each rank holds num_experts / ep experts "
   "of every MoE layer, tokens reach them by all-to-all; ep x --expert-tensor-parallel-size divides the ranks of "
-  "a pipeline stage, over the rest of which (expert data parallel) ZeRO partitions the experts", int, dest="expert_model_parallel_size", default=1)
-g(M, "--moe-expert-parallel-size", "Megatron-DeepSpeed's name: --expert-model-parallel-size", int,
-  dest="expert_model_parallel_size")
+  "a pipeline stage, over the rest of which (expert data parallel) ZeRO partitions the experts (default 1)", int, dest="expert_model_parallel_size")
+g(M, "--moe-expert-parallel-size", _DS_MOE + "--expert-model-parallel-size", int, dest="ds_moe_expert_parallel_size")
 g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts (default --tp): each expert's weights are "
   "sharded over this many ranks; ep x etp divides the ranks of a pipeline stage (tp x dp x cp), laid out etp "
   "fastest, then ep, then expert data parallel (Megatron-core's order). Other than --tp it needs "
@@ -251,8 +252,8 @@ g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss
   refuse_values=(("sinkhorn", "--moe-router-load-balancing-type sinkhorn is not available in megazero; use aux_loss, "
                               "seq_aux_loss or none"),))
 g(H, "--moe-aux-loss-coeff", "weight of the load-balancing loss (its gradient is added in backward, scaled as "
-  "the language-model loss)", float, default=0.0)
-g(M, "--moe-loss-coeff", "Megatron-DeepSpeed's name: --moe-aux-loss-coeff", float, dest="moe_aux_loss_coeff")
+  "the language-model loss; default 0)", float)
+g(M, "--moe-loss-coeff", _DS_MOE + "--moe-aux-loss-coeff (its default 0.1)", float, dest="ds_moe_loss_coeff")
 g(H, "--moe-z-loss-coeff", "weight of the router z-loss (mean logsumexp of the logits, squared)", float, default=0.0)
 g(H, "--moe-router-pre-softmax", "softmax over all experts before the top k (weights not renormalised, "
   "Qwen2-MoE); without it the softmax is over the k chosen logits (Mixtral)")
@@ -261,7 +262,8 @@ g(H, "--moe-token-dispatcher-type", "alltoall; allgather is mapped to it (the sa
   refuse_values=(("flex", "--moe-token-dispatcher-type flex (DeepEP) is not available; use alltoall"),))
 g(H, "--moe-grouped-gemm", "the experts' matmuls as grouped matmuls (torch._grouped_mm over a rank's stacked "
   "experts; fp32/bf16/fp16, 16-byte aligned widths), the same bits as the per-expert loop used otherwise")
-g(M, "--disable-moe-token-dropping", "megazero's MoE is dropless; accepted")
+g(M, "--disable-moe-token-dropping", _DS_MOE + "dropless (without it DeepSpeed-MoE drops by capacity)",
+  dest="ds_disable_moe_token_dropping")
 g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most ceil(k T / E x factor) of the "
   "k T token copies of a data-parallel rank's micro-batch (decided over its T tokens, gathered over TP and CP in "
   "one process's order), the rest are dropped (their output 0); the same tokens are dropped at every tp, sp, cp, "
@@ -271,9 +273,12 @@ g(H, "--moe-token-drop-policy", "which copies an expert keeps: probs (the highes
 g(H, "--moe-pad-expert-input-to-capacity", "with --moe-expert-capacity-factor: each rank sends every expert "
   "min(capacity, its tokens) rows, its kept copies then zero rows, so the all-to-all's sizes are known without "
   "waiting for the device (no host synchronisation per MoE layer); the experts compute the zero rows too")
-g(R, ("--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity"),
-  "DeepSpeed-MoE's capacity flags are not mapped (its capacity counts differ); use --moe-expert-capacity-factor "
-  "and --moe-token-drop-policy", str)
+g(M, "--moe-train-capacity-factor", _DS_MOE + "--moe-expert-capacity-factor (its default 1.0, dropping unless "
+  "--disable-moe-token-dropping)", float, dest="ds_moe_train_capacity_factor")
+g(M, "--moe-eval-capacity-factor", _DS_MOE + "the capacity factor in evaluation (default the training one)", float,
+  dest="ds_moe_eval_capacity_factor")
+g(M, "--moe-min-capacity", _DS_MOE + "the least capacity of an expert whatever the factor (its default 4)", int,
+  dest="ds_moe_min_capacity")
 g(R, "--moe-token-dropping", "DeepSpeed-MoE's switch: use --moe-expert-capacity-factor (dropless without it)")
 _NO_MOE_YET = "is not available in megazero's mixture of experts yet; drop it"
 g(H, "--moe-shared-expert-intermediate-size", "width of the shared expert every token passes through beside its "
@@ -292,10 +297,16 @@ g(H, "--moe-router-enable-expert-bias", "DeepSeek-V3's auxiliary-loss-free balan
   "expert added to the scores that choose the experts, moved once per step by --moe-router-bias-update-rate "
   "against the expert's load over the global batch; checkpointed")
 g(H, "--moe-router-bias-update-rate", "how far the expert bias moves per step", float, default=1e-3)
-for _flag in ("--expert-interval", "--mlp-type"):
-    g(R, _flag, f"{_flag} {_NO_MOE_YET}", str)
-for _flag in ("--create-moe-param-group",):
-    g(R, _flag, f"{_flag} {_NO_MOE_YET}")
+g(M, "--expert-interval", _DS_MOE + "every n-th layer a mixture, from layer n-1 (its default 2): a "
+  "--moe-layer-freq pattern", int, dest="ds_expert_interval")
+g(M, "--mlp-type", _DS_MOE + "standard; residual (PR-MoE) is refused", _lower, dest="ds_mlp_type",
+  refuse_values=(("residual", "--mlp-type residual (DeepSpeed's PR-MoE: a dense MLP beside each expert) is not "
+                  "available; use --mlp-type standard, or Megatron's shared experts (--moe-shared-expert-"
+                  "intermediate-size)"),))
+g(M, "--create-moe-param-group", _DS_MOE + "accepted: ZeRO already keeps the experts in groups of their own "
+  "(partitioned over expert data parallel)", dest="ds_create_moe_param_group")
+g(M, "--disable-moe-top2-2nd-expert-sampling", _DS_MOE + "accepted: megazero takes the second expert by its "
+  "score, never by sampling", dest="ds_disable_top2_sampling")
 g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo"), _NO_FP8, str)
 g(R, ("--fp8-param-gather", "--no-fp8-wgrad"), _NO_FP8)

@@ -55,7 +55,7 @@ def test_pretrain_help_leaves_refused_and_no_effect_flags_to_the_docs(pretrain_h
     listed = _option_lines(pretrain_help)
     refused = {n for f in FLAGS if f.status == REFUSED for n in f.names}
     hidden = {n for f in FLAGS if not f.in_help for n in f.names}
-    assert refused <= hidden and "--create-moe-param-group" in refused and "--deepspeed" in hidden
+    assert refused <= hidden and "--moe-token-dropping" in refused and "--deepspeed" in hidden
     assert not listed & hidden, sorted(listed & hidden)
     shown = {n for f in FLAGS if f.in_help for n in f.names}
     assert shown <= listed, sorted(shown - listed)
@@ -66,10 +66,10 @@ def test_pretrain_help_leaves_refused_and_no_effect_flags_to_the_docs(pretrain_h
 
 def test_a_refused_flag_still_exits_2_with_its_message(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args_or_exit(TINY + ["--expert-interval", "2"], 1, check_files=False)
+        parse_args_or_exit(TINY + ["--moe-token-dropping"], 1, check_files=False)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--expert-interval is not available in megazero's mixture of experts yet" in err
+    assert "--moe-token-dropping: DeepSpeed-MoE's switch" in err
 
 
 # Flags whose default only applies beside others (flags given with the default, and instead of ones in TINY).
@@ -118,4 +118,4 @@ def test_a_wrong_default_would_be_seen():
     with pytest.raises(AssertionError):
         assert parse_args(TINY + ["--seed", "1"], 1, check_files=False) == parse_args(TINY, 1, check_files=False)
     with pytest.raises(ConfigError):
-        parse_args(TINY + ["--expert-interval", "2"], 1, check_files=False)
+        parse_args(TINY + ["--moe-token-dropping"], 1, check_files=False)

@@ -314,3 +314,18 @@ def _padded_case(size: int):
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_padding_to_capacity_changes_nothing_but_the_bytes(size):
     run_distributed(size, _padded_case, size)
+
+
+def test_evaluation_takes_its_own_capacity_and_a_minimum_holds():
+    """DeepSpeed-MoE's eval capacity factor and min capacity: a factor too small to keep a copy still keeps
+    ``moe_min_capacity`` per expert; in evaluation the eval factor (here: room for every copy) applies."""
+    from megazero.model.moe import over_capacity
+
+    top = torch.zeros(10, 1, dtype=torch.long)  # every token to expert 0
+    assert int((~over_capacity(top, torch.ones(10, 1), 4, 0.01, "position", minimum=3)).sum()) == 3
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(S, B, H, generator=g)
+    dropless = _layer(_config()).eval()(x)
+    layer = _layer(_config(moe_expert_capacity_factor=0.1, moe_eval_capacity_factor=float(E)))
+    assert not torch.allclose(layer.train()(x), dropless)  # training: capacity 0.1 drops copies
+    torch.testing.assert_close(layer.eval()(x), dropless, rtol=0, atol=0)

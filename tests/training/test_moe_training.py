@@ -289,3 +289,47 @@ def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # no
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(model(ids)[..., :config.vocab_size], hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+# Megatron-DeepSpeed's MoE spelling (examples_deepspeed/MoE/ds_pretrain_gpt_*_MoE*.sh), its defaults left out
+DS_MOE = ("--num-experts", "4", "--moe-loss-coeff", "0.01", "--moe-train-capacity-factor", "1.0",
+          "--moe-eval-capacity-factor", "2.0", "--moe-min-capacity", "4", "--create-moe-param-group")
+
+
+def test_deepspeed_moe_flags_are_read_with_deepspeeds_defaults():
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--lr", "1e-3", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64"]
+    cfg = parse_args(base + list(DS_MOE) + ["--moe-expert-parallel-size", "2"], world_size=4, check_files=False)
+    notes = cfg.notes
+    m = cfg.model
+    assert m.moe_layer_freq == (0, 1, 0, 1) and [m.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert (m.moe_router_topk, m.moe_router_pre_softmax, m.moe_aux_loss_coeff) == (1, True, 0.01)
+    assert (m.moe_expert_capacity_factor, m.moe_eval_capacity_factor, m.moe_min_capacity) == (1.0, 2.0, 4)
+    assert cfg.parallel.ep == 2 and any("DeepSpeed-MoE flags" in n for n in notes)
+    dropless = parse_args(base + ["--num-experts", "4", "--disable-moe-token-dropping", "--topk", "2",
+                                  "--expert-interval", "1"], world_size=1, check_files=False)
+    d = dropless.model
+    assert (d.moe_expert_capacity_factor, d.moe_router_topk, d.moe_router_pre_softmax, d.moe_layer_freq) == (
+        None, 2, False, (1, 1, 1, 1))
+    assert d.moe_aux_loss_coeff == 0.1  # DeepSpeed's default loss coefficient
+    dense = parse_args(base + ["--num-experts", "1", "--moe-loss-coeff", "0.01"], world_size=1, check_files=False)
+    assert dense.model.num_experts is None
+    with pytest.raises(ConfigError, match="disagree"):
+        parse_args(base + ["--num-experts", "4", "--topk", "1", "--moe-router-topk", "2"], 1, check_files=False)
+
+
+def test_a_deepspeed_moe_launch_equals_one_process(data, tmp_path):  # noqa: F811
+    # Top-1 over the softmax of all experts, every second layer, capacity 1.0 with at least 4 copies, the
+    # loss at 0.01, experts with biases (Megatron-DeepSpeed's GPT): at ep 2, ep 2 x pp 2, tp 2 (the output
+    # bias added once over the TP shards) and tp 2 with whole experts as in one process.
+    one = launch(1, flags(data, *DS_MOE), tmp_path, "ds_moe1")
+    assert any(r["moe_dropped_fraction"] > 0 for r in one.values()), "nothing was dropped"
+    for world, extra in ((2, ["--moe-expert-parallel-size", "2"]),
+                         (4, ["--moe-expert-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+                         (4, ["--moe-expert-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+                         (4, ["--moe-expert-parallel-size", "2", "--tp", "2", "--sequence-parallel",
+                              "--expert-tensor-parallel-size", "1", "--zero-stage", "3"])):
+        got = launch(world, flags(data, *DS_MOE, *extra), tmp_path, f"ds_moe{world}")
+        assert_same_run(got, one, what=f"DeepSpeed-MoE flags, world {world} {extra}")

@@ -98,6 +98,9 @@ def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
             kw[name] = True
     if ns.moe_shared_expert_intermediate_size is not None:
         kw["moe_shared_expert_intermediate_size"] = ns.moe_shared_expert_intermediate_size
+    for name in ("moe_min_capacity", "moe_eval_capacity_factor"):  # set by DeepSpeed-MoE's flags only
+        if getattr(ns, name, None) is not None:
+            kw[name] = getattr(ns, name)
     return kw
 
 

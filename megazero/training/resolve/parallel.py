@@ -169,6 +169,10 @@ def _expert_parallel(ns, tp: int, dp: int, cp: int) -> tuple[int, int]:
     if ffn is not None and ffn % etp:
         raise ConfigError(f"the experts' hidden size {ffn} (--moe-ffn-hidden-size, else --ffn-hidden-size) is not "
                           f"divisible by --expert-tensor-parallel-size {etp}")
+    if etp not in (1, tp) and not ns.disable_bias_linear:
+        raise ConfigError(f"expert biases with --expert-tensor-parallel-size {etp} between 1 and --tp {tp}: each "
+                          "expert's output bias would be held by etp ranks that the gradient norm does not tell apart; "
+                          "add --disable-bias-linear, or use an expert tensor-parallel size of 1 or --tp")
     if etp != tp and tp > 1 and not ns.sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tp {tp}: each rank then routes "
                           "tokens of its own, which needs --sequence-parallel (as in Megatron-LM); add it, or set "
