@@ -307,7 +307,8 @@ class MoELayer(torch.nn.Module):
         if use_aux:
             e, k = c.num_experts, c.moe_router_topk
             if kind == "aux_loss":
-                counts, probs_sum, length = _counts(top.reshape(-1), e).to(probs.dtype), probs.sum(0), tokens
+                counts = _counts(top.reshape(-1), e).to(device=probs.device, dtype=probs.dtype)
+                probs_sum, length = probs.sum(0), tokens
             else:  # tokens are [s, b] flattened: token t belongs to sequence t % b
                 seq = (torch.arange(top.size(0), device=top.device) % batch).repeat_interleave(k)
                 counts = torch.zeros(batch, e, dtype=probs.dtype, device=top.device)

@@ -333,3 +333,35 @@ def test_a_deepspeed_moe_launch_equals_one_process(data, tmp_path):  # noqa: F81
                               "--expert-tensor-parallel-size", "1", "--zero-stage", "3"])):
         got = launch(world, flags(data, *DS_MOE, *extra), tmp_path, f"ds_moe{world}")
         assert_same_run(got, one, what=f"DeepSpeed-MoE flags, world {world} {extra}")
+
+
+def test_megatron_deepspeeds_moe_script_parses_as_it_trains(tmp_path):
+    # The flags of Megatron-DeepSpeed's examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh on 64 GPUs (its
+    # DeepSpeed JSON as the script's template fills it): 64 experts in every second layer, top-1, ep 64.
+    import json
+
+    ds = tmp_path / "ds_config_gpt.json"
+    ds.write_text(json.dumps({"train_batch_size": 256, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+                              "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": True,
+                              "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
+                                       "min_loss_scale": 1, "initial_scale_power": 11}, "bf16": {"enabled": False},
+                              "wall_clock_breakdown": False}))
+    argv = f"""--vocab-file v.json --merge-file m.txt --data-path d --data-impl mmap --override-opt_param-scheduler
+     --adam-beta1 0.9 --adam-beta2 0.95 --tensor-model-parallel-size 1 --moe-expert-parallel-size 64 --num-experts 64
+     --moe-loss-coeff 0.01 --moe-train-capacity-factor 1.0 --moe-eval-capacity-factor 1.0 --moe-min-capacity 4
+     --init-method-std 0.014 --lr-decay-tokens 300000000000 --lr-warmup-tokens 375000000 --micro-batch-size 4
+     --exit-duration-in-mins 30000000 --global-batch-size 256 --num-layers 12 --hidden-size 768
+     --num-attention-heads 12 --seq-length 2048 --max-position-embeddings 2048 --train-tokens 300000000000
+     --train-iters 1716613 --lr 4.5e-4 --min-lr 4.5e-06 --lr-decay-style cosine --split 98,2,0 --log-interval 10
+     --eval-interval 100 --eval-iters 10 --save-interval 10000 --weight-decay 0.1 --clip-grad 1.0 --hysteresis 2
+     --num-workers 0 --fp16 --load ck --save ck --tensorboard-queue-size 1 --log-timers-to-tensorboard
+     --log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard --tensorboard-dir tb
+     --create-moe-param-group --deepspeed --deepspeed_config {ds} --pipeline-model-parallel-size 1
+     --no-pipeline-parallel""".split()
+    cfg = parse_args(argv, world_size=64, check_files=False)
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_router_pre_softmax, m.add_bias_linear) == (64, 1, True, True)
+    assert [i for i in range(12) if m.is_moe_layer(i)] == [1, 3, 5, 7, 9, 11]
+    assert (m.moe_expert_capacity_factor, m.moe_min_capacity, m.moe_aux_loss_coeff) == (1.0, 4, 0.01)
+    assert (cfg.parallel.ep, cfg.parallel.dp, cfg.precision.dtype) == (64, 64, "fp16")
+    assert any("experts in layers 1, 3, 5, 7, 9, 11 (--expert-interval 2), top-1" in n for n in cfg.notes)

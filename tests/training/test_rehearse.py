@@ -242,12 +242,14 @@ def test_a_mixtral_8x7b_launch_on_64_ranks_is_rehearsed_against_the_formula():
 def test_whole_experts_under_tensor_parallelism_are_rehearsed_against_the_formula():
     """Mixtral-8x7B on 64 ranks at tp 2 with sequence parallelism, expert tensor parallelism 1, pp 4 and
     ep 8: the 16 ranks of a stage are 8 expert-parallel x 2 expert-data-parallel, each rank holding one
-    whole expert per layer and routing its own tokens; the state is the planner's and the formula's."""
+    whole expert per layer and routing its own tokens (the load-balancing and z losses on); the state is
+    the planner's and the formula's."""
     from megazero.model.flops import expert_parameters
 
     config, _ = rehearsal_config(MIXTRAL + ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
                                             "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
-                                            "--use-distributed-optimizer"], 64)
+                                            "--use-distributed-optimizer", "--moe-aux-loss-coeff", "0.01",
+                                            "--moe-z-loss-coeff", "0.001"], 64)
     r = rehearse_rank(config, 0)
     assert r.plan["state_bytes"] == pytest.approx(r.state_bytes, rel=0.01), (r.plan, r.state_bytes)
     assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.10), (r.plan, r.peak_bytes)

@@ -68,8 +68,9 @@ def merge_deepspeed_moe(ns: argparse.Namespace, notes: list[str]) -> None:
         _take(ns, "ds_moe_train_capacity_factor", "moe_expert_capacity_factor", "--moe-expert-capacity-factor", 1.0)
         ns.moe_eval_capacity_factor = ns.ds_moe_eval_capacity_factor
         ns.moe_min_capacity = ns.ds_moe_min_capacity if ns.ds_moe_min_capacity is not None else 4
-    notes.append(f"DeepSpeed-MoE flags ({', '.join(used)}): {ns.num_experts[0]} experts in every {interval}"
-                 f"{'th' if interval > 1 else ''} layer from layer {interval - 1}, top-{ns.moe_router_topk}, "
+    layers = ", ".join(str(i) for i, moe in enumerate(ns.moe_layer_freq) if moe)
+    notes.append(f"DeepSpeed-MoE flags ({', '.join(used)}): {ns.num_experts[0]} experts in layers {layers} "
+                 f"(--expert-interval {interval}), top-{ns.moe_router_topk}, "
                  + ("dropless" if ns.ds_disable_moe_token_dropping else
                     f"capacity factor {ns.moe_expert_capacity_factor} (at least {ns.moe_min_capacity}), keeping "
                     "the highest routing weights (DeepSpeed selects at random)"))
