@@ -8,7 +8,11 @@ one thread each; every rank holds its own tokens, as under data parallelism, and
 * dense:      a SwiGLU MLP of ffn = top_k x moe ffn (2048): the same active FLOPs per token, one rank;
 * megazero:   ``MoELayer`` at ep 1, 2, 4 (dropless, uneven all-to-all);
 * DeepSpeed:  ``deepspeed.moe.layer.MoE`` at ep 1 (top-2 gate, ``drop_tokens=False``: the capacity is the
-  busiest expert's load, every expert's buffer padded to it), when ``import deepspeed`` works.
+  busiest expert's load, every expert's buffer padded to it), when ``import deepspeed`` works;
+* on 2 ranks, one sequence split over tp 2 with sequence parallelism (half the tokens per rank):
+  ``etp=tp`` (each expert sharded over both ranks, the tokens gathered over TP) against ``etp 1``
+  (whole experts, ep 2, each rank sending its own tokens), and ``padded`` (ep 2, capacity factor 1.25
+  padded: fixed all-to-all sizes, no host read of the routing) against dropless ep 2.
 
 Per configuration and rank: main-thread CPU time of forward + backward (median of the timed steps;
 wall time too, but the ranks share the machine's cores, so per-rank CPU time is the figure), tokens/s
@@ -87,6 +91,7 @@ def _build(kind: str, shape: Shape, ep: int, rank: int):
     """(module, step(x) -> output, expert parameters) of one configuration."""
     from megazero.model.moe import AuxLossScale, MoELayer
     from megazero.model.transformer import MLP, init_methods
+    from megazero.mpu import NO_GROUP
 
     torch.manual_seed(0)  # the router alike on every rank
     if kind == "dense":
@@ -102,8 +107,20 @@ def _build(kind: str, shape: Shape, ep: int, rank: int):
                   drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
         moe.set_deepspeed_parallelism()
         return moe, lambda x: moe(x)[0], list(moe.deepspeed_moe.experts.parameters())
-    layer = MoELayer(c, lambda: MLP(c, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
-                     ep_group=dist.group.WORLD if ep > 1 else None, ep_size=ep, ep_rank=rank,
+    world = dist.group.WORLD
+    if kind in ("etp=tp", "etp 1"):  # tp 2 with SP over the 2 ranks
+        c = c.replace(sequence_parallel=True)
+        whole = kind == "etp 1"
+        layer = MoELayer(c, lambda: MLP(c, tp_group=NO_GROUP if whole else world, tp_size=1 if whole else 2,
+                                        expert=True), tp_group=world, tp_size=2,
+                         ep_group=world if whole else None, ep_size=2 if whole else 1, ep_rank=rank if whole else 0,
+                         aux_scale=AuxLossScale(), init_method=init_methods(c)[0], etp_group=None if whole else world,
+                         etp_size=1 if whole else 2, etp_rank=0 if whole else rank, exchange_group=world)
+        return layer, layer, list(layer.experts.parameters())
+    if kind == "padded":
+        c = c.replace(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True)
+    layer = MoELayer(c, lambda: MLP(c, tp_group=NO_GROUP, tp_size=1, expert=True), tp_group=None, tp_size=1,
+                     ep_group=world if ep > 1 else None, ep_size=ep, ep_rank=rank,
                      aux_scale=AuxLossScale(), init_method=init_methods(c)[0])
     return layer, layer, list(layer.experts.parameters())
 
@@ -124,9 +141,13 @@ def _measure(kind: str, shape: Shape, ep: int, rank: int) -> dict[str, Any]:
     from megazero.utils.memory_tracker import LiveMemoryTracker
 
     module, step, experts = _build(kind, shape, ep, rank)
-    g = torch.Generator().manual_seed(100 + rank)  # each rank's own tokens
-    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g).requires_grad_()
-    grad = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g).view(-1, shape.hidden)
+    tp = kind in ("etp=tp", "etp 1")  # one sequence over the 2 ranks: each its half (sequence parallelism)
+    g = torch.Generator().manual_seed(100 + (0 if tp else rank))  # else each rank's own tokens
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g)
+    grad = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g)
+    if tp:
+        x, grad = x.chunk(2)[rank].contiguous(), grad.chunk(2)[rank].contiguous()
+    x, grad = x.requires_grad_(), grad.view(-1, shape.hidden)
 
     def once() -> None:
         step(x).reshape(-1, shape.hidden).backward(grad)
@@ -142,12 +163,15 @@ def _measure(kind: str, shape: Shape, ep: int, rank: int) -> dict[str, Any]:
         cpus.append(time.thread_time() - cpu0)
         walls.append(time.perf_counter() - wall0)
     dist.barrier()
-    if kind == "megazero":
+    if kind not in ("dense", "DeepSpeed"):
         module.counter = {}
     with LiveMemoryTracker("cpu", scan_existing=False) as tracker:
         step(x).reshape(-1, shape.hidden).backward(grad)
     out = dict(cpu=statistics.median(cpus), wall=statistics.median(walls), peak=tracker.peak_bytes,
-               expert_bytes=sum(p.numel() * p.element_size() for p in experts), fwd=0, bwd=0, formula=0, rows=0)
+               expert_bytes=sum(p.numel() * p.element_size() for p in experts), fwd=0, bwd=0, formula=0, rows=0,
+               tokens=x.shape[0] * x.shape[1])
+    if kind not in ("dense", "DeepSpeed", "megazero"):
+        out.update(fwd=module.counter.get("forward", 0), bwd=module.counter.get("backward", 0), formula=None)
     if kind == "megazero":
         table = _routing(module, x, shape, ep)
         away = int(table[rank].sum() - table[rank, rank])
@@ -179,12 +203,15 @@ def _row(kind: str, ep: int, ranks: list[dict], shape: Shape) -> dict[str, Any]:
     cpu = [r["cpu"] for r in ranks]
     rows = [r["rows"] for r in ranks]
     return dict(kind=kind, ep=ep, cpu_max=max(cpu), cpu_mean=sum(cpu) / ep, wall=max(r["wall"] for r in ranks),
-                tps=shape.tokens / max(cpu), peak=max(r["peak"] for r in ranks),
+                tps=ranks[0]["tokens"] / max(cpu), peak=max(r["peak"] for r in ranks),
                 expert=max(r["expert_bytes"] for r in ranks), fwd=max(r["fwd"] for r in ranks),
-                bwd=max(r["bwd"] for r in ranks), formula=max(r["formula"] for r in ranks),
-                exact=all(r["fwd"] == r["formula"] == r["bwd"] for r in ranks),
+                bwd=max(r["bwd"] for r in ranks),
+                formula=max(r["formula"] for r in ranks) if ranks[0]["formula"] is not None else None,
+                exact=all(r["fwd"] == r["formula"] == r["bwd"] for r in ranks) if ranks[0]["formula"] is not None
+                else "-",
                 away=max(r.get("away", 0) for r in ranks),
-                load=max(rows) / (sum(rows) / ep) if sum(rows) else 1.0)
+                load=max(rows) / (sum(rows) / ep) if sum(rows) else 1.0, tokens=ranks[0]["tokens"],
+                hidden=shape.hidden)
 
 
 def _print(rows: list[dict]) -> None:
@@ -196,7 +223,8 @@ def _print(rows: list[dict]) -> None:
             print(f"{r['kind']:<10}{r['ep']:>3}  not run: {r['error'][:200]}")
             continue
         print(f"{r['kind']:<10}{r['ep']:>3}{r['cpu_max']:10.3f}{r['cpu_mean']:7.3f}{r['wall']:8.3f}{r['tps']:9.0f}"
-              f"{r['peak'] / mib:9.1f}{r['expert'] / mib:12.1f}{r['fwd'] / mib:12.2f}{r['formula'] / mib:8.2f}"
+              f"{r['peak'] / mib:9.1f}{r['expert'] / mib:12.1f}{r['fwd'] / mib:12.2f}"
+              f"{r['formula'] / mib if r['formula'] is not None else float('nan'):8.2f}"
               f"{r['bwd'] / mib:8.2f}{str(r['exact']):>10}{r['load']:14.2f}")
 
 
@@ -233,11 +261,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         kinds = ["megazero"]
         if ep == 1:
             kinds = ["dense"] + kinds + ([] if a.no_deepspeed else ["DeepSpeed"])
+        if ep == 2:
+            kinds += ["padded", "etp=tp", "etp 1"]
         for kind, ranks in zip(kinds, run_ep(ep, kinds, shape)):
             rows.append(_row(kind, ep, ranks, shape))
     _print(rows)
     _ratios(rows)
+    _expert_tp(rows)
     return 0
+
+
+def _expert_tp(rows: list[dict]) -> None:
+    """Whole experts against experts sharded over TP, and padding against dropless, on 2 ranks."""
+    by = {r["kind"]: r for r in rows if "error" not in r and r["ep"] == 2}
+    if "etp=tp" in by and "etp 1" in by:
+        a, b = by["etp 1"], by["etp=tp"]
+        # etp = tp sends over TP, not by all-to-all: the tokens' all-gather and the output's reduce-scatter,
+        # each this rank's T/2 rows of h fp32 to the other rank, forward (the same backward)
+        tp_bytes = 2 * a["tokens"] * a["hidden"] * ELEM
+        print(f"\ntp 2 (SP), whole experts (etp 1, ep 2) vs sharded over TP (etp = tp 2): bytes sent forward "
+              f"{a['fwd'] / 2 ** 20:.2f} MiB (all-to-all) vs {tp_bytes / 2 ** 20:.2f} MiB (TP gather + reduce-scatter, "
+              f"formula), {a['fwd'] / tp_bytes:.2f}x; CPU {a['cpu_max'] / b['cpu_max']:.2f}x, peak "
+              f"{a['peak'] / b['peak']:.2f}x, expert bytes per rank {a['expert'] / b['expert']:.2f}x")
+    if "padded" in by and "megazero" in by:
+        a, b = by["padded"], by["megazero"]
+        print(f"ep 2, padded to capacity 1.25 vs dropless: a2a bytes {a['fwd'] / max(b['fwd'], 1):.2f}x, CPU "
+              f"{a['cpu_max'] / b['cpu_max']:.2f}x, peak {a['peak'] / b['peak']:.2f}x")
 
 
 if __name__ == "__main__":
