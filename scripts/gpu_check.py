@@ -389,9 +389,9 @@ def check_moe_layer() -> str:
                   activation="swiglu", moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=256,
                   moe_shared_expert_gate=True, moe_expert_capacity_factor=1.25).validate()
 
-    def build(where, grouped):
+    def build(where, grouped, padded=False):
         torch.manual_seed(0)
-        cg = c.replace(moe_grouped_gemm=grouped)
+        cg = c.replace(moe_grouped_gemm=grouped, moe_pad_expert_input_to_capacity=padded)
         return MoELayer(cg, lambda: MLP(cg, tp_group=None, tp_size=1, expert=True), tp_group=None, tp_size=1,
                         ep_group=None, ep_size=1, ep_rank=0, aux_scale=AuxLossScale(value=1.0),
                         init_method=init_methods(cg)[0], shared=lambda: MLP(cg, tp_group=None, tp_size=1,
@@ -401,18 +401,19 @@ def check_moe_layer() -> str:
     x = torch.randn(512, 2, 256, generator=g)
     grad = torch.randn(512, 2, 256, generator=g)
     runs = []
-    for where, grouped in (("cpu", False), (dev, True)):  # the device runs the grouped matmuls
-        layer = build(where, grouped)
+    # the device runs the grouped matmuls, then the padded dispatch (fixed sizes, its slot arithmetic)
+    for where, grouped, padded in (("cpu", False, False), (dev, True, False), (dev, False, True)):
+        layer = build(where, grouped, padded)
         xi = x.to(where).requires_grad_()
         y = layer(xi)
         y.backward(grad.to(where))
         runs.append((y.detach().cpu(), xi.grad.cpu(), {n: p.grad.cpu() for n, p in layer.named_parameters()}))
-    (y0, dx0, g0), (y1, dx1, g1) = runs
-    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in [(y1, y0), (dx1, dx0)]
-                + [(g1[n], g0[n]) for n in g0 if g0[n].abs().max() > 0])
+    (y0, dx0, g0) = runs[0]
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for y1, dx1, g1 in runs[1:]
+                for a, b in [(y1, y0), (dx1, dx0)] + [(g1[n], g0[n]) for n in g0 if g0[n].abs().max() > 0])
     assert worst <= MOE_RTOL, f"MoE layer on {dev} vs CPU (fp32): relative difference {worst:.2e} > {MOE_RTOL}"
-    return (f"router, dropping, shared expert, aux loss, grouped matmuls on {dev} vs the CPU's per-expert loop "
-            f"(fp32): worst relative difference {worst:.1e}")
+    return (f"router, dropping, shared expert, aux loss, grouped matmuls and the padded dispatch on {dev} vs the "
+            f"CPU's per-expert loop (fp32): worst relative difference {worst:.1e}")
 
 
 # ---- 7: 1.3B throughput ------------------------------------------------------------------------

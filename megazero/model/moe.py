@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from megazero import mpu
 from megazero.mpu.initializers import initialize_sharded_
 from megazero.mpu.mappings import all_gather_first_dim
-from megazero.mpu.moe_exchange import all_to_all_rows, exchange_counts
 
 from .config import GPTConfig
 from .cp_context import ContextParallel
+from .moe_dispatch import TokenDispatcher, padded_slots
 from .moe_routing import capacity_of, over_capacity, route
 
 __all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter", "route", "over_capacity"]
@@ -194,11 +194,11 @@ class MoELayer(torch.nn.Module):
         if self.own_tokens and tp_size > 1 and not self.sequence_parallel:
             raise ValueError(f"expert tensor parallel size {etp_size} differs from tensor parallel size {tp_size}: "
                              "each rank routes its own tokens, which needs sequence parallelism")
-        self.copies = etp_size if self.own_tokens else 1  # destinations of a token copy: one per etp rank
-        self.exchange = exchange_group if self.own_tokens else ep_group
-        self.exchange_size = ep_size * self.copies
         per_rank = c.num_experts // ep_size
         self.local = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        # a token copy goes to one rank per etp rank of its expert when this rank routes its own tokens
+        self.dispatcher = TokenDispatcher(exchange_group if self.own_tokens else ep_group, ep_size,
+                                          etp_size if self.own_tokens else 1, self.local)
         self.router = Router(c, init_method, device=device)
         self.experts = torch.nn.ModuleDict({str(e): expert() for e in self.local})
         for p in self.experts.parameters():  # the shard each holds (engine and checkpoints read it)
@@ -209,7 +209,15 @@ class MoELayer(torch.nn.Module):
         self.shared_experts = shared() if shared is not None else None
         self.shared_gate = (SharedGate(c, init_method, device) if shared is not None and c.moe_shared_expert_gate
                             else None)
-        self.counter: Optional[dict] = None  # bytes the all-to-alls send, when a caller asks
+
+    @property
+    def counter(self) -> Optional[dict]:
+        """Bytes the all-to-alls send, by phase (set it to a dict to count)."""
+        return self.dispatcher.counter
+
+    @counter.setter
+    def counter(self, value: Optional[dict]) -> None:
+        self.dispatcher.counter = value
 
     def forward(self, x: torch.Tensor, cp: Optional[ContextParallel] = None) -> torch.Tensor:
         """``cp``: context parallelism, when each rank holds part of every sequence (the load-balancing
@@ -424,16 +432,15 @@ class MoELayer(torch.nn.Module):
             self.aux_scale.loads.append(counts.max().float() / counts.float().mean())
         if slots is not None:
             return self._padded_experts(rows, flat, order, weights, slots)
-        if self.exchange_size > 1:
-            rows, plan = self._dispatch(rows, counts)
-        else:
-            plan = None
+        plan = None
+        if self.dispatcher.ranks > 1:
+            rows, plan = self.dispatcher.dispatch(rows, counts)
         per_expert = plan[0] if plan is not None else counts.tolist()  # the one host read of the layer
         if plan is None:
             rows = rows[:sum(per_expert)]  # without the dropped copies
         out = self._expert_mlps(rows, per_expert)
         if plan is not None:
-            out = self._combine(out, plan)
+            out = self.dispatcher.combine(out, plan)
         if out.size(0) < n * k:  # the dropped copies' outputs: zeros
             out = torch.cat([out, out.new_zeros(n * k - out.size(0), out.size(1))])
         out = out.index_select(0, torch.argsort(order))  # back to (token, choice) order
@@ -444,41 +451,14 @@ class MoELayer(torch.nn.Module):
         """:meth:`_experts` with every expert given ``slots`` rows by this rank (its kept copies in token
         order, then zero rows): every size is known on the host, so nothing waits for the device. ``rows``
         are the token copies sorted by expert (dropped ones last), ``order`` that sort of ``flat``."""
-        e, (n, k) = self.config.num_experts, weights.shape
-        src, slot = self._slot_indices(flat, order, slots)
+        n, k = weights.shape
+        src, slot = padded_slots(flat, order, self.config.num_experts, slots)
         rows = torch.cat([rows, rows.new_zeros(1, rows.size(1))])  # the padding's zero row
-        send = rows.index_select(0, src)  # [E * slots, h], expert-major
-        per_rank, ranks = len(self.local) * slots, self.exchange_size
-        if ranks > 1:  # each EP rank's block once per etp rank of its experts, equal splits
-            send = send.view(self.ep_size, 1, per_rank, -1).expand(-1, self.copies, -1, -1).reshape(-1, send.size(-1))
-            got = all_to_all_rows(send, self.exchange, [per_rank] * ranks, [per_rank] * ranks, self.counter)
-            got = got.view(ranks, len(self.local), slots, -1).transpose(0, 1).reshape(-1, got.size(-1))
-        else:
-            got = send
-        out = self._expert_mlps(got, [ranks * slots] * len(self.local))
-        if ranks > 1:
-            out = out.view(len(self.local), ranks, slots, -1).transpose(0, 1).reshape(-1, out.size(-1))
-            out = all_to_all_rows(out, self.exchange, [per_rank] * ranks, [per_rank] * ranks, self.counter)
-            out = out.view(self.ep_size, self.copies, per_rank, -1).sum(1).reshape(e * slots, -1)  # etp partials
+        got = self.dispatcher.dispatch_padded(rows.index_select(0, src), slots)  # sent expert-major
+        out = self._expert_mlps(got, [self.dispatcher.ranks * slots] * len(self.local))
+        out = self.dispatcher.combine_padded(out, slots)
         out = torch.cat([out, out.new_zeros(1, out.size(1))])  # a dropped copy's output: zeros
         return (out.index_select(0, slot).view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
-
-    def _slot_indices(self, flat: torch.Tensor, order: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(src [E * slots], slot [T * k])``: which sorted copy fills each expert's slot (the zero row
-        past them all when the expert has fewer), and each copy's slot in (token, choice) order (the
-        zero row after every slot when dropped). Device arithmetic only."""
-        e, copies = self.config.num_experts, flat.numel()
-        if flat.device.type == "meta":
-            return (torch.empty(e * slots, dtype=torch.long, device="meta"),
-                    torch.empty(copies, dtype=torch.long, device="meta"))
-        counts = torch.bincount(flat, minlength=e + 1)  # the last bucket: dropped copies
-        starts = torch.cumsum(counts, 0) - counts
-        p = torch.arange(slots, device=flat.device)
-        src = torch.where(p < counts[:e, None], starts[:e, None] + p, copies).reshape(-1)
-        expert = flat[order]
-        place = torch.arange(copies, device=flat.device) - starts[expert]
-        sorted_slot = torch.where(expert < e, expert * slots + place, e * slots)
-        return src, torch.empty_like(sorted_slot).index_copy_(0, order, sorted_slot)
 
     def _expert_mlps(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
         """This rank's experts over their rows (``per_expert[i]`` consecutive rows for local expert i)."""
@@ -509,43 +489,3 @@ class MoELayer(torch.nn.Module):
         offs = torch.tensor(ends, dtype=torch.int32).to(rows.device, non_blocking=True)
         h = experts[0]._act(torch._grouped_mm(_ContiguousGrad.apply(rows), w1, offs=offs))
         return torch._grouped_mm(_ContiguousGrad.apply(h.contiguous()), w2, offs=offs)
-
-    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor):
-        """Send each expert's rows to its rank (to each of its etp ranks when this rank routes its own
-        tokens); return the rows this rank's experts get, ordered by (expert, source rank, token), and
-        what :meth:`_combine` needs to send the outputs back."""
-        ranks, per_rank, copies = self.exchange_size, len(self.local), self.copies
-        send = counts.view(self.ep_size, per_rank).repeat_interleave(copies, dim=0)  # row j: to exchange rank j
-        received = exchange_counts(send, self.exchange)
-        if counts.device.type == "meta":  # a rehearsal: every rank routes alike (uniform), so it receives what it sends
-            mine = counts.tolist()[self.local.start:self.local.stop]
-            table = [send.tolist(), [mine] * ranks]
-        else:
-            table = torch.stack([send, received]).tolist()  # [2, ranks, E/ep], on the host
-        send_splits, recv_table = [sum(r) for r in table[0]], table[1]
-        recv_splits = [sum(r) for r in recv_table]
-        rows = rows[:sum(send_splits) // copies]  # without the dropped copies
-        if copies > 1:  # each EP rank's block once per etp rank holding its experts
-            rows = torch.cat([b for b in rows.split(send_splits[::copies]) for _ in range(copies)])
-        got = all_to_all_rows(rows, self.exchange, recv_splits, send_splits, self.counter)
-        starts, at = [], 0
-        for r in range(ranks):
-            starts.append([])
-            for e in range(per_rank):
-                starts[r].append(at)
-                at += recv_table[r][e]
-        index = [starts[r][e] + i for e in range(per_rank) for r in range(ranks) for i in range(recv_table[r][e])]
-        index = torch.tensor(index, dtype=torch.long, device=rows.device)
-        per_expert = [sum(recv_table[r][e] for r in range(ranks)) for e in range(per_rank)]
-        return got.index_select(0, index), (per_expert, index, send_splits, recv_splits)
-
-    def _combine(self, out: torch.Tensor, plan) -> torch.Tensor:
-        """The experts' outputs back to their tokens' ranks; with etp copies, their partial sums added
-        here in etp-rank order."""
-        _, index, send_splits, recv_splits = plan
-        out = out.index_select(0, torch.argsort(index))  # (source rank, expert) order, as received
-        back = all_to_all_rows(out, self.exchange, send_splits, recv_splits, self.counter)
-        if self.copies == 1:
-            return back
-        parts = back.split(send_splits)
-        return torch.cat([sum(parts[j + 1:j + self.copies], parts[j]) for j in range(0, len(parts), self.copies)])
