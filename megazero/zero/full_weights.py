@@ -65,12 +65,31 @@ def full_master_tensors(engine, which: str = "master") -> dict[str, torch.Tensor
     return out
 
 
+def _collect_own_groups(engine, out: dict[str, torch.Tensor]) -> None:
+    """Add to ``out`` the parameters of own-group partitionings that other ranks of the stage hold (an
+    object all-gather over data parallel, then over tensor parallel: small models only, as the rest)."""
+    own = {s.name for g in engine.groups if g.part.name != "dp" for s in g.slots}
+    if not own or not dist.is_initialized():  # every rank of a stage partitions alike: all return here, or none
+        return
+    for group in (engine.comm.groups["dp"], engine.tp_group):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, {n: v for n, v in out.items() if n in own}, group=group)
+        for part in parts:
+            for n, v in part.items():
+                out.setdefault(n, v)
+                own.add(n)
+
+
 @torch.no_grad()
 def consolidated_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """Full, unsharded fp32 weights with the keys of a tp=1 model (collective).
 
     Returned on global rank 0 only unless ``rank0_only=False``. A TP-sharded parameter is gathered
-    over its own shard group (by default the TP group); a rank returns the parameters it holds.
+    over its own shard group (by default the TP group); parameters partitioned over a group of their own
+    (experts, each held by some ranks of the stage) are collected from the data- and tensor-parallel
+    ranks, so every rank returns its stage's whole model.
     """
     local = full_master_tensors(engine, "master")
     out = {}
@@ -89,6 +108,7 @@ def consolidated_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.
             out.setdefault(engine.param_name(name), out[engine.slot_of[id(p)][1].name])
     for name, b in engine.module.named_buffers():
         out.setdefault(engine.param_name(name), b.detach().cpu().clone())
+    _collect_own_groups(engine, out)
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return out

@@ -209,7 +209,8 @@ def test_loads_at_any_expert_layout(saved, label, layout, stage):
     out = run_distributed(world, _load, tp, etp, ep, stage, directory)
     for key in ("master", "exp_avg"):
         _check([o[key] for o in out], full[key], key)
-    for o in out:  # gathered over each parameter's own shard group
+    for o in out:  # gathered over each parameter's own shard group, every expert from the ranks holding it
+        assert set(o["consolidated"]) >= set(full["master"]), sorted(set(full["master"]) - set(o["consolidated"]))
         for n, v in o["consolidated"].items():
             torch.testing.assert_close(v, full["master"][n], atol=0, rtol=0, msg=lambda m: f"consolidated {n}: {m}")
 
