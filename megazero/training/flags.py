@@ -147,7 +147,8 @@ g(H, "--cp-comm-type", "how context-parallel attention exchanges: p2p (a ring of
 g(H, "--hierarchical-context-parallel-sizes", "a2a+p2p's two levels: the all-to-all group size (consecutive "
   "context-parallel ranks, within a node) and the ring size; their product is --context-parallel-size",
   int, nargs="+")
-g(H, "--sequence-parallel", "Megatron 2022 sequence parallelism (needs tensor parallelism > 1)")
+g(H, "--sequence-parallel", "Megatron 2022 sequence parallelism: activations outside attention and the MLP "
+  "sharded over the tensor-parallel ranks (off at --tp 1, as Megatron-LM turns it off)")
 g(H, "--zero-stage", "ZeRO stage 0-3 over the data-parallel group (Megatron-DeepSpeed)", int, default=1)
 g(M, "--use-distributed-optimizer", "Megatron's distributed optimizer (optimizer states sharded over data "
   "parallel) is ZeRO stage 1: sets --zero-stage 1 unless a stage >= 1 is given; --zero-stage 0 beside it is refused")
@@ -195,7 +196,8 @@ g(H, "--kv-channels", "per-head dimension (default hidden / heads)", int)
 g(H, "--position-embedding-type", "learned_absolute, rope or none", str,
   choices=("learned_absolute", "learned", "rope", "none"))
 g(M, "--use-rotary-position-embeddings", "Megatron-DeepSpeed's --position-embedding-type rope")
-g(M, "--no-position-embedding", "no position embedding (--position-embedding-type none)")
+g(M, "--no-position-embedding", "no learned position table: --position-embedding-type none, or beside rope nothing "
+  "more")
 g(H, "--rotary-base", "RoPE theta", float, default=10000.0)
 g(H, "--rotary-percent", "fraction of each head's dimensions rotated by RoPE", float, default=1.0)
 g(H, "--normalization", "LayerNorm or RMSNorm", _lower, choices=("layernorm", "rmsnorm"))

@@ -150,7 +150,6 @@ def test_pipeline_layouts_resolve_and_plan():
     ("--tp 8", 8, r"num_attention_heads \(4\) must be divisible by the tensor parallel size \(8\)"),
     ("--tp 2 --num-query-groups 1", 2, r"num_query_groups \(1\) must be divisible by the tensor parallel size \(2\)"),
     ("--tp 4 --ffn-hidden-size 130", 4, r"ffn size \(130\) must be divisible by the tensor parallel size \(4\)"),
-    ("--sequence-parallel", 4, r"--sequence-parallel needs --tp > 1"),
     ("--seq-length 128", 4, r"--seq-length 128 exceeds --max-position-embeddings 64"),
     ("--bf16 --fp16", 4, r"--bf16 and --fp16 are mutually exclusive"),
     ("--train-samples 100", 4, r"exactly one of --train-iters and --train-samples \(got both\)"),
@@ -167,6 +166,12 @@ def test_pipeline_layouts_resolve_and_plan():
 def test_refusals_name_the_numbers(extra, world, pattern):
     with pytest.raises(ConfigError, match=pattern):
         parse(extra, world=world)
+
+
+def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does():
+    cfg = parse("--sequence-parallel", world=4)
+    assert not cfg.parallel.sequence_parallel and not cfg.model.sequence_parallel
+    assert any("--sequence-parallel with --tp 1: off" in n for n in cfg.notes)
 
 
 def test_neither_train_iters_nor_samples():

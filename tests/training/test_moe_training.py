@@ -365,3 +365,27 @@ def test_megatron_deepspeeds_moe_script_parses_as_it_trains(tmp_path):
     assert (m.moe_expert_capacity_factor, m.moe_min_capacity, m.moe_aux_loss_coeff) == (1.0, 4, 0.01)
     assert (cfg.parallel.ep, cfg.parallel.dp, cfg.precision.dtype) == (64, 64, "fp16")
     assert any("experts in layers 1, 3, 5, 7, 9, 11 (--expert-interval 2), top-1" in n for n in cfg.notes)
+
+
+def test_megatron_lms_mixtral_script_parses_as_it_trains():
+    # The flags of Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh on 8 nodes (its tokenizer's
+    # vocabulary given as --vocab-size): --sequence-parallel at tp 1 is turned off as Megatron-LM does, and
+    # --no-position-embedding beside rope means no learned table.
+    argv = """--use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768
+    --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01
+    --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+    --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 8 --no-masked-softmax-fusion
+    --no-position-embedding --rotary-base 1000000 --num-experts 8 --moe-router-topk 2
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm
+    --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce --tokenizer-type Llama2Tokenizer
+    --tokenizer-model tokenizer.model --data-path data --split 99990,8,2 --micro-batch-size 1 --global-batch-size 256
+    --lr 1e-4 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1
+    --lr-warmup-iters 500 --clip-grad 1.0 --bf16 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+    --expert-model-parallel-size 8 --use-distributed-optimizer --sequence-parallel --log-interval 1
+    --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save ck --load ck --tensorboard-dir tb
+    --no-load-optim --no-load-rng --vocab-size 32000""".split()
+    cfg = parse_args(argv, world_size=64, check_files=False)
+    m, p = cfg.model, cfg.parallel
+    assert (m.num_experts, m.moe_router_topk, m.position_embedding_type, m.moe_grouped_gemm) == (8, 2, "rope", True)
+    assert (p.tp, p.pp, p.ep, p.dp, p.zero_stage, p.sequence_parallel) == (1, 4, 8, 16, 1, False)
+    assert any("--sequence-parallel with --tp 1: off" in n for n in cfg.notes)

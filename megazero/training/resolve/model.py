@@ -155,6 +155,8 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
     pos = {"learned_absolute": "learned"}.get(ns.position_embedding_type, ns.position_embedding_type)
     for alias, flag_name, value in ((ns.use_rotary_position_embeddings, "--use-rotary-position-embeddings", "rope"),
                                     (ns.no_position_embedding, "--no-position-embedding", "none")):
+        if alias and value == "none" and pos == "rope":  # no learned table: Megatron's Mixtral script gives both
+            continue
         if alias:
             if pos not in (None, value):
                 raise ConfigError(f"{flag_name} contradicts --position-embedding-type {ns.position_embedding_type}")

@@ -69,9 +69,10 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
     sp = bool(ns.sequence_parallel)
-    if sp and tp == 1:
-        raise ConfigError("--sequence-parallel needs --tp > 1 (it shards activations over the tensor-parallel "
-                          "group); drop --sequence-parallel or raise --tp")
+    if sp and tp == 1:  # Megatron-LM's rule (its Mixtral script passes both): no TP group to shard over
+        sp = False
+        notes.append("--sequence-parallel with --tp 1: off (there is no tensor-parallel group to shard the "
+                     "activations over), as Megatron-LM turns it off")
     backend = ns.distributed_backend
     if backend == "nccl" and check_files and not torch.cuda.is_available():
         raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
