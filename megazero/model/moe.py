@@ -42,6 +42,7 @@ from megazero.mpu.mappings import all_gather_first_dim
 
 from .config import GPTConfig
 from .cp_context import ContextParallel
+from .grouped_linear import group_offsets, grouped_linear, grouped_matmul_available
 from .moe_dispatch import TokenDispatcher, padded_slots
 from .moe_routing import capacity_of, over_capacity, route
 
@@ -123,19 +124,6 @@ class Router(torch.nn.Module):
         (the step's token copies per expert over the whole batch), down for those above."""
         self.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
         self.tokens_per_expert.zero_()
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward refuses the
-    broadcast, stride-0 gradients a sum produces)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
 
 
 class SharedGate(torch.nn.Module):
@@ -468,24 +456,17 @@ class MoELayer(torch.nn.Module):
 
     def _grouped(self, rows: torch.Tensor) -> bool:
         """Whether the experts run as grouped matmuls (asked, available, the dtype and widths allow)."""
-        if not self.config.moe_grouped_gemm or not hasattr(torch, "_grouped_mm") or rows.device.type == "meta":
+        if not self.config.moe_grouped_gemm or not grouped_matmul_available(rows.dtype, rows.device):
             return False
         if self.config.add_bias_linear:  # the grouped matmuls carry no biases: the loop adds them
             return False
         fc2 = self.experts[str(self.local.start)].linear_fc2.weight
         size = rows.element_size()
-        return rows.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
-            (rows.size(-1) * size) % 16 == 0 and (fc2.size(1) * size) % 16 == 0
+        return (rows.size(-1) * size) % 16 == 0 and (fc2.size(1) * size) % 16 == 0
 
     def _grouped_mlp(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
         """Every local expert's MLP over its rows in two grouped matmuls (the same bits as the loop)."""
         experts = [self.experts[str(e)] for e in self.local]
-        w1 = torch.stack([m.linear_fc1.weight for m in experts]).transpose(1, 2)  # [E, h, ffn (x2)]
-        w2 = torch.stack([m.linear_fc2.weight for m in experts]).transpose(1, 2)  # [E, ffn, h]
-        ends, at = [], 0
-        for n in per_expert:
-            at += n
-            ends.append(at)
-        offs = torch.tensor(ends, dtype=torch.int32).to(rows.device, non_blocking=True)
-        h = experts[0]._act(torch._grouped_mm(_ContiguousGrad.apply(rows), w1, offs=offs))
-        return torch._grouped_mm(_ContiguousGrad.apply(h.contiguous()), w2, offs=offs)
+        offs = group_offsets(per_expert, rows.device)
+        h = experts[0]._act(grouped_linear(rows, offs, [m.linear_fc1.weight for m in experts]))
+        return grouped_linear(h, offs, [m.linear_fc2.weight for m in experts])

@@ -226,6 +226,29 @@ def test_grouped_matmuls_give_the_loops_bits():
         assert torch.equal(g0[name], g1[name]), name
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch build has no torch._grouped_mm")
+def test_grouped_matmuls_keep_no_copy_of_the_weights_for_backward():
+    """What autograd saves beside the parameters themselves is the same for the grouped matmuls as for
+    the loop: no stacked copy of the experts' weights lives from forward to backward."""
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    saved = []
+    for grouped in (False, True):
+        layer = _layer(_config(moe_grouped_gemm=grouped))
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        sizes = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x).sum().backward()
+        saved.append(sum(sizes.values()))
+    expert_bytes = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+    assert saved[1] - saved[0] <= 4 * E, (saved, expert_bytes)  # the grouped matmuls' int32 row offsets
+
+
 def _etp_case(tp: int, etp: int, ep: int):
     """Expert TP other than TP: each rank routes its own (sequence-parallel) tokens and sends them to
     every etp rank of their experts. Against one process on all ranks' tokens in rank order."""

@@ -239,6 +239,17 @@ def test_a_mixtral_8x7b_launch_on_64_ranks_is_rehearsed_against_the_formula():
         assert r.engine_state_bytes >= 4 * x + 12 * x / 2
 
 
+def test_grouped_expert_matmuls_add_nothing_to_the_peak_of_a_mixtral_launch():
+    """--moe-grouped-gemm (Megatron-LM's Mixtral script passes it) on the rehearsal's meta device: the
+    grouped matmuls keep no stacked copy of the experts for backward, so rank 0 (four micro-batches in
+    flight over 8 layers) peaks where the per-expert loop does."""
+    flags = MIXTRAL + ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
+                       "--use-distributed-optimizer"]
+    peaks = [rehearse_rank(rehearsal_config(flags + extra, 64)[0], 0).peak_bytes
+             for extra in ([], ["--moe-grouped-gemm"])]
+    assert peaks[1] == pytest.approx(peaks[0], rel=1e-3), peaks
+
+
 def test_whole_experts_under_tensor_parallelism_are_rehearsed_against_the_formula():
     """Mixtral-8x7B on 64 ranks at tp 2 with sequence parallelism, expert tensor parallelism 1, pp 4 and
     ep 8: the 16 ranks of a stage are 8 expert-parallel x 2 expert-data-parallel, each rank holding one
