@@ -17,13 +17,21 @@ __all__ = ["grouped_linear", "grouped_matmul_available", "group_offsets"]
 
 
 def grouped_matmul_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this build runs ``torch._grouped_mm`` for ``dtype`` on ``device`` (on the meta device,
-    the rehearsal's, its shape function accepts bf16 only)."""
+    """Whether ``torch._grouped_mm`` is worth running for ``dtype`` on ``device``.
+
+    On CUDA only bf16 on compute capability 9.x / 10.x (Hopper, Blackwell) has a grouped kernel;
+    elsewhere torch loops over the groups after copying the offsets to the host, a wait for the
+    device per matmul that the per-expert loop (whose row counts are already on the host) does not
+    make. On the CPU every float dtype runs (a loop inside torch, the same bits); on the meta device,
+    the rehearsal's, bf16 as on a GPU."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.version.hip is None and \
+            torch.cuda.get_device_capability(device)[0] in (9, 10)
     if device.type == "meta":
         return dtype == torch.bfloat16
-    return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def group_offsets(per_group: list, device: torch.device) -> torch.Tensor:
