@@ -6,7 +6,8 @@ One MoE layer (fp32, Mixtral-like and scaled down: hidden 512, 8 experts, top-2,
 one thread each; every rank holds its own tokens, as under data parallelism, and E/ep experts):
 
 * dense:      a SwiGLU MLP of ffn = top_k x moe ffn (2048): the same active FLOPs per token, one rank;
-* megazero:   ``MoELayer`` at ep 1, 2, 4 (dropless, uneven all-to-all);
+* megazero:   ``MoELayer`` at ep 1, 2, 4 (dropless, uneven all-to-all), the experts as a per-expert loop;
+* grouped:    the same with ``moe_grouped_gemm`` (a rank's experts in two ``torch._grouped_mm`` calls);
 * DeepSpeed:  ``deepspeed.moe.layer.MoE`` at ep 1 (top-2 gate, ``drop_tokens=False``: the capacity is the
   busiest expert's load, every expert's buffer padded to it), when ``import deepspeed`` works;
 * on 2 ranks, one sequence split over tp 2 with sequence parallelism (half the tokens per rank):
@@ -119,6 +120,8 @@ def _build(kind: str, shape: Shape, ep: int, rank: int):
         return layer, layer, list(layer.experts.parameters())
     if kind == "padded":
         c = c.replace(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True)
+    if kind == "grouped":
+        c = c.replace(moe_grouped_gemm=True)
     layer = MoELayer(c, lambda: MLP(c, tp_group=NO_GROUP, tp_size=1, expert=True), tp_group=None, tp_size=1,
                      ep_group=world if ep > 1 else None, ep_size=ep, ep_rank=rank,
                      aux_scale=AuxLossScale(), init_method=init_methods(c)[0])
@@ -170,9 +173,9 @@ def _measure(kind: str, shape: Shape, ep: int, rank: int) -> dict[str, Any]:
     out = dict(cpu=statistics.median(cpus), wall=statistics.median(walls), peak=tracker.peak_bytes,
                expert_bytes=sum(p.numel() * p.element_size() for p in experts), fwd=0, bwd=0, formula=0, rows=0,
                tokens=x.shape[0] * x.shape[1])
-    if kind not in ("dense", "DeepSpeed", "megazero"):
+    if kind not in ("dense", "DeepSpeed", "megazero", "grouped"):
         out.update(fwd=module.counter.get("forward", 0), bwd=module.counter.get("backward", 0), formula=None)
-    if kind == "megazero":
+    if kind in ("megazero", "grouped"):
         table = _routing(module, x, shape, ep)
         away = int(table[rank].sum() - table[rank, rank])
         back = int(table[:, rank].sum() - table[rank, rank])
@@ -248,6 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--eps", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed row")
+    p.add_argument("--kinds", nargs="+", default=None, help="only these rows (e.g. megazero grouped)")
     a = p.parse_args(argv)
     shape = Shape(64, 8, 2, 128, 128, 2, a.steps or 2) if a.quick else Shape(512, 8, 2, 1024, 2048, 2, a.steps or 3)
     print(f"MoE layer, fp32, hidden {shape.hidden}, {shape.experts} experts, top-{shape.topk}, SwiGLU moe ffn "
@@ -258,16 +262,18 @@ def main(argv: Optional[list[str]] = None) -> int:
           "rows back) x h x 4; load: token copies the rank's experts get, max / mean over ranks\n")
     rows = []
     for ep in a.eps:
-        kinds = ["megazero"]
+        kinds = ["megazero", "grouped"]
         if ep == 1:
             kinds = ["dense"] + kinds + ([] if a.no_deepspeed else ["DeepSpeed"])
         if ep == 2:
             kinds += ["padded", "etp=tp", "etp 1"]
+        kinds = [k for k in kinds if a.kinds is None or k in a.kinds]
         for kind, ranks in zip(kinds, run_ep(ep, kinds, shape)):
             rows.append(_row(kind, ep, ranks, shape))
     _print(rows)
     _ratios(rows)
     _expert_tp(rows)
+    _grouped(rows)
     return 0
 
 
@@ -287,6 +293,17 @@ def _expert_tp(rows: list[dict]) -> None:
         a, b = by["padded"], by["megazero"]
         print(f"ep 2, padded to capacity 1.25 vs dropless: a2a bytes {a['fwd'] / max(b['fwd'], 1):.2f}x, CPU "
               f"{a['cpu_max'] / b['cpu_max']:.2f}x, peak {a['peak'] / b['peak']:.2f}x")
+
+
+def _grouped(rows: list[dict]) -> None:
+    """The grouped matmuls against the per-expert loop at each ep."""
+    by = {(r["kind"], r["ep"]): r for r in rows if "error" not in r}
+    for ep in sorted({r["ep"] for r in rows}):
+        a, b = by.get(("grouped", ep)), by.get(("megazero", ep))
+        if a and b:
+            print(f"ep {ep}, grouped matmuls vs per-expert loop: CPU {a['cpu_max'] / b['cpu_max']:.2f}x, peak "
+                  f"{a['peak'] / b['peak']:.2f}x ({(a['peak'] - b['peak']) / 2 ** 20:+.1f} MiB; the rank's experts: "
+                  f"{a['expert'] / 2 ** 20:.1f} MiB)")
 
 
 if __name__ == "__main__":
