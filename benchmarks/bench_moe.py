@@ -173,14 +173,14 @@ def _measure(kind: str, shape: Shape, ep: int, rank: int) -> dict[str, Any]:
     out = dict(cpu=statistics.median(cpus), wall=statistics.median(walls), peak=tracker.peak_bytes,
                expert_bytes=sum(p.numel() * p.element_size() for p in experts), fwd=0, bwd=0, formula=0, rows=0,
                tokens=x.shape[0] * x.shape[1])
-    if kind not in ("dense", "DeepSpeed", "megazero", "grouped"):
-        out.update(fwd=module.counter.get("forward", 0), bwd=module.counter.get("backward", 0), formula=None)
-    if kind in ("megazero", "grouped"):
+    if kind in ("megazero", "grouped"):  # dropless: the bytes against the routing's formula
         table = _routing(module, x, shape, ep)
         away = int(table[rank].sum() - table[rank, rank])
         back = int(table[:, rank].sum() - table[rank, rank])
         out.update(fwd=module.counter.get("forward", 0), bwd=module.counter.get("backward", 0),
                    formula=(away + back) * shape.hidden * ELEM, rows=int(table[:, rank].sum()), away=away)
+    elif kind not in ("dense", "DeepSpeed"):
+        out.update(fwd=module.counter.get("forward", 0), bwd=module.counter.get("backward", 0), formula=None)
     return out
 
 

@@ -49,7 +49,7 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 
 
 def _run(name: str, extra: list[str], base: list[str], work: Path) -> dict:
-    """One launch; its iteration records."""
+    """One launch: its median tokens/s, largest logged RSS and last loss (or the error)."""
     metrics = work / f"{name.replace(' ', '_')}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
            str(ROOT / "pretrain_gpt.py"), *base, *extra, "--metrics-file", str(metrics)]

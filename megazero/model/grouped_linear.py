@@ -11,6 +11,9 @@ grouped matmul already in ``[out, in]`` layout, each expert's a contiguous slice
 
 from __future__ import annotations
 
+from itertools import accumulate
+from typing import Sequence
+
 import torch
 
 __all__ = ["grouped_linear", "grouped_matmul_available", "group_offsets"]
@@ -37,14 +40,10 @@ def grouped_matmul_available(dtype: torch.dtype, device: torch.device) -> bool:
 def group_offsets(per_group: list, device: torch.device) -> torch.Tensor:
     """``offs`` for :func:`grouped_linear`: the running sums of ``per_group`` (counts on the host), sent
     to ``device`` without waiting for it."""
-    ends, at = [], 0
-    for n in per_group:
-        at += n
-        ends.append(at)
-    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+    return torch.tensor(list(accumulate(per_group)), dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _stacked(weights: tuple) -> torch.Tensor:
+def _stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[E, out, in]``: a view when there is one expert, else a copy."""
     return weights[0].unsqueeze(0) if len(weights) == 1 else torch.stack(weights)
 
@@ -61,7 +60,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad = grad.contiguous()  # a sum's broadcast gradient has zero strides, which _grouped_mm refuses
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            grad_rows = torch._grouped_mm(grad, _stacked(tuple(weights)), offs=offs)  # [N, out] x [E, out, in]
+            grad_rows = torch._grouped_mm(grad, _stacked(weights), offs=offs)  # [N, out] x [E, out, in]
         grad_weights = [None] * len(weights)
         if any(ctx.needs_input_grad[2:]):
             grad_weights = list(torch._grouped_mm(grad.t(), rows, offs=offs).unbind(0))  # [E, out, in]
