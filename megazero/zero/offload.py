@@ -231,7 +231,8 @@ class OptimizerOffload:
         self.files: dict[FlatGroup, OffloadFiles] = {}
         self._lock_fd: Optional[int] = None
         self.events: Optional[list[tuple[str, int, float, float]]] = None  # set to a list to record stages
-        self.delays: dict[str, float] = {}  # seconds added to a stage (tests of the overlap)
+        # Called as (kind, chunk) at the end of each stage, on the stage's thread (tests of the overlap).
+        self.stage_hook: Optional[Callable[[str, int], None]] = None
         # Where the updated compute-dtype weights go: the group's shard, unless the parameters are
         # offloaded too (the engine then points this at ParamOffload.write).
         self.write_shard: Callable[[FlatGroup, int, torch.Tensor], None] = \
@@ -353,8 +354,8 @@ class OptimizerOffload:
         fn(*args)
 
     def _record(self, kind: str, i: int, t0: float) -> None:
-        if self.delays.get(kind):
-            time.sleep(self.delays[kind])
+        if self.stage_hook is not None:
+            self.stage_hook(kind, i)
         if self.events is not None:
             self.events.append((kind, i, t0, time.perf_counter()))
 

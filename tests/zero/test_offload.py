@@ -7,7 +7,7 @@ crossing over) is in ``tests/training/test_offload.py``; these tests look inside
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import pytest
 import torch
@@ -68,28 +68,36 @@ def test_ring_keeps_stage_order_and_at_most_buffer_count_chunks_in_flight():
     assert chunks >= 6 and worst <= 2, (chunks, worst)
 
 
-def _overlap(delay: float):
-    engine = _engine({"device": "cpu", "buffer_count": 3, "buffer_size": ALIGN}, hidden_size=64)
+def _overlap(count: int):
+    """Hold stages open until their neighbours have run beside them: chunk i's step ends only after
+    chunk i+1 has arrived, and (three buffers or more) chunk i-1's return only after chunk i has
+    stepped. A pipeline finishes; a loop that runs one stage at a time waits (30 s, then fails)."""
+    engine = _engine({"device": "cpu", "buffer_count": count, "buffer_size": ALIGN}, hidden_size=64)
     off = engine.offload
-    off.delays = {"fetch": delay, "step": delay, "return": delay}
-    off.events = []
+    chunks = sum(-(-g.shard_numel // off.chunk) for g in off.groups)
+    done, changed = set(), threading.Condition()
+
+    def hold(kind: str, i: int) -> None:
+        wanted = {"step": ("fetch", i + 1), "return": ("step", i + 1)}.get(kind)
+        if wanted is None or wanted[1] >= chunks or (kind == "return" and count < 3):
+            wanted = None  # with two buffers chunk i+1 arrives only after chunk i-1 has left
+        with changed:
+            if wanted is not None and not changed.wait_for(lambda: wanted in done, timeout=30):
+                raise AssertionError(f"{kind} of chunk {i} ran alone: {wanted} never ran beside it")
+            done.add((kind, i))
+            changed.notify_all()
+
+    off.stage_hook = hold
     grads = {g: torch.zeros(g.shard_numel) for g in off.groups}
     off.init_state(engine.optimizer, off.groups[0])
-    t0 = time.perf_counter()
     off.step(engine.optimizer, grads, 1.0)
-    wall = time.perf_counter() - t0
-    return wall, len({i for _, i, _, _ in off.events})
+    return chunks, len(done)
 
 
-def test_stages_overlap_wall_time_near_the_slowest_stage():
-    """Each of the three stages delayed by d: in sequence a step takes 3 d per chunk; pipelined
-    through three buffers, about d per chunk plus the pipeline's fill and drain."""
-    delay = 0.02
-    wall, chunks = run_distributed(1, _overlap, delay)[0]
-    serial = 3 * delay * chunks
-    assert chunks >= 6
-    assert wall < 0.6 * serial, f"{wall:.3f} s for {chunks} chunks; in sequence {serial:.3f} s"
-    assert wall >= delay * chunks  # the slowest stage bounds it from below
+@pytest.mark.parametrize("count", [2, 3])
+def test_each_chunk_steps_while_the_next_arrives_and_the_last_leaves(count):
+    chunks, stages = run_distributed(1, _overlap, count)[0]
+    assert chunks >= 6 and stages == 3 * chunks, (chunks, stages)
 
 
 def _bytes(device: str, path: str | None):
