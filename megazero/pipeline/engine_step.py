@@ -21,6 +21,7 @@ reduces them when it logs.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -92,7 +93,16 @@ class TiedEmbeddingGradSync:
         self.param, self.group = param, group
         self.stash: Optional[torch.Tensor] = None
         self._injecting = False
-        self._handle = param.register_hook(self._hook)
+        # The hook lives in the parameter's autograd metadata, which Python's garbage collector cannot
+        # traverse: a bound method there (self -> param -> hook -> self) would never be collected.
+        this = weakref.ref(self)
+
+        def hook(grad: torch.Tensor) -> None:
+            sync = this()
+            if sync is not None:
+                sync._hook(grad)
+
+        self._handle = param.register_hook(hook)
 
     def _hook(self, grad: torch.Tensor) -> None:
         if self._injecting:

@@ -140,7 +140,7 @@ class ZeroEngine(torch.nn.Module):
         self.placement = Placement(config, self.groups, self.device, on_failure=self.fail_later)
         self.loss_scaler = LossScaler(config.fp16)
         self.state = TrainingState.IDLE
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(g, s))
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(s.name))
                        for g in self.trainable_groups for s in g.slots]
         self.agreement, self.window = self._build_forward_tracking(plan, forward_key)
         self.failed_ranks = 0  # ranks that flagged a failure into the last step (flag_failure)
@@ -303,16 +303,19 @@ class ZeroEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ hooks
 
-    def _grad_hook(self, group: FlatGroup, slot: ParamSlot):
+    def _grad_hook(self, name: str):
         # The hook lives in the parameter's autograd metadata (C++), which Python's garbage
-        # collector cannot traverse: a strong reference to the engine there would keep every
-        # engine a process ever built alive, with its buffers and process groups.
+        # collector cannot traverse: a strong reference there to the engine, or to anything that
+        # leads back to the parameter (its flat group does), is a cycle nobody collects, and every
+        # engine a process ever built would stay alive with its buffers and process groups.
+        # Hence a weak reference and the slot's name.
         engine_ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
             engine = engine_ref()
             if engine is None:  # the engine is gone; the model is used without it
                 return
+            group, slot = engine._slot_by_name[name]
             engine.grads.on_grad(group, slot, param)
 
         return hook
