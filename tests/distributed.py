@@ -17,7 +17,7 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 
@@ -57,16 +57,30 @@ def _destroy_subgroups(dist) -> None:
             dist.destroy_process_group(pg)
 
 
+def thread_names() -> Optional[list[str]]:
+    """The names of this process's threads (gloo's are ``gloo_tcp_loop`` and ``pt_gloo_runloop``);
+    None where there is no Linux ``/proc``."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
 def _collect_if_threads_pile_up(limit: int = 64) -> None:
     """Collect garbage once a worker holds over ``limit`` threads. A destroyed gloo group stops its
     polling threads only when its last reference goes, and tasks leave ordinary reference cycles
     (modules, engines) that keep theirs until the collector runs; collecting after every task costs
-    0.1-0.4 s, so only when they pile up."""
-    try:
-        threads = len(os.listdir("/proc/self/task"))  # Linux; elsewhere the collector's own pace
-    except OSError:
-        return
-    if threads > limit:
+    0.1-0.4 s, so only when they pile up. Without ``/proc``, the collector keeps its own pace."""
+    names = thread_names()
+    if names is not None and len(names) > limit:
         gc.collect()
 
 

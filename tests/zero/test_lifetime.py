@@ -9,22 +9,19 @@ would keep every one, and each gloo group's polling threads with it.
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import pytest
-import torch
 
 from megazero import mpu, zero
 from megazero.model import GPTModel
 from megazero.zero.offload import ALIGN
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, thread_names
 from tests.zero.common import batches, ds_config, tiny_config
 
 
 def _gloo_threads() -> int:
-    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in thread_names())
 
 
 def _build_train_drop(stage: int, offload: bool) -> tuple[weakref.ref, weakref.ref]:
@@ -51,7 +48,7 @@ def _dropped(stage: int, offload: bool):
     return [r() is None for r in refs], before, _gloo_threads()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+@pytest.mark.skipif(thread_names() is None, reason="counts threads through Linux's /proc")
 @pytest.mark.parametrize("stage,offload", [(1, False), (2, True), (3, False)])
 def test_a_dropped_engine_leaves_no_model_and_no_group_behind(stage, offload):
     for (model_gone, engine_gone), before, after in run_distributed(2, _dropped, stage, offload):
