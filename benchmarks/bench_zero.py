@@ -5,6 +5,8 @@
     python benchmarks/bench_zero.py --repeats 3 --dtypes fp32
     python benchmarks/bench_zero.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
         --seq-length 64 --vocab-size 512 --steps 2 --repeats 1    # smoke run, ~1 min
+    python benchmarks/bench_zero.py --against                 # this checkout against BASELINE_COMMIT, ~15 min
+    python benchmarks/bench_zero.py --against 19be593 --dtypes fp32 --repeats 6
 
 Configurations (one GPT shape; default 4 layers, hidden 256, 8 heads, seq 256,
 vocab 8192, micro-batch 4 sequences per DP rank; AdamW, no clipping):
@@ -35,6 +37,14 @@ the CPU time per rank and step inside the model's matmul and attention kernels (
 extra step, ``zero_baselines.ComputeTimer``; the same FLOPs in every arrangement) and the rest of
 the step's CPU time, which is what the arrangement itself costs ("vs": its ratio to megazero's).
 
+``--against COMMIT`` (default ``BASELINE_COMMIT``) compares this checkout's megazero with the
+commit's: the commit is checked out into a temporary git worktree, and each run imports megazero
+from one of the two trees through this same harness (``zero_baselines.py``). The two alternate
+within every repeat (A B, then B A), and the table gives each tree's medians, the ratio of every
+repeat's pair and the kernels/rest split, so that a change of the engine's own cost shows in one
+command. It runs ``megazero tp2`` unless ``--configs`` names megazero configurations, 20 timed
+steps per run and 4 repeats unless told otherwise, and exits 0 (a measurement, not a test).
+
 The header gives this CPU's single-thread GEMM rate in fp32 and bf16 at the model's shape: where
 bf16 has no native instructions (AVX2 only), bf16 matmuls run several times slower than fp32
 ones, the bf16 rows are bound by them alike, and only the "rest" column tells the arrangements apart.
@@ -43,6 +53,7 @@ ones, the bf16 rows are bound by them alike, and only the "rest" column tells th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -65,16 +76,18 @@ CONFIGS = {  # name -> (system, tp); dp = --world-size / tp
     "Megatron-DS tp1": ("megatron-ds", 1),
 }
 NEEDS = {"deepspeed": ("deepspeed",), "megatron-ds": ("deepspeed", "megatron.core")}
+BASELINE_COMMIT = "19be593"  # --against's default: the last commit before context and expert parallelism
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
                "steps", "warmup", "persistence_threshold")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
-                   help=f"subset of: {', '.join(repr(c) for c in CONFIGS)}")
+    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), metavar="NAME",
+                   help=f"subset of: {', '.join(repr(c) for c in CONFIGS)} (default all; 'megazero tp2' "
+                        "with --against)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 3; 4 with --against)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-attention-heads", "--num-heads", dest="num_attention_heads", type=int, default=8)
@@ -82,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch_size", type=int, default=4,
                    help="sequences per DP rank per step")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6; 20 with --against)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (DeepSpeed ZeRO-3 records its "
                    "module trace over the first step and prefetches from the second: steady state is "
                    "measured from the third)")
@@ -92,7 +105,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", "--nproc", dest="world_size", type=int, default=4, help="processes per run")
     p.add_argument("--timeout", type=float, default=600, help="seconds per child run")
     p.add_argument("--json", default=None, help="also write every run's raw results here")
-    return p.parse_args(argv)
+    p.add_argument("--against", nargs="?", const=BASELINE_COMMIT, default=None, metavar="COMMIT",
+                   help=f"compare this checkout's megazero with COMMIT's (default {BASELINE_COMMIT}), "
+                        "paired and interleaved")
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 4 if args.against else 3
+    if args.steps is None:
+        args.steps = 20 if args.against else 6
+    if args.configs is None:
+        args.configs = ["megazero tp2"] if args.against else list(CONFIGS)
+    others = [c for c in args.configs if CONFIGS[c][0] != "megazero"]
+    if args.against and others:
+        p.error(f"--against compares megazero with itself: drop {', '.join(map(repr, others))} from --configs")
+    return args
 
 
 def _importable(module: str) -> bool:
@@ -102,7 +128,8 @@ def _importable(module: str) -> bool:
         return False
 
 
-def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
+def run_one(name: str, dtype: str, args, workdir: Path, index: int, tree: Path | None = None) -> dict:
+    """One configuration as its own torchrun; megazero imported from ``tree`` where given (--against)."""
     system, tp = CONFIGS[name]
     out = workdir / f"run{index}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
@@ -111,6 +138,8 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
            "PYTHONFAULTHANDLER": "1"}
+    if tree is not None:
+        env["MEGAZERO_BENCH_TREE"] = str(tree)
     for attempt in (1, 2):  # one retry: a child that fails before its results were written
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
@@ -139,6 +168,7 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int) -> dict:
         "model_state": ranks[0]["model_state"],
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
         "loss": ranks[0]["loss"],
+        "megazero": ranks[0]["megazero"],
     }
     # CPU per rank and step, split into the model's own matmul/attention kernels (the same work in
     # every arrangement) and the rest: what the arrangement adds (collectives, waits, copies, hooks,
@@ -213,6 +243,59 @@ def table(results: list[dict], configs: list[str], dtypes: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _git(*argv: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *argv], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def commit_tree(commit: str, parent: Path):
+    """A detached git worktree of ``commit`` under ``parent``, removed on exit."""
+    path = parent / "against"
+    _git("worktree", "add", "--detach", str(path), commit)
+    try:
+        yield path
+    finally:
+        _git("worktree", "remove", "--force", str(path))
+
+
+def this_checkout() -> str:
+    """HEAD's short hash, marked where megazero/ differs from it."""
+    dirty = _git("status", "--porcelain", "--", "megazero")
+    return f"HEAD ({_git('rev-parse', '--short', 'HEAD')}{' + changes' if dirty else ''})"
+
+
+def against_table(results: list[dict], configs: list[str], dtypes: list[str], labels: list[str]) -> str:
+    """Each tree's medians, then this checkout over the commit: the medians' ratio and every repeat's."""
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "kernel_ms", "rest_ms")
+    lines = ["| configuration | dtype | megazero | tokens/s | tokens/CPU-s | kernels CPU-ms/rank-step "
+             "| rest CPU-ms/rank-step | runs |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    notes = []
+    for dtype in dtypes:
+        for name in configs:
+            ok = {lab: [r for r in results if (r["name"], r["dtype"], r["tree"]) == (name, dtype, lab) and r["ok"]]
+                  for lab in labels}
+            meds = {lab: {k: statistics.median(r[k] for r in ok[lab]) for k in keys} for lab in labels if ok[lab]}
+            for lab in labels:
+                m = meds.get(lab)
+                cells = " | ".join(f"{m[k]:.0f}" for k in keys) if m else "failed | | |"
+                lines.append(f"| {name} | {dtype} | {lab} | {cells} | {len(ok[lab])} |")
+            if len(meds) == 2:
+                base, this = (meds[lab] for lab in labels)
+                lines.append(f"| {name} | {dtype} | ratio | " +
+                             " | ".join(f"{this[k] / base[k]:.3f}x" for k in keys) + " | |")
+            pairs = {}
+            for r in results:
+                if (r["name"], r["dtype"]) == (name, dtype) and r["ok"]:
+                    pairs.setdefault(r["repeat"], {})[r["tree"]] = r
+            pairs = [p for _, p in sorted(pairs.items()) if len(p) == 2]
+            for k, what in (("tokens_per_s", "tokens/s"), ("rest_ms", "rest CPU-ms")):
+                each = [p[labels[1]][k] / p[labels[0]][k] for p in pairs]
+                if each:
+                    notes.append(f"{name} {dtype}, {what}, {labels[1]} / {labels[0]} per repeat: "
+                                 f"{' '.join(f'{x:.3f}' for x in each)} (median {statistics.median(each):.3f})")
+    return "\n".join(lines + [""] + notes)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     configs = list(args.configs)
@@ -230,18 +313,32 @@ def main(argv=None) -> int:
     print(f"this CPU: {cpu}", file=sys.stderr, flush=True)
     results = []
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp, \
+            (commit_tree(args.against, Path(tmp)) if args.against else contextlib.nullcontext()) as base:
+        trees = [(None, "")]
+        if base is not None:
+            short = _git("rev-parse", "--short", args.against)
+            label = short if short.startswith(args.against) else f"{args.against} ({short})"
+            trees = [(base, label), (ROOT, this_checkout())]
         index = 0
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr, flush=True)
             for dtype in args.dtypes:
                 for name in configs:
-                    results.append(run_one(name, dtype, args, Path(tmp), index))
-                    index += 1
+                    for tree, label in (trees if rep % 2 == 0 else trees[::-1]):  # A B, B A: drifts cancel
+                        results.append({**run_one(name, dtype, args, Path(tmp), index, tree),
+                                        "tree": label, "repeat": rep})
+                        index += 1
+                        if tree is not None and results[-1]["ok"] and results[-1]["megazero"] != str(tree.resolve()):
+                            raise SystemExit(f"the run meant for {tree} imported megazero from "
+                                             f"{results[-1]['megazero']}: check PYTHONPATH")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     print(f"\nZeRO-3 benchmark ({shape}; total {time.perf_counter() - t0:.0f} s)\nthis CPU: {cpu}\n")
-    print(table(results, configs, args.dtypes))
+    if args.against:
+        print(against_table(results, configs, args.dtypes, [label for _, label in trees]))
+    else:
+        print(table(results, configs, args.dtypes))
     loads = [r["load_avg"] for r in results if r["ok"]]
     cores = os.cpu_count() or 1
     print(f"\nmedians over repeats; 1-min load average during the runs: {min(loads, default=0):.1f}.."
@@ -250,7 +347,7 @@ def main(argv=None) -> int:
         print("warning: the load average exceeded ranks + cores (other work on the machine, or the ranks' own "
               "communication threads): wall-clock tokens/s is noisy; tokens/CPU-s and the kernels/rest split "
               "are steadier")
-    return 0 if all(r["ok"] for r in results) else 1
+    return 0 if args.against or all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":

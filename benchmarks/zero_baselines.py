@@ -37,8 +37,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
+# bench_zero.py --against: megazero from another checkout (a commit's worktree) through this harness. That
+# checkout alone goes on the path: a commit whose megazero/ is a namespace package would lose to ROOT's.
+TREE = os.environ.get("MEGAZERO_BENCH_TREE")
+if TREE or __package__ in (None, ""):
+    sys.path.insert(0, TREE or str(ROOT))
 
 from megazero import mpu, zero  # noqa: E402
 from megazero.model import GPTConfig, GPTModel  # noqa: E402
@@ -400,6 +403,7 @@ def main(argv=None) -> int:
         "loss": losses,
         "dp": dp,
         "tp": dist.get_world_size() // dp,
+        "megazero": str(Path(zero.__file__).resolve().parents[2]),  # the checkout megazero came from
     }
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, me)
