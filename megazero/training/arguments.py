@@ -38,12 +38,13 @@ from megazero.training.config import (  # noqa: F401  (the config classes are re
     TrainConfig,
     rampup_global_batch_size,
 )
+from megazero.training.errors import with_flags
 from megazero.training.flags import HELP_EPILOG, add_to_parser, refusals
 from megazero.training.output import console
 from megazero.training.resolve.common import default
-from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, resolve_data
+from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, missing_data_flags, resolve_data
 from megazero.training.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
-from megazero.training.resolve.deepspeed_moe import merge_deepspeed_moe
+from megazero.training.resolve.deepspeed_moe import balancing_notes, merge_deepspeed_moe
 from megazero.training.resolve.logs import resolve_logging
 from megazero.training.resolve.model import (GPT2_VOCAB_SIZE, MODEL_FIELD_FLAGS, build_gpt_config, model_field_kwargs,
                                              resolve_model)
@@ -65,7 +66,29 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of exiting, so callers (and tests) decide."""
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (run with --help for the list of flags)")
+        raise ConfigError(f"{message}; run with --help for the list of flags")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flags_message(extras, self))
+        return ns
+
+
+def unknown_flags_message(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """One clause for the words ``parser`` did not take: each unknown flag with the flags closest to it."""
+    import difflib
+
+    known = sorted(s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings)
+    flags = [w.split("=", 1)[0] for w in extras if w.startswith("-") and len(w) > 1]
+    if not flags:
+        return f"unexpected argument{'s' if len(extras) > 1 else ''} {' '.join(extras)}"
+    parts = []
+    for flag in flags:
+        near = [k for k in known if k.startswith(flag) and k != flag][:3]
+        near += [k for k in difflib.get_close_matches(flag, known, n=3, cutoff=0.6) if k not in near]
+        parts.append(flag + (f" (did you mean {' or '.join(near[:3])}?)" if near else ""))
+    return f"unknown flag{'s' if len(parts) > 1 else ''} " + ", ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +112,13 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     planning a run on another machine, e.g. the launch script's dry run). Raises
     ``ConfigError`` naming the offending flags and numbers.
     """
+    try:
+        return _parse_args(argv, world_size, check_files)
+    except ConfigError as e:  # the model's and the pipeline's messages name their fields: name the flags
+        raise ConfigError(with_flags(str(e))) from None
+
+
+def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_files: bool) -> TrainConfig:
     argv = sys.argv[1:] if argv is None else list(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -102,6 +132,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if ds is not None:
         merge_deepspeed(ns, ds, notes)
     merge_deepspeed_moe(ns, notes)
+    notes += balancing_notes(ns)
+    missing = missing_required(ns)
+    if missing:
+        raise ConfigError("missing required flags: " + "; ".join(missing))
     parallel = resolve_parallel(ns, world_size, notes, check_files)
     parallel.local_rank = ns.local_rank
     precision = resolve_precision(ns, ds, ns.deepspeed_config, notes)
@@ -130,6 +164,25 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         logging=logging_cfg, generate=generate, seed=default(ns.seed, 1234), deepspeed_json=ds, notes=notes)
     _check_engine_config(cfg)
     return cfg
+
+
+def missing_required(ns: argparse.Namespace) -> list[str]:
+    """Every required flag the command line (with its DeepSpeed JSON merged) lacks, one entry each, so
+    that one run names them all."""
+    missing = []
+    if ns.model_preset is None and not ns.use_checkpoint_args:
+        shape = [f"--{a.replace('_', '-')}" for a in ("num_layers", "hidden_size", "num_attention_heads",
+                                                      "seq_length") if getattr(ns, a) is None]
+        if shape:
+            missing.append(", ".join(shape) + " (or a --model-preset such as gpt-125m)")
+    if ns.micro_batch_size is None:
+        missing.append("--micro-batch-size N (sequences per rank per forward pass)")
+    if ns.lr is None:
+        missing.append("--lr LR (the peak learning rate, e.g. 3e-4)")
+    if ns.train_iters is None and ns.train_samples is None:
+        missing.append("--train-iters N (or --train-samples N)")
+    missing += missing_data_flags(ns)
+    return missing
 
 
 def _check_engine_config(cfg: TrainConfig) -> None:

@@ -68,7 +68,7 @@ def test_explicit_shape_flags_override_preset():
 
 
 def test_without_preset_shape_is_required():
-    with pytest.raises(ConfigError, match="missing --num-layers, --hidden-size"):
+    with pytest.raises(ConfigError, match="missing required flags: --num-layers, --hidden-size \\(or a --model-preset"):
         parse_args("--micro-batch-size 1 --train-iters 1 --lr 1 --mock-data --vocab-size 8 "
                    "--num-attention-heads 2 --seq-length 8".split(), 1)
 
@@ -138,18 +138,18 @@ def test_pipeline_layouts_resolve_and_plan():
     ("--pp 3", 4, r"world size 4 is not divisible by --tp 1 x --pp 3 = 3"),
     ("--pp 2 --no-pipeline-parallel", 4, r"--no-pipeline-parallel .* contradicts --pipeline-model-parallel-size 2"),
     ("--virtual-pipeline-model-parallel-size 2", 4, r"needs a pipeline \(--pipeline-model-parallel-size > 1\)"),
-    ("--pp 2 --num-layers 3", 4, r"num_layers \(3\) is not divisible by the pipeline size \(2\)"),
+    ("--pp 2 --num-layers 3", 4, r"--num-layers \(3\) is not divisible by the pipeline size \(2\)"),
     ("--pp 2 --num-layers 4 --virtual-pipeline-model-parallel-size 4", 4,
      r"stage 0 has 2 layers, not divisible by the 4 virtual pipeline stages"),
     ("--pp 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 3", 4,
-     r"num_layers \(4\) must be divisible by pp \(2\) x num_layers_per_virtual_pipeline_stage \(3\)"),
+     r"--num-layers \(4\) must be divisible by pp \(2\) x --num-layers-per-virtual-pipeline-stage \(3\)"),
     ("--pp 2 --num-layers 4 --virtual-pipeline-model-parallel-size 2 --global-batch-size 12", 4,
      r"groups of pp = 2, but a step has 3 micro-batches"),
     ("--pp 2 --num-layers 6 --decoder-first-pipeline-num-layers 7", 4, r"leaves -1 layers"),
     ("--global-batch-size 12", 4, r"global batch size 12 is not divisible by micro batch size 2 x data-parallel size 4 = 8"),
-    ("--tp 8", 8, r"num_attention_heads \(4\) must be divisible by the tensor parallel size \(8\)"),
-    ("--tp 2 --num-query-groups 1", 2, r"num_query_groups \(1\) must be divisible by the tensor parallel size \(2\)"),
-    ("--tp 4 --ffn-hidden-size 130", 4, r"ffn size \(130\) must be divisible by the tensor parallel size \(4\)"),
+    ("--tp 8", 8, r"--num-attention-heads \(4\) must be divisible by the tensor parallel size \(8\)"),
+    ("--tp 2 --num-query-groups 1", 2, r"--num-query-groups \(1\) must be divisible by the tensor parallel size \(2\)"),
+    ("--tp 4 --ffn-hidden-size 130", 4, r"--ffn-hidden-size \(130\) must be divisible by the tensor parallel size \(4\)"),
     ("--seq-length 128", 4, r"--seq-length 128 exceeds --max-position-embeddings 64"),
     ("--bf16 --fp16", 4, r"--bf16 and --fp16 are mutually exclusive"),
     ("--train-samples 100", 4, r"exactly one of --train-iters and --train-samples \(got both\)"),
@@ -161,7 +161,8 @@ def test_pipeline_layouts_resolve_and_plan():
     ("--tokenizer-type GPT2BPETokenizer", 4, r"--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
     ("--tokenizer-type NullTokenizer", 4, r"NullTokenizer needs --vocab-size"),
     ("--model-preset gpt-huge", 4, r"unknown --model-preset 'gpt-huge'"),
-    ("--no-such-flag", 4, r"unrecognized arguments: --no-such-flag"),
+    ("--no-such-flag", 4, r"unknown flag --no-such-flag; run with --help"),
+    ("--micro-batch 2", 4, r"unknown flag --micro-batch \(did you mean --micro-batch-size\?\)"),
 ])
 def test_refusals_name_the_numbers(extra, world, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -175,7 +176,7 @@ def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does():
 
 
 def test_neither_train_iters_nor_samples():
-    with pytest.raises(ConfigError, match=r"\(got neither\)"):
+    with pytest.raises(ConfigError, match=r"missing required flags: --train-iters N \(or --train-samples N\)"):
         parse_args("--model-preset gpt-tiny --micro-batch-size 1 --lr 1 --mock-data".split(), 1)
 
 
@@ -184,7 +185,7 @@ def test_missing_data_files_say_which(dataset, tmp_path):
     (tmp_path / "corpus_text_document.idx").unlink()
     with pytest.raises(ConfigError, match=r"missing .*corpus_text_document\.idx"):
         parse_args(base + ["--data-path", dataset], 1)
-    with pytest.raises(ConfigError, match=r"--data-path is required"):
+    with pytest.raises(ConfigError, match=r"missing required flags: --data-path PREFIX"):
         parse_args(base, 1)
     cfg = parse_args(base + ["--data-path", dataset], 1, check_files=False)  # planning elsewhere
     assert cfg.data.prefixes == [dataset]
@@ -411,8 +412,8 @@ def test_run_control_flags():
 
 def test_default_tokenizer_is_gpt2_bpe(dataset, gpt2_files):
     base = [a for a in TINY if a != "--mock-data"]
-    with pytest.raises(ConfigError, match=r"GPT2BPETokenizer \(the default without --tokenizer-type, as Megatron's "
-                                          r"pretrain_gpt.py\) needs --vocab-file"):
+    with pytest.raises(ConfigError, match=r"missing required flags: --vocab-file and --merge-file \(the files of "
+                                          r"GPT2BPETokenizer, the default --tokenizer-type\)"):
         parse(f"--data-path {dataset}", base=base)
     vocab, merges = gpt2_files
     cfg = parse(f"--data-path {dataset} {dataset} --vocab-file {vocab} --merge-file {merges}", base=base)
@@ -449,7 +450,7 @@ def test_remaining_model_flags_reach_gpt_config():
         ("squared_relu", 1e-6, 0.1, False)
     assert parse("--layernorm-epsilon 1e-7").model.layernorm_epsilon == 1e-7
     assert parse("--no-position-embedding").model.position_embedding_type == "none"
-    with pytest.raises(ConfigError, match=r"label_smoothing must be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"--label-smoothing must be in \[0, 1\)"):
         parse("--label-smoothing 1.5")
 
 
@@ -508,3 +509,58 @@ def test_megatron_tokenizer_types_and_vocab_extra_ids(spm_model):
     with pytest.raises(ConfigError, match="--vocab-extra-ids 3: Megatron adds the <extra_id_N> sentinels to "
                                           "SentencePieceTokenizer only"):
         parse("--tokenizer-type GPTSentencePieceTokenizer --vocab-extra-ids 3", base=base)
+
+
+def test_every_missing_required_flag_is_named_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        parse_args("--model-preset gpt-tiny --mock-data".split(), 1)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("missing required flags: ")
+    for flag in ("--micro-batch-size", "--lr", "--train-iters N (or --train-samples N)"):
+        assert flag in message, message
+    with pytest.raises(ConfigError) as e:
+        parse_args([], 1)
+    for flag in ("--num-layers", "--seq-length", "--micro-batch-size", "--lr", "--train-iters", "--data-path",
+                 "--vocab-file and --merge-file"):
+        assert flag in str(e.value), str(e.value)
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match=r"missing required flags: --train-iters N \(or --train-samples N\)$"):
+        _with_json(ds)  # the JSON's batch and lr count
+
+
+def _with_json(ds):
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ds.json")
+        with open(path, "w") as f:
+            json.dump(ds, f)
+        return parse_args(["--model-preset", "gpt-tiny", "--mock-data", "--deepspeed_config", path], 1)
+
+
+@pytest.mark.parametrize("extra,named", [
+    ("--data-path /nope/x", "--data-path"), ("--train-data-path /a --valid-data-path /b", "--train-data-path, --valid-data-path"),
+    ("--data-cache-path /tmp/c", "--data-cache-path"), ("--split 98,1,1", "--split")])
+def test_mock_data_refuses_the_file_data_flags_it_would_ignore(extra, named):
+    with pytest.raises(ConfigError, match=rf"--mock-data trains on synthetic tokens and reads no files, so {named} "
+                                          r"would be ignored; drop"):
+        parse(extra, world=1)
+
+
+def test_model_messages_name_flags_not_fields():
+    with pytest.raises(ConfigError, match=r"^model config: --attention-dropout must be in \[0, 1\), got 1.5$"):
+        parse("--attention-dropout 1.5", world=1)
+    with pytest.raises(ConfigError, match=r"--rotary-percent 0.5 needs --position-embedding-type rope"):
+        parse("--rotary-percent 0.5", world=1)
+
+
+@pytest.mark.parametrize("extra,noted", [
+    ("", True), ("--moe-aux-loss-coeff 1e-2", False), ("--moe-aux-loss-coeff 0", False),
+    ("--moe-router-load-balancing-type none", False), ("--moe-expert-capacity-factor 1.5", False),
+    ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias", False),
+    ("--moe-loss-coeff 0.1", False)])
+def test_a_mixture_without_load_balancing_says_so_once(extra, noted):
+    notes = [n for n in parse("--num-experts 4 " + extra, world=1).notes if "--moe-aux-loss-coeff defaults to 0" in n]
+    assert len(notes) == (1 if noted else 0), notes
+    assert not [n for n in parse(extra if "--moe" not in extra else "", world=1).notes if "load balancing" in n]

@@ -23,6 +23,49 @@ def _parse_prefixes(flag_name: str, items: list[str]) -> tuple[list[str], Option
         raise ConfigError(f"{flag_name}: {e}") from None
 
 
+# Flags that describe data read from files: beside --mock-data they would be ignored.
+_FILE_DATA_FLAGS = (("data_path", "--data-path"), ("train_data_path", "--train-data-path"),
+                    ("valid_data_path", "--valid-data-path"), ("test_data_path", "--test-data-path"),
+                    ("data_cache_path", "--data-cache-path"), ("split", "--split"))
+
+
+def _refuse_beside_mock_data(ns: argparse.Namespace) -> None:
+    given = [flag for attr, flag in _FILE_DATA_FLAGS if getattr(ns, attr)]
+    if given:
+        raise ConfigError(f"--mock-data trains on synthetic tokens and reads no files, so {', '.join(given)} would "
+                          f"be ignored; drop {'it' if len(given) == 1 else 'them'}, or drop --mock-data")
+
+
+def _tokenizer_files(t: str, ns: argparse.Namespace) -> list[tuple[str, Optional[str], str]]:
+    """``(flag, value, kind)`` of each file or directory tokenizer ``t`` is built from."""
+    model_file = ("--tokenizer-model", ns.tokenizer_model, "file")
+    model_dir = ("--tokenizer-model", ns.tokenizer_model, "directory")
+    return {"SentencePieceTokenizer": [model_file], "GPTSentencePieceTokenizer": [model_file],
+            "Llama2Tokenizer": [model_file], "HuggingFaceTokenizer": [model_dir], "HFTokenizer": [model_dir],
+            "GPT2BPETokenizer": [("--vocab-file", ns.vocab_file, "file"), ("--merge-file", ns.merge_file, "file")],
+            "NullTokenizer": []}.get(t, [])
+
+
+def _default_note(ns: argparse.Namespace) -> str:
+    return " (the default without --tokenizer-type, as Megatron's pretrain_gpt.py)" if ns.tokenizer_type is None else ""
+
+
+def missing_data_flags(ns: argparse.Namespace) -> list[str]:
+    """The required data and tokenizer flags ``ns`` lacks, as :func:`missing_required` lists them."""
+    if ns.mock_data:
+        return []
+    missing = []
+    if not (ns.data_path or ns.train_data_path or ns.valid_data_path or ns.test_data_path):
+        missing.append("--data-path PREFIX (a .bin/.idx prefix from tools/preprocess_data.py; or --mock-data "
+                       "for synthetic tokens)")
+    t = ns.tokenizer_type or DEFAULT_TOKENIZER
+    absent = [flag for flag, value, _ in _tokenizer_files(t, ns) if value is None]
+    if absent:
+        whose = f"--tokenizer-type {t}" if ns.tokenizer_type else f"{t}, the default --tokenizer-type"
+        missing.append(f"{' and '.join(absent)} (the files of {whose})")
+    return missing
+
+
 def resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     from megazero.data.gpt_dataset import parse_split  # lazy: numpy etc.
 
@@ -41,14 +84,13 @@ def resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     except ValueError as e:
         raise ConfigError(f"--split: {e}") from None
     separate = d.train_data_path or d.valid_data_path or d.test_data_path
+    if d.mock_data:
+        _refuse_beside_mock_data(ns)
     if separate and d.data_path:
         raise ConfigError("give either --data-path (split by --split) or --train-data-path/--valid-data-path/"
                           "--test-data-path, not both")
     if separate and not d.train_data_path:
         raise ConfigError("--valid-data-path/--test-data-path need --train-data-path")
-    if not d.data_path and not separate and not d.mock_data:
-        raise ConfigError("--data-path is required (a prefix of PREFIX.bin/PREFIX.idx from tools/preprocess_data.py), "
-                          "or --train-data-path, or --mock-data for synthetic tokens")
     prefixes = []
     if d.data_path:
         d.prefixes, d.weights = _parse_prefixes("--data-path", d.data_path)
@@ -80,18 +122,9 @@ def resolve_data(ns: argparse.Namespace, check_files: bool) -> DataConfig:
     if t not in built:
         raise ConfigError(f"--tokenizer-type {t} is not available in this build's megazero.data (it has "
                           f"{', '.join(built)}); use one of those")
-    model_file = ("--tokenizer-model", d.tokenizer_model, "file")
-    needs = {"SentencePieceTokenizer": [model_file], "GPTSentencePieceTokenizer": [model_file],
-             "Llama2Tokenizer": [model_file],
-             "HuggingFaceTokenizer": [("--tokenizer-model", d.tokenizer_model, "directory")],
-             "HFTokenizer": [("--tokenizer-model", d.tokenizer_model, "directory")],
-             "GPT2BPETokenizer": [("--vocab-file", d.vocab_file, "file"), ("--merge-file", d.merge_file, "file")],
-             "NullTokenizer": []}[t]
-    default_note = " (the default without --tokenizer-type, as Megatron's pretrain_gpt.py)" \
-        if ns.tokenizer_type is None else ""
-    for flag_name, value, kind in needs:
+    for flag_name, value, kind in _tokenizer_files(t, ns):
         if value is None:
-            raise ConfigError(f"--tokenizer-type {t}{default_note} needs {flag_name}")
+            raise ConfigError(f"--tokenizer-type {t}{_default_note(ns)} needs {flag_name}")
         if check_files and not os.path.exists(value):
             raise ConfigError(f"{flag_name} '{value}' does not exist (the {kind} of the {t})")
     if d.vocab_extra_ids and t != "SentencePieceTokenizer":

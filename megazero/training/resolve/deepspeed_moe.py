@@ -17,7 +17,7 @@ import argparse
 
 from ..config import ConfigError
 
-__all__ = ["merge_deepspeed_moe"]
+__all__ = ["merge_deepspeed_moe", "balancing_notes"]
 
 _SPELLINGS = {"ds_moe_expert_parallel_size": "--moe-expert-parallel-size", "ds_topk": "--topk",
               "ds_moe_loss_coeff": "--moe-loss-coeff", "ds_expert_interval": "--expert-interval",
@@ -35,6 +35,18 @@ def _take(ns: argparse.Namespace, ds: str, ours: str, flag: str, fallback=None) 
         raise ConfigError(f"{_SPELLINGS[ds]} {value} and {flag} {mine} disagree; give one of them")
     if mine is None:
         setattr(ns, ours, value if value is not None else fallback)
+
+
+def _preset_layers(preset) -> int:
+    """The layers of ``--model-preset`` (the shape flags are read later; the layer pattern is needed now)."""
+    from megazero.model.config import PRESETS
+
+    key = (preset or "").lower()
+    key = key if key in PRESETS else "gpt-" + key
+    if key not in PRESETS:
+        raise ConfigError("DeepSpeed-MoE's --expert-interval places the mixtures by layer: give --num-layers "
+                          "(or a --model-preset)")
+    return PRESETS[key]["num_layers"]
 
 
 def merge_deepspeed_moe(ns: argparse.Namespace, notes: list[str]) -> None:
@@ -55,11 +67,12 @@ def merge_deepspeed_moe(ns: argparse.Namespace, notes: list[str]) -> None:
         notes.append(f"DeepSpeed-MoE flags ({', '.join(used)}) with --num-experts 1: a dense model")
         return
     interval = ns.ds_expert_interval if ns.ds_expert_interval is not None else 2
-    if interval < 1 or interval > ns.num_layers:
-        raise ConfigError(f"--expert-interval {interval} must be in 1..--num-layers {ns.num_layers}")
+    layers = ns.num_layers if ns.num_layers is not None else _preset_layers(ns.model_preset)
+    if interval < 1 or interval > layers:
+        raise ConfigError(f"--expert-interval {interval} must be in 1..--num-layers {layers}")
     if ns.moe_layer_freq not in (None, 1):
         raise ConfigError("--expert-interval (DeepSpeed-MoE) and --moe-layer-freq both place the mixtures; give one")
-    ns.moe_layer_freq = tuple(int((i + 1) % interval == 0) for i in range(ns.num_layers))
+    ns.moe_layer_freq = tuple(int((i + 1) % interval == 0) for i in range(layers))
     _take(ns, "ds_topk", "moe_router_topk", "--moe-router-topk", 1)
     if ns.moe_router_topk == 1:  # DeepSpeed's top-1 gate weighs a token by its expert's softmax over all experts
         ns.moe_router_pre_softmax = True
@@ -74,3 +87,17 @@ def merge_deepspeed_moe(ns: argparse.Namespace, notes: list[str]) -> None:
                  + ("dropless" if ns.ds_disable_moe_token_dropping else
                     f"capacity factor {ns.moe_expert_capacity_factor} (at least {ns.moe_min_capacity}), keeping "
                     "the highest routing weights (DeepSpeed selects at random)"))
+
+
+def balancing_notes(ns: argparse.Namespace) -> list[str]:
+    """A note when a mixture of experts trains with no load balancing only because of the defaults: the
+    auxiliary loss's weight defaults to 0 (Megatron-LM's), and no expert bias or capacity is set. Not when
+    the command line chose it (``--moe-aux-loss-coeff 0``, ``--moe-router-load-balancing-type none``)."""
+    if not ns.num_experts or ns.moe_aux_loss_coeff is not None or ns.moe_router_load_balancing_type == "none":
+        return []
+    if ns.moe_router_enable_expert_bias or ns.moe_expert_capacity_factor is not None:
+        return []
+    return [f"--num-experts {ns.num_experts[0]} with no load balancing: --moe-aux-loss-coeff defaults to 0 (as in "
+            "Megatron-LM), so nothing evens out the experts' loads (the log's 'expert load max over mean'); pass "
+            "e.g. --moe-aux-loss-coeff 1e-2, or --moe-router-enable-expert-bias with sigmoid routing, or "
+            "--moe-expert-capacity-factor"]

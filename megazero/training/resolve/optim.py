@@ -10,10 +10,7 @@ from megazero.training.resolve.common import default, json_get
 
 
 def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> OptimConfig:
-    if ns.lr is None:
-        raise ConfigError("--lr is required (the peak learning rate, e.g. --lr 3e-4), or set "
-                          "optimizer.params.lr in --deepspeed-config")
-    o = OptimConfig(lr=ns.lr)
+    o = OptimConfig(lr=ns.lr)  # present: parse_args checked the required flags
     ds_type = json_get(ds or {}, "optimizer.type")
     if ds_type is not None:
         if str(ds_type).lower() not in ("adam", "adamw", "fusedadam", "sgd"):

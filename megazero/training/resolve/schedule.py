@@ -32,10 +32,7 @@ def _rampup_samples(rampup: tuple[int, int, int], gbs: int, iterations: int) -> 
 
 def resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[dict[str, Any]],
                       ds_path: Optional[str], seq_length: int) -> ScheduleConfig:
-    mbs = ns.micro_batch_size
-    if mbs is None:
-        raise ConfigError("--micro-batch-size is required (sequences per rank per forward pass), or set "
-                          "train_micro_batch_size_per_gpu in --deepspeed-config")
+    mbs = ns.micro_batch_size  # present: parse_args checked the required flags
     if mbs < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {mbs}")
     dp = par.dp
@@ -67,9 +64,8 @@ def resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[d
                               f"micro batch {mbs} x data-parallel size {dp} = {mbs * dp}, so every ramp batch "
                               f"splits into whole micro-batches")
 
-    if (ns.train_iters is None) == (ns.train_samples is None):
-        raise ConfigError("give exactly one of --train-iters and --train-samples "
-                          f"(got {'both' if ns.train_iters is not None else 'neither'})")
+    if ns.train_iters is not None and ns.train_samples is not None:
+        raise ConfigError("give exactly one of --train-iters and --train-samples (got both)")
     frac = ns.lr_warmup_fraction
     if frac is not None and not 0.0 <= frac <= 1.0:
         raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {frac}")
