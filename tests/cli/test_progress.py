@@ -176,3 +176,16 @@ def test_generate_reports_tensors_loaded(tmp_path):
     loaded = re.findall(r"loaded (\d+)/(\d+) tensors", proc.stderr)
     assert loaded and loaded[0][0] == "1" and loaded[-1][0] == loaded[-1][1]
     assert proc.stdout.strip() and "loaded" not in proc.stdout  # the text alone on stdout
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_reports_the_evaluation_batches():
+    run = in_pool(1, [*TINY_GPT, "--global-batch-size", "1", "--train-iters", "2", "--eval-interval", "2",
+                      "--eval-iters", "3", "--log-interval", "1"], env={"MEGAZERO_PROGRESS_INTERVAL": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    for split in ("validation", "test"):
+        assert re.search(rf"^evaluated 1/3 {split} batches \(33%\), \d+ s elapsed, ~\d+ s left$", run.stdout, re.M)
+        assert re.search(rf"^evaluated 3/3 {split} batches \(100%\), \d+ s elapsed$", run.stdout, re.M)
+    last_test = max(i for i, line in enumerate(lines) if line.startswith("evaluated 3/3 test batches"))
+    assert "end of training for test data" in lines[last_test + 1]  # the progress, then the result

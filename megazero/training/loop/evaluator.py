@@ -7,7 +7,9 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from ...utils.progress import Progress
 from ..config import TrainConfig
 from ..metrics import EVAL_LOSS_KEY, MetricsWriter
 from ..output import rank_zero_logger
@@ -21,19 +23,26 @@ log = rank_zero_logger(__name__)
 
 
 @torch.no_grad()
-def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] = None) -> Optional[float]:
+def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] = None,
+             split: str = "validation") -> Optional[float]:
     """Mean loss over ``eval_iters`` global batches of ``dataset`` (always the same ones), forward
-    only; None without a dataset or with ``--eval-iters 0``. Collective over all ranks."""
+    only; None without a dataset or with ``--eval-iters 0``. Collective over all ranks. Rank 0 reports
+    its progress (``megazero.utils.progress``: a bar on a terminal, a line every few seconds otherwise);
+    the losses stay on the device until the end."""
     s = config.schedule
     if dataset is None or s.eval_iters == 0:
         return None
     it = loader(dataset, 0, config, run.groups, run.device)
     losses = []
-    for _ in range(s.eval_iters):
-        batches = read_agreed(it, s.grad_accum_steps, "evaluation data read", partial=True) if it is not None else None
-        if not batches:
-            break
-        losses.append(run.eval_step(batches, eod))
+    with Progress("evaluated", total=s.eval_iters, unit=f"{split} batches", logger=log,
+                  enabled=not dist.is_initialized() or dist.get_rank() == 0) as progress:
+        for _ in range(s.eval_iters):
+            batches = read_agreed(it, s.grad_accum_steps, "evaluation data read", partial=True) \
+                if it is not None else None
+            if not batches:
+                break
+            losses.append(run.eval_step(batches, eod))
+            progress.update()
     if not losses:
         return None
     values = LossLog(run.groups).reduce(losses)
@@ -61,12 +70,13 @@ class Evaluator:
     def at_end(self, state: TrainState) -> None:
         for label, dataset, name in (("validation", self.valid, "valid"), ("test", self.test, "test")):
             val = self._run(dataset, state.iteration, f"the end of training for {label} data:",
-                            key=f"{name}_end_lm_loss")
+                            key=f"{name}_end_lm_loss", split=label)
             if val is not None:
                 self.final[name] = val
 
-    def _run(self, dataset, iteration: int, label: str, key: str = EVAL_LOSS_KEY) -> Optional[float]:
-        val = evaluate(self.run, dataset, self.config, self.eod)
+    def _run(self, dataset, iteration: int, label: str, key: str = EVAL_LOSS_KEY,
+             split: str = "validation") -> Optional[float]:
+        val = evaluate(self.run, dataset, self.config, self.eod, split)
         if val is not None:
             ppl = math.exp(min(val, 50))
             log.info(f" {label} loss at iteration {iteration}: {val:.6E} | perplexity: {ppl:.4E}")
