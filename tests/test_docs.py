@@ -279,3 +279,49 @@ def test_the_checks_see_what_they_should():
     assert "--world-size" in accepted("rehearse")
     assert _repo_path_words("see tools/rehearse.py, examples/azure/ and SAVE/iter_0000100/ or data/x.bin") == [
         "tools/rehearse.py", "examples/azure/"]
+
+
+# Megatron's --eval-iters default (100) on the validation and the test split at the end of training:
+# a run of a few hundred iterations without a small --eval-iters spends most of its time evaluating.
+SHORT_RUN_ITERS, SHORT_EVAL_ITERS = 1000, 10
+
+
+def _value(args: list[str], flag: str):
+    """The integer after ``flag`` in ``args`` (either spelling), None when absent or not a number."""
+    for i, arg in enumerate(args):
+        text = arg.split("=", 1)[1] if arg.startswith(flag + "=") else args[i + 1] if arg == flag and i + 1 < len(args) else None
+        if text is not None:
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def long_evaluations(doc: pathlib.Path) -> list[str]:
+    """``doc:line: message`` for each pretrain_gpt.py run in ``doc``'s code blocks of at most
+    SHORT_RUN_ITERS iterations that does not keep --eval-iters at SHORT_EVAL_ITERS or fewer."""
+    bad = []
+    for number, command in fenced_commands(doc):
+        for program, args in invocations(command):
+            iters = _value(args, "--train-iters")
+            if program != "pretrain_gpt" or iters is None or iters > SHORT_RUN_ITERS:
+                continue
+            evals = _value(args, "--eval-iters")
+            if evals is None or evals > SHORT_EVAL_ITERS:
+                bad.append(f"{_doc_id(doc)}:{number}: a {iters}-iteration run without --eval-iters <= "
+                           f"{SHORT_EVAL_ITERS} evaluates 100 batches on two splits (Megatron's default)")
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_short_runs_in_code_blocks_evaluate_briefly(doc):
+    bad = long_evaluations(doc)
+    assert not bad, "\n".join(bad)
+
+
+def test_every_recipe_is_indexed():
+    recipes = sorted(p.name for p in (ROOT / "examples" / "recipes").glob("*.sh") if p.name != "common.sh")
+    assert recipes, "examples/recipes/ holds no recipe"
+    for index in ("examples/README.md", "docs/README.md"):
+        text = (ROOT / index).read_text(encoding="utf-8")
+        assert [r for r in recipes if f"recipes/{r}" not in text] == [], index
+    docs_index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8").lower()
+    assert "context parallelism" in docs_index and "mixture of experts" in docs_index

@@ -3,9 +3,10 @@
     python tools/plot_metrics.py checkpoints/run/metrics.jsonl --output curves.png
 
 Installed: ``megazero-plot-metrics``. Subplots against iteration: loss (train ``lm_loss``
-and eval ``eval_lm_loss``), learning rate, tokens/s. Records missing a key are skipped for
-that curve, so a run that logged no eval simply has no eval line. Needs matplotlib (Agg
-backend, no display).
+and eval ``eval_lm_loss``), learning rate, tokens/s, under a title (``--title``, default the
+file's path), with a dashed line where a later process resumed the run (see ``resumes``).
+Records missing a key are skipped for that curve, so a run that logged no eval simply has no
+eval line. Needs matplotlib (Agg backend, no display).
 """
 
 from __future__ import annotations
@@ -47,7 +48,36 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+# A new process between two training records: more wall-clock time passed between them than their
+# iterations took. Within one process the two agree to milliseconds (the interval's timer starts when
+# the previous record is written, and evaluation and saving fall inside it); a restart adds the
+# interpreter's start-up, the process groups and the checkpoint load, seconds at the least.
+RESTART_GAP_S = 1.0
+STEP_MS = "elapsed_ms_per_iteration"
+
+
+def resumes(records: list[dict]) -> list[int]:
+    """Where the run was resumed: per restart found in the training records (those with a numeric
+    ``elapsed_ms_per_iteration``), the last iteration logged before it below the resumed process's
+    first one, which is within one log interval at or before the checkpoint that process loaded. A
+    restart is a record whose iteration does not exceed its predecessor's (a restart from an earlier
+    checkpoint), or one written ``RESTART_GAP_S`` later than its iterations' time accounts for."""
+    train = [r for r in records if "iteration" in r and isinstance(r.get(STEP_MS), (int, float))
+             and isinstance(r.get("timestamp"), (int, float))]
+    found = []
+    for i in range(1, len(train)):
+        prev, cur = train[i - 1], train[i]
+        steps = cur["iteration"] - prev["iteration"]
+        unexplained = cur["timestamp"] - prev["timestamp"] - steps * cur[STEP_MS] / 1000.0
+        if steps <= 0 or unexplained > RESTART_GAP_S:
+            before = [r["iteration"] for r in train[:i] if r["iteration"] < cur["iteration"]]
+            if before:
+                found.append(max(before))
+    return found
+
+
 def plot(records: list[dict], output: str, title: Optional[str] = None) -> None:
+    """Write the figure of ``records`` to ``output`` (its format from the file name's suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,13 +90,16 @@ def plot(records: list[dict], output: str, title: Optional[str] = None) -> None:
         if x:
             loss_ax.plot(x, y, style, label=label, markersize=3)
     loss_ax.set_ylabel("lm loss")
-    if loss_ax.lines:
-        loss_ax.legend()
     for ax, key, label in ((lr_ax, LR, "learning rate"), (tok_ax, TOKENS, "tokens/s")):
         x, y = series(records, key)
         if x:
             ax.plot(x, y)
         ax.set_ylabel(label)
+    for n, at in enumerate(resumes(records)):
+        for ax in axes:
+            ax.axvline(at, color="gray", linestyle="--", linewidth=1, label="resumed" if n == 0 and ax is loss_ax else None)
+    if loss_ax.lines:
+        loss_ax.legend()
     for ax in axes:
         ax.grid(True, alpha=0.3)
     tok_ax.set_xlabel("iteration")
@@ -81,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = tool_parser(__doc__)
     p.add_argument("metrics", help="metrics JSONL file")
     p.add_argument("--output", "-o", default="curves.png", help="image to write")
-    p.add_argument("--title", help="title above the plots")
+    p.add_argument("--title", help="title above the plots (default: the metrics file's path)")
     return p
 
 
@@ -97,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not records:
         log.error("error: %s holds no records", a.metrics)
         return 2
-    plot(records, a.output, a.title)
-    log.info("wrote %s (%d records)", a.output, len(records))
+    plot(records, a.output, a.title or a.metrics)
+    marks = resumes(records)
+    resumed = f"; resumed after iteration {', '.join(map(str, marks))}" if marks else ""
+    log.info("wrote %s (%d records%s)", a.output, len(records), resumed)
     return 0

@@ -1,0 +1,158 @@
+"""The recipes of examples/recipes/: each script's own command line (the script run with a launcher
+that records its arguments) parses at the world size it is written for to the model and layout its
+header names, and the same flags with tiny shapes and a 4-rank layout train 2 iterations on
+synthetic tokens."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+import subprocess
+
+import pytest
+
+from megazero.training import parse_args
+from tests.launch import ROOT, in_pool
+
+RECIPES = os.path.join(ROOT, "examples", "recipes")
+
+
+def recipe_command(name: str, tmp_path, **env: str) -> tuple[list[str], list[str]]:
+    """(torchrun's arguments, pretrain_gpt.py's arguments) of ``bash examples/recipes/NAME.sh``."""
+    record = tmp_path / f"{name}.argv"
+    shim = tmp_path / "torchrun"
+    shim.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{record}'\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    full_env = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "NNODES", "DRY_RUN")}
+    full_env.update(TORCHRUN=str(shim), CHECKPOINT_DIR=str(tmp_path / "ckpt"), **env)
+    proc = subprocess.run(["bash", os.path.join(RECIPES, f"{name}.sh")], env=full_env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = record.read_text().splitlines()
+    split = argv.index("pretrain_gpt.py")
+    return argv[:split], argv[split + 1:]
+
+
+def world_size(launcher: list[str]) -> int:
+    value = {flag: launcher[i + 1] for i, flag in enumerate(launcher[:-1]) if flag.startswith("--")}
+    return int(value["--nnodes"]) * int(value["--nproc_per_node"])
+
+
+def substituted(argv: list[str], values: dict[str, str], drop: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` with each flag of ``values`` given that value and the switches in ``drop`` removed;
+    every flag named must be in the recipe, so a renamed flag fails here rather than going unused."""
+    out, i = [], 0
+    missing = set(values) | set(drop)
+    while i < len(argv):
+        flag = argv[i]
+        if flag in drop:
+            missing.discard(flag)
+            i += 1
+        elif flag in values:
+            missing.discard(flag)
+            out += [flag, values[flag]]
+            i += 2
+        else:
+            out.append(flag)
+            i += 1
+    assert not missing, f"flags not in the recipe: {sorted(missing)}"
+    return out
+
+
+LLAMA = dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+             normalization="rmsnorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False,
+             tie_embeddings=False, vocab_size=128256)
+
+
+def _check(config, **expected) -> None:
+    m, p = config.model, config.parallel
+    got = {k: getattr(p, k) if hasattr(p, k) and not hasattr(m, k) else getattr(m, k) for k in expected}
+    assert got == expected
+
+
+def test_llama3_8b_parses_on_8_gpus(tmp_path):
+    launcher, argv = recipe_command("llama3_8b", tmp_path)
+    assert world_size(launcher) == 8
+    config = parse_args(argv, world_size=8, check_files=False)
+    _check(config, **LLAMA, rotary_base=500000.0, seq_length=8192, tp=1, pp=1, cp=1, dp=8, zero_stage=3)
+    assert config.precision.dtype == "bf16" and config.data.mock_data
+
+
+def test_llama3_8b_128k_cp_parses_on_64_gpus(tmp_path):
+    launcher, argv = recipe_command("llama3_8b_128k_cp", tmp_path)
+    assert world_size(launcher) == 64
+    config = parse_args(argv, world_size=64, check_files=False)
+    _check(config, **LLAMA, seq_length=131072, tp=4, cp=8, pp=1, dp=2, zero_stage=1, sequence_parallel=True,
+           recompute_granularity="full", attention_dropout=0.0)
+
+
+def test_mixtral_8x7b_parses_on_64_gpus(tmp_path):
+    launcher, argv = recipe_command("mixtral_8x7b", tmp_path)
+    assert world_size(launcher) == 64
+    config = parse_args(argv, world_size=64, check_files=False)
+    _check(config, **{**LLAMA, "vocab_size": 32000}, num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+           moe_grouped_gemm=True, rotary_base=1e6, tp=1, pp=4, ep=8, dp=16, zero_stage=1)
+    assert all(config.model.is_moe_layer(i) for i in range(32))
+
+
+def test_deepseek_v3_moe_parses_on_1024_gpus(tmp_path):
+    launcher, argv = recipe_command("deepseek_v3_moe", tmp_path)
+    assert world_size(launcher) == 1024
+    config = parse_args(argv, world_size=1024, check_files=False)
+    _check(config, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, kv_channels=128,
+           num_query_groups=8, vocab_size=129280, num_experts=256, moe_ffn_hidden_size=2048,
+           moe_shared_expert_intermediate_size=2048, moe_router_topk=8, moe_router_score_function="sigmoid",
+           moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+           moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss",
+           moe_aux_loss_coeff=1e-4, tie_embeddings=False, tp=2, pp=16, ep=64, dp=32, zero_stage=1,
+           sequence_parallel=True)
+    assert [i for i in range(61) if config.model.is_moe_layer(i)] == list(range(3, 61))
+
+
+def test_a_recipe_with_data_passes_its_tokenizer(tmp_path):
+    _, argv = recipe_command("mixtral_8x7b", tmp_path, DATA_PATH="0.7 /d/a 0.3 /d/b", TOKENIZER_MODEL="/t/tok.model")
+    assert "--mock-data" not in argv
+    joined = " ".join(argv)
+    assert "--data-path 0.7 /d/a 0.3 /d/b" in joined and "--tokenizer-type Llama2Tokenizer" in joined
+    assert "--tokenizer-model /t/tok.model" in joined
+
+
+TINY = {"--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4", "--num-query-groups": "2",
+        "--vocab-size": "512", "--micro-batch-size": "1", "--global-batch-size": "4", "--train-iters": "2",
+        "--eval-iters": "1", "--lr-warmup-iters": "1"}
+# Each recipe at a tiny size on 4 ranks, with a layout of the same kinds as the recipe's.
+TINY_RUNS = {
+    "llama3_8b": ({"--num-layers": "2", "--seq-length": "64", "--max-position-embeddings": "64"}, (),
+                  "tp 1 x pp 1 x dp 4"),
+    "llama3_8b_128k_cp": ({"--num-layers": "2", "--seq-length": "128", "--max-position-embeddings": "128",
+                           "--tensor-model-parallel-size": "2", "--context-parallel-size": "2"}, (),
+                          "tp 2 x cp 2 (p2p) x pp 1 x dp 1"),
+    "mixtral_8x7b": ({"--num-layers": "2", "--seq-length": "64", "--max-position-embeddings": "64",
+                      "--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2"}, (),
+                     "tp 1 x pp 2 x dp 2"),
+    "deepseek_v3_moe": ({"--num-layers": "4", "--seq-length": "64", "--max-position-embeddings": "64",
+                         "--kv-channels": "16", "--num-experts": "8", "--moe-ffn-hidden-size": "32",
+                         "--moe-layer-freq": "([0]*1+[1]*3)", "--moe-shared-expert-intermediate-size": "32",
+                         "--moe-router-topk": "2", "--moe-router-num-groups": "4", "--moe-router-group-topk": "2",
+                         "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "2",
+                         "--decoder-first-pipeline-num-layers": "2", "--decoder-last-pipeline-num-layers": "2",
+                         "--expert-model-parallel-size": "2"}, (), "tp 1 x pp 2 x dp 2"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TINY_RUNS))
+def test_recipe_trains_at_a_tiny_size(name, tmp_path):
+    values, drop, layout = TINY_RUNS[name]
+    _, argv = recipe_command(name, tmp_path)
+    argv = substituted(argv, {**TINY, **values}, drop)
+    run = in_pool(4, argv, cwd=ROOT)
+    log = run.output
+    (tmp_path / "log.txt").write_text(log)
+    assert run.returncode == 0, log[-6000:]
+    assert layout in log, log[-3000:]
+    losses = [float(x) for x in re.findall(r"lm loss: (\S+)", log)]
+    assert re.search(r"iteration\s+2/\s+2", log) and losses and all(math.isfinite(x) for x in losses), log[-3000:]
+    assert os.path.exists(tmp_path / "ckpt" / "latest")
