@@ -17,6 +17,10 @@ from megazero.training import parse_args
 from tests.launch import ROOT, in_pool
 
 RECIPES = os.path.join(ROOT, "examples", "recipes")
+# The environment the recipes read: a value left in the caller's environment would change the launch.
+SETTINGS = {"CHECKPOINT_DIR", "CP", "DATA_PATH", "DRY_RUN", "EP", "GLOBAL_BATCH", "GPUS_PER_NODE", "MASTER_ADDR",
+            "MASTER_PORT", "MICRO_BATCH", "NNODES", "NODE_RANK", "PP", "SEQ_LENGTH", "TENSORBOARD_DIR",
+            "TOKENIZER_MODEL", "TORCHRUN", "TP", "TRAIN_ITERS", "ZERO_STAGE"}
 
 
 def recipe_command(name: str, tmp_path, **env: str) -> tuple[list[str], list[str]]:
@@ -25,7 +29,7 @@ def recipe_command(name: str, tmp_path, **env: str) -> tuple[list[str], list[str
     shim = tmp_path / "torchrun"
     shim.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{record}'\n")
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
-    full_env = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "NNODES", "DRY_RUN")}
+    full_env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     full_env.update(TORCHRUN=str(shim), CHECKPOINT_DIR=str(tmp_path / "ckpt"), **env)
     proc = subprocess.run(["bash", os.path.join(RECIPES, f"{name}.sh")], env=full_env, capture_output=True,
                           text=True, timeout=60)
@@ -156,3 +160,9 @@ def test_recipe_trains_at_a_tiny_size(name, tmp_path):
     losses = [float(x) for x in re.findall(r"lm loss: (\S+)", log)]
     assert re.search(r"iteration\s+2/\s+2", log) and losses and all(math.isfinite(x) for x in losses), log[-3000:]
     assert os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+def test_the_tests_clear_every_setting_the_recipes_read():
+    text = "".join(open(os.path.join(RECIPES, f)).read() for f in os.listdir(RECIPES) if f.endswith(".sh"))
+    read = set(re.findall(r"\$\{([A-Z_]+):[-?]", text)) - {"OMP_NUM_THREADS", "PYTHON"}  # not the launch's
+    assert read == SETTINGS
