@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, *, callbacks: Sequence = ()) -> int:
     """Parse ``argv``, train, and return the exit status: 0 done (or a planned exit), 1 a failure
     during the run, 2 (``SystemExit``) a configuration refused before starting. ``callbacks``
-    (``megazero.training.loop.Callback``) hear the training loop's events."""
+    (``megazero.training.loop.Callback``) hear the training loop's events. A failure is one line,
+    logged once and left in torchrun's error file (its summary's root cause then shows it)."""
     from megazero.training.output import console
 
     with console("megazero.training", __name__):
@@ -50,6 +51,7 @@ def _main(argv: list[str] | None, callbacks: Sequence) -> int:
     from megazero import mpu
     from megazero.training import describe, parse_args_or_exit
     from megazero.training.failures import report
+    from megazero.training.output import write_error_file
     from megazero.training.trainer import TrainingDiverged, pretrain
 
     mpu.export_slurm_env()  # under plain `srun`, the world size the parser checks comes from SLURM
@@ -63,8 +65,10 @@ def _main(argv: list[str] | None, callbacks: Sequence) -> int:
             log.info(describe(config))
         try:
             pretrain(config, callbacks=callbacks)
-        except TrainingDiverged as e:
-            log.error(f"error on rank {rank}: {e}")
+        except TrainingDiverged as e:  # found alike on every rank (the losses are reduced): said once
+            if rank == 0:
+                log.error(f"{PROG}: {e}")
+            write_error_file(f"{PROG}: {e}")
             return 1
         except Exception as e:  # noqa: BLE001 - one line per failure (a traceback only for internal errors)
             return report(e, PROG)

@@ -40,7 +40,7 @@ from megazero.training.config import (  # noqa: F401  (the config classes are re
 )
 from megazero.training.errors import with_flags
 from megazero.training.flags import HELP_EPILOG, add_to_parser, refusals
-from megazero.training.output import console
+from megazero.training.output import console, write_error_file
 from megazero.training.resolve.common import default
 from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, missing_data_flags, resolve_data
 from megazero.training.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
@@ -170,7 +170,8 @@ def missing_required(ns: argparse.Namespace) -> list[str]:
     """Every required flag the command line (with its DeepSpeed JSON merged) lacks, one entry each, so
     that one run names them all."""
     missing = []
-    if ns.model_preset is None and not ns.use_checkpoint_args:
+    from_checkpoint = bool(ns.use_checkpoint_args or ns.load or ns.pretrained_checkpoint)  # it may hold the shape
+    if ns.model_preset is None and not from_checkpoint:
         shape = [f"--{a.replace('_', '-')}" for a in ("num_layers", "hidden_size", "num_attention_heads",
                                                       "seq_length") if getattr(ns, a) is None]
         if shape:
@@ -181,7 +182,7 @@ def missing_required(ns: argparse.Namespace) -> list[str]:
         missing.append("--lr LR (the peak learning rate, e.g. 3e-4)")
     if ns.train_iters is None and ns.train_samples is None:
         missing.append("--train-iters N (or --train-samples N)")
-    missing += missing_data_flags(ns)
+    missing += missing_data_flags(ns, tokenizer=not from_checkpoint)
     return missing
 
 
@@ -215,14 +216,18 @@ def parse_args_or_exit(argv: Optional[Sequence[str]] = None, world_size: Optiona
                        check_files: bool = True) -> TrainConfig:
     """``parse_args`` for entry points: on ConfigError log only the message (ERROR) and exit 2.
 
-    Only local rank 0 logs it, so a multi-GPU node shows the message once. The other ranks,
-    which fail the same way, wait a moment before exiting: a launcher stops every rank when the
-    first one exits, and a rank 0 stopped before it logged would leave the user no message.
+    Only local rank 0 logs it, so a multi-GPU node shows the message once, and leaves it in
+    torchrun's error file, whose summary then ends with it (``output.write_error_file``; torchrun's
+    own status is 1, the summary's root cause shows this rank's 2). The other ranks, which fail the
+    same way, wait a moment before exiting: a launcher stops every rank when the first one exits, and
+    a rank 0 stopped before it logged would leave the user no message; and torchrun's root cause is
+    the first rank to exit.
     """
     try:
         return parse_args(argv, world_size, check_files=check_files)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":
+            write_error_file(f"error: {e}")
             # The process exits next: the message reaches stderr whatever logging the caller set up.
             with console(__name__):
                 log.error(f"error: {e}")

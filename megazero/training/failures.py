@@ -30,6 +30,8 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from .output import write_error_file
+
 __all__ = ["Failure", "RunAborted", "agree", "attempt", "conclude", "failure_of", "is_user_error", "report"]
 
 T = TypeVar("T")
@@ -131,16 +133,20 @@ def agree(phase: str, fn: Callable[[], T], *, user_errors: tuple[type, ...] = ()
 
 def report(e: BaseException, prog: str = "error") -> int:
     """Log one ERROR record for ``e`` (led by the traceback of an internal error, on the rank where it
-    happened) and return the exit status. The failing rank logs it; the other ranks stay silent, so
-    the launching terminal shows it once."""
+    happened) and return the exit status, 1. The failing rank logs it; the other ranks stay silent, so
+    the launching terminal shows it once. Every rank leaves the one line in torchrun's error file
+    (:func:`~megazero.training.output.write_error_file`), so torchrun's summary ends with it whichever
+    rank it names."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if isinstance(e, RunAborted):
+        line = f"{prog}: {e}"
         if rank == e.rank:
-            log.error("%s%s: %s", e.tb if not e.user and e.tb else "", prog, e)
-        return 1
-    if is_user_error(e):
-        log.error("%s: %s (rank %d)", prog, e, rank)
-        return 1
-    tb = "".join(traceback.format_exception(e))
-    log.error("%s%s: internal error on rank %d: %s: %s", tb, prog, rank, type(e).__name__, e)
+            log.error("%s%s", e.tb if not e.user and e.tb else "", line)
+    elif is_user_error(e):
+        line = f"{prog}: {e} (rank {rank})"
+        log.error(line)
+    else:
+        line = f"{prog}: internal error on rank {rank}: {type(e).__name__}: {e}"
+        log.error("%s%s", "".join(traceback.format_exception(e)), line)
+    write_error_file(line)
     return 1

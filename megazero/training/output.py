@@ -9,13 +9,16 @@ plain line each, as the lines were printed. A library caller configures logging 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import sys
+import time
 from typing import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["RankZero", "rank_zero_logger", "ConsoleHandler", "console"]
+__all__ = ["RankZero", "rank_zero_logger", "ConsoleHandler", "console", "write_error_file"]
 
 
 class RankZero(logging.Filter):
@@ -78,3 +81,20 @@ def console(*names: str, level: int = logging.INFO) -> Iterator[None]:
             log.removeHandler(handler)
             log.setLevel(old_level)
             log.propagate = old_propagate
+
+
+def write_error_file(line: str) -> None:
+    """Leave ``line`` where the launcher reports a failed worker from: torchrun's error-file protocol
+    (``torch.distributed.elastic.multiprocessing.errors``), the JSON file named by
+    ``$TORCHELASTIC_ERROR_FILE``. torchrun's closing summary then shows ``line`` as its root cause's
+    ``traceback`` (instead of a pointer to ``@record``), the last text on the screen. No-op outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)  # the launcher never reads half a file
+    except OSError:
+        pass  # the message was logged; the summary then points at @record, as without this file

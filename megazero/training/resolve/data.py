@@ -50,8 +50,9 @@ def _default_note(ns: argparse.Namespace) -> str:
     return " (the default without --tokenizer-type, as Megatron's pretrain_gpt.py)" if ns.tokenizer_type is None else ""
 
 
-def missing_data_flags(ns: argparse.Namespace) -> list[str]:
-    """The required data and tokenizer flags ``ns`` lacks, as :func:`missing_required` lists them."""
+def missing_data_flags(ns: argparse.Namespace, tokenizer: bool = True) -> list[str]:
+    """The required data flags ``ns`` lacks (and the tokenizer's files, with ``tokenizer``), as
+    ``arguments.missing_required`` lists them."""
     if ns.mock_data:
         return []
     missing = []
@@ -59,7 +60,7 @@ def missing_data_flags(ns: argparse.Namespace) -> list[str]:
         missing.append("--data-path PREFIX (a .bin/.idx prefix from tools/preprocess_data.py; or --mock-data "
                        "for synthetic tokens)")
     t = ns.tokenizer_type or DEFAULT_TOKENIZER
-    absent = [flag for flag, value, _ in _tokenizer_files(t, ns) if value is None]
+    absent = [flag for flag, value, _ in _tokenizer_files(t, ns) if value is None] if tokenizer else []
     if absent:
         whose = f"--tokenizer-type {t}" if ns.tokenizer_type else f"{t}, the default --tokenizer-type"
         missing.append(f"{' and '.join(absent)} (the files of {whose})")
