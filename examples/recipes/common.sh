@@ -16,6 +16,13 @@
 #   DRY_RUN [0]   1: plan memory and traffic per GPU for this world size (tools/estimate_memory.py), no launch
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+for arg in "$@"; do
+    if [[ "$arg" == -h || "$arg" == --help ]]; then  # the recipe's header, then the settings here
+        sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+        sed -n '/^# Environment/,/^$/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        exit 0
+    fi
+done
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"

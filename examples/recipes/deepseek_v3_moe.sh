@@ -18,7 +18,8 @@
 #
 # TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). DRY_RUN=1 stops with
 # "num_layers (61) is not divisible by pp": the planner takes even pipeline splits only.
-# Other settings: examples/recipes/common.sh.
+# Overrides (defaults in brackets): TP [2] PP [16] EP [64] GLOBAL_BATCH [4096] TRAIN_ITERS [100000];
+# other settings: examples/recipes/common.sh.
 set -euo pipefail
 RECIPE=deepseek_v3_moe
 VOCAB_SIZE=129280

@@ -11,7 +11,8 @@
 #
 # TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer); preprocess the data
 # with the same one (docs/data.md). DRY_RUN=1 plans memory per GPU instead of launching.
-# The other settings and their defaults: examples/recipes/common.sh.
+# Overrides (defaults in brackets): TP [1] PP [1] ZERO_STAGE [3] SEQ_LENGTH [8192] MICRO_BATCH [1]
+#   GLOBAL_BATCH [512] TRAIN_ITERS [250000]; the other settings: examples/recipes/common.sh.
 set -euo pipefail
 RECIPE=llama3_8b
 VOCAB_SIZE=128256

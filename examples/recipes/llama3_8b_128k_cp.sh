@@ -13,7 +13,8 @@
 #
 # SEQ_LENGTH, TP, CP (world = tp x cp x dp) change the layout; --cp-comm-type a2a (Ulysses) or
 # a2a+p2p with --hierarchical-context-parallel-sizes are the other exchanges (docs/parallelism.md).
-# DRY_RUN=1 plans memory per GPU instead of launching. Other settings: examples/recipes/common.sh.
+# DRY_RUN=1 plans memory per GPU instead of launching. Overrides (defaults in brackets): TP [4] CP [8]
+#   SEQ_LENGTH [131072] GLOBAL_BATCH [32] TRAIN_ITERS [2000]; other settings: examples/recipes/common.sh.
 set -euo pipefail
 RECIPE=llama3_8b_128k_cp
 VOCAB_SIZE=128256

@@ -12,7 +12,8 @@
 #
 # TOKENIZER_MODEL is Mixtral's SentencePiece model (Llama2Tokenizer). EP must divide the 8 experts
 # and the ranks of a pipeline stage. DRY_RUN=1 plans memory per GPU instead of launching.
-# Other settings: examples/recipes/common.sh. tools/convert_to_hf.py exports to MixtralForCausalLM.
+# Overrides (defaults in brackets): TP [1] PP [4] EP [8] GLOBAL_BATCH [256] TRAIN_ITERS [500000]; other
+# settings: examples/recipes/common.sh. tools/convert_to_hf.py exports to MixtralForCausalLM.
 set -euo pipefail
 RECIPE=mixtral_8x7b
 VOCAB_SIZE=32000
