@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megazero.model.keyed_dropout import AttentionDropout
+from megazero.model.ring_attention import dense_attention
 from megazero.mpu.random import get_rng_tracker
 
 __all__ = ["core_attention", "resolve_backend", "flash_attn_available"]
@@ -104,13 +106,21 @@ def _flash(q, k, v, dropout_p):
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto",
-                   dropout_p: float = 0.0, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   dropout_p: float = 0.0, attention_mask: Optional[torch.Tensor] = None,
+                   dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal attention of this rank's heads: ``[s, b, heads, d]`` x2/3 -> ``[s, b, heads * d]``.
 
-    Pass ``dropout_p=0`` in eval mode; a positive ``dropout_p`` needs the model-parallel
-    RNG to be seeded (``mpu.model_parallel_manual_seed``).
+    Pass ``dropout_p=0`` in eval mode; a positive ``dropout_p`` (the backend's own masks) needs the
+    model-parallel RNG to be seeded (``mpu.model_parallel_manual_seed``). ``dropout``: attention
+    dropout keyed by position instead (:class:`~megazero.model.keyed_dropout.AttentionDropout`), computed
+    by the explicit formula in tiles whatever ``backend`` says (positions ``0 .. s-1``).
     """
     s, b, n, d = q.shape
+    if dropout is not None:
+        if dropout_p > 0.0:
+            raise ValueError("give attention dropout once: dropout_p (the backend's masks) or dropout (keyed)")
+        pos = torch.arange(s, device=q.device)
+        return dense_attention(q, k, v, dropout, positions=(pos, pos), mask=attention_mask)
     chosen = resolve_backend(backend, q, attention_mask is not None)
     rng = get_rng_tracker().fork(device=q.device) if dropout_p > 0.0 else contextlib.nullcontext()
     with rng:

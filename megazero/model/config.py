@@ -113,10 +113,11 @@ class GPTConfig:
     # --- regularisation and init -----------------------------------------------------------
     hidden_dropout: float = 0.1  # on embeddings and on each residual branch
     attention_dropout: float = 0.1  # on attention probabilities
-    # Where hidden-dropout masks come from. 'stream': torch's generator over the tensor a rank holds
-    # (Megatron's way; masks change with the layout). 'position': a function of (sample, token index
-    # in the sequence, feature, site) (keyed_dropout.py), the same at every layout; context
-    # parallelism needs it. It keys hidden dropout only: attention dropout must then be 0.
+    # Where dropout masks come from. 'stream': torch's generator over the tensor a rank holds and the
+    # attention kernels' own (Megatron's way; masks change with the layout). 'position': a function of
+    # (sample, token index in the sequence, feature, site) for hidden dropout and of (sample, global
+    # head, query index, key index, layer) for attention dropout (keyed_dropout.py), the same at every
+    # layout; attention then runs the explicit formula in tiles instead of the fused kernels.
     dropout_rng: str = "stream"
     init_method_std: float = 0.02  # N(0, std); residual-output projections use std/sqrt(2*layers)
     # 'normal': N(0, init_method_std) as above. 'xavier_uniform': every weight matrix (embeddings
@@ -288,9 +289,6 @@ class GPTConfig:
             self._validate_moe(tp_size)
         if self.dropout_rng not in ("stream", "position"):
             raise ValueError(f"dropout_rng must be 'stream' or 'position', got {self.dropout_rng!r}")
-        if self.dropout_rng == "position" and self.attention_dropout > 0:
-            raise ValueError("position-keyed dropout (dropout_rng='position') keys hidden dropout only: the fused "
-                             "attention kernels draw their own masks; set attention_dropout to 0")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}")
         if self.layernorm_epsilon <= 0:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from megazero.model.attention import core_attention, resolve_backend
 from megazero.model.cp_layout import CPLayout
-from megazero.model.ring_attention import block_attention
+from megazero.model.keyed_dropout import AttentionDropout
+from megazero.model.ring_attention import block_attention, dense_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
 from megazero.mpu.utils import group_size
@@ -39,6 +40,7 @@ __all__ = [
     "SequenceShard",
     "scatter_heads",
     "a2a_head_split",
+    "a2a_dropout",
     "a2a_attention",
     "allgather_attention",
     "a2a_elements",
@@ -119,7 +121,7 @@ def a2a_head_split(heads: int, groups: int, cp: int) -> str:
                      f"Pick another context parallel size or cp_comm_type 'p2p' or 'allgather'")
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, dropout_p: float,
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
            attention_mask: Optional[torch.Tensor]) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
         raise ValueError(f"expected q [s, b, heads, d] and k, v [s, b, groups, d]; got q {tuple(q.shape)}, "
@@ -133,10 +135,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceSha
     if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (total, total):
         raise ValueError(f"attention_mask must cover the global sequence, [b, 1, {total}, {total}] or "
                          f"[{total}, {total}] in global order; got {tuple(attention_mask.shape)}")
-    if dropout_p > 0.0:
-        # Exactness across layouts needs dropout masks keyed by global position, which this path lacks.
-        raise NotImplementedError("attention dropout is not supported under context parallelism yet; "
-                                  "set the attention dropout to 0")
 
 
 def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
@@ -157,27 +155,39 @@ def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opti
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
-                  group: Optional[dist.ProcessGroup], *, backend: str = "auto", dropout_p: float = 0.0,
-                  attention_mask: Optional[torch.Tensor] = None,
-                  counter: Optional[CommCounter] = None) -> torch.Tensor:
+                  group: Optional[dist.ProcessGroup], *, backend: str = "auto",
+                  attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
+                  dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Ulysses attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
 
     Bit-identical to ``core_attention`` of the whole sequence in one process (same backend), for the
     output and the gradients: each rank runs exactly that computation for heads/P of the heads.
     ``heads`` must divide by P, and KV groups divide by P or P by the groups (``a2a_head_split``).
+    ``dropout``: keyed attention dropout of this rank's heads (``dropout.heads`` before the split; rank
+    j keeps heads/P of them, as the exchange does), the whole sequence's masks.
     """
-    _check(q, k, v, shard, dropout_p, attention_mask)
+    _check(q, k, v, shard, attention_mask)
     cp, heads, d = group_size(group), q.size(2), q.size(3)
     q_h, k_h, v_h = scatter_heads(q, k, v, group, counter)
     reorder = not shard.is_identity
     if reorder:  # rank-major -> global order, so that causality and document masks read true positions
         q_h, k_h, v_h = (t.index_select(0, shard.order) for t in (q_h, k_h, v_h))
-    out = core_attention(q_h, k_h, v_h, backend=backend, attention_mask=attention_mask)
+    out = core_attention(q_h, k_h, v_h, backend=backend, attention_mask=attention_mask,
+                         dropout=a2a_dropout(dropout, group))
     total, b = out.size(0), out.size(1)
     out = out.view(total, b, heads // cp, d)
     if reorder:
         out = out.index_select(0, shard.all_positions)
     return heads_to_seq_all_to_all(out, group, counter).reshape(q.size(0), b, heads * d)
+
+
+def a2a_dropout(dropout: Optional[AttentionDropout], group: Optional[dist.ProcessGroup]) -> Optional[AttentionDropout]:
+    """The dropout of the heads the all-to-all over ``group`` leaves this rank (rank j: the j-th of P slices)."""
+    if dropout is None or group_size(group) == 1:
+        return dropout
+    n, cp = dropout.heads.numel(), group_size(group)
+    j = dist.get_rank(group)
+    return dropout.select(heads=slice(j * n // cp, (j + 1) * n // cp))
 
 
 def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -191,9 +201,9 @@ def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Te
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
-                        group: Optional[dist.ProcessGroup], *, backend: str = "auto", dropout_p: float = 0.0,
-                        attention_mask: Optional[torch.Tensor] = None,
-                        counter: Optional[CommCounter] = None, layout: Optional[CPLayout] = None) -> torch.Tensor:
+                        group: Optional[dist.ProcessGroup], *, backend: str = "auto",
+                        attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
+                        layout: Optional[CPLayout] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """All-gather-KV attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
 
     K/V (their ``groups`` heads, not repeated) are gathered along the sequence; backward
@@ -201,8 +211,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     rank's chunks attends to the keys before it and (causally) to itself through the ring's block
     kernels (flash on CPU and CUDA): no mask, no scores held. Otherwise (a mask: packed documents)
     ``sdpa`` or ``math`` with an explicit mask from the global positions (``flash`` is refused).
+    ``dropout``: keyed attention dropout (the math kernel's tiles, masks of the global positions).
     """
-    _check(q, k, v, shard, dropout_p, attention_mask)
+    _check(q, k, v, shard, attention_mask)
     k_all, v_all = gather_sequence(k, group, counter), gather_sequence(v, group, counter)
     if not shard.is_identity:
         k_all, v_all = k_all.index_select(0, shard.order), v_all.index_select(0, shard.order)
@@ -210,7 +221,12 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         k_runs = sorted((run for runs in layout.runs for run in runs), key=lambda run: run[1])  # global order
         return block_attention(q, k_all, v_all, layout.runs[rank], k_runs,
-                               kernel="math" if backend == "math" else "auto")
+                               kernel="math" if backend == "math" else "auto", dropout=dropout)
+    if dropout is not None:  # the keyed masks' tiles, the documents' mask sliced per tile
+        allowed = _allowed(shard, k_all.size(0), attention_mask)
+        keys = torch.arange(k_all.size(0), device=q.device)
+        return dense_attention(q, k_all, v_all, dropout, positions=(shard.positions, keys), causal=False,
+                               mask=~allowed)
     if backend == "flash":
         raise ValueError("allgather context-parallel attention with an attention mask needs a kernel that takes "
                          "one (queries at scattered positions); use backend 'auto', 'sdpa' or 'math'")

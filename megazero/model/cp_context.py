@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megazero.model.cp_attention import SequenceShard, a2a_attention, allgather_attention
 from megazero.model.cp_hierarchical import Hierarchy, hierarchical_attention
 from megazero.model.cp_layout import CPLayout, balanced_document_layout, zigzag_document_layout
+from megazero.model.keyed_dropout import AttentionDropout
 from megazero.model.ring_attention import ring_attention
 
 __all__ = ["ContextParallel", "context_parallel_attention", "COMM_TYPES"]
@@ -107,25 +108,26 @@ class ContextParallel:
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
-                               layer: int = 0, backend: str = "auto", dropout_p: float = 0.0,
-                               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               layer: int = 0, backend: str = "auto", attention_mask: Optional[torch.Tensor] = None,
+                               dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """``core_attention`` of this rank's queries over the whole sequence, by the exchange of ``layer``.
     The ring (and the ring of ``a2a+p2p``) takes packed documents from its layouts, not from a mask, and
-    its block kernel from ``ring_kernels`` (the explicit formula when ``backend`` is 'math')."""
+    its block kernel from ``ring_kernels`` (the explicit formula when ``backend`` is 'math').
+    ``dropout``: attention dropout keyed by position (``dropout.heads``: this rank's global heads), the
+    masks of the whole sequence whichever exchange runs; every exchange then computes by the explicit
+    formula's tiles."""
     kind = cp.comm_type_of(layer)
     if kind == "a2a":
-        return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
-                             attention_mask=attention_mask, counter=cp.counter)
+        return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
+                             counter=cp.counter, dropout=dropout)
     if kind == "allgather":
-        return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, dropout_p=dropout_p,
-                                   attention_mask=attention_mask, counter=cp.counter, layout=cp.layout)
+        return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
+                                   counter=cp.counter, layout=cp.layout, dropout=dropout)
     if attention_mask is not None and not cp.documents:
         raise ValueError(f"the {kind} exchange takes packed documents from its layouts "
                          "(ContextParallel.with_documents), not from an attention mask; pass no mask")
-    if dropout_p > 0:
-        raise NotImplementedError(f"attention dropout inside the {kind} exchange is not supported; "
-                                  "set --attention-dropout 0")
     kernel = "math" if backend == "math" else "auto"
     if kind == "a2a+p2p":
-        return hierarchical_attention(q, k, v, cp.hierarchy, counter=cp.counter, kernel=kernel)
-    return ring_attention(q, k, v, cp.sample_layouts or cp.layout, cp.group, stats=cp.counter, kernel=kernel)
+        return hierarchical_attention(q, k, v, cp.hierarchy, counter=cp.counter, kernel=kernel, dropout=dropout)
+    return ring_attention(q, k, v, cp.sample_layouts or cp.layout, cp.group, stats=cp.counter, kernel=kernel,
+                          dropout=dropout)

@@ -20,8 +20,8 @@ Dropout: replicated activations use the default generator; attention dropout and
 sequence-parallel hidden dropout use the model-parallel stream, so training with
 dropout > 0 needs ``mpu.model_parallel_manual_seed(seed)`` first. With
 ``dropout_rng='position'`` hidden-dropout masks are keyed by (sample, token index, feature,
-site) instead (``keyed_dropout.py``), the same at every layout: forward then takes the
-samples' keys.
+site) and attention-dropout masks by (sample, global head, query index, key index, layer) instead
+(``keyed_dropout.py``), the same at every layout: forward then takes the samples' keys.
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ class GPTModel(torch.nn.Module):
         ``context_parallel``: this rank holds some tokens of each sequence (``input_ids``, ``labels``
         and ``position_ids``, which must then be given: the tokens' global positions) and attention
         runs over the whole sequence (``cp_attention.py``); ``attention_mask`` is then the whole
-        sequence's, in global order. Dropout must be 0 (its masks are not yet keyed by position).
+        sequence's, in global order. ``dropout_keys``: the samples' keys (``dropout_rng='position'``), which key
+        the hidden and attention dropout masks by position.
         """
         if context_parallel is not None:
             _check_context_parallel(self.config, position_ids, self.training)
@@ -225,7 +226,7 @@ class GPTModel(torch.nn.Module):
                      cp: Optional[ContextParallel]) -> Optional[DropoutKey]:
         """The forward's keyed-dropout key for activations ``x`` ``[rows, b, h]`` (None when not keyed)."""
         c = self.config
-        if c.dropout_rng != "position" or not self.training or c.hidden_dropout == 0:
+        if c.dropout_rng != "position" or not self.training or (c.hidden_dropout == 0 and c.attention_dropout == 0):
             return None
         if keys is None:
             raise ValueError("position-keyed dropout (dropout_rng='position') needs dropout_keys: the samples' "
@@ -293,14 +294,8 @@ class GPTModel(torch.nn.Module):
 
 
 def _check_context_parallel(config: GPTConfig, position_ids: Optional[torch.Tensor], training: bool) -> None:
-    """Refuse what a context-parallel forward cannot do yet, saying how to run instead."""
+    """Refuse what a context-parallel forward cannot do, saying how to run instead. Dropout of any kind
+    runs: keyed by position with ``dropout_rng='position'`` (the same masks as cp 1), else drawn per rank."""
     if position_ids is None:
         raise ValueError("a context-parallel forward needs position_ids: the global positions of this rank's tokens "
                          "(the layout's positions), or positions, rotary angles and masks would be the chunk's own")
-    if training and config.attention_dropout > 0:
-        raise NotImplementedError("attention dropout under context parallelism: the fused attention kernels draw "
-                                  "masks of their own, which depend on the split; set --attention-dropout 0")
-    if training and config.hidden_dropout > 0 and config.dropout_rng != "position":
-        raise NotImplementedError("hidden dropout under context parallelism needs masks keyed by position "
-                                  "(dropout_rng='position', --dropout-rng position), or torch's masks would "
-                                  "depend on the split")

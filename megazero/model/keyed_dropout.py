@@ -15,14 +15,16 @@ same bits on any device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-__all__ = ["DropoutKey", "sample_keys", "keyed_mask", "keyed_dropout"]
+__all__ = ["DropoutKey", "AttentionDropout", "sample_keys", "keyed_mask", "keyed_dropout"]
 
 _M32 = 0xFFFFFFFF
 _CHUNK = 1 << 22  # elements hashed at a time: bounds the int64 temporaries to 32 MiB each
 _THRESHOLD_BITS = 24
+_ATTENTION_SITE = 1 << 30  # attention sites: this + layer, apart from hidden dropout's 0 .. 2L
 
 
 def _mix32(x):
@@ -52,20 +54,69 @@ class DropoutKey:
     rows: torch.Tensor
 
 
+def _site_key(site: int) -> int:
+    return _mix32((site * 0x9E3779B1 + 0x632BE5AB) & _M32)
+
+
+def _row_keys(rows: torch.Tensor, samples: torch.Tensor, site: int) -> torch.Tensor:
+    """``[s, n]`` keys of rows (indices in the sequence, ``[s]`` or ``[s, n]``) of the ``n`` samples at ``site``."""
+    rows = _mix32((rows.to(torch.int64) & _M32) ^ _site_key(site))
+    return _mix32((rows[:, None] if rows.dim() == 1 else rows) ^ samples[None, :])
+
+
+def _col_keys(cols: torch.Tensor) -> torch.Tensor:
+    return _mix32((cols.to(torch.int64) & _M32) ^ 0xB5297A4D)
+
+
+def _threshold(p: float) -> int:
+    return round(p * (1 << _THRESHOLD_BITS))
+
+
+def _keep(row_keys: torch.Tensor, col_keys: torch.Tensor, threshold: int, out=None) -> torch.Tensor:
+    """The keep bits of (row, column) pairs: ``row_keys`` broadcast against ``col_keys``."""
+    return torch.ge(_mix32(row_keys ^ col_keys) >> (32 - _THRESHOLD_BITS), threshold, out=out)
+
+
 def keyed_mask(key: DropoutKey, site: int, features: int, p: float) -> torch.Tensor:
     """The keep mask ``[s_rows, b, features]`` (bool) of dropout with probability ``p`` at ``site``."""
-    site_key = _mix32((site * 0x9E3779B1 + 0x632BE5AB) & _M32)
-    rows = _mix32((key.rows.to(torch.int64) & _M32) ^ site_key)  # [s] or [s, b]
-    row_keys = _mix32((rows[:, None] if rows.dim() == 1 else rows) ^ key.samples[None, :])  # [s, b]
-    cols = _mix32(torch.arange(features, dtype=torch.int64, device=rows.device) ^ 0xB5297A4D)  # [h]
-    threshold = round(p * (1 << _THRESHOLD_BITS))
+    row_keys = _row_keys(key.rows, key.samples, site)  # [s, b]
+    cols = _col_keys(torch.arange(features, dtype=torch.int64, device=row_keys.device))  # [h]
+    threshold = _threshold(p)
     s, b = row_keys.shape
-    keep = torch.empty(s, b, features, dtype=torch.bool, device=rows.device)
+    keep = torch.empty(s, b, features, dtype=torch.bool, device=row_keys.device)
     step = max(1, _CHUNK // max(1, b * features))
     for lo in range(0, s, step):
-        u = _mix32(row_keys[lo:lo + step, :, None] ^ cols)
-        torch.ge(u >> (32 - _THRESHOLD_BITS), threshold, out=keep[lo:lo + step])
+        _keep(row_keys[lo:lo + step, :, None], cols, threshold, out=keep[lo:lo + step])
     return keep
+
+
+@dataclass(frozen=True)
+class AttentionDropout:
+    """Attention dropout with probability ``p`` keyed by position: element (sample n, head h, query i,
+    key j) of layer ``layer`` is kept when ``hash(key_n, h, i, j, layer)`` clears the threshold, the
+    hash of :func:`keyed_mask` with (sample, global head) as the sample and the key's index as the
+    feature. ``samples`` ``[b]`` the samples' keys; ``heads`` ``[h]`` the global indices of the query
+    heads held (tensor and context parallelism hold a slice of them); ``i``, ``j`` indices in the whole
+    sequence, given per block by the caller (:meth:`keep`)."""
+
+    p: float
+    samples: torch.Tensor
+    heads: torch.Tensor
+    layer: int
+
+    def select(self, samples: slice = slice(None), heads: Optional[slice] = None) -> "AttentionDropout":
+        """The same dropout for a slice of the samples (and of the heads held)."""
+        return AttentionDropout(self.p, self.samples[samples], self.heads if heads is None else self.heads[heads],
+                                self.layer)
+
+    def keep(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[b, h, n, m]`` (bool) keep mask of queries at positions ``queries`` ``[n]`` against keys at
+        ``keys`` ``[m]``; blocks of it are blocks of the whole sequence's mask."""
+        heads = _mix32((self.heads.to(torch.int64) & _M32) ^ 0x27D4EB2F)  # [h]
+        pairs = _mix32(self.samples[:, None] ^ heads[None, :]).reshape(-1)  # [b * h]: (sample, head) keys
+        rows = _row_keys(queries, pairs, _ATTENTION_SITE + self.layer)  # [n, b * h]
+        keep = _keep(rows.t()[:, :, None], _col_keys(keys), _threshold(self.p))  # [b * h, n, m]
+        return keep.view(self.samples.numel(), self.heads.numel(), queries.numel(), keys.numel())
 
 
 class _KeyedDropout(torch.autograd.Function):

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from megazero.model.cp_layout import Block, CPLayout, Run, plan_blocks
+from megazero.model.keyed_dropout import AttentionDropout
 from megazero.model.ring_kernels import acc_dtype, block_kernel
 
-__all__ = ["ring_attention", "block_attention", "RingStats"]
+__all__ = ["ring_attention", "block_attention", "dense_attention", "RingStats"]
 
 
 @dataclass
@@ -90,8 +91,10 @@ def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk: Block, out: torch.
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats):
+    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats, dropout):
         size = layouts[0].cp_size
+        ctx.positions = _positions(layouts, q.device) if dropout is not None else None
+        ctx.dropout = dropout
         ring = _Ring(group, rank, size) if size > 1 else None
         s, b, h, d = q.shape
         acc = acc_dtype(q.dtype)
@@ -103,10 +106,12 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works, sent = ring.exchange(cur, tag=0)
                 _count(stats, forward_bytes_sent=sent)
             kt, vt = _bhsd(cur[0]), _bhsd(cur[1])
-            for bs, layout in _by_sample(layouts):
-                for blk in plan_blocks(layout.runs[rank], layout.runs[(rank - step) % size]):
+            src = (rank - step) % size
+            for i, (bs, layout) in enumerate(_by_sample(layouts)):
+                for blk in plan_blocks(layout.runs[rank], layout.runs[src]):
                     o, lse = kernel.forward(qt[bs, :, blk.q_lo:blk.q_hi], kt[bs, :, blk.k_lo:blk.k_hi],
-                                            vt[bs, :, blk.k_lo:blk.k_hi], blk.causal, scale)
+                                            vt[bs, :, blk.k_lo:blk.k_hi], blk.causal, scale,
+                                            **_keyed(ctx, i, bs, rank, src, blk))
                     _merge(acc_out[bs], acc_lse[bs], blk, o, lse)
                     _count(stats, forward_pairs=blk.pairs)
             if step < size - 1:
@@ -146,7 +151,21 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_works)
             dkv = dkv_in
         dq = dq.to(q.dtype).permute(2, 0, 1, 3)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def _positions(layouts: tuple[CPLayout, ...], device) -> list[list[torch.Tensor]]:
+    """Per layout, every rank's token positions (storage order) on ``device``: the dropout masks' keys."""
+    return [[layout.positions(r).to(device) for r in range(layout.cp_size)] for layout in layouts]
+
+
+def _keyed(ctx, i: int, bs: slice, rank: int, src: int, blk: Block) -> dict:
+    """The math kernel's dropout arguments for block ``blk`` of sample slice ``bs`` (layout ``i``)
+    against rank ``src``'s keys; none without dropout."""
+    if ctx.dropout is None:
+        return {}
+    pos = ctx.positions[i]
+    return dict(dropout=ctx.dropout.select(bs), positions=(pos[rank][blk.q_lo:blk.q_hi], pos[src][blk.k_lo:blk.k_hi]))
 
 
 def _block_grads(ctx, src: int, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +173,12 @@ def _block_grads(ctx, src: int, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor,
     (dk, dv) ``[s, b, groups, d]`` in fp32/fp64."""
     dk, dv = (torch.zeros(t.shape, dtype=dq.dtype, device=dq.device) for t in kv)
     kt, vt, dkt, dvt = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dk), _bhsd(dv)
-    for bs, layout in _by_sample(ctx.layouts):
+    for i, (bs, layout) in enumerate(_by_sample(ctx.layouts)):
         for blk in plan_blocks(layout.runs[ctx.rank], layout.runs[src]):
             rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
             g = ctx.kernel.backward(dot[bs, :, rows], qt[bs, :, rows], kt[bs, :, cols], vt[bs, :, cols],
-                                    ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale)
+                                    ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale,
+                                    **_keyed(ctx, i, bs, ctx.rank, src, blk))
             dq[bs, :, rows] += g[0]
             dkt[bs, :, cols] += g[1]
             dvt[bs, :, cols] += g[2]
@@ -174,23 +194,24 @@ def _by_sample(layouts: tuple[CPLayout, ...]):
 
 
 class _BlockAttention(torch.autograd.Function):
-    """Attention of local queries against key/values already at hand (gathered), block by block."""
+    """Attention of local queries against key/values already at hand (gathered), block by block;
+    ``positions`` (query, key) and ``dropout`` for keyed dropout, ``mask`` ``[b | 1, 1, n, m]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_runs, k_runs, scale, kernel):
+    def forward(ctx, q, k, v, blocks, scale, kernel, positions, dropout, mask):
         s, b, h, d = q.shape
         acc = acc_dtype(q.dtype)
         acc_out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         acc_lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
         qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
-        blocks = plan_blocks(q_runs, k_runs)
+        ctx.blocks, ctx.scale, ctx.kernel, ctx.positions, ctx.dropout, ctx.mask = (blocks, scale, kernel, positions,
+                                                                                  dropout, mask)
         for blk in blocks:
             o, lse = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
-                                    vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale)
+                                    vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale, **_extras(ctx, blk))
             _merge(acc_out, acc_lse, blk, o, lse)
         out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * d)
         ctx.save_for_backward(q, k, v, out, acc_lse if acc == torch.float64 else acc_lse.float())
-        ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel
         return out
 
     @staticmethod
@@ -206,26 +227,70 @@ class _BlockAttention(torch.autograd.Function):
         for blk in ctx.blocks:
             rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
             g = ctx.kernel.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols], ot[:, :, rows],
-                                    lse[:, :, rows], blk.causal, ctx.scale)
+                                    lse[:, :, rows], blk.causal, ctx.scale, **_extras(ctx, blk))
             dq[:, :, rows] += g[0]
             dkt[:, :, cols] += g[1]
             dvt[:, :, cols] += g[2]
-        return dq.to(q.dtype).permute(2, 0, 1, 3), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype).permute(2, 0, 1, 3), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                None)
+
+
+def _extras(ctx, blk: Block) -> dict:
+    """The math kernel's dropout and mask arguments for ``blk``; none when there are neither."""
+    extras = {}
+    if ctx.dropout is not None:
+        q_pos, k_pos = ctx.positions
+        extras.update(dropout=ctx.dropout, positions=(q_pos[blk.q_lo:blk.q_hi], k_pos[blk.k_lo:blk.k_hi]))
+    if ctx.mask is not None:
+        extras["mask"] = ctx.mask[..., blk.q_lo:blk.q_hi, blk.k_lo:blk.k_hi]
+    return extras
+
+
+def _run_positions(runs: Sequence[Run], device) -> torch.Tensor:
+    return torch.cat([torch.arange(start, start + n) for _, start, n in runs]).to(device)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run],
                     k_runs: Sequence[Run], *, softmax_scale: Optional[float] = None,
-                    kernel: str = "auto") -> torch.Tensor:
+                    kernel: str = "auto", dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal (per-document) attention of queries q ``[n, b, heads, d]`` holding the tokens ``q_runs``
     against k/v ``[m, b, groups, d]`` holding ``k_runs`` (e.g. every rank's, gathered), computed by the
-    ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or scores. Returns ``[n, b, heads * d]``."""
+    ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or scores. ``dropout``: keyed
+    attention dropout (the math kernel, masks from the runs' positions). Returns ``[n, b, heads * d]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
-    return _BlockAttention.apply(q, k, v, tuple(q_runs), tuple(k_runs), scale, block_kernel(kernel, q))
+    positions = (_run_positions(q_runs, q.device), _run_positions(k_runs, q.device)) if dropout is not None else None
+    return _BlockAttention.apply(q, k, v, tuple(plan_blocks(tuple(q_runs), tuple(k_runs))), scale,
+                                 _kernel(kernel, q, dropout), positions, dropout, None)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: AttentionDropout, *,
+                    positions: tuple[torch.Tensor, torch.Tensor], causal: bool = True,
+                    mask: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of q ``[n, b, heads, d]`` against k/v ``[m, b, groups, d]`` with keyed ``dropout``,
+    by the math kernel's tiles (no ``[n, m]`` scores held): ``causal`` (n == m, the same tokens in
+    increasing order) and/or ``mask`` (``[b | 1, 1, n, m]`` or ``[n, m]``, True = masked). ``positions``:
+    the queries' and keys' indices in the whole sequence. Returns ``[n, b, heads * d]``."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
+    if mask is not None:
+        mask = mask.to(torch.bool).reshape(-1, 1, *mask.shape[-2:]) if mask.dim() != 4 else mask.to(torch.bool)
+    blocks = (Block(0, q.size(0), 0, k.size(0), causal),)
+    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, dropout), positions, dropout, mask)
+
+
+def _kernel(name: str, q: torch.Tensor, dropout: Optional[AttentionDropout]):
+    """The block kernel for ``name``; with keyed dropout the math kernel, the one that applies its masks."""
+    if dropout is None:
+        return block_kernel(name, q)
+    if name not in ("auto", "math"):
+        raise ValueError(f"keyed attention dropout runs in the math block kernel; kernel {name!r} draws no keyed "
+                         "masks: pass kernel 'auto' or 'math'")
+    return block_kernel("math", q)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout | Sequence[CPLayout],
                    group: Optional[dist.ProcessGroup] = None, *, softmax_scale: Optional[float] = None,
-                   kernel: str = "auto", stats: Optional[RingStats] = None) -> torch.Tensor:
+                   kernel: str = "auto", stats: Optional[RingStats] = None,
+                   dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
 
     q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]`` hold the tokens ``layout`` assigns to this
@@ -233,7 +298,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     batch, or one per sample (packed documents differ between samples), all placing the tokens alike.
     Returns ``[s_local, b, heads * d]``, the rows of the full attention for those tokens; gradients flow
     to q, k, v. ``softmax_scale`` defaults to 1/sqrt(d). Every rank of the group must call it with the
-    same layouts and shapes.
+    same layouts and shapes. ``dropout``: attention dropout keyed by position (the math block kernel;
+    masks from the layouts' positions and the global heads ``dropout.heads``), the same masks at any layout.
     """
     layouts = (layout,) if isinstance(layout, CPLayout) else tuple(layout)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -255,4 +321,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
         raise ValueError(f"this rank holds {q.size(0)} tokens but the layout gives each rank {layout.local_len} "
                          f"(of {layout.seq_len}); split the sequence with split_for_rank and the same layout")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
-    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, block_kernel(kernel, q), stats)
+    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, _kernel(kernel, q, dropout), stats, dropout)

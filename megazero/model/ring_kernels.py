@@ -16,6 +16,7 @@ where neither applies. :func:`register_block_kernel` adds another (e.g. flash-at
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -40,40 +41,97 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_TILE = 1 << 22  # score elements of one tile of the math kernel (b * heads * rows * columns)
+
+
+
+
+def _tiles(n: int, m: int, causal: bool, t: int):
+    """(rows, columns, diagonal) of the tiles of an ``[n, m]`` block; a causal block keeps the tiles on
+    and below the diagonal (``diagonal``: the tile holds masked pairs j > i)."""
+    for r0 in range(0, n, t):
+        r1 = min(n, r0 + t)
+        for c0 in range(0, r1 if causal else m, t):
+            c1 = min(r1 if causal else m, c0 + t)
+            yield slice(r0, r1), slice(c0, c1), causal and c1 > r0 + 1
+
+
 class _MathKernel:
-    """The explicit formula in fp32 (fp64 for fp64 inputs); GQA by grouping query heads, not copying K/V."""
+    """The explicit formula in fp32 (fp64 for fp64 inputs); GQA by grouping query heads, not copying K/V.
+    It computes a block in square tiles (scores and masks of ``b * heads * t * t`` <= 4M elements, merged
+    by log-sum-exp), so no block's whole score matrix is held. The only kernel that takes ``dropout``
+    (an :class:`~megazero.model.keyed_dropout.AttentionDropout`, with ``positions``: the block's query
+    and key positions in the whole sequence, for its masks) and ``mask`` (``[b | 1, 1, n, m]``, True =
+    masked, on top of ``causal``); with dropout the output is (P * M / (1 - p)) V with P normalised by
+    the undropped row sum, and backward regenerates M (FlashAttention's dropout)."""
+
+    def __init__(self, tile_elements: int = _TILE) -> None:
+        self.tile_elements = tile_elements
+
+    def _tile(self, b: int, h: int) -> int:
+        """Rows and columns of a square tile: ``b * h * t * t`` at most ``tile_elements``, t >= 1."""
+        return max(1, math.isqrt(max(1, self.tile_elements // (b * h))))
 
     @staticmethod
-    def _scores(q, k, causal, scale):
-        b, h, n, d = q.shape
-        g, acc = k.size(1), acc_dtype(q.dtype)
-        qg = q.to(acc).reshape(b, g, h // g, n, d)
-        scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, h/g, n, m]
-        if causal:
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    def _scores(q, k, scale, rows, cols, diagonal, mask, acc):
+        b, h, _, d = q.shape
+        g = k.size(1)
+        qg = q[:, :, rows].to(acc).reshape(b, g, h // g, -1, d)
+        scores = torch.matmul(qg, k[:, :, cols].to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, h/g, n, m]
+        if diagonal:
+            i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(cols.start, cols.stop, device=q.device)[None, :] > i,
+                                        float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(mask[..., rows, cols].unsqueeze(1), float("-inf"))
         return scores
 
-    def forward(self, q, k, v, causal, scale):
+    @staticmethod
+    def _kept(probs, dropout, positions, rows, cols):
+        """``probs`` with the tile's dropout mask applied and rescaled (unchanged without dropout)."""
+        if dropout is None:
+            return probs
+        keep = dropout.keep(positions[0][rows], positions[1][cols]).view(probs.shape)
+        return probs * keep * (1.0 / (1.0 - dropout.p))
+
+    def forward(self, q, k, v, causal, scale, dropout=None, positions=None, mask=None):
         b, h, n, d = q.shape
-        scores = self._scores(q, k, causal, scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(scores.dtype).unsqueeze(2))
+        g, acc = k.size(1), acc_dtype(q.dtype)
+        out = torch.zeros(b, g, h // g, n, d, dtype=acc, device=q.device)
+        lse = torch.full((b, g, h // g, n), float("-inf"), dtype=acc, device=q.device)
+        vg = v.to(acc).unsqueeze(2)
+        for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h)):
+            scores = self._scores(q, k, scale, rows, cols, diagonal, mask, acc)
+            t_lse = torch.logsumexp(scores, dim=-1)
+            finite = torch.where(torch.isinf(t_lse), torch.zeros_like(t_lse), t_lse)  # rows with no key here
+            probs = self._kept(torch.exp(scores - finite.unsqueeze(-1)), dropout, positions, rows, cols)
+            o = torch.matmul(probs, vg[:, :, :, cols])
+            old = lse[..., rows]
+            new = torch.logaddexp(old, t_lse)
+            w_old = torch.where(torch.isinf(new), torch.zeros_like(new), torch.exp(old - new))
+            w_new = torch.where(torch.isinf(new), torch.zeros_like(new), torch.exp(t_lse - new))
+            out[..., rows, :] = out[..., rows, :] * w_old.unsqueeze(-1) + o * w_new.unsqueeze(-1)
+            lse[..., rows] = new
         return out.reshape(b, h, n, d).to(q.dtype), lse.reshape(b, h, n)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout=None, positions=None, mask=None):
         b, h, n, d = q.shape
-        g = k.size(1)
-        scores = self._scores(q, k, causal, scale)
-        acc = scores.dtype
-        probs = torch.exp(scores - lse.to(acc).reshape(b, g, h // g, n, 1))
+        g, acc = k.size(1), acc_dtype(q.dtype)
+        qg, kg, vg = q.to(acc).reshape(b, g, h // g, n, d), k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
         do = dout.to(acc).reshape(b, g, h // g, n, d)
-        dv = torch.matmul(probs.transpose(-1, -2), do).sum(2)
-        dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
+        lse = lse.to(acc).reshape(b, g, h // g, n, 1)
         delta = (do * out.to(acc).reshape(b, g, h // g, n, d)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
-        ds = probs * (dp - delta) * scale
-        dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(b, h, n, d)
-        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, g, h // g, n, d)).sum(2)
-        return dq, dk, dv
+        dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+        for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h)):
+            probs = torch.exp(self._scores(q, k, scale, rows, cols, diagonal, mask, acc) - lse[..., rows, :])
+            kept = self._kept(probs, dropout, positions, rows, cols)
+            dv[:, :, cols] += torch.matmul(kept.transpose(-1, -2), do[..., rows, :]).sum(2)
+            dp = self._kept(torch.matmul(do[..., rows, :], vg[:, :, :, cols].transpose(-1, -2)), dropout, positions,
+                            rows, cols)
+            ds = probs * (dp - delta[..., rows, :]) * scale
+            dq[..., rows, :] += torch.matmul(ds, kg[:, :, :, cols])
+            dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2)
+        return dq.reshape(b, h, n, d), dk, dv
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:

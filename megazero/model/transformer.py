@@ -36,7 +36,7 @@ from .attention import core_attention
 from .cp_context import ContextParallel, context_parallel_attention
 from .config import GPTConfig
 from .norms import build_norm
-from .keyed_dropout import DropoutKey, keyed_dropout
+from .keyed_dropout import AttentionDropout, DropoutKey, keyed_dropout
 from .moe import AuxLossScale, MoELayer, is_moe_layer
 from .rope import apply_rotary
 
@@ -132,15 +132,33 @@ class SelfAttention(torch.nn.Module):
             self.q_layernorm = self.k_layernorm = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
-              cp: Optional[ContextParallel] = None) -> torch.Tensor:
+              cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
         p = self.config.attention_dropout if self.training else 0.0
+        keyed = self._keyed_dropout(p, q, key, cp)
         if cp is not None:
             return context_parallel_attention(q, k, v, cp, layer=self.number, backend=self.config.attention_backend,
-                                              dropout_p=p, attention_mask=attention_mask)
-        return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=p, attention_mask=attention_mask)
+                                              attention_mask=attention_mask, dropout=keyed)
+        return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=0.0 if keyed else p,
+                              attention_mask=attention_mask, dropout=keyed)
+
+    def _keyed_dropout(self, p: float, q: torch.Tensor, key: Optional[DropoutKey],
+                       cp: Optional[ContextParallel]) -> Optional[AttentionDropout]:
+        """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position: by the
+        samples' keys (``key``, --dropout-rng position: the same masks at every layout) or, under context
+        parallelism without them, by keys drawn from the model-parallel stream (masks that depend on the
+        layout, as the fused kernels' do). None: the backend draws its own masks, or there is no dropout."""
+        if p == 0.0 or (key is None and cp is None):
+            return None
+        if key is not None:
+            samples = key.samples
+        else:
+            with mpu.get_rng_tracker().fork(device=q.device):
+                samples = torch.randint(0, 1 << 32, (q.size(1),), dtype=torch.int64, device=q.device)
+        first = self.linear_qkv.tp_rank * q.size(2)  # TP ranks hold consecutive query heads
+        return AttentionDropout(p, samples, torch.arange(first, first + q.size(2), device=q.device), self.number)
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
-                cp: Optional[ContextParallel] = None) -> torch.Tensor:
+                cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)  # [s, b, (heads + 2*groups)/tp * d], full s even under SP
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
@@ -155,9 +173,9 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp), q, k, v)
+            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp, dropout_key), q, k, v)
         else:
-            ctx = self._core(q, k, v, attention_mask, cp)  # [s, b, heads/tp * d]
+            ctx = self._core(q, k, v, attention_mask, cp, dropout_key)  # [s, b, heads/tp * d]
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out
 
@@ -250,7 +268,8 @@ class TransformerLayer(torch.nn.Module):
         def drop(t: torch.Tensor, site: int) -> torch.Tensor:
             return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel, dropout_key, site)
 
-        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp), 2 * self.number + 1)
+        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp, dropout_key),
+                     2 * self.number + 1)
         h = self.pre_mlp_layernorm(x)
         h = self.mlp(h, cp) if isinstance(self.mlp, MoELayer) else self.mlp(h)
         return x + drop(h, 2 * self.number + 2)
