@@ -1,10 +1,15 @@
-"""Import a local Hugging Face GPT-2 or Llama checkpoint as a full megazero checkpoint.
+"""Import a local Hugging Face model (GPT-2, Llama, Mixtral, Qwen2-MoE or Qwen3-MoE) as a full megazero
+checkpoint.
 
-Writes ``model_full.safetensors`` + ``config.json`` (a GPTConfig) into ``--output``;
-training loads it with ``--pretrained-checkpoint OUTPUT`` at any TP size. Only
-safetensors is needed, not transformers. Safetensors checkpoints (single or sharded) are
-converted one layer at a time and streamed into the output: memory stays at about one
-layer's tensors at any size. Example::
+Writes into ``--output`` ``model_full.safetensors``, ``config.json`` (the GPTConfig) and, where the
+model directory has one, its tokenizer by content in ``tokenizer/`` (tokenizer.json,
+tokenizer_config.json, vocab + merges, a SentencePiece model: whichever it has). The result needs
+no shape flags and no tokenizer flags: ``tools/generate.py --load OUTPUT``,
+``pretrain_gpt.py --pretrained-checkpoint OUTPUT`` (or ``--load OUTPUT --finetune``) at any TP and
+PP size, ``tools/convert_to_hf.py --load OUTPUT``. Only safetensors is needed, not transformers
+(the tokenizer is read with ``tokenizers``). Safetensors checkpoints (single or sharded) are
+converted one layer at a time and streamed into the output: memory stays at about one layer's
+tensors at any size. Example::
 
     python tools/convert_from_hf.py --input hf/gpt2 --output ckpt/gpt2 \\
         --override seq_length=1024 --override make_vocab_size_divisible_by=128
@@ -18,14 +23,17 @@ import argparse
 import json
 import logging
 import os
+import shutil
 
 import torch
 
 from megazero.cli.common import setup_logging, tool_parser
 from megazero.cli.streaming import LayerProgress
 from megazero.model import GPTConfig
-from megazero.model.hf import config_from_hf, from_hf_state_dict, import_from_hf
+from megazero.data.hf_tokenizer import import_tokenizer_from_hf
+from megazero.model.hf import HF_FAMILIES, config_from_hf, from_hf_state_dict, import_from_hf
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, save_full
+from megazero.training.checkpointing import TOKENIZER_DIR
 from megazero.zero.shard_io import CheckpointError, ReadCounter, ShardFile
 
 log = logging.getLogger(__name__)
@@ -43,8 +51,11 @@ def _override(text: str) -> tuple[str, object]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser(__doc__)
-    p.add_argument("--input", required=True, help="local HF model directory (config.json + weights)")
-    p.add_argument("--output", required=True, help="directory for model_full.safetensors + config.json")
+    p.add_argument("--input", required=True,
+                   help="local HF model directory (config.json + weights, and its tokenizer files if any) of a "
+                        "model_type among " + ", ".join(HF_FAMILIES))
+    p.add_argument("--output", required=True,
+                   help="directory for model_full.safetensors, config.json and tokenizer/")
     p.add_argument("--override", action="append", type=_override, default=[], metavar="FIELD=VALUE",
                    help="set a GPTConfig field (JSON value), repeatable")
     return p
@@ -87,8 +98,30 @@ def main(argv: list[str] | None = None) -> int:
             log.info("reading %s whole (a .bin checkpoint: no layer-by-layer streaming)", args.input)
             config, full_sd = import_from_hf(args.input, **dict(args.override))
             save_full(args.output, full_sd, config)
+        carry_tokenizer(args.input, args.output, config)
     except (ValueError, KeyError, FileNotFoundError, TypeError, CheckpointError) as e:
         log.error("convert_from_hf: error: %s", e)
         return 1
     log.info("wrote %d-layer %d-wide GPT to %s", config.num_layers, config.hidden_size, args.output)
     return 0
+
+
+def carry_tokenizer(hf_dir: str, out_dir: str, config: GPTConfig) -> None:
+    """Record ``hf_dir``'s tokenizer in ``out_dir/tokenizer`` (so the checkpoint's users need no tokenizer
+    flags); a model without one is written without, and says so."""
+    target = os.path.join(out_dir, TOKENIZER_DIR)
+    shutil.rmtree(target, ignore_errors=True)  # a stale one from an earlier conversion into the same place
+    try:
+        tok = import_tokenizer_from_hf(hf_dir, target)
+    except (ValueError, OSError, ImportError) as e:
+        raise ValueError(f"the tokenizer in {hf_dir} does not load ({e}); fix it, or move its files out of the "
+                         "directory to convert the model without it") from None
+    if tok is None:
+        log.info("%s has no tokenizer files: the checkpoint has none (generate.py then reads and writes token "
+                 "ids; give pretrain_gpt.py --tokenizer-type)", hf_dir)
+        return
+    if tok.vocab_size > config.padded_vocab_size:
+        shutil.rmtree(target)
+        raise ValueError(f"the tokenizer in {hf_dir} has {tok.vocab_size} tokens, more than the model's "
+                         f"{config.padded_vocab_size} embedding rows: it is not this model's tokenizer")
+    log.info("recorded the tokenizer (%d tokens, end-of-document id %d) in %s", tok.vocab_size, tok.eod, target)

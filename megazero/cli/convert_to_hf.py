@@ -1,12 +1,14 @@
 """Export a megazero checkpoint to a Hugging Face transformers directory.
 
 ``--load`` is a training checkpoint (the ``--save`` directory of pretrain_gpt.py, or one
-of its ``iter_*`` directories; any tp x dp x ZeRO stage), a directory with
-``model_full.safetensors`` + ``config.json`` (as written by
-``megazero.model.state_dict.save_full`` or tools/convert_from_hf.py), or a
-``.safetensors``/``.pt`` full state dict with ``--config``. The output loads with
-``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` as GPT2LMHeadModel (default
-architecture) or LlamaForCausalLM (rope + rmsnorm + swiglu). Example::
+of its ``iter_*`` directories; any tp x pp x dp x ZeRO stage), a full checkpoint
+(``model_full.safetensors`` + ``config.json``, as tools/convert_from_hf.py and
+``megazero.model.state_dict.save_full`` write it), or a ``.safetensors``/``.pt`` full state dict
+with ``--config``. The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
+as GPT2LMHeadModel (the default architecture), LlamaForCausalLM (rope + rmsnorm + swiglu),
+MixtralForCausalLM (Llama with a mixture of experts in every layer), Qwen2MoeForCausalLM (with a
+gated shared expert) or Qwen3MoeForCausalLM (with query/key norms). The checkpoint's tokenizer goes
+with it. Example::
 
     python tools/convert_to_hf.py --load ckpt/full --output hf/my-gpt
 
@@ -30,9 +32,9 @@ from megazero.data.hf_tokenizer import export_tokenizer_to_hf
 from megazero.model import GPTConfig
 from megazero.model.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full
-from megazero.training.checkpointing import CheckpointError, open_checkpoint, resolve_checkpoint_dir
+from megazero.training.checkpointing import (TOKENIZER_DIR, CheckpointError, FullWeightsReader,
+                                             checkpoint_tokenizer_dir, open_checkpoint)
 from megazero.utils.optional_deps import require_packages
-from megazero.zero.shard_io import ReadCounter, ShardFile
 
 TOOL = "convert_to_hf"
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -51,27 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _is_training_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.exists(os.path.join(path, FULL_WEIGHTS_NAME))
-
-
 def _source(args):
     """(config, names, read, meta) of a streamable input; None for a .pt state dict."""
-    if _is_training_checkpoint(args.load):
+    if os.path.isdir(args.load) and args.config is None:
         config, reader, _ = open_checkpoint(args.load)
-        # Training-only settings do not describe the exported network.
-        config = config.replace(recompute_granularity=None, sequence_parallel=False)
-        return (config, reader.names, reader.full,
-                lambda n: torch.empty(reader.full_shape(n), dtype=torch.float32, device="meta"))
-    weights = os.path.join(args.load, FULL_WEIGHTS_NAME) if os.path.isdir(args.load) else args.load
-    if not weights.endswith(".safetensors"):
-        return None
-    config_path = args.config or os.path.join(os.path.dirname(weights), CONFIG_NAME)
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"no config at {config_path}; pass --config")
-    config = GPTConfig.from_dict(json.load(open(config_path)))
-    f = ShardFile(weights, None, ReadCounter())
-    return config, f.keys(), f.tensor, lambda n: torch.empty(f.shape(n), dtype=f.dtype(n), device="meta")
+    else:
+        weights = os.path.join(args.load, FULL_WEIGHTS_NAME) if os.path.isdir(args.load) else args.load
+        if not weights.endswith(".safetensors"):
+            return None
+        config_path = args.config or os.path.join(os.path.dirname(weights), CONFIG_NAME)
+        if not os.path.exists(config_path):
+            raise FileNotFoundError(f"no config at {config_path}; pass --config")
+        config = GPTConfig.from_dict(json.load(open(config_path)))
+        reader = FullWeightsReader(weights, config)
+    # Training-only settings do not describe the exported network.
+    config = config.replace(recompute_granularity=None, sequence_parallel=False)
+    dtype = getattr(reader, "full_dtype", lambda name: torch.float32)  # a training checkpoint holds fp32 masters
+    return (config, reader.names, reader.full,
+            lambda n: torch.empty(reader.full_shape(n), dtype=dtype(n), device="meta"))
 
 
 def _tokenizer_type(tokenizer_dir: str) -> str | None:
@@ -82,14 +81,13 @@ def _tokenizer_type(tokenizer_dir: str) -> str | None:
         return None  # the export itself reports what is wrong with the directory
 
 
-def _find_tokenizer_dir(args, streamable: bool) -> str | None:
+def _find_tokenizer_dir(args) -> str | None:
     """--tokenizer-dir, else the checkpoint's own tokenizer/ directory, if it has one."""
     if args.tokenizer_dir is not None:
         return args.tokenizer_dir
-    base = args.load if os.path.isdir(args.load) else os.path.dirname(args.load)
-    if streamable and _is_training_checkpoint(args.load):
-        base = resolve_checkpoint_dir(args.load)  # a --save directory: its latest iteration
-    found = os.path.join(base, "tokenizer")
+    if os.path.isdir(args.load):
+        return checkpoint_tokenizer_dir(args.load)
+    found = os.path.join(os.path.dirname(args.load), TOKENIZER_DIR)  # a weights file: the tokenizer beside it
     return found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
 
 
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     require_packages(TOOL, ["transformers"], "hf", "writing a Hugging Face model")
     try:
         source = _source(args)
-        tokenizer_dir = _find_tokenizer_dir(args, source is not None)
+        tokenizer_dir = _find_tokenizer_dir(args)
         if tokenizer_dir is not None and _tokenizer_type(tokenizer_dir) in SENTENCEPIECE_TYPES:
             # transformers converts the SentencePiece model to its tokenizer.json with protobuf
             require_packages(TOOL, ["sentencepiece", "google.protobuf"], "hf", "exporting a SentencePiece tokenizer")

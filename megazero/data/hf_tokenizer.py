@@ -1,10 +1,14 @@
-"""A recorded megazero tokenizer (a checkpoint's ``tokenizer/``) -> its Hugging Face form.
+"""A recorded megazero tokenizer (a checkpoint's ``tokenizer/``) <-> its Hugging Face form.
 
 ``export_tokenizer_to_hf(tokenizer_dir, out_dir)`` writes files that
 ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads (a HF tokenizer is copied, GPT-2 BPE
 becomes ``GPT2TokenizerFast``, SentencePiece a ``LlamaTokenizer`` converted by transformers) and
 returns the ``(bos, eos)`` ids for the model's config (eos = the tokenizer's EOD). The model
 weights and config are ``megazero.model.hf``'s (``export_to_hf(..., token_ids=(bos, eos))``).
+
+``import_tokenizer_from_hf(hf_dir, tokenizer_dir)`` records the tokenizer of a Hugging Face model
+directory (tokenizer.json, tokenizer_config.json, vocab + merges, a SentencePiece model: whichever
+it has) by content, as a ``HuggingFaceTokenizer``, so a converted checkpoint carries it.
 """
 
 from __future__ import annotations
@@ -13,10 +17,25 @@ import json
 import os
 import shutil
 
-from megazero.data.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, SentencePieceTokenizer
-from megazero.data.tokenizer_files import load_tokenizer_from_dir
+from megazero.data.tokenizer import (GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, SentencePieceTokenizer,
+                                     Tokenizer)
+from megazero.data.tokenizer_files import load_tokenizer_from_dir, save_tokenizer_files
 
-__all__ = ["export_tokenizer_to_hf"]
+__all__ = ["export_tokenizer_to_hf", "import_tokenizer_from_hf", "HF_TOKENIZER_FILES"]
+
+# Any of these in a model directory means it has a tokenizer (tokenizer_files copies the full set).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def import_tokenizer_from_hf(hf_dir: str, tokenizer_dir: str) -> Tokenizer | None:
+    """Record the tokenizer of the Hugging Face model directory ``hf_dir`` into ``tokenizer_dir``
+    (``load_tokenizer_from_dir`` rebuilds it); None, writing nothing, when ``hf_dir`` has no tokenizer
+    files. A tokenizer that does not load (no end-of-document token, a library missing) raises."""
+    if not any(os.path.isfile(os.path.join(hf_dir, n)) for n in HF_TOKENIZER_FILES):
+        return None
+    tok = HuggingFaceTokenizer(hf_dir)
+    save_tokenizer_files(tok, tokenizer_dir)
+    return tok
 
 
 def export_tokenizer_to_hf(tokenizer_dir: str, out_dir: str) -> tuple[int | None, int]:

@@ -4,7 +4,8 @@ A checkpoint that names its tokenizer by absolute path breaks when the path move
 the file changes. ``tokenizer_files(tok)`` returns the defining files as bytes plus a
 small ``megazero_tokenizer.json`` (type and options); ``save_tokenizer_files`` writes
 them into a directory (a checkpoint's ``tokenizer/``) and ``load_tokenizer_from_dir``
-rebuilds the same tokenizer from that directory alone.
+rebuilds the same tokenizer from that directory alone (``recorded_tokenizer_args``: the type and
+``build_tokenizer`` arguments that do it, for a run that takes its tokenizer from a checkpoint).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from megazero.data.tokenizer import (
     build_tokenizer,
 )
 
-__all__ = ["tokenizer_files", "save_tokenizer_files", "load_tokenizer_from_dir", "DESCRIPTION_NAME"]
+__all__ = ["tokenizer_files", "save_tokenizer_files", "load_tokenizer_from_dir", "recorded_tokenizer_args",
+           "DESCRIPTION_NAME"]
 
 DESCRIPTION_NAME = "megazero_tokenizer.json"
 # Files of a Hugging Face tokenizer directory that define the tokenizer (weights etc. are not copied).
@@ -64,24 +66,39 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike) -> 
         os.replace(tmp, os.path.join(directory, name))
 
 
-def load_tokenizer_from_dir(directory: str | os.PathLike) -> Tokenizer:
-    """The tokenizer recorded in ``directory`` by ``save_tokenizer_files``."""
+def recorded_tokenizer_args(directory: str | os.PathLike) -> tuple[str, dict]:
+    """``(tokenizer type, build_tokenizer keyword arguments)`` of the tokenizer recorded in ``directory``
+    (its files named inside ``directory``), as ``build_tokenizer(type, **kwargs)`` rebuilds it."""
     d = Path(directory)
+    desc = _description(d)
+    t = desc["type"]
+    if t in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+        kw = {"tokenizer_model": str(d / "tokenizer.model")}
+        if desc.get("vocab_extra_ids"):
+            kw["vocab_extra_ids"] = desc["vocab_extra_ids"]
+        return t, kw
+    if t == "GPT2BPETokenizer":
+        return t, {"vocab_file": str(d / "vocab.json"), "merge_file": str(d / "merges.txt")}
+    if t == "HuggingFaceTokenizer":
+        return t, {"tokenizer_model": str(d)}
+    if t == "NullTokenizer":
+        return t, {"vocab_size": desc["vocab_size"] - 1}
+    raise ValueError(f"{d / DESCRIPTION_NAME}: unknown tokenizer type {t!r}")
+
+
+def _description(d: Path) -> dict:
     desc_path = d / DESCRIPTION_NAME
     if not desc_path.is_file():
         raise FileNotFoundError(f"{d} has no {DESCRIPTION_NAME}: not a tokenizer written by save_tokenizer_files")
-    desc = json.loads(desc_path.read_text())
-    t = desc["type"]
-    if t in ("SentencePieceTokenizer", "Llama2Tokenizer"):
-        tok = build_tokenizer(t, tokenizer_model=d / "tokenizer.model", vocab_extra_ids=desc.get("vocab_extra_ids", 0))
-    elif t == "GPT2BPETokenizer":
-        tok = build_tokenizer(t, vocab_file=d / "vocab.json", merge_file=d / "merges.txt")
-    elif t == "HuggingFaceTokenizer":
-        tok = build_tokenizer(t, tokenizer_model=d)
-    elif t == "NullTokenizer":
-        tok = build_tokenizer(t, vocab_size=desc["vocab_size"] - 1)
-    else:
-        raise ValueError(f"{desc_path}: unknown tokenizer type {t!r}")
+    return json.loads(desc_path.read_text())
+
+
+def load_tokenizer_from_dir(directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer recorded in ``directory`` by ``save_tokenizer_files``, checked against its record."""
+    d = Path(directory)
+    desc = _description(d)
+    t, kwargs = recorded_tokenizer_args(d)
+    tok = build_tokenizer(t, **kwargs)
     if tok.vocab_size != desc["vocab_size"] or tok.eod != desc["eod"]:
         raise ValueError(f"tokenizer rebuilt from {d} has vocab {tok.vocab_size} / eod {tok.eod}, recorded "
                          f"{desc['vocab_size']} / {desc['eod']}: the files were changed")

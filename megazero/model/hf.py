@@ -1,5 +1,6 @@
-"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints (and the Llama-shaped
-mixtures of experts Mixtral and Qwen3-MoE, whose mixture layers ``hf_moe.py`` maps).
+"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints and the Llama-shaped
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps): the
+families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
 
 * default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
   <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
@@ -32,11 +33,15 @@ from typing import Any
 import torch
 
 from .config import GPTConfig
-from .hf_moe import MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, moe_layer_from_hf, moe_layer_to_hf, \
-    moe_mismatches
+from .hf_moe import MOE_ARCHITECTURES, MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, \
+    moe_layer_from_hf, moe_layer_to_hf, moe_mismatches
 
-__all__ = ["hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
+__all__ = ["HF_FAMILIES", "HF_ARCHITECTURES", "hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
+
+
+HF_FAMILIES = ("gpt2", "llama") + MOE_FAMILIES  # HF model_type values converted both ways
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **MOE_ARCHITECTURES}
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -76,14 +81,15 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 
 
 def hf_architecture(config: GPTConfig) -> str:
-    """'gpt2', 'llama', 'mixtral' or 'qwen3_moe': the HF model family that represents ``config`` exactly."""
+    """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
     if config.num_experts:
         need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu"),
                 ("rotary_percent", 1.0)]
         bad = [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in need if getattr(config, k) != v]
         bad += moe_mismatches(config)
         if bad:
-            raise ValueError("config is not representable in HF Mixtral or Qwen3-MoE: " + ", ".join(bad) + ".")
+            raise ValueError("config is not representable in HF Mixtral, Qwen2-MoE or Qwen3-MoE: " + ", ".join(bad)
+                             + ".")
         return moe_family(config)
     gpt2, llama = _gpt2_mismatches(config), _llama_mismatches(config)
     if not gpt2:
@@ -126,7 +132,7 @@ def _pad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
 
 
 def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Full megazero state dict -> HF state dict (GPT2LMHeadModel or LlamaForCausalLM keys)."""
+    """Full megazero state dict -> HF state dict (the keys of its ``HF_ARCHITECTURES`` class)."""
     c = config
     arch = hf_architecture(c)
     sd = _shift_norms(full_sd, c, 1.0)
@@ -182,7 +188,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """HF state dict (GPT-2 or Llama) -> full megazero state dict for ``config``. Strict about keys."""
+    """HF state dict (any of ``HF_FAMILIES``) -> full megazero state dict for ``config``. Strict about keys."""
     c = config
     arch = hf_architecture(c)
     sd = dict(hf_sd)
@@ -254,7 +260,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
 
 
 def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
-    """Keyword arguments of the HF config class (``GPT2Config`` or ``LlamaConfig``) for ``config``."""
+    """Keyword arguments of the HF config class (``GPT2Config``, ``LlamaConfig``, ``MixtralConfig``, ...) for
+    ``config``."""
     c = config
     if hf_architecture(c) == "gpt2":
         gpt2_tokens = c.vocab_size == 50257
@@ -276,7 +283,7 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
-    """GPTConfig from an HF ``config.json`` dict (GPT-2 or Llama); ``overrides`` set other fields
+    """GPTConfig from an HF ``config.json`` dict (a model_type of ``HF_FAMILIES``); ``overrides`` set other fields
     (e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``sequence_parallel``)."""
     mt = hf.get("model_type")
     if mt == "gpt2":
@@ -325,8 +332,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
                   attention_dropout=hf.get("attention_dropout", 0.0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
                   init_method_std=hf.get("initializer_range", 0.02), **moe)
     else:
-        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts 'gpt2', 'llama', 'mixtral' "
-                         "and 'qwen3_moe'")
+        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts {', '.join(HF_FAMILIES)}")
     return GPTConfig(**{**kw, **overrides}).validate()
 
 
@@ -355,7 +361,7 @@ def export_to_hf(full_state_dict: dict[str, torch.Tensor], config: GPTConfig, ou
 
 
 def build_hf_config(config: GPTConfig):
-    """The transformers config object (``GPT2Config`` or ``LlamaConfig``) for ``config``."""
+    """The transformers config object (``GPT2Config``, ``LlamaConfig``, ``MixtralConfig``, ...) for ``config``."""
     import transformers
 
     kw = hf_config_dict(config)
@@ -411,7 +417,7 @@ def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def import_from_hf(hf_dir: str, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """Read a local HF GPT-2/Llama directory -> ``(GPTConfig, full megazero state dict)``.
+    """Read a local HF directory (any of ``HF_FAMILIES``) -> ``(GPTConfig, full megazero state dict)``.
 
     Needs only safetensors (not transformers). ``overrides`` set GPTConfig fields.
     """

@@ -1,6 +1,6 @@
 """Hugging Face mixture-of-experts families <-> megazero: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Both are Llama-shaped (RoPE, RMSNorm, SwiGLU, GQA, no biases) with every layer's MLP a mixture
+All three are Llama-shaped (RoPE, RMSNorm, SwiGLU, GQA) with every layer's MLP a mixture
 (hf.py maps the rest). The names are those on disk, one tensor per expert, as the Hub's checkpoints
 and ``save_pretrained`` store them:
 
@@ -26,11 +26,12 @@ import torch
 
 from .config import GPTConfig
 
-__all__ = ["MOE_FAMILIES", "moe_mismatches", "moe_family", "moe_layer_to_hf", "moe_layer_from_hf",
+__all__ = ["MOE_FAMILIES", "MOE_ARCHITECTURES", "moe_mismatches", "moe_family", "moe_layer_to_hf", "moe_layer_from_hf",
            "moe_config_kwargs", "moe_hf_config_dict"]
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-_ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                     "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def moe_family(c: GPTConfig) -> str:
@@ -41,10 +42,10 @@ def moe_family(c: GPTConfig) -> str:
 
 
 def moe_mismatches(c: GPTConfig) -> list[str]:
-    """What keeps ``c`` from being a Mixtral or Qwen3-MoE model (empty: it is one)."""
+    """What keeps ``c`` from being a Mixtral, Qwen2-MoE or Qwen3-MoE model (empty: it is one)."""
     out = []
     if c.moe_layer_freq != 1:
-        out.append(f"moe_layer_freq={c.moe_layer_freq} (every layer is a mixture in Mixtral/Qwen3-MoE: needs 1)")
+        out.append(f"moe_layer_freq={c.moe_layer_freq} (every layer is a mixture in Mixtral/Qwen-MoE: needs 1)")
     if moe_family(c) == "mixtral" and c.moe_router_pre_softmax:
         out.append("moe_router_pre_softmax=True (Mixtral renormalises its top k; Qwen3-MoE, with q/k norms, can not)")
     if moe_family(c) == "mixtral" and c.moe_ffn_size != c.ffn_size:
@@ -115,7 +116,7 @@ def moe_layer_from_hf(take: Callable[[str], torch.Tensor], c: GPTConfig, i: int)
 
 
 def moe_config_kwargs(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The GPTConfig fields of an HF Mixtral / Qwen3-MoE config beyond Llama's, and what megazero
+    """The GPTConfig fields of an HF Mixtral / Qwen2-MoE / Qwen3-MoE config beyond Llama's, and what megazero
     cannot represent of it."""
     problems = []
     if hf["model_type"] == "mixtral":
@@ -141,10 +142,10 @@ def moe_config_kwargs(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 def moe_hf_config_dict(c: GPTConfig, llama: dict[str, Any]) -> dict[str, Any]:
-    """The HF config keywords of a Mixtral / Qwen3-MoE model: Llama's (``llama``) and the mixture's."""
+    """The HF config keywords of a Mixtral / Qwen2-MoE / Qwen3-MoE model: Llama's (``llama``) and the mixture's."""
     family = moe_family(c)
     kw = {k: v for k, v in llama.items() if k not in ("mlp_bias", "model_type", "architectures")}
-    kw.update(model_type=family, architectures=[_ARCH[family]], num_experts_per_tok=c.moe_router_topk,
+    kw.update(model_type=family, architectures=[MOE_ARCHITECTURES[family]], num_experts_per_tok=c.moe_router_topk,
               router_aux_loss_coef=c.moe_aux_loss_coeff, output_router_logits=False)
     if family == "mixtral":
         kw.update(num_local_experts=c.num_experts, sliding_window=None)

@@ -437,8 +437,9 @@ g(H, "--no-load-rng", "do not load the RNG states from --load")
 g(R, "--no-save-optim", "megazero checkpoints always hold the optimizer partitions (they make resharded reloads "
   "exact); drop the flag, and export weights only with tools/convert_to_hf.py")
 g(R, "--no-save-rng", "megazero checkpoints always hold every rank's RNG states (exact resume); drop the flag")
-g(H, "--use-checkpoint-args", "model arguments from the checkpoint in --load: its architecture is forced, its "
-  "shapes fill what the command line leaves unset (Megatron's load_args_from_checkpoint)")
+g(H, "--use-checkpoint-args", "the model's shape and architecture from the checkpoint in --load or "
+  "--pretrained-checkpoint (Megatron's load_args_from_checkpoint); a model flag that disagrees with it is refused; "
+  "a run from a checkpoint without --num-layers/--hidden-size/--num-attention-heads/--model-preset does this anyway")
 g(M, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format: megazero writes its own format, which "
   "reloads at any tp x dp x ZeRO stage; accepted", str)
 g(M, "--use-dist-ckpt", "sharded checkpoints: megazero's checkpoints are sharded and reshardable; accepted")

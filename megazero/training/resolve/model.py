@@ -11,7 +11,8 @@ import torch
 from megazero.model.config import PRESETS, GPTConfig
 from megazero.training.config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
 from megazero.training.resolve.common import default
-from megazero.training.resolve.resume import (CHECKPOINT_FORCED_FIELDS, CHECKPOINT_SHAPE_FIELDS, checkpoint_model,
+from megazero.training.resolve.resume import (CHECKPOINT_FILL_FIELDS, CHECKPOINT_MODEL_FIELDS, checkpoint_args_source,
+                                              checkpoint_model, checkpoint_model_kwargs, checkpoint_tokenizer_flags,
                                               keep_saved_vocab_padding)
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE (50,000 merges + 256 bytes + <|endoftext|>)
@@ -118,6 +119,52 @@ def build_gpt_config(kw: dict[str, Any]) -> GPTConfig:
     return GPTConfig(**kw)
 
 
+def _from_checkpoint(ns: argparse.Namespace, data: DataConfig, check_files: bool,
+                     notes: list[str]) -> tuple[str, dict[str, Any]]:
+    """``(where, the saved model fields)`` when the model comes from a checkpoint (--use-checkpoint-args, or no
+    model shape flags with --load/--pretrained-checkpoint); ``("", {})`` otherwise. Mock data without a
+    tokenizer takes the checkpoint's recorded one."""
+    if data.tokenizer_type is None and checkpoint_tokenizer_flags(ns, notes):
+        data.tokenizer_type, data.tokenizer_model = ns.tokenizer_type, ns.tokenizer_model
+        data.vocab_file, data.merge_file, data.vocab_size = ns.vocab_file, ns.merge_file, ns.vocab_size
+        data.vocab_extra_ids = ns.vocab_extra_ids or 0
+    source = checkpoint_args_source(ns, check_files)
+    if source is None:
+        return "", {}
+    where, saved = checkpoint_model(ns, source)
+    how = "--use-checkpoint-args" if ns.use_checkpoint_args else "no model shape flags"
+    notes.append(f"model arguments from the checkpoint ({how}): {where}")
+    return where, {k: v for k, v in saved.items() if k in CHECKPOINT_MODEL_FIELDS + CHECKPOINT_FILL_FIELDS}
+
+
+def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: DataConfig) -> dict[str, tuple[str, Any]]:
+    """GPTConfig field -> (the flag as typed, its value) for each model flag the command line set; ``pos``:
+    the position embedding type the flags asked for (None: none)."""
+    given: dict[str, tuple[str, Any]] = {}
+    for attr in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                 "max_position_embeddings", "rotary_base", "normalization"):
+        if getattr(ns, attr) is not None:
+            given[attr] = (f"--{attr.replace('_', '-')} {getattr(ns, attr)}", getattr(ns, attr))
+    if pos is not None:
+        given["position_embedding_type"] = (f"--position-embedding-type {pos}", pos)
+    if ns.norm_epsilon is not None:
+        given[eps_field] = (f"--norm-epsilon {ns.norm_epsilon}", ns.norm_epsilon)
+    if ns.vocab_size is not None and data.tokenizer_type != "NullTokenizer":  # NullTokenizer's is its own
+        given["vocab_size"] = (f"--vocab-size {ns.vocab_size}", ns.vocab_size)
+    for on, field, flag_name, value in ((ns.swiglu, "activation", "--swiglu", "swiglu"),
+                                        (ns.squared_relu, "activation", "--squared-relu", "squared_relu"),
+                                        (ns.disable_bias_linear, "add_bias_linear", "--disable-bias-linear", False),
+                                        (ns.untie_embeddings_and_output_weights, "tie_embeddings",
+                                         "--untie-embeddings-and-output-weights", False)):
+        if on:
+            given[field] = (flag_name, value)
+    flag_of = {name: flag_name for name, flag_name, _ in MODEL_FIELD_FLAGS}
+    for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns)}.items():
+        flag_name = flag_of.get(name, f"--{name.replace('_', '-')}")
+        given[name] = (flag_name if isinstance(value, bool) else f"{flag_name} {value}", value)
+    return given
+
+
 _ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "sdpa", "unfused": "math", "local": "math"}
 
 
@@ -130,15 +177,8 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         if key not in PRESETS:
             raise ConfigError(f"unknown --model-preset {ns.model_preset!r}; choose one of {', '.join(PRESETS)}")
         preset = dict(PRESETS[key])
-    forced: dict[str, Any] = {}
-    if ns.use_checkpoint_args:
-        if ns.load is None:
-            raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose model arguments to use)")
-        if check_files:
-            saved = checkpoint_model(ns.load)
-            preset.update({k: v for k, v in saved.items() if k in CHECKPOINT_SHAPE_FIELDS})
-            forced = {k: v for k, v in saved.items() if k in CHECKPOINT_FORCED_FIELDS}
-            notes.append(f"--use-checkpoint-args: model architecture from {ns.load}")
+    where, saved = _from_checkpoint(ns, data, check_files, notes)
+    preset.update(saved)
     if ns.num_key_value_heads is not None:
         if ns.num_query_groups is not None and ns.num_query_groups != ns.num_key_value_heads:
             raise ConfigError(f"--num-key-value-heads {ns.num_key_value_heads} disagrees with --num-query-groups "
@@ -149,7 +189,8 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         kw[attr] = default(getattr(ns, attr), preset.get(attr))
     missing = [f"--{a.replace('_', '-')}" for a, v in kw.items() if v is None]
     if missing:
-        raise ConfigError(f"missing {', '.join(missing)} (or pass --model-preset, e.g. --model-preset gpt-125m)")
+        raise ConfigError(f"missing {', '.join(missing)}: give the model's shape, a --model-preset, or "
+                          "--load/--pretrained-checkpoint with a checkpoint to take the model from")
     kw["num_query_groups"] = default(ns.num_query_groups, preset.get("num_query_groups"))
     kw["ffn_hidden_size"] = default(ns.ffn_hidden_size, preset.get("ffn_hidden_size"))
     pos = {"learned_absolute": "learned"}.get(ns.position_embedding_type, ns.position_embedding_type)
@@ -194,8 +235,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         backend = "flash"
     activation = "swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else preset.get("activation", "gelu")
     kw.update(
-        vocab_size=preset["vocab_size"] if forced and "vocab_size" in preset and ns.vocab_size is None
-        else _model_vocab_size(ns, data, preset, check_files),
+        vocab_size=saved["vocab_size"] if "vocab_size" in saved else _model_vocab_size(ns, data, preset, check_files),
         normalization=default(ns.normalization, preset.get("normalization", "layernorm")),
         activation=activation,
         add_bias_linear=not ns.disable_bias_linear and preset.get("add_bias_linear", True),
@@ -221,7 +261,8 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
     for key in ("kv_channels", eps_field):
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]
-    kw.update({k: v for k, v in forced.items() if k in fields})
+    if saved:
+        kw.update(checkpoint_model_kwargs(saved, given_model_fields(ns, pos, eps_field, data), where))
     # Context parallelism splits each sequence: only position-keyed masks survive that unchanged.
     kw["dropout_rng"] = ns.dropout_rng or ("position" if par.cp > 1 and not kw.get("attention_dropout", 0.1)
                                            else "stream")

@@ -3,65 +3,147 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 from typing import Any, Optional
 
 from megazero.training.config import CheckpointConfig, ConfigError
 
 
-def checkpoint_model(load: str) -> dict[str, Any]:
-    """The model section of the config saved with the latest checkpoint in ``load`` (--use-checkpoint-args)."""
-    from megazero.training.checkpointing import checkpoint_dir, latest_iteration
-
-    iteration = latest_iteration(load) if os.path.isdir(load) else None
-    if iteration is None:
-        raise ConfigError(f"--use-checkpoint-args: {load} holds no megazero checkpoint ('latest' is missing)")
-    path = os.path.join(checkpoint_dir(load, iteration), "config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)["model"]
-    except (OSError, KeyError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--use-checkpoint-args: cannot read the model config from {path}: {e}") from None
-
-
-
-# --use-checkpoint-args, as Megatron's load_args_from_checkpoint: shapes fill what the command line
-# left unset; the architecture is forced to the checkpoint's (the weights only mean something with it).
-CHECKPOINT_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
-                            "max_position_embeddings", "seq_length", "kv_channels", "layernorm_epsilon",
-                            "norm_epsilon", "make_vocab_size_divisible_by")
-CHECKPOINT_FORCED_FIELDS = ("num_query_groups", "position_embedding_type", "rotary_base", "rotary_percent",
-                             "add_bias_linear", "activation", "tie_embeddings", "apply_layernorm_1p", "normalization",
-                             "qk_layernorm", "apply_query_key_layer_scaling")
-
-
-def saved_model_fields(ns: argparse.Namespace) -> Optional[tuple[str, dict[str, Any]]]:
-    """``(where, saved GPTConfig dict)`` of the weights this run starts from: the latest checkpoint in
-    --load, else --pretrained-checkpoint's config.json; None for a fresh start."""
-    from megazero.training.checkpointing import checkpoint_dir, latest_iteration
+def start_checkpoint(ns: argparse.Namespace) -> Optional[str]:
+    """The checkpoint the run's weights come from: --load when it holds a megazero checkpoint ('latest')
+    or full weights (a converter's output), else --pretrained-checkpoint; None for a fresh start."""
+    from megazero.training.checkpointing import FULL_WEIGHTS, latest_iteration
 
     if ns.load is not None and os.path.isdir(ns.load):
         try:
-            iteration = latest_iteration(ns.load)
+            if latest_iteration(ns.load) is not None:
+                return ns.load
         except Exception:  # a damaged 'latest' is the load's to report, with its own message
-            iteration = None
-        if iteration is not None:
-            path = os.path.join(checkpoint_dir(ns.load, iteration), "config.json")
-            try:
-                with open(path) as f:
-                    return path, json.load(f)["model"]
-            except (OSError, KeyError, ValueError, TypeError):
-                return None  # the checkpoint load names what is wrong with it
-    if ns.pretrained_checkpoint is not None:
-        path = os.path.join(ns.pretrained_checkpoint, "config.json")
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            return None
-        return (path, saved) if isinstance(saved, dict) else None
+            return ns.load
+        if os.path.isfile(os.path.join(ns.load, FULL_WEIGHTS)):
+            return ns.load
+    return ns.pretrained_checkpoint
+
+
+def _iteration(ns: argparse.Namespace, source: str) -> Optional[int]:
+    return ns.ckpt_step if source == ns.load else None
+
+
+def checkpoint_model(ns: argparse.Namespace, source: str) -> tuple[str, dict[str, Any]]:
+    """``(where, saved GPTConfig dict)`` of the checkpoint ``source`` (--use-checkpoint-args)."""
+    from megazero.training.checkpointing import CheckpointError, saved_model_config
+
+    try:
+        return saved_model_config(source, _iteration(ns, source))
+    except CheckpointError as e:
+        raise ConfigError(f"cannot read the model arguments of {source}: {e}") from None
+
+
+# The model the checkpoint's weights belong to (--use-checkpoint-args, or no model shape flags): taken
+# from it, an explicit flag that disagrees refused. The learned position table is among them
+# (CHECKPOINT_LEARNED_FIELDS); the sequence length and the vocabulary padding fill what the command line
+# leaves unset (the padding is then kept by keep_saved_vocab_padding).
+CHECKPOINT_MODEL_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size", "num_query_groups",
+    "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "layernorm_epsilon",
+    "activation", "qk_layernorm", "apply_layernorm_1p", "add_bias_linear", "add_qkv_bias", "tie_embeddings",
+    "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_router_pre_softmax", "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate")
+CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
+CHECKPOINT_FILL_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
+MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def checkpoint_args_source(ns: argparse.Namespace, check_files: bool) -> Optional[str]:
+    """The checkpoint whose model arguments the run takes: with --use-checkpoint-args the one it starts
+    from; without it the same when the command line gives no model shape (--num-layers, --hidden-size,
+    --num-attention-heads, --model-preset). None: the model comes from the flags."""
+    source = start_checkpoint(ns)
+    if ns.use_checkpoint_args:
+        if ns.load is None and ns.pretrained_checkpoint is None:
+            raise ConfigError("--use-checkpoint-args needs --load or --pretrained-checkpoint (the checkpoint whose "
+                              "model arguments to use)")
+        if source is None and check_files:
+            raise ConfigError(f"--use-checkpoint-args: {ns.load or ns.pretrained_checkpoint} holds no megazero "
+                              "checkpoint ('latest' or model_full.safetensors) to take the model arguments from")
+        return source
+    if ns.model_preset is None and all(getattr(ns, a) is None for a in MODEL_SHAPE_FLAGS):
+        return source
     return None
+
+
+def _effective(saved, field: str) -> Any:
+    """A saved GPTConfig's value of ``field`` as a flag would give it (defaults resolved)."""
+    resolved = {"num_query_groups": "query_groups", "kv_channels": "head_dim", "ffn_hidden_size": "ffn_size",
+                "moe_ffn_hidden_size": "moe_ffn_size"}
+    value = getattr(saved, resolved.get(field, field))
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=1e-9)
+    return (tuple(a) if isinstance(a, list) else a) == b
+
+
+def checkpoint_model_kwargs(saved: dict[str, Any], given: dict[str, tuple[str, Any]], where: str) -> dict[str, Any]:
+    """The GPTConfig fields the checkpoint's weights fix (``saved``, read from ``where``), refusing a model
+    flag (``given``: field -> (the flag as typed, its value)) that disagrees, by both values."""
+    from megazero.model.config import GPTConfig
+
+    try:
+        ref = GPTConfig.from_dict(saved)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where} does not hold a model configuration this build reads: {e}") from None
+    fields = CHECKPOINT_MODEL_FIELDS + (CHECKPOINT_LEARNED_FIELDS if ref.position_embedding_type == "learned" else ())
+    for field, (flag, value) in given.items():
+        if field in fields and not _same(value, _effective(ref, field)):
+            raise ConfigError(f"{flag} disagrees with the checkpoint's {field}={_effective(ref, field)!r} ({where}): "
+                              "drop the flag, the model comes from the checkpoint")
+    return {k: saved[k] for k in fields if k in saved}
+
+
+def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool:
+    """Without tokenizer flags, a run that starts from a checkpoint with a recorded tokenizer/ takes that
+    one: its type and files set in ``ns``. Whether it did."""
+    if ns.tokenizer_type is not None or ns.tokenizer_model or ns.vocab_file or ns.merge_file:
+        return False
+    source = start_checkpoint(ns)
+    if source is None:
+        return False
+    from megazero.data.tokenizer_files import recorded_tokenizer_args
+    from megazero.training.checkpointing import CheckpointError, checkpoint_tokenizer_dir
+
+    try:
+        directory = checkpoint_tokenizer_dir(source, _iteration(ns, source))
+        if directory is None:
+            return False
+        kind, files = recorded_tokenizer_args(directory)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the tokenizer recorded in {source}: {e}; pass --tokenizer-type and its "
+                          "files") from None
+    ns.tokenizer_type = kind
+    for name, value in files.items():
+        setattr(ns, name, value)
+    notes.append(f"tokenizer: the {kind} recorded in {directory}")
+    return True
+
+
+def saved_model_fields(ns: argparse.Namespace) -> Optional[tuple[str, dict[str, Any]]]:
+    """``(where, saved GPTConfig dict)`` of the weights this run starts from (:func:`start_checkpoint`);
+    None for a fresh start or an unreadable checkpoint (whose load then names what is wrong)."""
+    from megazero.training.checkpointing import CheckpointError, saved_model_config
+
+    source = start_checkpoint(ns)
+    if source is None:
+        return None
+    try:
+        return saved_model_config(source, _iteration(ns, source))
+    except (CheckpointError, OSError):
+        return None
 
 
 def keep_saved_vocab_padding(ns: argparse.Namespace, kw: dict[str, Any], tp: int, notes: list[str]) -> None:
@@ -96,6 +178,16 @@ def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bo
             os.path.join(ns.pretrained_checkpoint, "model_full.safetensors")):
         raise ConfigError(f"--pretrained-checkpoint {ns.pretrained_checkpoint} has no model_full.safetensors "
                           "(make one with tools/convert_from_hf.py)")
+    from megazero.training.checkpointing import is_full_checkpoint
+
+    pretrained = ns.pretrained_checkpoint
+    if check_files and ns.load is not None and os.path.isdir(ns.load) and is_full_checkpoint(ns.load, ns.ckpt_step):
+        if pretrained not in (None, ns.load):
+            raise ConfigError(f"--load {ns.load} holds full weights and --pretrained-checkpoint {pretrained} others; "
+                              "pass one")
+        pretrained = ns.load
+        notes.append(f"--load {ns.load}: full weights (no 'latest'): the run starts from them, as with "
+                     "--pretrained-checkpoint, at iteration 0")
     save_interval = ns.save_interval
     if save_interval is not None and save_interval < 1:
         raise ConfigError(f"--save-interval must be >= 1, got {save_interval}")
@@ -108,6 +200,6 @@ def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bo
         if value and ns.load is None and ns.pretrained_checkpoint is None:
             raise ConfigError(f"{flag_name} needs --load (the checkpoint it changes how to load)")
     return CheckpointConfig(save=ns.save, load=ns.load, save_interval=save_interval,
-                            pretrained=ns.pretrained_checkpoint, finetune=bool(ns.finetune),
+                            pretrained=pretrained, finetune=bool(ns.finetune),
                             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
                             use_checkpoint_args=bool(ns.use_checkpoint_args), ckpt_step=ns.ckpt_step)
