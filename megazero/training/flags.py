@@ -222,9 +222,10 @@ g(M, "--no-query-key-layer-scaling", "see --apply-query-key-layer-scaling", dest
 g(M, "--attention-softmax-in-fp32", "megazero's attention softmax is always computed in fp32; accepted")
 g(H, ("--hidden-dropout",), "dropout on embeddings and residual branches", float, default=0.1)
 g(H, "--attention-dropout", "dropout on attention probabilities", float, default=0.1)
-g(H, "--dropout-rng", "where hidden-dropout masks come from: 'stream' (torch's generator over each rank's tensor, "
-  "as Megatron; masks change with the layout) or 'position' (a function of sample, token index, feature and "
-  "site: the same at every layout; keys hidden dropout only, so --attention-dropout must be 0). Default: "
+g(H, "--dropout-rng", "where dropout masks come from: 'stream' (torch's generator over each rank's tensor and the "
+  "attention kernels' own, as Megatron; masks change with the layout) or 'position' (hidden dropout a function of "
+  "sample, token index, feature and site, attention dropout of sample, global head, query and key index and layer: "
+  "the same at every layout; attention with dropout then runs the explicit formula in tiles, not flash). Default: "
   "position under --context-parallel-size > 1, else stream", _lower, choices=("stream", "position"))
 g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x tensor-parallel size (GPT-2 "
   "at tp 4: 50688); a resume keeps the padded size of the checkpoint in --load", int, default=128)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch
@@ -181,6 +182,20 @@ def _expert_parallel(ns, tp: int, dp: int, cp: int) -> tuple[int, int]:
     return ep, etp
 
 
+def context_parallel_dropout_note(cp: int, model: GPTConfig) -> str:
+    """What dropout does under context parallelism (the start-up note), or '' when there is none."""
+    if cp == 1 or model.hidden_dropout == 0 and model.attention_dropout == 0:
+        return ""
+    if model.dropout_rng == "position":
+        if model.attention_dropout == 0:
+            return ""
+        return (f"dropout under --context-parallel-size {cp}: masks keyed by position (--dropout-rng position), the "
+                f"same at every layout; attention with dropout {model.attention_dropout:g} runs the explicit "
+                "formula in tiles, not the fused kernels")
+    return (f"dropout under --context-parallel-size {cp} with --dropout-rng stream: each rank draws its own masks, "
+            "which depend on the layout (as in Megatron-LM); --dropout-rng position makes them the same at every layout")
+
+
 def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
     """What context parallelism needs of the model and the data, refused at parse time with the numbers."""
     cp = par.cp
@@ -190,14 +205,9 @@ def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
     if s % (2 * cp):
         raise ConfigError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
                           f"sequence is split into 2 x cp balanced chunks); use a multiple of {2 * cp}")
-    if model.attention_dropout > 0:
-        raise ConfigError(f"--attention-dropout {model.attention_dropout} with --context-parallel-size {cp}: the fused "
-                          "attention kernels draw masks of their own, which would depend on the split; set "
-                          "--attention-dropout 0 (hidden dropout is keyed by position and stays)")
-    if model.hidden_dropout > 0 and model.dropout_rng != "position":
-        raise ConfigError(f"--dropout-rng {model.dropout_rng} with --hidden-dropout {model.hidden_dropout} and "
-                          f"--context-parallel-size {cp}: torch's masks would depend on the split; use "
-                          "--dropout-rng position (the default under context parallelism) or --hidden-dropout 0")
+    note = context_parallel_dropout_note(cp, model)
+    if note and int(os.environ.get("RANK", "0")) == 0:  # parsed on every process: one line for the job
+        logging.getLogger(__name__).info(f"> {note}")
     kinds = par.cp_comm_type
     if not isinstance(kinds, str) and len(kinds) != model.num_layers:
         raise ConfigError(f"--cp-comm-type gives {len(kinds)} exchanges for {model.num_layers} layers: give one value "
