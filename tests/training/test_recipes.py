@@ -158,7 +158,7 @@ def test_recipe_trains_at_a_tiny_size(name, tmp_path):
     assert run.returncode == 0, log[-6000:]
     assert layout in log, log[-3000:]
     losses = [float(x) for x in re.findall(r"lm loss: (\S+)", log)]
-    assert re.search(r"iteration\s+2/\s+2", log) and losses and all(math.isfinite(x) for x in losses), log[-3000:]
+    assert re.search(r"iteration\s+2/\s*2\b", log) and losses and all(math.isfinite(x) for x in losses), log[-3000:]
     assert os.path.exists(tmp_path / "ckpt" / "latest")
 
 
