@@ -235,6 +235,8 @@ class LoggingConfig:
     # CPU: track live tensor storages (megazero.utils.LiveMemoryTracker) so the log line's memory is the
     # interval's peak; about 4x per op, hence off by default. CUDA reports its allocator's peak anyway.
     track_memory: bool = False
+    # one device's dense peak TFLOP/s for the log line's MFU (None: known CUDA GPUs' bf16 peak, else no MFU)
+    device_peak_tflops: Optional[float] = None
 
 
 @dataclass

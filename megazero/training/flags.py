@@ -127,7 +127,8 @@ g(M, ("--local_rank", "--local-rank"), "rank on this node, passed by the `deepsp
 g(H, ("--tensor-model-parallel-size", "--tp"), "tensor-parallel size", int, dest="tp", default=1)
 g(H, ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: each of pp stages holds a contiguous "
   "block of layers (the embedding on the first, final norm and head on the last), trained with 1F1B "
-  "(PipeDream-Flush); world = tp x pp x dp", int, dest="pp", default=1)
+  "(PipeDream-Flush); world = tp x cp x pp x dp (expert parallelism divides the ranks of a stage, no factor "
+  "of its own)", int, dest="pp", default=1)
 g(H, "--virtual-pipeline-model-parallel-size", "model chunks per pipeline rank (interleaved 1F1B, Narayanan et al. "
   "2021): bubble (pp-1)/(v m) instead of (pp-1)/m, for v times more p2p messages; micro-batches per step must be a "
   "multiple of pp", int, default=1)
@@ -473,6 +474,9 @@ g(H, "--wandb-exp-name", "Weights & Biases run name", str)
 g(H, "--wandb-save-dir", "Weights & Biases directory", str)
 g(M, "--track-memory", "megazero: on CPU, track live tensors so the log line's memory is the step's peak "
   "(costs about 4x per op; CUDA always reports its allocator's peak)")
+g(M, "--device-peak-tflops", "megazero: one device's dense peak TFLOP/s, for the log line's MFU (model FLOPs "
+  "without recompute over this peak); bf16/fp16 runs on A100, H100, H200, B200 GPUs know theirs, other devices log "
+  "no MFU without it", float)
 g(M, "--metrics-file", "megazero: JSONL metrics (default SAVE/metrics.jsonl)", str)
 g(M, "--generate-prompt", "megazero: sample from the model at the end of training", str)
 g(M, "--generate-tokens", "megazero: tokens to sample", int, default=32)

@@ -17,8 +17,17 @@ JSONL record keys (one object per line; non-finite numbers are written as null):
 ``iteration``, ``consumed_samples``, ``lr``, ``global_batch_size``, ``lm_loss`` (each loss
 name with spaces -> '_'), ``loss_scale``, ``grad_norm``, ``skipped_iterations``,
 ``nan_iterations``, ``elapsed_ms_per_iteration``, ``tokens_per_s``, ``tflops_per_rank``,
-``memory_mb``, ``timestamp``. Evaluation records use ``eval_`` keys, e.g.
-``{"iteration": 1000, "eval_lm_loss": 3.2, "eval_ppl": 24.5}``.
+``mfu`` (where the device's peak is known), ``memory_mb``, ``timestamp``. Evaluation records use
+``eval_`` keys, e.g. ``{"iteration": 1000, "eval_lm_loss": 3.2, "eval_ppl": 24.5}``.
+
+The log line is short (as torchtitan's) and keeps the keys Megatron users grep (``iteration``,
+``lm loss``, ``elapsed time per iteration (ms)``, ``tokens/s``, ``TFLOP/s per rank``)::
+
+     iteration  10/100 | lm loss: 5.1234 | lr: 1.000E-04 | grad norm: 1.234 | elapsed time per iteration (ms): 123.4 | tokens/s: 1062188 | TFLOP/s per rank: 412.5 | MFU: 41.7% | peak memory: 30.12 GiB (21%)
+                       | loss scale: 65536.0 | number of skipped iterations:   1 | moe aux loss: 1.2000E-02 | expert load max over mean: 1.86
+
+The second line only when it has something to say: the fp16 loss scale, skipped or NaN iterations,
+the batch during a ramp-up, a mixture of experts' statistics, the statistics the logging flags ask for.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
 __all__ = ["Throughput", "IterationStats", "IntervalMeter", "IntervalSummary", "MetricsWriter",
-           "format_log_line", "memory_mb", "metric_key", "megatron_scalars", "TRAIN_LOSS_KEY", "EVAL_LOSS_KEY"]
+           "format_log_line", "format_log_lines", "memory_mb", "metric_key", "megatron_scalars", "peak_tflops",
+           "PEAK_TFLOPS", "TRAIN_LOSS_KEY", "EVAL_LOSS_KEY"]
 
 TRAIN_LOSS_KEY = "lm_loss"
 EVAL_LOSS_KEY = "eval_lm_loss"
@@ -61,29 +71,58 @@ def memory_mb(device: Optional[torch.device] = None) -> Optional[float]:
     return step_peak_memory(device)[0] / 2 ** 20
 
 
+# Dense bf16/fp16 peak TFLOP/s of one device by a fragment of its CUDA name (NVIDIA's datasheets, SXM parts
+# unless named); the first fragment found in the name counts, so the more specific ones come first.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
+    ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0))
+
+
+def peak_tflops(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of a CUDA device named ``device_name`` (:data:`PEAK_TFLOPS`), None if unknown."""
+    return next((v for k, v in PEAK_TFLOPS if k in device_name), None)
+
+
+def _device_peak(config: "TrainConfig", device: Optional[torch.device]) -> Optional[float]:
+    """--device-peak-tflops, else the table's peak for a bf16/fp16 run on a known CUDA device (fp32 runs and
+    CPUs have no MFU unless the flag says the peak)."""
+    given = getattr(config.logging, "device_peak_tflops", None)
+    if given is not None:
+        return given
+    if device is None or device.type != "cuda" or config.precision.dtype not in ("bf16", "fp16"):
+        return None
+    return peak_tflops(torch.cuda.get_device_name(device))
+
+
 @dataclass
 class Throughput:
-    """Tokens/s and model TFLOP/s per rank from the time of one iteration."""
+    """Tokens/s, TFLOP/s per rank and model FLOPs utilisation from the time of one iteration."""
 
-    flops_per_iteration: float  # training FLOPs of one global batch (all ranks together)
+    flops_per_iteration: float  # training FLOPs of one global batch (all ranks together), recompute included
     tokens_per_iteration: int  # global batch x sequence length
     world_size: int
+    model_flops_per_iteration: float = 0.0  # the same without recompute (MFU's numerator, as PaLM's)
+    peak_tflops: Optional[float] = None  # one device's dense peak (MFU's denominator); None: no MFU
 
     @classmethod
-    def from_config(cls, config: "TrainConfig") -> "Throughput":
-        """Counts FLOPs with Narayanan et al. 2021 Eq. 3 (factor 4 with full recompute)."""
+    def from_config(cls, config: "TrainConfig", device: Optional[torch.device] = None) -> "Throughput":
+        """Counts FLOPs with Narayanan et al. 2021 Eq. 3 (factor 4 with full recompute); the peak for MFU
+        from --device-peak-tflops or ``device``'s name (:func:`peak_tflops`)."""
         from megazero.model.flops import flops_per_iteration
 
         m, s = config.model, config.schedule
         return cls(flops_per_iteration=flops_per_iteration(m, s.global_batch_size, m.seq_length,
                                                            recompute_full=m.recompute_granularity == "full"),
                    tokens_per_iteration=s.global_batch_size * m.seq_length,
-                   world_size=config.parallel.world_size)
+                   world_size=config.parallel.world_size,
+                   model_flops_per_iteration=flops_per_iteration(m, s.global_batch_size, m.seq_length),
+                   peak_tflops=_device_peak(config, device))
 
     def at_batch(self, global_batch_size: int, full_batch_size: int) -> "Throughput":
         """The same model at another global batch (a ramp-up iteration): FLOPs and tokens scale with it."""
         f = global_batch_size / full_batch_size
-        return Throughput(self.flops_per_iteration * f, int(round(self.tokens_per_iteration * f)), self.world_size)
+        return Throughput(self.flops_per_iteration * f, int(round(self.tokens_per_iteration * f)), self.world_size,
+                          self.model_flops_per_iteration * f, self.peak_tflops)
 
     def tokens_per_second(self, seconds_per_iteration: float) -> float:
         return self.tokens_per_iteration / seconds_per_iteration
@@ -91,6 +130,13 @@ class Throughput:
     def tflops_per_rank(self, seconds_per_iteration: float) -> float:
         """flops_per_iteration / (time x world_size) / 1e12."""
         return self.flops_per_iteration / (seconds_per_iteration * self.world_size) / 1e12
+
+    def mfu(self, seconds_per_iteration: float) -> Optional[float]:
+        """Model FLOPs (no recompute) per second and rank over the device's peak; None without a peak."""
+        if not self.peak_tflops or not self.model_flops_per_iteration:
+            return None
+        achieved = self.model_flops_per_iteration / (seconds_per_iteration * self.world_size) / 1e12
+        return achieved / self.peak_tflops
 
 
 @dataclass
@@ -163,7 +209,11 @@ class IterationStats:
     nan_iterations: int = 0
     tokens_per_second: Optional[float] = None
     tflops_per_rank: Optional[float] = None
+    mfu: Optional[float] = None  # model FLOPs utilisation, a fraction of the device's peak
     memory_mb: Optional[float] = None
+    memory_capacity_mb: Optional[float] = None  # the device's memory (CUDA): the log line gives the share
+    loss_scaling: bool = True  # False: no loss scaler (bf16/fp32), the line leaves the scale out
+    show_batch: bool = False  # a ramp-up iteration: the line gives the batch and consumed samples
     # where memory_mb comes from (megazero.utils.peak_memory_source): the log line names it
     peak_memory_source: Optional[str] = None
     # ms per iteration of each phase (--wall-clock breakdown / --log-timers-to-tensorboard): fwd, bwd, step
@@ -182,7 +232,7 @@ class IterationStats:
                    nan_iterations=summary.nan_iterations,
                    tokens_per_second=throughput.tokens_per_second(t) if throughput and t > 0 else None,
                    tflops_per_rank=throughput.tflops_per_rank(t) if throughput and t > 0 else None,
-                   memory_mb=memory)
+                   mfu=throughput.mfu(t) if throughput and t > 0 else None, memory_mb=memory)
 
     def to_record(self) -> dict[str, Any]:
         """The JSONL/TensorBoard record (keys in the module docstring)."""
@@ -194,6 +244,8 @@ class IterationStats:
                    elapsed_ms_per_iteration=self.seconds_per_iteration * 1000.0,
                    tokens_per_s=self.tokens_per_second, tflops_per_rank=self.tflops_per_rank,
                    memory_mb=self.memory_mb)
+        if self.mfu is not None:
+            rec["mfu"] = self.mfu
         if self.peak_memory_source is not None:
             rec["peak_memory_source"] = self.peak_memory_source
         rec.update({f"{k}_ms": v for k, v in self.timers_ms.items()})
@@ -203,41 +255,66 @@ class IterationStats:
 
 # The log line says what its memory figure measures: a CPU allocator keeps no peak, so without
 # --track-memory the figure there is the resident set size, not a peak.
-MEMORY_LABELS = {"cuda_peak_allocated": "peak memory (MB, CUDA max allocated)",
-                 "tracked_peak_live": "peak memory (MB, tracked live tensors)",
-                 "rss": "memory (MB, RSS)"}
+MEMORY_LABELS = {"cuda_peak_allocated": "peak memory", "tracked_peak_live": "peak memory (tracked live tensors)",
+                 "rss": "memory (RSS)"}
+
+
+def _size(mb: float) -> str:
+    return f"{mb:.0f} MiB" if mb < 1024 else f"{mb / 1024:.2f} GiB"
+
+
+def _tflops(value: float) -> str:
+    # CPU runs reach hundredths of a TFLOP/s: keep three significant digits there.
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
+def format_log_lines(stats: IterationStats) -> list[str]:
+    """The training log: one short line (step, loss, lr, grad norm, time, throughput, MFU, memory) and, when
+    there is any, a second with the rest (see the module docstring). Fields that are None are left out."""
+    head = f" iteration {stats.iteration:{len(str(stats.train_iters))}d}/{stats.train_iters}"
+    main = [head]
+    if "lm loss" in stats.losses:
+        main.append(f"lm loss: {stats.losses['lm loss']:.4f}")
+    main.append(f"lr: {stats.lr:.3E}")
+    if stats.grad_norm is not None:
+        main.append(f"grad norm: {stats.grad_norm:.3f}")
+    main.append(f"elapsed time per iteration (ms): {stats.seconds_per_iteration * 1000.0:.1f}")
+    if stats.tokens_per_second is not None:
+        main.append(f"tokens/s: {stats.tokens_per_second:.0f}")
+    if stats.tflops_per_rank is not None:
+        main.append(f"TFLOP/s per rank: {_tflops(stats.tflops_per_rank)}")
+    if stats.mfu is not None:
+        main.append(f"MFU: {100 * stats.mfu:.1f}%" if stats.mfu >= 0.01 else f"MFU: {100 * stats.mfu:.2g}%")
+    if stats.memory_mb is not None:
+        share = f" ({100 * stats.memory_mb / stats.memory_capacity_mb:.0f}%)" if stats.memory_capacity_mb else ""
+        main.append(f"{MEMORY_LABELS.get(stats.peak_memory_source, 'memory')}: {_size(stats.memory_mb)}{share}")
+    rest = []
+    if stats.show_batch:
+        rest += [f"consumed samples: {stats.consumed_samples}", f"global batch size: {stats.global_batch_size}"]
+    if stats.loss_scaling and stats.loss_scale is not None:
+        rest.append(f"loss scale: {stats.loss_scale:.1f}")
+    for count, what in ((stats.skipped_iterations, "skipped"), (stats.nan_iterations, "nan")):
+        if count:
+            rest.append(f"number of {what} iterations: {count:3d}")
+    for name, value in stats.losses.items():
+        if name != "lm loss":
+            rest.append(f"{name}: {value:.2f}" if name == "expert load max over mean" else f"{name}: {value:.4E}")
+    if "params_norm" in stats.extra:
+        rest.append(f"params norm: {stats.extra['params_norm']:.3f}")
+    if "num_zeros" in stats.extra:
+        rest.append(f"num zeros: {stats.extra['num_zeros']:.1f}")
+    if stats.timers_ms:
+        # DeepSpeed's wall_clock_breakdown: where the iteration's time went
+        rest.append("time (ms) " + " ".join(f"{k}: {v:.1f}" for k, v in stats.timers_ms.items()))
+    lines = [" | ".join(main)]
+    if rest:
+        lines.append(" " * len(head) + " | " + " | ".join(rest) + " |")
+    return lines
 
 
 def format_log_line(stats: IterationStats) -> str:
-    """Megatron's training log line (fields it does not know are omitted when None)."""
-    parts = [f" iteration {stats.iteration:8d}/{stats.train_iters:8d}",
-             f" consumed samples: {stats.consumed_samples:12d}",
-             f" elapsed time per iteration (ms): {stats.seconds_per_iteration * 1000.0:.1f}"]
-    if stats.tokens_per_second is not None:
-        parts.append(f" tokens/s: {stats.tokens_per_second:.0f}")
-    if stats.tflops_per_rank is not None:
-        # CPU runs reach hundredths of a TFLOP/s: keep three significant digits there.
-        parts.append(f" TFLOP/s per rank: {stats.tflops_per_rank:.1f}" if stats.tflops_per_rank >= 10
-                     else f" TFLOP/s per rank: {stats.tflops_per_rank:.3g}")
-    parts += [f" learning rate: {stats.lr:.3E}", f" global batch size: {stats.global_batch_size:5d}"]
-    parts += [f" {name}: {value:.4E}" for name, value in stats.losses.items()]
-    if stats.loss_scale is not None:
-        parts.append(f" loss scale: {stats.loss_scale:.1f}")
-    if stats.grad_norm is not None:
-        parts.append(f" grad norm: {stats.grad_norm:.3f}")
-    parts += [f" number of skipped iterations: {stats.skipped_iterations:3d}",
-              f" number of nan iterations: {stats.nan_iterations:3d}"]
-    if stats.memory_mb is not None:
-        label = MEMORY_LABELS.get(stats.peak_memory_source, "memory (MB)")
-        parts.append(f" {label}: {stats.memory_mb:.0f}")
-    for key in ("params_norm", "num_zeros"):
-        if key in stats.extra:
-            parts.append(f" {key.replace('_', ' ')}: {stats.extra[key]:.3f}" if key == "params_norm"
-                         else f" {key.replace('_', ' ')}: {stats.extra[key]:.1f}")
-    if stats.timers_ms:
-        # DeepSpeed's wall_clock_breakdown: where the iteration's time went
-        parts.append(" time (ms) " + " ".join(f"{k}: {v:.1f}" for k, v in stats.timers_ms.items()))
-    return " |".join(parts) + " |"
+    """:func:`format_log_lines` as one string (its lines joined by newlines)."""
+    return "\n".join(format_log_lines(stats))
 
 
 # JSONL key -> Megatron's TensorBoard tag, and the logging option that enables it (None: always, as

@@ -81,17 +81,20 @@ CONTEXT = {
     "--lr-warmup-samples": (["--train-samples", "10"], ("--train-iters",)),
     "--sgd-momentum": (["--optimizer", "sgd"], ()),
     "--optimizer-offload-fraction": (["--optimizer-cpu-offload"], ()),
+    "--split": (["--data-path", "corpus_text_document"], ("--mock-data",)),  # file data: mock data has no split
 }
 
 
 def _without(argv: list[str], flags) -> list[str]:
+    """``argv`` less ``flags`` and their values."""
     out, skip = [], False
     for word in argv:
-        if skip:
+        if skip and not word.startswith("-"):
             skip = False
         elif word in flags:
             skip = True
         else:
+            skip = False
             out.append(word)
     return out
 

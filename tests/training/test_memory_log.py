@@ -12,9 +12,9 @@ from tests.distributed import run_distributed
 def test_labels_name_the_source():
     stats = IterationStats(iteration=1, train_iters=1, consumed_samples=8, seconds_per_iteration=0.1, lr=1e-3,
                            global_batch_size=8, losses={}, memory_mb=12.0)
-    for source, label in (("tracked_peak_live", "peak memory (MB, tracked live tensors): 12"),
-                          ("rss", "memory (MB, RSS): 12"),
-                          ("cuda_peak_allocated", "peak memory (MB, CUDA max allocated): 12")):
+    for source, label in (("tracked_peak_live", "peak memory (tracked live tensors): 12 MiB"),
+                          ("rss", "memory (RSS): 12 MiB"),
+                          ("cuda_peak_allocated", "peak memory: 12 MiB")):
         stats.peak_memory_source = source
         assert label in format_log_line(stats)
         assert stats.to_record()["peak_memory_source"] == source
@@ -57,7 +57,7 @@ def test_track_memory_logs_the_tracked_peak(tmp_path):
     results = run_distributed(2, _train, metrics, True)
     rank0 = [r for r in results if r[0] == 0][0]
     _, model_state, log = rank0
-    assert "peak memory (MB, tracked live tensors):" in log
+    assert "peak memory (tracked live tensors):" in log
     records = [json.loads(line) for line in open(metrics)]
     train = [r for r in records if "memory_mb" in r]
     assert len(train) == 2 and all(r["peak_memory_source"] == "tracked_peak_live" for r in train)
@@ -65,4 +65,4 @@ def test_track_memory_logs_the_tracked_peak(tmp_path):
         assert r["memory_mb"] * 2 ** 20 >= model_state > 0
     # without the flag the CPU figure is the resident set size, and the label says so
     _, _, log = [r for r in run_distributed(2, _train, str(tmp_path / "n.jsonl"), False) if r[0] == 0][0]
-    assert "memory (MB, RSS):" in log and "tracked live tensors" not in log
+    assert "memory (RSS):" in log and "tracked live tensors" not in log

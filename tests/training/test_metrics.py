@@ -12,6 +12,7 @@ import pytest
 from megazero.model.flops import flops_per_iteration
 from megazero.training import (IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb,
                                parse_args)
+from megazero.training.metrics import format_log_lines, peak_tflops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,18 +24,45 @@ def load_tool(name):
     return module
 
 
-def test_log_line_megatron_format():
+def test_log_line_is_short_and_keeps_megatrons_grep_keys():
     stats = IterationStats(iteration=10, train_iters=100, consumed_samples=640, seconds_per_iteration=0.1234, lr=1e-4,
                            global_batch_size=64, losses={"lm loss": 5.1234}, loss_scale=1.0, grad_norm=1.234,
-                           tokens_per_second=1062188.0, tflops_per_rank=12.34, memory_mb=2048.0)
-    assert format_log_line(stats) == (
-        " iteration       10/     100 | consumed samples:          640 | elapsed time per iteration (ms): 123.4 |"
-        " tokens/s: 1062188 | TFLOP/s per rank: 12.3 | learning rate: 1.000E-04 | global batch size:    64 |"
-        " lm loss: 5.1234E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |"
-        " number of nan iterations:   0 | memory (MB): 2048 |")
+                           tokens_per_second=1062188.0, tflops_per_rank=412.54, mfu=0.41712, memory_mb=30840.0,
+                           memory_capacity_mb=143771.0, peak_memory_source="cuda_peak_allocated", loss_scaling=False)
+    line = format_log_line(stats)
+    assert line == (" iteration  10/100 | lm loss: 5.1234 | lr: 1.000E-04 | grad norm: 1.234 | elapsed time per "
+                    "iteration (ms): 123.4 | tokens/s: 1062188 | TFLOP/s per rank: 412.5 | MFU: 41.7% | "
+                    "peak memory: 30.12 GiB (21%)")
+    assert len(line) <= 205  # the Megatron-style line of these numbers had 377 characters
     bare = IterationStats(iteration=1, train_iters=2, consumed_samples=8, seconds_per_iteration=1.0, lr=0.0,
                           global_batch_size=8)
-    assert "loss scale" not in format_log_line(bare) and "TFLOP/s" not in format_log_line(bare)
+    assert "\n" not in format_log_line(bare) and "TFLOP/s" not in format_log_line(bare)
+
+
+def test_the_second_line_carries_the_rest_only_when_present():
+    stats = IterationStats(iteration=3, train_iters=3, consumed_samples=8, seconds_per_iteration=0.5, lr=1e-4,
+                           global_batch_size=4, loss_scale=1073741824.0, skipped_iterations=3, show_batch=True,
+                           losses={"moe aux loss": 0.012, "expert load max over mean": 1.8571},
+                           timers_ms={"fwd": 1.0, "bwd": 2.0, "step": 0.5})
+    first, second = format_log_lines(stats)
+    assert "lm loss" not in first  # every iteration of the interval was skipped
+    assert second == (" " * len(" iteration 3/3") + " | consumed samples: 8 | global batch size: 4 | loss scale: 1073741824.0 | "
+                      "number of skipped iterations:   3 | moe aux loss: 1.2000E-02 | expert load max over mean: "
+                      "1.86 | time (ms) fwd: 1.0 bwd: 2.0 step: 0.5 |")
+    assert second.index("|") == first.index("|")  # under the first line's fields
+
+
+def test_mfu_counts_model_flops_over_the_known_or_given_peak():
+    assert (peak_tflops("NVIDIA H100 80GB HBM3"), peak_tflops("NVIDIA H100 PCIe"), peak_tflops("NVIDIA H200"),
+            peak_tflops("NVIDIA A100-SXM4-80GB"), peak_tflops("NVIDIA B200"), peak_tflops("Tesla T4")) == \
+        (989.0, 756.0, 989.0, 312.0, 2250.0, None)
+    base = "--model-preset gpt-tiny --micro-batch-size 2 --train-iters 1 --lr 1 --mock-data --recompute-granularity full"
+    cfg = parse_args(base.split(), 4)
+    assert Throughput.from_config(cfg).mfu(0.5) is None  # a CPU: no peak known
+    t = Throughput.from_config(parse_args((base + " --device-peak-tflops 2").split(), 4))
+    model = flops_per_iteration(cfg.model, 8, 64)  # without recompute, unlike TFLOP/s per rank
+    assert t.mfu(0.5) == pytest.approx(model / (0.5 * 4) / 2e12)
+    assert t.tflops_per_rank(0.5) / 2 > t.mfu(0.5)
 
 
 def test_throughput():

@@ -13,7 +13,7 @@ from ...model import num_parameters
 from ...utils.memory_tracker import step_peak_memory
 from ..config import TrainConfig
 from ..lr_schedule import LRScheduler
-from ..metrics import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line
+from ..metrics import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_lines
 from ..norms import count_zeros_in_grads, optimizer_state_stats, params_norm
 from ..output import rank_zero_logger
 from ..run_control import PhaseClock
@@ -42,10 +42,11 @@ def describe_model(config: TrainConfig, run: TrainModel) -> str:
 
 class MetricsLogger:
     """Keeps each iteration's loss on the device; every ``--log-interval`` iterations and at the last
-    one brings them to the host (one collective, one synchronisation) and logs Megatron's line and
-    its record: losses, throughput, learning rate, loss scale, grad norm, skipped and NaN iterations,
-    peak memory, and as asked ``--log-params-norm``, ``--log-num-zeros-in-grad``, optimizer
-    statistics, per-phase timers (``--wall-clock-breakdown``). A logging flag is honoured here alone.
+    one brings them to the host (one collective, one synchronisation) and logs the line and its record
+    (``metrics.format_log_lines``): loss, learning rate, grad norm, time, throughput, MFU, peak memory;
+    on a second line when present the fp16 loss scale, skipped and NaN iterations, a mixture's statistics,
+    and as asked ``--log-params-norm``, ``--log-num-zeros-in-grad``, optimizer statistics, per-phase
+    timers (``--wall-clock-breakdown``). A logging flag is honoured here alone.
 
     ``check(state, iteration, loss)`` sees every loss as it reaches the host (the failure protocol's
     divergence check). A context manager: ``--track-memory`` on CPU tracks live tensors while inside,
@@ -59,7 +60,9 @@ class MetricsLogger:
         self.writer = MetricsWriter(opts.metrics_file, opts.tensorboard_dir, rank=dist.get_rank(), options=opts)
         self.timers: Optional[dict] = {} if (opts.wall_clock_breakdown or opts.log_timers_to_tensorboard) else None
         self.zeros = count_zeros_in_grads(run.engine, run.groups) if opts.log_num_zeros_in_grad else None
-        self.throughput = Throughput.from_config(config)
+        self.throughput = Throughput.from_config(config, run.device)
+        self.capacity_mb = torch.cuda.get_device_properties(run.device).total_memory / 2 ** 20 \
+            if run.device.type == "cuda" else None
         self.meter = IntervalMeter()
         self.loss_log = LossLog(run.groups)
         self.skipped_at: dict[int, bool] = {}
@@ -108,7 +111,8 @@ class MetricsLogger:
         if it % self.config.logging.log_interval == 0 or it == self.config.schedule.train_iters:
             self.flush(state)
             stats = self._stats(state)
-            log.info(format_log_line(stats))
+            for line in format_log_lines(stats):
+                log.info(line)
             self.writer.write(state.iteration, stats.to_record())
 
     def _stats(self, state: TrainState) -> IterationStats:
@@ -121,11 +125,14 @@ class MetricsLogger:
             consumed_samples=state.consumed_samples, lr=self.scheduler.lr, global_batch_size=state.batch_size,
             throughput=self.throughput, loss_scale=engine.get_loss_scale(), grad_norm=engine.get_global_grad_norm(),
             memory=peak_bytes / 2 ** 20)
-        stats.peak_memory_source = memory_source
+        stats.peak_memory_source, stats.memory_capacity_mb = memory_source, self.capacity_mb
+        stats.loss_scaling = self.config.precision.dtype == "fp16"
         if state.batch_size != s.global_batch_size:  # a ramp-up iteration
             at = self.throughput.at_batch(state.batch_size, s.global_batch_size)
             stats.tokens_per_second = at.tokens_per_second(stats.seconds_per_iteration)
             stats.tflops_per_rank = at.tflops_per_rank(stats.seconds_per_iteration)
+            stats.mfu = at.mfu(stats.seconds_per_iteration)
+            stats.show_batch = True
         if self.timers is not None:
             n = max(state.iteration - self.last_log, 1)
             stats.timers_ms = {k: v * 1000.0 / n for k, v in self.timers.items()}

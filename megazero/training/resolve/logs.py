@@ -44,7 +44,9 @@ def resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes:
         tensorboard_log_interval=default(ns.tensorboard_log_interval, 1),
         tensorboard_queue_size=default(ns.tensorboard_queue_size, 1000), csv_dir=csv_dir,
         wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
-        track_memory=bool(ns.track_memory))
+        track_memory=bool(ns.track_memory), device_peak_tflops=ns.device_peak_tflops)
+    if cfg.device_peak_tflops is not None and not cfg.device_peak_tflops > 0:
+        raise ConfigError(f"--device-peak-tflops must be > 0, got {cfg.device_peak_tflops}")
     for name in ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",
                  "log_memory_to_tensorboard", "log_optimizer_states_to_tensorboard", "log_params_norm",
                  "log_num_zeros_in_grad", "log_throughput"):
