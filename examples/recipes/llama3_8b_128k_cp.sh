@@ -5,7 +5,7 @@
 # Layout on 8 nodes x 8 GPUs: tp 4 with sequence parallelism x cp 8 x dp 2, ZeRO-1 over dp x cp,
 # bf16, full recompute; each rank holds 16384 tokens of a sequence, a quarter of them outside
 # attention. RoPE theta 8000000 for the long context (raise or keep as your schedule needs).
-# Attention dropout is refused under context parallelism: it stays 0, as in Llama.
+# Dropout stays 0, as in Llama.
 #
 #   DATA_PATH=/data/long_text_document TOKENIZER_MODEL=/models/Meta-Llama-3-8B \
 #   CHECKPOINT_DIR=/shared/ckpt/llama3_8b_128k NNODES=8 NODE_RANK=0 MASTER_ADDR=node0 \
