@@ -8,7 +8,9 @@ Three interchangeable backends compute the same function:
 
 ``auto`` picks flash when it can run and sdpa otherwise. Heads are partitioned
 over TP ranks, so attention dropout must differ per rank: it runs inside the
-model-parallel RNG fork (``mpu.get_rng_tracker().fork()``).
+model-parallel RNG fork (``mpu.get_rng_tracker().fork()``). Dropout keyed by position
+(``dropout``) is computed by the explicit formula in tiles instead (``ring_attention.dense_attention``),
+with masks that do not depend on the layout.
 
 Shapes: q ``[s, b, heads, d]``, k/v ``[s, b, groups, d]`` (GQA when groups < heads;
 query head ``i`` reads key/value group ``i // (heads // groups)``); output ``[s, b, heads * d]``.

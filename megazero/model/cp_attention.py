@@ -12,6 +12,10 @@ builds the same from a layout, without communication); every layer reuses it.
 * ``allgather_attention``: all-gather K/V along the sequence; this rank's queries attend to all
   of it under the causal (and document) mask built from the global positions.
 
+Attention dropout is keyed by position (``dropout``, an :class:`~megazero.model.keyed_dropout.AttentionDropout`
+naming the global heads held): both exchanges then apply the whole sequence's masks, by the math
+kernel's tiles.
+
 Shapes follow ``core_attention``: q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]``,
 output ``[s_local, b, heads * d]``. ``group`` is the CP process group (``None``: the default group,
 every process). ``attention_mask`` (optional, boolean, True = masked, in addition

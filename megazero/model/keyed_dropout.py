@@ -10,6 +10,11 @@ the whole sequence. Any rank computes the mask of exactly the elements it holds,
 masks cp 1 does, bit for bit, and so does any tp x sp x pp x dp or micro-batch size. The mask is
 recomputed in backward rather than saved. The hash is 32-bit integer arithmetic on int64 tensors, the
 same bits on any device.
+
+Attention dropout (:class:`AttentionDropout`) uses the same hash with (sample, global head) as the
+sample, the query's index in the sequence as the row and the key's as the feature, at a site of its
+own per layer: whichever rank holds a query (tensor parallelism splits the heads, context
+parallelism the queries and keys, the all-to-all the heads again), it draws that element's bit.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``.
 
 The block kernel (:mod:`megazero.model.ring_kernels`) is chosen by device and dtype: torch's flash
 op on CPU and on CUDA (fp16/bf16), its memory-efficient op for fp32 on CUDA, the explicit formula for
-fp64; each holds one block's working set, never the (s/cp)^2 scores of a whole exchange.
+fp64; each holds one block's working set, never the (s/cp)^2 scores of a whole exchange. With attention
+dropout keyed by position (``dropout``) every block runs the math kernel, which applies the masks of
+the block's global positions and heads in tiles of at most 4M score elements.
 """
 
 from __future__ import annotations

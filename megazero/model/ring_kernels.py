@@ -4,8 +4,9 @@ A kernel returns the block's output and its log-sum-exp, and its backward takes 
 and log-sum-exp of the whole attention, which makes the block gradients those of the whole attention
 (the FlashAttention recurrence: dS = P * (dP - rowsum(dO * O))). Registered kernels:
 
-- ``math``: the explicit formula in fp32 (fp64 for fp64 inputs); any device and dtype; holds the
-  block's scores, so only for short blocks, fp64 references and rehearsals.
+- ``math``: the explicit formula in fp32 (fp64 for fp64 inputs); any device and dtype; in square tiles
+  of at most 4M score elements merged by log-sum-exp (a Python loop: slower than the fused ops); the
+  one kernel that applies attention dropout keyed by position (and an explicit mask).
 - ``cpu_flash``: torch's CPU flash-attention op and its backward op.
 - ``cuda_flash``: torch's CUDA flash-attention op (fp16/bf16, head dim a multiple of 8 up to 256).
 - ``cuda_efficient``: torch's CUDA memory-efficient op (fp32 as well).
