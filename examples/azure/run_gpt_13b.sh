@@ -102,14 +102,18 @@ if [[ "$DRY_RUN" != 0 ]]; then
 else
     CONFIG_DIR="$SAVE_DIR"; mkdir -p "$CONFIG_DIR"
 fi
-DS_CONFIG="$CONFIG_DIR/ds_config_13b.json"
-cat > "$DS_CONFIG" <<EOF
+write_ds_config() {  # ZERO_STAGE FILE: the JSON of a layout at that ZeRO stage (parameter offload: ZeRO-3 only)
+    local param_device="${OFFLOAD_PARAM_DEVICE:-none}" nvme=""
+    [[ "$1" == 3 ]] || param_device=none
+    # (built here: a here-document drops the quotes inside ${VAR:+...})
+    if [[ -n "${NVME_PATH:-}" ]]; then nvme=", \"nvme_path\": \"$NVME_PATH\""; fi
+    cat > "$2" <<EOF
 {
   "train_batch_size": $GLOBAL_BATCH,
   "train_micro_batch_size_per_gpu": $MICRO_BATCH,
   "steps_per_print": 10,
   "zero_optimization": {
-    "stage": $ZERO_STAGE,
+    "stage": $1,
     "overlap_comm": true,
     "contiguous_gradients": true,
     "reduce_bucket_size": 90000000,
@@ -117,23 +121,28 @@ cat > "$DS_CONFIG" <<EOF
     "stage3_prefetch_bucket_size": 50000000,
     "stage3_param_persistence_threshold": 100000,
     "stage3_max_live_parameters": 3000000000,
-    "offload_optimizer": {"device": "${OFFLOAD_DEVICE:-none}", "pin_memory": true${NVME_PATH:+, "nvme_path": "$NVME_PATH"}},
-    "offload_param": {"device": "${OFFLOAD_PARAM_DEVICE:-none}", "pin_memory": true${NVME_PATH:+, "nvme_path": "$NVME_PATH"}}
+    "offload_optimizer": {"device": "${OFFLOAD_DEVICE:-none}", "pin_memory": true$nvme},
+    "offload_param": {"device": "$param_device", "pin_memory": true$nvme}
   },
   "bf16": {"enabled": true},
   "gradient_clipping": 1.0,
   "wall_clock_breakdown": false
 }
 EOF
+}
+DS_CONFIG="$CONFIG_DIR/ds_config_13b.json"
+write_ds_config "$ZERO_STAGE" "$DS_CONFIG"
 
-ARGS=(
+# The layout's flags (parallel sizes, ZeRO stage and its JSON), then the rest of the run's.
+LAYOUT_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+             --zero-stage "$ZERO_STAGE" --deepspeed --deepspeed_config "$DS_CONFIG")
+if [[ "$PP" == 1 ]]; then LAYOUT_ARGS+=(--no-pipeline-parallel); fi
+COMMON_ARGS=(
     # model: GPT-3 13B
     --num-layers 40 --hidden-size 5120 --num-attention-heads 40
     --seq-length 2048 --max-position-embeddings 2048
     --init-method-std 0.008 --hidden-dropout 0.1 --attention-dropout 0.1
-    # parallelism and memory
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-    --zero-stage "$ZERO_STAGE" --deepspeed --deepspeed_config "$DS_CONFIG"
+    # memory
     --bf16 --use-flash-attn
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     # batch, schedule, optimizer
@@ -150,29 +159,31 @@ ARGS=(
     --log-interval 10 --eval-interval 1000 --eval-iters 40
     --tensorboard-dir "$TENSORBOARD_DIR"
 )
-if [[ "$PP" == 1 ]]; then ARGS+=(--no-pipeline-parallel); fi
-if [[ "$SEQUENCE_PARALLEL" == 1 ]]; then ARGS+=(--sequence-parallel); fi
-ARGS+=("${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}")
+if [[ "$SEQUENCE_PARALLEL" == 1 ]]; then COMMON_ARGS+=(--sequence-parallel); fi
+COMMON_ARGS+=("${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}")
+ARGS=("${LAYOUT_ARGS[@]}" "${COMMON_ARGS[@]}")
 
 if [[ "$DRY_RUN" == 1 ]]; then
     echo "dry run: $NNODES node(s) x $GPUS_PER_NODE GPUs = $WORLD_SIZE GPUs, layout $LAYOUT: tp $TP x pp $PP, ZeRO-$ZERO_STAGE, GPU memory ${GPU_MEMORY_GB} GiB"
     # Same arguments as the real launch, validated as pretrain_gpt.py would (minus file checks).
     # (not exec: the EXIT trap removes the temporary ds_config)
     rc=0
-    "$PYTHON" "$ROOT/tools/estimate_memory.py" --world-size "$WORLD_SIZE" --gpu-memory-gb "$GPU_MEMORY_GB" \
-        --train-args "${ARGS[@]}" || rc=$?
+    "$PYTHON" "$ROOT/tools/estimate_memory.py" --world-size "$WORLD_SIZE" --device-memory-gb "$GPU_MEMORY_GB" \
+        "${ARGS[@]}" || rc=$?
     # Time to first step: per-rank bytes read at resume and values drawn at a fresh start.
     "$PYTHON" "$ROOT/tools/estimate_startup.py" --world-size "$WORLD_SIZE" \
         --read-gbps-per-rank "${READ_GBPS_PER_RANK:-1}" --fs-gbps "${FS_GBPS:-40}" \
         --train-args "${ARGS[@]}" >&2 || true
-    # The two layouts side by side, on this many GPUs (or 32, the least tp 4 x pp 8 needs).
+    # The two layouts side by side, on this many GPUs (or 32, the least tp 4 x pp 8 needs): the same
+    # arguments, each layout with its own parallel flags and JSON (later flags win).
     CMP_WORLD=$(( WORLD_SIZE % 32 == 0 ? WORLD_SIZE : 32 ))
     echo "layouts compared on $CMP_WORLD GPUs (global batch $GLOBAL_BATCH, micro batch $MICRO_BATCH):"
-    "$PYTHON" "$ROOT/tools/estimate_memory.py" --compare "tp4z3:--tp 4 --zero-stage 3" \
-        "tp4pp8z1:--tp 4 --pp 8 --zero-stage 1" --world-size "$CMP_WORLD" --num-layers 40 --hidden-size 5120 \
-        --num-attention-heads 40 --seq-length 2048 --vocab-size 50257 --micro-batch-size "$MICRO_BATCH" \
-        --global-batch-size "$GLOBAL_BATCH" --bf16 --recompute full --flash-attn \
-        --offload-optimizer "${OFFLOAD_DEVICE:-none}" || true
+    write_ds_config 3 "$CONFIG_DIR/ds_config_tp4z3.json"
+    write_ds_config 1 "$CONFIG_DIR/ds_config_tp4pp8z1.json"
+    "$PYTHON" "$ROOT/tools/estimate_memory.py" --world-size "$CMP_WORLD" --device-memory-gb "$GPU_MEMORY_GB" \
+        "${COMMON_ARGS[@]}" --compare \
+        "tp4z3:--tp 4 --pp 1 --no-pipeline-parallel --zero-stage 3 --deepspeed_config $CONFIG_DIR/ds_config_tp4z3.json" \
+        "tp4pp8z1:--tp 4 --pp 8 --zero-stage 1 --deepspeed_config $CONFIG_DIR/ds_config_tp4pp8z1.json" || true
     if [[ "${REHEARSE:-1}" == 1 ]]; then
         for layout in tp4z3 tp4pp8z1; do
             echo "rehearsal of $layout on $CMP_WORLD GPUs, beside the plan:"

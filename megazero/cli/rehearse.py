@@ -1,13 +1,15 @@
 """Rehearse ranks of a pretrain_gpt.py launch on this host: memory and traffic per rank, no GPU.
 
     python tools/rehearse.py --world-size 64 [--ranks 0,13] [--json out.json] [--device-memory-gb 80] \\
-        -- --tp 4 --zero-stage 3 --num-layers 40 --hidden-size 5120 ... (pretrain_gpt.py's flags)
+        --tp 4 --zero-stage 3 --num-layers 40 --hidden-size 5120 ... (pretrain_gpt.py's flags)
 
-Installed: ``megazero-rehearse``. Each rank runs pretrain_gpt.py's own loop
-(megazero.training.trainer.pretrain) for two iterations at the real shapes, on the meta
-device and a fake process group, in this one process. Per rank: the state it keeps between
-iterations, its peak in iteration 2 (by kind), the bytes it sends per group, and the host
-reads the loop makes. Default ranks: first and last pipeline stage x first and last
+Installed: ``megazero-rehearse``. The flags are pretrain_gpt.py's, as tools/estimate_memory.py takes
+them (the training-only ones, --lr, --train-iters, the data and the tokenizer, may be left out), and
+this tool's own; the two sets share no name, so a ``--`` before pretrain_gpt.py's is optional. Each
+rank runs pretrain_gpt.py's own loop (megazero.training.trainer.pretrain) for two iterations at the
+real shapes, on the meta device and a fake process group, in this one process. Per rank: the state it
+keeps between iterations, its peak in iteration 2 (by kind), the bytes it sends per group, and the
+host reads the loop makes. Default ranks: first and last pipeline stage x first and last
 data-parallel rank, tensor-parallel rank 0. What is measured and how:
 megazero/observe/rehearsal.py.
 
@@ -20,42 +22,44 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # Destroying a fake process group that serves two device types warns once per group ("No backend
 # of type 0 found ... Assuming no hooks are registered"): C++ warnings off unless asked for.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from megazero.cli.common import setup_logging, tool_parser, write_output  # noqa: E402
+from megazero.cli.common import setup_logging, write_output  # noqa: E402
+from megazero.cli.planning import add_device_memory, planning_parser, split_own  # noqa: E402
 from megazero.observe.planner import GiB  # noqa: E402
-from megazero.observe.rehearsal import (default_ranks, format_report, rehearsal_config, rehearse,  # noqa: E402
-                                        write_json)
+from megazero.observe.rehearsal import (default_ranks, format_report, launch_line, rehearsal_config,  # noqa: E402
+                                        rehearse, write_json)
 from megazero.training.config import ConfigError  # noqa: E402
 from megazero.utils.progress import Progress  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 
+def _add_own(add: Callable) -> None:
+    add("--world-size", type=int, help="ranks of the launch being rehearsed (required)")
+    add("--ranks", help="comma-separated global ranks to rehearse (default: one per distinct role)")
+    add("--json", help="write the figures of every rank to this file")
+    add_device_memory(add, "a larger peak plus the NCCL estimate exits 1")
+    add("--micro-batches", type=int,
+        help="rehearse this many micro-batches per iteration instead of the global batch's (faster; "
+             "the peak is the same from pp x v on; bytes sent are then for this many)")
+    add("--verbose", action="store_true", help="show pretrain's own output for each rank")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = tool_parser(__doc__, usage="%(prog)s --world-size W [--ranks R,R] [--json FILE] [--device-memory-gb G] "
-                                   "[--micro-batches N] [--verbose] -- PRETRAIN_GPT_FLAGS")
-    p.add_argument("--world-size", type=int, required=True, help="ranks of the launch being rehearsed")
-    p.add_argument("--ranks", help="comma-separated global ranks to rehearse (default: one per distinct role)")
-    p.add_argument("--json", help="write the figures of every rank to this file")
-    p.add_argument("--device-memory-gb", "--gpu-memory-gb", dest="device_memory_gb", type=float, default=80.0,
-                   help="device capacity in GiB (an '80GB' GPU is 80 GiB): a larger peak plus the NCCL estimate exits 1")
-    p.add_argument("--micro-batches", type=int,
-                   help="rehearse this many micro-batches per iteration instead of the global batch's (faster; "
-                        "the peak is the same from pp x v on; bytes sent are then for this many)")
-    p.add_argument("--verbose", action="store_true", help="show pretrain's own output for each rank")
-    return p
+    """pretrain_gpt.py's flags and this tool's own (its --help)."""
+    return planning_parser("rehearse.py", __doc__, _add_own)
 
 
-def _split(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(this tool's flags, pretrain_gpt.py's flags after ``--``)."""
-    if "--" not in argv:
-        return argv, []
-    return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(this tool's flags, pretrain_gpt.py's: the other words before an optional ``--`` and all after it)."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own, rest = split_own(argv[:cut], _add_own)
+    return own, rest + argv[cut + 1:]
 
 
 def _run(config, ranks: list[int], verbose: bool):
@@ -67,11 +71,17 @@ def _run(config, ranks: list[int], verbose: bool):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    own, train = _split(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(own)
+    words = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
+    head = words[:words.index("--")] if "--" in words else words
+    if "-h" in head or "--help" in head:
+        build_parser().print_help()
+        return 0
     try:
-        config, notes = rehearsal_config(train, args.world_size, args.micro_batches)
+        args, train = _split(words)
+        if args.world_size is None:
+            raise ConfigError("give --world-size (the ranks of the launch being rehearsed)")
+        config, notes = rehearsal_config(train, args.world_size, args.micro_batches, parser=build_parser())
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else default_ranks(config)
         bad = [r for r in ranks if not 0 <= r < args.world_size]
         if bad:
@@ -79,10 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError) as e:
         log.error("error: %s", e)
         return 2
-    p = config.parallel
-    write_output(f"rehearsal of {p.world_size} ranks = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO-{p.zero_stage}, "
-                 f"{config.precision.dtype}, micro-batch {config.schedule.micro_batch_size}, global batch "
-                 f"{config.schedule.global_batch_size}; ranks {', '.join(map(str, ranks))}")
+    write_output(f"rehearsal of {launch_line(config)}; ranks {', '.join(map(str, ranks))}")
     for n in notes:
         write_output(f"  > {n}")
     try:

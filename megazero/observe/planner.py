@@ -33,7 +33,10 @@ under interleaving the first stage keeps (pp - 1) * 2 + (v - 1) * pp + 1 chunk
 micro-batches of L / (pp v) layers, i.e. L (1 + (pp - 1) / (pp v)) layers' worth
 (Korthikanti et al. 2022, Sec. 4.2.3). The bubble is (pp - 1) / (v m) of the ideal
 step time; PP traffic per GPU per step is each micro-batch's boundary activation
-[s(/t under SP), b, h] sent forward and its gradient sent back, on each of v chunks.
+[s(/t under SP), b, h] sent forward and its gradient sent back, on each of v chunks (the first
+stage's first chunk sends no gradient back, the last stage's last chunk no activation on). Bytes
+sent per group (data, expert data, tensor, context parallel, the experts' all-to-alls, pipeline)
+are planned per stage: :mod:`megazero.observe.planner_traffic`.
 
 What a GPU run adds beyond its tensors (:mod:`megazero.observe.gpu_overheads`): the NCCL
 communicators' buffers, an estimate per communicator from NCCL's defaults times the communicators
@@ -59,16 +62,21 @@ from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
 from megazero.observe.planner_activations import _activations, _gathered_kv, activation_bytes_per_layer
 from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
+from megazero.observe.planner_traffic import traffic_bytes_per_step
 from megazero.training.startup import replicated_parameters
 
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
 
 __all__ = ["traffic_bytes_per_step", "MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
-           "offloaded_bytes", "offloaded_param_bytes", "plan_of",
+           "offloaded_bytes", "offloaded_param_bytes", "plan_of", "TRAFFIC_LABELS",
            "activation_bytes_per_layer", "replicated_parameters", "GiB"]
 
 GiB = 2 ** 30
+# The groups of ``MemoryEstimate.traffic``, as the plan names them (the rehearsal's groups: dp or dp_cp,
+# edp, tp, cp or hcp_a2a + hcp_p2p, ep or expert, pp).
+TRAFFIC_LABELS = (("dp", "data parallel"), ("edp", "expert data parallel"), ("tp", "tensor parallel"),
+                  ("cp", "context parallel"), ("ep", "expert-parallel all-to-all"), ("pp", "pipeline"))
 
 # bytes per parameter: (weights, gradients, optimizer states) — ZeRO paper's 2 + 2 + K with K = 12
 # (fp32 master copy 4 + Adam m 4 + v 4); in fp32 the master copy is the weight itself.
@@ -92,7 +100,7 @@ class MemoryEstimate:
     plan: dict = field(default_factory=dict)  # the inputs, for printing
     activation_detail: dict = field(default_factory=dict)  # per_layer, layers, outside_layers bytes
     pipeline: dict = field(default_factory=dict)  # pp > 1: stages, bubble, p2p bytes per step (see estimate_memory)
-    traffic: dict = field(default_factory=dict)  # bytes sent per GPU per step: dp, tp, pp, total
+    traffic: dict = field(default_factory=dict)  # bytes sent per GPU per step: dp, edp, tp, cp, ep, pp, total
     grad_buckets: float = 0.0  # gradients in flight: autograd's full-size grads of a unit + reduce buckets
     # Optimizer offload (zero_optimization.offload_optimizer): host bytes, not in ``total``.
     host_optimizer: float = 0.0  # offloaded fp32 masters + Adam moments held in host memory (device cpu)
@@ -155,7 +163,9 @@ class MemoryEstimate:
             f"per GPU after TP: {self.params_per_rank:,.0f}",
             f"plan: tp {p.get('tp')} x "
             + (f"cp {p.get('cp')} (each rank's activations for seq / cp) x " if p.get("cp", 1) > 1 else "")
-            + f"dp {p.get('dp')} x pp {p.get('pp')}, ZeRO-{p.get('zero_stage')}, "
+            + f"dp {p.get('dp')} x pp {p.get('pp')}"
+            + (f" (experts: etp {p['etp']} x ep {p['ep']} x expert-dp {p['edp']})" if p.get("ep", 1) > 1 else "")
+            + f", ZeRO-{p.get('zero_stage')}, "
             f"{p.get('precision')}, micro batch {p.get('micro_batch_size')}, seq {p.get('seq_length')}, "
             f"recompute {p.get('recompute') or 'none'}, sequence parallel {'on' if p.get('sequence_parallel') else 'off'}, "
             f"attention scores {'not held (flash/SDPA kernel)' if p.get('flash_attn') else 'held (math kernel)'}",
@@ -174,8 +184,9 @@ class MemoryEstimate:
                              f"{st['total'] / GiB:.2f} GiB")
         t = self.traffic
         if t:
-            lines.append(f"sent per GPU per step: data parallel {t['dp'] / GiB:.2f} GiB, tensor parallel "
-                         f"{t['tp'] / GiB:.2f} GiB, pipeline {t['pp'] / GiB:.2f} GiB (total {t['total'] / GiB:.2f} GiB)")
+            sent = [f"{label} {t[key] / GiB:.2f} GiB" for key, label in TRAFFIC_LABELS
+                    if key in ("dp", "tp", "pp") or t.get(key)]
+            lines.append(f"sent per GPU per step: {', '.join(sent)} (total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         lines.append("  " + nccl_line(self.nccl_communicators, self.nccl_note))
@@ -366,10 +377,22 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
-    traffic = traffic_bytes_per_step(config, psi=psi, tp=tp, dp=zdp, zero_stage=zero_stage, microbatches=m_steps,
-                                     micro_batch_size=micro_batch_size, seq_length=s_rank, precision=precision,
-                                     layers=config.num_layers // pp, pp_bytes=pipeline.get("p2p_bytes_per_step", 0.0),
-                                     recompute=recompute, grad_accum_dtype=grad_accum_dtype)
+    common = dict(tp=tp, dp=zdp, zero_stage=zero_stage, microbatches=m_steps, micro_batch_size=micro_batch_size,
+                  seq_length=s_rank, precision=precision, layers=config.num_layers // pp, recompute=recompute,
+                  grad_accum_dtype=grad_accum_dtype, edp=edp, ep=expert_parallel, etp=etp, cp=context_parallel,
+                  cp_comm_type=cp_comm_type, hierarchical_cp=hierarchical_cp, sequence_parallel=sequence_parallel)
+    if pp > 1:  # each stage's own parameters and mixtures; the end stages send one direction of their end chunk
+        for st in pipeline["stages"]:
+            r = st["stage"]
+            sends = 2 * virtual_pp - (r == 0) - (r == pp - 1)
+            st["traffic"] = traffic_bytes_per_step(
+                config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"],
+                moe_layers=_stage_moe_share(config, r, pp, virtual_pp) * moe_layers(config) / pp,
+                pp_bytes=sends * m_steps * pipeline["boundary_bytes"], **common)
+        traffic = pipeline["stages"][pipeline["worst_stage"]]["traffic"]
+    else:
+        traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts, moe_layers=moe_layers(config),
+                                         **common)
     host = offloaded_bytes(psi, dp=zdp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
@@ -382,7 +405,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         grad_buckets=grad_buckets,
         params_total=total, params_per_rank=psi + psi_experts,
         flops_per_iteration=flops_per_iteration(config, gbs, s, recompute_full=recompute == "full"),
-        plan=dict(tp=tp, dp=dp, pp=pp, cp=context_parallel, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
+        plan=dict(tp=tp, dp=dp, pp=pp, cp=context_parallel, ep=expert_parallel, etp=etp, edp=edp, zero_stage=zero_stage,
+                  micro_batch_size=micro_batch_size,
                   seq_length=s,
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
@@ -390,43 +414,6 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         activation_detail=act, pipeline=pipeline,
         nccl_communicators=nccl, nccl_note=gradient_communicator_note(nccl, zero_stage, zdp),
         host_pinned_batches=float(loader_pinned_bytes(micro_batch_size, s, num_workers)))
-
-
-def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, zero_stage: int, microbatches: int,
-                           micro_batch_size: int, seq_length: int, precision: str, layers: int,
-                           pp_bytes: float = 0.0, recompute: Optional[str] = None,
-                           grad_accum_dtype: Optional[str] = None) -> dict[str, float]:
-    """Bytes one GPU sends per step (ring collectives: an all-gather or reduce-scatter of X bytes sends
-    X (n-1)/n, an all-reduce twice that).
-
-    Data parallel over the ``psi`` parameters this GPU's stage holds: ZeRO-0 all-reduces the
-    gradients once per step (2 psi); ZeRO-1 reduce-scatters them and all-gathers the updated
-    weights (2 psi); ZeRO-2 reduce-scatters each micro-batch's gradients as backward frees them
-    (m + 1 psi); ZeRO-3 as megazero runs it gathers every unit in forward and again in backward
-    for each micro-batch and reduce-scatters its gradients ((2 + 1) m psi: traffic x micro-batches,
-    least memory). Keeping a stage's units gathered across the step's micro-batches
-    (``stage3_keep_gathered_in_step``) costs 2 psi per step, holding the stage's full weights
-    and gradients during the step. Weights travel in the compute dtype, gradients in the
-    reduction dtype (fp32 for bf16 by default, as the engine reduces them; ``grad_accum_dtype``
-    overrides): ``dp_all_gather`` and ``dp_reduce`` apart. Tensor parallel: 2 all-reduces of
-    [s, b, h] per layer forward and 2 backward per micro-batch (Megatron), 2 more with full
-    recomputation (the forward again), or the same bytes as all-gather + reduce-scatter under
-    sequence parallelism.
-    """
-    e = _DTYPE_BYTES[precision]
-    g = _DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else _STATE_BYTES[precision][1]
-    dp_frac = (dp - 1) / dp
-    m = microbatches
-    # (weights all-gathered, gradients reduced) in units of psi; an all-reduce sends twice
-    gathers, reduces = {0: (0, 2), 1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero_stage]
-    gather_bytes = gathers * psi * e * dp_frac
-    reduce_bytes = reduces * psi * g * dp_frac
-    act = e * seq_length * micro_batch_size * config.hidden_size
-    per_layer = 6 if recompute == "full" else 4
-    tp_bytes = per_layer * layers * m * 2 * act * (tp - 1) / tp if tp > 1 else 0.0
-    dp_bytes = gather_bytes + reduce_bytes
-    return {"dp": dp_bytes, "dp_all_gather": gather_bytes, "dp_reduce": reduce_bytes, "tp": tp_bytes,
-            "pp": pp_bytes, "total": dp_bytes + tp_bytes + pp_bytes}
 
 
 def _stage_moe_share(config: GPTConfig, stage: int, pp: int, v: int) -> float:
@@ -511,7 +498,9 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
     pretrain_gpt.py would run), with what its ZeRO engine gets from the --deepspeed_config JSON
     (else the engine's defaults): bucket sizes, optimizer and parameter offload."""
     m, p = config.model, config.parallel
-    zc = config.zero_config().zero_optimization
+    engine = config.zero_config()
+    zc = engine.zero_optimization
+    grad_accum_dtype = grad_accum_dtype or engine.grad_accum_dtype  # the JSON's data_types, or the fp32 flag
     off, par = zc.offload_optimizer, zc.offload_param
     # Context parallelism: each rank's activations are those of a sequence cp times shorter, and
     # ZeRO partitions over dp x cp.

@@ -47,6 +47,7 @@ fragmentation and the CUDA context are not counted.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -70,7 +71,7 @@ from .gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_
                             nccl_communicators, nccl_line)
 from .planner import GiB
 
-__all__ = ["RankReport", "rehearsal_config", "default_ranks", "rehearse_rank", "rehearse", "format_report",
+__all__ = ["RankReport", "rehearsal_config", "launch_line", "default_ranks", "sent_by_plan_group", "PLAN_GROUPS", "rehearse_rank", "rehearse", "format_report",
            "write_json", "REHEARSAL_ITERATIONS"]
 
 REHEARSAL_ITERATIONS = 2  # iteration 1 settles the state (optimizer moments appear at the first step)
@@ -120,19 +121,18 @@ class RankReport:
 # ---- configuration --------------------------------------------------------------------------
 
 
-def rehearsal_config(argv: Sequence[str], world_size: int,
-                     micro_batches: Optional[int] = None) -> tuple[TrainConfig, list[str]]:
-    """``pretrain_gpt.py``'s flags for ``world_size`` ranks, parsed as it parses them (file checks
-    off), then made a rehearsal: two iterations of the full global batch (or of ``micro_batches``
+def rehearsal_config(argv: Sequence[str], world_size: int, micro_batches: Optional[int] = None, *,
+                     parser: Optional[argparse.ArgumentParser] = None) -> tuple[TrainConfig, list[str]]:
+    """``pretrain_gpt.py``'s flags for ``world_size`` ranks, parsed as it parses them for a plan
+    (``parse_args(planning=True)``: file checks off, training-only flags optional; ``parser``: the
+    tool's), then made a rehearsal: two iterations of the full global batch (or of ``micro_batches``
     per DP rank, when fewer) on synthetic tokens, no evaluation, checkpoints, loads, logs to
     files or early exits. Returns the config and one line per override."""
     argv = list(argv)
     if not any(a.split("=")[0] in ("--train-iters", "--train-samples") for a in argv):
         argv += ["--train-iters", str(REHEARSAL_ITERATIONS)]  # the length of the run is the rehearsal's anyway
-    if not any(a.split("=")[0] in ("--data-path", "--train-data-path", "--mock-data") for a in argv):
-        argv.append("--mock-data")  # no data named: synthetic tokens (the shapes are all that matter)
-    config = parse_args(argv, world_size, check_files=False)
-    notes: list[str] = []
+    config = parse_args(argv, world_size, check_files=False, planning=True, parser=parser)
+    notes: list[str] = [n for n in config.notes if n.startswith(("--micro-batch-size not given",))]
     s, d, ck, lg, m = config.schedule, config.data, config.checkpoint, config.logging, config.model
 
     def note(changed: bool, text: str) -> None:
@@ -181,13 +181,22 @@ def rehearsal_config(argv: Sequence[str], world_size: int,
     return config, notes
 
 
+def launch_line(config: TrainConfig) -> str:
+    """``64 ranks = tp 4 x cp 2 x pp 1 x dp 8 (experts: etp 1 x ep 8 x expert-dp 2), ZeRO-3, ...``."""
+    p, s = config.parallel, config.schedule
+    experts = (f" (experts: etp {p.etp} x ep {p.ep} x expert-dp {p.dp * p.cp * p.tp // (p.ep * p.etp)})"
+               if p.ep > 1 or p.etp != p.tp else "")
+    return (f"{p.world_size} ranks = tp {p.tp} x cp {p.cp} x pp {p.pp} x dp {p.dp}{experts}, ZeRO-{p.zero_stage}, "
+            f"{config.precision.dtype}, micro-batch {s.micro_batch_size}, global batch {s.global_batch_size}")
+
+
 def default_ranks(config: TrainConfig) -> list[int]:
     """One rank per distinct role: first and last pipeline stage x first and last DP rank, TP rank 0."""
     p = config.parallel
     out: list[int] = []
     for pp_rank in dict.fromkeys((0, p.pp - 1)):
         for dp_rank in dict.fromkeys((0, p.dp - 1)):
-            r = pp_rank * p.dp * p.tp + dp_rank * p.tp
+            r = (pp_rank * p.dp + dp_rank) * p.cp * p.tp  # cp rank 0, tp rank 0 (mpu.rank_layout's order)
             if r not in out:
                 out.append(r)
     return out
@@ -407,19 +416,33 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+# The plan's traffic groups (planner.TRAFFIC_LABELS) as the rehearsal's groups name them.
+PLAN_GROUPS = {"dp": ("dp", "dp_cp"), "edp": ("edp",), "tp": ("tp",), "cp": ("cp", "hcp_a2a", "hcp_p2p"),
+               "ep": ("ep", "expert"), "pp": ("pp",)}
+
+
+def sent_by_plan_group(report: "RankReport") -> dict[str, int]:
+    """The bytes ``report``'s rank sent, summed into the planner's groups (:data:`PLAN_GROUPS`)."""
+    return {key: sum(report.sent_bytes.get(g, 0) for g in groups) for key, groups in PLAN_GROUPS.items()}
+
+
 def plan_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, float]:
     """The analytic plan (``planner.estimate_memory_for``, what ``tools/estimate_memory.py`` and the
-    start-up line print) for a rank of pipeline stage ``pp_rank``: its model state and its peak."""
+    start-up line print) for a rank of pipeline stage ``pp_rank``: its model state, its peak and the
+    bytes it sends per planned group (``sent_dp``, ``sent_edp``, ``sent_tp``, ``sent_cp``, ``sent_ep``,
+    ``sent_pp``: its stage's, for the micro-batches rehearsed)."""
     from .planner import estimate_memory_for
 
     est = estimate_memory_for(config)
     stages = est.pipeline.get("stages")
     offloads = est.plan.get("offload_optimizer", "none") != "none" or est.plan.get("offload_param", "none") != "none"
     host = {"host_bytes": est.host_total} if offloads else {}
-    if not stages:
-        return {"state_bytes": est.model_states, "peak_bytes": est.total, **host}
-    st = stages[pp_rank]
-    return {"state_bytes": float(sum(st["states"])), "peak_bytes": float(st["total"]), **host}
+    st = stages[pp_rank] if stages else None
+    traffic = st["traffic"] if st else est.traffic
+    sent = {f"sent_{key}": float(traffic[key]) for key in PLAN_GROUPS}
+    if st is None:
+        return {"state_bytes": est.model_states, "peak_bytes": est.total, **host, **sent}
+    return {"state_bytes": float(sum(st["states"])), "peak_bytes": float(st["total"]), **host, **sent}
 
 
 def nccl_for_rank(config: TrainConfig, pp_rank: int) -> dict[str, Any]:
@@ -455,6 +478,11 @@ def format_report(r: RankReport) -> str:
         lines.append(f"  the plan (tools/estimate_memory.py): state {_size(r.plan['state_bytes'])}, peak "
                      f"{_size(r.plan['peak_bytes'])}; rehearsed / plan: state "
                      f"{r.state_bytes / r.plan['state_bytes']:.2f}x, peak {r.peak_bytes / r.plan['peak_bytes']:.2f}x")
+    if "sent_dp" in r.plan:
+        measured = sent_by_plan_group(r)
+        lines.append("  the plan's bytes sent (tools/estimate_memory.py), rehearsed / plan: " + ", ".join(
+            f"{key} {_size(r.plan['sent_' + key])} ({measured[key] / r.plan['sent_' + key]:.2f}x)"
+            for key in PLAN_GROUPS if r.plan["sent_" + key] or measured[key]))
     for group, total in r.sent_bytes.items():
         ops = ", ".join(f"{k.split('/')[1]} {_size(v)} ({r.calls_by_op[k]}x)" for k, v in r.sent_by_op.items()
                         if k.split("/")[0] == group)
@@ -467,7 +495,8 @@ def format_report(r: RankReport) -> str:
 
 def write_json(path: str, reports: Sequence[RankReport], config: TrainConfig, notes: Sequence[str]) -> None:
     p = config.parallel
-    doc = {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "dp": p.dp, "zero_stage": p.zero_stage,
+    doc = {"world_size": p.world_size, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "etp": p.etp,
+           "zero_stage": p.zero_stage,
            "iterations": REHEARSAL_ITERATIONS, "notes": list(notes), "ranks": [r.to_json() for r in reports]}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -49,6 +49,7 @@ from megazero.training.resolve.logs import resolve_logging
 from megazero.training.resolve.model import (GPT2_VOCAB_SIZE, MODEL_FIELD_FLAGS, build_gpt_config, model_field_kwargs,
                                              resolve_model)
 from megazero.training.resolve.optim import resolve_optim
+from megazero.training.resolve.planning import PLANNING_NOTE, fill_for_planning
 from megazero.training.resolve.parallel import (check_local_rank, pipeline_plan_line, resolve_context_parallel,
                                                 resolve_parallel, resolve_pipeline)
 from megazero.training.resolve.precision import resolve_precision
@@ -104,25 +105,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, *,
-               check_files: bool = True) -> TrainConfig:
+               check_files: bool = True, planning: bool = False,
+               parser: Optional[argparse.ArgumentParser] = None) -> TrainConfig:
     """Parse and validate a Megatron-style command line into a ``TrainConfig``.
 
     ``argv`` defaults to ``sys.argv[1:]``; ``world_size`` to ``$WORLD_SIZE`` (else 1).
     ``check_files=False`` skips the existence checks on data/tokenizer files (for
     planning a run on another machine, e.g. the launch script's dry run). Raises
-    ``ConfigError`` naming the offending flags and numbers.
+    ``ConfigError`` naming the offending flags and numbers. ``planning=True`` (the planning
+    tools) gives the training-only flags a plan does not need (learning rate, run length, data)
+    placeholder values when absent (:func:`~megazero.training.resolve.planning.fill_for_planning`),
+    and validates the rest as here. ``parser``: a planning tool's, pretrain_gpt.py's flags and its own.
     """
     try:
-        return _parse_args(argv, world_size, check_files)
+        return _parse_args(argv, world_size, check_files, planning, parser)
     except ConfigError as e:  # the model's and the pipeline's messages name their fields: name the flags
         raise ConfigError(with_flags(str(e))) from None
 
 
-def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_files: bool) -> TrainConfig:
+def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_files: bool, planning: bool,
+                parser: Optional[argparse.ArgumentParser]) -> TrainConfig:
     argv = sys.argv[1:] if argv is None else list(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ns = build_parser().parse_args(argv)
+    ns = (parser or build_parser()).parse_args(argv)
     refused = refusals(ns)
     if refused:
         raise ConfigError("refused before any process starts:\n  " + "\n  ".join(refused))
@@ -133,6 +139,8 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
         merge_deepspeed(ns, ds, notes)
     merge_deepspeed_moe(ns, notes)
     notes += balancing_notes(ns)
+    if planning:
+        notes += fill_for_planning(ns)
     missing = missing_required(ns)
     if missing:
         raise ConfigError("missing required flags: " + "; ".join(missing))
@@ -243,8 +251,10 @@ def _exchanges(p) -> str:
 
 
 def describe(config: TrainConfig) -> str:
-    """A few human lines summarising the resolved run (printed at startup and by dry runs)."""
+    """A few human lines summarising the resolved run (printed at startup and by dry runs); a plan
+    whose run length or learning rate are placeholders (``parse_args(planning=True)``) shows neither."""
     m, p, s, o = config.model, config.parallel, config.schedule, config.optim
+    training = not any(n.startswith(PLANNING_NOTE) for n in config.notes)
     lines = [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
@@ -259,14 +269,15 @@ def describe(config: TrainConfig) -> str:
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, precision {config.precision.dtype}, "
         f"recompute {m.recompute_granularity or 'none'}, attention {m.attention_backend}",
         f"batch: global {s.global_batch_size} = micro {s.micro_batch_size} x dp {p.dp} x accumulation "
-        f"{s.grad_accum_steps}; {s.train_iters} iterations ({s.train_samples} samples, "
-        f"{s.train_samples * m.seq_length:,} tokens)"
+        f"{s.grad_accum_steps}"
+        + (f"; {s.train_iters} iterations ({s.train_samples} samples, {s.train_samples * m.seq_length:,} tokens)"
+           if training else "")
         + (f"; ramp-up {s.rampup_batch_size[0]} +{s.rampup_batch_size[1]} over {s.rampup_batch_size[2]} samples"
            if s.rampup_batch_size else "")
         + (f"; stop at {s.train_tokens:,} tokens" if s.train_tokens else ""),
         *([f"pipeline: {pipeline_plan_line(config)}"] if p.pp > 1 else []),
-        f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} {s.lr_unit}, decay "
-        f"{s.lr_decay_samples} {s.lr_unit}; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
-        f"wd {o.weight_decay}, clip {o.clip_grad}",
+        *([f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} {s.lr_unit}, decay "
+           f"{s.lr_decay_samples} {s.lr_unit}; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
+           f"wd {o.weight_decay}, clip {o.clip_grad}"] if training else []),
     ]
     return "\n".join(lines)

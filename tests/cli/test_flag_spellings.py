@@ -1,5 +1,6 @@
 """One spelling per concept across pretrain_gpt.py, the tools and the benchmarks: the canonical flag comes first
-(it is the one --help shows first) and every older spelling parses to the same namespace."""
+(it is the one --help shows first) and every older spelling parses to the same namespace. (The planning tools'
+earlier spellings of pretrain_gpt.py's flags: tests/cli/test_planning_flags.py.)"""
 
 from __future__ import annotations
 
@@ -9,20 +10,19 @@ import pytest
 
 from tests.cli.programs import PROGRAMS, parser, required_words, sample_value
 
-MEMORY_BASE = ["--model-preset", "13b", "--dp", "1"]
+MEMORY_BASE = ["--model-preset", "13b", "--world-size", "1"]
 PREPROCESS_BASE = ["--input", "in.jsonl", "--tokenizer-type", "NullTokenizer", "--output-prefix", "out"]
 TOKENIZER_BASE = ["--input", "in.jsonl", "--vocab-size", "300", "--output-prefix", "tok"]
 
 # (program, other flags, canonical spelling, an older spelling)
 SPELLINGS = [
-    ("estimate_memory", MEMORY_BASE, ["--device-memory-gb", "80"], ["--gpu-memory-gb", "80"]),
+    ("estimate_memory", MEMORY_BASE, ["--device-memory-gb", "40"], ["--gpu-memory-gb", "40"]),
     ("rehearse", ["--world-size", "8"], ["--device-memory-gb", "40"], ["--gpu-memory-gb", "40"]),
-    ("estimate_memory", MEMORY_BASE, ["--num-attention-heads", "40"], ["--num-heads", "40"]),
     ("estimate_memory", MEMORY_BASE, ["--tensor-model-parallel-size", "4"], ["--tp", "4"]),
     ("estimate_memory", MEMORY_BASE, ["--pipeline-model-parallel-size", "2"], ["--pp", "2"]),
-    ("estimate_memory", MEMORY_BASE, ["--recompute-granularity", "full"], ["--recompute", "full"]),
-    ("estimate_memory", MEMORY_BASE, ["--use-flash-attn"], ["--flash-attn"]),
-    ("estimate_memory", MEMORY_BASE, ["--optimizer-offload-fraction", "0.5"], ["--offload-ratio", "0.5"]),
+    ("estimate_memory", MEMORY_BASE, ["--context-parallel-size", "2"], ["--cp", "2"]),
+    ("estimate_memory", MEMORY_BASE, ["--expert-model-parallel-size", "2"], ["--ep", "2"]),
+    ("rehearse", ["--world-size", "8"], ["--tensor-model-parallel-size", "2"], ["--tp", "2"]),
     ("preprocess_data", PREPROCESS_BASE, ["--json-keys", "body"], ["--json-key", "body"]),
     ("preprocess_data", PREPROCESS_BASE, ["--json-keys", "text", "title"], ["--json-key", "text", "title"]),
     ("train_tokenizer", TOKENIZER_BASE, ["--json-keys", "body"], ["--json-key", "body"]),

@@ -35,12 +35,18 @@ def test_every_program_has_help(name):
 
 
 def test_tool_help_shows_defaults_where_there_are_some():
-    text = parser("estimate_memory").format_help()
-    assert re.search(r"--zero-stage ZERO_STAGE\s+ZeRO stage 0-3 \(default: 1\)", text)
-    assert "(default: None)" not in text and "(default: False)" not in text
-    assert re.search(r"--device-memory-gb DEVICE_MEMORY_GB, --gpu-memory-gb DEVICE_MEMORY_GB\s+device capacity", text)
-    rehearse = re.sub(r"\s+", " ", parser("rehearse").format_help())
-    assert "a larger peak plus the NCCL estimate exits 1 (default: 80.0)" in rehearse
+    """The planning tools list pretrain_gpt.py's flags as it does, and their own with the same
+    --device-memory-gb default."""
+    for name, consequence in (("estimate_memory", "a larger total with the NCCL estimate exits 1"),
+                              ("rehearse", "a larger peak plus the NCCL estimate exits 1")):
+        text = re.sub(r"\s+", " ", parser(name).format_help())
+        assert "--zero-stage ZERO_STAGE [honoured] ZeRO stage 0-3 over the data-parallel group" in text, name
+        assert "(default: None)" not in text and "(default: False)" not in text
+        assert (f"--device-memory-gb DEVICE_MEMORY_GB, --gpu-memory-gb DEVICE_MEMORY_GB device capacity in GiB "
+                f"(an '80GB' GPU is 80 GiB): {consequence} (default: 80, the same in tools/estimate_memory.py and "
+                f"tools/rehearse.py)") in text, name
+        assert parser(name).get_default("device_memory_gb") == 80
+        assert f"{name}.py's own flags (the others are pretrain_gpt.py's)" in text
 
 
 def test_pretrain_help_shows_real_flags_with_their_defaults(pretrain_help):

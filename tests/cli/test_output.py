@@ -19,7 +19,7 @@ def test_diagnostics_go_through_logging_and_the_product_to_stdout(tmp_path, caps
     out, err = capsys.readouterr()
     assert not out and "error: " in err and "not found" in err
     assert [(r.name, r.levelname) for r in caplog.records] == [("megazero.cli.merge_datasets", "ERROR")]
-    assert program("estimate_memory").main("--model-preset 13b --tp 4 --dp 16 --zero-stage 3 --bf16".split()) == 0
+    assert program("estimate_memory").main("--model-preset 13b --tp 4 --world-size 64 --zero-stage 3 --bf16".split()) == 0
     out, err = capsys.readouterr()
     assert "parameters:" in out and not err
 

@@ -148,7 +148,7 @@ def test_convert_from_megatron_reports_files(tmp_path, every_step, capsys):
 
 
 def test_estimate_memory_reports_the_plans_it_tries(every_step, capsys):
-    assert program("estimate_memory").main("--model-preset 13b --tp 1 --dp 8 --device-memory-gb 80".split()) == 1
+    assert program("estimate_memory").main("--model-preset 13b --tp 1 --world-size 8 --device-memory-gb 80".split()) == 1
     err = capsys.readouterr().err
     assert re.search(r"estimated 1/(\d+) alternative plans .*\n(.*\n)*estimated (\1)/\1 alternative plans \(100%\)", err)
     assert "error: the plan needs" in err

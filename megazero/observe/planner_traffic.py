@@ -1,0 +1,178 @@
+"""Bytes one GPU sends per training step, by group: the planner's traffic model.
+
+Ring collectives: an all-gather or reduce-scatter of X bytes sends X (n-1)/n, an all-reduce twice
+that, an all-to-all of X bytes X (n-1)/n (the share addressed to itself stays), a point-to-point send
+its bytes: the volumes tools/rehearse.py counts from the collectives the run issues.
+
+- ``dp`` / ``edp``: ZeRO over the data(-and-context)-parallel group for the dense parameters, over the
+  expert-data-parallel group for the routed experts (same stage formula, their own sizes).
+- ``tp``: Megatron's all-reduces (or SP's all-gather + reduce-scatter) of [s, b, h] per layer.
+- ``cp``: the context-parallel attention exchange of every layer (ring, all-to-all, all-gather or
+  hierarchical), as :mod:`megazero.model.ring_attention` and :mod:`megazero.mpu.cp_exchange` send it.
+- ``ep``: the token dispatcher's all-to-alls of every mixture layer (Megatron-core's alltoall
+  dispatcher, :mod:`megazero.model.moe_dispatch`), for tokens routed evenly over the experts, as the
+  balancing losses aim for (the rehearsal routes them so).
+- ``pp``: given by the pipeline plan.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from megazero.model.config import GPTConfig
+from megazero.model.cp_attention import a2a_elements, a2a_head_split, allgather_elements
+from megazero.model.moe_routing import capacity_of
+from megazero.observe.planner_offload import DTYPE_BYTES
+
+__all__ = ["traffic_bytes_per_step", "zero_bytes", "tp_bytes", "cp_bytes", "cp_bytes_per_layer", "ep_bytes_per_layer",
+           "STATE_GRAD_BYTES"]
+
+# The gradients' bytes by precision when no grad_accum_dtype is given (the engine's default:
+# fp32 main grads under bf16, the weights' dtype otherwise).
+STATE_GRAD_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
+
+
+def zero_bytes(psi: float, *, n: int, zero_stage: int, microbatches: int, precision: str,
+               grad_accum_dtype: Optional[str] = None) -> tuple[float, float]:
+    """(weights all-gathered, gradients reduced) bytes one rank sends per step for its ``psi``
+    parameters partitioned over ``n`` ranks: ZeRO-0 all-reduces the gradients (2 psi), ZeRO-1
+    reduce-scatters them and all-gathers the weights once, ZeRO-2 reduce-scatters each
+    micro-batch's gradients as backward frees them, ZeRO-3 gathers every unit in forward and in
+    backward of each micro-batch ((2 + 1) m psi). Weights in the compute dtype, gradients in the
+    reduction dtype."""
+    if n <= 1 or psi <= 0:
+        return 0.0, 0.0
+    e = DTYPE_BYTES[precision]
+    g = DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else STATE_GRAD_BYTES[precision]
+    m, frac = microbatches, (n - 1) / n
+    gathers, reduces = {0: (0, 2), 1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero_stage]
+    return gathers * psi * e * frac, reduces * psi * g * frac
+
+
+def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers: float, microbatches: int,
+             recompute: Optional[str], own_token_moe_layers: float = 0.0, moe_layers: float = 0.0,
+             sequence_parallel: bool = False) -> float:
+    """Megatron's tensor-parallel exchanges: per layer and micro-batch 2 all-reduces of [tokens, h] in
+    forward and 2 in backward (2 more with full recompute), or the same bytes as SP's all-gather +
+    reduce-scatter; under SP, backward gathers the input of the QKV and dense MLP's first
+    column-parallel linears again (as Megatron, rather than keep it). A mixture layer whose ranks
+    route their own tokens (expert TP other than TP, no shared expert) exchanges only its attention's
+    half. ``tokens``: the whole sequence share of the TP group (s / cp x b)."""
+    if tp <= 1:
+        return 0.0
+    act = DTYPE_BYTES[precision] * tokens * config.hidden_size
+    per_layer = 6 if recompute == "full" else 4
+    units = layers * per_layer - own_token_moe_layers * per_layer / 2
+    if sequence_parallel:  # an all-gather is half an all-reduce's bytes
+        units += 0.5 * (layers + layers - moe_layers)
+    return units * microbatches * 2 * act * (tp - 1) / tp
+
+
+def _ring(tokens: int, kv_heads: int, head_dim: int, ranks: int, e: int, acc: int) -> tuple[float, float]:
+    """(forward, backward) bytes of ring attention (:class:`~megazero.model.ring_attention.RingStats`):
+    the K/V block passed on P - 1 times; backward again, and the dK/dV accumulators once around."""
+    block = 2 * tokens * kv_heads * head_dim
+    return block * (ranks - 1) * e, block * (ranks - 1) * e + block * ranks * acc
+
+
+def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, micro_batch_size: int,
+                       precision: str, recompute: Optional[str], kind: str,
+                       hierarchical_cp: Sequence[int] = ()) -> float:
+    """Bytes one rank sends in one layer's context-parallel exchange per micro-batch, forward and
+    backward (the forward twice under recomputation, which re-runs the core attention). ``seq_length``
+    is the whole sequence; heads and KV groups are the rank's (/ tp)."""
+    if cp <= 1:
+        return 0.0
+    e = DTYPE_BYTES[precision]
+    acc = 4 if precision in ("bf16", "fp16") else DTYPE_BYTES[precision]  # the ring's accumulators
+    heads, groups, d, b = config.num_attention_heads // tp, max(config.query_groups // tp, 1), config.head_dim, \
+        micro_batch_size
+    forwards = 2 if recompute in ("full", "selective") else 1
+    if kind == "p2p":
+        fwd, bwd = _ring(seq_length // cp * b, groups, d, cp, e, acc)
+    elif kind == "a2a":
+        fwd = a2a_elements(seq_length, heads, groups, d, cp, b, "forward") * e
+        bwd = a2a_elements(seq_length, heads, groups, d, cp, b, "backward") * e
+    elif kind == "allgather":
+        fwd = bwd = allgather_elements(seq_length, groups, d, cp, b) * e
+    elif kind == "a2a+p2p":
+        a, r = hierarchical_cp
+        fwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "forward") * e
+        bwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "backward") * e
+        ring_heads = groups // a if a2a_head_split(heads, groups, a) == "split" else heads // a
+        ring_fwd, ring_bwd = _ring(seq_length // r * b, ring_heads, d, r, e, acc)
+        fwd, bwd = fwd + ring_fwd, bwd + ring_bwd
+    else:
+        raise ValueError(f"unknown context-parallel exchange {kind!r}")
+    return forwards * fwd + bwd
+
+
+def cp_bytes(config: GPTConfig, *, kinds: Union[str, Sequence[str]], layers: float, microbatches: int,
+             **kw) -> float:
+    """:func:`cp_bytes_per_layer` over ``layers`` layers of ``microbatches`` micro-batches; per-layer
+    exchanges (``kinds`` a sequence) are averaged over the model's layers."""
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    per_layer = sum(cp_bytes_per_layer(config, kind=k, **kw) for k in kinds) / len(kinds)
+    return per_layer * layers * microbatches
+
+
+def ep_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, ep: int, etp: int, tokens: int, precision: str,
+                       recompute: Optional[str], sequence_parallel: bool) -> float:
+    """Bytes one rank sends in one mixture layer's token all-to-alls per micro-batch: dispatch and
+    combine in forward and their reverse in backward (the forward again under full recompute), each
+    R rows of h (R: the token copies this rank sends, k per token routed; per etp rank of the expert
+    when ranks route their own tokens; each expert's ``slots`` rows when padded to capacity), of
+    which (n-1)/n leave the rank (n: the exchange group, ep x those etp copies). ``tokens``: the
+    rank's tokens of the micro-batch (s / cp x b)."""
+    own = etp != tp
+    copies = etp if own else 1
+    ranks = ep * copies
+    if ranks <= 1:
+        return 0.0
+    c, k = config, config.moe_router_topk
+    sp = sequence_parallel and tp > 1
+    routed = tokens // tp if sp else tokens  # under SP each rank routes its share of the sequence ...
+    here = routed if own else tokens  # ... or the experts take the TP group's gathered tokens
+    if c.moe_expert_capacity_factor is not None and c.moe_pad_expert_input_to_capacity:
+        capacity = capacity_of(tokens * cp, k, c.num_experts, c.moe_expert_capacity_factor, c.moe_min_capacity)
+        rows = c.num_experts * min(capacity, here)
+    else:
+        kept = min(1.0, c.moe_expert_capacity_factor) if c.moe_expert_capacity_factor is not None else 1.0
+        rows = here * k * kept
+    one = rows * copies * c.hidden_size * DTYPE_BYTES[precision] * (ranks - 1) / ranks
+    return one * (6 if recompute == "full" else 4)
+
+
+def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, zero_stage: int, microbatches: int,
+                           micro_batch_size: int, seq_length: int, precision: str, layers: float,
+                           pp_bytes: float = 0.0, recompute: Optional[str] = None,
+                           grad_accum_dtype: Optional[str] = None, psi_experts: float = 0.0, edp: int = 1,
+                           ep: int = 1, etp: Optional[int] = None, moe_layers: float = 0.0, cp: int = 1,
+                           cp_comm_type: Union[str, Sequence[str]] = "p2p", hierarchical_cp: Sequence[int] = (),
+                           sequence_parallel: bool = False) -> dict[str, float]:
+    """Bytes one GPU of a stage of ``layers`` layers (``moe_layers`` of them mixtures) sends per step,
+    by group: ``dp`` over the ``psi`` dense parameters partitioned over ``dp`` ranks (data x context
+    parallel), ``edp`` over the ``psi_experts`` routed-expert parameters over ``edp`` ranks, ``tp``,
+    ``cp``, ``ep`` (the token all-to-alls), ``pp`` (``pp_bytes``) and their ``total``;
+    ``dp_all_gather`` / ``dp_reduce`` (and ``edp_*``) split ZeRO's two directions. ``seq_length`` is
+    the rank's share of the sequence (s / cp), ``microbatches`` per step."""
+    m, b = microbatches, micro_batch_size
+    etp = tp if etp is None else etp
+    zero = dict(zero_stage=zero_stage, microbatches=m, precision=precision, grad_accum_dtype=grad_accum_dtype)
+    dp_gather, dp_reduce = zero_bytes(psi, n=dp, **zero)
+    edp_gather, edp_reduce = zero_bytes(psi_experts, n=edp, **zero)
+    sp = sequence_parallel and tp > 1
+    own_moe = moe_layers if etp != tp and config.moe_shared_expert_intermediate_size is None else 0.0
+    out = {"dp": dp_gather + dp_reduce, "dp_all_gather": dp_gather, "dp_reduce": dp_reduce,
+           "edp": edp_gather + edp_reduce, "edp_all_gather": edp_gather, "edp_reduce": edp_reduce,
+           "tp": tp_bytes(config, tp=tp, tokens=seq_length * b, precision=precision, layers=layers, microbatches=m,
+                          recompute=recompute, own_token_moe_layers=own_moe, moe_layers=moe_layers,
+                          sequence_parallel=sp),
+           "cp": cp_bytes(config, kinds=cp_comm_type, layers=layers, microbatches=m, tp=tp, cp=cp,
+                          seq_length=seq_length * cp, micro_batch_size=b, precision=precision, recompute=recompute,
+                          hierarchical_cp=hierarchical_cp),
+           "ep": moe_layers * m * ep_bytes_per_layer(config, tp=tp, cp=cp, ep=ep, etp=etp, tokens=seq_length * b,
+                                                     precision=precision, recompute=recompute, sequence_parallel=sp),
+           "pp": pp_bytes}
+    out["total"] = sum(out[k] for k in ("dp", "edp", "tp", "cp", "ep", "pp"))
+    return out
