@@ -23,8 +23,8 @@ name with spaces -> '_'), ``loss_scale``, ``grad_norm``, ``skipped_iterations``,
 The log line is short (as torchtitan's) and keeps the keys Megatron users grep (``iteration``,
 ``lm loss``, ``elapsed time per iteration (ms)``, ``tokens/s``, ``TFLOP/s per rank``)::
 
-     iteration  10/100 | lm loss: 5.1234 | lr: 1.000E-04 | grad norm: 1.234 | elapsed time per iteration (ms): 123.4 | tokens/s: 1062188 | TFLOP/s per rank: 412.5 | MFU: 41.7% | peak memory: 30.12 GiB (21%)
-                       | loss scale: 65536.0 | number of skipped iterations:   1 | moe aux loss: 1.2000E-02 | expert load max over mean: 1.86
+     iteration       10/     100 | lm loss: 5.1234 | lr: 1.000E-04 | grad norm: 1.234 | elapsed time per iteration (ms): 123.4 | tokens/s: 1062188 | TFLOP/s per rank: 412.5 | MFU: 41.7% | peak memory: 30.12 GiB (21%)
+                                 | loss scale: 65536.0 | number of skipped iterations:   1 | moe aux loss: 1.2000E-02 | expert load max over mean: 1.86 |
 
 The second line only when it has something to say: the fp16 loss scale, skipped or NaN iterations,
 the batch during a ramp-up, a mixture of experts' statistics, the statistics the logging flags ask for.
@@ -271,7 +271,7 @@ def _tflops(value: float) -> str:
 def format_log_lines(stats: IterationStats) -> list[str]:
     """The training log: one short line (step, loss, lr, grad norm, time, throughput, MFU, memory) and, when
     there is any, a second with the rest (see the module docstring). Fields that are None are left out."""
-    head = f" iteration {stats.iteration:{len(str(stats.train_iters))}d}/{stats.train_iters}"
+    head = f" iteration {stats.iteration:8d}/{stats.train_iters:8d}"  # Megatron's, which scripts parse
     main = [head]
     if "lm loss" in stats.losses:
         main.append(f"lm loss: {stats.losses['lm loss']:.4f}")
