@@ -88,12 +88,12 @@ class _MathKernel:
         return scores
 
     @staticmethod
-    def _kept(probs, dropout, positions, rows, cols):
-        """``probs`` with the tile's dropout mask applied and rescaled (unchanged without dropout)."""
+    def _scale(dropout, positions, rows, cols, like):
+        """The tile's dropout factors M / (1 - p), shaped and typed ``like`` the tile's scores, or None."""
         if dropout is None:
-            return probs
-        keep = dropout.keep(positions[0][rows], positions[1][cols]).view(probs.shape)
-        return probs * keep * (1.0 / (1.0 - dropout.p))
+            return None
+        keep = dropout.keep(positions[0][rows], positions[1][cols]).view(like.shape)
+        return keep.to(like.dtype) * (1.0 / (1.0 - dropout.p))
 
     def forward(self, q, k, v, causal, scale, dropout=None, positions=None, mask=None):
         b, h, n, d = q.shape
@@ -105,7 +105,9 @@ class _MathKernel:
             scores = self._scores(q, k, scale, rows, cols, diagonal, mask, acc)
             t_lse = torch.logsumexp(scores, dim=-1)
             finite = torch.where(torch.isinf(t_lse), torch.zeros_like(t_lse), t_lse)  # rows with no key here
-            probs = self._kept(torch.exp(scores - finite.unsqueeze(-1)), dropout, positions, rows, cols)
+            probs = torch.exp(scores - finite.unsqueeze(-1))
+            factor = self._scale(dropout, positions, rows, cols, probs)
+            probs = probs if factor is None else probs * factor
             o = torch.matmul(probs, vg[:, :, :, cols])
             old = lse[..., rows]
             new = torch.logaddexp(old, t_lse)
@@ -125,10 +127,11 @@ class _MathKernel:
         dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
         for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h)):
             probs = torch.exp(self._scores(q, k, scale, rows, cols, diagonal, mask, acc) - lse[..., rows, :])
-            kept = self._kept(probs, dropout, positions, rows, cols)
+            factor = self._scale(dropout, positions, rows, cols, probs)  # M regenerated, once per tile
+            kept = probs if factor is None else probs * factor
             dv[:, :, cols] += torch.matmul(kept.transpose(-1, -2), do[..., rows, :]).sum(2)
-            dp = self._kept(torch.matmul(do[..., rows, :], vg[:, :, :, cols].transpose(-1, -2)), dropout, positions,
-                            rows, cols)
+            dp = torch.matmul(do[..., rows, :], vg[:, :, :, cols].transpose(-1, -2))
+            dp = dp if factor is None else dp * factor
             ds = probs * (dp - delta[..., rows, :]) * scale
             dq[..., rows, :] += torch.matmul(ds, kg[:, :, :, cols])
             dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2)
