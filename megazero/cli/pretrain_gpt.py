@@ -58,7 +58,8 @@ def _main(argv: list[str] | None, callbacks: Sequence) -> int:
     config = parse_args_or_exit(argv)
     if config.parallel.local_rank is not None:  # `deepspeed` / torch.distributed.launch pass --local_rank=N
         os.environ.setdefault("LOCAL_RANK", str(config.parallel.local_rank))
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the host's cores; a thread count the user chose (OMP_NUM_THREADS) is kept.
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
     with mpu.distributed_run(config.parallel.distributed_backend) as (rank, _):
         if rank == 0:

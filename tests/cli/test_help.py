@@ -88,6 +88,7 @@ CONTEXT = {
     "--sgd-momentum": (["--optimizer", "sgd"], ()),
     "--optimizer-offload-fraction": (["--optimizer-cpu-offload"], ()),
     "--split": (["--data-path", "corpus_text_document"], ("--mock-data",)),  # file data: mock data has no split
+    "--mock-data": (["--tokenizer-type", "NullTokenizer"], ()),  # the shown --split default is refused beside it
 }
 
 

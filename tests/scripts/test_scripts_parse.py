@@ -128,7 +128,7 @@ def test_original_pipeline_sizes_run(name, pp, world):
 def test_original_175b_pipeline_layout_refused_with_the_numbers():
     args = script_args("train_gpt3_175b_distributed")
     args[args.index("--pipeline-model-parallel-size") + 1] = "16"
-    with pytest.raises(ConfigError, match=r"num_layers \(2\) is not divisible by the pipeline size \(16\)"):
+    with pytest.raises(ConfigError, match=r"--num-layers \(2\) is not divisible by the pipeline size \(16\)"):
         parse_args(args, 64, check_files=False)
 
 
