@@ -26,6 +26,14 @@ def start_checkpoint(ns: argparse.Namespace) -> Optional[str]:
     return ns.pretrained_checkpoint
 
 
+def check_pretrained(ns: argparse.Namespace, check_files: bool) -> None:
+    """Refuse a --pretrained-checkpoint without full weights (before anything reads its config)."""
+    if ns.pretrained_checkpoint is not None and check_files and not os.path.exists(
+            os.path.join(ns.pretrained_checkpoint, "model_full.safetensors")):
+        raise ConfigError(f"--pretrained-checkpoint {ns.pretrained_checkpoint} has no model_full.safetensors "
+                          "(make one with tools/convert_from_hf.py or tools/convert_from_megatron.py)")
+
+
 def _iteration(ns: argparse.Namespace, source: str) -> Optional[int]:
     return ns.ckpt_step if source == ns.load else None
 
@@ -174,10 +182,7 @@ def keep_saved_vocab_padding(ns: argparse.Namespace, kw: dict[str, Any], tp: int
 
 def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bool) -> CheckpointConfig:
     """--save, --load, --save-interval, --pretrained-checkpoint and how to load (--finetune, --no-load-*)."""
-    if ns.pretrained_checkpoint is not None and check_files and not os.path.exists(
-            os.path.join(ns.pretrained_checkpoint, "model_full.safetensors")):
-        raise ConfigError(f"--pretrained-checkpoint {ns.pretrained_checkpoint} has no model_full.safetensors "
-                          "(make one with tools/convert_from_hf.py)")
+    check_pretrained(ns, check_files)
     from megazero.training.checkpointing import is_full_checkpoint
 
     pretrained = ns.pretrained_checkpoint
