@@ -325,3 +325,21 @@ def test_every_recipe_is_indexed():
         assert [r for r in recipes if f"recipes/{r}" not in text] == [], index
     docs_index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8").lower()
     assert "context parallelism" in docs_index and "mixture of experts" in docs_index
+
+
+def test_the_plan_docs_memory_md_quotes_is_what_its_command_prints(capsys):
+    """docs/memory.md's tools/estimate_memory.py command, run as written (in-process): the total and the total
+    with the NCCL estimate it prints are the figures the page quotes. (The 13B dry run's figures in
+    docs/memory.md and docs/parallelism.md: tests/training/test_memory.py, which launches the script.)"""
+    from megazero.cli.estimate_memory import main
+
+    doc = ROOT / "docs" / "memory.md"
+    runs = [args for _, command in fenced_commands(doc) for program, args in invocations(command)
+            if program == "estimate_memory"]
+    assert len(runs) == 1, runs
+    assert main(runs[0]) == 0
+    out = capsys.readouterr().out
+    total = re.search(r"^  total +([\d.]+)$", out, re.M).group(1)
+    with_nccl = re.search(r"^  total with NCCL +([\d.]+)$", out, re.M).group(1)
+    prose = " ".join(doc.read_text(encoding="utf-8").split())
+    assert f"{total} GiB per GPU in total, {with_nccl} GiB with the NCCL communicators' estimate" in prose

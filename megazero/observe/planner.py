@@ -388,7 +388,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
             st["traffic"] = traffic_bytes_per_step(
                 config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"],
                 moe_layers=_stage_moe_share(config, r, pp, virtual_pp) * moe_layers(config) / pp,
-                pp_bytes=sends * m_steps * pipeline["boundary_bytes"], **common)
+                pp_bytes=sends * m_steps * pipeline["boundary_bytes"], first_stage=r == 0, last_stage=r == pp - 1,
+                **common)
         traffic = pipeline["stages"][pipeline["worst_stage"]]["traffic"]
     else:
         traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts, moe_layers=moe_layers(config),

@@ -51,13 +51,16 @@ def zero_bytes(psi: float, *, n: int, zero_stage: int, microbatches: int, precis
 
 def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers: float, microbatches: int,
              recompute: Optional[str], own_token_moe_layers: float = 0.0, moe_layers: float = 0.0,
-             sequence_parallel: bool = False) -> float:
+             sequence_parallel: bool = False, embedding: bool = True, head: bool = True) -> float:
     """Megatron's tensor-parallel exchanges: per layer and micro-batch 2 all-reduces of [tokens, h] in
     forward and 2 in backward (2 more with full recompute), or the same bytes as SP's all-gather +
     reduce-scatter; under SP, backward gathers the input of the QKV and dense MLP's first
     column-parallel linears again (as Megatron, rather than keep it). A mixture layer whose ranks
     route their own tokens (expert TP other than TP, no shared expert) exchanges only its attention's
-    half. ``tokens``: the whole sequence share of the TP group (s / cp x b)."""
+    half. Outside the layers, on the stages holding them: the embedding's output reduction (an
+    all-reduce, or SP's reduce-scatter and its backward all-gather), the head's input (its gradient's
+    all-reduce, or SP's all-gather, backward re-gather and reduce-scatter) and the loss's per-token
+    fp32 max, target logit and sum. ``tokens``: the TP group's share of the sequence (s / cp x b)."""
     if tp <= 1:
         return 0.0
     act = DTYPE_BYTES[precision] * tokens * config.hidden_size
@@ -65,7 +68,9 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
     units = layers * per_layer - own_token_moe_layers * per_layer / 2
     if sequence_parallel:  # an all-gather is half an all-reduce's bytes
         units += 0.5 * (layers + layers - moe_layers)
-    return units * microbatches * 2 * act * (tp - 1) / tp
+    units += embedding + head * (1.5 if sequence_parallel else 1.0)
+    loss = 3 * 4 * tokens if head else 0  # all-reduced [tokens] fp32: the max, then the target logit and the sum
+    return microbatches * 2 * (units * act + loss) * (tp - 1) / tp
 
 
 def _ring(tokens: int, kv_heads: int, head_dim: int, ranks: int, e: int, acc: int) -> tuple[float, float]:
@@ -149,13 +154,15 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
                            grad_accum_dtype: Optional[str] = None, psi_experts: float = 0.0, edp: int = 1,
                            ep: int = 1, etp: Optional[int] = None, moe_layers: float = 0.0, cp: int = 1,
                            cp_comm_type: Union[str, Sequence[str]] = "p2p", hierarchical_cp: Sequence[int] = (),
-                           sequence_parallel: bool = False) -> dict[str, float]:
+                           sequence_parallel: bool = False, first_stage: bool = True,
+                           last_stage: bool = True) -> dict[str, float]:
     """Bytes one GPU of a stage of ``layers`` layers (``moe_layers`` of them mixtures) sends per step,
     by group: ``dp`` over the ``psi`` dense parameters partitioned over ``dp`` ranks (data x context
     parallel), ``edp`` over the ``psi_experts`` routed-expert parameters over ``edp`` ranks, ``tp``,
     ``cp``, ``ep`` (the token all-to-alls), ``pp`` (``pp_bytes``) and their ``total``;
     ``dp_all_gather`` / ``dp_reduce`` (and ``edp_*``) split ZeRO's two directions. ``seq_length`` is
-    the rank's share of the sequence (s / cp), ``microbatches`` per step."""
+    the rank's share of the sequence (s / cp), ``microbatches`` per step; ``first_stage`` /
+    ``last_stage``: the stage holds the embedding / the head and the loss."""
     m, b = microbatches, micro_batch_size
     etp = tp if etp is None else etp
     zero = dict(zero_stage=zero_stage, microbatches=m, precision=precision, grad_accum_dtype=grad_accum_dtype)
@@ -167,7 +174,7 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
            "edp": edp_gather + edp_reduce, "edp_all_gather": edp_gather, "edp_reduce": edp_reduce,
            "tp": tp_bytes(config, tp=tp, tokens=seq_length * b, precision=precision, layers=layers, microbatches=m,
                           recompute=recompute, own_token_moe_layers=own_moe, moe_layers=moe_layers,
-                          sequence_parallel=sp),
+                          sequence_parallel=sp, embedding=first_stage, head=last_stage),
            "cp": cp_bytes(config, kinds=cp_comm_type, layers=layers, microbatches=m, tp=tp, cp=cp,
                           seq_length=seq_length * cp, micro_batch_size=b, precision=precision, recompute=recompute,
                           hierarchical_cp=hierarchical_cp),

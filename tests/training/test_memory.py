@@ -155,6 +155,50 @@ def test_13b_script_dry_run_refuses_small_gpu():
     assert r.returncode != 0 and "GiB more than the 8 GiB available" in r.stderr
 
 
+def _dry_run_64(**env_vars: str) -> str:
+    env = {**os.environ, "DRY_RUN": "1", "NNODES": "8", "REHEARSE": "0", **env_vars}
+    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def _gib(text: str, row: str) -> str:
+    return re.search(rf"^  {row} +([\d.]+)$", text, re.M).group(1)
+
+
+def _doc_rows(doc: str, first_cell: str) -> list[list[str]]:
+    """The cells of the markdown table rows of ``doc`` whose first cell starts with ``first_cell``."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in (ROOT / "docs" / doc).read_text(encoding="utf-8").splitlines() if line.startswith("|")]
+    return [r for r in rows if r[0].startswith(first_cell)]
+
+
+def test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote():
+    """NNODES=8 DRY_RUN=1 REHEARSE=0 (64 GPUs): the plan's table and the layouts' comparison total the
+    same for the chosen layout, and docs/parallelism.md's 13B table and docs/memory.md's offload table
+    quote what the dry run prints (each offload row: the variables its first cell names)."""
+    out = _dry_run_64()
+    plan, compare = out[:out.index("layouts compared")], out[out.index("layouts compared"):]
+    cols = {line[:34].strip(): line[34:].split() for line in compare.splitlines() if line.startswith("  ")}
+    assert cols["total memory (GiB)"][0] == _gib(plan, "total")
+    assert cols["total with NCCL (GiB)"][0] == _gib(plan, "total with NCCL")
+    (total,) = _doc_rows("parallelism.md", "total")
+    assert total[1:] == [f"{cols['total memory (GiB)'][0]} GiB", f"{cols['total memory (GiB)'][1]} GiB"]
+    (sent,) = _doc_rows("parallelism.md", "sent per step: total")
+    assert [float(c.split()[0].replace(",", "")) for c in sent[1:]] == [
+        round(float(v)) for v in cols["sent per step (GiB)"]]
+    rows = _doc_rows("memory.md", "`OFFLOAD") + _doc_rows("memory.md", "none")
+    assert len(rows) == 4
+    for first, per_gpu, host, nvme in rows:
+        env = dict(kv.split("=") for kv in first.strip("`").split()) if first != "none" else {}
+        text = _dry_run_64(**env) if env else plan
+        planned = text[:text.index("layouts compared")] if "layouts compared" in text else text
+        assert per_gpu == f"{_gib(planned, 'total')} GiB", first
+        assert host.split(" (")[0] == (f"{_gib(planned, 'host total')} GiB" if "host total" in planned else "—"), first
+        files = sum(float(v) for v in re.findall(r"^  NVMe files, \w+ +([\d.]+)$", planned, re.M))
+        assert nvme == (f"{files:.2f} GiB" if files else "—"), first
+
+
 @pytest.mark.parametrize("layout,ranks", [("tp4pp8z1", "0,28"), ("tp4z3", "0")])
 def test_13b_script_rehearsal_agrees_with_the_plan(layout, ranks):
     """The dry run's rehearsal mode runs tools/rehearse.py on the script's own 13B arguments (8

@@ -281,3 +281,47 @@ def test_a_layer_pattern_with_dense_layers_first_is_planned_per_stage():
         # the rehearsal's unfused RMSNorm keeps an fp32 copy of its input (apex's fused one on a GPU does not)
         assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.20), (r.rank, r.plan, r.peak_bytes)
     assert "ep" in last.nccl_communicators and first.state_bytes < last.state_bytes
+
+
+# A small GPT (4 layers, hidden 512, 8 heads in 4 KV groups, seq 512, bf16; each matrix above ZeRO-3's persistence
+# threshold) at the layouts below: what rank 0 and
+# the last rank send per group is what the plan says (tools/estimate_memory.py's "sent per GPU per step").
+SMALL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--num-query-groups", "4",
+         "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1", "--bf16",
+         "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer", "--attention-backend", "flash",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--swiglu", "--disable-bias-linear"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+TRAFFIC_LAYOUTS = {
+    "ep2 pp2 edp2": (8, MOE + ["--ep", "2", "--pp", "2", "--use-distributed-optimizer", "--global-batch-size", "4"]),
+    "tp2 sp etp1 ep2 zero2": (8, MOE + ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                        "--ep", "2", "--zero-stage", "2", "--global-batch-size", "8"]),
+    "ep4 capacity padded": (4, MOE + ["--ep", "4", "--moe-expert-capacity-factor", "1.0",
+                                      "--moe-pad-expert-input-to-capacity", "--global-batch-size", "4"]),
+    "cp2 p2p tp2 zero3 full": (4, ["--cp", "2", "--tp", "2", "--zero-stage", "3", "--recompute-granularity", "full",
+                                   "--global-batch-size", "2"]),
+    "cp2 a2a selective": (2, ["--cp", "2", "--cp-comm-type", "a2a", "--recompute-granularity", "selective",
+                              "--global-batch-size", "2"]),
+    "cp4 allgather": (4, ["--cp", "4", "--cp-comm-type", "allgather", "--global-batch-size", "1"]),
+    "cp4 a2a+p2p ep2": (4, MOE + ["--cp", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                                  "2", "2", "--ep", "2", "--global-batch-size", "1"]),
+}
+
+
+@pytest.mark.parametrize("layout", TRAFFIC_LAYOUTS)
+def test_the_plan_sends_what_the_rehearsal_sends_per_group(layout):
+    """Per planned group (data, expert data, context parallel, the experts' all-to-all, pipeline; tensor
+    parallel within 10 %: the embedding's and the loss's exchanges are not planned), the bytes the
+    rehearsed ranks send in iteration 2 against the plan of their stage, as tools/rehearse.py prints them."""
+    from megazero.observe.rehearsal import PLAN_GROUPS, sent_by_plan_group
+
+    world, flags = TRAFFIC_LAYOUTS[layout]
+    config, _ = rehearsal_config(SMALL + flags, world)
+    for rank in (0, world - 1):
+        r = rehearse_rank(config, rank)
+        sent = sent_by_plan_group(r)
+        for key in PLAN_GROUPS:
+            planned = r.plan[f"sent_{key}"]
+            assert sent[key] == pytest.approx(planned, rel=0.10 if key == "tp" else 0.02), (rank, key, sent, r.plan)
+    p = config.parallel
+    used = {"ep": p.ep > 1, "edp": p.ep > 1 and p.dp * p.cp * p.tp > p.ep * p.etp, "cp": p.cp > 1}
+    assert {key for key, on in used.items() if on} == {key for key in used if sent[key] > 0}, sent
