@@ -153,12 +153,15 @@ _TRAFFIC_ROWS = (("dp", "sent, data parallel (GiB)"), ("edp", "sent, expert data
 
 def compare(words: Sequence[str], layouts: Sequence[str], world_size: Optional[int]) -> str:
     """A table of several layouts (memory per GPU by kind, bubble, bytes sent per GPU per step), each
-    ``name:FLAGS`` (pretrain_gpt.py's flags, after ``words``: later flags win)."""
+    ``name:FLAGS`` (pretrain_gpt.py's flags, after ``words``: later flags win; and its own --world-size)."""
     rows = []
     with Progress("estimated", total=len(layouts), unit="layouts", logger=log) as progress:
         for item in layouts:
             name, _, flags = item.partition(":")
-            cfg = _config(list(words) + shlex.split(flags), world_size)
+            own, layout = split_own(shlex.split(flags), _add_own)  # a layout may name its own --world-size
+            if own.compare or any(w.split("=")[0] in ("--device-memory-gb", "--gpu-memory-gb") for w in flags.split()):
+                raise ConfigError(f"--compare {item!r}: a layout takes pretrain_gpt.py's flags and --world-size only")
+            cfg = _config(list(words) + layout, own.world_size or world_size)
             rows.append((name, estimate_memory(cfg.model, **plan_of(cfg))))
             progress.update()
     kinds = [("weights", lambda e: e.params), ("gradients", lambda e: e.grads),

@@ -56,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(this tool's flags, pretrain_gpt.py's: the other words before an optional ``--`` and all after it)."""
+    """(this tool's flags, pretrain_gpt.py's): the two sets share no name, so each word is told by its
+    flag wherever it stands; a ``--`` between them is optional."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    own, rest = split_own(argv[:cut], _add_own)
-    return own, rest + argv[cut + 1:]
+    return split_own(argv[:cut] + argv[cut + 1:], _add_own)
 
 
 def _run(config, ranks: list[int], verbose: bool):

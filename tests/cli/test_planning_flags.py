@@ -127,7 +127,7 @@ def test_rehearse_takes_pretrain_gpts_flags_with_or_without_a_separator():
     from megazero.cli.rehearse import _split
 
     own, train = _split(["--world-size", "8", "--tp", "2", "--ranks", "0,7", "--", "--pp", "2", "--json", "x"])
-    assert (own.world_size, own.ranks, own.json) == (8, "0,7", None)
-    assert train == ["--tp", "2", "--pp", "2", "--json", "x"]  # after '--' every word is pretrain_gpt.py's
+    assert (own.world_size, own.ranks, own.json) == (8, "0,7", "x")  # told by its name, even after '--'
+    assert train == ["--tp", "2", "--pp", "2"]
     own, train = _split(["--tp", "2", "--world-size", "8", "--micro-batches", "2", "--bf16"])
     assert (own.world_size, own.micro_batches, train) == (8, 2, ["--tp", "2", "--bf16"])
