@@ -1,6 +1,6 @@
 """A Hugging Face model through megazero's tools and back, with no shape or tokenizer flags anywhere:
-tools/convert_from_hf.py (the weights, the config and the tokenizer), tools/generate.py --load (the
-greedy tokens of transformers' own generate), pretrain_gpt.py fine-tuning from it (1 process, tp 2 (ep 2
+tools/convert_from_hf.py (the weights, the config and the tokenizer), tools/generate.py --load at tp 1
+and 2 (the greedy tokens of transformers' own generate), pretrain_gpt.py fine-tuning from it (1 process, tp 2 (ep 2
 for the mixture) and pp 2: the same losses), tools/convert_to_hf.py (the original weights bit for bit, the tokenizer with
 them; the fine-tuned model generating as megazero does). The model is a random GPT-2, Llama or Mixtral
 built with transformers and a word-level tokenizer built with ``tokenizers``: nothing is downloaded."""
@@ -90,7 +90,12 @@ def test_hf_model_converts_generates_finetunes_and_exports_back(kind, tmp_path, 
 
     prompt = " ".join(map(word, PROMPT_IDS))
     expected = hf_greedy(hf, PROMPT_IDS, NEW)
-    assert_same_greedy(generated_ids(capsys, ["--load", str(mz), "--prompt", prompt]), expected)
+    ours = generated_ids(capsys, ["--load", str(mz), "--prompt", prompt])
+    assert_same_greedy(ours, expected)
+    at_tp2 = in_pool(2, ["--load", mz, "--tp", "2", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", NEW],
+                     script="tools/generate.py")  # each rank reads its shard of the full weights
+    assert at_tp2.returncode == 0, at_tp2.stderr[-3000:]
+    assert at_tp2.stdout.split() == list(map(word, ours))
 
     # fine-tuning: the shape and the tokenizer from the checkpoint, at three layouts
     one = losses(1, ["--pretrained-checkpoint", str(mz), "--save", str(tmp_path / "ft"), "--save-interval", "3"],
