@@ -219,8 +219,11 @@ MIXTRAL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads
 
 def test_a_mixtral_8x7b_launch_on_64_ranks_is_rehearsed_against_the_formula():
     """tp 1, pp 4, ep 8 (expert data parallel 2), bf16, the distributed optimizer: each rank holds a
-    quarter of the layers and one expert of each; its state is the planner's and the formula's."""
+    quarter of the layers and one expert of each; its state is the planner's and the formula's, and
+    what it sends per group (the experts' all-to-all, expert data parallel, data parallel, pipeline)
+    is what the plan says."""
     from megazero.model.flops import active_parameters, expert_parameters, num_parameters
+    from megazero.observe.rehearsal import sent_by_plan_group
 
     config, _ = rehearsal_config(MIXTRAL + ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8",
                                             "--use-distributed-optimizer"], 64)
@@ -233,6 +236,11 @@ def test_a_mixtral_8x7b_launch_on_64_ranks_is_rehearsed_against_the_formula():
         assert r.plan["state_bytes"] == pytest.approx(r.state_bytes, rel=0.01), (rank, r.plan, r.state_bytes)
         assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.10), (rank, r.plan, r.peak_bytes)
         assert {"ep", "edp"} <= set(r.nccl_communicators)
+        sent = sent_by_plan_group(r)
+        for key in ("ep", "edp", "dp", "pp"):
+            assert sent[key] == pytest.approx(r.plan[f"sent_{key}"], rel=0.02), (rank, key, sent, r.plan)
+        # 4 all-to-alls of 4096 tokens x 2 copies x h bf16 (7/8 leave) x 8 layers x 4 micro-batches: 7 GiB
+        assert sent["ep"] == pytest.approx(4 * 8 * 4 * (4096 * 2 * 4096 * 2) * 7 / 8, rel=1e-6)
         # ZeRO-1 over expert data parallel 2: bf16 weights and gradients (2 + 2 bytes) of the rank's
         # experts, and their fp32 master and Adam moments (12 bytes) halved.
         x = experts / (8 * 4)
