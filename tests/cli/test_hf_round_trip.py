@@ -220,3 +220,31 @@ def test_a_tokenizer_larger_than_the_model_is_not_carried(tmp_path, capsys):
                                  "--override", "make_vocab_size_divisible_by=32"]) == 1
     assert "has 200 tokens, more than the model's 96 embedding rows" in capsys.readouterr().err
     assert not (tmp_path / "mz" / "tokenizer").exists()
+
+
+def test_a_megatron_import_generates_and_trains_from_the_args_it_saved(tmp_path, capsys):
+    """tools/convert_from_megatron.py writes the same full checkpoint: its config.json comes from the Megatron
+    run's args, so generate.py and pretrain_gpt.py read the model from it too."""
+    from megazero.cli import convert_from_megatron
+    from tests.model import test_megatron_import as megatron
+
+    args = megatron._args("llama", 2, 2)
+    full, groups = megatron._full_megatron_weights(args)
+    (tmp_path / "megatron").mkdir()
+    megatron.write_megatron_lm(tmp_path / "megatron", args, full, groups)
+    mz = tmp_path / "mz"
+    assert convert_from_megatron.main(["--input", str(tmp_path / "megatron"), "--output", str(mz)]) == 0
+    expected = [3, 1, 4]
+    for _ in range(megatron.SEQ - len(expected)):  # Megatron's own forward, greedily
+        logits = megatron.reference_logits(args, full, groups, torch.tensor([expected]))
+        expected.append(int(logits[0, -1].argmax()))
+    capsys.readouterr()
+    assert generate.main(["--load", str(mz), "--prompt", "3 1 4", "--temperature", "0",
+                          "--max-new-tokens", str(megatron.SEQ - 3)]) == 0
+    ours = [int(w) for w in capsys.readouterr().out.split()]
+    eod = megatron.VOCAB - 1  # NullTokenizer over the model's vocabulary
+    assert ours == expected[:len(ours)] and (len(ours) == len(expected) or ours[-1] == eod), (ours, expected)
+    m = parse_args(FINETUNE + ["--pretrained-checkpoint", str(mz)], 1).model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn_size, m.activation) == (
+        args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups, args.ffn_hidden_size,
+        "swiglu")
