@@ -156,9 +156,19 @@ class _RingAttention(torch.autograd.Function):
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
+def _on_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """``host`` index tensors on ``device`` in one copy, pinned on CUDA so that it does not wait for the GPU."""
+    flat = torch.cat(host)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory()
+    return list(flat.to(device, non_blocking=True).split([t.numel() for t in host]))
+
+
 def _positions(layouts: tuple[CPLayout, ...], device) -> list[list[torch.Tensor]]:
     """Per layout, every rank's token positions (storage order) on ``device``: the dropout masks' keys."""
-    return [[layout.positions(r).to(device) for r in range(layout.cp_size)] for layout in layouts]
+    p = layouts[0].cp_size
+    flat = _on_device([layout.positions(r) for layout in layouts for r in range(p)], device)
+    return [flat[i * p:(i + 1) * p] for i in range(len(layouts))]
 
 
 def _keyed(ctx, i: int, bs: slice, rank: int, src: int, blk: Block) -> dict:
@@ -248,8 +258,8 @@ def _extras(ctx, blk: Block) -> dict:
     return extras
 
 
-def _run_positions(runs: Sequence[Run], device) -> torch.Tensor:
-    return torch.cat([torch.arange(start, start + n) for _, start, n in runs]).to(device)
+def _run_positions(runs: Sequence[Run]) -> torch.Tensor:
+    return torch.cat([torch.arange(start, start + n) for _, start, n in runs])
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run],
@@ -260,7 +270,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: S
     ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or scores. ``dropout``: keyed
     attention dropout (the math kernel, masks from the runs' positions). Returns ``[n, b, heads * d]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
-    positions = (_run_positions(q_runs, q.device), _run_positions(k_runs, q.device)) if dropout is not None else None
+    positions = (tuple(_on_device([_run_positions(q_runs), _run_positions(k_runs)], q.device))
+                 if dropout is not None else None)
     return _BlockAttention.apply(q, k, v, tuple(plan_blocks(tuple(q_runs), tuple(k_runs))), scale,
                                  _kernel(kernel, q, dropout), positions, dropout, None)
 
