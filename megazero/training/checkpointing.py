@@ -378,10 +378,10 @@ def saved_model_config(load: str, iteration: Optional[int] = None) -> tuple[str,
     if is_full_checkpoint(load, iteration):
         path = os.path.join(load, "config.json")
         model = _read_json(path)
-    else:
-        directory = resolve_checkpoint_dir(load, iteration)
-        path = os.path.join(directory, "config.json")
-        model = _read_json(_verified(directory, read_manifest(directory), "config.json")).get("model")
+    else:  # read before any process starts; the load verifies every file against the manifest
+        path = os.path.join(resolve_checkpoint_dir(load, iteration), "config.json")
+        saved = _read_json(path)
+        model = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(model, dict):
         raise CheckpointError(f"{path} holds no model configuration")
     return path, model
