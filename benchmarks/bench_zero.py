@@ -42,7 +42,9 @@ commit's: the commit is checked out into a temporary git worktree, and each run 
 from one of the two trees through this same harness (``zero_baselines.py``). The two alternate
 within every repeat (A B, then B A), and the table gives each tree's medians, the ratio of every
 repeat's pair and the kernels/rest split, so that a change of the engine's own cost shows in one
-command. It runs ``megazero tp2`` unless ``--configs`` names megazero configurations, 20 timed
+command. Two columns do not depend on the machine's load: the tensor operations a rank dispatches
+in a step and the Python bytecodes it executes (one more step each, counted by the worker), so a
+change of the step's work shows even where the timings are noisy. It runs ``megazero tp2`` unless ``--configs`` names megazero configurations, 20 timed
 steps per run and 4 repeats unless told otherwise, and exits 0 (a measurement, not a test).
 
 The header gives this CPU's single-thread GEMM rate in fp32 and bf16 at the model's shape: where
@@ -57,6 +59,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -133,7 +136,8 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int, tree: Path |
     system, tp = CONFIGS[name]
     out = workdir / f"run{index}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
-           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--json", str(out), "--compute-split"]
+           str(WORKER), "--system", system, "--tp", str(tp), "--dtype", dtype, "--json", str(out), "--compute-split",
+           "--count-work"]
     for flag in SHAPE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
@@ -177,6 +181,9 @@ def run_one(name: str, dtype: str, args, workdir: Path, index: int, tree: Path |
     cpu_step = statistics.mean(r["timed_cpu_s"] for r in ranks) / args.steps
     kernels = statistics.mean(r["compute_s"]["matmul"] + r["compute_s"]["attention"] for r in ranks)
     res.update(cpu_ms=1e3 * cpu_step, kernel_ms=1e3 * kernels, rest_ms=1e3 * (cpu_step - kernels))
+    # the step's work, independent of the machine's load: tensor operations and Python bytecodes per rank
+    res.update(ops=statistics.mean(r["compute_s"]["ops"] for r in ranks),
+               opcodes=statistics.mean(r["python_opcodes"] for r in ranks))
     print(f"  {name:14s} {dtype}: {res['tokens_per_s']:8.0f} tokens/s {res['tokens_per_cpu_s']:6.0f} tokens/CPU-s"
           f"  state {res['model_state_bytes'] / 2**20:6.1f} MiB  RSS {res['peak_rss_bytes'] / 2**20:6.0f} MiB"
           f"  CPU/rank-step {res['cpu_ms']:.0f} ms = kernels {res['kernel_ms']:.0f} + rest {res['rest_ms']:.0f}"
@@ -251,6 +258,7 @@ def _git(*argv: str) -> str:
 def commit_tree(commit: str, parent: Path):
     """A detached git worktree of ``commit`` under ``parent``, removed on exit."""
     path = parent / "against"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still removes its worktree
     _git("worktree", "add", "--detach", str(path), commit)
     try:
         yield path
@@ -266,9 +274,10 @@ def this_checkout() -> str:
 
 def against_table(results: list[dict], configs: list[str], dtypes: list[str], labels: list[str]) -> str:
     """Each tree's medians, then this checkout over the commit: the medians' ratio and every repeat's."""
-    keys = ("tokens_per_s", "tokens_per_cpu_s", "kernel_ms", "rest_ms")
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "kernel_ms", "rest_ms", "ops", "opcodes")
     lines = ["| configuration | dtype | megazero | tokens/s | tokens/CPU-s | kernels CPU-ms/rank-step "
-             "| rest CPU-ms/rank-step | runs |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "| rest CPU-ms/rank-step | tensor ops/rank-step | Python bytecodes/rank-step | runs |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for dtype in dtypes:
         for name in configs:
@@ -277,7 +286,7 @@ def against_table(results: list[dict], configs: list[str], dtypes: list[str], la
             meds = {lab: {k: statistics.median(r[k] for r in ok[lab]) for k in keys} for lab in labels if ok[lab]}
             for lab in labels:
                 m = meds.get(lab)
-                cells = " | ".join(f"{m[k]:.0f}" for k in keys) if m else "failed | | |"
+                cells = " | ".join(f"{m[k]:.0f}" for k in keys) if m else "failed | | | | |"
                 lines.append(f"| {name} | {dtype} | {lab} | {cells} | {len(ok[lab])} |")
             if len(meds) == 2:
                 base, this = (meds[lab] for lab in labels)

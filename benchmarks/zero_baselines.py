@@ -83,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compute-split", action="store_true",
                    help="after the timed steps, one more step under ComputeTimer: the CPU time of the model's "
                         "own matmuls and attention kernels, which every arrangement runs alike")
+    p.add_argument("--count-work", action="store_true",
+                   help="after the timed steps, one more step with each rank's Python bytecodes counted "
+                        "(sys.settrace); with --compute-split, its step also counts every tensor operation: "
+                        "measures of the step's work that do not depend on the machine's load")
     p.add_argument("--json", "--out", dest="json", required=True, help="rank 0 writes the results here")
     return p.parse_args(argv)
 
@@ -323,8 +327,10 @@ class ComputeTimer(TorchDispatchMode):
         super().__init__()
         self.seconds = {"matmul": 0.0, "attention": 0.0}
         self.calls = 0
+        self.ops = 0  # every operation dispatched, kernels or not
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
         name = func._overloadpacket.__name__
         kind = ("matmul" if name in self.MATMUL else
                 "attention" if "scaled_dot_product" in name else None)
@@ -335,6 +341,30 @@ class ComputeTimer(TorchDispatchMode):
         self.seconds[kind] += time.thread_time() - t0
         self.calls += 1
         return out
+
+
+def count_opcodes(fn, *args) -> int:
+    """Python bytecodes this thread executes in ``fn(*args)`` (autograd's hooks included: on CPU,
+    backward runs them on the calling thread). The same code path gives the same count on any
+    machine and under any load, which timings do not."""
+    count = 0
+
+    def opcode(frame, event, arg):
+        nonlocal count
+        if event == "opcode":
+            count += 1
+        return opcode
+
+    def call(frame, event, arg):
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return opcode
+
+    sys.settrace(call)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return count
 
 
 def main(argv=None) -> int:
@@ -384,7 +414,12 @@ def main(argv=None) -> int:
         timer = ComputeTimer()
         with timer:
             step(tokens)
-        compute = {**timer.seconds, "kernel_calls": timer.calls}
+        compute = {**timer.seconds, "kernel_calls": timer.calls, "ops": timer.ops}
+        dist.barrier()
+    opcodes = None
+    if args.count_work:  # apart from the timed steps: tracing slows every line of Python
+        tokens = batch(args.warmup + args.steps + 2, dp * rows, args)[dp_rank * rows:(dp_rank + 1) * rows]
+        opcodes = count_opcodes(step, tokens)
         dist.barrier()
     timed = sum(times[args.warmup:])
     tokens_per_step = dp * rows * args.seq_length
@@ -400,6 +435,7 @@ def main(argv=None) -> int:
         "step_rss_rise_bytes": rss_rise,
         "breakdown": breakdown,
         "compute_s": compute,
+        "python_opcodes": opcodes,
         "loss": losses,
         "dp": dp,
         "tp": dist.get_world_size() // dp,
