@@ -177,16 +177,18 @@ class MemoryEstimate:
         if pl:
             lines.append(f"pipeline: pp {p.get('pp')} x v {pl['v']}, {pl['microbatches']} micro-batches per step, "
                          f"bubble (pp-1)/(v m) = {pl['bubble']:.3f}; p2p sent per GPU per step "
-                         f"{pl['p2p_bytes_per_step'] / GiB:.2f} GiB; largest stage: {pl['worst_stage']}")
+                         f"{pl['p2p_bytes_per_step'] / GiB:.2f} GiB (a middle stage; the end stages send one "
+                         f"direction of their end chunk less); largest stage: {pl['worst_stage']}")
             for st in pl["stages"]:
                 lines.append(f"  stage {st['stage']}: {st['layers']} layers{st['ends']}, "
                              f"{st['params']:,.0f} params/GPU, {st['in_flight']} micro-batch(es) in flight, "
-                             f"{st['total'] / GiB:.2f} GiB")
+                             f"{st['total'] / GiB:.2f} GiB, sends {st['traffic']['total'] / GiB:.2f} GiB per step")
         t = self.traffic
         if t:
             sent = [f"{label} {t[key] / GiB:.2f} GiB" for key, label in TRAFFIC_LABELS
                     if key in ("dp", "tp", "pp") or t.get(key)]
-            lines.append(f"sent per GPU per step: {', '.join(sent)} (total {t['total'] / GiB:.2f} GiB)")
+            lines.append(f"sent per GPU per step{' (the largest stage)' if pl else ''}: {', '.join(sent)} "
+                         f"(total {t['total'] / GiB:.2f} GiB)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         lines.append("  " + nccl_line(self.nccl_communicators, self.nccl_note))
