@@ -54,6 +54,8 @@ def test_the_training_only_flags_change_nothing_of_the_plan(capsys):
     assert _plan(bare) == _plan(full)
     assert "lr:" not in bare and "lr: 0.0001" in full  # no placeholder shown as the run's
     assert "planning without --lr, --train-iters, --data-path" in bare
+    code, split, _ = _estimate(capsys, ["--world-size", "64", *PLAN, "--split", "949,50,1"])  # of no data: no matter
+    assert code == 0 and _plan(split) == _plan(bare)
     cfg = parse_args(PLAN + TRAINING, 64, check_files=False)
     assert _plan(full).strip() == _plan(estimate_memory_for(cfg).to_text(80.0)).strip()
 

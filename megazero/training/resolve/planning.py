@@ -37,7 +37,8 @@ def fill_for_planning(ns: argparse.Namespace) -> list[str]:
             filled.append("--train-iters")
     data_given = ns.data_path or ns.train_data_path or ns.valid_data_path or ns.test_data_path
     if not data_given and not ns.mock_data:
-        ns.mock_data = True
+        # synthetic tokens; a split or cache directory of no data set says nothing to a plan
+        ns.mock_data, ns.split, ns.data_cache_path = True, None, None
         filled.append("--data-path (synthetic tokens)")
     notes = [f"{PLANNING_NOTE} {', '.join(filled)}: placeholders (no planned figure depends on them)"] \
         if filled else []
