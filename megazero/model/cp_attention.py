@@ -161,14 +161,16 @@ def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opti
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
                   group: Optional[dist.ProcessGroup], *, backend: str = "auto",
                   attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
-                  dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+                  dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Ulysses attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
 
     Bit-identical to ``core_attention`` of the whole sequence in one process (same backend), for the
     output and the gradients: each rank runs exactly that computation for heads/P of the heads.
     ``heads`` must divide by P, and KV groups divide by P or P by the groups (``a2a_head_split``).
     ``dropout``: keyed attention dropout of this rank's heads (``dropout.heads`` before the split; rank
-    j keeps heads/P of them, as the exchange does), the whole sequence's masks.
+    j keeps heads/P of them, as the exchange does), the whole sequence's masks. ``dropout_p``: the
+    backend's own masks instead (``core_attention``'s, from the model-parallel stream), which depend on
+    the layout.
     """
     _check(q, k, v, shard, attention_mask)
     cp, heads, d = group_size(group), q.size(2), q.size(3)
@@ -176,7 +178,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
     reorder = not shard.is_identity
     if reorder:  # rank-major -> global order, so that causality and document masks read true positions
         q_h, k_h, v_h = (t.index_select(0, shard.order) for t in (q_h, k_h, v_h))
-    out = core_attention(q_h, k_h, v_h, backend=backend, attention_mask=attention_mask,
+    out = core_attention(q_h, k_h, v_h, backend=backend, attention_mask=attention_mask, dropout_p=dropout_p,
                          dropout=a2a_dropout(dropout, group))
     total, b = out.size(0), out.size(1)
     out = out.view(total, b, heads // cp, d)

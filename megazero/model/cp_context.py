@@ -109,17 +109,21 @@ class ContextParallel:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
                                layer: int = 0, backend: str = "auto", attention_mask: Optional[torch.Tensor] = None,
-                               dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+                               dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """``core_attention`` of this rank's queries over the whole sequence, by the exchange of ``layer``.
     The ring (and the ring of ``a2a+p2p``) takes packed documents from its layouts, not from a mask, and
     its block kernel from ``ring_kernels`` (the explicit formula when ``backend`` is 'math').
     ``dropout``: attention dropout keyed by position (``dropout.heads``: this rank's global heads), the
     masks of the whole sequence whichever exchange runs; every exchange then computes by the explicit
-    formula's tiles."""
+    formula's tiles. ``dropout_p``: the fused kernel's own masks, where the exchange runs one (``a2a``);
+    the other exchanges take keyed dropout only."""
     kind = cp.comm_type_of(layer)
     if kind == "a2a":
         return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
-                             counter=cp.counter, dropout=dropout)
+                             counter=cp.counter, dropout=dropout, dropout_p=dropout_p)
+    if dropout_p > 0:
+        raise ValueError(f"the {kind} exchange applies attention dropout keyed by position (dropout), not a "
+                         "kernel's own masks (dropout_p)")
     if kind == "allgather":
         return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
                                    counter=cp.counter, layout=cp.layout, dropout=dropout)

@@ -137,7 +137,8 @@ class SelfAttention(torch.nn.Module):
         keyed = self._keyed_dropout(p, q, key, cp)
         if cp is not None:
             return context_parallel_attention(q, k, v, cp, layer=self.number, backend=self.config.attention_backend,
-                                              attention_mask=attention_mask, dropout=keyed)
+                                              attention_mask=attention_mask, dropout=keyed,
+                                              dropout_p=0.0 if keyed else p)
         return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=0.0 if keyed else p,
                               attention_mask=attention_mask, dropout=keyed)
 
@@ -146,8 +147,9 @@ class SelfAttention(torch.nn.Module):
         """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position: by the
         samples' keys (``key``, --dropout-rng position: the same masks at every layout) or, under context
         parallelism without them, by keys drawn from the model-parallel stream (masks that depend on the
-        layout, as the fused kernels' do). None: the backend draws its own masks, or there is no dropout."""
-        if p == 0.0 or (key is None and cp is None):
+        layout, as the fused kernels' do). None: the backend draws its own masks (one process, and the
+        all-to-all exchange, which runs it on the whole sequence), or there is no dropout."""
+        if p == 0.0 or (key is None and (cp is None or cp.comm_type_of(self.number) == "a2a")):
             return None
         if key is not None:
             samples = key.samples

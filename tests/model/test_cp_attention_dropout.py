@@ -156,3 +156,23 @@ def _exchange(kind: str):
                                         ("allgather+documents", 2), ("balanced", 2), ("a2a+p2p", 4)])
 def test_every_exchange_with_keyed_dropout_equals_one_process(kind, world):
     assert max(run_distributed(world, _exchange, kind)) < 1e-12
+
+
+def _a2a_kernel_masks():
+    from megazero.mpu.random import model_parallel_manual_seed
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, go = _inputs()
+    layout = zigzag_layout(S, cp)
+    local = [split_for_rank(t.detach(), rank, cp, layout=layout) for t in (q, k, v)]
+    shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(cp)], rank)
+    outs = []
+    for p in (0.0, P, P):
+        model_parallel_manual_seed(3, tp_rank=0)
+        outs.append(a2a_attention(*local, shard, None, backend="sdpa", dropout_p=p))
+    return not torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+def test_a2a_takes_the_kernels_own_masks_from_the_model_parallel_stream():
+    # --dropout-rng stream: Ulysses runs the fused kernel on the whole sequence, which draws its masks
+    assert run_distributed(2, _a2a_kernel_masks) == [True, True]
