@@ -38,7 +38,7 @@ from megazero.training.config import (  # noqa: F401  (the config classes are re
     TrainConfig,
     rampup_global_batch_size,
 )
-from megazero.training.errors import with_flags
+from megazero.training.flag_names import with_flags
 from megazero.training.flags import HELP_EPILOG, add_to_parser, refusals
 from megazero.training.output import console, write_error_file
 from megazero.training.resolve.common import default
@@ -53,7 +53,7 @@ from megazero.training.resolve.planning import PLANNING_NOTE, fill_for_planning
 from megazero.training.resolve.parallel import (check_local_rank, pipeline_plan_line, resolve_context_parallel,
                                                 resolve_parallel, resolve_pipeline)
 from megazero.training.resolve.precision import resolve_precision
-from megazero.training.resolve.resume import resolve_checkpoint
+from megazero.training.resolve.resume import check_pretrained, checkpoint_tokenizer_flags, resolve_checkpoint
 from megazero.training.resolve.schedule import resolve_schedule
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe",
@@ -148,6 +148,8 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     parallel.local_rank = ns.local_rank
     precision = resolve_precision(ns, ds, ns.deepspeed_config, notes)
     optim = resolve_optim(ns, ds)
+    check_pretrained(ns, check_files)  # before anything reads the checkpoint's config
+    checkpoint_tokenizer_flags(ns, notes)  # from a checkpoint, no tokenizer flags: the tokenizer it recorded
     data = resolve_data(ns, check_files)
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     schedule = resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
@@ -155,7 +157,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     resolve_context_parallel(parallel, model)
     checkpoint = resolve_checkpoint(ns, notes, check_files)
     logging_cfg = resolve_logging(ns, ds, notes, check_files)
-    generate = GenerateConfig(prompt=ns.generate_prompt, tokens=default(ns.generate_tokens, 32))
+    generate = GenerateConfig(prompt=ns.generate_prompt, tokens=default(ns.generate_tokens, GenerateConfig.tokens))
     if generate.tokens < 0:
         raise ConfigError(f"--generate-tokens must be >= 0, got {generate.tokens}")
     if generate.prompt is not None and parallel.pp > 1:
