@@ -4,9 +4,10 @@
 import os
 import signal
 
+import pytest
 import torch
 
-from megazero.training.config import rampup_global_batch_size
+from megazero.training.config import ConfigError, rampup_global_batch_size
 from megazero.training.loop import Callback
 from tests.distributed import run_distributed
 from tests.training.test_e2e import argv
@@ -132,14 +133,18 @@ def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):
     resumed, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, **common), 2)[0]
     fresh_rng, *_ = run_distributed(2, _pretrain, argv(dataset, "--load", save, "--no-load-rng", **common), 2)[0]
     assert fresh_rng[3] != resumed[3]  # other dropout masks: the saved RNG streams were not loaded
-    # --use-checkpoint-args (Megatron's semantics): the checkpoint's architecture is forced, its shapes
-    # fill what the command line leaves unset
-    args = argv(dataset, "--load", save, "--use-checkpoint-args", "--swiglu", "--normalization", "rmsnorm",
-                tp=1, stage=1)
+    # --use-checkpoint-args: the checkpoint's shape and architecture are used; a model flag that agrees
+    # with it is accepted, one that disagrees refused with both values
+    args = argv(dataset, "--load", save, "--use-checkpoint-args", "--normalization", "layernorm", tp=1, stage=1)
     for flag in ("--num-layers", "--hidden-size"):
         i = args.index(flag)
         del args[i:i + 2]
     m = parse_args(args, 2).model
     assert (m.num_layers, m.hidden_size, m.activation, m.normalization) == (2, 32, "gelu", "layernorm")
+    with pytest.raises(ConfigError, match="--swiglu disagrees with the checkpoint"):
+        parse_args(args + ["--swiglu"], 2)
+    heads = args[args.index("--num-attention-heads") + 1]
     args[args.index("--num-attention-heads") + 1] = "8"
-    assert parse_args(args, 2).model.num_attention_heads == 8  # given on the command line: it wins
+    with pytest.raises(ConfigError, match=f"--num-attention-heads 8 disagrees with the checkpoint's "
+                                          f"(num_attention_heads=|--num-attention-heads ){heads}"):
+        parse_args(args, 2)

@@ -12,8 +12,7 @@ from megazero.model.config import PRESETS, GPTConfig
 from megazero.training.config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
 from megazero.training.resolve.common import default
 from megazero.training.resolve.resume import (CHECKPOINT_FILL_FIELDS, CHECKPOINT_MODEL_FIELDS, checkpoint_args_source,
-                                              check_pretrained, checkpoint_model, checkpoint_model_kwargs,
-                                              checkpoint_tokenizer_flags, keep_saved_vocab_padding)
+                                              checkpoint_model, checkpoint_model_kwargs, keep_saved_vocab_padding)
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE (50,000 merges + 256 bytes + <|endoftext|>)
 
@@ -124,11 +123,6 @@ def _from_checkpoint(ns: argparse.Namespace, data: DataConfig, check_files: bool
     """``(where, the saved model fields)`` when the model comes from a checkpoint (--use-checkpoint-args, or no
     model shape flags with --load/--pretrained-checkpoint); ``("", {})`` otherwise. Mock data without a
     tokenizer takes the checkpoint's recorded one."""
-    check_pretrained(ns, check_files)
-    if data.tokenizer_type is None and checkpoint_tokenizer_flags(ns, notes):
-        data.tokenizer_type, data.tokenizer_model = ns.tokenizer_type, ns.tokenizer_model
-        data.vocab_file, data.merge_file, data.vocab_size = ns.vocab_file, ns.merge_file, ns.vocab_size
-        data.vocab_extra_ids = ns.vocab_extra_ids or 0
     source = checkpoint_args_source(ns, check_files)
     if source is None:
         return "", {}

@@ -182,7 +182,6 @@ def keep_saved_vocab_padding(ns: argparse.Namespace, kw: dict[str, Any], tp: int
 
 def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bool) -> CheckpointConfig:
     """--save, --load, --save-interval, --pretrained-checkpoint and how to load (--finetune, --no-load-*)."""
-    check_pretrained(ns, check_files)
     from megazero.training.checkpointing import is_full_checkpoint
 
     pretrained = ns.pretrained_checkpoint
