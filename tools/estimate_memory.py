@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Will this GPT training plan fit on the device? Per-rank memory by kind.
 
-    python tools/estimate_memory.py --model-preset 13b --tp 4 --dp 16 --zero-stage 3 --bf16 --device-memory-gb 80
-    python tools/estimate_memory.py --world-size 16 --device-memory-gb 80 --train-args PRETRAIN_GPT_FLAGS
+    python tools/estimate_memory.py --world-size 64 --model-preset gpt-13b --tp 4 --zero-stage 3 --bf16
+    python tools/estimate_memory.py --world-size 16 --device-memory-gb 80 PRETRAIN_GPT_FLAGS
 
 The program is megazero.cli.estimate_memory (installed: ``megazero-estimate-memory``);
 ``--help`` lists its flags.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time to resume or initialize a run, per rank, from the layout.
 
-    python tools/estimate_startup.py --world-size 64 --train-args PRETRAIN_GPT_FLAGS
+    python tools/estimate_startup.py --world-size 64 PRETRAIN_GPT_FLAGS
 
 The program is megazero.cli.estimate_startup (installed: ``megazero-estimate-startup``);
 ``--help`` lists its flags.

@@ -173,7 +173,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
     # Time to first step: per-rank bytes read at resume and values drawn at a fresh start.
     "$PYTHON" "$ROOT/tools/estimate_startup.py" --world-size "$WORLD_SIZE" \
         --read-gbps-per-rank "${READ_GBPS_PER_RANK:-1}" --fs-gbps "${FS_GBPS:-40}" \
-        --train-args "${ARGS[@]}" >&2 || true
+        "${ARGS[@]}" >&2 || true
     # The two layouts side by side, on this many GPUs (or 32, the least tp 4 x pp 8 needs): the same
     # arguments, each layout with its own parallel flags and JSON (later flags win).
     CMP_WORLD=$(( WORLD_SIZE % 32 == 0 ? WORLD_SIZE : 32 ))

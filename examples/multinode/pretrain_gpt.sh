@@ -61,7 +61,7 @@ ARGS+=("$@")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
-    exec "$PYTHON" tools/estimate_memory.py --world-size $((NNODES * GPUS_PER_NODE)) --train-args "${ARGS[@]}"
+    exec "$PYTHON" tools/estimate_memory.py --world-size $((NNODES * GPUS_PER_NODE)) "${ARGS[@]}"
 fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"

@@ -49,7 +49,7 @@ ARGS=("${MODEL_ARGS[@]}" ${MOE_ARGS[@]+"${MOE_ARGS[@]}"} "${PARALLEL_ARGS[@]}" "
 cd "$ROOT"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
-    exec "$PYTHON" tools/estimate_memory.py --world-size $((NNODES * GPUS_PER_NODE)) --train-args "${ARGS[@]}"
+    exec "$PYTHON" tools/estimate_memory.py --world-size $((NNODES * GPUS_PER_NODE)) "${ARGS[@]}"
 fi
 TORCHRUN="${TORCHRUN:-$(command -v torchrun || echo "$ROOT/.venv/bin/torchrun")}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"

@@ -133,3 +133,15 @@ def test_rehearse_takes_pretrain_gpts_flags_with_or_without_a_separator():
     assert train == ["--tp", "2", "--pp", "2"]
     own, train = _split(["--tp", "2", "--world-size", "8", "--micro-batches", "2", "--bf16"])
     assert (own.world_size, own.micro_batches, train) == (8, 2, ["--tp", "2", "--bf16"])
+
+
+def test_estimate_startup_takes_pretrain_gpts_flags_with_or_without_the_earlier_train_args(capsys, monkeypatch):
+    import megazero.cli.estimate_startup as tool
+
+    monkeypatch.setattr(tool, "measure_rates", lambda: (1.0, 1e8))  # measured rates: not this test's subject
+    outputs = []
+    for words in (["--world-size", "64", *PLAN], ["--world-size", "64", "--train-args", *PLAN, *TRAINING]):
+        assert tool.main(words) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "start-up per rank (64 ranks)" in outputs[0]
+    assert tool.main(PLAN) == 2 and "give --world-size" in capsys.readouterr().err
