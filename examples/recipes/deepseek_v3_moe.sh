@@ -16,8 +16,8 @@
 #   CHECKPOINT_DIR=/shared/ckpt/dsv3 NNODES=128 NODE_RANK=0 MASTER_ADDR=node0 \
 #   bash examples/recipes/deepseek_v3_moe.sh [extra pretrain_gpt.py flags; later flags win]
 #
-# TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). DRY_RUN=1 stops with
-# "num_layers (61) is not divisible by pp": the planner takes even pipeline splits only.
+# TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). DRY_RUN=1 plans each
+# pipeline stage with its own layers (the first stage's 3 dense, the last stage's 2) and names the largest.
 # Overrides (defaults in brackets): TP [2] PP [16] EP [64] GLOBAL_BATCH [4096] TRAIN_ITERS [100000];
 # other settings: examples/recipes/common.sh.
 set -euo pipefail

@@ -25,8 +25,9 @@ Outside the layers: the embedding dropout mask, the final norm and output-layer
 inputs and the fp32 logits of the loss, 4 s b V / t bytes.
 
 Pipeline parallelism (pp stages, v chunks per rank, m micro-batches per step) is
-planned per stage and the largest stage is reported: a stage holds its layers' share
-of the transformer, the first also the embedding (and position table), the last the
+planned per stage and the largest stage is reported (:mod:`megazero.observe.planner_stages`):
+a stage holds the layers training's split gives it (even, or Megatron's uneven first and
+last stages), with its own dense and mixture layers, the first also the embedding (and position table), the last the
 final norm and the head (with tied embeddings, a copy of the word embedding). Under
 1F1B stage r keeps min(pp - r, m) micro-batches' activations (the first stage pp);
 under interleaving the first stage keeps (pp - 1) * 2 + (v - 1) * pp + 1 chunk
@@ -55,13 +56,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import (expert_parameters, flops_per_iteration, mlp_parameters, moe_layers,
-                                  num_parameters)
+from megazero.model.flops import expert_parameters, flops_per_iteration, moe_layers, num_parameters
 from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
                                             loader_pinned_bytes, nccl_communicators, nccl_line)
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
 from megazero.observe.planner_activations import _activations, _gathered_kv, activation_bytes_per_layer
 from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
+from megazero.observe.planner_stages import STATE_BYTES as _STATE_BYTES
+from megazero.observe.planner_stages import embedding_params as _embedding_params
+from megazero.observe.planner_stages import model_state_bytes, pipeline_plan, stage_layers
+from megazero.observe.planner_stages import with_experts as _with_experts
 from megazero.observe.planner_traffic import traffic_bytes_per_step
 from megazero.training.startup import replicated_parameters
 
@@ -77,13 +81,6 @@ GiB = 2 ** 30
 # edp, tp, cp or hcp_a2a + hcp_p2p, ep or expert, pp).
 TRAFFIC_LABELS = (("dp", "data parallel"), ("edp", "expert data parallel"), ("tp", "tensor parallel"),
                   ("cp", "context parallel"), ("ep", "expert-parallel all-to-all"), ("pp", "pipeline"))
-
-# bytes per parameter: (weights, gradients, optimizer states) — ZeRO paper's 2 + 2 + K with K = 12
-# (fp32 master copy 4 + Adam m 4 + v 4); in fp32 the master copy is the weight itself.
-# bf16 gradients are accumulated and reduced in fp32 by default (megazero.zero, as Megatron's
-# main_grad): 2 + 4 + 12 = 18 bytes; fp16 keeps fp16 gradients under the loss scale.
-_STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
-
 
 @dataclass
 class MemoryEstimate:
@@ -178,9 +175,14 @@ class MemoryEstimate:
             lines.append(f"pipeline: pp {p.get('pp')} x v {pl['v']}, {pl['microbatches']} micro-batches per step, "
                          f"bubble (pp-1)/(v m) = {pl['bubble']:.3f}; p2p sent per GPU per step "
                          f"{pl['p2p_bytes_per_step'] / GiB:.2f} GiB (a middle stage; the end stages send one "
-                         f"direction of their end chunk less); largest stage: {pl['worst_stage']}")
+                         f"direction of their end chunk less)")
+            worst = pl["stages"][pl["worst_stage"]]
+            lines.append(f"largest stage: {worst['stage']} ({worst['layers']} layers, {worst['total'] / GiB:.2f} GiB "
+                         f"per GPU): the table below is its")
             for st in pl["stages"]:
-                lines.append(f"  stage {st['stage']}: {st['layers']} layers{st['ends']}, "
+                spans = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in st["layer_ranges"] if b > a)
+                moe = f", {st['moe_layers']} MoE" if self.plan.get("moe") else ""
+                lines.append(f"  stage {st['stage']}: {st['layers']} layers ({spans or 'none'}{moe}){st['ends']}, "
                              f"{st['params']:,.0f} params/GPU, {st['in_flight']} micro-batch(es) in flight, "
                              f"{st['total'] / GiB:.2f} GiB, sends {st['traffic']['total'] / GiB:.2f} GiB per step")
         t = self.traffic
@@ -213,37 +215,6 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = "bf16",
-                      grad_accum_dtype: Optional[str] = None, offload_ratio: float = 0.0,
-                      weights_on_device: float = 1.0) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per rank on the device for ``psi`` parameters (ZeRO
-    paper, Sec. 3.1/5).
-
-    Gradients are fp32 for bf16 (the engine's default, Megatron's fp32 main grads) and
-    have the weights' dtype otherwise; ``grad_accum_dtype`` overrides (``'bf16'``: the
-    paper's 2 + 2 + 12). ``offload_ratio`` of the optimizer partition lives on the host
-    (:func:`offloaded_bytes`): the device keeps the rest; ``weights_on_device`` of the ZeRO-3
-    weight partition stays there (the rest is offloaded, :func:`offloaded_param_bytes`).
-    """
-    if precision not in _STATE_BYTES:
-        raise ValueError(f"precision must be one of {sorted(_STATE_BYTES)}, got {precision!r}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
-    w, g, o = _STATE_BYTES[precision]
-    if grad_accum_dtype is not None:
-        g = _DTYPE_BYTES[grad_accum_dtype]
-    return (w * psi / (dp if zero_stage >= 3 else 1) * (weights_on_device if zero_stage >= 3 else 1.0),
-            g * psi / (dp if zero_stage >= 2 else 1),
-            o * psi / (dp if zero_stage >= 1 else 1) * (1.0 - offload_ratio))
-
-
-def _with_experts(dense: tuple, experts: tuple) -> tuple:
-    """(weights, grads, optimizer) bytes of the dense parameters plus those of the routed experts."""
-    return tuple(a + b for a, b in zip(dense, experts))
-
-
 def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_stage: int, micro_batch_size: int,
                     seq_length: Optional[int] = None, precision: str = "bf16", recompute: Optional[str] = None,
                     sequence_parallel: bool = False, flash_attn: bool = False,
@@ -258,15 +229,17 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     num_workers: int = 0, context_parallel: int = 1,
                     cp_comm_type: Union[str, tuple[str, ...]] = "p2p",
                     hierarchical_cp: tuple[int, ...] = (), expert_parallel: int = 1,
-                    expert_tensor_parallel: Optional[int] = None) -> MemoryEstimate:
+                    expert_tensor_parallel: Optional[int] = None, first_stage_layers: Optional[int] = None,
+                    last_stage_layers: Optional[int] = None) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
     fields (so one config can be evaluated under several plans), except
     ``recompute_method``/``recompute_num_layers``. With ``pp > 1`` every stage is planned
-    (even split, ``virtual_pp`` chunks per rank, ``num_microbatches`` per step, default
-    global batch / (micro x dp)) and the largest is returned, with all of them in
-    ``.pipeline``. ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
+    with the layers training gives it (even, or ``first_stage_layers`` / ``last_stage_layers``
+    on the first / last stage, Megatron's ``--decoder-first/last-pipeline-num-layers``;
+    ``virtual_pp`` chunks per rank, ``num_microbatches`` per step, default global batch /
+    (micro x dp)) and the largest is returned, with all of them in ``.pipeline``. ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
 
     Transients follow the engine (``megazero.zero``): ZeRO-3 holds the unit in use, the
     units prefetched within ``prefetch_bucket_size`` elements (None, the engine's default:
@@ -361,41 +334,36 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         # gradients and one bucket exist; later buckets in flight replace activations already freed.
         grad_buckets = unit * _DTYPE_BYTES[precision] + min(max(reduce_bucket_size or 0, unit), psi) * reduce_bytes
     gbs = global_batch_size or micro_batch_size * dp
-    pipeline: dict = {}
-    if pp > 1:
-        m = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
-        pipeline, stage = _pipeline_plan(config, total=total - experts, replicated=replicated, tp=tp, dp=zdp, pp=pp,
-                                         v=virtual_pp, m=m, zero_stage=zero_stage, precision=precision,
-                                         grad_accum_dtype=grad_accum_dtype, act=act, micro_batch_size=micro_batch_size,
-                                         seq_length=s_rank, sequence_parallel=sequence_parallel and tp > 1,
-                                         offload_ratio=ratio, weights_on_device=kept)
-        for st in pipeline["stages"]:  # each stage holds the experts of its MoE layers
-            share = _stage_moe_share(config, st["stage"], pp, virtual_pp)
-            st["states"] = _with_experts(st["states"], tuple(x * share for x in expert_states))
-            st["total"] += sum(expert_states) * share
-            st["params"] += psi_experts * share
-            st["expert_params"] = psi_experts * share
-        psi_experts = stage["expert_params"]  # the largest stage's
-        psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
-        act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
     m_steps = num_microbatches or max(gbs // (micro_batch_size * dp), 1)
     common = dict(tp=tp, dp=zdp, zero_stage=zero_stage, microbatches=m_steps, micro_batch_size=micro_batch_size,
-                  seq_length=s_rank, precision=precision, layers=config.num_layers // pp, recompute=recompute,
+                  seq_length=s_rank, precision=precision, recompute=recompute,
                   grad_accum_dtype=grad_accum_dtype, edp=edp, ep=expert_parallel, etp=etp, cp=context_parallel,
                   cp_comm_type=cp_comm_type, hierarchical_cp=hierarchical_cp, sequence_parallel=sequence_parallel)
-    if pp > 1:  # each stage's own parameters and mixtures; the end stages send one direction of their end chunk
-        for st in pipeline["stages"]:
+    pipeline: dict = {}
+    if pp > 1:  # each stage its own layers (training's split), mixtures and experts
+        def state_of(n: float) -> tuple[float, float, float]:
+            return model_state_bytes(n, dp=zdp, zero_stage=zero_stage, precision=precision,
+                                     grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept)
+
+        pipeline, stage = pipeline_plan(
+            config, stage_layers(config, pp, virtual_pp, first_stage_layers, last_stage_layers), total=total - experts,
+            replicated=replicated, tp=tp, act=act, state_of=state_of, expert_states=expert_states,
+            psi_experts=psi_experts, m=m_steps, micro_batch_size=micro_batch_size, seq_length=s_rank,
+            sequence_parallel=sequence_parallel and tp > 1, precision=precision)
+        for st in pipeline["stages"]:  # the end stages send one direction of their end chunk less
             r = st["stage"]
             sends = 2 * virtual_pp - (r == 0) - (r == pp - 1)
             st["traffic"] = traffic_bytes_per_step(
-                config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"],
-                moe_layers=_stage_moe_share(config, r, pp, virtual_pp) * moe_layers(config) / pp,
-                pp_bytes=sends * m_steps * pipeline["boundary_bytes"], first_stage=r == 0, last_stage=r == pp - 1,
-                **common)
-        traffic = pipeline["stages"][pipeline["worst_stage"]]["traffic"]
+                config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"], layers=st["layers"],
+                moe_layers=st["moe_layers"], pp_bytes=sends * m_steps * pipeline["boundary_bytes"],
+                first_stage=r == 0, last_stage=r == pp - 1, **common)
+        psi_experts = stage["expert_params"]  # the largest stage's
+        psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
+        act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
+        traffic = stage["traffic"]
     else:
-        traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts, moe_layers=moe_layers(config),
-                                         **common)
+        traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts, layers=config.num_layers,
+                                         moe_layers=moe_layers(config), **common)
     host = offloaded_bytes(psi, dp=zdp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
@@ -413,87 +381,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                   seq_length=s,
                   precision=precision, recompute=recompute, sequence_parallel=sequence_parallel,
                   flash_attn=flash_attn, global_batch_size=gbs, offload_optimizer=offload_optimizer,
-                  offload_ratio=ratio, offload_param=offload_param),
+                  offload_ratio=ratio, offload_param=offload_param, moe=bool(moe_layers(config))),
         activation_detail=act, pipeline=pipeline,
         nccl_communicators=nccl, nccl_note=gradient_communicator_note(nccl, zero_stage, zdp),
         host_pinned_batches=float(loader_pinned_bytes(micro_batch_size, s, num_workers)))
-
-
-def _stage_moe_share(config: GPTConfig, stage: int, pp: int, v: int) -> float:
-    """Pipeline stage ``stage``'s MoE layers over the average stage's (layers split evenly into pp x v
-    chunks, chunk c of stage r holding the (c pp + r)-th slice): 1 unless a pattern leaves some dense."""
-    total = moe_layers(config)
-    if not total:
-        return 1.0
-    per_chunk = config.num_layers // (pp * v)
-    mine = sum(config.is_moe_layer(i) for c in range(v)
-               for i in range((c * pp + stage) * per_chunk, (c * pp + stage + 1) * per_chunk))
-    return mine * pp / total
-
-
-def _pipeline_plan(config: GPTConfig, *, total: int, replicated: int, tp: int, dp: int, pp: int, v: int, m: int,
-                   zero_stage: int, precision: str, grad_accum_dtype: Optional[str], act: dict,
-                   micro_batch_size: int, seq_length: int, sequence_parallel: bool,
-                   offload_ratio: float = 0.0, weights_on_device: float = 1.0) -> tuple[dict, dict]:
-    """Per-stage parameters, model states and activations in flight; the bubble and p2p bytes."""
-    c = config
-    L, h = c.num_layers, c.hidden_size
-    if L % (pp * v):
-        raise ValueError(f"num_layers ({L}) is not divisible by pp ({pp}) x virtual stages ({v})")
-    norm = h * (2 if c.normalization == "layernorm" else 1)
-    pos = c.max_position_embeddings * h if c.position_embedding_type == "learned" else 0
-    word = c.padded_vocab_size * h / tp
-    layer = (total - replicated - _embedding_params(c)) / L / tp + (replicated - pos - norm) / L
-    saved, live = act["saved_per_layer"], act["recompute_live"]
-    # Each micro-batch in flight also keeps the stage's output it sent (every stage but the last;
-    # the pipeline keeps it for backward), and on the first stage the embedding's dropout mask.
-    stages, worst = [], None
-    dense_mlp, mixture = (x / tp for x in mlp_parameters(c))  # (the router is replicated; the rest sharded)
-    moe_total = moe_layers(c)
-    for r in range(pp):
-        n = L // pp
-        # the average layer, corrected for the stage's mixtures (a pattern puts dense layers where it says)
-        here = _stage_moe_share(c, r, pp, v) * moe_total / pp
-        params = n * layer + (here - n * moe_total / L) * (mixture - dense_mlp)
-        if "saved_by_kind" in act:  # the stage's own mix of dense and mixture layers
-            dense, mixed = act["saved_by_kind"]
-            saved = act["saved_per_layer"] + (here / n - moe_total / L) * (mixed - dense)
-        ends = []
-        if r == 0:
-            params += word + pos
-            ends.append("embedding")
-        if r == pp - 1:
-            params += norm + word  # the head: its own weight, or the tied copy of the embedding
-            ends.append("head")
-        output = act["layer_input"] if r < pp - 1 or v > 1 else 0.0
-        mask = act["embedding_mask"] if r == 0 else 0.0
-        if v == 1:
-            in_flight = min(pp - r, m)
-            acts = in_flight * (n * saved + output + mask) + live
-        else:
-            chunk_mbs = min((pp - r - 1) * 2 + (v - 1) * pp + 1, m * v)
-            in_flight = chunk_mbs
-            acts = chunk_mbs * ((n // v) * saved + output) + min(m, pp) * mask + live
-        if r == pp - 1:
-            acts += act["outside_layers"]  # the loss's logits: one micro-batch at a time
-        states = model_state_bytes(params, dp=dp, zero_stage=zero_stage, precision=precision,
-                                   grad_accum_dtype=grad_accum_dtype, offload_ratio=offload_ratio,
-                                   weights_on_device=weights_on_device)
-        st = dict(stage=r, layers=n, ends=f" + {' + '.join(ends)}" if ends else "", params=params, states=states,
-                  activations=acts, in_flight=in_flight, total=sum(states) + acts)
-        stages.append(st)
-        if worst is None or st["total"] > worst["total"]:
-            worst = st
-    e = _DTYPE_BYTES[precision]
-    boundary = e * seq_length * micro_batch_size * h / (tp if sequence_parallel else 1)
-    info = dict(v=v, microbatches=m, bubble=(pp - 1) / (v * m), p2p_bytes_per_step=2 * m * v * boundary,
-                boundary_bytes=boundary, stages=stages, worst_stage=worst["stage"])
-    return info, worst
-
-
-def _embedding_params(config: GPTConfig) -> int:
-    # TP-sharded embedding rows (the output layer too when untied).
-    return config.padded_vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
 
 
 def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> dict:
@@ -517,6 +408,7 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
         sequence_parallel=p.sequence_parallel, flash_attn=m.attention_backend != "math",
         grad_accum_dtype=grad_accum_dtype, global_batch_size=config.schedule.global_batch_size,
         virtual_pp=p.virtual_pp, num_microbatches=config.schedule.grad_accum_steps,
+        first_stage_layers=p.decoder_first_pipeline_num_layers, last_stage_layers=p.decoder_last_pipeline_num_layers,
         reduce_bucket_size=zc.reduce_bucket_size, prefetch_bucket_size=zc.stage3_prefetch_bucket_size,
         offload_optimizer=off.device if off.enabled else "none", offload_ratio=off.ratio,
         offload_buffer_count=off.buffer_count, offload_buffer_size=off.buffer_size,

@@ -57,9 +57,11 @@ def test_p2p_bytes_per_step():
     assert sp.pipeline["p2p_bytes_per_step"] == est.pipeline["p2p_bytes_per_step"] / 2  # shards, tp 2
 
 
-def test_layers_must_divide():
-    with pytest.raises(ValueError, match=r"num_layers \(12\) is not divisible by pp \(5\)"):
+def test_layers_must_divide_unless_the_end_stages_are_set():
+    with pytest.raises(ValueError, match=r"num_layers \(12\) is not divisible by the pipeline size \(5\)"):
         _plan(pp=5)
+    with pytest.raises(ValueError, match=r"leaves 8 layers for the 3 other stage"):
+        _plan(pp=5, first_stage_layers=3, last_stage_layers=1)
 
 
 def test_13b_script_compares_the_megatron_deepspeed_layout():
