@@ -243,8 +243,11 @@ class MoELayer(torch.nn.Module):
             tokens = mpu.gather_from_sequence_parallel_region(tokens, self.tp_group)
             weights = mpu.gather_from_sequence_parallel_region(weights, self.tp_group)
             top = all_gather_first_dim(top, self.tp_group)
-        elif self.tp_size > 1:  # the experts' input gradients are partial over TP; the router's are not
+        elif self.tp_size > 1:  # every TP rank routes the same tokens; the experts' outputs are partial over
+            # TP, so the gradients of their inputs and of the weights that combine them are summed over TP
+            # ([T, h] and [T, k] in backward) as the gathers' reduce-scatters do under SP
             tokens = mpu.copy_to_tensor_model_parallel_region(tokens, self.tp_group)
+            weights = mpu.copy_to_tensor_model_parallel_region(weights, self.tp_group)
         if bias is not None and self._recording():  # the micro-batch's load (gathered over TP), for the step's update
             self.router.tokens_per_expert += _counts(top.reshape(-1), c.num_experts).to(top.device).float()
         y = self._experts(tokens, top, weights.to(tokens.dtype), drop, slots)  # the routing in fp64 only when asked

@@ -352,3 +352,52 @@ def test_evaluation_takes_its_own_capacity_and_a_minimum_holds():
     layer = _layer(_config(moe_expert_capacity_factor=0.1, moe_eval_capacity_factor=float(E)))
     assert not torch.allclose(layer.train()(x), dropless)  # training: capacity 0.1 drops copies
     torch.testing.assert_close(layer.eval()(x), dropless, rtol=0, atol=0)
+
+
+def _tp_case(sequence_parallel: bool):
+    """Expert TP = TP 2 (the tokens gathered over TP), with and without sequence parallelism, a gated
+    shared expert beside the routed ones: against one process on the same tokens, every gradient."""
+    from megazero import mpu
+    from megazero.mpu.sharding import shard_of_full
+
+    torch.set_num_threads(1)
+    tp, rank = 2, dist.get_rank()
+    extra = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    g = torch.Generator().manual_seed(9)
+    x_all, grad_all = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+    one = MoELayer(_config(**extra), lambda: MLP(_config(**extra), tp_group=None, tp_size=1, expert=True),
+                   tp_group=None, tp_size=1, ep_group=None, ep_size=1, ep_rank=0, aux_scale=AuxLossScale(),
+                   init_method=init_methods(_config())[0],
+                   shared=lambda: MLP(_config(**extra), tp_group=None, tp_size=1, expert=True, ffn_size=32))
+    xo = x_all.clone().requires_grad_()
+    one(xo).backward(grad_all)
+    groups = mpu.initialize_model_parallel(tp)
+    c = _config(sequence_parallel=sequence_parallel, **extra)
+
+    def mlp(ffn_size=None):
+        return MLP(c, tp_group=groups.tp_group, tp_size=tp, expert=True, **({"ffn_size": ffn_size} if ffn_size else {}))
+    mine = MoELayer(c, mlp, tp_group=groups.tp_group, tp_size=tp, ep_group=None, ep_size=1, ep_rank=0,
+                    aux_scale=AuxLossScale(), init_method=init_methods(c)[0], shared=lambda: mlp(32),
+                    etp_group=groups.tp_group, etp_size=tp, etp_rank=groups.tp_rank)
+    params = dict(one.named_parameters())
+    with torch.no_grad():  # the one process's weights, this rank's shard of the sharded ones
+        for name, p in mine.named_parameters():
+            full = params[name]
+            p.copy_(shard_of_full(full, p.partition_dim, p.partition_stride, groups.tp_rank, tp)
+                    if getattr(p, "tensor_model_parallel", False) else full)
+    rows = slice(rank * S // tp, (rank + 1) * S // tp) if sequence_parallel else slice(None)
+    x = x_all[rows].clone().requires_grad_()
+    y = mine(x)
+    y.backward(grad_all[rows])
+    torch.testing.assert_close(y, one(x_all)[rows].detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(x.grad, xo.grad[rows], rtol=0, atol=1e-6)
+    for name, p in mine.named_parameters():  # the replicated ones (router, gate) whole on every TP rank
+        full = params[name].grad
+        want = (shard_of_full(full, p.partition_dim, p.partition_stride, groups.tp_rank, tp)
+                if getattr(p, "tensor_model_parallel", False) else full)
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_experts_equal_one_process(sequence_parallel):
+    run_distributed(2, _tp_case, sequence_parallel)

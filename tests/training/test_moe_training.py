@@ -138,6 +138,23 @@ def test_shared_experts_and_qkv_bias_equal_one_process(data, tmp_path):  # noqa:
         assert_same_run(got, one, what=f"shared experts, world {world} {extra}")
 
 
+GQA_MOE = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+           "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu", "--normalization", "RMSNorm",
+           "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01")
+
+
+def test_tensor_parallel_experts_without_sequence_parallelism_equal_one_process(data, tmp_path):  # noqa: F811
+    # Without SP every TP rank routes all the tokens; the experts' outputs are partial over TP, and so
+    # are the gradients of the weights combining them (the router's gradient is summed over TP).
+    one = launch(1, flags(data, *GQA_MOE, layers=2), tmp_path, "gqa_moe1")
+    for world, extra in ((2, ["--tp", "2"]), (4, ["--tp", "2", "--pipeline-model-parallel-size", "2"])):
+        got = launch(world, flags(data, *GQA_MOE, *extra, layers=2), tmp_path, f"gqa_moe_{world}")
+        assert_same_run(got, one, rtol=1e-5, what=f"MoE without SP, world {world} {extra}")
+        for it, ref in one.items():
+            assert got[it]["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-5), it
+
+
 DEEPSEEK = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--disable-bias-linear",
             "--swiglu", "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
             "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp64",
