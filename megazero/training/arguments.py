@@ -154,7 +154,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     schedule = resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     resolve_pipeline(ns, parallel, model, schedule)
-    resolve_context_parallel(parallel, model)
+    resolve_context_parallel(parallel, model, notes)
     checkpoint = resolve_checkpoint(ns, notes, check_files)
     logging_cfg = resolve_logging(ns, ds, notes, check_files)
     generate = GenerateConfig(prompt=ns.generate_prompt, tokens=default(ns.generate_tokens, GenerateConfig.tokens))

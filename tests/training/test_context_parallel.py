@@ -217,7 +217,7 @@ def test_packed_documents_with_keyed_attention_dropout_equal_one_process(data, t
 
 
 NOTE = "dropout under --context-parallel-size 2"
-ISSUE = ["--context-parallel-size", "2", "--model-preset", "gpt-tiny", "--mock-data", "--lr", "1e-3",
+MEGATRON_DEFAULTS = ["--context-parallel-size", "2", "--model-preset", "gpt-tiny", "--mock-data", "--lr", "1e-3",
          "--micro-batch-size", "2", "--train-iters", "20"]
 
 
@@ -233,14 +233,14 @@ def _losses(run, metrics, says: str) -> list[float]:
     (["--dropout-rng", "stream", "--cp-comm-type", "a2a"], "each rank draws its own masks"),
 ])
 def test_the_default_dropout_trains_under_context_parallelism_with_one_note(data, tmp_path, extra, says):  # noqa: F811
-    # The issue's command, flag for flag, runs (its mock tokens are uniform: nothing to learn); the same
+    # A first CP launch with Megatron's default dropout runs (its mock tokens are uniform: nothing to learn); the same
     # flags on the learnable corpus learn.
     if not extra:
-        metrics = tmp_path / "issue.jsonl"
-        run = in_pool(2, [*ISSUE, "--log-interval", "1", "--metrics-file", str(metrics)], cwd=tmp_path)
-        _losses(run.check("the issue's command"), metrics, says)
+        metrics = tmp_path / "defaults.jsonl"
+        run = in_pool(2, [*MEGATRON_DEFAULTS, "--log-interval", "1", "--metrics-file", str(metrics)], cwd=tmp_path)
+        _losses(run.check("Megatron's default dropout at cp 2"), metrics, says)
     metrics = tmp_path / "corpus.jsonl"
-    corpus = [a for a in ISSUE if a != "--mock-data"] + ["--data-path", data, "--tokenizer-type", "NullTokenizer",
+    corpus = [a for a in MEGATRON_DEFAULTS if a != "--mock-data"] + ["--data-path", data, "--tokenizer-type", "NullTokenizer",
                                                          "--vocab-size", str(VOCAB), "--split", "98,2,0"]
     run = in_pool(2, [*corpus, *extra, "--log-interval", "1", "--metrics-file", str(metrics)], cwd=tmp_path)
     losses = _losses(run.check("cp 2 with the default dropout on the corpus"), metrics, says)

@@ -17,9 +17,11 @@ TINY = ["--model-preset", "gpt-tiny", "--mock-data", "--lr", "1e-3", "--micro-ba
 @pytest.mark.parametrize("extra,rng", [([], "position"), (["--dropout-rng", "stream"], "stream"),
                                        (["--cp-comm-type", "a2a"], "position")])
 def test_default_dropout_is_accepted_at_cp2(extra, rng):
-    model = parse_args(TINY + ["--context-parallel-size", "2", *extra], world_size=2, check_files=False).model
+    cfg = parse_args(TINY + ["--context-parallel-size", "2", *extra], world_size=2, check_files=False)
+    model = cfg.model
     assert (model.attention_dropout, model.hidden_dropout, model.dropout_rng) == (0.1, 0.1, rng)
     note = context_parallel_dropout_note(2, model)
+    assert cfg.notes.count(note) == 1  # one start-up line
     assert ("keyed by position" in note) == (rng == "position") and ("depend on the layout" in note) == (rng == "stream")
     assert parse_args(TINY, world_size=1, check_files=False).model.dropout_rng == "stream"  # cp 1: Megatron's
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 import torch
@@ -191,13 +190,14 @@ def context_parallel_dropout_note(cp: int, model: GPTConfig) -> str:
             return ""
         return (f"dropout under --context-parallel-size {cp}: masks keyed by position (--dropout-rng position), the "
                 f"same at every layout; attention with dropout {model.attention_dropout:g} runs the explicit "
-                "formula in tiles, not the fused kernels")
+                "formula in tiles, slower than the fused kernels (--attention-dropout 0 runs those)")
     return (f"dropout under --context-parallel-size {cp} with --dropout-rng stream: each rank draws its own masks, "
             "which depend on the layout (as in Megatron-LM); --dropout-rng position makes them the same at every layout")
 
 
-def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
-    """What context parallelism needs of the model and the data, refused at parse time with the numbers."""
+def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, notes: list[str]) -> None:
+    """What context parallelism needs of the model and the data, refused at parse time with the numbers;
+    what its dropout does goes to ``notes`` (the start-up lines)."""
     cp = par.cp
     if cp == 1:
         return
@@ -206,8 +206,8 @@ def resolve_context_parallel(par: ParallelConfig, model: GPTConfig) -> None:
         raise ConfigError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
                           f"sequence is split into 2 x cp balanced chunks); use a multiple of {2 * cp}")
     note = context_parallel_dropout_note(cp, model)
-    if note and int(os.environ.get("RANK", "0")) == 0:  # parsed on every process: one line for the job
-        logging.getLogger(__name__).info(f"> {note}")
+    if note:
+        notes.append(note)
     kinds = par.cp_comm_type
     if not isinstance(kinds, str) and len(kinds) != model.num_layers:
         raise ConfigError(f"--cp-comm-type gives {len(kinds)} exchanges for {model.num_layers} layers: give one value "
