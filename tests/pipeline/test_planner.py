@@ -64,6 +64,36 @@ def test_layers_must_divide_unless_the_end_stages_are_set():
         _plan(pp=5, first_stage_layers=3, last_stage_layers=1)
 
 
+def test_an_uneven_split_plans_each_stage_with_its_own_layers():
+    from megazero.model.pipeline_split import stage_num_layers
+
+    cfg, even = _plan(pp=4)
+    _, uneven = _plan(pp=5, first_stage_layers=2, last_stage_layers=1)  # 2 + 3 x 3 + 1 of the 12 layers
+    stages = uneven.pipeline["stages"]
+    assert [s["layers"] for s in stages] == stage_num_layers(12, 5, 2, 1) == [2, 3, 3, 3, 1]
+    assert [s["layer_ranges"] for s in stages] == [[(0, 2)], [(2, 5)], [(5, 8)], [(8, 11)], [(11, 12)]]
+    assert sum(s["params"] for s in stages) == pytest.approx(sum(s["params"] for s in even.pipeline["stages"]))
+    assert stages[1]["params"] == stages[2]["params"] == stages[3]["params"]
+    layer = even.pipeline["stages"][1]["params"] / 3  # a middle stage of the even split: 3 layers, nothing else
+    assert stages[0]["params"] == pytest.approx(even.pipeline["stages"][0]["params"] - layer)  # 2 layers + embedding
+    assert stages[1]["params"] == pytest.approx(3 * layer)
+    assert "largest stage: 1 (3 layers" in uneven.to_text()
+
+
+def test_the_largest_stage_of_a_dense_first_pattern_holds_experts():
+    """DeepSeek-V3's pattern (the first layers dense) at an uneven split: the dense first stage holds no
+    experts; the stage the plan reports, with its experts counted, is the largest."""
+    cfg = gpt_preset("125m").replace(num_experts=8, moe_router_topk=2, moe_layer_freq=(0,) * 3 + (1,) * 9)
+    est = estimate_memory(cfg, tp=2, dp=4, pp=4, zero_stage=1, micro_batch_size=1, expert_parallel=4,
+                          global_batch_size=32, first_stage_layers=3, last_stage_layers=1)
+    stages = est.pipeline["stages"]
+    assert [(s["layers"], s["moe_layers"]) for s in stages] == [(3, 0), (4, 4), (4, 4), (1, 1)]
+    assert stages[0]["expert_params"] == 0 and stages[1]["expert_params"] == 4 * stages[3]["expert_params"] > 0
+    worst = max(stages, key=lambda s: s["total"])
+    assert est.pipeline["worst_stage"] == worst["stage"] == 1 and est.total == pytest.approx(worst["total"])
+    assert stages[0]["traffic"]["ep"] == 0 < stages[3]["traffic"]["ep"] == stages[1]["traffic"]["ep"] / 4
+
+
 def test_13b_script_compares_the_megatron_deepspeed_layout():
     import os
     import subprocess

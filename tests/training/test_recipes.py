@@ -115,6 +115,22 @@ def test_deepseek_v3_moe_parses_on_1024_gpus(tmp_path):
     assert [i for i in range(61) if config.model.is_moe_layer(i)] == list(range(3, 61))
 
 
+def test_deepseek_v3_moe_dry_run_plans_its_uneven_stages():
+    """DRY_RUN=1 through the script: tools/estimate_memory.py plans the 1024-GPU launch (exit 0 fits, 1
+    does not; 2 would be a plan refused) with the first stage's 3 dense layers and the last stage's 2."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    proc = subprocess.run(["bash", os.path.join(RECIPES, "deepseek_v3_moe.sh")], env={**env, "DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "world 1024 = tp 2 x pp 16 x dp 32" in out, out[-3000:]
+    assert "  stage 0: 3 layers (0-2, 0 MoE) + embedding," in out
+    assert "  stage 1: 4 layers (3-6, 4 MoE)," in out and "  stage 15: 2 layers (59-60, 2 MoE) + head," in out
+    largest = re.search(r"largest stage: (\d+) \((\d+) layers", out)
+    assert largest and 1 <= int(largest.group(1)) <= 14 and largest.group(2) == "4", out[-3000:]
+    assert re.search(r"GPU memory 80 GiB: (fits|does NOT fit)", out)
+
+
 def test_a_recipe_with_data_passes_its_tokenizer(tmp_path):
     _, argv = recipe_command("mixtral_8x7b", tmp_path, DATA_PATH="0.7 /d/a 0.3 /d/b", TOKENIZER_MODEL="/t/tok.model")
     assert "--mock-data" not in argv
