@@ -41,8 +41,9 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
         raise ConfigError(f"--context-parallel-size must be >= 1, got {cp}")
     if world_size % (tp * cp * pp):
         what = f"--tp {tp} x --pp {pp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+        sizes = [flag for flag, size in (("--tp", tp), ("--pp", pp), ("--context-parallel-size", cp)) if size > 1]
         raise ConfigError(f"world size {world_size} is not divisible by {what} = {tp * cp * pp}; "
-                          f"launch a multiple of {tp * cp * pp} processes or change --tp")
+                          f"launch a multiple of {tp * cp * pp} processes or change {' or '.join(sizes)}")
     comm_types = [t.lower() for t in (ns.cp_comm_type or ["p2p"])]
     unknown = sorted(set(comm_types) - {"p2p", "a2a", "allgather", "a2a+p2p"})
     if unknown:
