@@ -259,7 +259,11 @@ def commit_tree(commit: str, parent: Path):
     """A detached git worktree of ``commit`` under ``parent``, removed on exit."""
     path = parent / "against"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still removes its worktree
-    _git("worktree", "add", "--detach", str(path), commit)
+    try:
+        _git("worktree", "add", "--detach", str(path), commit)
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"--against {commit}: git worktree add failed ({e.stderr.strip().splitlines()[-1]}); "
+                         "name a commit of this repository") from None
     try:
         yield path
     finally:
