@@ -33,7 +33,7 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
    CUDA when apex's optimizers import.
 7. ``throughput_1p3b``: ``pretrain_gpt.py`` with the gpt-1.3b preset, bf16, ZeRO-1 on every visible
    GPU (NCCL), mock data, a few iterations: tokens/s and MFU against the GPU's dense bf16 peak
-   (:data:`PEAK_BF16_TFLOPS`, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
+   (megazero.training.metrics.PEAK_TFLOPS, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ STEPS = 3
 MOE_RTOL = 1e-4  # the MoE layer on the device vs the CPU, fp32 without TF32 (routing must agree exactly)
 MOE_BF16_RTOL = 3e-2  # grouped against per-expert matmuls in bf16 (the same routing, other summation orders)
 RING_RTOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # max |diff| / max |ref|; fp32 without TF32
-# Dense bf16 peak TFLOP/s per GPU by device name fragment (NVIDIA's datasheets; SXM parts).
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 THROUGHPUT_ITERS = 8
 
 
@@ -451,10 +449,13 @@ def _importable(name: str) -> bool:
 
 
 def peak_tflops(name: str) -> Optional[float]:
-    """The dense bf16 peak of GPU ``name``: ``$GPU_CHECK_PEAK_TFLOPS``, else :data:`PEAK_BF16_TFLOPS`."""
+    """The dense bf16 peak of GPU ``name``: ``$GPU_CHECK_PEAK_TFLOPS``, else training's table
+    (megazero.training.metrics.PEAK_TFLOPS, the one the log line's MFU uses)."""
     if os.environ.get("GPU_CHECK_PEAK_TFLOPS"):
         return float(os.environ["GPU_CHECK_PEAK_TFLOPS"])
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    from megazero.training.metrics import peak_tflops as training_peak
+
+    return training_peak(name)
 
 
 def parse_throughput(log: str) -> tuple[float, float]:

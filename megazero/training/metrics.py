@@ -75,7 +75,8 @@ def memory_mb(device: Optional[torch.device] = None) -> Optional[float]:
 # unless named); the first fragment found in the name counts, so the more specific ones come first.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
-    ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0))
+    ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("A10G", 70.0))
 
 
 def peak_tflops(device_name: str) -> Optional[float]:
