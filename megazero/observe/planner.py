@@ -27,9 +27,9 @@ inputs and the fp32 logits of the loss, 4 s b V / t bytes.
 Pipeline parallelism (pp stages, v chunks per rank, m micro-batches per step) is
 planned per stage and the largest stage is reported (:mod:`megazero.observe.planner_stages`):
 a stage holds the layers training's split gives it (even, or Megatron's uneven first and
-last stages), with its own dense and mixture layers, the first also the embedding (and position table), the last the
-final norm and the head (with tied embeddings, a copy of the word embedding). Under
-1F1B stage r keeps min(pp - r, m) micro-batches' activations (the first stage pp);
+last stages) with its own dense and mixture layers, the first also the embedding (and
+position table), the last the final norm and the head (with tied embeddings, a copy of
+the word embedding). Under 1F1B stage r keeps min(pp - r, m) micro-batches' activations (the first stage pp);
 under interleaving the first stage keeps (pp - 1) * 2 + (v - 1) * pp + 1 chunk
 micro-batches of L / (pp v) layers, i.e. L (1 + (pp - 1) / (pp v)) layers' worth
 (Korthikanti et al. 2022, Sec. 4.2.3). The bubble is (pp - 1) / (v m) of the ideal
@@ -178,7 +178,7 @@ class MemoryEstimate:
                          f"direction of their end chunk less)")
             worst = pl["stages"][pl["worst_stage"]]
             lines.append(f"largest stage: {worst['stage']} ({worst['layers']} layers, {worst['total'] / GiB:.2f} GiB "
-                         f"per GPU): the table below is its")
+                         f"per GPU, the table below)")
             for st in pl["stages"]:
                 spans = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in st["layer_ranges"] if b > a)
                 moe = f", {st['moe_layers']} MoE" if self.plan.get("moe") else ""
@@ -239,7 +239,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     with the layers training gives it (even, or ``first_stage_layers`` / ``last_stage_layers``
     on the first / last stage, Megatron's ``--decoder-first/last-pipeline-num-layers``;
     ``virtual_pp`` chunks per rank, ``num_microbatches`` per step, default global batch /
-    (micro x dp)) and the largest is returned, with all of them in ``.pipeline``. ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
+    (micro x dp)) and the largest is returned, with all of them in ``.pipeline``.
+    ``global_batch_size`` (default micro x dp) sets the FLOPs and m.
 
     Transients follow the engine (``megazero.zero``): ZeRO-3 holds the unit in use, the
     units prefetched within ``prefetch_bucket_size`` elements (None, the engine's default:

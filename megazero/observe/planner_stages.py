@@ -108,7 +108,11 @@ def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, r
     pos = c.max_position_embeddings * h if c.position_embedding_type == "learned" else 0
     word = c.padded_vocab_size * h / tp
     layer = (total - replicated - embedding_params(c)) / L / tp + (replicated - pos - norm) / L
-    dense_mlp, mixture = (x / tp for x in mlp_parameters(c))  # (the router is replicated; the rest sharded)
+    dense_mlp, mixture = mlp_parameters(c)
+    # TP-local: the router (and the shared expert's gate) whole on every rank, the rest sharded
+    gate = bool(c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size)
+    router = c.hidden_size * ((c.num_experts or 0) + gate)
+    dense_mlp, mixture = dense_mlp / tp, (mixture - router) / tp + router if mixture else 0.0
     moe_total = moe_layers(c)
     stages, worst = [], None
     for r, chunks in enumerate(layers):

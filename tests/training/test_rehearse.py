@@ -337,7 +337,8 @@ def test_the_plan_sends_what_the_rehearsal_sends_per_group(layout):
 
 # 7 layers split unevenly as Megatron's --decoder-first/last-pipeline-num-layers give them (training's split,
 # megazero.model.pipeline_split): dense at pp 2 (3 + 4 layers) on 4 ranks, and DeepSeek-V3's pattern (the first
-# layer dense, the rest mixtures) at pp 3 (1 + 4 + 2 layers) with ep 2 on 6 ranks.
+# layer dense, the rest mixtures) at pp 3 (1 + 4 + 2 layers) with ep 2 on 6 ranks, and so with the recipe's tp 2,
+# sequence parallelism, whole experts (etp 1) and a shared expert on 12 ranks.
 UNEVEN_LAYOUTS = {
     "dense pp2 first 3": (4, ["--pp", "2", "--decoder-first-pipeline-num-layers", "3", "--global-batch-size", "4"],
                           [3, 4]),
@@ -345,14 +346,21 @@ UNEVEN_LAYOUTS = {
                                          "--decoder-first-pipeline-num-layers", "1",
                                          "--decoder-last-pipeline-num-layers", "2", "--use-distributed-optimizer",
                                          "--global-batch-size", "4"], [1, 4, 2]),
+    "moe tp2 sp etp1 pp3 first 1 last 2": (
+        12, MOE + ["--moe-layer-freq", "([0]*1+[1]*6)", "--moe-shared-expert-intermediate-size", "256", "--ep", "2",
+                   "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--pp", "3",
+                   "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "2",
+                   "--use-distributed-optimizer", "--global-batch-size", "4"], [1, 4, 2]),
 }
 
 
 @pytest.mark.parametrize("layout", UNEVEN_LAYOUTS)
 def test_an_uneven_pipeline_split_is_planned_per_stage_as_rehearsed(layout):
     """Each stage's rank 0 rehearsed (tools/rehearse.py's ranks) against the plan of its own stage: the
-    model state to the byte (the ZeRO engine's count; the rank's memory a few scalars more), the bytes sent per planned group within 2 % (tensor parallel is 1), the peak within 10 % (as at even
-    splits: a one-layer stage shows most what the plan leaves out of a layer, a few per cent)."""
+    model state to the byte (the ZeRO engine's count; the rank's memory a few scalars more), the bytes
+    sent per planned group within 2 % (tensor parallel within 10 %: the embedding's and the loss's
+    exchanges are not planned), the peak within 10 % (as at even splits: a one-layer stage shows most
+    what the plan leaves out of a layer, a few per cent)."""
     from megazero.observe.planner import estimate_memory_for
     from megazero.observe.rehearsal import PLAN_GROUPS, sent_by_plan_group
 
@@ -361,16 +369,17 @@ def test_an_uneven_pipeline_split_is_planned_per_stage_as_rehearsed(layout):
     config, _ = rehearsal_config(small + flags, world)
     est = estimate_memory_for(config)
     assert [st["layers"] for st in est.pipeline["stages"]] == layers
-    dp = world // len(layers)
+    per_stage = world // len(layers)  # the ranks of a stage: tp x dp
     for stage in range(len(layers)):
-        r = rehearse_rank(config, stage * dp)
+        r = rehearse_rank(config, stage * per_stage)
         assert r.pp_rank == stage
         assert r.engine_state_bytes == r.plan["state_bytes"], (stage, r.engine_state_bytes, r.plan)
         assert 0 <= r.state_bytes - r.engine_state_bytes <= 64  # a few scalars outside the ZeRO engine
         assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.10), (stage, r.plan, r.peak_bytes)
         sent = sent_by_plan_group(r)
         for key in PLAN_GROUPS:
-            assert sent[key] == pytest.approx(r.plan[f"sent_{key}"], rel=0.02), (stage, key, sent, r.plan)
+            rel = 0.10 if key == "tp" else 0.02
+            assert sent[key] == pytest.approx(r.plan[f"sent_{key}"], rel=rel), (stage, key, sent, r.plan)
         moe = sum(config.model.is_moe_layer(i) for i in range(sum(layers[:stage]), sum(layers[:stage + 1])))
         assert (sent["ep"] > 0) == (moe > 0)  # the dense first stage of the pattern sends no all-to-all
     assert est.pipeline["worst_stage"] == max(est.pipeline["stages"], key=lambda st: st["total"])["stage"]
