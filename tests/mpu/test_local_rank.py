@@ -67,6 +67,6 @@ def test_pretrain_gpt_under_plain_srun_checks_the_slurm_world_size(monkeypatch, 
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit) as exit_:
         main(["--tp", "3", "--mock-data", "--num-layers", "2", "--hidden-size", "24", "--num-attention-heads", "3",
-              "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1", "--vocab-size", "64"])
+              "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--vocab-size", "64"])
     assert exit_.value.code == 2
     assert "world size 4 is not divisible" in capsys.readouterr().err

@@ -142,7 +142,7 @@ def test_tampered_checkpoint_is_refused(dataset, reshard_source, tmp_path):
     ({"--tp": "3"}, "world size 4 is not divisible"),
     ({"--global-batch-size": "10"}, "10"),
     ({"--zero-stage": "4"}, "--zero-stage must be 0, 1, 2 or 3"),
-    ({"--pp": "2", "--num-layers": "3"}, "num_layers (3) is not divisible by the pipeline size (2)"),
+    ({"--pp": "2", "--num-layers": "3"}, "--num-layers (3) is not divisible by the pipeline size (2)"),
     ({"--num-attention-heads": "6"}, "6"),
     ({"--data-path": "/nonexistent/prefix"}, "/nonexistent/prefix"),
 ])

@@ -229,8 +229,11 @@ def test_bad_token_at_pp2_stops_every_rank_with_one_message(runs):
     proc = run_cli(2, flags(prefix, "--pp", "2", iters=3), runs, str(runs / "bad.jsonl"), timeout=120)
     assert proc.returncode != 0
     assert "document 5 holds token id 129" in proc.stderr, proc.stderr[-2000:]
-    # A user error: one line from one rank, no traceback from megazero (torchrun adds its own summary).
-    assert proc.stderr.count("document 5 holds token id 129") == 1, proc.stderr[-2000:]
+    # A user error: one line from one rank, no traceback from megazero; torchrun's summary after it quotes
+    # the line from the ranks' error files (its root cause among them).
+    ours = proc.stderr.split("Traceback (most recent call last)")[0].split("ChildFailedError")[0]
+    assert ours.count("document 5 holds token id 129") == 1, proc.stderr[-2000:]
+    assert "document 5 holds token id 129" in proc.stderr.split("Root Cause")[-1], proc.stderr[-2000:]
     assert "megazero/" not in proc.stderr, proc.stderr[-2000:]
 
 

@@ -206,7 +206,7 @@ def test_sequence_aux_loss_is_the_same_for_any_split_of_the_global_batch(data, t
     (["--num-experts", "4", "--expert-tensor-parallel-size", "4", "--moe-ffn-hidden-size", "6"],
      "not divisible by --expert-tensor-parallel-size 4"),
     (["--expert-model-parallel-size", "2"], "needs --num-experts"),
-    (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk in 1..num_experts"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk in 1..num_experts"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "1", "--tp", "2"], "needs --sequence-parallel"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be > 0"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "not available"),
