@@ -193,7 +193,7 @@ class GPTModel(torch.nn.Module):
         the hidden and attention dropout masks by position.
         """
         if context_parallel is not None:
-            _check_context_parallel(self.config, position_ids, self.training)
+            _check_context_parallel(position_ids)
         c = self.config
         if not self.pre_process:
             return self._stage_forward(position_ids, attention_mask, labels, context_parallel, dropout_keys)
@@ -293,7 +293,7 @@ class GPTModel(torch.nn.Module):
         return logits
 
 
-def _check_context_parallel(config: GPTConfig, position_ids: Optional[torch.Tensor], training: bool) -> None:
+def _check_context_parallel(position_ids: Optional[torch.Tensor]) -> None:
     """Refuse what a context-parallel forward cannot do, saying how to run instead. Dropout of any kind
     runs: keyed by position with ``dropout_rng='position'`` (the same masks as cp 1), else drawn per rank."""
     if position_ids is None:
