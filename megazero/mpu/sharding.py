@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .utils import group_size
 
-__all__ = ["shard_of_full", "full_from_shards", "gather_tensor_model_parallel", "is_tp_sharded", "tp_shard_of",
+__all__ = ["shard_ranges", "shard_of_full", "full_from_shards", "gather_tensor_model_parallel", "is_tp_sharded", "tp_shard_of",
            "tp_shard_group_of"]
 
 
@@ -48,15 +48,26 @@ def tp_shard_group_of(param: torch.Tensor,
     return getattr(param, "tp_shard_group", None)
 
 
+def shard_ranges(size: int, stride: int, rank: int, world: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges along the partition dimension (of length ``size``) that shard ``rank`` of
+    ``world`` holds, in order: block ``s * world + rank`` of the ``stride * world`` equal blocks, for each
+    ``s``. What a reader that fetches only its shard's bytes (a safetensors slice) needs."""
+    if size % (stride * world):
+        raise ValueError(f"dimension of size {size} does not split into {stride} x {world} equal blocks")
+    block = size // (stride * world)
+    return [((s * world + rank) * block, (s * world + rank + 1) * block) for s in range(stride)]
+
+
 def shard_of_full(full: torch.Tensor, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
     """This rank's shard of ``full`` (a contiguous copy)."""
     if world == 1:
         return full.clone()
-    blocks = full.chunk(stride * world, dim=dim)
-    if len(blocks) != stride * world or len({b.shape[dim] for b in blocks}) != 1:
-        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {stride} x {world} equal blocks")
-    # stride blocks per half: half s holds blocks [s*world, (s+1)*world); rank r takes block s*world + r of each.
-    return torch.cat([blocks[s * world + rank] for s in range(stride)], dim=dim).contiguous()
+    try:
+        ranges = shard_ranges(full.shape[dim], stride, rank, world)
+    except ValueError:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {stride} x {world} "
+                         "equal blocks") from None
+    return torch.cat([full.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim=dim).contiguous()
 
 
 def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:

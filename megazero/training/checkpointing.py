@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
+from ..mpu.sharding import shard_ranges
 from ..zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state, save_zero_state
 from ..zero.engine import ZeroEngine
 from ..zero.shard_io import digest_file, fsync_path, sha256_file
@@ -459,13 +460,14 @@ class FullWeightsReader:
         if not sharded or world == 1:
             return handle[:]
         shape = handle.get_shape()
-        if shape[dim] % (stride * world):
+        try:
+            ranges = shard_ranges(shape[dim], stride, rank, world)
+        except ValueError:
             raise CheckpointError(f"{self.path}: {name} has {shape[dim]} entries along dim {dim}, which do not split "
-                                  f"over tp {world}; use a --tp that divides it")
-        block, index, parts = shape[dim] // (stride * world), [slice(None)] * len(shape), []
-        for s in range(stride):  # rank r holds chunk r of each of the stride logical blocks
-            start = (s * world + rank) * block
-            index[dim] = slice(start, start + block)
+                                  f"over tp {world}; use a --tp that divides it") from None
+        index, parts = [slice(None)] * len(shape), []
+        for lo, hi in ranges:  # only the shard's bytes are read
+            index[dim] = slice(lo, hi)
             parts.append(handle[tuple(index)])
         return torch.cat(parts, dim=dim)
 
