@@ -61,7 +61,8 @@ def _main(argv: list[str] | None, callbacks: Sequence) -> int:
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks share the host's cores; a thread count the user chose (OMP_NUM_THREADS) is kept.
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.parallel.world_size)))
-    with mpu.distributed_run(config.parallel.distributed_backend) as (rank, _):
+    with mpu.distributed_run(config.parallel.distributed_backend,
+                             config.parallel.distributed_timeout_minutes * 60) as (rank, _):
         if rank == 0:
             log.info(describe(config))
         try:

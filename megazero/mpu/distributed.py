@@ -11,7 +11,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_backend", "first_slurm_host",
+__all__ = ["init_distributed", "distributed_run", "DEFAULT_TIMEOUT_S", "NCCL_GRACE_S", "nccl_watchdog_env", "export_slurm_env", "default_backend", "first_slurm_host",
            "resolve_local_rank", "select_device", "LOCAL_RANK_VARIABLES"]
 
 # Where launchers put a process's rank on its node, in order of trust: torchrun / deepspeed /
@@ -19,6 +19,23 @@ __all__ = ["init_distributed", "distributed_run", "export_slurm_env", "default_b
 # PMI-based launchers, PALS (Cray/HPE mpiexec), Flux.
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
                         "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID")
+
+
+# Megatron-LM's --distributed-timeout-minutes default: every group's collectives give up after it.
+DEFAULT_TIMEOUT_S = 600.0
+# NCCL's own watchdog aborts the process at its groups' timeout; it gets this much longer, so the run's
+# watchdog (megazero.training.health.watchdog), whose deadline is the timeout, speaks first.
+NCCL_GRACE_S = 30.0
+
+
+def nccl_watchdog_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What NCCL needs so a hang inside a CUDA collective ends the process too, as ``{name: value}`` for
+    the variables the user left unset: on a timeout the communicators abort and the process ends
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, torch's default made explicit), and the flight recorder
+    dumps every rank's last collectives (``TORCH_NCCL_DUMP_ON_TIMEOUT``, ``TORCH_NCCL_TRACE_BUFFER_SIZE``)."""
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+    return {k: v for k, v in wanted.items() if not environ.get(k) and not environ.get(k[len("TORCH_"):])}
 
 
 def default_backend() -> str:
@@ -100,8 +117,12 @@ def select_device(backend: Optional[str], *, group_exists: bool = False) -> Opti
     return local_rank
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """Initialize the default process group once; return ``(rank, world_size)``.
+
+    ``timeout_s`` is the collective timeout of the default group and of every group megazero makes
+    (``parallel_state.new_group``); NCCL groups get :data:`NCCL_GRACE_S` more, and NCCL's watchdog is
+    configured (:func:`nccl_watchdog_env`) where the environment does not say otherwise.
 
     Without a launcher (no RANK/WORLD_SIZE), it starts a single-process group so
     that `python pretrain_gpt.py` works on one device. On every path, whether the group is
@@ -120,6 +141,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = backend or default_backend()
     select_device(backend)
+    if "nccl" in str(backend):
+        os.environ.update(nccl_watchdog_env(os.environ))
+        timeout_s += NCCL_GRACE_S
     timeout = datetime.timedelta(seconds=timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         # After `torchrun --max-restarts` restarts the workers, the agent's store still holds
@@ -156,8 +180,9 @@ def shutdown_distributed() -> None:
 
 
 @contextlib.contextmanager
-def distributed_run(backend: Optional[str] = None) -> Iterator[tuple[int, int]]:
-    """A program's time in ``torch.distributed``: yields ``(rank, world_size)``.
+def distributed_run(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[tuple[int, int]]:
+    """A program's time in ``torch.distributed``: yields ``(rank, world_size)``; ``timeout_s`` as in
+    :func:`init_distributed`.
 
     Started here (the usual case: torchrun, srun, one process), the default group is shut down at
     the end (:func:`shutdown_distributed`). Inside a process that already has one (an application
@@ -167,7 +192,7 @@ def distributed_run(backend: Optional[str] = None) -> Iterator[tuple[int, int]]:
     from .parallel_state import destroy_model_parallel
 
     started_here = not dist.is_initialized()
-    rank_world = init_distributed(backend)
+    rank_world = init_distributed(backend, timeout_s)
     try:
         yield rank_world
     finally:

@@ -67,6 +67,9 @@ class ParallelConfig:
     zero_stage: int = 1  # 0: plain DP, 1: optimizer states, 2: + grads, 3: + params partitioned
     sequence_parallel: bool = False  # Megatron 2022 SP (needs tp > 1)
     distributed_backend: Optional[str] = None  # None: nccl on CUDA, gloo otherwise
+    # every process group's collective timeout, and how long a rank may make no progress before the
+    # run ends naming it (megazero.training.watchdog); Megatron's --distributed-timeout-minutes
+    distributed_timeout_minutes: float = 10.0
     local_rank: Optional[int] = None  # --local_rank as the launcher passed it (LOCAL_RANK is what is read)
 
 
@@ -237,6 +240,10 @@ class LoggingConfig:
     track_memory: bool = False
     # one device's dense peak TFLOP/s for the log line's MFU (None: known CUDA GPUs' bf16 peak, else no MFU)
     device_peak_tflops: Optional[float] = None
+    # --log-straggler: every log interval, the slowest and fastest ranks' phase times (one small gather)
+    log_straggler: bool = False
+    straggler_minmax_count: int = 1  # how many slowest and fastest ranks the line names
+    straggler_factor: float = 1.5  # a rank this much slower than the median, interval after interval, is warned of
 
 
 @dataclass

@@ -160,6 +160,9 @@ g(M, "--overlap-param-gather", "overlap the parameter all-gather with forward: m
 g(H, "--distributed-backend", "torch.distributed backend (nccl needs CUDA; gloo runs on CPU)", str,
   choices=("nccl", "gloo", "ccl"), refuse_values=(("ccl", "--distributed-backend ccl (oneCCL) is not supported; "
                                                    "use nccl on GPUs or gloo on CPUs"),))
+g(H, "--distributed-timeout-minutes", "timeout of every process group's collectives, and how long a rank may "
+  "make no progress before every rank stops naming the ranks that did not arrive, their phase and host "
+  "(megazero.training.watchdog); on NCCL its watchdog backs it up", float, default=10, metavar="MINUTES")
 g(H, ("--deepspeed_config", "--deepspeed-config"), "DeepSpeed JSON: its keys are honoured, mapped, refused or "
   "ignored as listed in docs/flags.md; a value given both there and as a flag must agree", str,
   dest="deepspeed_config")
@@ -467,6 +470,17 @@ g(H, "--log-optimizer-states-to-tensorboard", "norms and max-abs of the optimize
 g(H, "--log-params-norm", "the parameters' global norm ('params-norm')")
 g(H, "--log-num-zeros-in-grad", "zeros in the gradient ('num-zeros')")
 g(H, "--log-throughput", "TFLOP/s in the log line ('throughput')")
+g(H, "--log-straggler", "every log interval, the slowest and fastest ranks' times per phase (data, "
+  "forward-backward, optimizer step) with their rank ids, from one small gather; a warning names a rank "
+  "slower than the median by --straggler-factor for 3 intervals in a row")
+g(H, "--straggler-minmax-count", "how many of the slowest and of the fastest ranks --log-straggler names", int,
+  default=1)
+g(H, "--straggler-factor", "--log-straggler warns of a rank whose phase takes this many times the median "
+  "rank's, interval after interval", float, default=1.5)
+g(R, "--disable-straggler-on-startup", "megazero's --log-straggler has no runtime switch: give --log-straggler "
+  "or leave it out")
+g(R, "--straggler-ctrlr-port", "megazero's --log-straggler has no control server to toggle it at run time: "
+  "give --log-straggler or leave it out", int)
 g(M, ("--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-world-size-to-tensorboard"),
   "on by default in megazero (loss scale and learning rate are always logged); accepted")
 g(H, "--wandb-project", "Weights & Biases project (needs wandb; WANDB_MODE=offline works without network)", str)

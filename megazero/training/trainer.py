@@ -23,6 +23,8 @@ from .. import mpu
 from .arguments import check_vocab, pipeline_plan_line
 from .config import TrainConfig
 from .failures import agree
+from .health import PhaseBoard
+from .health.watchdog import Watchdog, check_timeout_covers_save
 from .loop import (Callback, Callbacks, Checkpointer, Evaluator, FailureProtocol, MetricsLogger,
                    StepResult, StopPolicy, TrainingDiverged, TrainState, build_datasets, describe_model, evaluate,
                    loader)
@@ -58,7 +60,14 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
     (:class:`~megazero.training.loop.Callback`).
     """
     state = TrainState()  # its start_time is the run's
+    board = PhaseBoard()  # where this rank is: the watchdog and the straggler report read it
     groups = _set_up_groups(config)
+    with Watchdog.for_run(config, board):
+        return _train(config, state, board, groups, device, callbacks)
+
+
+def _train(config: TrainConfig, state: TrainState, board: PhaseBoard, groups, device: Optional[torch.device],
+           callbacks: Iterable[Callback]) -> TrainResult:
     device = torch.device(device) if device is not None else mpu.get_device()
     # One seed for the weights on every rank: they are drawn by pp = 1 name, so any layout gets the same model.
     mpu.model_parallel_manual_seed(config.seed)
@@ -69,7 +78,8 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
     scheduler = LRScheduler.from_config(config, run.engine.optimizer)
     _announce(config, run)
     hooks = Callbacks(callbacks)
-    checkpointer = Checkpointer(config, run, scheduler, tokenizer, hooks)
+    check_timeout_covers_save(config, run)
+    checkpointer = Checkpointer(config, run, scheduler, tokenizer, hooks, board=board)
     state.iteration, state.consumed_samples = checkpointer.load()
     state.tokens = state.consumed_samples * config.model.seq_length
     vocab = tokenizer.vocab_size if tokenizer else None
@@ -81,13 +91,15 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
     failures = FailureProtocol(config, run, checkpointer)
     with MetricsLogger(config, run, scheduler, state.iteration, check=failures.check_loss) as metrics, \
             StopPolicy(config, device) as stop:
-        evaluator = Evaluator(config, run, valid_ds, test_ds, eod, metrics.writer)
+        evaluator = Evaluator(config, run, valid_ds, test_ds, eod, metrics.writer, board=board)
         hooks.on_train_start(state, run)
         while not stop.before_step(state):
             batch_size = s.global_batch_size_at(state.consumed_samples)
+            board.enter("data", iteration=state.iteration + 1)
             batches = failures.read(train_it, batch_size // per_micro, state)
             hooks.on_step_start(state, batches)
-            loss, updated = run.train_step(batches, eod, metrics.lap())
+            board.enter("forward-backward", passes=len(batches) * len(run.chunks))
+            loss, updated = run.train_step(batches, eod, board.lap_with(metrics.lap()))
             failures.after_step()
             state.advance(batch_size, config.model.seq_length)
             if updated:  # Megatron and DeepSpeed: a skipped fp16 step does not advance the schedule
@@ -104,11 +116,13 @@ def pretrain(config: TrainConfig, *, device: Optional[torch.device] = None,
                 checkpointer.on_exit(state)
                 stop.announce(state)
                 break
+        board.enter("logging")
         metrics.flush(state)
         if stop.ends_training:
             checkpointer.at_end(state)
             # Megatron ends training (or --skip-train) with an evaluation on the validation and test splits.
             evaluator.at_end(state)
+        board.enter("end")
         sample = _sample(config, run, tokenizer)
     return TrainResult(state.iteration, state.consumed_samples, metrics.losses, evaluator.losses, sample=sample,
                        final_eval=evaluator.final, exit_reason=stop.reason)
@@ -151,7 +165,7 @@ def build_tokenizer_agreed(config: TrainConfig):
 
 def _set_up_groups(config: TrainConfig):
     p = config.parallel
-    mpu.init_distributed(p.distributed_backend)
+    mpu.init_distributed(p.distributed_backend, p.distributed_timeout_minutes * 60)
     if not mpu.model_parallel_is_initialized():
         return mpu.initialize_model_parallel(p.tp, p.pp, virtual_pipeline_model_parallel_size=p.virtual_pp
                                              if p.virtual_pp > 1 else None, context_parallel_size=p.cp,

@@ -12,6 +12,8 @@ from ... import mpu
 from ..checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
 from ..config import TrainConfig
 from ..failures import agree
+from ..health import PhaseBoard
+from ..health.watchdog import warn_if_save_near_timeout
 from ..lr_schedule import LRScheduler
 from ..output import rank_zero_logger
 from ..step import TrainModel
@@ -34,8 +36,9 @@ class Checkpointer:
     """
 
     def __init__(self, config: TrainConfig, run: TrainModel, scheduler: LRScheduler, tokenizer=None,
-                 callbacks: Optional[Callback] = None) -> None:
+                 callbacks: Optional[Callback] = None, board: Optional[PhaseBoard] = None) -> None:
         self.config, self.run, self.scheduler, self.tokenizer = config, run, scheduler, tokenizer
+        self.board = board or PhaseBoard()  # where the rank is, for the watchdog
         self.callbacks = callbacks or Callback()
         self.last_saved: Optional[int] = None  # the iteration of the latest save into --save
 
@@ -66,17 +69,24 @@ class Checkpointer:
     def save(self, state: TrainState, save_dir: Optional[str] = None) -> str:
         """Collective: the checkpoint of ``state.iteration`` into ``save_dir`` (default ``--save``)."""
         save = save_dir or self.config.checkpoint.save
+        self.board.enter("checkpoint save")
         t0 = time.perf_counter()
         path = save_checkpoint(save, state.iteration, self.run.engine,
                                train_state={"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                                             "lr_scheduler": self.scheduler.state_dict()},
                                config=self.config.to_dict(), tokenizer=self.tokenizer, pipeline=self.run.stage,
-                               on_written=self.callbacks.on_save_written)
-        log.info(f"saved checkpoint {checkpoint_dir(save, state.iteration)} in {time.perf_counter() - t0:.2f}s")
+                               on_written=self._written)
+        seconds = time.perf_counter() - t0
+        log.info(f"saved checkpoint {checkpoint_dir(save, state.iteration)} in {seconds:.2f}s")
+        warn_if_save_near_timeout(self.config, seconds)
         if save_dir is None:
             self.last_saved = state.iteration
         self.callbacks.on_save(path)
         return path
+
+    def _written(self, partial: str) -> None:
+        self.callbacks.on_save_written(partial)
+        self.board.advance("files written")  # ranks still writing are behind the others
 
     # -- loading
 
@@ -84,6 +94,7 @@ class Checkpointer:
         """``(iteration, consumed samples)`` where the run starts; the weights, optimizer, RNG and LR
         schedule restored as the flags ask."""
         ck, engine = self.config.checkpoint, self.run.engine
+        self.board.enter("checkpoint load")
         fresh_rng = mpu.get_rng_tracker().get_states()
         fresh_cpu_rng = torch.get_rng_state()
         if ck.load:

@@ -4,13 +4,14 @@ splits at the end of training."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ...utils.progress import Progress
 from ..config import TrainConfig
+from ..health import PhaseBoard
 from ..metrics import EVAL_LOSS_KEY, MetricsWriter
 from ..output import rank_zero_logger
 from ..step import LossLog, TrainModel
@@ -24,11 +25,11 @@ log = rank_zero_logger(__name__)
 
 @torch.no_grad()
 def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] = None,
-             split: str = "validation") -> Optional[float]:
+             split: str = "validation", on_batch: Optional[Callable[[], None]] = None) -> Optional[float]:
     """Mean loss over ``eval_iters`` global batches of ``dataset`` (always the same ones), forward
     only; None without a dataset or with ``--eval-iters 0``. Collective over all ranks. Rank 0 reports
     its progress (``megazero.utils.progress``: a bar on a terminal, a line every few seconds otherwise);
-    the losses stay on the device until the end."""
+    the losses stay on the device until the end. ``on_batch()`` hears each evaluated batch."""
     s = config.schedule
     if dataset is None or s.eval_iters == 0:
         return None
@@ -43,6 +44,8 @@ def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] =
                 break
             losses.append(run.eval_step(batches, eod))
             progress.update()
+            if on_batch is not None:
+                on_batch()
     if not losses:
         return None
     values = LossLog(run.groups).reduce(losses)
@@ -55,7 +58,8 @@ class Evaluator:
     result is logged (loss and perplexity) and written as a metrics record."""
 
     def __init__(self, config: TrainConfig, run: TrainModel, valid, test, eod: Optional[int],
-                 writer: MetricsWriter) -> None:
+                 writer: MetricsWriter, board: Optional[PhaseBoard] = None) -> None:
+        self.board = board or PhaseBoard()  # where the rank is, for the watchdog
         self.config, self.run, self.valid, self.test, self.eod, self.writer = config, run, valid, test, eod, writer
         self.losses: dict[int, float] = {}  # iteration -> validation loss of the periodic evaluations
         self.final: dict[str, float] = {}  # 'valid' / 'test' -> loss at the end
@@ -76,7 +80,9 @@ class Evaluator:
 
     def _run(self, dataset, iteration: int, label: str, key: str = EVAL_LOSS_KEY,
              split: str = "validation") -> Optional[float]:
-        val = evaluate(self.run, dataset, self.config, self.eod, split)
+        self.board.enter("evaluation")
+        val = evaluate(self.run, dataset, self.config, self.eod, split,
+                       on_batch=lambda: self.board.advance(f"{self.board.now.steps + 1} batches evaluated"))
         if val is not None:
             ppl = math.exp(min(val, 50))
             log.info(f" {label} loss at iteration {iteration}: {val:.6E} | perplexity: {ppl:.4E}")

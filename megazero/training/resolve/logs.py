@@ -45,6 +45,14 @@ def resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes:
         tensorboard_queue_size=default(ns.tensorboard_queue_size, 1000), csv_dir=csv_dir,
         wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
         track_memory=bool(ns.track_memory), device_peak_tflops=ns.device_peak_tflops)
+    cfg.log_straggler = bool(ns.log_straggler)
+    cfg.straggler_minmax_count = default(ns.straggler_minmax_count, 1)
+    cfg.straggler_factor = default(ns.straggler_factor, 1.5)
+    if cfg.straggler_minmax_count < 1:
+        raise ConfigError(f"--straggler-minmax-count must be >= 1, got {cfg.straggler_minmax_count}")
+    if not cfg.straggler_factor > 1:
+        raise ConfigError(f"--straggler-factor must be > 1 (a slowdown against the median rank), got "
+                          f"{cfg.straggler_factor:g}")
     if cfg.device_peak_tflops is not None and not cfg.device_peak_tflops > 0:
         raise ConfigError(f"--device-peak-tflops must be > 0, got {cfg.device_peak_tflops}")
     for name in ("log_timers_to_tensorboard", "log_batch_size_to_tensorboard", "log_validation_ppl_to_tensorboard",

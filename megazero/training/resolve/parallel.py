@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import torch
@@ -78,7 +79,11 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     if backend == "nccl" and check_files and not torch.cuda.is_available():
         raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
                           "--distributed-backend gloo to run on CPUs")
-    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp,
+    timeout = default(ns.distributed_timeout_minutes, 10.0)
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ConfigError(f"--distributed-timeout-minutes must be a positive number of minutes, got {timeout:g}: "
+                          "give the longest a rank may wait for its peers, e.g. 10 (Megatron-LM's default)")
+    return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp, distributed_timeout_minutes=timeout,
                           cp_comm_type=comm_types[0] if len(set(comm_types)) == 1 else tuple(comm_types),
                           hierarchical_cp=hierarchical, ep=ep, etp=etp,
                           world_size=world_size,

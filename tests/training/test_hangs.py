@@ -1,0 +1,307 @@
+"""A rank that hangs or dies ends the run promptly, with the rank, its phase and host named.
+
+Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP (one-minute
+timeout), a rank whose data read never returns, a rank stuck inside a checkpoint save (whose
+checkpoint must never become ``latest``), a rank killed with SIGKILL. The launches run side by side
+(each waits on a timeout, not on the CPU); the unit tests of the verdict sit below.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.launch import BIN, ROOT
+
+TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+        "--max-position-embeddings", "8", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data",
+        "--vocab-size", "64", "--log-interval", "1", "--eval-iters", "0"]
+DRILL = os.path.join(ROOT, "tests", "training", "fault_drill.py")
+STOP_TIMEOUT_MIN = 1.0  # the SIGSTOP case runs at a one-minute timeout
+SHORT_TIMEOUT_MIN = 0.5
+
+
+class Launch:
+    """One torchrun of four ranks, started now; its output in ``log``."""
+
+    def __init__(self, tmp_path, name: str, args: list[str], script: str, env: dict | None = None) -> None:
+        self.log_path = tmp_path / f"{name}.log"
+        self.mark = f"megazero-test-{name}-{os.getpid()}-{time.time_ns()}"
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", MEGAZERO_TEST_MARK=self.mark,
+                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        self.proc = subprocess.Popen([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "4", script,
+                                      *args], stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=full_env)
+        self.ended_at: float | None = None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.ended_at = time.time()  # when torchrun returned, whenever the test looks
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, text: str, timeout_s: float = 240) -> None:
+        deadline = time.time() + timeout_s
+        while text not in self.log:
+            assert self.proc.poll() is None, self.log[-3000:]
+            assert time.time() < deadline, f"{text!r} never appeared:\n{self.log[-3000:]}"
+            time.sleep(0.2)
+
+    def worker(self, rank: int) -> int:
+        """The pid of global rank ``rank``'s process (found by this launch's mark in its environment)."""
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"MEGAZERO_TEST_MARK={self.mark}".encode() in env and f"RANK={rank}".encode() in env \
+                    and b"TORCHELASTIC_RUN_ID" in b"".join(env) and entry != str(self.proc.pid):
+                return int(entry)
+        raise AssertionError(f"no process of rank {rank}")
+
+    def wait(self, timeout_s: float = 400) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        while self.ended_at is None:
+            time.sleep(0.01)
+        return code
+
+
+def _hang_env(spec: str) -> dict:
+    return {"MEGAZERO_TEST_HANG": spec}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Four runs, their waits overlapped: a rank stopped (SIGSTOP) and one killed (SIGKILL) after
+    iteration 3; then, while the stopped run waits out its timeout, a data read and a save that hang."""
+    tmp = tmp_path_factory.mktemp("hangs")
+    script = os.path.join(ROOT, "pretrain_gpt.py")
+    runs = {"stopped": Launch(tmp, "stopped", [*TINY, "--train-iters", "100000", "--distributed-timeout-minutes",
+                                               str(STOP_TIMEOUT_MIN)], script),
+            "killed": Launch(tmp, "killed", [*TINY, "--train-iters", "100000"], script)}
+    try:
+        for name, rank, sig in (("killed", 1, signal.SIGKILL), ("stopped", 2, signal.SIGSTOP)):
+            runs[name].wait_for(" iteration        3/")
+            os.kill(runs[name].worker(rank), sig)
+            runs[name].signalled_at = time.time()
+        runs["data"] = Launch(tmp, "data", [*TINY, "--train-iters", "1000", "--distributed-timeout-minutes",
+                                            str(SHORT_TIMEOUT_MIN)], DRILL, _hang_env("2:data:4"))
+        runs["save"] = Launch(tmp, "save", [*TINY, "--train-iters", "1000", "--distributed-timeout-minutes",
+                                            str(SHORT_TIMEOUT_MIN), "--save", str(tmp / "ckpt"), "--save-interval",
+                                            "2"], DRILL, _hang_env("1:save:2"))
+        runs["save"].ckpt = tmp / "ckpt"
+        yield runs
+    finally:
+        for run in runs.values():
+            if run.proc.poll() is None:
+                run.proc.kill()
+
+
+def _last_lines(text: str, n: int = 40) -> str:
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
+    run = launches["stopped"]
+    code = run.wait()
+    took = run.ended_at - run.signalled_at
+    out = run.log
+    assert code != 0, out[-3000:]
+    assert took <= STOP_TIMEOUT_MIN * 60 + 50, f"took {took:.0f} s\n{out[-3000:]}"
+    tail = _last_lines(out)
+    # the verdict (also torchrun's root cause, from the error file) names rank 2, the iteration and the host
+    assert "rank 2 (host " in tail and "did not arrive" in tail, tail
+    assert "no heartbeat for" in out and "a stopped or frozen process" in out, out[-3000:]
+    assert "waited in iteration" in tail and "last heard of in iteration" in tail, tail
+    assert "internal error" not in out, out[-3000:]  # a peer's closed connection is the same hang, not a second error
+    assert "exitcode  : -9" in out or "Signals.SIGKILL" in out or "exitcode  : -15" in out, tail  # rank 2 killed
+
+
+def test_a_rank_stuck_in_its_data_read_is_named_with_its_stack(launches):
+    run = launches["data"]
+    code = run.wait()
+    out = run.log
+    assert code != 0, out[-3000:]
+    tail = _last_lines(out, 12)
+    assert "rank 2 (host" in tail and "did not arrive" in tail and "iteration 4, data" in tail, tail
+    # its main thread's stack shows where it is stuck; the others waited for it
+    assert "rank 2's main thread" in out and "in take" in out and "time.sleep(HOUR)" in out, out[-4000:]
+    assert "ranks [0, 1, 3] waited in iteration 4" in out, out[-3000:]
+    # the stuck rank exits itself: no 30 s wait for torchrun's SIGKILL
+    assert "exitcode  : -9" not in out
+
+
+def test_a_rank_stuck_in_a_checkpoint_save_leaves_latest_at_the_previous_one(launches):
+    run = launches["save"]
+    code = run.wait()
+    out = run.log
+    assert code != 0, out[-3000:]
+    tail = _last_lines(out, 12)
+    assert "rank 1 (host" in tail and "did not arrive" in tail and "iteration 4, checkpoint save" in tail, tail
+    ckpt = run.ckpt
+    assert (ckpt / "latest").read_text().strip() == "iter_0000002"
+    assert not (ckpt / "iter_0000004").exists()  # only its .partial, which a resume ignores
+
+
+def test_a_killed_rank_ends_the_run_at_once(launches):
+    run = launches["killed"]
+    code = run.wait()
+    out = run.log
+    assert code != 0 and run.ended_at - run.signalled_at < 30, out[-3000:]
+    assert "exitcode  : -9" in out and "rank      : 1" in out, _last_lines(out)
+
+
+# -- the parts
+
+
+def _beat(iteration, phase, t, forwards=0, backwards=0, passes=0, idle=0.0, host="h"):
+    return {"host": host, "pid": 7, "time": t, "idle": idle, "iteration": iteration, "phase": phase,
+            "forwards": forwards, "backwards": backwards, "passes": passes}
+
+
+def test_the_verdict_names_silent_ranks_first():
+    from megazero.training.health.watchdog import diagnose
+
+    now = 1000.0
+    beats = {0: _beat(5, "optimizer step", now - 2), 1: _beat(5, "optimizer step", now - 1),
+             2: _beat(5, "forward-backward", now - 61, forwards=1, passes=4), 3: _beat(5, "data", now - 3)}
+    v = diagnose(beats, now, stale_s=30, timeout_s=60)
+    assert v.missing == [2]
+    assert "rank 2 (host h, pid 7) did not arrive: no heartbeat for 61 s" in v.lines[0] and "last heard of in" in v.lines[0]
+    assert "iteration 5, forward-backward (1 of 4 forwards, 0 of 4 backwards done)" in v.lines[0]
+    assert v.line.startswith("hang: no progress for 60 s (--distributed-timeout-minutes 1): rank 2 (host h) did "
+                             "not arrive; last heard of in iteration 5, forward-backward")
+    assert "; ranks [0, 1] waited in iteration 5, optimizer step" in v.line
+
+
+def test_without_silent_ranks_the_furthest_behind_did_not_arrive():
+    from megazero.training.health.watchdog import diagnose
+
+    now = 50.0
+    beats = {r: _beat(9, "optimizer step", now) for r in range(8)}
+    beats[5] = _beat(9, "data", now, idle=40)
+    beats[6] = _beat(9, "data", now, idle=40)
+    beats[1] = _beat(9, "forward-backward", now, forwards=2, passes=4)
+    v = diagnose(beats, now, stale_s=30, timeout_s=60)
+    assert v.missing == [5, 6] and "ranks [5, 6] did not arrive" in v.line
+    assert "no progress for 40 s" in v.lines[0]
+    assert any(line.startswith("ranks [0, 2-4, 7] waited in iteration 9, optimizer step") for line in v.lines)
+
+
+def test_when_no_rank_is_behind_the_verdict_says_so():
+    from megazero.training.health.watchdog import diagnose
+
+    beats = {r: _beat(3, "forward-backward", 10.0, forwards=2, passes=2) for r in range(4)}
+    v = diagnose(beats, 10.0, stale_s=30, timeout_s=600)
+    assert v.missing == [] and "no rank is behind" in v.line and "--distributed-timeout-minutes 10" in v.line
+
+
+def test_a_rank_that_never_beat_is_named():
+    from megazero.training.health.watchdog import diagnose
+
+    v = diagnose({0: _beat(1, "data", 5.0), 1: None}, 5.0, stale_s=30, timeout_s=60)
+    assert v.missing == [1] and "never sent a heartbeat" in v.lines[0]
+
+
+def test_rank_lists_fold_runs_and_stay_short():
+    from megazero.training.health.watchdog import rank_list
+
+    assert rank_list([2]) == "rank 2"
+    assert rank_list([5, 2]) == "ranks [2, 5]"
+    assert rank_list(list(range(512)) + list(range(513, 1024))) == "ranks [0-511, 513-1023]"
+    assert rank_list(list(range(0, 200, 2))).endswith("... (100 ranks)]")
+
+
+def test_the_watchdog_declares_a_hang_from_its_own_deadline_and_agrees_through_the_store():
+    """Two watchdogs on one store, in one process: rank 1 stops beating; rank 0's deadline passes."""
+    import torch.distributed as dist
+
+    from megazero.training.health import PhaseBoard
+    from megazero.training.health.watchdog import Watchdog
+
+    store = dist.HashStore()
+    exits = []
+    board = PhaseBoard()
+    board.enter("optimizer step", iteration=3)
+    frozen = Watchdog(PhaseBoard(), 1.0, rank=1, world=2, store=store, beat_s=0.1, exit=exits.append)
+    frozen._beat(time.monotonic())  # one heartbeat, then silence (a stopped process)
+    time.sleep(0.5)
+    dog = Watchdog(board, 1.0, rank=0, world=2, store=store, beat_s=0.1, poll_s=0.05, exit=exits.append)
+    with dog:
+        deadline = time.time() + 10
+        while not exits and time.time() < deadline:
+            time.sleep(0.05)
+    assert exits == [1]
+    verdict = json.loads(dist.PrefixStore("megazero/health/", store).get("verdict"))
+    assert verdict["missing"] == [1] and "rank 1" in verdict["line"] and "iteration 3" in verdict["line"]
+
+
+def test_a_collective_timeout_is_told_from_other_errors():
+    from megazero.training.health.watchdog import is_collective_timeout
+
+    assert is_collective_timeout(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 60000ms for recv"))
+    assert not is_collective_timeout(RuntimeError("Connection closed by peer"))
+    assert not is_collective_timeout(ValueError("Timed out"))
+
+
+def test_nccl_gets_its_watchdog_settings_unless_the_user_set_them():
+    from megazero.mpu.distributed import nccl_watchdog_env
+
+    assert nccl_watchdog_env({})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in nccl_watchdog_env({"NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in nccl_watchdog_env({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_a_timeout_that_is_not_positive_is_refused_in_one_line(value):
+    from megazero.training import parse_args
+    from megazero.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--distributed-timeout-minutes must be a positive number of minutes"):
+        parse_args([*TINY, "--train-iters", "2", "--distributed-timeout-minutes", value], 1)
+
+
+_GROUP_TIMEOUTS = """
+import sys
+from megazero import mpu
+from megazero.mpu.parallel_state import collective_timeout, new_group
+from megazero.training import parse_args
+
+config = parse_args(sys.argv[1:], 1)
+with mpu.distributed_run("gloo", config.parallel.distributed_timeout_minutes * 60):
+    mpu.initialize_model_parallel(1)
+    g = mpu.get_parallel_groups()
+    print([collective_timeout(x).total_seconds() for x in (None, g.tp_group, g.dp_group, g.pp_group, new_group([0]))])
+"""
+
+
+def test_the_timeout_reaches_every_group():
+    """The default group and every group megazero makes run under --distributed-timeout-minutes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_PORT=str(port), PYTHONPATH=ROOT)
+    for flags, seconds in (([], 600.0), (["--distributed-timeout-minutes", "3"], 180.0)):
+        out = subprocess.run([sys.executable, "-c", _GROUP_TIMEOUTS, *TINY, "--train-iters", "2", *flags], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == str([seconds] * 5)
