@@ -12,6 +12,8 @@ import torch.distributed as dist
 from ...model import num_parameters
 from ...utils.memory_tracker import step_peak_memory
 from ..config import TrainConfig
+from ..health.phases import PhaseBoard
+from ..health.stragglers import Stragglers
 from ..lr_schedule import LRScheduler
 from ..metrics import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_lines
 from ..norms import count_zeros_in_grads, optimizer_state_stats, params_norm
@@ -46,7 +48,9 @@ class MetricsLogger:
     (``metrics.format_log_lines``): loss, learning rate, grad norm, time, throughput, MFU, peak memory;
     on a second line when present the fp16 loss scale, skipped and NaN iterations, a mixture's statistics,
     and as asked ``--log-params-norm``, ``--log-num-zeros-in-grad``, optimizer statistics, per-phase
-    timers (``--wall-clock-breakdown``). A logging flag is honoured here alone.
+    timers (``--wall-clock-breakdown``); with ``--log-straggler`` (which needs the loop's ``board``) a
+    line on the slowest and fastest ranks per phase (:mod:`..health.stragglers`, one more small
+    gather). A logging flag is honoured here alone.
 
     ``check(state, iteration, loss)`` sees every loss as it reaches the host (the failure protocol's
     divergence check). A context manager: ``--track-memory`` on CPU tracks live tensors while inside,
@@ -54,7 +58,8 @@ class MetricsLogger:
     """
 
     def __init__(self, config: TrainConfig, run: TrainModel, scheduler: LRScheduler, start_iteration: int,
-                 check: Optional[Callable[[TrainState, int, float], None]] = None) -> None:
+                 check: Optional[Callable[[TrainState, int, float], None]] = None,
+                 board: Optional[PhaseBoard] = None) -> None:
         opts = config.logging
         self.config, self.run, self.scheduler, self.check = config, run, scheduler, check
         self.writer = MetricsWriter(opts.metrics_file, opts.tensorboard_dir, rank=dist.get_rank(), options=opts)
@@ -68,12 +73,23 @@ class MetricsLogger:
         self.skipped_at: dict[int, bool] = {}
         self.losses: dict[int, float] = {}  # iteration -> DP-mean loss, every one brought to the host
         self.last_log = start_iteration
+        self.stragglers = self._stragglers(board) if opts.log_straggler else None
         self._tracking = contextlib.ExitStack()
         if opts.track_memory and run.device.type == "cpu":
             from ...utils.memory_tracker import LiveMemoryTracker
 
             # Entered after the engine exists, so its state is part of the baseline and the peak is absolute.
             self._tracking.enter_context(LiveMemoryTracker("cpu"))
+
+    def _stragglers(self, board: Optional[PhaseBoard]) -> Stragglers:
+        if board is None:
+            raise ValueError("--log-straggler times the loop's phases: the MetricsLogger needs the loop's "
+                             "PhaseBoard (board=...)")
+        opts = self.config.logging
+        stragglers = Stragglers(self.run.device, opts.straggler_factor, opts.straggler_minmax_count,
+                                log=log.info, warn=log.warning)
+        board.listeners.append(stragglers.timer)
+        return stragglers
 
     def lap(self) -> Optional[Callable[[str], None]]:
         """The step's per-phase clock (a fresh one per step), or None without timers."""
@@ -113,6 +129,8 @@ class MetricsLogger:
             stats = self._stats(state)
             for line in format_log_lines(stats):
                 log.info(line)
+            if self.stragglers is not None:  # after _stats' device synchronisation: the events are resolved
+                stats.extra.update(self.stragglers.report())
             self.writer.write(state.iteration, stats.to_record())
 
     def _stats(self, state: TrainState) -> IterationStats:
