@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 
 import torch
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the most likely tokens whose probabilities sum to p (nucleus); 1 = all")
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampling (the same on every rank)")
+    p.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MINUTES",
+                   help="collective timeout of every process group, as pretrain_gpt.py's (default: %(default)g)")
     g = p.add_argument_group("tokenizer (default: the checkpoint's)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="use this tokenizer instead of the checkpoint's, with the file flags below")
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     setup_logging()
+    if not (args.distributed_timeout_minutes > 0 and math.isfinite(args.distributed_timeout_minutes)):
+        p.error(f"--distributed-timeout-minutes must be a positive number of minutes, got "
+                f"{args.distributed_timeout_minutes:g}: give the longest a rank may wait for its peers, e.g. 10")
     if not os.path.isdir(args.load):
         p.error(f"--load {args.load} is not a directory")
     try:
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                             recompute_granularity=None, sequence_parallel=False)
 
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
-    with mpu.distributed_run() as (rank, _):
+    with mpu.distributed_run(timeout_s=args.distributed_timeout_minutes * 60) as (rank, _):
         groups = mpu.initialize_model_parallel(args.tp)
         mpu.model_parallel_manual_seed(args.seed)
         try:

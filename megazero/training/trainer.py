@@ -89,7 +89,7 @@ def _train(config: TrainConfig, state: TrainState, board: PhaseBoard, groups, de
     train_it = loader(train_ds, state.consumed_samples, config, groups, device) if not s.skip_train else None
     per_micro = s.micro_batch_size * config.parallel.dp
     failures = FailureProtocol(config, run, checkpointer)
-    with MetricsLogger(config, run, scheduler, state.iteration, check=failures.check_loss) as metrics, \
+    with MetricsLogger(config, run, scheduler, state.iteration, check=failures.check_loss, board=board) as metrics, \
             StopPolicy(config, device) as stop:
         evaluator = Evaluator(config, run, valid_ds, test_ds, eod, metrics.writer, board=board)
         hooks.on_train_start(state, run)

@@ -39,7 +39,7 @@ class Launch:
                         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
         self.proc = subprocess.Popen([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "4", script,
                                       *args], stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=full_env)
+                                     env=full_env, start_new_session=True)
         self.ended_at: float | None = None
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -72,12 +72,18 @@ class Launch:
                 return int(entry)
         raise AssertionError(f"no process of rank {rank}")
 
+    def kill(self) -> None:
+        """torchrun and its workers (a killed torchrun leaves its workers running)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def wait(self, timeout_s: float = 400) -> int:
         try:
             code = self.proc.wait(timeout=timeout_s)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            self.kill()
         while self.ended_at is None:
             time.sleep(0.01)
         return code
@@ -107,11 +113,16 @@ def launches(tmp_path_factory):
                                             str(SHORT_TIMEOUT_MIN), "--save", str(tmp / "ckpt"), "--save-interval",
                                             "2"], DRILL, _hang_env("1:save:2"))
         runs["save"].ckpt = tmp / "ckpt"
+        # pp 2 x dp 2: the last stage's second rank stuck; its stage-0 partner waits on its p2p, the others
+        # on their gradients
+        runs["pipeline"] = Launch(tmp, "pipeline", [*TINY, "--num-layers", "2", "--pipeline-model-parallel-size",
+                                                    "2", "--global-batch-size", "8", "--train-iters", "1000",
+                                                    "--distributed-timeout-minutes", str(SHORT_TIMEOUT_MIN)],
+                                  DRILL, _hang_env("3:data:5"))
         yield runs
     finally:
         for run in runs.values():
-            if run.proc.poll() is None:
-                run.proc.kill()
+            run.kill()
 
 
 def _last_lines(text: str, n: int = 40) -> str:
@@ -129,7 +140,8 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
     # the verdict (also torchrun's root cause, from the error file) names rank 2, the iteration and the host
     assert "rank 2 (host " in tail and "did not arrive" in tail, tail
     assert "no heartbeat for" in out and "a stopped or frozen process" in out, out[-3000:]
-    assert "waited in iteration" in tail and "last heard of in iteration" in tail, tail
+    # a stopped rank's last heartbeat may predate the loop (they go out every 2 s); its peers say where it is
+    assert "waited in iteration" in tail and "(no heartbeat for" in tail and "last heard of in" in tail, tail
     assert "internal error" not in out, out[-3000:]  # a peer's closed connection is the same hang, not a second error
     assert "exitcode  : -9" in out or "Signals.SIGKILL" in out or "exitcode  : -15" in out, tail  # rank 2 killed
 
@@ -160,6 +172,16 @@ def test_a_rank_stuck_in_a_checkpoint_save_leaves_latest_at_the_previous_one(lau
     assert not (ckpt / "iter_0000004").exists()  # only its .partial, which a resume ignores
 
 
+def test_a_stuck_rank_of_a_pipeline_is_named(launches):
+    run = launches["pipeline"]
+    code = run.wait()
+    out = run.log
+    assert code != 0, out[-3000:]
+    tail = _last_lines(out, 12)
+    assert "rank 3 (host" in tail and "did not arrive" in tail and "iteration 5, data" in tail, tail
+    assert "rank 3's main thread" in out and "time.sleep(HOUR)" in out, out[-4000:]
+
+
 def test_a_killed_rank_ends_the_run_at_once(launches):
     run = launches["killed"]
     code = run.wait()
@@ -187,7 +209,8 @@ def test_the_verdict_names_silent_ranks_first():
     assert "rank 2 (host h, pid 7) did not arrive: no heartbeat for 61 s" in v.lines[0] and "last heard of in" in v.lines[0]
     assert "iteration 5, forward-backward (1 of 4 forwards, 0 of 4 backwards done)" in v.lines[0]
     assert v.line.startswith("hang: no progress for 60 s (--distributed-timeout-minutes 1): rank 2 (host h) did "
-                             "not arrive; last heard of in iteration 5, forward-backward")
+                             "not arrive (no heartbeat for 61 s: stopped or frozen); last heard of in iteration 5, "
+                             "forward-backward")
     assert "; ranks [0, 1] waited in iteration 5, optimizer step" in v.line
 
 

@@ -143,15 +143,20 @@ def diagnose(beats: dict[int, Optional[dict]], now: float, stale_s: float, timeo
     head = f"hang: no progress for {timeout_s:.0f} s (--distributed-timeout-minutes {minutes:g})"
     if missing:
         first = beats[missing[0]]
-        last = "last heard of in" if missing[0] in silent else "in"
-        where = f"; {last} {_where(first).describe()}" if first is not None else ""
-        host = f" (host {first['host']})" if first is not None else ""
-        summary = f"{head}: {rank_list(missing)}{host if len(missing) == 1 else ''} did not arrive{where}"
+        if first is None:
+            where = " (no heartbeat ever)"
+        elif missing[0] in silent:
+            where = (f" (no heartbeat for {now - first['time']:.0f} s: stopped or frozen); last heard of in "
+                     f"{_where(first).describe()}")
+        else:
+            where = f"; in {_where(first).describe()}"
+        host = f" (host {first['host']})" if first is not None and len(missing) == 1 else ""
+        summary = f"{head}: {rank_list(missing)}{host} did not arrive{where}"
     else:
         summary = f"{head}: no rank is behind; every rank waits in {next(iter(groups), 'an unknown phase')}"
     if waited:
-        summary += f"; {waited[0]}" + (f" (the other waiting ranks elsewhere: {len(waited) - 1} more places)"
-                                       if len(waited) > 1 else "")
+        summary += "".join(f"; {w}" for w in waited[:3]) + (f"; {len(waited) - 3} more groups waited elsewhere"
+                                                             if len(waited) > 3 else "")
     return Verdict(missing, lines, summary)
 
 
