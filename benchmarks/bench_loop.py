@@ -54,6 +54,33 @@ def run_once(tree: Path, world: int, iters: int, warmup: int, extra: list[str], 
     return statistics.median(times[warmup:])
 
 
+def mark_costs(passes: int = 8, reps: int = 20000) -> tuple[float, float]:
+    """(µs of one iteration's phase marks with ``passes`` forward and backward passes, µs of one heartbeat
+    into an in-process store): what the loop's health adds, measured without the machine's noise."""
+    import timeit
+
+    import torch.distributed as dist
+
+    from megazero.training.health import PhaseBoard
+    from megazero.training.health.watchdog import Watchdog
+
+    board = PhaseBoard()
+
+    def iteration() -> None:
+        board.enter("data", iteration=1)
+        board.enter("forward-backward", passes=passes)
+        for _ in range(passes):
+            board.lap("fwd")
+        for _ in range(passes):
+            board.lap("bwd")
+        board.lap("step")
+
+    marks = min(timeit.repeat(iteration, number=reps, repeat=5)) / reps * 1e6
+    dog = Watchdog(board, 600.0, rank=0, world=1, store=dist.HashStore())
+    beat = min(timeit.repeat(lambda: dog._beat(0.0), number=2000, repeat=5)) / 2000 * 1e6
+    return marks, beat
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", required=True, metavar="COMMIT", help="the commit to compare this checkout with")
@@ -77,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {r + 1}/{args.repeats}: {here} {got['head']:.2f} ms, {short} {got['base']:.2f} ms, "
                   f"ratio {got['head'] / got['base']:.3f}", flush=True)
     ratios = [h / b for h, b in pairs]
+    marks, beat = mark_costs()
+    print(f"\nthis checkout's phase marks: {marks:.1f} µs per iteration of 8 forward and 8 backward passes; one "
+          f"heartbeat (every 2 s, in the watchdog's thread): {beat:.1f} µs into an in-process store")
     print(f"\n| tree | ms per iteration (median of {args.repeats} runs) |\n|---|---|")
     print(f"| {here} | {statistics.median(h for h, _ in pairs):.2f} |")
     print(f"| {short} | {statistics.median(b for _, b in pairs):.2f} |")

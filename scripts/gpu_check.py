@@ -34,12 +34,17 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
 7. ``throughput_1p3b``: ``pretrain_gpt.py`` with the gpt-1.3b preset, bf16, ZeRO-1 on every visible
    GPU (NCCL), mock data, a few iterations: tokens/s and MFU against the GPU's dense bf16 peak
    (megazero.training.metrics.PEAK_TFLOPS, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
+8. ``nccl_watchdog``: NCCL's groups run under ``--distributed-timeout-minutes`` plus
+   ``NCCL_GRACE_S`` with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` and the flight recorder's dump on a
+   timeout; on 2+ GPUs, a rank stopped with SIGSTOP ends ``pretrain_gpt.py`` within 110 s at a
+   one-minute timeout, the verdict naming it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -487,6 +492,86 @@ def check_throughput_1p3b() -> str:
     return f"{ngpu} x {name}: {tokens:.0f} tokens/s, {tflops:.1f} TFLOP/s per GPU{mfu} ({time.time() - t0:.0f} s)"
 
 
+# ---- 8: a hang inside NCCL ---------------------------------------------------------------------
+
+_NCCL_SETTINGS = """
+import os, sys
+from megazero import mpu
+from megazero.mpu.parallel_state import collective_timeout
+with mpu.distributed_run("nccl", 90.0):
+    mpu.initialize_model_parallel(1)
+    g = mpu.get_parallel_groups()
+    print([collective_timeout(x).total_seconds() for x in (None, g.dp_group)],
+          os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"))
+"""
+
+
+def check_nccl_watchdog() -> str:
+    """NCCL's groups run under the timeout (plus the grace that lets megazero's verdict come first) with
+    torch's watchdog set to abort; on 2+ GPUs a rank stopped with SIGSTOP ends the run naming it."""
+    if device().type != "cuda":
+        raise Skip("NCCL needs CUDA")
+    from megazero.mpu.distributed import NCCL_GRACE_S
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", _NCCL_SETTINGS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = f"{[90.0 + NCCL_GRACE_S] * 2} 3 1"
+    assert out.stdout.strip().splitlines()[-1] == want, f"{out.stdout.strip()} != {want}"
+    detail = f"NCCL groups' timeout 90 s + {NCCL_GRACE_S:g} s, TORCH_NCCL_ASYNC_ERROR_HANDLING=3, dump on timeout"
+    if torch.cuda.device_count() < 2:
+        return detail + "; the SIGSTOP drill needs 2 GPUs (skipped)"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "pretrain_gpt.py"), "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+           "--micro-batch-size", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "512", "--train-iters",
+           "100000", "--log-interval", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+    lines, stopped_at = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if stopped_at is None and " iteration       20/" in line:
+                pid = _child_with_rank(proc.pid, 1)
+                os.kill(pid, signal.SIGSTOP)
+                stopped_at = time.time()
+        proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines)
+    assert stopped_at is not None, "the run never reached iteration 20:\n" + log[-3000:]
+    took = time.time() - stopped_at
+    assert proc.returncode != 0 and took <= 110, f"exit {proc.returncode} after {took:.0f} s:\n{log[-3000:]}"
+    assert "rank 1 (host" in log and "did not arrive" in log, log[-3000:]
+    return detail + f"; a SIGSTOP'd rank on NCCL ended the run in {took:.0f} s, named"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_with_rank(parent: int, rank: int) -> int:
+    """The pid of global rank ``rank`` among ``parent``'s process tree (by its RANK variable)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or entry == str(parent):
+            continue
+        try:
+            env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env) and int(stat[1]) == parent:
+            return int(entry)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
 # ---- the runner --------------------------------------------------------------------------------
 
 CHECKS: list[tuple[str, Callable[[], str]]] = [
@@ -499,6 +584,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("attention_backends", check_attention_backends),
     ("apex_adam", check_apex_adam),
     ("throughput_1p3b", check_throughput_1p3b),
+    ("nccl_watchdog", check_nccl_watchdog),
 ]
 
 

@@ -146,40 +146,35 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
     assert "exitcode  : -9" in out or "Signals.SIGKILL" in out or "exitcode  : -15" in out, tail  # rank 2 killed
 
 
-def test_a_rank_stuck_in_its_data_read_is_named_with_its_stack(launches):
-    run = launches["data"]
+def _ended_naming(run, rank: int, where: str) -> str:
+    """The run's output, once it has ended non-zero with the verdict naming ``rank`` in ``where``."""
     code = run.wait()
     out = run.log
     assert code != 0, out[-3000:]
     tail = _last_lines(out, 12)
-    assert "rank 2 (host" in tail and "did not arrive" in tail and "iteration 4, data" in tail, tail
+    assert f"rank {rank} (host" in tail and "did not arrive" in tail and where in tail, tail
+    return out
+
+
+@pytest.mark.parametrize("name,rank,iteration,waiting", [
+    ("data", 2, 4, "ranks [0, 1, 3] waited in iteration 4"),
+    ("pipeline", 3, 5, "rank 1 waited in iteration 5, forward-backward"),  # its stage-0 partner, on its p2p
+])
+def test_a_rank_stuck_in_its_data_read_is_named_with_its_stack(launches, name, rank, iteration, waiting):
+    out = _ended_naming(launches[name], rank, f"iteration {iteration}, data")
     # its main thread's stack shows where it is stuck; the others waited for it
-    assert "rank 2's main thread" in out and "in take" in out and "time.sleep(HOUR)" in out, out[-4000:]
-    assert "ranks [0, 1, 3] waited in iteration 4" in out, out[-3000:]
+    assert f"rank {rank}'s main thread" in out and "in take" in out and "time.sleep(HOUR)" in out, out[-4000:]
+    assert waiting in out, out[-3000:]
     # the stuck rank exits itself: no 30 s wait for torchrun's SIGKILL
     assert "exitcode  : -9" not in out
 
 
 def test_a_rank_stuck_in_a_checkpoint_save_leaves_latest_at_the_previous_one(launches):
     run = launches["save"]
-    code = run.wait()
-    out = run.log
-    assert code != 0, out[-3000:]
-    tail = _last_lines(out, 12)
-    assert "rank 1 (host" in tail and "did not arrive" in tail and "iteration 4, checkpoint save" in tail, tail
+    _ended_naming(run, 1, "iteration 4, checkpoint save")
     ckpt = run.ckpt
     assert (ckpt / "latest").read_text().strip() == "iter_0000002"
     assert not (ckpt / "iter_0000004").exists()  # only its .partial, which a resume ignores
-
-
-def test_a_stuck_rank_of_a_pipeline_is_named(launches):
-    run = launches["pipeline"]
-    code = run.wait()
-    out = run.log
-    assert code != 0, out[-3000:]
-    tail = _last_lines(out, 12)
-    assert "rank 3 (host" in tail and "did not arrive" in tail and "iteration 5, data" in tail, tail
-    assert "rank 3's main thread" in out and "time.sleep(HOUR)" in out, out[-4000:]
 
 
 def test_a_killed_rank_ends_the_run_at_once(launches):
@@ -292,12 +287,15 @@ def test_nccl_gets_its_watchdog_settings_unless_the_user_set_them():
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in nccl_watchdog_env({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "nan"])
-def test_a_timeout_that_is_not_positive_is_refused_in_one_line(value):
+@pytest.mark.parametrize("value,message", [("0", "must be a positive number of minutes"),
+                                           ("-5", "must be a positive number of minutes"),
+                                           ("nan", "must be a positive number of minutes"),
+                                           ("0.1", "is 6 s, too short .* give at least 0.17 .10 s.")])
+def test_a_timeout_that_is_not_positive_is_refused_in_one_line(value, message):
     from megazero.training import parse_args
     from megazero.training.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--distributed-timeout-minutes must be a positive number of minutes"):
+    with pytest.raises(ConfigError, match=message):
         parse_args([*TINY, "--train-iters", "2", "--distributed-timeout-minutes", value], 1)
 
 
@@ -328,3 +326,45 @@ def test_the_timeout_reaches_every_group():
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == str([seconds] * 5)
+
+
+class _Engine:
+    def __init__(self, total: int, grads: int) -> None:
+        self.state = {"total": total, "grads": grads}
+
+    def model_state_bytes(self) -> dict:
+        return self.state
+
+
+class _Run:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+
+def test_a_timeout_below_the_checkpoint_save_is_refused_with_the_value_to_give(monkeypatch):
+    from megazero.training import parse_args
+    from megazero.training.config import ConfigError
+    from megazero.training.failures import RunAborted
+    from megazero.training.health.watchdog import check_timeout_covers_save
+
+    config = parse_args([*TINY, "--train-iters", "2", "--save", "/tmp/unused", "--distributed-timeout-minutes", "1"], 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    # 8 ranks x 30 GB at 2 GB/s a node: 120 s of writing against a 60 s timeout
+    with pytest.raises((ConfigError, RunAborted), match=r"--distributed-timeout-minutes 1 is shorter than a "
+                                                        r"checkpoint save.*about 2\.0 min.*give "
+                                                        r"--distributed-timeout-minutes 4"):
+        check_timeout_covers_save(config, _Run(_Engine(int(40e9), int(10e9))))
+    check_timeout_covers_save(config, _Run(_Engine(int(4e9), int(1e9))))  # 12 s: fine
+
+
+def test_a_save_over_half_the_timeout_is_warned_of(caplog):
+    from megazero.training import parse_args
+    from megazero.training.health.watchdog import warn_if_save_near_timeout
+
+    config = parse_args([*TINY, "--train-iters", "2", "--distributed-timeout-minutes", "2"], 1)
+    with caplog.at_level("WARNING", logger="megazero.training.health.watchdog"):
+        warn_if_save_near_timeout(config, 30.0)
+        assert not caplog.records
+        warn_if_save_near_timeout(config, 90.0)
+    assert "the checkpoint save took 1.5 min, over half of --distributed-timeout-minutes 2" in caplog.text
+    assert "give --distributed-timeout-minutes 5" in caplog.text

@@ -9,9 +9,8 @@ and the straggler timer (how long each phase took), through ``listeners``.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 __all__ = ["PHASES", "Whereabouts", "PhaseBoard"]
 
@@ -20,9 +19,9 @@ PHASES = ("start-up", "checkpoint load", "data", "forward-backward", "optimizer 
           "checkpoint save", "end")
 
 
-@dataclasses.dataclass(frozen=True)
-class Whereabouts:
-    """One consistent record of where the rank is (replaced whole, so a reading thread never sees half)."""
+class Whereabouts(NamedTuple):
+    """One consistent record of where the rank is (replaced whole, so a reading thread never sees half;
+    a tuple, as it is made twice per micro-batch)."""
 
     iteration: int  # the iteration being run (0 before the first)
     phase: str
@@ -72,18 +71,21 @@ class PhaseBoard:
 
     def advance(self, detail: str) -> None:
         """A step inside the current phase is done (``detail`` names it: "files written")."""
-        now = self.now
-        self.now = dataclasses.replace(now, steps=now.steps + 1, detail=detail, progressed=self._clock())
+        w = self.now
+        self.now = Whereabouts(w.iteration, w.phase, w.forwards, w.backwards, w.passes, w.steps + 1, detail,
+                               w.started, self._clock())
 
     def lap(self, event: str) -> None:
         """The schedule finished a forward ("fwd") or backward ("bwd") pass, or the optimizer step ("step");
         after the iteration's last backward the optimizer step begins."""
-        now = self.now
+        w = self.now
         if event == "fwd":
-            self.now = dataclasses.replace(now, forwards=now.forwards + 1, progressed=self._clock())
+            self.now = Whereabouts(w.iteration, w.phase, w.forwards + 1, w.backwards, w.passes, w.steps, w.detail,
+                                   w.started, self._clock())
         elif event == "bwd":
-            self.now = dataclasses.replace(now, backwards=now.backwards + 1, progressed=self._clock())
-            if self.now.passes and self.now.backwards >= self.now.passes:
+            self.now = Whereabouts(w.iteration, w.phase, w.forwards, w.backwards + 1, w.passes, w.steps, w.detail,
+                                   w.started, self._clock())
+            if w.passes and w.backwards + 1 >= w.passes:
                 self.enter("optimizer step")
         elif event == "step":
             self.enter("logging")

@@ -12,6 +12,8 @@ from megazero.model.config import GPTConfig
 from megazero.training.config import ConfigError, ParallelConfig, ScheduleConfig, TrainConfig
 from megazero.training.resolve.common import default
 
+MIN_TIMEOUT_S = 10.0  # --distributed-timeout-minutes' floor
+
 
 def check_local_rank(ns: argparse.Namespace) -> None:
     """The `deepspeed` launcher and torch.distributed.launch pass --local_rank=N and also set LOCAL_RANK;
@@ -83,6 +85,10 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ConfigError(f"--distributed-timeout-minutes must be a positive number of minutes, got {timeout:g}: "
                           "give the longest a rank may wait for its peers, e.g. 10 (Megatron-LM's default)")
+    if timeout * 60 < MIN_TIMEOUT_S:  # the rendezvous and the heartbeats (every few seconds) need this much
+        raise ConfigError(f"--distributed-timeout-minutes {timeout:g} is {timeout * 60:.2g} s, too short to join the "
+                          f"rendezvous and tell a hung rank from a slow one: give at least "
+                          f"{MIN_TIMEOUT_S / 60:.2f} ({MIN_TIMEOUT_S:g} s), e.g. 10 (Megatron-LM's default)")
     return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp, distributed_timeout_minutes=timeout,
                           cp_comm_type=comm_types[0] if len(set(comm_types)) == 1 else tuple(comm_types),
                           hierarchical_cp=hierarchical, ep=ep, etp=etp,
