@@ -254,9 +254,10 @@ def _pretrain_gpt_with_slow_rank(argv, rank, seconds):
 
 
 @pytest.mark.slow
-def test_pretrain_gpt_on_four_ranks_names_the_slow_data_rank(dataset, tmp_path):
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]], ids=["dp4", "pp2xdp2"])
+def test_pretrain_gpt_on_four_ranks_names_the_slow_data_rank(dataset, tmp_path, layout):
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--tp", "1", "--zero-stage", "1", "--num-layers", "2", "--hidden-size", "32",
+    argv = [*layout, "--tp", "1", "--zero-stage", "1", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3",
             "--data-path", dataset, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
