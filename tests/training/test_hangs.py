@@ -368,3 +368,46 @@ def test_a_save_over_half_the_timeout_is_warned_of(caplog):
         warn_if_save_near_timeout(config, 90.0)
     assert "the checkpoint save took 1.5 min, over half of --distributed-timeout-minutes 2" in caplog.text
     assert "give --distributed-timeout-minutes 5" in caplog.text
+
+
+def test_a_store_that_does_not_answer_still_ends_the_run_with_this_ranks_view(caplog):
+    """Under srun rank 0 serves the store: if it is the stopped rank, the verdict cannot be agreed."""
+    import torch.distributed as dist
+
+    from megazero.training.health import PhaseBoard
+    from megazero.training.health.watchdog import Watchdog
+
+    class Frozen(dist.Store):
+        def __getattribute__(self, name):
+            if name in ("add", "set", "get", "check", "wait", "multi_get"):
+                raise RuntimeError("Socket Timeout")
+            return super().__getattribute__(name)
+
+    board = PhaseBoard()
+    board.enter("optimizer step", iteration=7)
+    exits = []
+    dog = Watchdog(board, 60.0, rank=3, world=4, store=Frozen(), exit=exits.append)
+    with caplog.at_level("ERROR", logger="megazero.training.health.watchdog"):
+        dog.declare("rank 3 made no progress for 60 s")
+    assert exits == [1]
+    assert "this rank is in iteration 7, optimizer step; the rendezvous store did not answer" in caplog.text
+
+
+def test_a_peers_closed_connection_waits_for_the_verdict_and_other_errors_do_not():
+    import threading as th
+
+    import torch.distributed as dist
+
+    from megazero.training.health import PhaseBoard
+    from megazero.training.health.watchdog import Watchdog
+
+    store = dist.HashStore()
+    dog = Watchdog(PhaseBoard(), 60.0, rank=0, world=2, store=store, exit=lambda code: None)
+    dog.peer_error_wait_s = 5.0
+    closed = RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:43400")
+    assert not dog._is_the_hang(ValueError("a bad file"))  # at once, no verdict
+    timer = th.Timer(0.5, lambda: dist.PrefixStore("megazero/health/", store).set("verdict", "{}"))
+    timer.start()
+    t0 = time.monotonic()
+    assert dog._is_the_hang(closed) and 0.4 < time.monotonic() - t0 < 5
+    assert dog._is_the_hang(RuntimeError("Timed out waiting 60000ms for recv operation"))

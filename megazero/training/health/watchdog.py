@@ -55,6 +55,8 @@ PREFIX = "megazero/health/"
 UNARMED = ("start-up", "checkpoint load", "end")
 REPORT_WAIT_S = 20.0  # how long a rank that was not elected waits for the verdict before its own line
 STACK_WAIT_S = 3.0  # how long the elected rank waits for the named ranks' stacks
+STORE_TIMEOUT_S = 10.0  # how long one of the watchdog's store operations may take
+PEER_ERROR_WAIT_S = 10.0  # how long a peer's closed connection waits for a verdict before it is an error
 # A conservative write rate for the start-up check (a parallel filesystem gives a node more, a laptop less).
 ASSUMED_SAVE_GB_PER_S_PER_NODE = 2.0
 
@@ -178,11 +180,12 @@ class Watchdog:
                  beat_s: Optional[float] = None, poll_s: float = 1.0, prog: str = "pretrain_gpt.py",
                  exit: Callable[[int], None] = os._exit) -> None:
         self.board, self.timeout_s, self.rank, self.world = board, timeout_s, rank, world
-        self.store = dist.PrefixStore(PREFIX, store) if store is not None else None
+        self.store = dist.PrefixStore(PREFIX, _own_connection(store)) if store is not None else None
         self.beat_s = beat_s if beat_s is not None else min(10.0, max(1.0, timeout_s / 6))
         self.change_beat_s = min(2.0, self.beat_s)  # a changed whereabouts is sent this soon (at most)
         self.stale_s = 3 * self.beat_s
         self.poll_s, self.prog, self._exit = min(poll_s, self.beat_s), prog, exit
+        self.peer_error_wait_s = PEER_ERROR_WAIT_S
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
@@ -212,9 +215,7 @@ class Watchdog:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop.set()
-        # A collective that timed out, or any error once a verdict is out (a peer that exited after
-        # declaring closes its connections: "Connection closed by peer" here is the same hang).
-        if exc is not None and isinstance(exc, Exception) and (is_collective_timeout(exc) or self._verdict_out()):
+        if exc is not None and isinstance(exc, Exception) and self._is_the_hang(exc):
             message = str(exc).splitlines()[0]
             message = message.split("] ", 1)[-1] if message.startswith("[") else message  # gloo's source path
             self.declare(f"a collective timed out on rank {self.rank}: {message[:200]}")
@@ -240,6 +241,21 @@ class Watchdog:
             self.store.set(f"beat/{self.rank}", json.dumps(self._own_beat(now)))
         except Exception:  # noqa: BLE001 - a store that went away: the deadline still holds
             pass
+
+    def _is_the_hang(self, error: Exception) -> bool:
+        """Whether ``error`` from the main thread is the hang: a collective that timed out, or any error
+        once a verdict is out. A peer's timed-out collective closes its connections before its verdict is
+        written, so after "Connection closed by peer" the verdict is awaited for a few seconds."""
+        if is_collective_timeout(error):
+            return True
+        text = str(error)
+        wait = self.peer_error_wait_s if "Connection closed" in text or "Connection reset" in text else 0.0
+        deadline = time.monotonic() + wait
+        while not self._verdict_out():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def _verdict_out(self) -> bool:
         if self.store is None:
@@ -270,17 +286,21 @@ class Watchdog:
 
     def _agree_verdict(self, cause: str) -> Verdict:
         if self.store is None:
-            line = f"hang: {cause or 'no progress'} (--distributed-timeout-minutes {self.timeout_s / 60:g}); " \
-                   f"without the rendezvous store the ranks that did not arrive are not known"
-            log.error(f"{self.prog}: {line}")
-            return Verdict([], [line], line)
+            return self._alone(cause, "without the rendezvous store the ranks that did not arrive are not known")
         try:
-            elected = self.store.add("speaker", 1) == 1
-        except Exception:  # noqa: BLE001
-            elected = False
-        if elected:
-            return self._speak(cause)
-        return self._listen(cause)
+            if self.store.add("speaker", 1) == 1:
+                return self._speak(cause)
+            return self._listen(cause)
+        except Exception as e:  # noqa: BLE001 - the store is gone or frozen: this rank's own view
+            return self._alone(cause, f"the rendezvous store did not answer ({type(e).__name__}), so the ranks "
+                                      f"that did not arrive are not known")
+
+    def _alone(self, cause: str, why: str) -> Verdict:
+        """The verdict of this rank alone (no table of heartbeats to read)."""
+        line = (f"hang: {cause or 'no progress'} (--distributed-timeout-minutes {self.timeout_s / 60:g}); this rank is "
+                f"in {self.board.now.describe()}; {why}")
+        log.error(f"{self.prog}: {line}")
+        return Verdict([], [line], line)
 
     def _speak(self, cause: str) -> Verdict:
         keys = [f"beat/{r}" for r in range(self.world)]
@@ -320,9 +340,7 @@ class Watchdog:
             self.store.wait(["verdict"], datetime.timedelta(seconds=REPORT_WAIT_S))
             verdict = Verdict.from_json(self.store.get("verdict").decode())
         except Exception:  # noqa: BLE001 - the elected rank is gone: this rank's own view
-            line = f"hang: {cause or 'no progress'} (--distributed-timeout-minutes {self.timeout_s / 60:g})"
-            log.error(f"{self.prog}: {line}")
-            return Verdict([], [line], line)
+            return self._alone(cause, "the rank elected to name them did not answer")
         if self.rank in verdict.missing:
             self.store.set(f"stack/{self.rank}", self._main_stack())
         try:  # the elected rank prints before anyone exits (torchrun stops the rest at the first exit)
@@ -341,6 +359,19 @@ class Watchdog:
     def _main_stack(self) -> str:
         frame = sys._current_frames().get(self._main)
         return "".join(traceback.format_stack(frame)) if frame is not None else "(no main thread)"
+
+
+def _own_connection(store):
+    """``store`` on a connection of the watchdog's own, whose operations give up after
+    :data:`STORE_TIMEOUT_S`: the heartbeats never queue behind the main thread's store calls, and a
+    store whose host is frozen (under srun rank 0 serves it) cannot hold the verdict for the
+    collective timeout. A store that cannot be cloned (an in-process one) is used as it is."""
+    try:
+        own = store.clone()
+        own.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return own
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return store
 
 
 class _Off:
