@@ -218,7 +218,8 @@ class Watchdog:
         if exc is not None and isinstance(exc, Exception) and self._is_the_hang(exc):
             message = str(exc).splitlines()[0]
             message = message.split("] ", 1)[-1] if message.startswith("[") else message  # gloo's source path
-            self.declare(f"a collective timed out on rank {self.rank}: {message[:200]}")
+            what = "timed out" if is_collective_timeout(exc) else "failed"
+            self.declare(f"a collective {what} on rank {self.rank}: {message[:200]}")
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
