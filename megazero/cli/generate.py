@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 
 import torch
@@ -122,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     setup_logging()
-    if not (args.distributed_timeout_minutes > 0 and math.isfinite(args.distributed_timeout_minutes)):
-        p.error(f"--distributed-timeout-minutes must be a positive number of minutes, got "
-                f"{args.distributed_timeout_minutes:g}: give the longest a rank may wait for its peers, e.g. 10")
+    from megazero.training.resolve.parallel import timeout_problem
+
+    problem = timeout_problem(args.distributed_timeout_minutes)
+    if problem:
+        p.error(problem)
     if not os.path.isdir(args.load):
         p.error(f"--load {args.load} is not a directory")
     try:

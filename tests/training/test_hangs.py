@@ -129,6 +129,7 @@ def _last_lines(text: str, n: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
+@pytest.mark.slow  # whole launches
 def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
     run = launches["stopped"]
     code = run.wait()
@@ -156,6 +157,7 @@ def _ended_naming(run, rank: int, where: str) -> str:
     return out
 
 
+@pytest.mark.slow  # whole launches
 @pytest.mark.parametrize("name,rank,iteration,waiting", [
     ("data", 2, 4, "ranks [0, 1, 3] waited in iteration 4"),
     ("pipeline", 3, 5, "rank 1 waited in iteration 5, forward-backward"),  # its stage-0 partner, on its p2p
@@ -169,6 +171,7 @@ def test_a_rank_stuck_in_its_data_read_is_named_with_its_stack(launches, name, r
     assert "exitcode  : -9" not in out
 
 
+@pytest.mark.slow  # whole launches
 def test_a_rank_stuck_in_a_checkpoint_save_leaves_latest_at_the_previous_one(launches):
     run = launches["save"]
     _ended_naming(run, 1, "iteration 4, checkpoint save")
@@ -177,6 +180,7 @@ def test_a_rank_stuck_in_a_checkpoint_save_leaves_latest_at_the_previous_one(lau
     assert not (ckpt / "iter_0000004").exists()  # only its .partial, which a resume ignores
 
 
+@pytest.mark.slow  # whole launches
 def test_a_killed_rank_ends_the_run_at_once(launches):
     run = launches["killed"]
     code = run.wait()
@@ -313,6 +317,7 @@ with mpu.distributed_run("gloo", config.parallel.distributed_timeout_minutes * 6
 """
 
 
+@pytest.mark.slow  # whole launches
 def test_the_timeout_reaches_every_group():
     """The default group and every group megazero makes run under --distributed-timeout-minutes."""
     import socket

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -13,6 +14,19 @@ from megazero.training.config import ConfigError, ParallelConfig, ScheduleConfig
 from megazero.training.resolve.common import default
 
 MIN_TIMEOUT_S = 10.0  # --distributed-timeout-minutes' floor
+
+
+def timeout_problem(minutes: float) -> Optional[str]:
+    """What is wrong with ``--distributed-timeout-minutes minutes``, with the fix (None: nothing), for
+    every program that launches ranks."""
+    if not (minutes > 0 and math.isfinite(minutes)):
+        return (f"--distributed-timeout-minutes must be a positive number of minutes, got {minutes:g}: give the "
+                "longest a rank may wait for its peers, e.g. 10 (Megatron-LM's default)")
+    if minutes * 60 < MIN_TIMEOUT_S:  # the rendezvous and the heartbeats (every few seconds) need this much
+        return (f"--distributed-timeout-minutes {minutes:g} is {minutes * 60:.2g} s, too short to join the "
+                f"rendezvous and tell a hung rank from a slow one: give at least {MIN_TIMEOUT_S / 60:.2f} "
+                f"({MIN_TIMEOUT_S:g} s), e.g. 10 (Megatron-LM's default)")
+    return None
 
 
 def check_local_rank(ns: argparse.Namespace) -> None:
@@ -82,13 +96,9 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
         raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
                           "--distributed-backend gloo to run on CPUs")
     timeout = default(ns.distributed_timeout_minutes, 10.0)
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise ConfigError(f"--distributed-timeout-minutes must be a positive number of minutes, got {timeout:g}: "
-                          "give the longest a rank may wait for its peers, e.g. 10 (Megatron-LM's default)")
-    if timeout * 60 < MIN_TIMEOUT_S:  # the rendezvous and the heartbeats (every few seconds) need this much
-        raise ConfigError(f"--distributed-timeout-minutes {timeout:g} is {timeout * 60:.2g} s, too short to join the "
-                          f"rendezvous and tell a hung rank from a slow one: give at least "
-                          f"{MIN_TIMEOUT_S / 60:.2f} ({MIN_TIMEOUT_S:g} s), e.g. 10 (Megatron-LM's default)")
+    problem = timeout_problem(timeout)
+    if problem:
+        raise ConfigError(problem)
     return ParallelConfig(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), cp=cp, distributed_timeout_minutes=timeout,
                           cp_comm_type=comm_types[0] if len(set(comm_types)) == 1 else tuple(comm_types),
                           hierarchical_cp=hierarchical, ep=ep, etp=etp,
