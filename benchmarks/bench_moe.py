@@ -90,7 +90,7 @@ class _Expert(torch.nn.Module):
 
 def _build(kind: str, shape: Shape, ep: int, rank: int):
     """(module, step(x) -> output, expert parameters) of one configuration."""
-    from megazero.model.moe import AuxLossScale, MoELayer
+    from megazero.model.moe.layer import AuxLossScale, MoELayer
     from megazero.model.transformer import MLP, init_methods
     from megazero.mpu import NO_GROUP
 
@@ -130,7 +130,7 @@ def _build(kind: str, shape: Shape, ep: int, rank: int):
 
 def _routing(layer, x: torch.Tensor, shape: Shape, ep: int) -> torch.Tensor:
     """Token copies rank src sends to rank dst's experts: ``[ep, ep]`` (all ranks' rows)."""
-    from megazero.model.moe import route
+    from megazero.model.moe.layer import route
 
     logits = x.detach().reshape(-1, shape.hidden) @ layer.router.weight.detach().t()
     top = route(logits, shape.topk, False)[0].flatten()

@@ -294,7 +294,7 @@ def check_offload_bitwise() -> str:
 # ---- 6: flash-attn, apex -----------------------------------------------------------------------
 
 def check_attention_backends() -> str:
-    from megazero.model.attention import core_attention, flash_attn_available
+    from megazero.model.attention.core import core_attention, flash_attn_available
 
     dev = device()
     if dev.type != "cuda":
@@ -358,7 +358,7 @@ def _blockwise_attention(q, k, v, kernel, chunks: int):
 
 
 def check_ring_kernels() -> str:
-    from megazero.model.ring_kernels import block_kernel
+    from megazero.model.attention.ring_kernels import block_kernel
 
     dev = device()
     cases = [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)] if dev.type == "cuda" \
@@ -385,7 +385,7 @@ def check_ring_kernels() -> str:
 
 def check_moe_layer() -> str:
     from megazero.model.config import GPTConfig
-    from megazero.model.moe import AuxLossScale, MoELayer
+    from megazero.model.moe.layer import AuxLossScale, MoELayer
     from megazero.model.transformer import MLP, init_methods
 
     dev = device()

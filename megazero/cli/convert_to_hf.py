@@ -30,7 +30,7 @@ from megazero.cli.common import setup_logging, tool_parser
 from megazero.cli.streaming import LayerProgress
 from megazero.data.hf_tokenizer import export_tokenizer_to_hf
 from megazero.model import GPTConfig
-from megazero.model.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict
+from megazero.model.interop.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full
 from megazero.training.checkpointing import (TOKENIZER_DIR, CheckpointError, FullWeightsReader,
                                              checkpoint_tokenizer_dir, open_checkpoint)

@@ -4,7 +4,7 @@
 ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads (a HF tokenizer is copied, GPT-2 BPE
 becomes ``GPT2TokenizerFast``, SentencePiece a ``LlamaTokenizer`` converted by transformers) and
 returns the ``(bos, eos)`` ids for the model's config (eos = the tokenizer's EOD). The model
-weights and config are ``megazero.model.hf``'s (``export_to_hf(..., token_ids=(bos, eos))``).
+weights and config are ``megazero.model.interop.hf``'s (``export_to_hf(..., token_ids=(bos, eos))``).
 
 ``import_tokenizer_from_hf(hf_dir, tokenizer_dir)`` records the tokenizer of a Hugging Face model
 directory (tokenizer.json, tokenizer_config.json, vocab + merges, a SentencePiece model: whichever

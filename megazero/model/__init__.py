@@ -7,7 +7,7 @@ sizes/FLOPs, TP-independent full state dicts, and Hugging Face GPT-2/Llama inter
 from .config import PRESETS, GPTConfig, gpt_preset
 from .flops import flops_per_iteration, flops_per_token, layer_forward_flops_per_token, num_parameters
 from .gpt import GPTModel, PositionEmbedding, materialize_
-from .hf import export_to_hf, hf_architecture, import_from_hf
+from .interop.hf import export_to_hf, hf_architecture, import_from_hf
 from .state_dict import (
     gather_full_state_dict,
     gather_full_tensor,

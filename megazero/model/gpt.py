@@ -38,11 +38,11 @@ from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
 from .config import GPTConfig
-from .cp_context import ContextParallel
+from .attention.cp_context import ContextParallel
 from .keyed_dropout import DropoutKey
 from .norms import build_norm
-from .rope import RotaryEmbedding
-from .moe import AuxLossScale
+from .attention.rope import RotaryEmbedding
+from .moe.layer import AuxLossScale
 from .transformer import ExpertParallel, TransformerLayer, dropout, init_methods
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_"]

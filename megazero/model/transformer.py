@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_, scaled_init_method_normal
 
-from .attention import core_attention
-from .cp_context import ContextParallel, context_parallel_attention
+from .attention.core import core_attention
+from .attention.cp_context import ContextParallel, context_parallel_attention
 from .config import GPTConfig
 from .norms import build_norm
 from .keyed_dropout import AttentionDropout, DropoutKey, keyed_dropout
-from .moe import AuxLossScale, MoELayer, is_moe_layer
-from .rope import apply_rotary
+from .moe.layer import AuxLossScale, MoELayer, is_moe_layer
+from .attention.rope import apply_rotary
 
 __all__ = ["SelfAttention", "MLP", "TransformerLayer", "GatedColumnParallelLinear", "dropout", "init_methods"]
 

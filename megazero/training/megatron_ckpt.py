@@ -3,7 +3,7 @@
 ``detect_foreign_checkpoint(path)`` tells a ``--load`` directory that megazero cannot
 resume (instead of silently "starting from scratch") and says how to convert it.
 ``import_megatron(path)`` reads a Megatron checkpoint's weights (any tp, any pp) into a full
-megazero state dict; the name and shape mapping is ``megazero.model.megatron_import``'s.
+megazero state dict; the name and shape mapping is ``megazero.model.interop.megatron_import``'s.
 ``load_megatron_file`` reads one Megatron ``.pt`` file with ``torch.load(weights_only=True)``
 and an explicit allow-list: ``argparse.Namespace``, the numpy types of saved RNG states,
 and inert placeholder classes for Megatron/DeepSpeed enums found in saved ``args``
@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from megazero.model.config import GPTConfig
-from megazero.model.megatron_import import deepspeed_layer_names, flatten, megatron_names, megatron_to_megazero
+from megazero.model.interop.megatron_import import deepspeed_layer_names, flatten, megatron_names, megatron_to_megazero
 
 __all__ = ["detect_foreign_checkpoint", "load_megatron_file", "import_megatron", "CONVERT_HINT"]
 

@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from .. import mpu, zero
 from ..data import GPTBatch, build_batch, masked_mean, to_device
-from ..model.cp_context import ContextParallel
-from ..model.cp_hierarchical import Hierarchy
-from ..model.cp_layout import zigzag_layout
+from ..model.attention.cp_context import ContextParallel
+from ..model.attention.cp_hierarchical import Hierarchy
+from ..model.attention.cp_layout import zigzag_layout
 from ..model.keyed_dropout import sample_keys
-from ..model.moe import Router, is_expert_parameter
+from ..model.moe.layer import Router, is_expert_parameter
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig

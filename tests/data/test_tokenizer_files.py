@@ -50,7 +50,7 @@ def test_hf_export_writes_tokenizer_and_its_bos_eos(spm_model, tmp_path):
     transformers = pytest.importorskip("transformers")
     from megazero.data.hf_tokenizer import export_tokenizer_to_hf
     from megazero.model import GPTModel
-    from megazero.model.hf import export_to_hf
+    from megazero.model.interop.hf import export_to_hf
     from megazero.model.state_dict import gather_full_state_dict
     from tests.model.common import tiny_config
 

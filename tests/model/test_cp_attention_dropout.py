@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.model.attention import core_attention
-from megazero.model.cp_attention import SequenceShard, a2a_attention, allgather_attention
-from megazero.model.cp_hierarchical import Hierarchy, hierarchical_attention
-from megazero.model.cp_layout import balanced_document_layout, split_for_rank, zigzag_layout
+from megazero.model.attention.core import core_attention
+from megazero.model.attention.cp_attention import SequenceShard, a2a_attention, allgather_attention
+from megazero.model.attention.cp_hierarchical import Hierarchy, hierarchical_attention
+from megazero.model.attention.cp_layout import balanced_document_layout, split_for_rank, zigzag_layout
 from megazero.model.keyed_dropout import AttentionDropout, sample_keys
-from megazero.model.ring_attention import ring_attention
-from megazero.model.ring_kernels import _MathKernel
+from megazero.model.attention.ring_attention import ring_attention
+from megazero.model.attention.ring_kernels import _MathKernel
 from tests.distributed import run_distributed
 from tests.model.test_cp_hierarchical import _groups
 

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="HF interop tests need
 from safetensors.torch import load_file  # noqa: E402
 
 from megazero.model import GPTModel  # noqa: E402
-from megazero.model.hf import export_to_hf, hf_architecture, import_from_hf  # noqa: E402
+from megazero.model.interop.hf import export_to_hf, hf_architecture, import_from_hf  # noqa: E402
 from megazero.model.state_dict import gather_full_state_dict, load_full, load_full_state_dict, save_full  # noqa: E402
 from tests.model.common import batch, tiny_config  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_llama_head_dim_imports_as_kv_channels(tmp_path):
 
 def test_original_gpt2_key_names_are_accepted():
     # openai-community/gpt2 stores GPT2Model keys (no "transformer." prefix) and old mask buffers.
-    from megazero.model.hf import from_hf_state_dict, to_hf_state_dict
+    from megazero.model.interop.hf import from_hf_state_dict, to_hf_state_dict
 
     config = tiny_config("gpt")
     full = gather_full_state_dict(_perturbed_model(config))

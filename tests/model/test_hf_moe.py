@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="HF interop tests need
 from safetensors.torch import load_file  # noqa: E402
 
 from megazero.model import GPTModel  # noqa: E402
-from megazero.model.hf import export_to_hf, hf_architecture, import_from_hf  # noqa: E402
+from megazero.model.interop.hf import export_to_hf, hf_architecture, import_from_hf  # noqa: E402
 from megazero.model.state_dict import gather_full_state_dict, load_full_state_dict  # noqa: E402
 
 COMMON = dict(vocab_size=90, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,

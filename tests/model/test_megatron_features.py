@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megazero import mpu
 from megazero.model import GPTConfig, GPTModel
 from megazero.model.flops import num_parameters
-from megazero.model.rope import RotaryEmbedding, apply_rotary
+from megazero.model.attention.rope import RotaryEmbedding, apply_rotary
 from megazero.model.state_dict import gather_full_state_dict, gather_full_tensor, load_full_state_dict
 from tests.distributed import run_distributed
 from tests.helpers import assert_close

@@ -6,7 +6,7 @@ import torch
 from megazero import mpu
 from megazero.mpu.initializers import parameter_naming
 from megazero.model import GPTModel, materialize_
-from megazero.model.attention import core_attention, resolve_backend
+from megazero.model.attention.core import core_attention, resolve_backend
 from megazero.model.state_dict import gather_full_state_dict, load_full_state_dict
 from tests.model.common import SEQ, batch, mean_loss, tiny_config
 

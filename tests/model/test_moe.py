@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.model.config import GPTConfig
-from megazero.model.moe import AuxLossScale, MoELayer, route
+from megazero.model.moe.layer import AuxLossScale, MoELayer, route
 from megazero.model.transformer import MLP, init_methods
 from tests.distributed import run_distributed
 
@@ -120,7 +120,7 @@ def test_expert_parallel_equals_one_process(size):
 
 
 def test_over_capacity_keeps_each_experts_heaviest_or_earliest_copies():
-    from megazero.model.moe import over_capacity
+    from megazero.model.moe.layer import over_capacity
 
     top = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
     w = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.7, 0.3]])
@@ -140,7 +140,7 @@ def test_dropped_copies_contribute_nothing():
     (dropped,) = layer.aux_scale.dropped
     assert 0.4 < dropped.item() < 0.6  # half the capacity of a uniform load: about half the copies
     # the same tokens through the dropless layer, with the dropped copies' weights zeroed, agree
-    from megazero.model.moe import over_capacity
+    from megazero.model.moe.layer import over_capacity
 
     logits = x.reshape(-1, H) @ layer.router.weight.t()
     top, weights, _ = route(logits, 2, False)
@@ -196,7 +196,7 @@ def test_expert_bias_chooses_the_experts_but_not_their_weights():
 
 
 def test_expert_bias_moves_against_the_load():
-    from megazero.model.moe import Router
+    from megazero.model.moe.layer import Router
 
     c = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     router = Router(c, init_methods(c)[0])
@@ -342,7 +342,7 @@ def test_padding_to_capacity_changes_nothing_but_the_bytes(size):
 def test_evaluation_takes_its_own_capacity_and_a_minimum_holds():
     """DeepSpeed-MoE's eval capacity factor and min capacity: a factor too small to keep a copy still keeps
     ``moe_min_capacity`` per expert; in evaluation the eval factor (here: room for every copy) applies."""
-    from megazero.model.moe import over_capacity
+    from megazero.model.moe.layer import over_capacity
 
     top = torch.zeros(10, 1, dtype=torch.long)  # every token to expert 0
     assert int((~over_capacity(top, torch.ones(10, 1), 4, 0.01, "position", minimum=3)).sum()) == 3

@@ -275,7 +275,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
 
 def _check_flash_attn(prec: PrecisionConfig) -> None:
     """Refuse flash attention up front where it cannot run (it would fail at the first forward)."""
-    from megazero.model.attention import flash_attn_available
+    from megazero.model.attention.core import flash_attn_available
 
     problems = []
     if not torch.cuda.is_available():

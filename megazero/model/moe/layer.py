@@ -40,11 +40,11 @@ from megazero import mpu
 from megazero.mpu.initializers import initialize_sharded_
 from megazero.mpu.mappings import all_gather_first_dim
 
-from .config import GPTConfig
-from .cp_context import ContextParallel
+from ..config import GPTConfig
+from ..attention.cp_context import ContextParallel
 from .grouped_linear import group_offsets, grouped_linear, grouped_matmul_available
-from .moe_dispatch import TokenDispatcher, padded_slots
-from .moe_routing import capacity_of, over_capacity, route
+from .dispatch import TokenDispatcher, padded_slots
+from .routing import capacity_of, over_capacity, route
 
 __all__ = ["AuxLossScale", "Router", "MoELayer", "is_moe_layer", "is_expert_parameter", "route", "over_capacity"]
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import GPTConfig
+from ..config import GPTConfig
 
 __all__ = ["MOE_FAMILIES", "MOE_ARCHITECTURES", "moe_mismatches", "moe_family", "moe_layer_to_hf", "moe_layer_from_hf",
            "moe_config_kwargs", "moe_hf_config_dict"]

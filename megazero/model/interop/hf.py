@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .config import GPTConfig
+from ..config import GPTConfig
 from .hf_moe import MOE_ARCHITECTURES, MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, \
     moe_layer_from_hf, moe_layer_to_hf, moe_mismatches
 

@@ -30,7 +30,7 @@ import torch
 
 from megazero.mpu.sharding import full_from_shards
 
-from .config import GPTConfig
+from ..config import GPTConfig
 
 __all__ = ["config_from_megatron_args", "flatten", "megatron_names", "deepspeed_layer_names",
            "merge_tp_shards", "megatron_to_megazero"]

@@ -11,7 +11,7 @@ Backward runs the ring again, recomputing each block from the saved local q, k, 
 and passes the dK/dV accumulators along with the blocks, so each rank ends with the gradients of its
 own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``.
 
-The block kernel (:mod:`megazero.model.ring_kernels`) is chosen by device and dtype: torch's flash
+The block kernel (:mod:`megazero.model.attention.ring_kernels`) is chosen by device and dtype: torch's flash
 op on CPU and on CUDA (fp16/bf16), its memory-efficient op for fp32 on CUDA, the explicit formula for
 fp64; each holds one block's working set, never the (s/cp)^2 scores of a whole exchange. With attention
 dropout keyed by position (``dropout``) every block runs the math kernel, which applies the masks of
@@ -27,9 +27,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.model.cp_layout import Block, CPLayout, Run, plan_blocks
+from megazero.model.attention.cp_layout import Block, CPLayout, Run, plan_blocks
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.ring_kernels import acc_dtype, block_kernel
+from megazero.model.attention.ring_kernels import acc_dtype, block_kernel
 
 __all__ = ["ring_attention", "block_attention", "dense_attention", "RingStats"]
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.ring_attention import dense_attention
+from megazero.model.attention.ring_attention import dense_attention
 from megazero.mpu.random import get_rng_tracker
 
 __all__ = ["core_attention", "resolve_backend", "flash_attn_available"]

@@ -15,11 +15,11 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megazero.model.cp_attention import SequenceShard, a2a_attention, allgather_attention
-from megazero.model.cp_hierarchical import Hierarchy, hierarchical_attention
-from megazero.model.cp_layout import CPLayout, balanced_document_layout, zigzag_document_layout
+from megazero.model.attention.cp_attention import SequenceShard, a2a_attention, allgather_attention
+from megazero.model.attention.cp_hierarchical import Hierarchy, hierarchical_attention
+from megazero.model.attention.cp_layout import CPLayout, balanced_document_layout, zigzag_document_layout
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.ring_attention import ring_attention
+from megazero.model.attention.ring_attention import ring_attention
 
 __all__ = ["ContextParallel", "context_parallel_attention", "COMM_TYPES"]
 

@@ -1,0 +1,1 @@
+"""Weights in and out: Hugging Face models and Megatron-LM checkpoints."""
