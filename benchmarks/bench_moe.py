@@ -80,7 +80,7 @@ class _Expert(torch.nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from megazero.model.transformer import MLP
+        from megazero.model.mlp import MLP
 
         self.mlp = MLP(config, tp_group=None, tp_size=1, expert=True)
 
@@ -91,7 +91,8 @@ class _Expert(torch.nn.Module):
 def _build(kind: str, shape: Shape, ep: int, rank: int):
     """(module, step(x) -> output, expert parameters) of one configuration."""
     from megazero.model.moe.layer import AuxLossScale, MoELayer
-    from megazero.model.transformer import MLP, init_methods
+    from megazero.model.init import init_methods
+    from megazero.model.mlp import MLP
     from megazero.mpu import NO_GROUP
 
     torch.manual_seed(0)  # the router alike on every rank

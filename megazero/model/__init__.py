@@ -16,7 +16,9 @@ from .state_dict import (
     save_full,
     shard_full_tensor,
 )
-from .transformer import MLP, GatedColumnParallelLinear, SelfAttention, TransformerLayer
+from .attention.self_attention import SelfAttention
+from .mlp import MLP, GatedColumnParallelLinear
+from .transformer import TransformerLayer
 
 __all__ = [
     # config.py

@@ -110,6 +110,35 @@ class GPTConfig:
     # routed experts, its output scaled by sigmoid(x w_gate) when moe_shared_expert_gate.
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    # --- multi-latent attention (DeepSeek-V2/V3; Megatron-core's MLATransformerConfig names) ----------------
+    # Queries and keys/values pass through low-rank latents; each head's query/key is a part without
+    # position (qk_head_dim) and a RoPE part (qk_pos_emb_head_dim) whose key is one per token, shared by
+    # all heads; values are v_head_dim wide. num_query_groups and kv_channels do not apply.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: queries projected straight from h (Moonlight, DeepSeek-V2-Lite)
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # --- RoPE scaling ----------------------------------------------------------------------------------
+    # 'rope' | 'yarn' (Peng et al. 2023, DeepSeek's form). None: 'yarn' with multi-latent attention (as
+    # Megatron), else 'rope'. YaRN stretches the frequencies below beta_slow rotations over the original
+    # context by rotary_scaling_factor, keeps those above beta_fast, and scales the tables by
+    # mscale(factor, mscale) / mscale(factor, mscale_all_dim); the softmax scale is multiplied by
+    # mscale(factor, mscale_all_dim)^2, with mscale(f, m) = 0.1 m ln f + 1 (1 for f <= 1).
+    rope_type: Optional[str] = None
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    # --- multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers) ------------------------------
+    # D extra modules after the last layer; module k predicts token t+k+1 from module k-1's hidden states
+    # and the embedding of token t+k, sharing the embedding and the output head. Their mean cross-entropy
+    # times mtp_loss_scaling_factor / D joins the loss.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
     # --- regularisation and init -----------------------------------------------------------
     hidden_dropout: float = 0.1  # on embeddings and on each residual branch
     attention_dropout: float = 0.1  # on attention probabilities
@@ -179,6 +208,23 @@ class GPTConfig:
         return int(self.head_dim * self.rotary_percent)
 
     @property
+    def resolved_rope_type(self) -> str:
+        """'rope' or 'yarn' (``rope_type``, or its default: 'yarn' under multi-latent attention)."""
+        if self.rope_type is not None:
+            return self.rope_type
+        return "yarn" if self.multi_latent_attention else "rope"
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of one query/key head in the attention's dot product (MLA: no-position + RoPE parts)."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of one value head."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
     def query_groups(self) -> int:
         """Resolved number of key/value heads."""
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
@@ -234,6 +280,51 @@ class GPTConfig:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r}: 'aux_loss', "
                              "'seq_aux_loss' or 'none' (sinkhorn is not available)")
 
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"multi-latent attention: {name} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be >= 1 or None (no query LoRA), got {self.q_lora_rank}")
+        d = self.qk_pos_emb_head_dim
+        if d < 2 or d % 2:
+            raise ValueError(f"qk_pos_emb_head_dim ({d}) must be even and >= 2: RoPE rotates pairs")
+        if self.position_embedding_type != "rope":
+            raise ValueError(f"multi-latent attention rotates its decoupled query/key parts: it needs "
+                             f"position_embedding_type='rope', got {self.position_embedding_type!r}")
+        if self.rotary_percent != 1.0:
+            raise ValueError(f"multi-latent attention rotates the whole qk_pos_emb_head_dim; rotary_percent must "
+                             f"be 1.0, got {self.rotary_percent}")
+        if self.num_query_groups is not None and self.num_query_groups != self.num_attention_heads:
+            raise ValueError(f"multi-latent attention has no query groups (num_query_groups={self.num_query_groups}):"
+                             f" leave it unset")
+
+    def _validate_rope_scaling(self) -> None:
+        kind = self.resolved_rope_type
+        if kind not in ("rope", "yarn"):
+            raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
+        if kind == "yarn":
+            if self.position_embedding_type != "rope":
+                raise ValueError("rope_type='yarn' needs position_embedding_type='rope'")
+            if not self.rotary_scaling_factor > 0:
+                raise ValueError(f"YaRN needs rotary_scaling_factor > 0 (the context extension), got "
+                                 f"{self.rotary_scaling_factor}")
+            if self.original_max_position_embeddings < 1:
+                raise ValueError(f"original_max_position_embeddings must be >= 1, got "
+                                 f"{self.original_max_position_embeddings}")
+            if not 0 < self.beta_slow <= self.beta_fast:
+                raise ValueError(f"YaRN needs 0 < beta_slow <= beta_fast, got {self.beta_slow}, {self.beta_fast}")
+
+    def _validate_mtp(self) -> None:
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+        if self.mtp_num_layers and self.seq_length < self.mtp_num_layers + 1:
+            raise ValueError(f"multi-token prediction with {self.mtp_num_layers} layers predicts "
+                             f"{self.mtp_num_layers + 1} tokens ahead: seq_length ({self.seq_length}) must be >= "
+                             f"{self.mtp_num_layers + 1}")
+        if not self.mtp_loss_scaling_factor >= 0:
+            raise ValueError(f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+
     def validate(self, tp_size: int = 1) -> "GPTConfig":
         """Raise ValueError (naming the clashing numbers) if this config cannot run at ``tp_size``."""
         for name, allowed in _ENUMS.items():
@@ -287,6 +378,10 @@ class GPTConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
         if self.num_experts is not None:
             self._validate_moe(tp_size)
+        if self.multi_latent_attention:
+            self._validate_mla()
+        self._validate_rope_scaling()
+        self._validate_mtp()
         if self.dropout_rng not in ("stream", "position"):
             raise ValueError(f"dropout_rng must be 'stream' or 'position', got {self.dropout_rng!r}")
         if self.init_method_std <= 0:

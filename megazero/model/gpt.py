@@ -43,7 +43,9 @@ from .keyed_dropout import DropoutKey
 from .norms import build_norm
 from .attention.rope import RotaryEmbedding
 from .moe.layer import AuxLossScale
-from .transformer import ExpertParallel, TransformerLayer, dropout, init_methods
+from .init import init_methods
+from .layer_spec import ExpertParallel
+from .transformer import TransformerLayer, dropout
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_"]
 

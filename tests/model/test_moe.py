@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from megazero.model.config import GPTConfig
 from megazero.model.moe.layer import AuxLossScale, MoELayer, route
-from megazero.model.transformer import MLP, init_methods
+from megazero.model.init import init_methods
+from megazero.model.mlp import MLP
 from tests.distributed import run_distributed
 
 H, E, S, B = 32, 8, 24, 2

@@ -1,0 +1,112 @@
+"""Standard (multi-head or grouped-query) causal self-attention with one fused QKV projection.
+
+Weight layouts (full, i.e. tp=1, shapes; the converters depend on them):
+
+* ``linear_qkv.weight`` ``[(heads + 2*groups) * d, h]``: one block per query group ``g`` (``groups``
+  blocks, in order), each ``[q heads of g (heads/groups * d rows); k_g (d rows); v_g (d rows)]``
+  (Megatron's layout). Contiguous TP chunks therefore give every rank whole groups: its own heads'
+  q, k and v. The bias follows the same rows.
+* ``q_layernorm`` / ``k_layernorm`` (``qk_layernorm``): ``[d]``, replicated; each TP rank normalizes
+  only its own heads, so their gradients are summed over TP.
+
+The head dimension ``d`` is ``config.head_dim`` (``kv_channels``), which need not be ``hidden / heads``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megazero import mpu
+
+from ..config import GPTConfig
+from ..init import init_methods
+from ..keyed_dropout import AttentionDropout, DropoutKey
+from ..norms import build_norm
+from .core import core_attention
+from .cp_context import ContextParallel, context_parallel_attention
+from .rope import apply_rotary
+
+__all__ = ["SelfAttention", "Rotary"]
+
+Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+class SelfAttention(torch.nn.Module):
+    """Fused-QKV causal self-attention over this rank's heads (optionally GQA and RoPE)."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+                 number: int = 0) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.number = number  # the layer's index in the whole model: its context-parallel exchange
+        self.kv_channels = c.head_dim
+        self.groups_per_rank = c.query_groups // tp_size
+        self.heads_per_group = c.num_attention_heads // c.query_groups
+        sp = c.sequence_parallel
+        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=sp,
+                      bias=c.add_bias_linear)
+        init, output_init = init_methods(c)
+        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
+        self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False, init_method=init,
+                                                   **{**common, "bias": c.add_bias_linear or c.add_qkv_bias})
+        self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                                 input_is_parallel=True, init_method=output_init, **common)
+        if c.qk_layernorm:
+            kw = dict(tp_group=tp_group, tp_size=tp_size, device=device, size=c.head_dim, partial_grads=tp_size > 1)
+            self.q_layernorm, self.k_layernorm = build_norm(c, **kw), build_norm(c, **kw)
+        else:
+            self.q_layernorm = self.k_layernorm = None
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
+              cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
+        p = self.config.attention_dropout if self.training else 0.0
+        keyed = self._keyed_dropout(p, q, key, cp)
+        if cp is not None:
+            return context_parallel_attention(q, k, v, cp, layer=self.number, backend=self.config.attention_backend,
+                                              attention_mask=attention_mask, dropout=keyed,
+                                              dropout_p=0.0 if keyed else p)
+        return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=0.0 if keyed else p,
+                              attention_mask=attention_mask, dropout=keyed)
+
+    def _keyed_dropout(self, p: float, q: torch.Tensor, key: Optional[DropoutKey],
+                       cp: Optional[ContextParallel]) -> Optional[AttentionDropout]:
+        """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position: by the
+        samples' keys (``key``, --dropout-rng position: the same masks at every layout) or, under context
+        parallelism without them, by keys drawn from the model-parallel stream (masks that depend on the
+        layout, as the fused kernels' do). None: the backend draws its own masks (one process, and the
+        all-to-all exchange, which runs it on the whole sequence), or there is no dropout."""
+        if p == 0.0 or (key is None and (cp is None or cp.comm_type_of(self.number) == "a2a")):
+            return None
+        if key is not None:
+            samples = key.samples
+        else:
+            with mpu.get_rng_tracker().fork(device=q.device):
+                samples = torch.randint(0, 1 << 32, (q.size(1),), dtype=torch.int64, device=q.device)
+        first = self.linear_qkv.tp_rank * q.size(2)  # TP ranks hold consecutive query heads
+        return AttentionDropout(p, samples, torch.arange(first, first + q.size(2), device=q.device), self.number)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
+                cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
+        qkv, _ = self.linear_qkv(x)  # [s, b, (heads + 2*groups)/tp * d], full s even under SP
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
+        # One split, as Megatron-core does: its backward writes the three gradients into one fresh
+        # buffer. A slice and two selects would each allocate a zero-filled qkv-sized gradient in
+        # backward, and autograd would then add the three (3 fills, 3 copies, 2 adds per layer).
+        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, -1, self.kv_channels)  # [s, b, heads/tp, d]
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups/tp, d]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp, dropout_key), q, k, v)
+        else:
+            ctx = self._core(q, k, v, attention_mask, cp, dropout_key)  # [s, b, heads/tp * d]
+        out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
+        return out
