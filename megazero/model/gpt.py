@@ -41,7 +41,7 @@ from .config import GPTConfig
 from .attention.cp_context import ContextParallel
 from .keyed_dropout import DropoutKey
 from .norms import build_norm
-from .attention.rope import RotaryEmbedding
+from .attention.rope import rotary_embedding
 from .moe.layer import AuxLossScale
 from .init import init_methods
 from .layer_spec import ExpertParallel
@@ -139,7 +139,7 @@ class GPTModel(torch.nn.Module):
         self.position_embeddings = (PositionEmbedding(c.max_position_embeddings, c.hidden_size, std,
                                                       params_dtype=c.params_dtype, device="meta", init_method=init)
                                     if c.position_embedding_type == "learned" and pre_process else None)
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
+        self.rotary = rotary_embedding(c) if c.position_embedding_type == "rope" else None
         self.moe_aux = AuxLossScale()
         experts = self._expert_placement(ep_group, expert_groups)
         self.layers = torch.nn.ModuleList(TransformerLayer(c, number=i, experts=experts, **kw) for i in layers)

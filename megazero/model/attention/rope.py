@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RotaryEmbedding", "apply_rotary"]
+from ..config import GPTConfig
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "rotary_embedding"]
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -55,3 +57,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
     head, tail = xf[..., :rot], xf[..., rot:]
     return torch.cat([head * cos + _rotate_half(head) * sin, tail], dim=-1).to(x.dtype)
+
+
+def rotary_embedding(config: GPTConfig) -> RotaryEmbedding:
+    """The model's RoPE tables for ``config``: over ``rotary_dim`` dimensions of each head."""
+    return RotaryEmbedding(config.rotary_dim, config.rotary_base)
