@@ -47,7 +47,7 @@ from .init import init_methods
 from .layer_spec import ExpertParallel
 from .transformer import TransformerLayer, dropout
 
-__all__ = ["GPTModel", "PositionEmbedding", "materialize_"]
+__all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement"]
 
 
 class PositionEmbedding(torch.nn.Module):
@@ -93,19 +93,31 @@ def materialize_(module: torch.nn.Module, device: torch.device | str, recurse: b
     return module
 
 
+def expert_placement(groups) -> ExpertParallel:
+    """Where the experts live under ``groups`` (a :class:`megazero.mpu.ParallelGroups`): its expert-parallel
+    group, and expert tensor parallelism when its size differs from the model's TP."""
+    placement = ExpertParallel(groups.ep_group, groups.ep_size, groups.ep_rank)
+    if groups.etp_size != groups.tp_size:
+        placement = dataclasses.replace(placement, tensor_group=groups.etp_group, tensor_size=groups.etp_size,
+                                        tensor_rank=groups.etp_rank, exchange_group=groups.expert_group)
+    return placement
+
+
 class GPTModel(torch.nn.Module):
     """GPT over ``config`` for the TP group ``tp_group`` (default: the registered mpu group).
 
     ``device='meta'`` builds an allocation-free skeleton (for planning or ZeRO-3).
     """
 
-    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, config: GPTConfig, groups=None, *, tp_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device | str] = None, pre_process: bool = True, post_process: bool = True,
                  layers: Optional[range] = None, ep_group: Optional[dist.ProcessGroup] = None,
                  expert_groups: Optional[ExpertParallel] = None) -> None:
         """Pipeline stages (Megatron's names): ``pre_process`` builds the embedding (first stage),
         ``post_process`` the final norm, head and loss (last stage), ``layers`` the global indices of
-        the transformer layers this stage holds (default: all). A last stage with tied embeddings
+        the transformer layers this stage holds (default: all). ``groups``: the run's
+        :class:`megazero.mpu.ParallelGroups`, whose tensor- and expert-parallel groups the layers are handed
+        (the keyword groups below then must not be given); without it, ``tp_group`` and ``ep_group``. A last stage with tied embeddings
         and no ``pre_process`` holds a copy of the word embedding as its head, marked
         ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it once.
         ``ep_group``: the expert-parallel group of a mixture of experts (default: the registered mpu
@@ -118,6 +130,11 @@ class GPTModel(torch.nn.Module):
             raise ValueError(f"layers {layers} must be a contiguous range inside 0..{config.num_layers}")
         self.pre_process, self.post_process, self.layer_range = pre_process, post_process, layers
         self._input_tensor: Optional[torch.Tensor] = None
+        if groups is not None:
+            if tp_group is not None or ep_group is not None or expert_groups is not None:
+                raise ValueError("give GPTModel the run's groups or the single groups (tp_group, ep_group, "
+                                 "expert_groups), not both")
+            tp_group, expert_groups = groups.tp_group, expert_placement(groups) if config.num_experts else None
         self.tp_group = mpu.mappings.resolve_tp_group(tp_group)
         self.tp_size = mpu.utils.group_size(self.tp_group)
         self.tp_rank = mpu.utils.group_rank(self.tp_group)
@@ -170,14 +187,9 @@ class GPTModel(torch.nn.Module):
             return dataclasses.replace(given, aux_scale=self.moe_aux)
         registered = self.config.num_experts and mpu.model_parallel_is_initialized()
         if ep_group is None and registered:
-            ep_group = mpu.get_expert_model_parallel_group()
-        placement = ExpertParallel(ep_group, mpu.utils.group_size(ep_group) if ep_group is not None else 1,
-                                   mpu.utils.group_rank(ep_group) if ep_group is not None else 0, self.moe_aux)
-        if registered and mpu.get_expert_tensor_parallel_world_size() != self.tp_size:
-            g = mpu.get_parallel_groups()
-            placement = dataclasses.replace(placement, tensor_group=g.etp_group, tensor_size=g.etp_size,
-                                            tensor_rank=g.etp_rank, exchange_group=g.expert_group)
-        return placement
+            return dataclasses.replace(expert_placement(mpu.get_parallel_groups()), aux_scale=self.moe_aux)
+        return ExpertParallel(ep_group, mpu.utils.group_size(ep_group) if ep_group is not None else 1,
+                              mpu.utils.group_rank(ep_group) if ep_group is not None else 0, self.moe_aux)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,

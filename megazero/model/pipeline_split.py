@@ -157,12 +157,13 @@ def global_name_fn(chunks: Sequence) -> Callable[[str], str]:
 
 
 def build_stage_chunks(config, *, pp: int, pp_rank: int, v: int = 1, first: Optional[int] = None,
-                       last: Optional[int] = None, tp_group=None, device=None) -> list:
+                       last: Optional[int] = None, tp_group=None, device=None, groups=None) -> list:
     """The model chunks (``GPTModel`` each) pipeline rank ``pp_rank`` holds, chunk 0 first.
 
     Chunk ``c`` is virtual stage ``c * pp + pp_rank``: the first virtual stage has the
     embedding, the last the final norm, head and loss (and, with tied embeddings and
-    pp > 1, its copy of the word embedding). ``device='meta'`` for ZeRO to materialize.
+    pp > 1, its copy of the word embedding). ``device='meta'`` for ZeRO to materialize. ``groups``: the run's
+    :class:`megazero.mpu.ParallelGroups`, handed to every chunk (else ``tp_group`` alone).
     """
     from .gpt import GPTModel  # the split itself stays importable without torch modules
 
@@ -170,7 +171,8 @@ def build_stage_chunks(config, *, pp: int, pp_rank: int, v: int = 1, first: Opti
     chunks = []
     for c in range(v):
         vs = c * pp + pp_rank
-        chunks.append(GPTModel(config, tp_group=tp_group, device=device, pre_process=vs == 0,
+        handed = dict(groups=groups) if groups is not None else dict(tp_group=tp_group)
+        chunks.append(GPTModel(config, **handed, device=device, pre_process=vs == 0,
                                post_process=vs == pp * v - 1, layers=table[c][pp_rank]))
     return chunks
 
@@ -184,7 +186,7 @@ def build_pipeline_model(config, groups, *, first: Optional[int] = None, last: O
     ``megazero.pipeline.PipelineStage``.
     """
     chunks = build_stage_chunks(config, pp=groups.pp_size, pp_rank=groups.pp_rank, v=groups.virtual_pp_size,
-                                first=first, last=last, tp_group=groups.tp_group, device=device)
+                                first=first, last=last, groups=groups, device=device)
     if len(chunks) == 1:
         return chunks[0], chunks
     return StageChunks(chunks), chunks

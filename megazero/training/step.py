@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import mpu, zero
+from .. import zero
 from ..data import GPTBatch, build_batch, masked_mean, to_device
 from ..model.attention.cp_context import ContextParallel
 from ..model.attention.cp_hierarchical import Hierarchy
@@ -131,7 +131,7 @@ class TrainModel:
                                                    last=p.decoder_last_pipeline_num_layers, device="meta")
         for router in (m for m in module.modules() if isinstance(m, Router) and hasattr(m, "expert_bias")):
             router.place_buffers(device)
-        self.engine = zero.initialize(module, config.zero_config(), mpu=mpu,
+        self.engine = zero.initialize(module, config.zero_config(), groups=groups,
                                       no_weight_decay=megatron_no_weight_decay, device=device,
                                       param_names=global_name_fn(self.chunks),
                                       forward_key=_chunk_index if len(self.chunks) > 1 else None,

@@ -32,6 +32,7 @@ def initialize(
     param_names: Optional[Callable[[str], str]] = None,
     forward_key: Optional[Callable[[tuple, dict], Hashable]] = None,
     partitioning: Optional[PartitionFn] = None,
+    groups=None,
 ) -> ZeroEngine:
     """Wrap ``model`` in a :class:`ZeroEngine` configured by a DeepSpeed-schema dict or JSON path.
 
@@ -51,11 +52,17 @@ def initialize(
     pipeline stage's chunk index), so ZeRO-2/3 can stop agreeing on each forward
     (``megazero/zero/agreement.py``). ``partitioning(name, param)`` returns the
     :class:`Partitioning` a parameter is partitioned and reduced over instead of the
-    data-parallel group (an expert over its expert-data-parallel group), or None.
+    data-parallel group (an expert over its expert-data-parallel group), or None. ``groups`` (a
+    :class:`megazero.mpu.ParallelGroups`) hands the same groups directly, in place of ``mpu``.
     """
     cfg = load_config(config)
     tp_group = mp_group = samples = None
-    if mpu is not None:
+    if groups is not None and mpu is not None:
+        raise ValueError("give zero.initialize the run's groups or an mpu, not both")
+    if groups is not None:  # megazero's ParallelGroups: the same groups, handed instead of looked up
+        samples, mp_group, tp_group = groups.dp_size, groups.mp_group, groups.tp_group
+        dp_group = groups.dp_cp_group if groups.cp_size > 1 else groups.dp_group
+    elif mpu is not None:
         samples = mpu.get_data_parallel_world_size()  # sample shards: context-parallel ranks share theirs
         dp_group = _data_parallel_group(mpu)
         mp_group = mpu.get_model_parallel_group()
