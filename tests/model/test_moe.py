@@ -76,7 +76,7 @@ def test_aux_losses_and_their_gradient_in_backward():
     base = layer.router.weight.grad.clone()
     layer.zero_grad()
     logits = x.reshape(-1, H).float() @ layer.router.weight.float().t()
-    (50.0 * layer._aux_losses(logits, torch.softmax(logits, -1), route(logits, 2, False)[0])).backward()
+    (50.0 * layer.router.losses(logits, torch.softmax(logits, -1), route(logits, 2, False)[0])).backward()
     assert (got - base - layer.router.weight.grad).abs().max() <= 1e-6 * got.abs().max()  # ... plus the losses'
     assert (got - base).abs().max() > 1e-2 * got.abs().max()
 
@@ -219,7 +219,7 @@ def test_grouped_matmuls_give_the_loops_bits():
         xi = x.clone().requires_grad_()
         y = layer(xi)
         y.backward(grad)
-        assert layer._grouped(xi.reshape(-1, H)) == grouped
+        assert layer.experts.grouped(xi.reshape(-1, H)) == grouped
         runs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
     (y0, dx0, g0), (y1, dx1, g1) = runs
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)

@@ -7,6 +7,10 @@ shard ``j // copies``. A rank's copies arrive sorted by expert; each expert's ro
 (source rank, token), one process's order. Dropless, the sizes vary and are read on the host once per
 call (:meth:`TokenDispatcher.dispatch`); padded to ``slots`` rows per expert they are fixed
 (:meth:`TokenDispatcher.dispatch_padded`) and nothing waits for the device.
+
+Around the exchange, :func:`permute` sorts a rank's token copies by expert (the copies over capacity
+last, sent nowhere) and :func:`unpermute` takes the experts' outputs back to (token, choice) order and
+sums each token's k outputs by their routing weights.
 """
 
 from __future__ import annotations
@@ -19,7 +23,43 @@ import torch.distributed as dist
 
 from megazero.mpu.moe_exchange import all_to_all_rows, exchange_counts
 
-__all__ = ["TokenDispatcher", "padded_slots"]
+from .routing import expert_counts
+
+__all__ = ["TokenDispatcher", "Permutation", "permute", "unpermute", "padded_slots"]
+
+
+@dataclass
+class Permutation:
+    """A rank's token copies sorted by expert: ``rows`` ``[T k, h]`` (dropped copies last), ``flat``
+    ``[T k]`` each copy's expert in (token, choice) order (``E`` for a dropped one), ``order`` the stable
+    sort of ``flat``, ``counts`` ``[E]`` the kept copies per expert."""
+
+    rows: torch.Tensor
+    flat: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+
+
+def permute(tokens: torch.Tensor, top: torch.Tensor, drop: Optional[torch.Tensor], experts: int) -> Permutation:
+    """``tokens`` ``[T, h]`` routed to ``top`` ``[T, k]`` of ``experts``, ``drop`` ``[T, k]`` the copies over
+    capacity (None: dropless): the copies sorted by expert, then by token (a stable sort)."""
+    k = top.size(1)
+    flat, buckets = top.reshape(-1), experts
+    if drop is not None:  # copies over capacity go to a bucket past the last expert: sorted last, sent nowhere
+        flat, buckets = torch.where(drop.reshape(-1), experts, flat), experts + 1
+    order = torch.argsort(flat, stable=True)
+    counts = expert_counts(flat, buckets)[:experts]
+    return Permutation(tokens.index_select(0, order // k), flat, order, counts)
+
+
+def unpermute(out: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
+    """``out``: the kept copies' outputs in ``perm``'s sorted order (the dropped ones, last, may be
+    missing: zeros). Returns each token's outputs summed by ``weights`` ``[T, k]``: ``[T, h]``."""
+    n, k = weights.shape
+    if out.size(0) < n * k:  # the dropped copies' outputs: zeros
+        out = torch.cat([out, out.new_zeros(n * k - out.size(0), out.size(1))])
+    out = out.index_select(0, torch.argsort(perm.order))  # back to (token, choice) order
+    return (out.view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Routing of a mixture of experts (Megatron-core's router functions): which k experts each token goes
-to and with what weights, and which token copies exceed an expert's capacity. Pure tensor functions,
-no parameters and no communication."""
+to and with what weights, which token copies exceed an expert's capacity, and the copies per expert.
+Pure tensor functions, no parameters and no communication."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["route", "over_capacity", "capacity_of"]
+__all__ = ["route", "over_capacity", "capacity_of", "expert_counts"]
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -75,3 +75,12 @@ def over_capacity(top: torch.Tensor, weights: torch.Tensor, experts: int, factor
     drop = torch.empty_like(flat, dtype=torch.bool)
     drop[order] = place >= capacity
     return drop.view(n, k)
+
+
+def expert_counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """Token copies per expert ``[experts]`` of ``flat`` (each copy's expert). On the meta device (a
+    rehearsal) the routing is unknown: the counts are taken uniform, the load a balanced router reaches."""
+    if flat.device.type != "meta":
+        return torch.bincount(flat, minlength=experts)
+    base, extra = divmod(flat.numel(), experts)
+    return torch.tensor([base + (e < extra) for e in range(experts)], dtype=torch.long)
