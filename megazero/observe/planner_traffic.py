@@ -73,10 +73,11 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
     return microbatches * 2 * (units * act + loss) * (tp - 1) / tp
 
 
-def _ring(tokens: int, kv_heads: int, head_dim: int, ranks: int, e: int, acc: int) -> tuple[float, float]:
+def _ring(tokens: int, kv_heads: int, qk_dim: int, v_dim: int, ranks: int, e: int, acc: int) -> tuple[float, float]:
     """(forward, backward) bytes of ring attention (:class:`~megazero.model.attention.ring_attention.RingStats`):
-    the K/V block passed on P - 1 times; backward again, and the dK/dV accumulators once around."""
-    block = 2 * tokens * kv_heads * head_dim
+    the K (``qk_dim`` wide) and V (``v_dim``) blocks passed on P - 1 times; backward again, and the dK/dV
+    accumulators once around."""
+    block = tokens * kv_heads * (qk_dim + v_dim)
     return block * (ranks - 1) * e, block * (ranks - 1) * e + block * ranks * acc
 
 
@@ -85,27 +86,28 @@ def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, 
                        hierarchical_cp: Sequence[int] = ()) -> float:
     """Bytes one rank sends in one layer's context-parallel exchange per micro-batch, forward and
     backward (the forward twice under recomputation, which re-runs the core attention). ``seq_length``
-    is the whole sequence; heads and KV groups are the rank's (/ tp)."""
+    is the whole sequence; heads and KV groups are the rank's (/ tp); q/k heads are ``config.qk_dim``
+    wide, v heads ``config.v_dim``."""
     if cp <= 1:
         return 0.0
     e = DTYPE_BYTES[precision]
     acc = 4 if precision in ("bf16", "fp16") else DTYPE_BYTES[precision]  # the ring's accumulators
-    heads, groups, d, b = config.num_attention_heads // tp, max(config.query_groups // tp, 1), config.head_dim, \
-        micro_batch_size
+    heads, groups, b = config.num_attention_heads // tp, max(config.query_groups // tp, 1), micro_batch_size
+    d, dv = config.qk_dim, config.v_dim
     forwards = 2 if recompute in ("full", "selective") else 1
     if kind == "p2p":
-        fwd, bwd = _ring(seq_length // cp * b, groups, d, cp, e, acc)
+        fwd, bwd = _ring(seq_length // cp * b, groups, d, dv, cp, e, acc)
     elif kind == "a2a":
-        fwd = a2a_elements(seq_length, heads, groups, d, cp, b, "forward") * e
-        bwd = a2a_elements(seq_length, heads, groups, d, cp, b, "backward") * e
+        fwd = a2a_elements(seq_length, heads, groups, d, cp, b, "forward", v_head_dim=dv) * e
+        bwd = a2a_elements(seq_length, heads, groups, d, cp, b, "backward", v_head_dim=dv) * e
     elif kind == "allgather":
-        fwd = bwd = allgather_elements(seq_length, groups, d, cp, b) * e
+        fwd = bwd = allgather_elements(seq_length, groups, d, cp, b, v_head_dim=dv) * e
     elif kind == "a2a+p2p":
         a, r = hierarchical_cp
-        fwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "forward") * e
-        bwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "backward") * e
+        fwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "forward", v_head_dim=dv) * e
+        bwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "backward", v_head_dim=dv) * e
         ring_heads = groups // a if a2a_head_split(heads, groups, a) == "split" else heads // a
-        ring_fwd, ring_bwd = _ring(seq_length // r * b, ring_heads, d, r, e, acc)
+        ring_fwd, ring_bwd = _ring(seq_length // r * b, ring_heads, d, dv, r, e, acc)
         fwd, bwd = fwd + ring_fwd, bwd + ring_bwd
     else:
         raise ValueError(f"unknown context-parallel exchange {kind!r}")

@@ -12,8 +12,9 @@ model-parallel RNG fork (``mpu.get_rng_tracker().fork()``). Dropout keyed by pos
 (``dropout``) is computed by the explicit formula in tiles instead (``ring_attention.dense_attention``),
 with masks that do not depend on the layout.
 
-Shapes: q ``[s, b, heads, d]``, k/v ``[s, b, groups, d]`` (GQA when groups < heads;
-query head ``i`` reads key/value group ``i // (heads // groups)``); output ``[s, b, heads * d]``.
+Shapes: q ``[s, b, heads, dqk]``, k ``[s, b, groups, dqk]``, v ``[s, b, groups, dv]`` (GQA when
+groups < heads; query head ``i`` reads key/value group ``i // (heads // groups)``; dv may differ from
+dqk, as in multi-latent attention); output ``[s, b, heads * dv]``. The softmax scale is 1/sqrt(dqk).
 ``attention_mask`` (optional) is boolean ``[b, 1, s, s]`` or ``[s, s]`` with True = masked
 out, applied *in addition to* the causal mask (a Megatron-style mask that already
 contains causality works unchanged). A row with every position masked gives NaN.
@@ -79,7 +80,7 @@ def _repeat_kv(k: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _math(q, k, v, dropout_p, attention_mask):
-    s, b, n, d = q.shape
+    s, b, n, d = q.shape  # d: the query/key width, which sets the scale
     k, v = _repeat_kv(k, n), _repeat_kv(v, n)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [b, n, s, s]
@@ -87,13 +88,14 @@ def _math(q, k, v, dropout_p, attention_mask):
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
-    return torch.matmul(probs, v)  # [b, n, s, d]
+    return torch.matmul(probs, v)  # [b, n, s, dv]
 
 
 def _sdpa(q, k, v, dropout_p, attention_mask):
+    """SDPA takes a value width other than the query/key width (it then skips its flash backend)."""
     s, b, n, d = q.shape
     k, v = _repeat_kv(k, n), _repeat_kv(v, n)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d], v [b, n, s, dv]
     if attention_mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     allowed = ~_masked_out(s, q.device, attention_mask)  # sdpa's boolean mask means "may attend"
@@ -101,23 +103,38 @@ def _sdpa(q, k, v, dropout_p, attention_mask):
 
 
 def _flash(q, k, v, dropout_p):
+    """flash-attn wants one head width: the narrower side is padded with zeros (V's zero columns give
+    zero output columns, Q/K's add nothing to the scores) and the output trimmed to V's width."""
     from flash_attn import flash_attn_func
 
-    out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p, causal=True)
-    return out.transpose(0, 1)  # [s, b, n, d]
+    dqk, dv = q.size(-1), v.size(-1)
+    if dqk == dv:
+        out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                              causal=True)
+        return out.transpose(0, 1)  # [s, b, n, d]
+    width = max(dqk, dv)
+    q, k, v = (t if t.size(-1) == width else F.pad(t, (0, width - t.size(-1))) for t in (q, k, v))
+    out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                          softmax_scale=1.0 / math.sqrt(dqk), causal=True)
+    return out.transpose(0, 1)[..., :dv]  # [s, b, n, dv]
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto",
                    dropout_p: float = 0.0, attention_mask: Optional[torch.Tensor] = None,
                    dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
-    """Causal attention of this rank's heads: ``[s, b, heads, d]`` x2/3 -> ``[s, b, heads * d]``.
+    """Causal attention of this rank's heads: q ``[s, b, heads, dqk]``, k ``[s, b, groups, dqk]``, v
+    ``[s, b, groups, dv]`` -> ``[s, b, heads * dv]``, scaled by 1/sqrt(dqk) (pre-scale q for another scale).
 
     Pass ``dropout_p=0`` in eval mode; a positive ``dropout_p`` (the backend's own masks) needs the
     model-parallel RNG to be seeded (``mpu.model_parallel_manual_seed``). ``dropout``: attention
     dropout keyed by position instead (:class:`~megazero.model.keyed_dropout.AttentionDropout`), computed
     by the explicit formula in tiles whatever ``backend`` says (positions ``0 .. s-1``).
     """
-    s, b, n, d = q.shape
+    if q.dim() != 4 or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"expected q [s, b, heads, dqk], k [s, b, groups, dqk] and v [s, b, groups, dv]; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    s, b, n = q.shape[:3]
+    d = v.size(-1)
     if dropout is not None:
         if dropout_p > 0.0:
             raise ValueError("give attention dropout once: dropout_p (the backend's masks) or dropout (keyed)")

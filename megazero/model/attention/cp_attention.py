@@ -16,8 +16,8 @@ Attention dropout is keyed by position (``dropout``, an :class:`~megazero.model.
 naming the global heads held): both exchanges then apply the whole sequence's masks, by the math
 kernel's tiles.
 
-Shapes follow ``core_attention``: q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]``,
-output ``[s_local, b, heads * d]``. ``group`` is the CP process group (``None``: the default group,
+Shapes follow ``core_attention``: q ``[s_local, b, heads, dqk]``, k ``[s_local, b, groups, dqk]``,
+v ``[s_local, b, groups, dv]`` (dv may differ from dqk), output ``[s_local, b, heads * dv]``. ``group`` is the CP process group (``None``: the default group,
 every process). ``attention_mask`` (optional, boolean, True = masked, in addition
 to causality) is given for the *global* sequence in global order: ``[b, 1, S, S]`` or ``[S, S]``.
 """
@@ -127,9 +127,9 @@ def a2a_head_split(heads: int, groups: int, cp: int) -> str:
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
            attention_mask: Optional[torch.Tensor]) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
-        raise ValueError(f"expected q [s, b, heads, d] and k, v [s, b, groups, d]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dim() != 4 or v.shape[:3] != k.shape[:3] or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
+        raise ValueError(f"expected q [s, b, heads, dqk], k [s, b, groups, dqk] and v [s, b, groups, dv]; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.size(0) != shard.positions.numel():
         raise ValueError(f"q holds {q.size(0)} tokens but the shard names {shard.positions.numel()} positions; "
                          f"build the SequenceShard from this batch's layout")
@@ -143,7 +143,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceSha
 
 def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                   counter: Optional[CommCounter] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ulysses' first all-to-all: q ``[s_local, b, heads, d]`` and k/v ``[s_local, b, groups, d]`` ->
+    """Ulysses' first all-to-all: q ``[s_local, b, heads, dqk]`` and k/v ``[s_local, b, groups, dqk | dv]`` ->
     every rank's tokens (rank-major) for heads/P query heads and their K/V heads (split, or replicated
     per query head when P > groups: :func:`a2a_head_split`)."""
     heads, groups = q.size(2), k.size(2)
@@ -162,7 +162,8 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
                   group: Optional[dist.ProcessGroup], *, backend: str = "auto",
                   attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
                   dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """Ulysses attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
+    """Ulysses attention over ``group``: q/k ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b, groups,
+    dv]`` -> ``[s_local, b, heads * dv]``.
 
     Bit-identical to ``core_attention`` of the whole sequence in one process (same backend), for the
     output and the gradients: each rank runs exactly that computation for heads/P of the heads.
@@ -173,7 +174,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
     the layout.
     """
     _check(q, k, v, shard, attention_mask)
-    cp, heads, d = group_size(group), q.size(2), q.size(3)
+    cp, heads, d = group_size(group), q.size(2), v.size(3)
     q_h, k_h, v_h = scatter_heads(q, k, v, group, counter)
     reorder = not shard.is_identity
     if reorder:  # rank-major -> global order, so that causality and document masks read true positions
@@ -210,7 +211,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
                         group: Optional[dist.ProcessGroup], *, backend: str = "auto",
                         attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
                         layout: Optional[CPLayout] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
-    """All-gather-KV attention over ``group``: ``[s_local, b, heads, d]`` -> ``[s_local, b, heads * d]``.
+    """All-gather-KV attention over ``group``: q/k ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b,
+    groups, dv]`` -> ``[s_local, b, heads * dv]``.
 
     K/V (their ``groups`` heads, not repeated) are gathered along the sequence; backward
     reduce-scatters dK/dV. Given the ``layout`` the tokens were split by and no mask, each of this
@@ -239,6 +241,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     chosen = resolve_backend("sdpa" if backend == "auto" else backend, q, True)
     s, b, heads, d = q.shape
     rep = heads // k.size(2)
+    dv = v.size(3)
     k_all, v_all = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k_all, v_all))
     qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k_all, v_all))  # [b, n, s, d]
     allowed = _allowed(shard, k_all.size(0), attention_mask)
@@ -248,12 +251,13 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
         scores = torch.matmul(qq, kk.transpose(-1, -2)) * (1.0 / math.sqrt(d))
         scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), vv)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * dv)
 
 
 def a2a_elements(seq: int, heads: int, groups: int, head_dim: int, cp: int, batch: int = 1,
-                 phase: str = "forward") -> int:
-    """Elements one rank sends in one ``a2a_attention`` call: S (2a + 2g) d (P-1) / P^2 per sequence.
+                 phase: str = "forward", v_head_dim: Optional[int] = None) -> int:
+    """Elements one rank sends in one ``a2a_attention`` call: S (a + g) (dqk + dv) (P-1) / P^2 per
+    sequence (q and k at ``head_dim`` = dqk, v and the output at ``v_head_dim`` = dv, default dqk).
 
     With KV heads replicated (cp % groups == 0), g counts as P forward (one KV head to each rank)
     and as ``heads`` backward (one gradient per query head, for a bit-exact sum).
@@ -262,10 +266,14 @@ def a2a_elements(seq: int, heads: int, groups: int, head_dim: int, cp: int, batc
         return 0
     mode = a2a_head_split(heads, groups, cp)
     kv = groups if mode == "split" else (cp if phase == "forward" else heads)
-    return batch * seq * (2 * heads + 2 * kv) * head_dim * (cp - 1) // (cp * cp)
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return batch * seq * (heads + kv) * (head_dim + dv) * (cp - 1) // (cp * cp)
 
 
-def allgather_elements(seq: int, groups: int, head_dim: int, cp: int, batch: int = 1) -> int:
+def allgather_elements(seq: int, groups: int, head_dim: int, cp: int, batch: int = 1,
+                       v_head_dim: Optional[int] = None) -> int:
     """Elements one rank receives in one ``allgather_attention`` call (forward: the K/V all-gather;
-    backward: the dK/dV reduce-scatter, the same volume): 2 S g d (P-1) / P per sequence."""
-    return batch * 2 * seq * groups * head_dim * (cp - 1) // cp
+    backward: the dK/dV reduce-scatter, the same volume): S g (dqk + dv) (P-1) / P per sequence
+    (K at ``head_dim`` = dqk, V at ``v_head_dim`` = dv, default dqk)."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return batch * seq * groups * (head_dim + dv) * (cp - 1) // cp

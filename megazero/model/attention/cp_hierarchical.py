@@ -72,11 +72,11 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hi
                            counter: Optional[CommCounter] = None, ring_stats=None,
                            kernel: str = "auto", dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal (per-document) attention of the whole sequence for this rank's tokens: q ``[s_local, b,
-    heads, d]``, k/v ``[s_local, b, groups, d]`` -> ``[s_local, b, heads * d]``. Heads must divide by
+    heads, dqk]``, k ``[s_local, b, groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b, heads * dv]``. Heads must divide by
     the all-to-all size, and KV groups divide by it or it by them (:func:`a2a_head_split`). ``dropout``:
     keyed attention dropout of this rank's heads, applied by the ring to the heads the all-to-all leaves."""
     h = hierarchy
-    s, b, heads, d = q.shape
+    s, b, heads, d = *q.shape[:3], v.size(3)
     a2a_head_split(heads, k.size(2), h.a2a_size)
     q_h, k_h, v_h = (t.index_select(0, h.order) for t in scatter_heads(q, k, v, h.a2a_group, counter))
     out = ring_attention(q_h, k_h, v_h, h.ring_layouts if len(h.ring_layouts) > 1 else h.ring_layouts[0],

@@ -1,15 +1,15 @@
 """Ring (``p2p``) context-parallel attention: exact causal attention of a sequence split over a CP group.
 
 Each of the ``P`` ranks of ``group`` holds some tokens of the sequence (a :class:`~megazero.model.cp_layout.CPLayout`,
-normally the balanced zigzag or per-document layout) as q ``[s_local, b, heads, d]`` and k/v
-``[s_local, b, groups, d]``. Forward: ``P`` steps; at each the local queries attend to the key/value
+normally the balanced zigzag or per-document layout) as q ``[s_local, b, heads, dqk]``, k
+``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` (dv may differ from dqk). Forward: ``P`` steps; at each the local queries attend to the key/value
 block of one rank (only the sub-blocks the causal / document mask leaves unmasked, planned by
 :func:`~megazero.model.cp_layout.plan_blocks`), and the partial results are merged in fp32 (fp64 for fp64
 inputs) by their log-sum-exp; meanwhile ``batch_isend_irecv`` passes the key/value block on to the next
 rank, so at most two blocks (the one computed, the one arriving) are alive besides the local one.
 Backward runs the ring again, recomputing each block from the saved local q, k, v, output and LSE,
 and passes the dK/dV accumulators along with the blocks, so each rank ends with the gradients of its
-own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``.
+own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``, K at its width and V at its own.
 
 The block kernel (:mod:`megazero.model.attention.ring_kernels`) is chosen by device and dtype: torch's flash
 op on CPU and on CUDA (fp16/bf16), its memory-efficient op for fp32 on CUDA, the explicit formula for
@@ -38,9 +38,10 @@ __all__ = ["ring_attention", "block_attention", "dense_attention", "RingStats"]
 class RingStats:
     """Counters a caller passes to :func:`ring_attention`; each call adds to them.
 
-    Bytes are those handed to ``isend``: forward ``2 * s_local * b * groups * d * (P - 1)`` elements of the
-    input dtype (the key/value blocks); backward the same again plus the dK/dV accumulators once around
-    the ring, ``2 * s_local * b * groups * d * P`` fp32 (fp64) elements. Pairs are the query-key pairs of
+    Bytes are those handed to ``isend``: forward ``s_local * b * groups * (dqk + dv) * (P - 1)`` elements
+    of the input dtype (the key and value blocks, each at its own head width); backward the same again
+    plus the dK/dV accumulators once around the ring, ``s_local * b * groups * (dqk + dv) * P`` fp32
+    (fp64) elements. Pairs are the query-key pairs of
     the blocks computed (:attr:`~megazero.model.cp_layout.Block.pairs`)."""
     forward_bytes_sent: int = 0
     backward_bytes_sent: int = 0
@@ -98,9 +99,9 @@ class _RingAttention(torch.autograd.Function):
         ctx.positions = _positions(layouts, q.device) if dropout is not None else None
         ctx.dropout = dropout
         ring = _Ring(group, rank, size) if size > 1 else None
-        s, b, h, d = q.shape
+        s, b, h, dv = *q.shape[:3], v.size(3)
         acc = acc_dtype(q.dtype)
-        acc_out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+        acc_out = torch.zeros(b, h, s, dv, dtype=acc, device=q.device)
         acc_lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
         qt, cur = _bhsd(q), (k.contiguous(), v.contiguous())
         for step in range(size):
@@ -119,7 +120,7 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 _wait(works)
                 cur = nxt
-        out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * d)
+        out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * dv)
         lse = acc_lse if acc == torch.float64 else acc_lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.rank, ctx.layouts, ctx.scale, ctx.kernel, ctx.stats = ring, rank, layouts, scale, kernel, stats
@@ -130,8 +131,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, rank, stats, size = ctx.ring, ctx.rank, ctx.stats, ctx.layouts[0].cp_size
         s, b, h, d = q.shape
+        dv = v.size(3)
         acc = acc_dtype(q.dtype)
-        qt, dot, ot = _bhsd(q), _bhsd(grad_out.reshape(s, b, h, d)), _bhsd(out.reshape(s, b, h, d))
+        qt, dot, ot = _bhsd(q), _bhsd(grad_out.reshape(s, b, h, dv)), _bhsd(out.reshape(s, b, h, dv))
         dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         cur, dkv_works, dkv_in = (k.contiguous(), v.contiguous()), [], None
         for step in range(size):
@@ -182,7 +184,7 @@ def _keyed(ctx, i: int, bs: slice, rank: int, src: int, blk: Block) -> dict:
 
 def _block_grads(ctx, src: int, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor, torch.Tensor]:
     """Add the blocks' dq against rank ``src``'s key/value block ``kv`` into ``dq``; return that block's
-    (dk, dv) ``[s, b, groups, d]`` in fp32/fp64."""
+    (dk, dv) ``[s, b, groups, dqk | dv]`` in fp32/fp64."""
     dk, dv = (torch.zeros(t.shape, dtype=dq.dtype, device=dq.device) for t in kv)
     kt, vt, dkt, dvt = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dk), _bhsd(dv)
     for i, (bs, layout) in enumerate(_by_sample(ctx.layouts)):
@@ -211,9 +213,9 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, scale, kernel, positions, dropout, mask):
-        s, b, h, d = q.shape
+        s, b, h, dv = *q.shape[:3], v.size(3)
         acc = acc_dtype(q.dtype)
-        acc_out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+        acc_out = torch.zeros(b, h, s, dv, dtype=acc, device=q.device)
         acc_lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
         qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
         ctx.blocks, ctx.scale, ctx.kernel, ctx.positions, ctx.dropout, ctx.mask = (blocks, scale, kernel, positions,
@@ -222,7 +224,7 @@ class _BlockAttention(torch.autograd.Function):
             o, lse = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
                                     vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale, **_extras(ctx, blk))
             _merge(acc_out, acc_lse, blk, o, lse)
-        out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * d)
+        out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * dv)
         ctx.save_for_backward(q, k, v, out, acc_lse if acc == torch.float64 else acc_lse.float())
         return out
 
@@ -230,9 +232,10 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         s, b, h, d = q.shape
+        dv = v.size(3)
         acc = acc_dtype(q.dtype)
         qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
-        dot, ot = _bhsd(grad_out.reshape(s, b, h, d)), _bhsd(out.reshape(s, b, h, d))
+        dot, ot = _bhsd(grad_out.reshape(s, b, h, dv)), _bhsd(out.reshape(s, b, h, dv))
         dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v))
         dkt, dvt = _bhsd(dk), _bhsd(dv)
@@ -265,35 +268,36 @@ def _run_positions(runs: Sequence[Run]) -> torch.Tensor:
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run],
                     k_runs: Sequence[Run], *, softmax_scale: Optional[float] = None,
                     kernel: str = "auto", dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
-    """Causal (per-document) attention of queries q ``[n, b, heads, d]`` holding the tokens ``q_runs``
-    against k/v ``[m, b, groups, d]`` holding ``k_runs`` (e.g. every rank's, gathered), computed by the
-    ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or scores. ``dropout``: keyed
-    attention dropout (the math kernel, masks from the runs' positions). Returns ``[n, b, heads * d]``."""
+    """Causal (per-document) attention of queries q ``[n, b, heads, dqk]`` holding the tokens ``q_runs``
+    against k ``[m, b, groups, dqk]`` and v ``[m, b, groups, dv]`` holding ``k_runs`` (e.g. every rank's,
+    gathered), computed by the ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or
+    scores. ``dropout``: keyed attention dropout (the math kernel, masks from the runs' positions).
+    Returns ``[n, b, heads * dv]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
     positions = (tuple(_on_device([_run_positions(q_runs), _run_positions(k_runs)], q.device))
                  if dropout is not None else None)
     return _BlockAttention.apply(q, k, v, tuple(plan_blocks(tuple(q_runs), tuple(k_runs))), scale,
-                                 _kernel(kernel, q, dropout), positions, dropout, None)
+                                 _kernel(kernel, q, v, dropout), positions, dropout, None)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: AttentionDropout, *,
                     positions: tuple[torch.Tensor, torch.Tensor], causal: bool = True,
                     mask: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """Attention of q ``[n, b, heads, d]`` against k/v ``[m, b, groups, d]`` with keyed ``dropout``,
-    by the math kernel's tiles (no ``[n, m]`` scores held): ``causal`` (n == m, the same tokens in
-    increasing order) and/or ``mask`` (``[b | 1, 1, n, m]`` or ``[n, m]``, True = masked). ``positions``:
-    the queries' and keys' indices in the whole sequence. Returns ``[n, b, heads * d]``."""
+    """Attention of q ``[n, b, heads, dqk]`` against k ``[m, b, groups, dqk]`` and v ``[m, b, groups, dv]``
+    with keyed ``dropout``, by the math kernel's tiles (no ``[n, m]`` scores held): ``causal`` (n == m, the
+    same tokens in increasing order) and/or ``mask`` (``[b | 1, 1, n, m]`` or ``[n, m]``, True = masked).
+    ``positions``: the queries' and keys' indices in the whole sequence. Returns ``[n, b, heads * dv]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
     if mask is not None:
         mask = mask.to(torch.bool).reshape(-1, 1, *mask.shape[-2:]) if mask.dim() != 4 else mask.to(torch.bool)
     blocks = (Block(0, q.size(0), 0, k.size(0), causal),)
-    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, dropout), positions, dropout, mask)
+    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, v, dropout), positions, dropout, mask)
 
 
-def _kernel(name: str, q: torch.Tensor, dropout: Optional[AttentionDropout]):
+def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]):
     """The block kernel for ``name``; with keyed dropout the math kernel, the one that applies its masks."""
     if dropout is None:
-        return block_kernel(name, q)
+        return block_kernel(name, q, v.size(-1))
     if name not in ("auto", "math"):
         raise ValueError(f"keyed attention dropout runs in the math block kernel; kernel {name!r} draws no keyed "
                          "masks: pass kernel 'auto' or 'math'")
@@ -306,11 +310,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
                    dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
 
-    q ``[s_local, b, heads, d]``, k/v ``[s_local, b, groups, d]`` hold the tokens ``layout`` assigns to this
-    rank of ``group`` (``layout.cp_size`` ranks; None: the default group). ``layout`` is one layout for the
+    q ``[s_local, b, heads, dqk]``, k ``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` hold
+    the tokens ``layout`` assigns to this rank of ``group`` (``layout.cp_size`` ranks; None: the default group). ``layout`` is one layout for the
     batch, or one per sample (packed documents differ between samples), all placing the tokens alike.
-    Returns ``[s_local, b, heads * d]``, the rows of the full attention for those tokens; gradients flow
-    to q, k, v. ``softmax_scale`` defaults to 1/sqrt(d). Every rank of the group must call it with the
+    Returns ``[s_local, b, heads * dv]``, the rows of the full attention for those tokens; gradients flow
+    to q, k, v. ``softmax_scale`` defaults to 1/sqrt(dqk). Every rank of the group must call it with the
     same layouts and shapes. ``dropout``: attention dropout keyed by position (the math block kernel;
     masks from the layouts' positions and the global heads ``dropout.heads``), the same masks at any layout.
     """
@@ -325,13 +329,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     if layout.cp_size != size:
         raise ValueError(f"layout is for {layout.cp_size} context-parallel ranks but the group has {size}; "
                          f"build the layout with the group's size")
-    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
-        raise ValueError(f"expected q [s, b, heads, d] and k, v [s, b, groups, d] with the same s, b, d; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dim() != 4 or v.shape[:3] != k.shape[:3] or k.shape[:2] != q.shape[:2] or k.size(3) != q.size(3):
+        raise ValueError(f"expected q [s, b, heads, dqk], k [s, b, groups, dqk] and v [s, b, groups, dv] with "
+                         f"the same s, b, groups and q/k width; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     if q.size(2) % k.size(2):
         raise ValueError(f"query heads {q.size(2)} are not a multiple of key/value groups {k.size(2)}")
     if q.size(0) != layout.local_len:
         raise ValueError(f"this rank holds {q.size(0)} tokens but the layout gives each rank {layout.local_len} "
                          f"(of {layout.seq_len}); split the sequence with split_for_rank and the same layout")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
-    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, _kernel(kernel, q, dropout), stats, dropout)
+    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, _kernel(kernel, q, v, dropout), stats,
+                                dropout)

@@ -8,8 +8,13 @@ and log-sum-exp of the whole attention, which makes the block gradients those of
   of at most 4M score elements merged by log-sum-exp (a Python loop: slower than the fused ops); the
   one kernel that applies attention dropout keyed by position (and an explicit mask).
 - ``cpu_flash``: torch's CPU flash-attention op and its backward op.
-- ``cuda_flash``: torch's CUDA flash-attention op (fp16/bf16, head dim a multiple of 8 up to 256).
+- ``cuda_flash``: torch's CUDA flash-attention op (fp16/bf16, head dims multiples of 8 up to 256).
 - ``cuda_efficient``: torch's CUDA memory-efficient op (fp32 as well).
+
+Value heads may be narrower or wider than query/key heads (multi-latent attention). The math and
+efficient kernels take that as it is; the flash ops want one width, so their kernels pad the narrower
+side with zeros for the op (V's zero columns give zero output columns, Q/K's add nothing to the
+scores) and trim what they return: the padded copies live only during the op.
 
 ``auto`` picks the flash op for the device and dtype, the efficient one for fp32 on CUDA, and math
 where neither applies. :func:`register_block_kernel` adds another (e.g. flash-attn's own kernels).
@@ -18,19 +23,20 @@ where neither applies. :func:`register_block_kernel` adds another (e.g. flash-at
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["BlockKernel", "register_block_kernel", "block_kernel"]
 
 
 class BlockKernel(Protocol):
-    """Attention of one dense block. q ``[b, heads, n, d]``, k/v ``[b, groups, m, d]`` (strided views; only
-    the last dimension is contiguous); ``causal`` means n == m and key j is masked for query i < j (square,
-    so top-left and bottom-right aligned causal masks agree). ``forward`` -> (out ``[b, heads, n, d]`` in q's dtype,
-    lse ``[b, heads, n]`` in fp32, fp64 for fp64 q). ``backward`` gets the *merged* out and lse of the
-    whole attention and returns this block's (dq, dk, dv)."""
+    """Attention of one dense block. q ``[b, heads, n, dqk]``, k ``[b, groups, m, dqk]``, v ``[b, groups, m, dv]``
+    (strided views; only the last dimension is contiguous); ``causal`` means n == m and key j is masked for
+    query i < j (square, so top-left and bottom-right aligned causal masks agree). ``forward`` -> (out
+    ``[b, heads, n, dv]`` in q's dtype, lse ``[b, heads, n]`` in fp32, fp64 for fp64 q). ``backward`` gets
+    the *merged* out and lse of the whole attention and returns this block's (dq, dk, dv)."""
 
     def forward(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -96,9 +102,9 @@ class _MathKernel:
         return keep.to(like.dtype) * (1.0 / (1.0 - dropout.p))
 
     def forward(self, q, k, v, causal, scale, dropout=None, positions=None, mask=None):
-        b, h, n, d = q.shape
-        g, acc = k.size(1), acc_dtype(q.dtype)
-        out = torch.zeros(b, g, h // g, n, d, dtype=acc, device=q.device)
+        b, h, n, _ = q.shape
+        g, dv, acc = k.size(1), v.size(-1), acc_dtype(q.dtype)
+        out = torch.zeros(b, g, h // g, n, dv, dtype=acc, device=q.device)
         lse = torch.full((b, g, h // g, n), float("-inf"), dtype=acc, device=q.device)
         vg = v.to(acc).unsqueeze(2)
         for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h)):
@@ -115,15 +121,15 @@ class _MathKernel:
             w_new = torch.where(torch.isinf(new), torch.zeros_like(new), torch.exp(t_lse - new))
             out[..., rows, :] = out[..., rows, :] * w_old.unsqueeze(-1) + o * w_new.unsqueeze(-1)
             lse[..., rows] = new
-        return out.reshape(b, h, n, d).to(q.dtype), lse.reshape(b, h, n)
+        return out.reshape(b, h, n, dv).to(q.dtype), lse.reshape(b, h, n)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, dropout=None, positions=None, mask=None):
         b, h, n, d = q.shape
-        g, acc = k.size(1), acc_dtype(q.dtype)
+        g, dv, acc = k.size(1), v.size(-1), acc_dtype(q.dtype)
         qg, kg, vg = q.to(acc).reshape(b, g, h // g, n, d), k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
-        do = dout.to(acc).reshape(b, g, h // g, n, d)
+        do = dout.to(acc).reshape(b, g, h // g, n, dv)
         lse = lse.to(acc).reshape(b, g, h // g, n, 1)
-        delta = (do * out.to(acc).reshape(b, g, h // g, n, d)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
+        delta = (do * out.to(acc).reshape(b, g, h // g, n, dv)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
         dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
         for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h)):
             probs = torch.exp(self._scores(q, k, scale, rows, cols, diagonal, mask, acc) - lse[..., rows, :])
@@ -182,6 +188,37 @@ class _CudaFlashKernel:
         return dq, _fold(dk, g), _fold(dv, g)
 
 
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` with zero columns appended up to ``width`` (``t`` itself when it is that wide)."""
+    return t if t.size(-1) == width else F.pad(t, (0, width - t.size(-1)))
+
+
+class _OneWidth:
+    """A kernel whose op wants q, k and v of one head width, for any value width: with dv != dqk the
+    narrower side is padded with zeros for the op (Q/K's zero columns add nothing to the scores, the
+    scale is passed; V's give zero output and zero gradient columns) and the results trimmed; with
+    dv == dqk the op is called as it is."""
+
+    def __init__(self, inner: BlockKernel) -> None:
+        self.inner = inner
+
+    def forward(self, q, k, v, causal, scale):
+        dqk, dv = q.size(-1), v.size(-1)
+        if dqk == dv:
+            return self.inner.forward(q, k, v, causal, scale)
+        w = max(dqk, dv)
+        out, lse = self.inner.forward(_widened(q, w), _widened(k, w), _widened(v, w), causal, scale)
+        return out[..., :dv], lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dqk, dv = q.size(-1), v.size(-1)
+        if dqk == dv:
+            return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+        w = max(dqk, dv)  # dO and O padded alike: rowsum(dO * O) is unchanged
+        dq, dk, d_v = self.inner.backward(*(_widened(t, w) for t in (dout, q, k, v, out)), lse, causal, scale)
+        return dq[..., :dqk], dk[..., :dqk], d_v[..., :dv]
+
+
 def _lse_padded(lse: torch.Tensor) -> torch.Tensor:
     """The efficient op's log-sum-exp rows are padded to a multiple of 32; its backward reads that shape."""
     n = lse.size(-1)
@@ -211,8 +248,8 @@ class _CudaEfficientKernel:
         return dq, _fold(dk, g), _fold(dv, g)
 
 
-_KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _CpuFlashKernel(),
-                                    "cuda_flash": _CudaFlashKernel(), "cuda_efficient": _CudaEfficientKernel()}
+_KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _OneWidth(_CpuFlashKernel()),
+                                    "cuda_flash": _OneWidth(_CudaFlashKernel()), "cuda_efficient": _CudaEfficientKernel()}
 
 
 def register_block_kernel(name: str, kernel: BlockKernel) -> None:
@@ -220,10 +257,10 @@ def register_block_kernel(name: str, kernel: BlockKernel) -> None:
     _KERNELS[name] = kernel
 
 
-def _auto(q: torch.Tensor) -> str:
+def _auto(q: torch.Tensor, v_dim: int) -> str:
     half = q.dtype in (torch.float16, torch.bfloat16)
     if q.device.type in ("cuda", "meta"):  # meta: a rehearsal of a GPU launch, whose memory the CUDA ops show
-        d = q.shape[-1]
+        d = max(q.shape[-1], v_dim)  # the flash op's width, the narrower side padded
         if half and d % 8 == 0 and d <= 256:
             return "cuda_flash"
         if q.dtype != torch.float64:
@@ -235,9 +272,10 @@ def _auto(q: torch.Tensor) -> str:
     return "math"  # fp64 references
 
 
-def block_kernel(name: str, q: torch.Tensor) -> BlockKernel:
-    """The kernel ``name`` ('auto' or a registered name) runs for ``q``; 'auto' chooses by device and dtype."""
-    chosen = _auto(q) if name == "auto" else name
+def block_kernel(name: str, q: torch.Tensor, v_dim: Optional[int] = None) -> BlockKernel:
+    """The kernel ``name`` ('auto' or a registered name) runs for ``q`` and values ``v_dim`` wide (default:
+    q's width); 'auto' chooses by device, dtype and head widths."""
+    chosen = _auto(q, q.shape[-1] if v_dim is None else v_dim) if name == "auto" else name
     if chosen not in _KERNELS:
         raise ValueError(f"unknown ring attention block kernel {name!r}; registered: {sorted(_KERNELS)} "
                          f"(add one with register_block_kernel)")
