@@ -16,11 +16,13 @@ live tensor bytes the step allocated (saved tensors, received blocks, gradients;
 excluded), and the bytes saved for backward (``saved_tensors_hooks``, unique storages). Query-key
 pairs and bytes sent come from ``RingStats`` (ring) and ``CommCounter`` (a2a; its pairs are the
 causal pairs of its heads/cp heads, in whole-head units). Bytes sent forward are checked against
-2 (S/cp) g d (cp-1) x 4 for the ring and S (2 heads + 2 g) d (cp-1) / cp^2 x 4 for a2a. Tokens/s = S / the largest rank's CPU seconds. Ratios: zigzag against
+(S/cp) g (d + dv) (cp-1) x 4 for the ring and S (heads + g) (d + dv) (cp-1) / cp^2 x 4 for a2a (dv: the value
+heads' width, ``--v-head-dim``, as multi-latent attention's; d by default). Tokens/s = S / the largest rank's CPU seconds. Ratios: zigzag against
 contiguous (largest rank's CPU time), and each configuration against cp 1 (per rank).
 
     python benchmarks/bench_context_parallel.py            # ~10 min on 2 cores
     python benchmarks/bench_context_parallel.py --quick    # tiny shapes, seconds
+    python benchmarks/bench_context_parallel.py --head-dim 192 --v-head-dim 128   # MLA's head widths
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ ELEM = 4  # fp32
 class Shape:
     heads: int
     groups: int
-    head_dim: int
+    head_dim: int  # of queries and keys
+    v_head_dim: int  # of values
 
 
 def _layout(variant: str, seq: int, cp: int):
@@ -62,7 +65,8 @@ def _inputs(seq: int, shape: Shape, rank: int, cp: int, layout) -> list[torch.Te
     from megazero.model.attention.cp_layout import split_for_rank
 
     g = torch.Generator().manual_seed(seq)
-    full = [torch.randn(seq, 1, n, shape.head_dim, generator=g) for n in (shape.heads, shape.groups, shape.groups)]
+    full = [torch.randn(seq, 1, n, d, generator=g)
+            for n, d in ((shape.heads, shape.head_dim), (shape.groups, shape.head_dim), (shape.groups, shape.v_head_dim))]
     return [split_for_rank(t, rank, cp, 0, layout).requires_grad_() for t in full]
 
 
@@ -147,8 +151,8 @@ def _formula(variant: str, seq: int, cp: int, shape: Shape) -> int:
     from megazero.model.attention.cp_attention import a2a_elements
 
     if variant == "a2a":
-        return a2a_elements(seq, shape.heads, shape.groups, shape.head_dim, cp) * ELEM
-    return 2 * (seq // cp) * shape.groups * shape.head_dim * (cp - 1) * ELEM
+        return a2a_elements(seq, shape.heads, shape.groups, shape.head_dim, cp, v_head_dim=shape.v_head_dim) * ELEM
+    return (seq // cp) * shape.groups * (shape.head_dim + shape.v_head_dim) * (cp - 1) * ELEM
 
 
 def _row(seq: int, cp: int, variant: str, ranks: list[dict], shape: Shape) -> dict[str, Any]:
@@ -193,16 +197,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (S 256, 512; cp 1, 2; 4 heads, head dim 16)")
     p.add_argument("--seqs", type=int, nargs="+", default=None)
     p.add_argument("--cps", type=int, nargs="+", default=None)
+    p.add_argument("--head-dim", type=int, default=None, help="query/key head width (default 16 quick, 64)")
+    p.add_argument("--v-head-dim", type=int, default=None, help="value head width (default: the head dim)")
     a = p.parse_args(argv)
-    shape = Shape(4, 2, 16) if a.quick else Shape(8, 2, 64)
+    d = a.head_dim or (16 if a.quick else 64)
+    shape = Shape(4 if a.quick else 8, 2, d, a.v_head_dim or d)
     seqs = a.seqs or ([256, 512] if a.quick else [8192, 16384])
     cps = a.cps or ([1, 2] if a.quick else [1, 2, 4])
     print(f"causal attention, fp32, batch 1, {shape.heads} query heads, {shape.groups} key/value groups, head dim "
-          f"{shape.head_dim}; forward + backward; cp gloo ranks x 1 thread on {os.cpu_count()} cores")
+          f"{shape.head_dim} (values {shape.v_head_dim}); forward + backward; cp gloo ranks x 1 thread on "
+          f"{os.cpu_count()} cores")
     print("peak: live tensor bytes the step allocated at its peak (LiveMemoryTracker; inputs excluded); saved: "
           "tensors saved for backward; CPU s: main-thread CPU time of forward + backward per rank; wall s is "
-          "contended; fwd MiB sent vs formula (ring 2 (S/cp) g d (cp-1) x 4, "
-          "a2a S (2 heads + 2 g) d (cp-1) / cp^2 x 4); tokens/s = S / max CPU s\n")
+          "contended; fwd MiB sent vs formula (ring (S/cp) g (d + dv) (cp-1) x 4, "
+          "a2a S (heads + g) (d + dv) (cp-1) / cp^2 x 4); tokens/s = S / max CPU s\n")
     rows = []
     for cp in cps:
         configs = [(seq, v) for seq in seqs for v in _variants(cp, shape)]
