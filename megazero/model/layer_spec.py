@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megazero import mpu
 
+from .attention.mla import multi_latent_attention
 from .attention.self_attention import SelfAttention
 from .config import GPTConfig
 from .init import init_methods
@@ -82,7 +83,7 @@ def _mixture_of_experts(config: GPTConfig, *, number: int, tp_group, tp_size: in
 
 
 # The attention builders by kind: "standard", and "mla" for multi_latent_attention.
-ATTENTION_BUILDERS: dict[str, Builder] = {"standard": _standard_attention}
+ATTENTION_BUILDERS: dict[str, Builder] = {"standard": _standard_attention, "mla": multi_latent_attention}
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,122 @@
-"""Rotary position embeddings (Su et al. 2021) in Llama's (HF) convention.
+"""Rotary position embeddings (Su et al. 2021) in Llama's (HF) convention, and YaRN's scaled tables.
 
 The head dimension is split into two halves, and pair ``(x[i], x[i + d/2])`` is
-rotated by angle ``pos * base^(-2i/d)`` ("rotate_half"). This is the layout of
-HF Llama checkpoints, so the converters need no permutation of q/k weights.
+rotated by angle ``pos * inv_freq[i]`` with ``inv_freq[i] = base^(-2i/d)`` ("rotate_half").
+This is the layout of HF Llama checkpoints, so the converters need no permutation of q/k weights.
+Multi-latent attention stores its RoPE parts interleaved (DeepSeek's pairs ``(x[2i], x[2i+1])``):
+:func:`deinterleave` brings them to this layout before :func:`apply_rotary`.
 
 Partial rotary (Megatron's ``--rotary-percent``): the tables cover only the first
 ``rotary_dim`` dimensions of a head; the remaining ones pass through unrotated.
+
+YaRN (Peng et al. 2023; ``rope_type='yarn'``): the frequencies are blended between interpolation
+(``inv_freq / factor``) and extrapolation (``inv_freq``) by a linear ramp between the dimensions that
+make ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings`` (rounded
+outwards), and the tables are multiplied by an attention factor. Both follow transformers'
+``_compute_yarn_parameters`` (the DeepSeek-V3 parity target); see :func:`yarn_attention_factor` for
+where Megatron-core's factor differs.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..config import GPTConfig
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "rotary_embedding"]
+__all__ = ["RotaryEmbedding", "YarnScaling", "apply_rotary", "deinterleave", "rotary_embedding",
+           "yarn_get_mscale", "yarn_attention_factor", "softmax_mscale"]
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's parameters (GPTConfig's names: rotary_scaling_factor is ``factor``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @classmethod
+    def of(cls, config: GPTConfig) -> Optional["YarnScaling"]:
+        """The config's YaRN, or None when its RoPE is plain."""
+        if config.resolved_rope_type != "yarn":
+            return None
+        return cls(config.rotary_scaling_factor, config.original_max_position_embeddings, config.beta_fast,
+                   config.beta_slow, config.mscale, config.mscale_all_dim)
+
+
+def yarn_attention_factor(y: YarnScaling) -> float:
+    """The tables' factor: ``mscale(f, mscale) / mscale(f, mscale_all_dim)`` when both are non-zero,
+    else ``mscale(f, 1)`` (transformers' rule). Megatron-core takes the ratio whenever both are given,
+    so the two differ only when one of them is 0 and ``mscale != 1`` (DeepSeek's configs set both)."""
+    if y.mscale and y.mscale_all_dim:
+        return float(yarn_get_mscale(y.factor, y.mscale) / yarn_get_mscale(y.factor, y.mscale_all_dim))
+    return yarn_get_mscale(y.factor)
+
+
+def softmax_mscale(config: GPTConfig) -> float:
+    """What YaRN multiplies the softmax scale by in multi-latent attention: ``mscale(f, mscale_all_dim)^2``
+    (DeepSeek's, transformers' ``yarn_apply_mscale`` and Megatron-core's); 1 with plain RoPE."""
+    y = YarnScaling.of(config)
+    if y is None or not y.mscale_all_dim:
+        return 1.0
+    m = yarn_get_mscale(y.factor, y.mscale_all_dim)
+    return m * m
+
+
+def _yarn_correction_dim(rotations: float, dim: int, base: float, max_positions: int) -> float:
+    """The dimension whose frequency makes ``rotations`` turns over ``max_positions``."""
+    return (dim * math.log(max_positions / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def _yarn_inv_freq(dim: int, base: float, y: YarnScaling, device=None) -> torch.Tensor:
+    """YaRN's blended inverse frequencies ``[dim/2]`` (transformers' operations, in its order)."""
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (y.factor * pos_freqs)
+    low = math.floor(_yarn_correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings))
+    high = math.ceil(_yarn_correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings))
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of width 0 would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    keep = 1 - ramp  # 1: the dimension keeps its frequency (extrapolation)
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Computes ``(cos, sin)`` tables for given positions. Owns no parameters or buffers,
-    so meta construction and partitioned materialization need nothing special."""
+    """Computes ``(cos, sin)`` tables for given positions, plain or YaRN-scaled (``yarn``). Owns no
+    parameters or buffers, so meta construction and partitioned materialization need nothing special."""
 
-    def __init__(self, dim: int, base: float = 10000.0) -> None:
+    def __init__(self, dim: int, base: float = 10000.0, yarn: Optional[YarnScaling] = None) -> None:
         super().__init__()
         if dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {dim}")
-        self.dim, self.base = dim, base
+        self.dim, self.base, self.yarn = dim, base, yarn
+        self.attention_factor = yarn_attention_factor(yarn) if yarn is not None else 1.0
+
+    def inv_freq(self, device=None) -> torch.Tensor:
+        """The inverse frequencies ``[d/2]`` (fp32)."""
+        if self.yarn is not None:
+            return _yarn_inv_freq(self.dim, self.base, self.yarn, device)
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
+        return 1.0 / (self.base ** exponents)  # computed as HF Llama does
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` ``[s]`` or ``[b, s]`` -> ``cos, sin`` of shape ``[s, 1, 1, d]`` or ``[s, b, 1, d]`` (fp32)."""
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=position_ids.device).float() / self.dim
-        inv_freq = 1.0 / (self.base ** exponents)  # [d/2], computed as HF Llama does
+        inv_freq = self.inv_freq(position_ids.device)
         pos = position_ids.float()
         if pos.dim() == 1:
             pos = pos[:, None]  # [s, 1]
@@ -39,12 +124,22 @@ class RotaryEmbedding(torch.nn.Module):
             pos = pos.t()  # [s, b]
         freqs = pos[..., None] * inv_freq  # [s, b|1, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [s, b|1, 1, d]
-        return emb.cos(), emb.sin()
+        if self.attention_factor == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}" + (f", yarn={self.yarn}" if self.yarn is not None else "")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ...; x1, x3, ...]`` (rotate_half's layout)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,5 +155,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotary_embedding(config: GPTConfig) -> RotaryEmbedding:
-    """The model's RoPE tables for ``config``: over ``rotary_dim`` dimensions of each head."""
-    return RotaryEmbedding(config.rotary_dim, config.rotary_base)
+    """The model's RoPE tables for ``config``: over ``rotary_dim`` dimensions of each head, or over the
+    decoupled RoPE part (``qk_pos_emb_head_dim``) under multi-latent attention; YaRN-scaled when
+    ``config.resolved_rope_type`` is 'yarn'."""
+    dim = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.rotary_dim
+    return RotaryEmbedding(dim, config.rotary_base, YarnScaling.of(config))

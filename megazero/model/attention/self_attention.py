@@ -1,4 +1,5 @@
-"""Standard (multi-head or grouped-query) causal self-attention with one fused QKV projection.
+"""Standard (multi-head or grouped-query) causal self-attention with one fused QKV projection, and
+:class:`CausalAttention`, the core-attention path it shares with multi-latent attention.
 
 Weight layouts (full, i.e. tp=1, shapes; the converters depend on them):
 
@@ -29,37 +30,27 @@ from .core import core_attention
 from .cp_context import ContextParallel, context_parallel_attention
 from .rope import apply_rotary
 
-__all__ = ["SelfAttention", "Rotary"]
+__all__ = ["CausalAttention", "SelfAttention", "Rotary"]
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
 
-class SelfAttention(torch.nn.Module):
-    """Fused-QKV causal self-attention over this rank's heads (optionally GQA and RoPE)."""
+class CausalAttention(torch.nn.Module):
+    """What every attention of a layer shares once its q, k and v are made: the core attention of this
+    rank's heads (a backend, or the context-parallel exchange of layer ``number``), its dropout (keyed
+    by position when the samples' keys are given) and selective recompute. A subclass sets ``config``,
+    ``number`` and a row-parallel ``linear_proj`` (whose TP rank says which heads this rank holds)."""
 
-    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
-                 number: int = 0) -> None:
-        super().__init__()
-        c = config
-        self.config = c
-        self.number = number  # the layer's index in the whole model: its context-parallel exchange
-        self.kv_channels = c.head_dim
-        self.groups_per_rank = c.query_groups // tp_size
-        self.heads_per_group = c.num_attention_heads // c.query_groups
-        sp = c.sequence_parallel
-        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=sp,
-                      bias=c.add_bias_linear)
-        init, output_init = init_methods(c)
-        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
-        self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False, init_method=init,
-                                                   **{**common, "bias": c.add_bias_linear or c.add_qkv_bias})
-        self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
-                                                 input_is_parallel=True, init_method=output_init, **common)
-        if c.qk_layernorm:
-            kw = dict(tp_group=tp_group, tp_size=tp_size, device=device, size=c.head_dim, partial_grads=tp_size > 1)
-            self.q_layernorm, self.k_layernorm = build_norm(c, **kw), build_norm(c, **kw)
-        else:
-            self.q_layernorm = self.k_layernorm = None
+    config: GPTConfig
+    number: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
+               cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
+        """q ``[s, b, heads/tp, dqk]``, k ``[s, b, groups/tp, dqk]``, v ``[s, b, groups/tp, dv]`` ->
+        ``[s, b, heads/tp * dv]``, recomputed in backward under selective recompute."""
+        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+            return mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp, key), q, k, v)
+        return self._core(q, k, v, attention_mask, cp, key)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
               cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
@@ -86,8 +77,36 @@ class SelfAttention(torch.nn.Module):
         else:
             with mpu.get_rng_tracker().fork(device=q.device):
                 samples = torch.randint(0, 1 << 32, (q.size(1),), dtype=torch.int64, device=q.device)
-        first = self.linear_qkv.tp_rank * q.size(2)  # TP ranks hold consecutive query heads
+        first = self.linear_proj.tp_rank * q.size(2)  # TP ranks hold consecutive query heads
         return AttentionDropout(p, samples, torch.arange(first, first + q.size(2), device=q.device), self.number)
+
+
+class SelfAttention(CausalAttention):
+    """Fused-QKV causal self-attention over this rank's heads (optionally GQA and RoPE)."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+                 number: int = 0) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.number = number  # the layer's index in the whole model: its context-parallel exchange
+        self.kv_channels = c.head_dim
+        self.groups_per_rank = c.query_groups // tp_size
+        self.heads_per_group = c.num_attention_heads // c.query_groups
+        sp = c.sequence_parallel
+        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=sp,
+                      bias=c.add_bias_linear)
+        init, output_init = init_methods(c)
+        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
+        self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False, init_method=init,
+                                                   **{**common, "bias": c.add_bias_linear or c.add_qkv_bias})
+        self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                                 input_is_parallel=True, init_method=output_init, **common)
+        if c.qk_layernorm:
+            kw = dict(tp_group=tp_group, tp_size=tp_size, device=device, size=c.head_dim, partial_grads=tp_size > 1)
+            self.q_layernorm, self.k_layernorm = build_norm(c, **kw), build_norm(c, **kw)
+        else:
+            self.q_layernorm = self.k_layernorm = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
                 cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
@@ -104,9 +123,6 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            ctx = mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp, dropout_key), q, k, v)
-        else:
-            ctx = self._core(q, k, v, attention_mask, cp, dropout_key)  # [s, b, heads/tp * d]
+        ctx = self.attend(q, k, v, attention_mask, cp, dropout_key)  # [s, b, heads/tp * d]
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out
