@@ -252,6 +252,13 @@ def _exchanges(p) -> str:
     return kinds + (f" {p.hierarchical_cp[0]}x{p.hierarchical_cp[1]}" if p.hierarchical_cp else "")
 
 
+def _latents(m: GPTConfig) -> str:
+    """Multi-latent attention's sizes, as the start-up line shows them."""
+    q = f"q latent {m.q_lora_rank}" if m.q_lora_rank else "no q latent"
+    return (f"(multi-latent: {q}, kv latent {m.kv_lora_rank}, qk {m.qk_head_dim}+{m.qk_pos_emb_head_dim}, "
+            f"v {m.v_head_dim})")
+
+
 def describe(config: TrainConfig) -> str:
     """A few human lines summarising the resolved run (printed at startup and by dry runs); a plan
     whose run length or learning rate are placeholders (``parse_args(planning=True)``) shows neither."""
@@ -259,10 +266,14 @@ def describe(config: TrainConfig) -> str:
     training = not any(n.startswith(PLANNING_NOTE) for n in config.notes)
     lines = [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-        f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
+        + (_latents(m) if m.multi_latent_attention else f"({m.query_groups} kv groups)")
+        + f", ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
         f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}"
+        + (f" (YaRN x{m.rotary_scaling_factor:g})" if m.resolved_rope_type == "yarn" else "")
         + (f"; {sum(m.is_moe_layer(i) for i in range(m.num_layers))} of {m.num_layers} layers mixtures of "
-           f"{m.num_experts} experts, top-{m.moe_router_topk}" if m.num_experts else ""),
+           f"{m.num_experts} experts, top-{m.moe_router_topk}" if m.num_experts else "")
+        + (f"; {m.mtp_num_layers} multi-token prediction module{'s' if m.mtp_num_layers > 1 else ''} "
+           f"(weight {m.mtp_loss_scaling_factor:g})" if m.mtp_num_layers else ""),
         f"parallel: world {p.world_size} = tp {p.tp} x "
         + (f"cp {p.cp} ({_exchanges(p)}) x " if p.cp > 1 else "")
         + f"pp {p.pp} x dp {p.dp}" + (f" (experts: etp {p.etp} x ep {p.ep} x expert-dp {p.dp * p.cp * p.tp // (p.ep * p.etp)})"

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megazero.training.flag_rows import add_mla_rows, add_moe_rows
+
 __all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "HELP_EPILOG", "refusals", "flags_markdown",
            "add_to_parser"]
 
@@ -74,29 +76,6 @@ def _lower(s: str) -> str:
     return s.lower()
 
 
-def _layer_freq(s: str):
-    """``--moe-layer-freq``: an int, or Megatron's pattern expression of 0s and 1s ("([0]*3+[1]*58)", "[1,0,1,0]"),
-    read without eval."""
-    text = s.replace(" ", "")
-    if text.isdigit():
-        return int(text)
-    if not text or set(text) - set("0123456789[](),+*"):
-        raise argparse.ArgumentTypeError(f"{s!r}: give an int or a list of 0/1 per layer such as ([0]*3+[1]*58)")
-    return tuple(_pattern(text.strip("()") if text.startswith("(") and text.endswith(")") else text, s))
-
-
-def _pattern(text: str, original: str) -> list:
-    """Sums of ``[a, b, ...]`` or ``[a, ...]*n`` terms."""
-    out: list = []
-    for term in text.split("+"):
-        body, _, times = term.partition("*")
-        if not (body.startswith("[") and body.endswith("]")) or (times and not times.isdigit()):
-            raise argparse.ArgumentTypeError(f"{original!r}: each term is [0/1, ...] or [0/1, ...]*n")
-        values = [int(v) for v in body[1:-1].split(",") if v]
-        out += values * (int(times) if times else 1)
-    return out
-
-
 _ROWS: list[Flag] = []
 
 
@@ -134,6 +113,10 @@ g(H, "--virtual-pipeline-model-parallel-size", "model chunks per pipeline rank (
   "multiple of pp", int, default=1)
 g(H, "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B given as layers per model chunk: v = num_layers / "
   "(pp x this)", int)
+g(R, "--pipeline-model-parallel-layout", "a per-chunk layout string is not available: give the layers of the "
+  "first and last stages with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (and "
+  "--virtual-pipeline-model-parallel-size for chunks); the embedding sits on the first stage, the head and the "
+  "multi-token prediction modules on the last", str)
 g(H, "--decoder-first-pipeline-num-layers", "layers of the first pipeline stage (Megatron-core's uneven split; "
   "the other stages share the rest evenly)", int)
 g(H, "--decoder-last-pipeline-num-layers", "layers of the last pipeline stage (Megatron-core's uneven split)", int)
@@ -195,10 +178,11 @@ for _n in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidd
     g(H, _n, "model shape", int)
 g(H, "--num-query-groups", "key/value heads for grouped-query attention", int)
 g(M, "--num-key-value-heads", "Megatron-DeepSpeed's name for --num-query-groups", int)
-g(M, "--group-query-attention", "enable GQA: --num-query-groups alone does it; accepted")
+g(M, "--group-query-attention", "enable GQA: --num-query-groups alone does it; refused beside --multi-latent-attention "
+  "(Megatron asserts the two exclusive); accepted")
 g(H, "--kv-channels", "per-head dimension (default hidden / heads)", int)
-g(H, "--position-embedding-type", "learned_absolute, rope or none", str,
-  choices=("learned_absolute", "learned", "rope", "none"))
+g(H, "--position-embedding-type", "learned_absolute, rope, yarn (RoPE with YaRN scaling, Megatron's way for "
+  "attention without latents) or none", str, choices=("learned_absolute", "learned", "rope", "yarn", "none"))
 g(M, "--use-rotary-position-embeddings", "Megatron-DeepSpeed's --position-embedding-type rope")
 g(M, "--no-position-embedding", "no learned position table: --position-embedding-type none, or beside rope nothing "
   "more")
@@ -207,7 +191,9 @@ g(H, "--rotary-percent", "fraction of each head's dimensions rotated by RoPE", f
 g(H, "--normalization", "LayerNorm or RMSNorm", _lower, choices=("layernorm", "rmsnorm"))
 g(H, ("--norm-epsilon", "--layernorm-epsilon"), "epsilon of every norm", float, dest="norm_epsilon", default=1e-05)
 g(H, "--apply-layernorm-1p", "LayerNorm with weight stored as (1 + w), zero-centred")
-g(H, "--qk-layernorm", "normalize queries and keys per head")
+g(H, "--qk-layernorm", "normalize queries and keys per head; with --multi-latent-attention: the norms of the query and "
+  "key/value latents (Megatron's q_layernorm/kv_layernorm), which megazero's multi-latent attention always has, so "
+  "there it is required")
 g(H, "--swiglu", "SwiGLU MLP; without --ffn-hidden-size Megatron's size int(4h*2/3 / 64) * 64")
 g(H, "--squared-relu", "squared-ReLU MLP activation")
 g(H, "--disable-bias-linear", "no biases on linear layers")
@@ -236,88 +222,15 @@ g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this
 g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (PyTorch SDPA), unfused/local "
   "(PyTorch math)", _lower, choices=("auto", "flash", "fused", "unfused", "local"), default="auto")
 g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
-g(H, "--num-experts", "experts of each mixture-of-experts layer (dense MLPs without it); one value (Megatron-"
-  "DeepSpeed's per-layer list is refused)", int, nargs="+")
-g(H, "--moe-router-topk", "experts each token is routed to (default 2; 1 with DeepSpeed-MoE's flags)", int)
-_DS_MOE = "DeepSpeed-MoE (Megatron-DeepSpeed): "
-g(M, "--topk", _DS_MOE + "--moe-router-topk (its default 1; top-1 weighs by the softmax over all experts, as "
-  "DeepSpeed's gate)", int, dest="ds_topk")
-g(H, ("--expert-model-parallel-size", "--ep"), "expert-parallel size: each rank holds num_experts / ep experts "
-  "of every MoE layer, tokens reach them by all-to-all; ep x --expert-tensor-parallel-size divides the ranks of "
-  "a pipeline stage, over the rest of which (expert data parallel) ZeRO partitions the experts (default 1)", int, dest="expert_model_parallel_size")
-g(M, "--moe-expert-parallel-size", _DS_MOE + "--expert-model-parallel-size", int, dest="ds_moe_expert_parallel_size")
-g(H, "--expert-tensor-parallel-size", "tensor parallelism of the experts (default --tp): each expert's weights are "
-  "sharded over this many ranks; ep x etp divides the ranks of a pipeline stage (tp x dp x cp), laid out etp "
-  "fastest, then ep, then expert data parallel (Megatron-core's order). Other than --tp it needs "
-  "--sequence-parallel when tp > 1", int)
-g(H, "--moe-ffn-hidden-size", "hidden size of each expert's MLP (default --ffn-hidden-size)", int)
-g(H, "--moe-layer-freq", "every n-th layer is a mixture of experts (layer i when i % n == 0), or a pattern of "
-  "0 (dense) and 1 (experts), one per layer, in Megatron's form: \"([0]*3+[1]*58)\"", _layer_freq, default=1)
-g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch), "
-  "seq_aux_loss (the same per sequence, averaged: independent of how the global batch is split) or none",
-  _lower, choices=("aux_loss", "none", "seq_aux_loss", "sinkhorn"), default="aux_loss",
-  refuse_values=(("sinkhorn", "--moe-router-load-balancing-type sinkhorn is not available in megazero; use aux_loss, "
-                              "seq_aux_loss or none"),))
-g(H, "--moe-aux-loss-coeff", "weight of the load-balancing loss (its gradient is added in backward, scaled as "
-  "the language-model loss; default 0)", float)
-g(M, "--moe-loss-coeff", _DS_MOE + "--moe-aux-loss-coeff (its default 0.1)", float, dest="ds_moe_loss_coeff")
-g(H, "--moe-z-loss-coeff", "weight of the router z-loss (mean logsumexp of the logits, squared)", float, default=0.0)
-g(H, "--moe-router-pre-softmax", "softmax over all experts before the top k (weights not renormalised, "
-  "Qwen2-MoE); without it the softmax is over the k chosen logits (Mixtral)")
-g(H, "--moe-token-dispatcher-type", "alltoall; allgather is mapped to it (the same tokens reach the same "
-  "experts)", _lower, choices=("alltoall", "allgather", "flex"), default="alltoall",
-  refuse_values=(("flex", "--moe-token-dispatcher-type flex (DeepEP) is not available; use alltoall"),))
-g(H, "--moe-grouped-gemm", "the experts' matmuls as grouped matmuls (torch._grouped_mm over a rank's experts: "
-  "bf16 on Hopper/Blackwell GPUs, any float dtype on the CPU; 16-byte aligned widths, no biases), the same bits as "
-  "the per-expert loop used otherwise")
-g(M, "--disable-moe-token-dropping", _DS_MOE + "dropless (without it DeepSpeed-MoE drops by capacity)",
-  dest="ds_disable_moe_token_dropping")
-g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most ceil(k T / E x factor) of the "
-  "k T token copies of a data-parallel rank's micro-batch (decided over its T tokens, gathered over TP and CP in "
-  "one process's order), the rest are dropped (their output 0); the same tokens are dropped at every tp, sp, cp, "
-  "ep and etp", float)
-g(H, "--moe-token-drop-policy", "which copies an expert keeps: probs (the highest routing weights, ties to the "
-  "earlier token) or position (the earliest)", _lower, choices=("probs", "position"), default="probs")
-g(H, "--moe-pad-expert-input-to-capacity", "with --moe-expert-capacity-factor: each rank sends every expert "
-  "min(capacity, its tokens) rows, its kept copies then zero rows, so the all-to-all's sizes are known without "
-  "waiting for the device (no host synchronisation per MoE layer); the experts compute the zero rows too")
-g(M, "--moe-train-capacity-factor", _DS_MOE + "--moe-expert-capacity-factor (its default 1.0, dropping unless "
-  "--disable-moe-token-dropping)", float, dest="ds_moe_train_capacity_factor")
-g(M, "--moe-eval-capacity-factor", _DS_MOE + "the capacity factor in evaluation (default the training one)", float,
-  dest="ds_moe_eval_capacity_factor")
-g(M, "--moe-min-capacity", _DS_MOE + "the least capacity of an expert whatever the factor (its default 4)", int,
-  dest="ds_moe_min_capacity")
-g(R, "--moe-token-dropping", "DeepSpeed-MoE's switch: use --moe-expert-capacity-factor (dropless without it)")
-_NO_MOE_YET = "is not available in megazero's mixture of experts yet; drop it"
-g(H, "--moe-shared-expert-intermediate-size", "width of the shared expert every token passes through beside its "
-  "routed ones (Qwen2-MoE, DeepSeek)", int)
-g(H, "--moe-shared-expert-gate", "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE's shared_expert_gate)")
 g(H, "--add-qkv-bias", "a bias on the query/key/value projection only (Qwen2's)")
-g(H, "--moe-router-score-function", "softmax, or sigmoid (DeepSeek-V3: the top k sigmoids renormalised)", _lower,
-  choices=("softmax", "sigmoid"), default="softmax")
-g(H, "--moe-router-num-groups", "group-limited routing (DeepSeek): the experts in this many groups", int)
-g(H, "--moe-router-group-topk", "group-limited routing: the groups a token's experts may come from, those whose "
-  "best top-k / group-topk experts score highest", int)
-g(H, "--moe-router-topk-scaling-factor", "the routing weights times this (DeepSeek-V3's routed scaling factor)", float)
-g(H, "--moe-router-dtype", "the router's precision: fp32, or fp64 (tie-safe routing for layout comparisons)",
-  _lower, choices=("fp32", "fp64"), default="fp32")
-g(H, "--moe-router-enable-expert-bias", "DeepSeek-V3's auxiliary-loss-free balancing (sigmoid routing): a bias per "
-  "expert added to the scores that choose the experts, moved once per step by --moe-router-bias-update-rate "
-  "against the expert's load over the global batch; checkpointed")
-g(H, "--moe-router-bias-update-rate", "how far the expert bias moves per step", float, default=1e-3)
-g(M, "--expert-interval", _DS_MOE + "every n-th layer a mixture, from layer n-1 (its default 2): a "
-  "--moe-layer-freq pattern", int, dest="ds_expert_interval")
-g(M, "--mlp-type", _DS_MOE + "standard; residual (PR-MoE) is refused", _lower, dest="ds_mlp_type",
-  refuse_values=(("residual", "--mlp-type residual (DeepSpeed's PR-MoE: a dense MLP beside each expert) is not "
-                  "available; use --mlp-type standard, or Megatron's shared experts (--moe-shared-expert-"
-                  "intermediate-size)"),))
-g(M, "--create-moe-param-group", _DS_MOE + "accepted: ZeRO already keeps the experts in groups of their own "
-  "(partitioned over expert data parallel)", dest="ds_create_moe_param_group")
-g(M, "--disable-moe-top2-2nd-expert-sampling", _DS_MOE + "accepted: megazero takes the second expert by its "
-  "score, never by sampling", dest="ds_disable_top2_sampling")
+add_moe_rows(g)
 g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo"), _NO_FP8, str)
 g(R, ("--fp8-param-gather", "--no-fp8-wgrad"), _NO_FP8)
+
+# ------------------------------------------------------------------- multi-latent attention, YaRN, MTP
+g = _group("multi-latent attention, RoPE scaling and multi-token prediction")
+add_mla_rows(g)
 
 # ---------------------------------------------------------------------------------------- recompute
 g = _group("activation recompute")
@@ -325,6 +238,9 @@ g(H, "--recompute-granularity", "full (whole layers) or selective (core attentio
   choices=("full", "selective"))
 g(H, "--recompute-method", "uniform or block", str, choices=("uniform", "block"), default="uniform")
 g(H, "--recompute-num-layers", "layers per recompute chunk (uniform) or recomputed layers (block)", int, default=1)
+g(H, "--recompute-modules", "what selective recompute recomputes: core_attn (Megatron's default), the one module "
+  "megazero's selective recompute has; others (mlp, moe, moe_act, shared_experts, layernorm, mla_up_proj) are "
+  "refused, with --recompute-granularity full as the way to recompute them", str, nargs="+")
 g(M, "--checkpoint-activations", "Megatron-DeepSpeed's --recompute-granularity full")
 g(M, "--recompute-activations", "Megatron's --recompute-granularity selective")
 g(M, "--checkpoint-num-layers", "Megatron-DeepSpeed's --recompute-num-layers", int)
@@ -415,6 +331,9 @@ g(H, "--data-impl", "dataset implementation: megazero reads .bin/.idx by mmap", 
   choices=("mmap", "infer", "lazy", "cached"),
   refuse_values=tuple((v, f"--data-impl {v} does not exist in megazero: .bin/.idx files are read by mmap "
                           "(the same files); pass --data-impl mmap or drop the flag") for v in ("lazy", "cached")))
+g(M, ("--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader"), "read .bin files without mmap; no "
+  "attention mask built by the data loader: megazero reads by mmap (the same tokens) and builds causal masks inside "
+  "attention; accepted")
 g(H, "--num-workers", "DataLoader worker processes (0: reads in the training process)", int, default=0)
 g(H, "--reset-position-ids", "restart position ids after each end-of-document token")
 g(H, "--reset-attention-mask", "no attention across end-of-document tokens")
@@ -448,6 +367,19 @@ g(H, "--use-checkpoint-args", "the model's shape and architecture from the check
 g(M, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format: megazero writes its own format, which "
   "reloads at any tp x dp x ZeRO stage; accepted", str)
 g(M, "--use-dist-ckpt", "sharded checkpoints: megazero's checkpoints are sharded and reshardable; accepted")
+g(M, "--auto-detect-ckpt-format", "find the format of --load: megazero reads its own format; accepted")
+g(M, "--dist-ckpt-strictness", "how a distributed checkpoint's missing or unexpected keys are handled: a megazero "
+  "load refuses any mismatch, naming the keys; accepted", str)
+g(M, "--no-check-for-nan-in-loss-and-grad", "Megatron's per-step NaN check: megazero's own check stays on (a loss or "
+  "gradient norm that stops being finite ends the run, fp16 skipping the step first); accepted")
+g(M, ("--cross-entropy-loss-fusion", "--manual-gc", "--enable-experimental"), "a fused cross-entropy kernel, Python "
+  "garbage collection at fixed intervals, Megatron's experimental features: megazero computes the cross-entropy "
+  "unfused (the same function), leaves the collector alone and has no experimental switch; accepted")
+g(M, "--cross-entropy-fusion-impl", "which fused cross-entropy kernel: megazero's is unfused; accepted", str,
+  choices=("native", "te"))
+g(M, "--manual-gc-interval", "see --manual-gc; accepted", int)
+g(M, "--logging-level", "Python logging level of Megatron's loggers: megazero's log lines are fixed (rank 0's "
+  "progress, every rank's warnings); accepted", int)
 g(H, "--exit-interval", "save and exit when iteration % N == 0", int)
 g(H, "--exit-duration-in-mins", "save and exit after this many minutes of training", float)
 g(H, "--exit-signal-handler", "on SIGTERM: save a checkpoint and exit")

@@ -11,6 +11,7 @@ import torch
 from megazero.model.config import PRESETS, GPTConfig
 from megazero.training.config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
 from megazero.training.resolve.common import default
+from megazero.training.resolve.mla import given_mla_fields, mla_kwargs
 from megazero.training.resolve.resume import (CHECKPOINT_FILL_FIELDS, CHECKPOINT_MODEL_FIELDS, checkpoint_args_source,
                                               checkpoint_model, checkpoint_model_kwargs, keep_saved_vocab_padding)
 
@@ -157,6 +158,7 @@ def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: D
     for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns)}.items():
         flag_name = flag_of.get(name, f"--{name.replace('_', '-')}")
         given[name] = (flag_name if isinstance(value, bool) else f"{flag_name} {value}", value)
+    given.update(given_mla_fields(ns))
     return given
 
 
@@ -188,7 +190,8 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
                           "--load/--pretrained-checkpoint with a checkpoint to take the model from")
     kw["num_query_groups"] = default(ns.num_query_groups, preset.get("num_query_groups"))
     kw["ffn_hidden_size"] = default(ns.ffn_hidden_size, preset.get("ffn_hidden_size"))
-    pos = {"learned_absolute": "learned"}.get(ns.position_embedding_type, ns.position_embedding_type)
+    # yarn: RoPE whose rope_type is yarn (mla_kwargs)
+    pos = {"learned_absolute": "learned", "yarn": "rope"}.get(ns.position_embedding_type, ns.position_embedding_type)
     for alias, flag_name, value in ((ns.use_rotary_position_embeddings, "--use-rotary-position-embeddings", "rope"),
                                     (ns.no_position_embedding, "--no-position-embedding", "none")):
         if alias and value == "none" and pos == "rope":  # no learned table: Megatron's Mixtral script gives both
@@ -221,6 +224,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         raise ConfigError("--recompute-method needs --recompute-granularity full")
     if granularity != "full" and ns.recompute_num_layers is not None and not ns.checkpoint_num_layers:
         raise ConfigError("--recompute-num-layers needs --recompute-granularity full")
+    _check_recompute_modules(ns.recompute_modules, granularity)
     if ns.squared_relu and ns.swiglu:
         raise ConfigError("--squared-relu and --swiglu are two different MLP activations; pass one")
     backend = _ATTENTION_BACKENDS[default(ns.attention_backend, "auto")]
@@ -253,6 +257,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
             kw[attr] = value
     kw.update(model_field_kwargs(ns))
     kw.update(moe_kwargs(ns))
+    kw.update(mla_kwargs(ns, kw["position_embedding_type"], notes))
     for key in ("kv_channels", eps_field):
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]
@@ -271,6 +276,19 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         return config.validate(par.tp)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
+
+
+def _check_recompute_modules(modules: Any, granularity: Any) -> None:
+    """--recompute-modules: megazero's selective recompute is Megatron's default module, core attention."""
+    if modules is None:
+        return
+    if granularity != "selective":
+        raise ConfigError(f"--recompute-modules {' '.join(modules)} needs --recompute-granularity selective")
+    other = [m for m in modules if m != "core_attn"]
+    if other:
+        raise ConfigError(f"--recompute-modules {' '.join(other)}: megazero's selective recompute recomputes core "
+                          "attention only (core_attn, Megatron's default); recompute whole layers with "
+                          "--recompute-granularity full, or give --recompute-modules core_attn")
 
 
 def _check_flash_attn(prec: PrecisionConfig) -> None:

@@ -59,7 +59,9 @@ CHECKPOINT_MODEL_FIELDS = (
     "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_router_pre_softmax", "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate")
+    "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_FILL_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
 MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
@@ -86,6 +88,7 @@ def checkpoint_args_source(ns: argparse.Namespace, check_files: bool) -> Optiona
 def _effective(saved, field: str) -> Any:
     """A saved GPTConfig's value of ``field`` as a flag would give it (defaults resolved)."""
     resolved = {"num_query_groups": "query_groups", "kv_channels": "head_dim", "ffn_hidden_size": "ffn_size",
+                "rope_type": "resolved_rope_type",
                 "moe_ffn_hidden_size": "moe_ffn_size"}
     value = getattr(saved, resolved.get(field, field))
     return tuple(value) if isinstance(value, list) else value
