@@ -10,9 +10,10 @@ the forward half of a pair whose backward is its conjugate:
 * ``replicated_kv_all_to_all``: the first, for KV heads fewer than the ranks (each rank gets one);
 * ``gather_sequence``: ``[s/P, ...]`` -> ``[s, ...]``; backward reduce-scatter (sum over ranks).
 
-``group`` is the CP process group (``None``: the default group). The gathered sequence is in
-rank-major order (rank 0's tokens, then rank 1's, ...), whatever layout put which tokens on
-which rank; callers reorder by global positions.
+``d`` is each tensor's own width: K and V of different head widths (multi-latent attention) travel
+in calls of their own, each at its width. ``group`` is the CP process group (``None``: the default
+group). The gathered sequence is in rank-major order (rank 0's tokens, then rank 1's, ...),
+whatever layout put which tokens on which rank; callers reorder by global positions.
 
 ``CommCounter`` records what each call moves on this rank: for an all-to-all the
 (P-1)/P of the tensor that leaves (and arrives at) the rank; for an all-gather or a

@@ -48,12 +48,13 @@ def document_mask(seq: int, batch: int, seed: int = 3) -> torch.Tensor:
     return (ids[:, None, :, None] != ids[:, None, None, :])
 
 
-def _inputs(groups: int, dtype=torch.float32, seq: int = S):
+def _inputs(groups: int, dtype=torch.float32, seq: int = S, dv: int = D):
+    """q, k at width D, v (and the output) at ``dv``."""
     g = torch.Generator().manual_seed(11 + groups)
     q = torch.randn(seq, B, HEADS, D, generator=g, dtype=dtype)
     k = torch.randn(seq, B, groups, D, generator=g, dtype=dtype)
-    v = torch.randn(seq, B, groups, D, generator=g, dtype=dtype)
-    go = torch.randn(seq, B, HEADS * D, generator=g, dtype=dtype)
+    v = torch.randn(seq, B, groups, dv, generator=g, dtype=dtype)
+    go = torch.randn(seq, B, HEADS * dv, generator=g, dtype=dtype)
     return q, k, v, go
 
 
@@ -85,19 +86,21 @@ def _masks(kind: str):
 
 
 def a2a_cases(cp: int) -> list[tuple]:
-    """(groups, mask kind, backend, layout, dtype): every GQA shape, mask and layout on sdpa; the math
-    backend, the [S, S] mask and bf16 on the zigzag layout."""
-    cases = [(g, m, "sdpa", lay, torch.float32) for g in (4, 2, 1) for m in ("causal", "documents")
+    """(groups, mask kind, backend, layout, dtype, value width): every GQA shape, mask and layout on sdpa;
+    the math backend, the [S, S] mask, bf16 and value heads narrower and wider than D on the zigzag layout."""
+    cases = [(g, m, "sdpa", lay, torch.float32, D) for g in (4, 2, 1) for m in ("causal", "documents")
              for lay in ("contiguous", "zigzag", "random")]
-    cases += [(g, m, "math", "zigzag", torch.float32) for g in (4, 1) for m in ("causal", "documents")]
-    cases += [(2, "documents-2d", "sdpa", "zigzag", torch.float32), (1, "documents", "sdpa", "zigzag", torch.bfloat16)]
+    cases += [(g, m, "math", "zigzag", torch.float32, D) for g in (4, 1) for m in ("causal", "documents")]
+    cases += [(2, "documents-2d", "sdpa", "zigzag", torch.float32, D),
+              (1, "documents", "sdpa", "zigzag", torch.bfloat16, D)]
+    cases += [(2, "documents", "sdpa", "zigzag", torch.float32, 8), (1, "causal", "math", "zigzag", torch.float32, 40)]
     return cases
 
 
 def _a2a_cases(cp: int, cases):
     rank = torch.distributed.get_rank()
-    for groups, mask_kind, backend, layout, dtype in cases:
-        q, k, v, go = _inputs(groups, dtype)
+    for groups, mask_kind, backend, layout, dtype, dv in cases:
+        q, k, v, go = _inputs(groups, dtype, dv=dv)
         mask = _masks(mask_kind)
         ref = _reference(q, k, v, go, backend, mask)
         pos = layout_positions(layout, S, cp, rank)
@@ -108,11 +111,12 @@ def _a2a_cases(cp: int, cases):
                                             (g - r[pos]).abs().max().item())
         split = groups % cp == 0
         kv_fwd, kv_bwd = (groups, groups) if split else (cp, HEADS)
-        # the research formula S (2a + 2g) d (P-1) / P^2, per sequence of the batch
-        assert counter.elements_sent["forward"] == B * S * (2 * HEADS + 2 * kv_fwd) * D * (cp - 1) // cp ** 2
-        assert counter.elements_sent["backward"] == B * S * (2 * HEADS + 2 * kv_bwd) * D * (cp - 1) // cp ** 2
-        assert counter.elements_sent["forward"] == a2a_elements(S, HEADS, groups, D, cp, B)
-        assert counter.elements_sent["backward"] == a2a_elements(S, HEADS, groups, D, cp, B, phase="backward")
+        # the research formula S (a + g) (d + dv) (P-1) / P^2 (2 d for dv = d), per sequence of the batch
+        assert counter.elements_sent["forward"] == B * S * (HEADS + kv_fwd) * (D + dv) * (cp - 1) // cp ** 2
+        assert counter.elements_sent["backward"] == B * S * (HEADS + kv_bwd) * (D + dv) * (cp - 1) // cp ** 2
+        assert counter.elements_sent["forward"] == a2a_elements(S, HEADS, groups, D, cp, B, v_head_dim=dv)
+        assert counter.elements_sent["backward"] == a2a_elements(S, HEADS, groups, D, cp, B, phase="backward",
+                                                                 v_head_dim=dv)
         assert counter.elements_received == counter.elements_sent
         assert counter.bytes_sent["forward"] == q.element_size() * counter.elements_sent["forward"]
         assert counter.calls == {"forward": 4, "backward": 4}

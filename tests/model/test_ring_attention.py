@@ -61,10 +61,11 @@ def _reference(q, k, v, allowed, dtype):
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
-def _inputs(seq, groups, dtype):
-    shapes = ((1, HEADS), (2, groups), (3, groups))
-    q, k, v = (randn(seq, B, n, D, seed=s, dtype=dtype).requires_grad_() for s, n in shapes)
-    return q, k, v, randn(seq, B, HEADS * D, seed=4, dtype=dtype)
+def _inputs(seq, groups, dtype, dv=D):
+    """q, k ``[seq, B, heads | groups, D]``, v ``[seq, B, groups, dv]`` and an output gradient."""
+    shapes = ((1, HEADS, D), (2, groups, D), (3, groups, dv))
+    q, k, v = (randn(seq, B, n, d, seed=s, dtype=dtype).requires_grad_() for s, n, d in shapes)
+    return q, k, v, randn(seq, B, HEADS * dv, seed=4, dtype=dtype)
 
 
 def _ring_case(kind, seq, groups, dtype, kernel, group_ranks=None, q_scale=1.0):
@@ -258,10 +259,10 @@ def test_zigzag_document_layout_places_tokens_as_zigzag():
             assert all(cu[d] <= start and start + n <= cu[d + 1] for d, start, n in docs.runs[r])
 
 
-def _bytes_case(seq, groups, dtype):
+def _bytes_case(seq, groups, dtype, dv=D):
     p, rank = dist.get_world_size(), dist.get_rank()
     layout = zigzag_layout(seq, p)
-    q, k, v, grad = _inputs(seq, groups, dtype)
+    q, k, v, grad = _inputs(seq, groups, dtype, dv)
     local = [split_for_rank(t.detach(), rank, p, 0, layout).requires_grad_() for t in (q, k, v)]
     stats = RingStats()
     out = ring_attention(*local, layout, kernel="math", stats=stats)
@@ -272,13 +273,13 @@ def _bytes_case(seq, groups, dtype):
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_sent_equal_the_formula(world):
     seq, groups = 16 * world, 2
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, dv in ((torch.float32, D), (torch.bfloat16, D), (torch.float32, 8)):  # dv: the value heads' width
         elem = torch.empty(0, dtype=dtype).element_size()
-        block = seq // world * B * groups * D  # elements of one key (or value) block: groups heads, not HEADS
-        for stats in run_distributed(world, _bytes_case, seq, groups, dtype):
-            assert stats.forward_bytes_sent == 2 * block * (world - 1) * elem
+        block = seq // world * B * groups * (D + dv)  # elements of a key and a value block: groups heads, not HEADS
+        for stats in run_distributed(world, _bytes_case, seq, groups, dtype, dv):
+            assert stats.forward_bytes_sent == block * (world - 1) * elem
             # backward: the key/value blocks again, and the fp32 dK/dV accumulators once around the whole ring
-            assert stats.backward_bytes_sent == 2 * block * (world - 1) * elem + 2 * block * world * 4
+            assert stats.backward_bytes_sent == block * (world - 1) * elem + block * world * 4
 
 
 def _saved_bytes(fn) -> int:

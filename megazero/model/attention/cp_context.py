@@ -110,7 +110,8 @@ class ContextParallel:
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
                                layer: int = 0, backend: str = "auto", attention_mask: Optional[torch.Tensor] = None,
                                dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """``core_attention`` of this rank's queries over the whole sequence, by the exchange of ``layer``.
+    """``core_attention`` of this rank's queries over the whole sequence, by the exchange of ``layer``: q/k
+    ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b, heads * dv]``.
     The ring (and the ring of ``a2a+p2p``) takes packed documents from its layouts, not from a mask, and
     its block kernel from ``ring_kernels`` (the explicit formula when ``backend`` is 'math').
     ``dropout``: attention dropout keyed by position (``dropout.heads``: this rank's global heads), the
