@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from megazero.training import ConfigError, parse_args, parse_args_or_exit
+from megazero.training.arguments import build_parser
+from megazero.training.config import DataConfig
 from megazero.training.flags import FLAGS, _shown
 from tests.launch import ROOT
 
@@ -292,3 +294,26 @@ def test_the_start_up_line_names_the_latents_yarn_and_mtp():
                                check_files=False)).splitlines()[0]
     assert "4 heads (multi-latent: q latent 32, kv latent 32, qk 128+64, v 128)" in line
     assert "(YaRN x40)" in line and line.endswith("; 1 multi-token prediction module (weight 0.1)")
+
+
+def test_a_checkpoints_latents_and_mtp_refuse_a_flag_that_disagrees():
+    """From a checkpoint (--use-checkpoint-args) the MLA/YaRN/MTP fields are the saved ones; a flag typed with
+    another value is refused by both values, one given as the saved one is not."""
+    from megazero.training.resolve.model import given_model_fields
+    from megazero.training.resolve.resume import checkpoint_model_kwargs
+
+    saved = parse_args(shlex.split(MLA + " --kv-lora-rank 16 --rotary-scaling-factor 40 --mtp-num-layers 1"), 1,
+                       check_files=False).model.to_dict()
+
+    def given(flags: str):
+        ns = build_parser().parse_args(shlex.split(BASE + " " + flags))
+        return given_model_fields(ns, None, "layernorm_epsilon", DataConfig())
+
+    kept = checkpoint_model_kwargs(saved, given("--multi-latent-attention --qk-layernorm --kv-lora-rank 16 "
+                                                "--rope-type yarn --rotary-scaling-factor 40"), "ckpt")
+    assert (kept["multi_latent_attention"], kept["kv_lora_rank"], kept["mtp_num_layers"]) == (True, 16, 1)
+    for flags, message in (("--multi-latent-attention --qk-layernorm --kv-lora-rank 32", "--kv-lora-rank 32 disagrees"),
+                           ("--mtp-num-layers 2", "--mtp-num-layers 2 disagrees"),
+                           ("--rope-type rope", "--rope-type rope disagrees")):
+        with pytest.raises(ConfigError, match=message):
+            checkpoint_model_kwargs(saved, given(flags), "ckpt")
