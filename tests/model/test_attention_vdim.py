@@ -259,6 +259,21 @@ def test_ring_sends_value_blocks_unpadded():
     assert narrow[0] * (2 * DQK) == wide[0] * (DQK + 8)
 
 
+@pytest.mark.parametrize("dv", V_WIDTHS)
+def test_ring_keeps_for_backward_its_inputs_output_and_lse_unpadded(dv):
+    """What the ring saves: q, k at dqk, v and the output at dv, the fp32 LSE; no padded copy."""
+    q, k, v, _ = (t.requires_grad_() for t in _inputs(S, 2, dv))
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ring_attention(q, k, v, zigzag_layout(S, 1))
+    assert sum(seen.values()) == 4 * (q.numel() + k.numel() + v.numel() + out.numel() + B * HEADS * S)
+
+
 def test_mismatched_widths_are_refused():
     q, k = torch.zeros(16, B, HEADS, DQK), torch.zeros(16, B, 2, DQK)
     with pytest.raises(ValueError, match=r"k \[s, b, groups, dqk\] and v \[s, b, groups, dv\]"):
