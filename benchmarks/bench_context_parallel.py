@@ -16,9 +16,10 @@ live tensor bytes the step allocated (saved tensors, received blocks, gradients;
 excluded), and the bytes saved for backward (``saved_tensors_hooks``, unique storages). Query-key
 pairs and bytes sent come from ``RingStats`` (ring) and ``CommCounter`` (a2a; its pairs are the
 causal pairs of its heads/cp heads, in whole-head units). Bytes sent forward are checked against
-(S/cp) g (d + dv) (cp-1) x 4 for the ring and S (heads + g) (d + dv) (cp-1) / cp^2 x 4 for a2a (dv: the value
-heads' width, ``--v-head-dim``, as multi-latent attention's; d by default). Tokens/s = S / the largest rank's CPU seconds. Ratios: zigzag against
-contiguous (largest rank's CPU time), and each configuration against cp 1 (per rank).
+(S/cp) g (d + dv) (cp-1) x 4 for the ring and S (heads + g) (d + dv) (cp-1) / cp^2 x 4 for a2a (dv:
+the value heads' width, ``--v-head-dim``, as multi-latent attention's; d by default). Tokens/s = S /
+the largest rank's CPU seconds. Ratios: zigzag against contiguous (largest rank's CPU time), and each
+configuration against cp 1 (per rank).
 
     python benchmarks/bench_context_parallel.py            # ~10 min on 2 cores
     python benchmarks/bench_context_parallel.py --quick    # tiny shapes, seconds
@@ -65,8 +66,8 @@ def _inputs(seq: int, shape: Shape, rank: int, cp: int, layout) -> list[torch.Te
     from megazero.model.attention.cp_layout import split_for_rank
 
     g = torch.Generator().manual_seed(seq)
-    full = [torch.randn(seq, 1, n, d, generator=g)
-            for n, d in ((shape.heads, shape.head_dim), (shape.groups, shape.head_dim), (shape.groups, shape.v_head_dim))]
+    widths = ((shape.heads, shape.head_dim), (shape.groups, shape.head_dim), (shape.groups, shape.v_head_dim))
+    full = [torch.randn(seq, 1, n, d, generator=g) for n, d in widths]
     return [split_for_rank(t, rank, cp, 0, layout).requires_grad_() for t in full]
 
 

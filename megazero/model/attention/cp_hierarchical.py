@@ -72,9 +72,10 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hi
                            counter: Optional[CommCounter] = None, ring_stats=None,
                            kernel: str = "auto", dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal (per-document) attention of the whole sequence for this rank's tokens: q ``[s_local, b,
-    heads, dqk]``, k ``[s_local, b, groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b, heads * dv]``. Heads must divide by
-    the all-to-all size, and KV groups divide by it or it by them (:func:`a2a_head_split`). ``dropout``:
-    keyed attention dropout of this rank's heads, applied by the ring to the heads the all-to-all leaves."""
+    heads, dqk]``, k ``[s_local, b, groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b,
+    heads * dv]``. Heads must divide by the all-to-all size, and KV groups divide by it or it by them
+    (:func:`a2a_head_split`). ``dropout``: keyed attention dropout of this rank's heads, applied by the
+    ring to the heads the all-to-all leaves."""
     h = hierarchy
     s, b, heads, d = *q.shape[:3], v.size(3)
     a2a_head_split(heads, k.size(2), h.a2a_size)

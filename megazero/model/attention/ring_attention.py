@@ -311,8 +311,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
 
     q ``[s_local, b, heads, dqk]``, k ``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` hold
-    the tokens ``layout`` assigns to this rank of ``group`` (``layout.cp_size`` ranks; None: the default group). ``layout`` is one layout for the
-    batch, or one per sample (packed documents differ between samples), all placing the tokens alike.
+    the tokens ``layout`` assigns to this rank of ``group`` (``layout.cp_size`` ranks; None: the default
+    group). ``layout`` is one layout for the batch, or one per sample (packed documents differ between
+    samples), all placing the tokens alike.
     Returns ``[s_local, b, heads * dv]``, the rows of the full attention for those tokens; gradients flow
     to q, k, v. ``softmax_scale`` defaults to 1/sqrt(dqk). Every rank of the group must call it with the
     same layouts and shapes. ``dropout``: attention dropout keyed by position (the math block kernel;

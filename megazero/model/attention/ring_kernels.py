@@ -249,7 +249,8 @@ class _CudaEfficientKernel:
 
 
 _KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _OneWidth(_CpuFlashKernel()),
-                                    "cuda_flash": _OneWidth(_CudaFlashKernel()), "cuda_efficient": _CudaEfficientKernel()}
+                                    "cuda_flash": _OneWidth(_CudaFlashKernel()),
+                                    "cuda_efficient": _CudaEfficientKernel()}
 
 
 def register_block_kernel(name: str, kernel: BlockKernel) -> None:
