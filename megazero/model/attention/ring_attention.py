@@ -2,10 +2,10 @@
 
 Each of the ``P`` ranks of ``group`` holds some tokens of the sequence (a :class:`~megazero.model.cp_layout.CPLayout`,
 normally the balanced zigzag or per-document layout) as q ``[s_local, b, heads, dqk]``, k
-``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` (dv may differ from dqk). Forward: ``P`` steps; at each the local queries attend to the key/value
-block of one rank (only the sub-blocks the causal / document mask leaves unmasked, planned by
-:func:`~megazero.model.cp_layout.plan_blocks`), and the partial results are merged in fp32 (fp64 for fp64
-inputs) by their log-sum-exp; meanwhile ``batch_isend_irecv`` passes the key/value block on to the next
+``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` (dv may differ from dqk). Forward: ``P``
+steps; at each the local queries attend to the key/value block of one rank (only the sub-blocks the
+causal / document mask leaves unmasked, planned by :func:`~megazero.model.cp_layout.plan_blocks`), and
+the partial results are merged in fp32 (fp64 for fp64 inputs) by their log-sum-exp; meanwhile ``batch_isend_irecv`` passes the key/value block on to the next
 rank, so at most two blocks (the one computed, the one arriving) are alive besides the local one.
 Backward runs the ring again, recomputing each block from the saved local q, k, v, output and LSE,
 and passes the dK/dV accumulators along with the blocks, so each rank ends with the gradients of its
@@ -41,8 +41,8 @@ class RingStats:
     Bytes are those handed to ``isend``: forward ``s_local * b * groups * (dqk + dv) * (P - 1)`` elements
     of the input dtype (the key and value blocks, each at its own head width); backward the same again
     plus the dK/dV accumulators once around the ring, ``s_local * b * groups * (dqk + dv) * P`` fp32
-    (fp64) elements. Pairs are the query-key pairs of
-    the blocks computed (:attr:`~megazero.model.cp_layout.Block.pairs`)."""
+    (fp64) elements. Pairs are the query-key pairs of the blocks computed
+    (:attr:`~megazero.model.cp_layout.Block.pairs`)."""
     forward_bytes_sent: int = 0
     backward_bytes_sent: int = 0
     forward_pairs: int = 0
@@ -232,10 +232,10 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         s, b, h, d = q.shape
-        dv = v.size(3)
+        v_dim = v.size(3)
         acc = acc_dtype(q.dtype)
         qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
-        dot, ot = _bhsd(grad_out.reshape(s, b, h, dv)), _bhsd(out.reshape(s, b, h, dv))
+        dot, ot = _bhsd(grad_out.reshape(s, b, h, v_dim)), _bhsd(out.reshape(s, b, h, v_dim))
         dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v))
         dkt, dvt = _bhsd(dk), _bhsd(dv)
