@@ -1,5 +1,6 @@
 """Multi-latent attention: one layer against transformers' DeepseekV3Attention (weights copied by name),
-and a GPT with it at tp 2 (with and without sequence parallelism) and context-parallel against one process."""
+and a GPT with it at tp 2 (with and without sequence parallelism, with keyed dropout) and context-parallel
+against one process."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from megazero.model.attention.cp_context import ContextParallel
 from megazero.model.attention.cp_layout import zigzag_layout
 from megazero.model.attention.mla import MultiLatentAttention
 from megazero.model.attention.rope import rotary_embedding
+from megazero.model.keyed_dropout import sample_keys
 from megazero.model.state_dict import gather_full_state_dict, gather_full_tensor
 from tests.distributed import run_distributed
 from tests.helpers import assert_close
@@ -93,16 +95,20 @@ def test_the_softmax_scale_carries_yarns_mscale():
 
 SEED = 1234
 TP_CASES = [dict(), dict(sequence_parallel=True), dict(sequence_parallel=True, recompute_granularity="selective")]
+# dropout keyed by position: the same masks at every layout, so tp 2 must still equal tp 1 (each rank's
+# heads keyed by their global index)
+DROPOUT = dict(attention_dropout=0.2, hidden_dropout=0.1, dropout_rng="position")
 
 
 def _run(model, ids, labels):
-    loss = model(ids, labels=labels)
+    keys = sample_keys(SEED, torch.arange(ids.size(0)))
+    loss = model(ids, labels=labels, dropout_keys=keys)
     mean_loss(loss, labels).backward()
     return loss.detach(), {n: gather_full_tensor(p.grad, p, model.tp_group) for n, p in model.named_parameters()}
 
 
 def _tensor_parallel(q_lora: bool):
-    config = _config(q_lora, True)
+    config = _config(q_lora, True, **DROPOUT)
     ids, labels = batch(config)
     torch.manual_seed(SEED)
     ref = GPTModel(config)  # before any group exists: one process at tp 1
@@ -171,3 +177,21 @@ def test_a_context_parallel_gpt_with_mla_equals_one_process(comm_type):
         torch.testing.assert_close(loss, ref_loss[:, pos], rtol=1e-5, atol=1e-6)
         for n, g in grads.items():
             torch.testing.assert_close(g, ref_grads[n], rtol=2e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_zero3_from_meta_at_tp2_dp2_with_sequence_parallelism_trains_as_one_process():
+    """Partitioned materialization draws the replicated down-projections as the whole model does, and the
+    engine reduces their sequence-parallel gradients: three AdamW steps equal one process's."""
+    from tests.zero.common import reference_run, zero_run
+
+    mla = dict(position_embedding_type="rope", normalization="rmsnorm", add_bias_linear=False,
+               multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+               v_head_dim=6, rotary_scaling_factor=4.0, original_max_position_embeddings=4, mscale=0.707,
+               mscale_all_dim=1.0)
+    ref_losses, _, ref_weights = reference_run(3, model_overrides=mla)
+    out = run_distributed(4, zero_run, 2, 3, 3, meta=True, model_overrides={**mla, "sequence_parallel": True})
+    losses, _, weights = out[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert weights.keys() == ref_weights.keys()
+    for k, w in ref_weights.items():
+        torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
