@@ -1,5 +1,5 @@
-"""Import a local Hugging Face model (GPT-2, Llama, Mixtral, Qwen2-MoE or Qwen3-MoE) as a full megazero
-checkpoint.
+"""Import a local Hugging Face model (GPT-2, Llama, Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3, Kimi-K2 and
+Moonlight among its kind) as a full megazero checkpoint.
 
 Writes into ``--output`` ``model_full.safetensors``, ``config.json`` (the GPTConfig) and, where the
 model directory has one, its tokenizer by content in ``tokenizer/`` (tokenizer.json,
@@ -31,7 +31,8 @@ from megazero.cli.common import setup_logging, tool_parser
 from megazero.cli.streaming import LayerProgress
 from megazero.model import GPTConfig
 from megazero.data.hf_tokenizer import import_tokenizer_from_hf
-from megazero.model.interop.hf import HF_FAMILIES, config_from_hf, from_hf_state_dict, import_from_hf
+from megazero.model.interop.hf import HF_IMPORT_FAMILIES, config_from_hf, from_hf_state_dict, import_from_hf
+from megazero.model.interop.hf_deepseek import streaming_group
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, save_full
 from megazero.training.checkpointing import TOKENIZER_DIR
 from megazero.zero.shard_io import CheckpointError, ReadCounter, ShardFile
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = tool_parser(__doc__)
     p.add_argument("--input", required=True,
                    help="local HF model directory (config.json + weights, and its tokenizer files if any) of a "
-                        "model_type among " + ", ".join(HF_FAMILIES))
+                        "model_type among " + ", ".join(HF_IMPORT_FAMILIES))
     p.add_argument("--output", required=True,
                    help="directory for model_full.safetensors, config.json and tokenizer/")
     p.add_argument("--override", action="append", type=_override, default=[], metavar="FIELD=VALUE",
@@ -72,17 +73,19 @@ def _safetensors_files(hf_dir: str) -> list[str]:
 def import_streaming(hf_dir: str, out_dir: str, **overrides) -> GPTConfig:
     """HF safetensors checkpoint -> ``model_full.safetensors`` + ``config.json``, one layer at a time."""
     with open(os.path.join(hf_dir, "config.json")) as f:
-        config = config_from_hf(json.load(f), **overrides)
+        hf = json.load(f)
     counter = ReadCounter()
     where = {}
     for name in _safetensors_files(hf_dir):
         sf = ShardFile(os.path.join(hf_dir, name), None, counter)
         where.update({k: sf for k in sf.keys()})
+    config = config_from_hf(hf, list(where), **overrides)
     os.makedirs(out_dir, exist_ok=True)
+    group_of = (lambda n: streaming_group(n, config)) if config.multi_latent_attention else None
     with LayerProgress(lambda n: where[n].tensor(n), list(where), log) as read:
-        convert_streaming(lambda sd: from_hf_state_dict(sd, config), list(where), read,
+        convert_streaming(lambda sd: from_hf_state_dict(sd, config, hf), list(where), read,
                           lambda n: torch.empty(where[n].shape(n), dtype=where[n].dtype(n), device="meta"),
-                          os.path.join(out_dir, FULL_WEIGHTS_NAME), metadata={"format": "pt"})
+                          os.path.join(out_dir, FULL_WEIGHTS_NAME), metadata={"format": "pt"}, group_of=group_of)
     with open(os.path.join(out_dir, CONFIG_NAME), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
     return config

@@ -7,8 +7,9 @@ of its ``iter_*`` directories; any tp x pp x dp x ZeRO stage), a full checkpoint
 with ``--config``. The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
 as GPT2LMHeadModel (the default architecture), LlamaForCausalLM (rope + rmsnorm + swiglu),
 MixtralForCausalLM (Llama with a mixture of experts in every layer), Qwen2MoeForCausalLM (with a
-gated shared expert) or Qwen3MoeForCausalLM (with query/key norms). The checkpoint's tokenizer goes
-with it. Example::
+gated shared expert), Qwen3MoeForCausalLM (with query/key norms) or DeepseekV3ForCausalLM (multi-latent
+attention, with its multi-token prediction modules as DeepSeek's extra layers). The checkpoint's tokenizer
+goes with it. Example::
 
     python tools/convert_to_hf.py --load ckpt/full --output hf/my-gpt
 
@@ -31,6 +32,7 @@ from megazero.cli.streaming import LayerProgress
 from megazero.data.hf_tokenizer import export_tokenizer_to_hf
 from megazero.model import GPTConfig
 from megazero.model.interop.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict
+from megazero.model.interop.hf_deepseek import streaming_group
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full
 from megazero.training.checkpointing import (TOKENIZER_DIR, CheckpointError, FullWeightsReader,
                                              checkpoint_tokenizer_dir, open_checkpoint)
@@ -95,9 +97,10 @@ def _export_streaming(source, output: str, tokenizer_dir: str | None) -> str:
     config, names, read, meta = source
     hf_config = build_hf_config(config)
     os.makedirs(output, exist_ok=True)
+    group_of = (lambda n: streaming_group(n, config)) if config.multi_latent_attention else None
     with LayerProgress(read, names, log) as counted:
         convert_streaming(lambda sd: to_hf_state_dict(sd, config), names, counted, meta,
-                          os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+                          os.path.join(output, "model.safetensors"), metadata={"format": "pt"}, group_of=group_of)
     token_ids = None if tokenizer_dir is None else export_tokenizer_to_hf(tokenizer_dir, output)
     set_token_ids(hf_config, token_ids, output)
     hf_config.save_pretrained(output)

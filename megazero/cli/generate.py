@@ -105,7 +105,14 @@ def load_tp_shard(config, reader, groups: mpu.ParallelGroups, show_progress: boo
     by slice from the checkpoint."""
     model = materialize_(GPTModel(config, device="meta"), mpu.get_device())
     rank, world = groups.tp_rank, groups.tp_size
-    params = list(model.named_parameters())
+    # the persistent buffers too (the routers' expert bias); one the checkpoint lacks starts at zero
+    stored, persistent = set(reader.names), model.state_dict().keys()
+    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+    for n, b in buffers:
+        if n not in stored:
+            log.warning("the checkpoint has no %s: it is zero", n)
+            b.zero_()
+    params = list(model.named_parameters()) + [(n, b) for n, b in buffers if n in stored]
 
     def load() -> None:
         with Progress("loaded", total=len(params), unit="tensors", logger=log, enabled=show_progress) as progress:

@@ -224,7 +224,8 @@ class SafetensorsStreamWriter:
 
 def convert_streaming(convert: Callable[[Mapping], dict[str, torch.Tensor]], names: list[str],
                       read: Callable[[str], torch.Tensor], meta: Callable[[str], torch.Tensor], out_path: str,
-                      metadata: Optional[dict[str, str]] = None) -> list[str]:
+                      metadata: Optional[dict[str, str]] = None,
+                      group_of: Optional[Callable[[str], int]] = None) -> list[str]:
     """Apply a whole-model state-dict converter (``to_hf_state_dict``, ``from_hf_state_dict``...) one
     layer at a time and stream the result into ``out_path``.
 
@@ -232,17 +233,19 @@ def convert_streaming(convert: Callable[[Mapping], dict[str, torch.Tensor]], nam
     once per layer with that layer's inputs real (``read``) and every other input on the meta
     device (``meta``), and once for the tensors outside the layers. Each output depends on one
     layer's inputs, so peak memory is one layer's inputs and outputs, not the model's.
-    Returns the output names in file order.
+    ``group_of`` (default :func:`layer_of`) names the layer of an input or output name, where a family's
+    names say it otherwise (DeepSeek's multi-token prediction modules). Returns the output names in file order.
     """
+    layer_of_ = group_of or layer_of
     dry = convert(_LazyStateDict(names, meta))
-    groups = sorted({layer_of(k) for k in dry}, key=lambda g: (g < 0, g))
-    order = [k for g in groups for k in dry if layer_of(k) == g]
+    groups = sorted({layer_of_(k) for k in dry}, key=lambda g: (g < 0, g))
+    order = [k for g in groups for k in dry if layer_of_(k) == g]
     writer = SafetensorsStreamWriter(out_path, [(k, tuple(dry[k].shape), dry[k].dtype) for k in order], metadata)
     try:
         for g in groups:
-            out = convert(_LazyStateDict(names, lambda n, g=g: read(n) if layer_of(n) == g else meta(n)))
+            out = convert(_LazyStateDict(names, lambda n, g=g: read(n) if layer_of_(n) == g else meta(n)))
             for k in order:
-                if layer_of(k) == g:
+                if layer_of_(k) == g:
                     writer.write(k, out[k])
             del out
         writer.close()

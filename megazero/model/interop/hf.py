@@ -1,6 +1,7 @@
-"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints and the Llama-shaped
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps): the
-families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
+"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints, the Llama-shaped
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps) and
+DeepSeek-V3 (multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports
+as one): the families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
 
 * default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
   <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
@@ -33,15 +34,20 @@ from typing import Any
 import torch
 
 from ..config import GPTConfig
+from .hf_deepseek import DEEPSEEK_ARCHITECTURES, DEEPSEEK_FAMILIES, DEEPSEEK_IMPORT_FAMILIES, deepseek_config_kwargs, \
+    deepseek_hf_config_dict, deepseek_layer_from_hf, deepseek_layer_to_hf, deepseek_mismatches, deepseek_mtp_from_hf, \
+    deepseek_mtp_to_hf, mtp_layers_present
 from .hf_moe import MOE_ARCHITECTURES, MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, \
     moe_layer_from_hf, moe_layer_to_hf, moe_mismatches
 
-__all__ = ["HF_FAMILIES", "HF_ARCHITECTURES", "hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
+__all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
 
 
-HF_FAMILIES = ("gpt2", "llama") + MOE_FAMILIES  # HF model_type values converted both ways
-HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **MOE_ARCHITECTURES}
+HF_FAMILIES = ("gpt2", "llama") + MOE_FAMILIES + DEEPSEEK_FAMILIES  # HF model_type values converted both ways
+HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES if f not in HF_FAMILIES)  # read
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **MOE_ARCHITECTURES,
+                    **DEEPSEEK_ARCHITECTURES}
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -70,7 +76,7 @@ def _common_mismatches(c: GPTConfig) -> list[str]:
 
 
 def _is_norm_weight(key: str) -> bool:
-    return key.endswith(("layernorm.weight", "final_norm.weight"))
+    return key.endswith(("layernorm.weight", "final_norm.weight", ".enorm.weight", ".hnorm.weight"))
 
 
 def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dict[str, torch.Tensor]:
@@ -82,6 +88,14 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
+    if config.multi_latent_attention:
+        bad = deepseek_mismatches(config)
+        if bad:
+            raise ValueError("config is not representable in HF DeepSeek-V3: " + ", ".join(bad) + ".")
+        return "deepseek_v3"
+    if config.mtp_num_layers:
+        raise ValueError(f"mtp_num_layers={config.mtp_num_layers}: multi-token prediction converts with DeepSeek-V3 "
+                         "(multi_latent_attention) only; set mtp_num_layers=0 to export without it.")
     if config.num_experts:
         need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu"),
                 ("rotary_percent", 1.0)]
@@ -139,6 +153,9 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
     out: dict[str, torch.Tensor] = {}
     for i in range(c.num_layers):
         p = f"layers.{i}."
+        if arch == "deepseek_v3":
+            out.update(deepseek_layer_to_hf(sd, c, p, f"model.layers.{i}.", c.is_moe_layer(i)))
+            continue
         qkv_w = sd[p + "self_attention.linear_qkv.weight"]
         if arch == "gpt2":
             h = f"transformer.h.{i}."
@@ -180,6 +197,8 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
         out["model.norm.weight"] = sd["final_norm.weight"]
         if not c.tie_embeddings:
             out["lm_head.weight"] = _unpad(sd["output_layer.weight"], c)
+    if arch == "deepseek_v3":
+        out.update(deepseek_mtp_to_hf(sd, c))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -187,9 +206,13 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
-def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """HF state dict (any of ``HF_FAMILIES``) -> full megazero state dict for ``config``. Strict about keys."""
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_config: dict[str, Any] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """HF state dict (any of ``HF_IMPORT_FAMILIES``) -> full megazero state dict for ``config``. Strict about
+    keys. ``hf_config``: the HF ``config.json`` dict, for the layouts a GPTConfig does not record (DeepSeek's
+    ``rope_interleave``)."""
     c = config
+    interleave = (hf_config or {}).get("rope_interleave", True)
     arch = hf_architecture(c)
     sd = dict(hf_sd)
     if arch == "gpt2" and not any(k.startswith("transformer.") for k in sd):
@@ -207,6 +230,9 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
     out: dict[str, torch.Tensor] = {}
     for i in range(c.num_layers):
         p = f"layers.{i}."
+        if arch == "deepseek_v3":
+            out.update(deepseek_layer_from_hf(take, c, p, f"model.layers.{i}.", c.is_moe_layer(i), interleave))
+            continue
         if arch == "gpt2":
             h = f"transformer.h.{i}."
             out[p + "input_layernorm.weight"] = take(h + "ln_1.weight")
@@ -249,11 +275,24 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
         out["final_norm.weight"] = take("model.norm.weight")
         if not c.tie_embeddings:
             out["output_layer.weight"] = _pad(take("lm_head.weight"), c)
+    if arch == "deepseek_v3":
+        out.update(deepseek_mtp_from_hf(take, sd.__contains__, c, interleave))
+        used.update(k for k in sd if _ignored_deepseek_key(k, c))
     unexpected = sorted(k for k in set(sd) - used if not k.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         raise KeyError(f"HF checkpoint has weights this {arch} config does not use: {unexpected[:8]}"
                        + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
     return {k: v.contiguous() for k, v in _shift_norms(out, c, -1.0).items()}
+
+
+def _ignored_deepseek_key(key: str, c: GPTConfig) -> bool:
+    """DeepSeek's multi-token prediction modules' copies of the embedding and output layer, and the modules
+    beyond ``mtp_num_layers`` (an import without them, as transformers loads the model)."""
+    parts = key.split(".")
+    if parts[:2] != ["model", "layers"] or int(parts[2]) < c.num_layers:
+        return False
+    return int(parts[2]) >= c.num_layers + c.mtp_num_layers or parts[3] == "embed_tokens" or \
+        parts[3:5] == ["shared_head", "head"]
 
 
 # ---- configs ---------------------------------------------------------------------------------------
@@ -263,6 +302,8 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
     """Keyword arguments of the HF config class (``GPT2Config``, ``LlamaConfig``, ``MixtralConfig``, ...) for
     ``config``."""
     c = config
+    if hf_architecture(c) == "deepseek_v3":
+        return deepseek_hf_config_dict(c)
     if hf_architecture(c) == "gpt2":
         gpt2_tokens = c.vocab_size == 50257
         return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
@@ -282,11 +323,17 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
     return moe_hf_config_dict(c, llama) if c.num_experts else llama
 
 
-def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
-    """GPTConfig from an HF ``config.json`` dict (a model_type of ``HF_FAMILIES``); ``overrides`` set other fields
-    (e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``sequence_parallel``)."""
+def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> GPTConfig:
+    """GPTConfig from an HF ``config.json`` dict (a model_type of ``HF_IMPORT_FAMILIES``); ``overrides`` set other
+    fields (e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``sequence_parallel``). ``weight_names``: the
+    checkpoint's tensor names, where a config may promise more than it holds (DeepSeek's
+    ``num_nextn_predict_layers``: the modules present are imported); None trusts the config."""
     mt = hf.get("model_type")
-    if mt == "gpt2":
+    if mt in DEEPSEEK_IMPORT_FAMILIES:
+        mtp = (mtp_layers_present(hf, weight_names) if weight_names is not None else
+               hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0)
+        kw = deepseek_config_kwargs(hf, mtp)
+    elif mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         problems = []
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -332,7 +379,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
                   attention_dropout=hf.get("attention_dropout", 0.0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
                   init_method_std=hf.get("initializer_range", 0.02), **moe)
     else:
-        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts {', '.join(HF_FAMILIES)}")
+        raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts {', '.join(HF_IMPORT_FAMILIES)}")
     return GPTConfig(**{**kw, **overrides}).validate()
 
 
@@ -365,6 +412,14 @@ def build_hf_config(config: GPTConfig):
     import transformers
 
     kw = hf_config_dict(config)
+    if kw["model_type"] == "deepseek_v3":
+        kw = {k: v for k, v in kw.items() if k != "model_type"}
+        rope = kw.pop("rope_parameters")
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            return transformers.DeepseekV3Config(**kw, rope_parameters=rope)
+        theta = rope.pop("rope_theta")  # 4.x: the base apart, rope_scaling None for plain RoPE
+        scaling = None if rope["rope_type"] == "default" else {"type": rope.pop("rope_type"), **rope}
+        return transformers.DeepseekV3Config(**kw, rope_theta=theta, rope_scaling=scaling)
     if kw["model_type"] == "gpt2":
         hf_config = transformers.GPT2Config(**{k: v for k, v in kw.items() if k != "model_type"})
     else:
@@ -422,5 +477,7 @@ def import_from_hf(hf_dir: str, **overrides: Any) -> tuple[GPTConfig, dict[str, 
     Needs only safetensors (not transformers). ``overrides`` set GPTConfig fields.
     """
     with open(os.path.join(hf_dir, "config.json")) as f:
-        config = config_from_hf(json.load(f), **overrides)
-    return config, from_hf_state_dict(load_hf_state_dict(hf_dir), config)
+        hf = json.load(f)
+    sd = load_hf_state_dict(hf_dir)
+    config = config_from_hf(hf, list(sd), **overrides)
+    return config, from_hf_state_dict(sd, config, hf)
