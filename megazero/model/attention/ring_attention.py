@@ -6,7 +6,8 @@ normally the balanced zigzag or per-document layout) as q ``[s_local, b, heads, 
 steps; at each the local queries attend to the key/value block of one rank (only the sub-blocks the
 causal / document mask leaves unmasked, planned by :func:`~megazero.model.cp_layout.plan_blocks`), and
 the partial results are merged in fp32 (fp64 for fp64 inputs) by their log-sum-exp; meanwhile
-``batch_isend_irecv`` passes the key/value block on to the next rank, so at most two blocks (the one computed, the one arriving) are alive besides the local one.
+``batch_isend_irecv`` passes the key/value block on to the next rank, so at most two blocks (the one
+computed, the one arriving) are alive besides the local one.
 Backward runs the ring again, recomputing each block from the saved local q, k, v, output and LSE,
 and passes the dK/dV accumulators along with the blocks, so each rank ends with the gradients of its
 own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``, K at its width and V at its own.
