@@ -170,7 +170,7 @@ def _context_parallel(comm_type: str):
     return pos, loss.detach(), grads
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a", "allgather"])
 def test_a_context_parallel_gpt_with_mla_equals_one_process(comm_type):
     ref_loss, ref_grads = _one_process()
     for pos, loss, grads in run_distributed(2, _context_parallel, comm_type):
