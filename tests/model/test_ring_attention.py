@@ -197,12 +197,12 @@ def test_each_sample_its_own_packed_documents_on_the_zigzag_placement(world):
         assert sum(pairs) == want, (pairs, want)
 
 
-def _balanced_documents_case(groups):
+def _balanced_documents_case(groups, dv=D):
     """Each sample's documents balanced over the ranks: its own placement, gathered per sample."""
     p, rank = dist.get_world_size(), dist.get_rank()
     seq = SAMPLE_DOCS[0][-1]
     layouts = [balanced_document_layout(cu, p) for cu in SAMPLE_DOCS]
-    q, k, v, grad = _inputs(seq, groups, torch.float32)
+    q, k, v, grad = _inputs(seq, groups, torch.float32, dv)
     ref = torch.cat([_reference(*(t[:, i:i + 1] for t in (q, k, v)), _allowed(seq, cu), torch.float32)
                      for i, cu in enumerate(SAMPLE_DOCS)], dim=1)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
@@ -223,9 +223,10 @@ def _balanced_documents_case(groups):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_documents_balanced_per_sample(world):
-    pairs = run_distributed(world, _balanced_documents_case, 2)
     want = sum(n * (n + 1) // 2 for cu in SAMPLE_DOCS for n in torch.tensor(cu).diff().tolist())
-    assert sum(pairs) == want and max(pairs) / (sum(pairs) / world) <= 1.05, pairs
+    for dv in (D, 8, 40):  # value heads as wide as the query/key heads, narrower, wider
+        pairs = run_distributed(world, _balanced_documents_case, 2, dv)
+        assert sum(pairs) == want and max(pairs) / (sum(pairs) / world) <= 1.05, pairs
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
