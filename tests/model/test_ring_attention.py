@@ -49,7 +49,7 @@ def _allowed(seq: int, cu) -> torch.Tensor:
 
 
 def _reference(q, k, v, allowed, dtype):
-    """One-process attention ``[s, b, heads * d]``: SDPA in fp32 (bf16 inputs too), the explicit formula in fp64."""
+    """One-process attention ``[s, b, heads * dv]``: SDPA in fp32 (bf16 inputs too), the explicit formula in fp64."""
     s, b, h, d = q.shape
     qt, kt, vt = (t.permute(1, 2, 0, 3).to(torch.promote_types(dtype, torch.float32)) for t in (q, k, v))
     kt, vt = (t.repeat_interleave(h // t.size(1), dim=1) for t in (kt, vt))
@@ -58,7 +58,7 @@ def _reference(q, k, v, allowed, dtype):
         out = torch.softmax(scores, dim=-1) @ vt
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed)
-    return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, h * v.size(3))
 
 
 def _inputs(seq, groups, dtype, dv=D):
@@ -215,7 +215,7 @@ def _balanced_documents_case(groups, dv=D):
     stats = RingStats()
     out = ring_attention(*local, layouts, stats=stats)
     grads = torch.autograd.grad(out, local, mine(grad))
-    _error(out, mine(ref.detach()), "output", 1e-6, 0.0)
+    _error(out, mine(ref.detach()), "output", 2e-6, 0.0)  # against fp32 SDPA: a few ulps of each
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         _error(got, mine(want), name, 1e-5, 0.0)
     return stats.forward_pairs
