@@ -30,26 +30,27 @@ __all__ = ["TokenDispatcher", "Permutation", "permute", "unpermute", "padded_slo
 
 @dataclass
 class Permutation:
-    """A rank's token copies sorted by expert: ``rows`` ``[T k, h]`` (dropped copies last), ``flat``
-    ``[T k]`` each copy's expert in (token, choice) order (``E`` for a dropped one), ``order`` the stable
-    sort of ``flat``, ``counts`` ``[E]`` the kept copies per expert."""
+    """How a rank's token copies were sorted by expert: ``flat`` ``[T k]`` each copy's expert in (token,
+    choice) order (``E`` for a dropped one), ``order`` the stable sort of ``flat``, ``counts`` ``[E]`` the
+    kept copies per expert. The sorted rows travel apart, so they are freed once dispatched."""
 
-    rows: torch.Tensor
     flat: torch.Tensor
     order: torch.Tensor
     counts: torch.Tensor
 
 
-def permute(tokens: torch.Tensor, top: torch.Tensor, drop: Optional[torch.Tensor], experts: int) -> Permutation:
+def permute(tokens: torch.Tensor, top: torch.Tensor, drop: Optional[torch.Tensor],
+            experts: int) -> tuple[torch.Tensor, Permutation]:
     """``tokens`` ``[T, h]`` routed to ``top`` ``[T, k]`` of ``experts``, ``drop`` ``[T, k]`` the copies over
-    capacity (None: dropless): the copies sorted by expert, then by token (a stable sort)."""
+    capacity (None: dropless): the copies ``[T k, h]`` sorted by expert, then by token (a stable sort;
+    the dropped ones last), and the :class:`Permutation` that sorted them."""
     k = top.size(1)
     flat, buckets = top.reshape(-1), experts
     if drop is not None:  # copies over capacity go to a bucket past the last expert: sorted last, sent nowhere
         flat, buckets = torch.where(drop.reshape(-1), experts, flat), experts + 1
     order = torch.argsort(flat, stable=True)
     counts = expert_counts(flat, buckets)[:experts]
-    return Permutation(tokens.index_select(0, order // k), flat, order, counts)
+    return tokens.index_select(0, order // k), Permutation(flat, order, counts)
 
 
 def unpermute(out: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:

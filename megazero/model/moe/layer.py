@@ -186,24 +186,25 @@ class MoELayer(torch.nn.Module):
         """Each token's k expert outputs, weighted and summed: ``[T, h]`` (partial over TP when the tokens
         were gathered over TP; whole when this rank routed its own): permute, dispatch, the experts,
         combine, unpermute. ``routing``: its copies over capacity and the slots to pad each expert to."""
-        perm = permute(tokens, top, routing.drop, self.config.num_experts)
+        rows, perm = permute(tokens, top, routing.drop, self.config.num_experts)
         if record_load:  # after the drops: the copies the experts take
             self.router.record_load(perm.counts)
         if routing.slots is not None:
-            return self._padded(perm, weights, routing.slots)
+            return self._padded(rows, perm, weights, routing.slots)
         if self.dispatcher.ranks == 1:
             per_expert = perm.counts.tolist()  # the one host read of the layer
-            return unpermute(self.experts(perm.rows[:sum(per_expert)], per_expert), perm, weights)
-        rows, plan = self.dispatcher.dispatch(perm.rows, perm.counts)
+            return unpermute(self.experts(rows[:sum(per_expert)], per_expert), perm, weights)
+        rows, plan = self.dispatcher.dispatch(rows, perm.counts)  # the sorted copies freed once sent
         out = self.dispatcher.combine(self.experts(rows, plan[0]), plan)
         return unpermute(out, perm, weights)
 
-    def _padded(self, perm: Permutation, weights: torch.Tensor, slots: int) -> torch.Tensor:
+    def _padded(self, rows: torch.Tensor, perm: Permutation, weights: torch.Tensor, slots: int) -> torch.Tensor:
         """:meth:`_routed` with every expert given ``slots`` rows by this rank (its kept copies in token
-        order, then zero rows): every size is known on the host, so nothing waits for the device."""
+        order, then zero rows): every size is known on the host, so nothing waits for the device.
+        ``rows``: the copies :func:`permute` sorted."""
         n, k = weights.shape
         src, slot = padded_slots(perm.flat, perm.order, self.config.num_experts, slots)
-        rows = torch.cat([perm.rows, perm.rows.new_zeros(1, perm.rows.size(1))])  # the padding's zero row
+        rows = torch.cat([rows, rows.new_zeros(1, rows.size(1))])  # the padding's zero row
         got = self.dispatcher.dispatch_padded(rows.index_select(0, src), slots)  # sent expert-major
         out = self.experts(got, [self.dispatcher.ranks * slots] * len(self.local))
         out = self.dispatcher.combine_padded(out, slots)
