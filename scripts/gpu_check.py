@@ -387,7 +387,7 @@ def check_moe_layer() -> str:
     from megazero.model.config import GPTConfig
     from megazero.model.moe.layer import AuxLossScale, MoELayer
     from megazero.model.init import init_methods
-from megazero.model.mlp import MLP
+    from megazero.model.mlp import MLP
 
     dev = device()
     c = GPTConfig(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=512, max_position_embeddings=512,
