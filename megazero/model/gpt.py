@@ -42,9 +42,10 @@ from .attention.cp_context import ContextParallel
 from .keyed_dropout import DropoutKey
 from .norms import build_norm
 from .attention.rope import rotary_embedding
-from .moe.layer import AuxLossScale
+from .moe.layer import AuxLossScale, Router
 from .init import init_methods
 from .layer_spec import ExpertParallel
+from .mtp import MTPScale, MultiTokenPrediction, multi_token_targets
 from .transformer import TransformerLayer, dropout
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement"]
@@ -149,7 +150,7 @@ class GPTModel(torch.nn.Module):
         # stage's tied copy draws the same numbers as the first stage's embedding under one seed.
         self.embedding = (mpu.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, init_method=init,
                                                      tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta")
-                          if pre_process or (post_process and c.tie_embeddings) else None)
+                          if pre_process or (post_process and (c.tie_embeddings or c.mtp_num_layers)) else None)
         if self.embedding is not None and not pre_process:
             self.embedding.weight.pipeline_shared_copy = True
             self.embedding.weight.shared = True  # Megatron's name (param_is_not_shared)
@@ -166,6 +167,10 @@ class GPTModel(torch.nn.Module):
             c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False, init_method=init,
             sequence_parallel=c.sequence_parallel, tp_group=self.tp_group, params_dtype=c.params_dtype, device="meta",
             skip_weight_param_allocation=c.tie_embeddings) if post_process else None)
+        # Multi-token prediction after the last layer, sharing the embedding (a copy on a later stage) and head.
+        self.mtp = (MultiTokenPrediction(c, first_number=c.num_layers, device="meta", experts=experts,
+                                         tp_group=self.tp_group, tp_size=self.tp_size)
+                    if post_process and c.mtp_num_layers else None)
 
         # Padded vocabulary entries (ids >= vocab_size) are never predicted: their logits are -inf.
         per_rank = c.padded_vocab_size // self.tp_size
@@ -174,6 +179,65 @@ class GPTModel(torch.nn.Module):
         if device is None or torch.device(device).type != "meta":
             materialize_(self, device if device is not None else "cpu")
             mpu.reset_parameters_in_order(self)
+
+    # ---- the step's hooks ---------------------------------------------------------------------
+
+    def prepare_step(self, loss_scale: float, micro_batches: int, mtp_tokens: Optional[torch.Tensor] = None,
+                     data_parallel_size: int = 1) -> None:
+        """Before a step's forwards, whose LM loss is scaled by ``loss_scale / micro_batches`` in backward:
+        the routers' losses get that factor too. ``mtp_tokens`` ``[D]``: the count of multi-token targets of
+        each depth over the whole global batch (every data-parallel rank's micro-batches), by which the MTP
+        loss is normalised; gradients are averaged over ``data_parallel_size`` ranks."""
+        aux = loss_scale / micro_batches
+        self.moe_aux.value = aux
+        self.moe_aux.take()
+        if self.mtp is not None:
+            scale = MTPScale()
+            if mtp_tokens is not None:
+                log = data_parallel_size / mtp_tokens.double().clamp_min(1.0)
+                factor = self.config.mtp_loss_scaling_factor / self.config.mtp_num_layers
+                scale = MTPScale(log=log, grad=(log * (factor * loss_scale)).float())
+            self.mtp.set_scale(scale, aux)
+
+    def step_metrics(self, micro_batches: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """This stage's figures of the step's forwards, on the device, to be summed over the stages and averaged
+        over data-parallel ranks: a mixture's 'moe aux loss' (per micro-batch), 'expert load sum' (each layer's
+        busiest expert over the mean), 'moe layers' and 'moe dropped sum'; multi-token prediction's
+        'mtp_k loss' (each depth's cross-entropy over its targets)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.config.num_experts:
+            aux, loads, dropped = self.moe_aux.take()
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            total = torch.stack(aux).sum().double() / micro_batches if aux else zero
+            if aux and self.sequence_parallel:  # each TP rank routed its own tokens: shares
+                dist.all_reduce(total, group=self.tp_group)
+            out["moe aux loss"] = total.to(device)
+            out["expert load sum"] = torch.stack(loads).sum().double().to(device) if loads else zero
+            out["moe layers"] = torch.full((), float(len(loads)), dtype=torch.float64, device=device)
+            out["moe dropped sum"] = torch.stack(dropped).sum().double().to(device) if dropped else zero
+        if self.mtp is not None:
+            records = self.mtp.take()
+            if records:
+                for k, value in enumerate(torch.stack(records).sum(0)):
+                    out[f"mtp_{k + 1} loss"] = value.double()
+        return out
+
+    def finish_step(self, updated: bool, group: Optional[dist.ProcessGroup]) -> None:
+        """After the step: every router's expert bias (DeepSeek-V3's auxiliary-loss-free balancing) moves by its
+        experts' token copies over the whole global batch (summed over ``group``, the data x context ranks, in
+        one all-reduce; TP ranks counted the same gathered tokens). A skipped step leaves the biases."""
+        if not self.config.moe_router_enable_expert_bias:
+            return
+        routers = [m for m in self.modules() if isinstance(m, Router)]
+        if not routers:
+            return
+        counts = torch.stack([r.tokens_per_expert for r in routers])
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        for router, c in zip(routers, counts):
+            if updated:
+                router.update_expert_bias(c, self.config.moe_router_bias_update_rate)
+            router.tokens_per_expert.zero_()
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -194,7 +258,8 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 context_parallel: Optional[ContextParallel] = None,
-                dropout_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+                dropout_keys: Optional[torch.Tensor] = None, mtp_targets: Optional[torch.Tensor] = None,
+                mtp_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` -> per-token fp32 loss ``[b, s]`` if ``labels`` (``-100`` = ignored),
         else this rank's vocab-parallel logits ``[b, s, padded_vocab/tp]``.
 
@@ -204,13 +269,18 @@ class GPTModel(torch.nn.Module):
         and ``position_ids``, which must then be given: the tokens' global positions) and attention
         runs over the whole sequence (``cp_attention.py``); ``attention_mask`` is then the whole
         sequence's, in global order. ``dropout_keys``: the samples' keys (``dropout_rng='position'``), which key
-        the hidden and attention dropout masks by position.
+        the hidden and attention dropout masks by position. ``mtp_targets`` / ``mtp_mask`` ``[D, b, s]``:
+        multi-token prediction's targets (:func:`~megazero.model.mtp.multi_token_targets` of the whole
+        sequence, then this rank's tokens); in training without them they are made from ``labels`` (one
+        document, one process). The MTP loss reaches the gradients in backward and the log through
+        :meth:`step_metrics`; the output stays the per-token LM loss.
         """
+        mtp = (mtp_targets, mtp_mask)
         if context_parallel is not None:
             _check_context_parallel(position_ids)
         c = self.config
         if not self.pre_process:
-            return self._stage_forward(position_ids, attention_mask, labels, context_parallel, dropout_keys)
+            return self._stage_forward(position_ids, attention_mask, labels, context_parallel, dropout_keys, mtp)
         b, s = input_ids.shape
         if c.position_embedding_type == "learned" and s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({c.max_position_embeddings})")
@@ -234,7 +304,7 @@ class GPTModel(torch.nn.Module):
         x = self._run_layers(x, rotary, attention_mask, context_parallel, key)
         if not self.post_process:
             return x  # [s(/tp), b, h] for the next pipeline stage
-        return self._head(x, labels)
+        return self._head(x, labels, (rotary, attention_mask, context_parallel, key), mtp)
 
     def _dropout_key(self, x: torch.Tensor, keys: Optional[torch.Tensor],
                      cp: Optional[ContextParallel]) -> Optional[DropoutKey]:
@@ -254,7 +324,8 @@ class GPTModel(torch.nn.Module):
             rows = rows[self.tp_rank * x.size(0):(self.tp_rank + 1) * x.size(0)]
         return DropoutKey(samples=keys, rows=rows)
 
-    def _stage_forward(self, position_ids, attention_mask, labels, cp=None, dropout_keys=None) -> torch.Tensor:
+    def _stage_forward(self, position_ids, attention_mask, labels, cp=None, dropout_keys=None,
+                       mtp=(None, None)) -> torch.Tensor:
         """A later pipeline stage: start from the hidden states handed over by ``set_input_tensor``."""
         x, self._input_tensor = self._input_tensor, None
         if x is None:
@@ -264,19 +335,40 @@ class GPTModel(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=x.device)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        x = self._run_layers(x, rotary, attention_mask, cp, self._dropout_key(x, dropout_keys, cp))
-        return self._head(x, labels) if self.post_process else x
+        key = self._dropout_key(x, dropout_keys, cp)
+        x = self._run_layers(x, rotary, attention_mask, cp, key)
+        return self._head(x, labels, (rotary, attention_mask, cp, key), mtp) if self.post_process else x
 
-    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
-        c = self.config
+    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], context: tuple, mtp: tuple) -> torch.Tensor:
+        """The last stage's end: multi-token prediction (training, with labels), final norm, logits and loss.
+        ``context``: ``(rotary, attention_mask, cp, dropout key)`` of the layers."""
+        if self.mtp is not None and labels is not None and self.training:
+            targets, mask = mtp
+            if targets is None:
+                targets, mask = multi_token_targets(labels, torch.ones_like(labels, dtype=torch.float32),
+                                                    self.config.mtp_num_layers)
+            x = self.mtp(x, labels, targets, mask, self._embed, self._token_loss, *context)
         x = self.final_norm(x)
-        logits = self._logits(x)  # [s, b, padded_vocab/tp]
         if labels is None:
-            return logits.transpose(0, 1).contiguous()
+            return self._logits(x).transpose(0, 1).contiguous()
+        return self._token_loss(x, labels)
+
+    def _token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states ``[s(/tp), b, h]`` and ``labels`` ``[b, s]`` -> per-token fp32 loss ``[b, s]``."""
+        logits = self._logits(x)  # [s, b, padded_vocab/tp]
         # inplace: the logits are this head's temporary; fp32 ones become the softmax backward keeps
-        loss = mpu.vocab_parallel_cross_entropy(logits, labels.t(), c.label_smoothing, group=self.tp_group,
-                                                vocab_size=c.vocab_size, inplace=True)  # [s, b] fp32
+        loss = mpu.vocab_parallel_cross_entropy(logits, labels.t(), self.config.label_smoothing, group=self.tp_group,
+                                                vocab_size=self.config.vocab_size, inplace=True)  # [s, b] fp32
         return loss.t().contiguous()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[b, s]`` -> embeddings ``[s(/tp), b, h]`` as the layers take them (multi-token prediction)."""
+        x = self.embedding(ids).transpose(0, 1).contiguous()
+        if self.config.fp32_residual_connection:
+            x = x.float()
+        if self.sequence_parallel:
+            x = mpu.scatter_to_sequence_parallel_region(x, self.tp_group)
+        return x
 
     def _run_layers(self, x: torch.Tensor, rotary, attention_mask, cp=None, key=None) -> torch.Tensor:
         c = self.config

@@ -99,18 +99,21 @@ def virtual_stages_from_layers_per_stage(num_layers: int, pp: int, layers_per_vi
     return num_layers // (pp * layers_per_virtual_stage)
 
 
+# A decoder layer's name (``layers.{i}.``, under any wrapper's prefix); multi-token prediction's
+# ``mtp.layers.{k}`` are numbered by depth, the same on every stage that holds them.
 _LAYER = re.compile(r"^((?:.*\.)?layers\.)(\d+)(\..*)$")
+_MTP = re.compile(r"^(?:.*\.)?mtp\.layers\.")
 
 
 def local_to_global_name(name: str, layers: range) -> str:
     """``layers.{i}.x`` of a chunk holding ``layers`` -> ``layers.{layers[i]}.x``; other names unchanged."""
-    m = _LAYER.match(name)
+    m = None if _MTP.match(name) else _LAYER.match(name)
     return name if m is None else f"{m.group(1)}{layers[int(m.group(2))]}{m.group(3)}"
 
 
 def global_to_local_name(name: str, layers: range) -> Optional[str]:
     """Inverse of :func:`local_to_global_name`; None for a layer this chunk does not hold."""
-    m = _LAYER.match(name)
+    m = None if _MTP.match(name) else _LAYER.match(name)
     if m is None:
         return name
     i = int(m.group(2))

@@ -157,7 +157,8 @@ class PipelineStage:
         self.runner = ScheduleRunner(self.p2p, groups.pp_size, groups.pp_rank, self.v, shape, dtype)
         self.loss_fn = loss_fn or (lambda per_token, mb: per_token.mean())
         self.tied: Optional[TiedEmbeddingGradSync] = None
-        if c.tie_embeddings and groups.pp_size > 1 and groups.in_embedding_group:
+        # The last stage's copy of the word embedding: the tied head's, or multi-token prediction's inputs.
+        if (c.tie_embeddings or getattr(c, "mtp_num_layers", 0)) and groups.pp_size > 1 and groups.in_embedding_group:
             end = self.chunks[0] if groups.pp_rank == 0 else self.chunks[-1]
             self.tied = TiedEmbeddingGradSync(end.embedding.weight, groups.embedding_group)
 
@@ -174,7 +175,7 @@ class PipelineStage:
         if x is not None:
             self.chunks[chunk].set_input_tensor(x)
         # Passed only when set: a model without context parallelism or keyed dropout need not take them.
-        extra = {name: getattr(mb, name) for name in ("context_parallel", "dropout_keys")
+        extra = {name: getattr(mb, name) for name in ("context_parallel", "dropout_keys", "mtp_targets", "mtp_mask")
                  if getattr(mb, name, None) is not None}
         out = self._forward(chunk, tokens if x is None else None, position_ids=position_ids,
                             attention_mask=attention_mask, labels=labels if last else None, **extra)

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -269,6 +270,11 @@ def _tflops(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
+def _is_mtp(name: str) -> bool:
+    """'mtp_k loss': multi-token prediction's loss at depth k."""
+    return re.fullmatch(r"mtp_\d+ loss", name) is not None
+
+
 def format_log_lines(stats: IterationStats) -> list[str]:
     """The training log: one short line (step, loss, lr, grad norm, time, throughput, MFU, memory) and, when
     there is any, a second with the rest (see the module docstring). Fields that are None are left out."""
@@ -276,6 +282,7 @@ def format_log_lines(stats: IterationStats) -> list[str]:
     main = [head]
     if "lm loss" in stats.losses:
         main.append(f"lm loss: {stats.losses['lm loss']:.4f}")
+    main += [f"{name}: {value:.4f}" for name, value in stats.losses.items() if _is_mtp(name)]  # Megatron's place
     main.append(f"lr: {stats.lr:.3E}")
     if stats.grad_norm is not None:
         main.append(f"grad norm: {stats.grad_norm:.3f}")
@@ -298,7 +305,7 @@ def format_log_lines(stats: IterationStats) -> list[str]:
         if count:
             rest.append(f"number of {what} iterations: {count:3d}")
     for name, value in stats.losses.items():
-        if name != "lm loss":
+        if name != "lm loss" and not _is_mtp(name):
             rest.append(f"{name}: {value:.2f}" if name == "expert load max over mean" else f"{name}: {value:.4E}")
     if "params_norm" in stats.extra:
         rest.append(f"params norm: {stats.extra['params_norm']:.3f}")
@@ -355,6 +362,9 @@ def megatron_scalars(record: Mapping[str, Any], options: Any) -> list[tuple[str,
         if key == "memory_mb":
             if getattr(options, "log_memory_to_tensorboard", False):
                 out.append(("mem-max-allocated-bytes", float(value) * 2 ** 20, "iteration"))
+            continue
+        if re.fullmatch(r"mtp_\d+_loss", key):  # Megatron's 'mtp_k loss' tags
+            out.append((key[:-len("_loss")] + " loss", float(value), "iteration"))
             continue
         if key not in _TB_TAGS:
             continue

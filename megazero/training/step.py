@@ -24,15 +24,15 @@ import torch.distributed as dist
 from .. import zero
 from ..data import GPTBatch, build_batch, masked_mean, to_device
 from ..model.attention.cp_context import ContextParallel
-from ..model.attention.cp_hierarchical import Hierarchy
-from ..model.attention.cp_layout import zigzag_layout
+from ..model.attention.cp_input import context_parallel_context, document_bounds, prepare_context_parallel_input
 from ..model.keyed_dropout import sample_keys
 from ..model.moe.layer import Router, is_expert_parameter
+from ..model.mtp import multi_token_targets
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
 from .config import TrainConfig
 
-__all__ = ["TrainModel", "LossLog", "megatron_no_weight_decay"]
+__all__ = ["TrainModel", "LossLog", "ModelBatch", "megatron_no_weight_decay"]
 
 
 def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -44,64 +44,34 @@ def _loss(per_token: torch.Tensor, mb) -> torch.Tensor:
     """Megatron's loss_func: the mean per-token loss over the micro-batch's loss mask. Under context
     parallelism this rank's share of it: its tokens' sum over the whole sequence's count, so the
     shares of the context-parallel ranks add up to the mean, once."""
-    if isinstance(mb, ContextParallelBatch):
+    if getattr(mb, "loss_tokens", None) is not None:
         return (per_token.float() * mb.loss_mask.float()).sum() / mb.loss_tokens.clamp_min(1.0)
     return masked_mean(per_token, mb.loss_mask)
 
 
 @dataclasses.dataclass
-class ContextParallelBatch(GPTBatch):
-    """This rank's tokens of a micro-batch split over the context-parallel ranks: inputs, labels,
-    loss mask and global positions of its tokens, the attention's context, and the loss mask's sum
-    over the whole sequence (every CP rank reads the whole sample, so it needs no collective)."""
+class ModelBatch(GPTBatch):
+    """A micro-batch as this rank's model takes it: under context parallelism its tokens of every
+    per-token tensor, the attention's context and the loss mask's sum over the whole sequence (every CP
+    rank reads the whole sample, so it needs no collective); with multi-token prediction the targets
+    and masks of every depth ``[D, b, s(_local)]`` and their counts ``[D]`` over the whole sequences."""
 
     context_parallel: Optional[ContextParallel] = None
     loss_tokens: Optional[torch.Tensor] = None
+    mtp_targets: Optional[torch.Tensor] = None
+    mtp_mask: Optional[torch.Tensor] = None
+    mtp_tokens: Optional[torch.Tensor] = None
 
 
-def context_parallel_context(seq_length: int, groups, comm_type, device: torch.device,
-                             hierarchical: tuple[int, ...] = ()) -> ContextParallel:
-    """Rank ``groups.cp_rank``'s share of a ``seq_length`` sequence (chunks r and 2cp-1-r of 2cp), with
-    the attention's context (``comm_type``: one exchange or one per layer; ``hierarchical``: a2a+p2p's
-    sizes), its index tensors on ``device``. The same for every micro-batch of that length."""
-    layout = zigzag_layout(seq_length, groups.cp_size)
-    hierarchy = (Hierarchy.build(seq_length, hierarchical[0], hierarchical[1], groups.hcp_a2a_group,
-                                 groups.hcp_p2p_group, device) if hierarchical else None)
-    return ContextParallel.from_layout(layout, groups.cp_rank, groups.cp_group, comm_type, device=device,
-                                       hierarchy=hierarchy)
-
-
-def split_for_context_parallel(b: GPTBatch, ctx: ContextParallel,
-                               documents: Optional[list[list[int]]] = None) -> ContextParallelBatch:
-    """This rank's share of ``b`` under ``ctx`` (:func:`context_parallel_context`). ``documents``: each
-    sample's packed documents as cu_seqlens (``--reset-attention-mask``); the ring takes them in place
-    of the attention mask."""
-    mask = b.attention_mask
-    if documents is not None and {"p2p", "a2a+p2p"} & set(ctx.comm_types):
-        # Rings in every layer: each sample's documents balanced over the ranks (its own placement).
-        ctx = ctx.with_documents(documents, balanced=set(ctx.comm_types) == {"p2p"}, device=b.tokens.device)
-        mask = mask if {"a2a", "allgather"} & set(ctx.comm_types) else None
-    if ctx.sample_positions is not None:
-        pos = ctx.sample_positions  # [b, s_local]
-        take = lambda t: t.gather(1, pos)  # noqa: E731
-    else:
-        pos = ctx.shard.positions
-        take = lambda t: t[:, pos]  # noqa: E731
-    positions = take(b.position_ids) if b.position_ids is not None else pos
-    return ContextParallelBatch(tokens=take(b.tokens), labels=take(b.labels), loss_mask=take(b.loss_mask),
-                                position_ids=positions, attention_mask=mask, context_parallel=ctx,
-                                dropout_keys=b.dropout_keys, loss_tokens=b.loss_mask.float().sum())
-
-
-def document_bounds(text: torch.Tensor, eod: int) -> list[list[int]]:
-    """Each sample's packed documents as cu_seqlens, from the loader's host tokens ``[b, s + 1]``: a
-    document ends after each end-of-document token of the inputs (Megatron's reset semantics)."""
-    s = text.size(1) - 1
-    ends = (text[:, :s - 1] == eod).nonzero().tolist()  # an EOD at the last input ends nothing inside
-    cuts: list[list[int]] = [[0] for _ in range(text.size(0))]
-    for sample, i in ends:
-        cuts[sample].append(i + 1)
-    return [c + [s] for c in cuts]
+def split_for_context_parallel(b: ModelBatch, ctx: ContextParallel,
+                               documents: Optional[list[list[int]]] = None) -> ModelBatch:
+    """This rank's share of ``b`` under ``ctx`` (the model's
+    :func:`~megazero.model.attention.cp_input.prepare_context_parallel_input`)."""
+    names = ("tokens", "labels", "loss_mask", "mtp_targets", "mtp_mask")
+    ctx, local, positions, mask = prepare_context_parallel_input(
+        ctx, {n: getattr(b, n) for n in names}, b.position_ids, b.attention_mask, documents)
+    return dataclasses.replace(b, **local, position_ids=positions, attention_mask=mask, context_parallel=ctx,
+                               loss_tokens=b.loss_mask.float().sum())
 
 
 def expert_partitioning(groups):
@@ -144,9 +114,10 @@ class TrainModel:
     def is_last_stage(self) -> bool:
         return self.stage.is_last_stage
 
-    def micro_batch(self, text: torch.Tensor, eod: Optional[int], index: Optional[torch.Tensor] = None):
+    def micro_batch(self, text: torch.Tensor, eod: Optional[int], index: Optional[torch.Tensor] = None) -> ModelBatch:
         """Megatron's get_batch: inputs, labels, loss mask, positions and attention mask of a micro-batch;
-        with position-keyed dropout also the samples' keys, from their dataset ``index`` (the loader's)."""
+        with position-keyed dropout also the samples' keys, from their dataset ``index`` (the loader's);
+        with multi-token prediction its targets; under context parallelism this rank's tokens of them."""
         d = self.config.data
         # The ring takes each sample's documents as cut points, not as an [s, s] mask (16 GiB at 128K tokens).
         kinds = set(self.config.parallel.cp_comm_types) if self.groups.cp_size > 1 else set()
@@ -154,7 +125,10 @@ class TrainModel:
         b = build_batch(to_device(text, self.device), eod, d.reset_position_ids,
                         d.reset_attention_mask and not ring_only, d.eod_mask_loss)
         # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
+        b = ModelBatch(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)})
         b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
+        if self.config.model.mtp_num_layers:
+            b = self._with_mtp_targets(b, eod)
         if self.config.model.dropout_rng == "position":
             if index is None:
                 raise ValueError("position-keyed dropout needs each sample's index in the dataset: the loader's "
@@ -170,101 +144,100 @@ class TrainModel:
             return split_for_context_parallel(b, self._cp_contexts[s], documents)
         return b
 
+    def _with_mtp_targets(self, b: ModelBatch, eod: Optional[int]) -> ModelBatch:
+        """Multi-token prediction's targets of the whole sequences (before any context-parallel split):
+        never across a packed document's end with --reset-attention-mask."""
+        docs = None
+        if self.config.data.reset_attention_mask and eod is not None:
+            is_eod = (b.tokens == eod).long()
+            docs = torch.cumsum(is_eod, dim=1) - is_eod  # a document ends after its EOD token
+        targets, mask = multi_token_targets(b.labels, b.loss_mask, self.config.model.mtp_num_layers, docs)
+        return dataclasses.replace(b, mtp_targets=targets, mtp_mask=mask, mtp_tokens=mask.sum(dim=(1, 2)))
+
     def _local_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean micro-batch loss (0 elsewhere), on the device."""
         if self.is_last_stage and losses:
             return torch.stack([x.double() for x in losses]).mean()
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The names of what :meth:`train_step` returns, the same on every rank (the log's collective)."""
+        c = self.config.model
+        moe = ("moe aux loss", "expert load sum", "moe layers", "moe dropped sum") if c.num_experts else ()
+        return ("lm loss",) + moe + tuple(f"mtp_{k} loss" for k in range(1, c.mtp_num_layers + 1))
+
     def train_step(self, batches: list[dict], eod: Optional[int],
-                   lap: Optional[Callable[[str], None]] = None) -> tuple[torch.Tensor, bool]:
-        """One iteration over the loader's ``batches``: ``(local loss on the device, updated)``."""
-        if self.config.model.num_experts:  # the routers' losses are scaled in backward as the LM loss is
-            for chunk in self.chunks:
-                chunk.moe_aux.value = self.engine.loss_scaler.scale / len(batches)
-                chunk.moe_aux.take()
+                   lap: Optional[Callable[[str], None]] = None) -> tuple[dict[str, torch.Tensor], bool]:
+        """One iteration over the loader's ``batches``: ``({name: this rank's figure on the device}, updated)``
+        with the names of :attr:`metric_names` (each summed over the stages and averaged over data-parallel
+        ranks when the log reduces them)."""
         micro_batches = [self.micro_batch(b["text"], eod, b.get("index")) for b in batches]
+        self._prepare_chunks(micro_batches)
         losses, updated = self.stage.train_step(micro_batches, lap)
-        if self.config.model.moe_router_enable_expert_bias:
-            self._update_expert_biases(updated)
-        loss = self._local_mean(losses)
-        return (torch.cat([loss.view(1), self._moe_stats(len(batches))]) if self.config.model.num_experts
-                else loss), updated
-
-    def _update_expert_biases(self, updated: bool) -> None:
-        """Once per step: every router's bias from its experts' token copies over the whole global batch
-        (summed over data x context ranks in one all-reduce; TP ranks counted the same gathered tokens)."""
-        routers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, Router)]
-        if not routers:
-            return
-        counts = torch.stack([r.tokens_per_expert for r in routers])
-        if self.groups.dp_size * self.groups.cp_size > 1:
-            dist.all_reduce(counts, group=self.groups.dp_cp_group)
-        for router, c in zip(routers, counts):
-            if updated:  # a skipped step (overflow) leaves the biases as they were
-                router.update_expert_bias(c, self.config.model.moe_router_bias_update_rate)
-            router.tokens_per_expert.zero_()
-
-    def _moe_stats(self, micro_batches: int) -> torch.Tensor:
-        """``[aux losses per micro-batch, sum of expert loads, their count, sum of dropped shares]`` of this
-        rank's layers, on the device; summed over the stages and averaged over DP with the loss, they give
-        the logged figures."""
-        aux, loads, dropped = [], [], []
         for chunk in self.chunks:
-            a, l_, d = chunk.moe_aux.take()
-            aux += a
-            loads += l_
-            dropped += d
-        dev = self.device
-        total = torch.stack(aux).sum().double() / micro_batches if aux else torch.zeros((), dtype=torch.float64, device=dev)
-        if aux and self.groups.tp_size > 1 and self.config.model.sequence_parallel:
-            dist.all_reduce(total, group=self.groups.tp_group)  # each TP rank routed its own tokens: shares
-        def summed(values):
-            return torch.stack(values).sum().double().to(dev) if values else torch.zeros((), dtype=torch.float64,
-                                                                                          device=dev)
+            chunk.finish_step(updated, self.groups.dp_cp_group if self.groups.dp_cp_size > 1 else None)
+        metrics = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in self.metric_names}
+        metrics["lm loss"] = self._local_mean(losses)
+        for chunk in self.chunks:
+            for name, value in chunk.step_metrics(len(batches), self.device).items():
+                metrics[name] = metrics[name] + value.double()
+        return metrics, updated
 
-        layers = torch.tensor(float(len(loads)), dtype=torch.float64, device=dev)
-        return torch.stack([total.to(dev), summed(loads), layers, summed(dropped)])
+    def _prepare_chunks(self, micro_batches: list[ModelBatch]) -> None:
+        """Each chunk's factors for this step: the routers' losses are scaled in backward as the LM loss is,
+        and multi-token prediction's loss is normalised by its targets' count over the whole global batch
+        (one all-reduce of D numbers over the data-parallel ranks)."""
+        scale, m = self.engine.loss_scaler.scale, len(micro_batches)
+        counts = None
+        if self.config.model.mtp_num_layers and self.is_last_stage:
+            counts = torch.stack([mb.mtp_tokens for mb in micro_batches]).sum(0)
+            if self.groups.dp_size > 1:  # context-parallel ranks counted the same whole samples
+                dist.all_reduce(counts, group=self.groups.dp_group)
+        for chunk in self.chunks:
+            chunk.prepare_step(scale, m, counts, data_parallel_size=self.groups.dp_size)
 
     @torch.no_grad()
-    def eval_step(self, batches: list[dict], eod: Optional[int]) -> torch.Tensor:
-        """Forward only through the pipeline: the local mean loss on the device."""
+    def eval_step(self, batches: list[dict], eod: Optional[int]) -> dict[str, torch.Tensor]:
+        """Forward only through the pipeline: ``{'lm loss': the local mean loss on the device}``."""
         self.engine.eval()
         try:
             losses = self.stage.forward_only([self.micro_batch(b["text"], eod, b.get("index")) for b in batches])
         finally:
             self.engine.train()
-        return self._local_mean(losses)
+        return {"lm loss": self._local_mean(losses)}
 
 
 class LossLog:
-    """Per-iteration losses kept on the device until they are needed on the host.
+    """Per-iteration figures kept on the device until they are needed on the host.
 
-    ``reduce`` turns local losses (the last pipeline stage's; 0 elsewhere) into the DP mean on
-    every rank: one all-reduce over PP and one over DP for any number of iterations, then one
-    host synchronisation. Every rank calls it at the same iterations.
+    ``reduce`` turns each iteration's local figures (``{name: 0-d tensor}``: the last pipeline stage's
+    loss, 0 elsewhere; each stage's statistics) into their sum over the stages and their DP mean, on every
+    rank: one all-reduce over PP and one over DP for any number of iterations, then one host
+    synchronisation. Every rank calls it at the same iterations with the same names.
     """
 
     def __init__(self, groups) -> None:
         self.groups = groups
-        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.pending: list[tuple[int, dict[str, torch.Tensor]]] = []
 
-    def add(self, iteration: int, local: torch.Tensor) -> None:
+    def add(self, iteration: int, local: dict[str, torch.Tensor]) -> None:
         self.pending.append((iteration, local))
 
-    def reduce(self, values: list[torch.Tensor]) -> list[float]:
+    def reduce(self, values: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
         if not values:
             return []
-        t = torch.stack(values).to(torch.float64)
+        names = list(values[0])
+        t = torch.stack([torch.stack([v[n].to(torch.float64) for n in names]) for v in values])
         g = self.groups
         if g.pp_size > 1:
-            dist.all_reduce(t, group=g.pp_group)  # only the last stage's are non-zero
+            dist.all_reduce(t, group=g.pp_group)  # only the last stage's losses are non-zero
         # Context-parallel ranks hold shares of one sample's mean: summed with the data-parallel means.
         if g.dp_size * g.cp_size > 1:
             dist.all_reduce(t, group=g.dp_cp_group if g.cp_size > 1 else g.dp_group)
-        return (t / g.dp_size).tolist()
+        return [dict(zip(names, row)) for row in (t / g.dp_size).tolist()]
 
-    def flush(self) -> dict[int, float]:
-        """Every pending iteration's DP-mean loss (``{iteration: loss}``); empties the log."""
+    def flush(self) -> dict[int, dict[str, float]]:
+        """Every pending iteration's figures (``{iteration: {name: value}}``); empties the log."""
         pending, self.pending = self.pending, []
         return dict(zip([i for i, _ in pending], self.reduce([t for _, t in pending])))

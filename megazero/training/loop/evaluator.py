@@ -48,7 +48,7 @@ def evaluate(run: TrainModel, dataset, config: TrainConfig, eod: Optional[int] =
                 on_batch()
     if not losses:
         return None
-    values = LossLog(run.groups).reduce(losses)
+    values = [v["lm loss"] for v in LossLog(run.groups).reduce(losses)]
     return sum(values) / len(values)
 
 

@@ -66,7 +66,7 @@ class FailureProtocol:
         """The step of ``state.iteration`` overflowed outside fp16: stop (every rank takes part in
         bringing the losses to the host; the loss is for the message)."""
         if self.run.engine.last_overflow and self.config.precision.dtype != "fp16":
-            loss = metrics.drain().get(state.iteration, float("nan"))
+            loss = metrics.drain().get(state.iteration, {}).get("lm loss", float("nan"))
             raise self.diverged(state, state.iteration, "gradients" if math.isfinite(loss) else "loss", loss)
 
     def check_loss(self, state: TrainState, iteration: int, loss: float) -> None:

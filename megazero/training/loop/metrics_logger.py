@@ -97,29 +97,36 @@ class MetricsLogger:
 
     def record(self, state: TrainState, result: StepResult) -> None:
         """The step of ``state.iteration``: its loss stays on the device until the next flush."""
-        self.loss_log.add(state.iteration, result.loss)
+        self.loss_log.add(state.iteration, result.metrics)
         self.skipped_at[state.iteration] = not result.updated
 
-    def drain(self) -> dict[int, float]:
-        """The pending losses on the host (``{iteration: DP mean}``), not counted in the interval."""
+    def drain(self) -> dict[int, dict[str, float]]:
+        """The pending figures on the host (``{iteration: {name: DP mean}}``), not counted in the interval."""
         return self.loss_log.flush()
 
     def flush(self, state: TrainState) -> None:
         """The pending losses to the host, checked and counted in the interval."""
-        for it, value in self.drain().items():
-            values = {"lm loss": value}
-            if isinstance(value, list):  # a mixture of experts: the routers' losses and the experts' load too
-                loss, aux, load_sum, layers, dropped = value
-                values = {"lm loss": loss, "moe aux loss": aux}
-                if layers:
-                    values["expert load max over mean"] = load_sum / layers
-                    if self.config.model.moe_expert_capacity_factor is not None:
-                        values["moe dropped fraction"] = dropped / layers
+        for it, figures in self.drain().items():
+            values = self._logged(figures)
             loss = values["lm loss"]
             self.losses[it] = loss
             if self.check is not None:
                 self.check(state, it, loss)
             self.meter.update(values, skipped=self.skipped_at.pop(it, False))
+
+    def _logged(self, figures: dict[str, float]) -> dict[str, float]:
+        """The step's reduced figures (:attr:`TrainModel.metric_names`) as the log shows them: the LM loss,
+        multi-token prediction's per depth, a mixture's auxiliary loss, its experts' load (the busiest over
+        the mean, averaged over the layers) and, with a capacity, the share of token copies dropped."""
+        values = {name: v for name, v in figures.items() if name == "lm loss" or name.startswith("mtp_")}
+        if "moe aux loss" in figures:
+            values["moe aux loss"] = figures["moe aux loss"]
+            layers = figures["moe layers"]
+            if layers:
+                values["expert load max over mean"] = figures["expert load sum"] / layers
+                if self.config.model.moe_expert_capacity_factor is not None:
+                    values["moe dropped fraction"] = figures["moe dropped sum"] / layers
+        return values
 
     def after_step(self, state: TrainState) -> None:
         """Log at every ``--log-interval``-th iteration and at the last one."""

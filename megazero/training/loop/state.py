@@ -37,9 +37,16 @@ class TrainState:
 class StepResult:
     """One training iteration's outcome, as the step returned it."""
 
-    loss: torch.Tensor  # this rank's loss, still on the device (the DP mean reaches the host at the log interval)
+    # This rank's figures by name (TrainModel.metric_names: 'lm loss' first), still on the device: the
+    # sum over stages and DP mean reach the host at the log interval.
+    metrics: dict[str, torch.Tensor]
     updated: bool  # False when fp16 loss scaling skipped the update
     batch_size: int
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """This rank's LM loss on the device (the last stage's; 0 elsewhere)."""
+        return self.metrics["lm loss"]
 
 
 class Callback:
