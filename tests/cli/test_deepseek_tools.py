@@ -1,6 +1,6 @@
 """A Hugging Face DeepSeek-V3 through megazero's tools by their command lines: tools/convert_from_hf.py (streamed
 one layer at a time), tools/generate.py on its output (transformers' greedy tokens, with the model's tokenizer
-and, without one, token ids as text), tools/convert_to_hf.py (the original tensors bit for bit, DeepSeek's
+at tp 1 and 2 and, without one, token ids as text), tools/convert_to_hf.py (the original tensors bit for bit, DeepSeek's
 multi-token prediction layer among them); an HF config megazero cannot represent is refused in one line."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from megazero.cli import convert_from_hf, convert_to_hf, generate  # noqa: E402
 from megazero.model.interop.hf import import_from_hf  # noqa: E402
 from tests.cli.test_hf_round_trip import (NEW, PROMPT_IDS, VOCAB, assert_same_greedy, generated_ids,  # noqa: E402
                                           hf_greedy, save_tokenizer, word)
+from tests.launch import in_pool  # noqa: E402
 from tests.model.test_hf_deepseek import add_mtp_layer, random_hf  # noqa: E402
 
 
@@ -39,7 +40,13 @@ def test_deepseek_converts_generates_and_exports_back(q_lora_rank, tmp_path, cap
     assert saved["multi_latent_attention"] and saved["q_lora_rank"] == q_lora_rank and saved["mtp_num_layers"] == 0
 
     prompt = " ".join(map(word, PROMPT_IDS))
-    assert_same_greedy(generated_ids(capsys, ["--load", str(mz), "--prompt", prompt]), hf_greedy(hf, PROMPT_IDS, NEW))
+    ours = generated_ids(capsys, ["--load", str(mz), "--prompt", prompt])
+    assert_same_greedy(ours, hf_greedy(hf, PROMPT_IDS, NEW))
+    if q_lora_rank is not None:  # each of 2 ranks reads its heads' shard of the full weights
+        at_tp2 = in_pool(2, ["--load", mz, "--tp", "2", "--prompt", prompt, "--temperature", "0", "--max-new-tokens",
+                             NEW], script="tools/generate.py")
+        assert at_tp2.returncode == 0, at_tp2.stderr[-3000:]
+        assert at_tp2.stdout.split() == list(map(word, ours))
 
     assert convert_to_hf.main(["--load", str(mz), "--output", str(tmp_path / "back")]) == 0
     same_tensors(str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "back" / "model.safetensors"))

@@ -85,7 +85,8 @@ def test_import_matches_transformers_and_exports_back_bit_for_bit(q_lora_rank, t
     assert_same_logits_and_loss(model, hf)
 
     export_to_hf(gather_full_state_dict(model), config, str(tmp_path / "back"))
-    before, after = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    after = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert before.keys() == after.keys() and "model.layers.1.mlp.gate.e_score_correction_bias" in after
     for k in before:
         assert torch.equal(before[k], after[k]), k
@@ -145,9 +146,11 @@ def add_mtp_layer(hf_dir, hf) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     n, h = hf.config.num_hidden_layers, hf.config.hidden_size
     for name in [k for k in sd if k.startswith(f"model.layers.{n - 1}.")]:
-        sd[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = sd[name] + torch.randn(sd[name].shape, generator=g) * 0.05
+        moved = sd[name] + torch.randn(sd[name].shape, generator=g) * 0.05
+        sd[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = moved
     p = f"model.layers.{n}."
-    sd.update({p + "enorm.weight": 1 + torch.randn(h, generator=g) * 0.1, p + "hnorm.weight": 1 + torch.randn(h, generator=g) * 0.1,
+    sd.update({p + "enorm.weight": 1 + torch.randn(h, generator=g) * 0.1,
+               p + "hnorm.weight": 1 + torch.randn(h, generator=g) * 0.1,
                p + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 0.05,
                p + "shared_head.norm.weight": 1 + torch.randn(h, generator=g) * 0.1,
                p + "embed_tokens.weight": sd["model.embed_tokens.weight"].clone(),
@@ -181,7 +184,8 @@ def reference_mtp_loss(hf, sd: dict[str, torch.Tensor], ids: torch.Tensor, label
         hf.model(ids)
         hook.remove()
         hidden = seen[0]
-        x = torch.cat([rms["enorm"](hf.model.embed_tokens(labels)), rms["hnorm"](hidden)], dim=-1) @ sd[p + "eh_proj.weight"].t()
+        x = torch.cat([rms["enorm"](hf.model.embed_tokens(labels)), rms["hnorm"](hidden)], dim=-1)
+        x = x @ sd[p + "eh_proj.weight"].t()
         positions = torch.arange(ids.shape[1]).unsqueeze(0)
         mask = transformers.masking_utils.create_causal_mask(config=hf.config, inputs_embeds=x, attention_mask=None,
                                                              cache=None, position_ids=positions)

@@ -131,7 +131,8 @@ def _mlp_names(mz: str, hf: str) -> list[tuple[str, tuple[str, ...]]]:
 def _layer_mlp_names(c: GPTConfig, moe: bool) -> list[tuple[str, tuple[str, ...]]]:
     if not moe:
         return _mlp_names("mlp.", "mlp.")
-    names = [("mlp.router.weight", ("mlp.gate.weight",)), ("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",))]
+    names = [("mlp.router.weight", ("mlp.gate.weight",)),
+             ("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",))]
     for e in range(c.num_experts):
         names += _mlp_names(f"mlp.experts.{e}.", f"mlp.experts.{e}.")
     return names + _mlp_names("mlp.shared_experts.", "mlp.shared_experts.")
@@ -289,7 +290,8 @@ def _routing_kwargs(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
         if hf.get(key, want) != want:
             problems.append(f"{key}={hf[key]!r} (DeepSeek-V3's routing needs {want!r})")
     kw = dict(num_experts=hf["n_routed_experts"], moe_router_topk=k, moe_router_score_function="sigmoid",
-              moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+              moe_router_enable_expert_bias=True,
+              moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
               moe_aux_loss_coeff=float(hf.get("aux_loss_alpha", 0.0)),
               moe_router_load_balancing_type="seq_aux_loss" if hf.get("seq_aux", True) else "aux_loss")
     if g > 1 and gk < g:
@@ -357,7 +359,8 @@ def deepseek_hf_config_dict(c: GPTConfig) -> dict[str, Any]:
                 hidden_size=c.hidden_size, intermediate_size=c.ffn_size, moe_intermediate_size=c.moe_ffn_size,
                 num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
                 num_key_value_heads=c.num_attention_heads,
-                n_shared_experts=c.moe_shared_expert_intermediate_size // c.moe_ffn_size, n_routed_experts=c.num_experts,
+                n_shared_experts=c.moe_shared_expert_intermediate_size // c.moe_ffn_size,
+                n_routed_experts=c.num_experts,
                 routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0, kv_lora_rank=c.kv_lora_rank,
                 q_lora_rank=c.q_lora_rank, qk_rope_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
                 qk_nope_head_dim=c.qk_head_dim, n_group=c.moe_router_num_groups or 1,
