@@ -241,20 +241,34 @@ def test_configs_megazero_cannot_represent_are_refused_by_value(change, named):
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_kimi_k2_and_moonlight_shapes_import():
-    """Kimi-K2 (its own model_type, every group used, YaRN in the older rope_scaling) and Moonlight (no query
-    LoRA, plain RoPE) differ from DeepSeek-V3 only in values."""
-    base = hf_config().to_dict()
-    kimi = {**base, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1, "rope_parameters": None,
-            "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings":
-                                                    4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                                                    "mscale_all_dim": 1.0}, "num_nextn_predict_layers": 0}
-    c = config_from_hf(kimi)
-    assert (c.moe_router_num_groups, c.rotary_base, c.rotary_scaling_factor, c.beta_fast, c.mtp_num_layers) == (
-        None, 50000.0, 32.0, 1.0, 0)
-    moon = {**base, "q_lora_rank": None, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}
-    c = config_from_hf(moon)
-    assert (c.q_lora_rank, c.resolved_rope_type, c.rotary_base) == (None, "rope", 50000.0)
+KIMI_YARN = dict(factor=32.0, original_max_position_embeddings=8, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                 mscale_all_dim=1.0)
+
+
+@pytest.mark.parametrize("family", ["kimi_k2", "moonlight"])
+def test_kimi_k2_and_moonlight_shapes_match_transformers(family, tmp_path):
+    """Kimi-K2 (its own model_type, one expert group, 4 experts per token, YaRN with beta_fast = beta_slow, written
+    the older way: rope_scaling and rope_theta) and Moonlight (no query LoRA, plain RoPE) differ from DeepSeek-V3
+    only in values."""
+    if family == "kimi_k2":
+        hf = random_hf(tmp_path / "hf", n_group=1, topk_group=1, num_experts_per_tok=4, routed_scaling_factor=2.827,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, **KIMI_YARN})
+        path = tmp_path / "hf" / "config.json"
+        written = json.load(open(path))
+        del written["rope_parameters"]
+        json.dump({**written, "model_type": "kimi_k2", "rope_theta": 50000.0, "num_nextn_predict_layers": 0,
+                   "rope_scaling": {"type": "yarn", **KIMI_YARN}, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                   "moe_layer_freq": 1}, open(path, "w"))
+    else:
+        hf = random_hf(tmp_path / "hf", q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3,
+                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    config, model = imported(tmp_path / "hf")
+    assert (config.moe_router_num_groups, config.rotary_base) == (None, 50000.0)
+    if family == "kimi_k2":
+        assert (config.rotary_scaling_factor, config.beta_fast, config.beta_slow) == (32.0, 1.0, 1.0)
+    else:
+        assert (config.q_lora_rank, config.resolved_rope_type) == (None, "rope")
+    assert_same_logits_and_loss(model, hf)
 
 
 def test_megazero_configs_hf_cannot_express_are_refused():

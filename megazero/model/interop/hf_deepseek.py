@@ -26,7 +26,11 @@ Names (HF ``model.layers.i.`` <-> megazero ``layers.i.``):
 Routing: HF scores a group by the sum of its 2 best experts, megazero by its best top-k / group-top-k,
 so group-limited routing converts where ``num_experts_per_tok = 2 * topk_group`` (or where every group
 is used). megazero renormalises the top-k sigmoid scores exactly when k > 1: ``norm_topk_prob`` must
-be ``k > 1``. What does not convert is refused by value, with the fix.
+be ``k > 1``. DeepSeek's latent norms keep eps 1e-6 whatever ``rms_norm_eps`` says, megazero's take
+``layernorm_epsilon``: it must be 1e-6. Also refused, by value and with the fix: quantized checkpoints
+(``quantization_config``), scoring other than sigmoid / ``noaux_tc``, RoPE other than default or YaRN,
+YaRN with ``truncate=False`` or an ``attention_factor`` of its own, attention biases, no shared expert,
+and DeepSeek's ``moe_layer_freq`` other than 1.
 """
 
 from __future__ import annotations
