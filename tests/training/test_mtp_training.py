@@ -57,7 +57,8 @@ def test_mtp_log_line_beside_the_lm_loss(one_process_run):
 
 
 def test_mtp_factor_zero_leaves_the_lm_losses_unchanged(data, tmp_path):  # noqa: F811
-    without = [f for f in MTP if f not in ("--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3")]
+    i = MTP.index("--mtp-num-layers")
+    without = MTP[:i] + MTP[i + 4:]  # the two MTP flags with their values
     ref = launch(1, flags(data, *without, *PACKED), tmp_path, "no_mtp")
     got = launch(2, flags(data, *without, *PACKED, "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0",
                           "--pipeline-model-parallel-size", "2"), tmp_path, "mtp_zero")
