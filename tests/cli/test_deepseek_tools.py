@@ -69,7 +69,7 @@ def test_without_a_tokenizer_generate_reads_and_writes_ids(tmp_path, capsys):
     assert "token ids" in out.err
 
 
-def test_multi_token_prediction_layers_stream_both_ways(tmp_path):
+def test_multi_token_prediction_layers_stream_both_ways(tmp_path, capsys):
     hf = random_hf(tmp_path / "hf")
     add_mtp_layer(tmp_path / "hf", hf)
     mz = tmp_path / "mz"
@@ -78,6 +78,11 @@ def test_multi_token_prediction_layers_stream_both_ways(tmp_path):
     _, whole = import_from_hf(str(tmp_path / "hf"))  # the same conversion, all tensors at once
     assert streamed.keys() == whole.keys() and any(k.startswith("mtp.layers.0.transformer_layer.") for k in whole)
     assert all(torch.equal(streamed[k], whole[k]) for k in whole)
+    capsys.readouterr()  # the prediction modules are a training-time output: generation is the model's own
+    assert generate.main(["--load", str(mz), "--prompt", " ".join(map(str, PROMPT_IDS)), "--temperature", "0",
+                          "--max-new-tokens", str(NEW)]) == 0
+    ours, expected = [int(w) for w in capsys.readouterr().out.split()], hf_greedy(hf, PROMPT_IDS, NEW)
+    assert ours == expected[:len(ours)] and (len(ours) == len(expected) or ours[-1] == VOCAB - 1), (ours, expected)
     assert convert_to_hf.main(["--load", str(mz), "--output", str(tmp_path / "back")]) == 0
     same_tensors(str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "back" / "model.safetensors"))
 

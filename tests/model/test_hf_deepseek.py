@@ -7,7 +7,6 @@ compute what DeepSeek's formula does with transformers' layer; what does not con
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -195,8 +194,6 @@ def reference_mtp_loss(hf, sd: dict[str, torch.Tensor], ids: torch.Tensor, label
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megazero.model.mtp") is None,
-                    reason="megazero's multi-token prediction modules are not in this checkout")
 def test_multi_token_prediction_maps_both_ways_and_computes_deepseeks_formula(tmp_path):
     hf = random_hf(tmp_path / "hf")
     sd = add_mtp_layer(tmp_path / "hf", hf)
