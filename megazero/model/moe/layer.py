@@ -195,8 +195,8 @@ class MoELayer(torch.nn.Module):
             per_expert = perm.counts.tolist()  # the one host read of the layer
             return unpermute(self.experts(rows[:sum(per_expert)], per_expert), perm, weights)
         rows, plan = self.dispatcher.dispatch(rows, perm.counts)  # the sorted copies freed once sent
-        out = self.dispatcher.combine(self.experts(rows, plan[0]), plan)
-        return unpermute(out, perm, weights)
+        # no name holds the combined outputs: unpermute frees them once reordered
+        return unpermute(self.dispatcher.combine(self.experts(rows, plan[0]), plan), perm, weights)
 
     def _padded(self, rows: torch.Tensor, perm: Permutation, weights: torch.Tensor, slots: int) -> torch.Tensor:
         """:meth:`_routed` with every expert given ``slots`` rows by this rank (its kept copies in token
