@@ -63,3 +63,21 @@ def test_mtp_factor_zero_reaches_nothing_of_the_main_model(data, tmp_path):  # n
     for it, r in ref.items():
         for key in ("lm_loss", "grad_norm", "moe_aux_loss"):
             assert abs(got[it][key] - r[key]) <= RTOL * abs(r[key]), (it, key, got[it][key], r[key])
+
+
+PACKED = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+
+
+@pytest.mark.parametrize("world,extra", [
+    # packed documents over the ring (the MTP shifts stop at each document), the optimizer state on the host
+    (4, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--expert-model-parallel-size", "2",
+         "--zero-stage", "2", "--optimizer-cpu-offload"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--tp", "2", "--sequence-parallel",
+         "--recompute-granularity", "selective"]),
+])
+def test_deepseek_shape_packed_documents_equal_one_process(data, tmp_path, world, extra):  # noqa: F811
+    ref = launch(1, flags(data, *DEEPSEEK, *PACKED), tmp_path, "dsv3_packed1")
+    got = launch(world, flags(data, *DEEPSEEK, *PACKED, *extra), tmp_path, "dsv3_packed")
+    for it, r in ref.items():
+        for key in KEYS:
+            assert abs(got[it][key] - r[key]) <= RTOL * abs(r[key]), (world, extra, it, key, got[it][key], r[key])
