@@ -154,6 +154,9 @@ def deepseek_layer_to_hf(sd: dict[str, torch.Tensor], c: GPTConfig, mz: str, hf:
         if m == "mlp.router.expert_bias" and not c.moe_router_enable_expert_bias:
             out[hf + hs[0]] = torch.zeros(c.num_experts)  # HF's router always has one: no bias is zeros
             continue
+        if m == "mlp.router.expert_bias" and mz + m not in sd:
+            raise KeyError(f"{mz + m} (the router's expert bias: moe_router_enable_expert_bias is on) is not among the "
+                           "checkpoint's tensors; the export needs the model's persistent buffers with its parameters")
         for h, t in zip(hs, sd[mz + m].chunk(len(hs), dim=0)):
             out[hf + h] = t
     return out
