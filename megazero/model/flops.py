@@ -1,15 +1,19 @@
 """Closed-form parameter counts and training FLOPs of a GPTConfig.
 
-Parameters: exact for any config (checked against the model built on ``meta``). For
-the default architecture (tied, learned positions, biases, LayerNorm, GeLU, ffn=4h)
-it is Narayanan et al. 2021's ``P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))`` plus the
+Parameters: exact for any config (checked against the model built on ``meta``), multi-latent
+attention and multi-token prediction's depths included (the embedding's copy on a later pipeline
+stage is the same parameter, counted once). For the default architecture (tied, learned positions,
+biases, LayerNorm, GeLU, ffn=4h) it is Narayanan et al. 2021's ``P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))`` plus the
 final LayerNorm's ``2h``, with V the padded vocabulary and s the position table size.
 
 FLOPs: matmul FLOPs only (2 per multiply-add). Per token and layer, forward:
 QKV ``2h(heads+2*groups)d`` + scores and context ``4 s heads d`` (the full s x s square,
 as the paper counts it) + projection ``2 heads d h`` + MLP ``2h*ffn*(2 if swiglu else 1)
-+ 2*ffn*h``; the logit layer adds ``2hV``. Backward costs twice the forward; full
-recomputation adds one more forward of the transformer layers (not of the logit layer).
++ 2*ffn*h``; the logit layer adds ``2hV``. Multi-latent attention: its down- and up-projections
+in place of QKV, scores at ``qk_dim`` and context at ``v_dim`` (``4 s heads d`` is
+``2 s heads (qk_dim + v_dim)``). Each multi-token prediction depth adds its ``eh_proj`` ``4h^2``, a
+layer and the logits ``2hV``. Backward costs twice the forward; full recomputation adds one more
+forward of the decoder layers (not of the logit layer nor the prediction depths).
 For the default architecture with full recompute this is exactly Eq. 3 of the paper,
 ``F = 96 B s l h^2 (1 + s/(6h) + V/(16lh))``; without recompute it is
 ``72 B s l h^2 (1 + s/(6h) + V/(12lh))`` (Megatron-DeepSpeed's code reuses V/(16lh) there,
@@ -24,13 +28,23 @@ import torch
 
 from .config import GPTConfig
 
-__all__ = ["num_parameters", "expert_parameters", "mlp_parameters", "active_parameters", "moe_layers", "flops_per_iteration",
-           "flops_per_token", "layer_forward_flops_per_token"]
+__all__ = ["num_parameters", "expert_parameters", "mlp_parameters", "attention_parameters", "mtp_parameters",
+           "replicated_parameters",
+           "active_parameters", "moe_layers", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token"]
 
 
 def moe_layers(c: GPTConfig) -> int:
     """How many layers are mixtures of experts (:meth:`GPTConfig.is_moe_layer`)."""
     return sum(c.is_moe_layer(i) for i in range(c.num_layers))
+
+
+def _mtp_moe_layers(c: GPTConfig) -> int:
+    """How many multi-token prediction layers are mixtures (each is of the last layer's kind)."""
+    return c.mtp_num_layers if c.mtp_num_layers and c.is_moe_layer(c.num_layers - 1) else 0
+
+
+def _norm(c: GPTConfig, size: Optional[int] = None) -> int:
+    return (size or c.hidden_size) * (2 if c.normalization == "layernorm" else 1)
 
 
 def _expert(c: GPTConfig, width: Optional[int] = None) -> int:
@@ -48,6 +62,34 @@ def _shared(c: GPTConfig) -> int:
     return (_expert(c, width) + (c.hidden_size if c.moe_shared_expert_gate else 0)) if width else 0
 
 
+def attention_parameters(c: GPTConfig) -> tuple[int, int]:
+    """(one layer's attention parameters, those of them tensor parallelism replicates).
+
+    Standard: the fused QKV (``(heads + 2 groups) d`` rows), the per-head query/key norms and the
+    projection; replicated: the projection's bias. Multi-latent attention (:mod:`~megazero.model.attention.mla`):
+    the query projection ``[n (qk + rope), h]`` or its down-projection ``[q_lora, h]``, norm and
+    up-projection ``[n (qk + rope), q_lora]``; the key/value down-projection ``[kv_lora + rope, h]`` (the
+    latent and the shared RoPE key), its norm and up-projection ``[n (qk + v), kv_lora]``; the projection
+    ``[h, n v]``; replicated: the down-projections, their norms and the projection's bias."""
+    h, n, b = c.hidden_size, c.num_attention_heads, 1 if c.add_bias_linear else 0
+    proj_bias = b * h
+    if not c.multi_latent_attention:
+        d, qkv = c.head_dim, (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
+        qk_norm = 2 * _norm(c, d) if c.qk_layernorm else 0
+        qkv_bias = (1 if c.add_bias_linear or c.add_qkv_bias else 0) * qkv
+        return h * qkv + qkv_bias + qk_norm + n * d * h + proj_bias, proj_bias
+    qk, rope, v, kv_lora = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_lora_rank
+    q_out = n * (qk + rope)
+    replicated = (h + b) * (kv_lora + rope) + _norm(c, kv_lora) + proj_bias
+    sharded = (kv_lora + b) * n * (qk + v) + n * v * h
+    if c.q_lora_rank is None:
+        sharded += (h + b) * q_out
+    else:
+        replicated += (h + b) * c.q_lora_rank + _norm(c, c.q_lora_rank)
+        sharded += (c.q_lora_rank + b) * q_out
+    return sharded + replicated, replicated
+
+
 def mlp_parameters(c: GPTConfig) -> tuple[int, int]:
     """(a dense layer's MLP, a mixture layer's MLP without its routed experts: the router and the shared
     expert), the parameters by which the two kinds of layer differ outside the experts."""
@@ -56,37 +98,68 @@ def mlp_parameters(c: GPTConfig) -> tuple[int, int]:
     return h * gate * f + bias * gate * f + f * h + bias * h, (h * c.num_experts + _shared(c)) if c.num_experts else 0
 
 
+def _layer_parameters(c: GPTConfig, number: int) -> int:
+    """Transformer layer ``number``'s parameters: two norms, the attention and its MLP (a mixture's with
+    every routed expert)."""
+    dense, mixture = mlp_parameters(c)
+    mlp = mixture + c.num_experts * _expert(c) if c.is_moe_layer(number) else dense
+    return 2 * _norm(c) + attention_parameters(c)[0] + mlp
+
+
+def mtp_parameters(c: GPTConfig) -> tuple[int, int, int]:
+    """(the D multi-token prediction depths' parameters, those tensor parallelism replicates, their routed
+    experts'). Each depth: two input norms, ``eh_proj`` ``[h, 2h]``, a transformer layer of the last layer's
+    kind and a final norm; the embedding and the head are the main model's (not counted here)."""
+    if not c.mtp_num_layers:
+        return 0, 0, 0
+    last = c.num_layers - 1
+    moe = c.is_moe_layer(last)
+    router = c.hidden_size * (c.num_experts + (1 if c.moe_shared_expert_gate else 0)) if moe else 0
+    fc2_bias = c.hidden_size if c.add_bias_linear else 0  # row-parallel, as the projection's (in the attention's)
+    # the two input norms, the layer's two and the final one
+    replicated = 5 * _norm(c) + attention_parameters(c)[1] + fc2_bias + router
+    depth = 3 * _norm(c) + 2 * c.hidden_size * c.hidden_size + _layer_parameters(c, last)
+    experts = c.num_experts * _expert(c) if moe else 0
+    return c.mtp_num_layers * depth, c.mtp_num_layers * replicated, c.mtp_num_layers * experts
+
+
+def replicated_parameters(config: GPTConfig) -> int:
+    """Parameters that tensor parallelism does not shard, in the whole model: norms, row-parallel biases
+    (attention projection, second MLP linear), the learned position table, the routers (and shared-expert
+    gates) of a mixture of experts, multi-latent attention's down-projections and their norms, and the
+    multi-token prediction depths' own."""
+    c = config
+    h = c.hidden_size
+    attention_extra = attention_parameters(c)[1] - (h if c.add_bias_linear else 0)  # beyond the projection's bias
+    total = c.num_layers * (2 * _norm(c) + (2 * h if c.add_bias_linear else 0) + attention_extra) + _norm(c)
+    if c.position_embedding_type == "learned":
+        total += c.max_position_embeddings * h
+    if c.num_experts:
+        total += moe_layers(c) * h * (c.num_experts + (1 if c.moe_shared_expert_gate else 0))
+    return total + mtp_parameters(c)[1]
+
+
 def expert_parameters(c: GPTConfig) -> int:
-    """The routed experts' parameters of the whole model (0 for a dense model)."""
-    return moe_layers(c) * c.num_experts * _expert(c) if c.num_experts else 0
+    """The routed experts' parameters of the whole model, multi-token prediction's too (0 for a dense model)."""
+    return (moe_layers(c) + _mtp_moe_layers(c)) * c.num_experts * _expert(c) if c.num_experts else 0
 
 
 def active_parameters(c: GPTConfig) -> int:
-    """Parameters one token passes through: all but the routed experts, plus the k it is routed to."""
-    return num_parameters(c) - expert_parameters(c) + moe_layers(c) * c.moe_router_topk * _expert(c)
+    """Parameters one token passes through: all but the routed experts, plus the k it is routed to (in the
+    multi-token prediction layers too)."""
+    blocks = moe_layers(c) + _mtp_moe_layers(c)
+    return num_parameters(c) - expert_parameters(c) + blocks * c.moe_router_topk * _expert(c) if c.num_experts \
+        else num_parameters(c)
 
 
 def _config_parameters(c: GPTConfig) -> int:
-    h, d, n, g, f, v = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_size, c.padded_vocab_size
-    bias = 1 if c.add_bias_linear else 0
-    gate = 2 if c.activation == "swiglu" else 1
-    norm = h * (2 if c.normalization == "layernorm" else 1)
-    qkv = (n + 2 * g) * d
-    qk_norm = 2 * d * (2 if c.normalization == "layernorm" else 1) if c.qk_layernorm else 0
-    layer = (2 * norm + qk_norm
-             + h * qkv + (1 if c.add_bias_linear or c.add_qkv_bias else 0) * qkv  # linear_qkv
-             + n * d * h + bias * h  # linear_proj
-             + h * gate * f + bias * gate * f  # linear_fc1
-             + f * h + bias * h)  # linear_fc2
-    mlp, mixture = mlp_parameters(c)
-    total = v * h + c.num_layers * layer + norm
-    if c.num_experts:  # a mixture's MLP is its router and experts
-        total += moe_layers(c) * (mixture + c.num_experts * _expert(c) - mlp)
+    h, v = c.hidden_size, c.padded_vocab_size
+    total = v * h + sum(_layer_parameters(c, i) for i in range(c.num_layers)) + _norm(c)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if not c.tie_embeddings:
         total += v * h
-    return total
+    return total + mtp_parameters(c)[0]  # the embedding's copy on a last stage is the same parameter
 
 
 def num_parameters(model_or_config: Union[torch.nn.Module, GPTConfig], *, local: bool = False) -> int:
@@ -104,33 +177,53 @@ def num_parameters(model_or_config: Union[torch.nn.Module, GPTConfig], *, local:
 
 
 def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None) -> int:
-    """Forward matmul FLOPs of one transformer layer for one token of a length-``seq_length`` sequence."""
+    """Forward matmul FLOPs of one (dense) transformer layer for one token of a length-``seq_length``
+    sequence: the attention's projections, the scores at ``qk_dim`` and the context at ``v_dim`` over the
+    whole s x s square, and the dense MLP."""
     c = config
     s = seq_length or c.seq_length
-    h, d, n, g, f = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_size
+    h, n, f = c.hidden_size, c.num_attention_heads, c.ffn_size
     gate = 2 if c.activation == "swiglu" else 1
-    return 2 * h * (n + 2 * g) * d + 4 * s * n * d + 2 * n * d * h + 2 * h * gate * f + 2 * f * h
+    if c.multi_latent_attention:
+        qk, rope, kv_lora = c.qk_head_dim, c.qk_pos_emb_head_dim, c.kv_lora_rank
+        q = n * (qk + rope) * (h if c.q_lora_rank is None else c.q_lora_rank)
+        q += h * c.q_lora_rank if c.q_lora_rank is not None else 0
+        projections = q + h * (kv_lora + rope) + kv_lora * n * (qk + c.v_head_dim)
+    else:
+        projections = h * (n + 2 * c.query_groups) * c.head_dim
+    attention = 2 * projections + 2 * s * n * (c.qk_dim + c.v_dim) + 2 * n * c.v_dim * h
+    return attention + 2 * h * gate * f + 2 * f * h
 
 
-def _moe_flops_per_token(c: GPTConfig) -> int:
-    """What the mixtures add to :func:`layer_forward_flops_per_token` summed over the layers: the k
-    experts' MLPs and the router (2hE) in place of the dense MLP."""
-    if not c.num_experts:
-        return 0
+def _moe_flops_delta(c: GPTConfig) -> int:
+    """What one mixture layer adds to :func:`layer_forward_flops_per_token`: the k experts' MLPs, the shared
+    expert and the router (2hE) in place of the dense MLP."""
     gate = 2 if c.activation == "swiglu" else 1
     dense = 2 * c.hidden_size * gate * c.ffn_size + 2 * c.ffn_size * c.hidden_size
-    return moe_layers(c) * (c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts + 2 * _shared(c)
-                            - dense)
+    return c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts + 2 * _shared(c) - dense
+
+
+def _mtp_flops_per_token(c: GPTConfig, s: int) -> int:
+    """Forward FLOPs of the multi-token prediction depths per token: each one's ``eh_proj``, its layer (of
+    the last layer's kind) and the head's logits."""
+    if not c.mtp_num_layers:
+        return 0
+    layer = layer_forward_flops_per_token(c, s) + (_moe_flops_delta(c) if c.is_moe_layer(c.num_layers - 1) else 0)
+    return c.mtp_num_layers * (2 * 2 * c.hidden_size * c.hidden_size + layer + 2 * c.hidden_size * c.padded_vocab_size)
 
 
 def flops_per_iteration(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None,
                         recompute_full: bool = False) -> float:
-    """Training FLOPs (forward + backward [+ recompute]) of one iteration of ``global_batch_size`` sequences."""
-    s = seq_length or config.seq_length
+    """Training FLOPs (forward + backward [+ recompute]) of one iteration of ``global_batch_size`` sequences.
+    Full recomputation re-runs the decoder layers, not the multi-token prediction depths nor the head."""
+    c = config
+    s = seq_length or c.seq_length
     f = 4 if recompute_full else 3
-    layers = config.num_layers * layer_forward_flops_per_token(config, s) + _moe_flops_per_token(config)
-    logits = 2 * config.hidden_size * config.padded_vocab_size
-    return float(global_batch_size * s * (f * layers + 3 * logits))
+    layers = c.num_layers * layer_forward_flops_per_token(c, s)
+    if c.num_experts:
+        layers += moe_layers(c) * _moe_flops_delta(c)
+    logits = 2 * c.hidden_size * c.padded_vocab_size
+    return float(global_batch_size * s * (f * layers + 3 * logits + 3 * _mtp_flops_per_token(c, s)))
 
 
 def flops_per_token(config: GPTConfig, seq_length: Optional[int] = None, recompute_full: bool = False) -> float:
