@@ -412,7 +412,7 @@ def check_moe_layer() -> str:
         xi = x.detach().to(where, dtype).requires_grad_()
         y = layer(xi)
         y.backward(grad.to(where, dtype))
-        used = layer._grouped(xi.detach().reshape(-1, 256))
+        used = layer.experts.grouped(xi.detach().reshape(-1, 256))
         return (y.detach().float().cpu(), xi.grad.float().cpu(),
                 {n: p.grad.float().cpu() for n, p in layer.named_parameters()}), used
 

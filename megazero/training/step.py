@@ -81,7 +81,7 @@ def expert_partitioning(groups):
     if groups.ep_size == 1 and groups.etp_size == groups.tp_size:
         return None
     edp = zero.Partitioning("edp", shard=groups.edp_group)
-    return lambda name, param: edp if is_expert_parameter(name) else None
+    return lambda name, param: edp if is_expert_parameter(param) else None
 
 
 def _chunk_index(args: tuple, kwargs: dict) -> int:

@@ -36,19 +36,18 @@ def test_names_are_the_checkpoints_whatever_the_expert_parallel_rank():
 
 def test_expert_parameters_are_marked_through_a_meta_build():
     """GPTModel builds on the meta device and materializes: every routed expert's parameter keeps its
-    marks, and nothing else has them; the name-only call agrees."""
+    marks, and nothing else has them."""
     model = GPTModel(_config(moe_shared_expert_intermediate_size=16, moe_layer_freq=[0, 1]))
     names = dict(model.named_parameters())
     experts = {n for n in names if ".mlp.experts." in n}
     assert experts and not any(p.is_meta for p in names.values())
     for name, p in names.items():
         want = name in experts
-        assert is_expert_parameter(p) is want and is_expert_parameter(name, p) is want, name
-        assert is_expert_parameter(name) is want, name
+        assert is_expert_parameter(p) is want, name
         assert getattr(p, "allreduce", True) is not want, name  # Megatron's marker: False on the experts only
     stray = names["layers.0.mlp.linear_fc1.weight"]  # a dense layer's weight, marked by hand: the mark decides
     stray.is_expert = True
-    assert is_expert_parameter("layers.0.mlp.linear_fc1.weight", stray)
+    assert is_expert_parameter(stray)
 
 
 def test_the_router_owns_its_losses_and_figures():

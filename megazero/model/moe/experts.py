@@ -14,7 +14,7 @@ expert); :func:`is_expert_parameter` reads the mark.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,14 +30,10 @@ def mark_expert_parameter(param: torch.Tensor) -> None:
     param.is_expert, param.allreduce = True, False
 
 
-def is_expert_parameter(param_or_name: Union[torch.Tensor, str], param: Optional[torch.Tensor] = None) -> bool:
-    """Whether a parameter belongs to a routed expert, by its ``is_expert`` mark: ``(param)`` or
-    ``(name, param)``. Given a name alone (``...mlp.experts.<e>....``), its place in the model decides."""
-    if param is None and isinstance(param_or_name, torch.Tensor):
-        param = param_or_name
-    if param is not None:
-        return bool(getattr(param, "is_expert", False))
-    return ".mlp.experts." in f".{param_or_name}"
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether a parameter belongs to a routed expert: its ``is_expert`` mark, set when the experts are
+    built (Megatron's ``allreduce = False`` comes with it)."""
+    return bool(getattr(param, "is_expert", False))
 
 
 class Experts(torch.nn.ModuleDict):

@@ -210,7 +210,3 @@ class MoELayer(torch.nn.Module):
         out = self.dispatcher.combine_padded(out, slots)
         out = torch.cat([out, out.new_zeros(1, out.size(1))])  # a dropped copy's output: zeros
         return (out.index_select(0, slot).view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
-
-    def _grouped(self, rows: torch.Tensor) -> bool:
-        """Whether the experts run as grouped matmuls over ``rows`` (:meth:`Experts.grouped`)."""
-        return self.experts.grouped(rows)
