@@ -35,12 +35,13 @@ import torch.distributed as dist
 
 from megazero import mpu
 
+from .attached_loss import attach_loss
 from .attention.cp_context import ContextParallel
 from .config import GPTConfig
 from .init import init_methods
 from .keyed_dropout import DropoutKey
 from .layer_spec import ExpertParallel, layer_spec
-from .moe.router import AuxLossScale, _WithAuxGrad
+from .moe.router import AuxLossScale
 from .norms import build_norm
 from .transformer import TransformerLayer
 
@@ -167,5 +168,5 @@ class MultiTokenPrediction(torch.nn.Module):
         self.records.append((sums.detach() * log).float())
         if torch.is_grad_enabled():
             for k in range(self.depth):
-                hidden = _WithAuxGrad.apply(hidden, losses[k], _DepthScale(grad[k]))
+                hidden = attach_loss(hidden, losses[k], _DepthScale(grad[k]))
         return hidden

@@ -26,6 +26,7 @@ from megazero.mpu.initializers import initialize_sharded_
 from megazero.mpu.mappings import all_gather_first_dim
 
 from ..attention.cp_context import ContextParallel
+from ..attached_loss import attach_loss
 from ..config import GPTConfig
 from .routing import capacity_of, expert_counts, over_capacity, route
 
@@ -48,21 +49,6 @@ class AuxLossScale:
         out = (self.losses, self.loads, self.dropped)
         self.losses, self.loads, self.dropped = [], [], []
         return out
-
-
-class _WithAuxGrad(torch.autograd.Function):
-    """Identity on ``x``; backward also gives ``aux`` the gradient ``scale.value`` (Megatron's
-    MoEAuxLossAutoScaler): the loss takes effect without travelling with the activations."""
-
-    @staticmethod
-    def forward(ctx, x, aux, scale):
-        ctx.scale, ctx.aux_dtype = scale, aux.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        value = ctx.scale.value
-        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device) * value, None
 
 
 @dataclass
@@ -141,7 +127,7 @@ class Router(torch.nn.Module):
 
     def attach_losses(self, y: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``y`` itself, carrying ``routing``'s losses: backward gives them the gradient ``aux_scale.value``."""
-        return _WithAuxGrad.apply(y, routing.aux, self.aux_scale) if routing.aux is not None else y
+        return attach_loss(y, routing.aux, self.aux_scale) if routing.aux is not None else y
 
     # ---- the auxiliary losses -------------------------------------------------------------------
 
