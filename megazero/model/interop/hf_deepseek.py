@@ -101,13 +101,11 @@ def _half_to_interleaved(d: int) -> torch.Tensor:
     return torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=1).reshape(-1)
 
 
-def _permute_rope_rows(w: torch.Tensor, c: GPTConfig, per_head: bool, to_interleaved: bool) -> torch.Tensor:
-    """Permute the RoPE rows of a query projection (``per_head``: each head's last qk_pos_emb_head_dim rows)
-    or of the key/value down projection (its last rows)."""
+def _interleave_rope_rows(w: torch.Tensor, c: GPTConfig, per_head: bool) -> torch.Tensor:
+    """The RoPE rows of a query projection (``per_head``: each head's last qk_pos_emb_head_dim rows) or of the
+    key/value down projection (its last rows), from the rotate-half layout into the interleaved one."""
     r = c.qk_pos_emb_head_dim
     index = _half_to_interleaved(r)
-    if not to_interleaved:
-        index = torch.argsort(index)
     if per_head:
         heads = w.view(c.num_attention_heads, c.qk_head_dim + r, *w.shape[1:])
         return torch.cat([heads[:, :c.qk_head_dim], heads[:, c.qk_head_dim:][:, index]], dim=1).reshape(w.shape)
@@ -171,7 +169,7 @@ def deepseek_layer_from_hf(take: Callable[[str], torch.Tensor], c: GPTConfig, mz
     for m, h in _attention_names(c):
         t = take(hf + _HF_ATTN + h)
         if not rope_interleave and h in ("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight"):
-            t = _permute_rope_rows(t, c, per_head=h != "kv_a_proj_with_mqa.weight", to_interleaved=True)
+            t = _interleave_rope_rows(t, c, per_head=h != "kv_a_proj_with_mqa.weight")
         out[mz + _MZ_ATTN + m] = t
     for m, hs in _layer_mlp_names(c, moe):
         parts = [take(hf + h) for h in hs]
