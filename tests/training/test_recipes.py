@@ -105,19 +105,24 @@ def test_deepseek_v3_moe_parses_on_1024_gpus(tmp_path):
     launcher, argv = recipe_command("deepseek_v3_moe", tmp_path)
     assert world_size(launcher) == 1024
     config = parse_args(argv, world_size=1024, check_files=False)
-    _check(config, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, kv_channels=128,
-           num_query_groups=8, vocab_size=129280, num_experts=256, moe_ffn_hidden_size=2048,
+    _check(config, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+           multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+           v_head_dim=128, num_query_groups=None, resolved_rope_type="yarn", rotary_scaling_factor=40.0,
+           original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, mtp_num_layers=1,
+           mtp_loss_scaling_factor=0.1, vocab_size=129280, num_experts=256, moe_ffn_hidden_size=2048,
            moe_shared_expert_intermediate_size=2048, moe_router_topk=8, moe_router_score_function="sigmoid",
            moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
            moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss",
            moe_aux_loss_coeff=1e-4, tie_embeddings=False, tp=2, pp=16, ep=64, dp=32, zero_stage=1,
            sequence_parallel=True)
     assert [i for i in range(61) if config.model.is_moe_layer(i)] == list(range(3, 61))
+    assert (config.model.qk_dim, config.model.v_dim) == (192, 128)
 
 
 def test_deepseek_v3_moe_dry_run_plans_its_uneven_stages():
     """DRY_RUN=1 through the script: tools/estimate_memory.py plans the 1024-GPU launch (exit 0 fits, 1
-    does not; 2 would be a plan refused) with the first stage's 3 dense layers and the last stage's 2."""
+    does not; 2 would be a plan refused) with the first stage's 3 dense layers and the last stage's 2,
+    its MTP depth (a mixture layer) and the embedding's copy: the largest stage."""
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     proc = subprocess.run(["bash", os.path.join(RECIPES, "deepseek_v3_moe.sh")], env={**env, "DRY_RUN": "1"},
                           capture_output=True, text=True, timeout=120)
@@ -125,9 +130,11 @@ def test_deepseek_v3_moe_dry_run_plans_its_uneven_stages():
     out = proc.stdout
     assert "world 1024 = tp 2 x pp 16 x dp 32" in out, out[-3000:]
     assert "  stage 0: 3 layers (0-2, 0 MoE) + embedding," in out
-    assert "  stage 1: 4 layers (3-6, 4 MoE)," in out and "  stage 15: 2 layers (59-60, 2 MoE) + head," in out
+    assert "  stage 1: 4 layers (3-6, 4 MoE)," in out
+    assert "  stage 15: 2 layers (59-60, 2 MoE) + head + 1 MTP," in out
+    assert "parameters: 682,636,472,320 (682.64B)" in out  # 671.0B and the MTP depth's 11.6B
     largest = re.search(r"largest stage: (\d+) \((\d+) layers", out)
-    assert largest and 1 <= int(largest.group(1)) <= 14 and largest.group(2) == "4", out[-3000:]
+    assert largest and largest.groups() == ("15", "2"), out[-3000:]
     assert re.search(r"GPU memory 80 GiB: (fits|does NOT fit)", out)
 
 
@@ -152,8 +159,10 @@ TINY_RUNS = {
     "mixtral_8x7b": ({"--num-layers": "2", "--seq-length": "64", "--max-position-embeddings": "64",
                       "--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2"}, (),
                      "tp 1 x pp 2 x dp 2"),
+    # multi-latent attention has no query groups (None: TINY's flag not given)
     "deepseek_v3_moe": ({"--num-layers": "4", "--seq-length": "64", "--max-position-embeddings": "64",
-                         "--kv-channels": "16", "--num-experts": "8", "--moe-ffn-hidden-size": "32",
+                         "--num-query-groups": None, "--q-lora-rank": "24", "--kv-lora-rank": "16",
+                         "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16", "--num-experts": "8", "--moe-ffn-hidden-size": "32",
                          "--moe-layer-freq": "([0]*1+[1]*3)", "--moe-shared-expert-intermediate-size": "32",
                          "--moe-router-topk": "2", "--moe-router-num-groups": "4", "--moe-router-group-topk": "2",
                          "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "2",
@@ -167,7 +176,7 @@ TINY_RUNS = {
 def test_recipe_trains_at_a_tiny_size(name, tmp_path):
     values, drop, layout = TINY_RUNS[name]
     _, argv = recipe_command(name, tmp_path)
-    argv = substituted(argv, {**TINY, **values}, drop)
+    argv = substituted(argv, {k: v for k, v in {**TINY, **values}.items() if v is not None}, drop)
     run = in_pool(4, argv, cwd=ROOT)
     log = run.output
     (tmp_path / "log.txt").write_text(log)
