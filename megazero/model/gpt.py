@@ -342,13 +342,13 @@ class GPTModel(torch.nn.Module):
     def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], context: tuple, mtp: tuple) -> torch.Tensor:
         """The last stage's end: multi-token prediction (training, with labels), final norm, logits and loss.
         ``context``: ``(rotary, attention_mask, cp, dropout key)`` of the layers."""
+        x = self.final_norm(x)
         if self.mtp is not None and labels is not None and self.training:
             targets, mask = mtp
             if targets is None:
                 targets, mask = multi_token_targets(labels, torch.ones_like(labels, dtype=torch.float32),
                                                     self.config.mtp_num_layers)
             x = self.mtp(x, labels, targets, mask, self._embed, self._token_loss, *context)
-        x = self.final_norm(x)
         if labels is None:
             return self._logits(x).transpose(0, 1).contiguous()
         return self._token_loss(x, labels)

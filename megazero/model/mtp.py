@@ -2,11 +2,12 @@
 
 After the last transformer layer, module ``k`` (1..D) predicts token ``t_{i+k+1}`` at position ``i``:
 
-    h^k_i = TransformerLayer_k( M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)] )
-    logits^k_i = OutputHead(FinalNorm_k(h^k_i))
+    h^k_i = FinalNorm_k( TransformerLayer_k( M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)] ) )
+    logits^k_i = OutputHead(h^k_i)
 
-with ``h^0`` the main model's last hidden states (before its final norm), the embedding and the
-output head shared with the main model, and ``M_k`` = ``eh_proj`` ``[h, 2h]``. The loss is
+with ``h^0`` the main model's last hidden states after its final norm (what its head reads, as in
+Megatron-core and as DeepSeek's released MTP weights are served), the embedding and the output head
+shared with the main model, and ``M_k`` = ``eh_proj`` ``[h, 2h]``. The loss is
 
     L_MTP = (lambda / D) * sum_k  sum_i mask^k_i CE(logits^k_i, t_{i+k+1}) / N_k
 
@@ -151,15 +152,15 @@ class MultiTokenPrediction(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor], head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 rotary, attention_mask, cp: Optional[ContextParallel], key: Optional[DropoutKey]) -> torch.Tensor:
-        """``hidden`` ``[s(/tp), b, h]`` (the main model's last hidden states), ``labels`` ``[b, s]``, ``targets``
-        and ``mask`` ``[D, b, s]`` (:func:`multi_token_targets`, this rank's tokens); ``embed(ids [b, s])`` gives
-        ``[s(/tp), b, h]``, ``head(h, targets [b, s])`` the per-token loss ``[b, s]``. Returns ``hidden`` with
-        the MTP loss's gradient attached."""
+        """``hidden`` ``[s(/tp), b, h]`` (the main model's last hidden states, normed), ``labels`` ``[b, s]``,
+        ``targets`` and ``mask`` ``[D, b, s]`` (:func:`multi_token_targets`, this rank's tokens); ``embed(ids
+        [b, s])`` gives ``[s(/tp), b, h]``, ``head(h, targets [b, s])`` the per-token loss ``[b, s]`` of normed
+        states. Returns ``hidden`` with the MTP loss's gradient attached."""
         losses = []
         h, inputs = hidden, labels
         for k, layer in enumerate(self.layers):
-            h = layer(h, embed(inputs), rotary, attention_mask, cp, key)
-            per_token = head(layer.final_layernorm(h), targets[k])  # [b, s] fp32
+            h = layer.final_layernorm(layer(h, embed(inputs), rotary, attention_mask, cp, key))
+            per_token = head(h, targets[k])  # [b, s] fp32
             losses.append((per_token * mask[k]).sum())
             inputs = targets[k]
         sums = torch.stack(losses)  # [D]

@@ -160,8 +160,8 @@ def add_mtp_layer(hf_dir, hf) -> dict[str, torch.Tensor]:
 
 def reference_mtp_loss(hf, sd: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """DeepSeek's module 0 with transformers' decoder layer: CE of head(norm(layer(eh_proj([enorm(emb(t_{i+1}));
-    hnorm(h_i)])))) against t_{i+2}, over the positions that have one; h the main model's last layer's
-    output before its final norm (megazero.model.mtp's h^0)."""
+    hnorm(h_i)])))) against t_{i+2}, over the positions that have one; h the main model's output after its
+    final norm (what its head reads: megazero.model.mtp's h^0, Megatron-core's and DeepSeek's)."""
     modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
     n = hf.config.num_hidden_layers
     p = f"model.layers.{n}."
@@ -178,11 +178,7 @@ def reference_mtp_loss(hf, sd: dict[str, torch.Tensor], ids: torch.Tensor, label
         rms[key] = modeling.DeepseekV3RMSNorm(hf.config.hidden_size, hf.config.rms_norm_eps)
         rms[key].weight.data.copy_(sd[p + key + ".weight"])
     with torch.no_grad():
-        seen = []  # the last layer's output, before the final norm
-        hook = hf.model.layers[-1].register_forward_hook(lambda module, args, out: seen.append(out))
-        hf.model(ids)
-        hook.remove()
-        hidden = seen[0]
+        hidden = hf.model(ids).last_hidden_state  # after the final norm
         x = torch.cat([rms["enorm"](hf.model.embed_tokens(labels)), rms["hnorm"](hidden)], dim=-1)
         x = x @ sd[p + "eh_proj.weight"].t()
         positions = torch.arange(ids.shape[1]).unsqueeze(0)

@@ -1,5 +1,6 @@
 """Multi-token prediction against a hand-written one-process reference of DeepSeek-V3's equations:
-h'_i = M [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i)], a transformer layer, the shared head, and
+h'_i = M [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i)], a transformer layer, its final norm, the shared head
+(h^0: the main model's normed output, as Megatron-core's and DeepSeek's), and
 L = lambda / D * sum_k CE_k over the global count of each depth's valid targets (uneven counts across
 micro-batches give the global per-token gradient, not the mean of per-micro-batch means)."""
 
@@ -31,8 +32,8 @@ def _reference_mtp(model: GPTModel, hidden: torch.Tensor, labels: torch.Tensor, 
     for k, layer in enumerate(model.mtp.layers):
         emb = F.embedding(inputs, model.embedding.weight).transpose(0, 1)  # [s, b, h]
         x = torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1) @ layer.eh_proj.weight.t()
-        h = layer.transformer_layer(x, rotary)
-        logits = F.linear(layer.final_layernorm(h), model.output_layer.weight)[..., :c.vocab_size]  # [s, b, V]
+        h = layer.final_layernorm(layer.transformer_layer(x, rotary))
+        logits = F.linear(h, model.output_layer.weight)[..., :c.vocab_size]  # [s, b, V]
         ce = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets[k].t().reshape(-1),
                              reduction="none").view(logits.shape[:2]).t()  # [b, s]
         sums.append((ce * mask[k]).sum())
@@ -88,7 +89,8 @@ def test_equals_hand_written_reference_with_global_normalisation(q_mla):
         rotary = model.rotary(torch.arange(ids.size(1)))
         for layer in model.layers:
             x = layer(x, rotary)
-        per_token = model._token_loss(model.final_norm(x), labels)
+        x = model.final_norm(x)
+        per_token = model._token_loss(x, labels)
         lm = (per_token * loss_mask).sum() / loss_mask.sum()
         sums = _reference_mtp(model, x, labels, targets, mask, rotary)
         ((lm / len(micro)) + factor * (sums / counts).sum()).backward()
