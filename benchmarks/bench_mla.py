@@ -25,7 +25,7 @@ step under ``LiveMemoryTracker`` (live tensor bytes the step allocated at its pe
 excluded). KV cache per token and layer: MLA's latent plus its shared RoPE key (kv_lora + rope values)
 against standard attention's 2 * groups * head dim.
 
-    python benchmarks/bench_mla.py                 # ~10 min on 2 shared cores
+    python benchmarks/bench_mla.py                 # ~3 min on 2 shared cores
     python benchmarks/bench_mla.py --tiny          # seconds: tiny widths, short sequences
 """
 
