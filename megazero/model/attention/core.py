@@ -91,20 +91,34 @@ def _math(q, k, v, dropout_p, attention_mask):
     return torch.matmul(probs, v)  # [b, n, s, dv]
 
 
+def _one_width(q, k, v):
+    """``(q, k, v)`` padded with zeros to one head width, for kernels that want it (flash-attn, and sdpa's
+    flash backend, which sdpa skips otherwise for the explicit formula and its [s, s] scores). V's zero
+    columns give zero output columns and Q/K's add nothing to the scores; the output is trimmed to V's
+    width by the caller and the scale must stay 1/sqrt(the real q/k width)."""
+    width = max(q.size(-1), v.size(-1))
+    return tuple(t if t.size(-1) == width else F.pad(t, (0, width - t.size(-1))) for t in (q, k, v))
+
+
 def _sdpa(q, k, v, dropout_p, attention_mask):
-    """SDPA takes a value width other than the query/key width (it then skips its flash backend)."""
     s, b, n, d = q.shape
+    dv = v.size(-1)
     k, v = _repeat_kv(k, n), _repeat_kv(v, n)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d], v [b, n, s, dv]
+    scale = None
+    if dv != d:
+        q, k, v = _one_width(q, k, v)
+        scale = 1.0 / math.sqrt(d)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, width]
     if attention_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    allowed = ~_masked_out(s, q.device, attention_mask)  # sdpa's boolean mask means "may attend"
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    else:
+        allowed = ~_masked_out(s, q.device, attention_mask)  # sdpa's boolean mask means "may attend"
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    return out if dv == d else out[..., :dv]  # [b, n, s, dv]
 
 
 def _flash(q, k, v, dropout_p):
-    """flash-attn wants one head width: the narrower side is padded with zeros (V's zero columns give
-    zero output columns, Q/K's add nothing to the scores) and the output trimmed to V's width."""
+    """flash-attn wants one head width (:func:`_one_width`); the output is trimmed to V's width."""
     from flash_attn import flash_attn_func
 
     dqk, dv = q.size(-1), v.size(-1)
@@ -112,8 +126,7 @@ def _flash(q, k, v, dropout_p):
         out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                               causal=True)
         return out.transpose(0, 1)  # [s, b, n, d]
-    width = max(dqk, dv)
-    q, k, v = (t if t.size(-1) == width else F.pad(t, (0, width - t.size(-1))) for t in (q, k, v))
+    q, k, v = _one_width(q, k, v)
     out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                           softmax_scale=1.0 / math.sqrt(dqk), causal=True)
     return out.transpose(0, 1)[..., :dv]  # [s, b, n, dv]
