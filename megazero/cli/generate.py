@@ -105,14 +105,14 @@ def load_tp_shard(config, reader, groups: mpu.ParallelGroups, show_progress: boo
     by slice from the checkpoint."""
     model = materialize_(GPTModel(config, device="meta"), mpu.get_device())
     rank, world = groups.tp_rank, groups.tp_size
-    # the persistent buffers too (the routers' expert bias); one the checkpoint lacks starts at zero
+    # the persistent buffers too (the routers' expert bias): the model's function depends on them
     stored, persistent = set(reader.names), model.state_dict().keys()
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
-    for n, b in buffers:
-        if n not in stored:
-            log.warning("the checkpoint has no %s: it is zero", n)
-            b.zero_()
-    params = list(model.named_parameters()) + [(n, b) for n, b in buffers if n in stored]
+    missing = [n for n, _ in buffers if n not in stored]
+    if missing:
+        raise CheckpointError(f"the checkpoint has no {missing[:3]}: it was saved by a model without them (e.g. "
+                              "without --moe-router-enable-expert-bias); serve it with the config it was trained with")
+    params = list(model.named_parameters()) + buffers
 
     def load() -> None:
         with Progress("loaded", total=len(params), unit="tensors", logger=log, enabled=show_progress) as progress:

@@ -104,17 +104,23 @@ def _named_persistent_buffers(engine: ZeroEngine):
                 yield (f"{prefix}.{name}" if prefix else name), b
 
 
+def _saved_buffers(directory: str, manifest: dict) -> dict[str, torch.Tensor]:
+    """Every rank's saved persistent buffers by global name (each file verified against the manifest)."""
+    from safetensors.torch import load_file
+
+    saved: dict[str, torch.Tensor] = {}
+    for name in sorted(f for f in manifest["files"] if f.startswith("buffers_rank")):
+        saved.update(load_file(_verified(directory, manifest, name)))
+    return saved
+
+
 def _restore_buffers(engine: ZeroEngine, directory: str, manifest: dict) -> None:
     """Copy the saved persistent buffers into this rank's (found by global name in any rank's file, so a
     checkpoint resumes at another layout); a buffer the checkpoint lacks is an error."""
     mine = {engine.param_name(n): b for n, b in _named_persistent_buffers(engine)}
     if not mine:
         return
-    from safetensors.torch import load_file
-
-    saved: dict[str, torch.Tensor] = {}
-    for name in sorted(f for f in manifest["files"] if f.startswith("buffers_rank")):
-        saved.update(load_file(_verified(directory, manifest, name)))
+    saved = _saved_buffers(directory, manifest)
     missing = sorted(set(mine) - set(saved))
     if missing:
         raise CheckpointError(f"{directory} lacks the model buffers {missing[:4]}: it was saved by a model without "
@@ -419,7 +425,30 @@ def open_checkpoint(load: str, iteration: Optional[int] = None):
     directory = resolve_checkpoint_dir(load, iteration)
     manifest = read_manifest(directory)
     saved = json.load(open(_verified(directory, manifest, "config.json")))
-    return GPTConfig.from_dict(saved["model"]), CheckpointReader(directory, manifest), saved
+    reader = CheckpointReader(directory, manifest)
+    buffers = _saved_buffers(directory, manifest)
+    return GPTConfig.from_dict(saved["model"]), (WithBuffers(reader, buffers) if buffers else reader), saved
+
+
+class WithBuffers:
+    """A training checkpoint's reader that also gives the model's saved persistent buffers (the routers'
+    expert biases): whole tensors on every TP rank, by their global names."""
+
+    def __init__(self, reader, buffers: dict[str, torch.Tensor]) -> None:
+        self.reader, self.buffers = reader, buffers
+        self.names = list(reader.names) + [n for n in buffers if n not in set(reader.names)]
+
+    def full_shape(self, name: str) -> list[int]:
+        return list(self.buffers[name].shape) if name in self.buffers else self.reader.full_shape(name)
+
+    def full(self, name: str, **kw) -> torch.Tensor:
+        return self.buffers[name].clone() if name in self.buffers else self.reader.full(name, **kw)
+
+    def tp_shard(self, name: str, rank: int, world: int, **kw) -> torch.Tensor:
+        return self.buffers[name].clone() if name in self.buffers else self.reader.tp_shard(name, rank, world, **kw)
+
+    def __getattr__(self, attr: str):  # the rest of CheckpointReader's interface
+        return getattr(self.reader, attr)
 
 
 class FullWeightsReader:

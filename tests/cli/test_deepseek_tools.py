@@ -99,3 +99,36 @@ def test_a_config_megazero_cannot_represent_is_refused_in_one_line(tmp_path, cap
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "norm_topk_prob=False with num_experts_per_tok=2" in errors[0], errors
     assert not os.path.exists(tmp_path / "mz" / "model_full.safetensors")
+
+
+def test_a_trained_checkpoint_exports_with_its_expert_biases(tmp_path):
+    """pretrain_gpt.py trains a DeepSeek-V3-shaped model (expert biases moving every step) at pp 2 x ep 2 and
+    saves; tools/convert_to_hf.py exports that training checkpoint: the routers' biases become
+    e_score_correction_bias, and transformers' logits equal the checkpoint's model's (tools/generate.py's
+    loader)."""
+    import types
+
+    from megazero.cli.generate import load_tp_shard
+    from megazero.training.checkpointing import open_checkpoint
+    from tests.training.test_deepseek_training import DEEPSEEK
+    from tests.training.test_layout_invariance import flags, launch, write_corpus
+
+    data = write_corpus(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    launch(4, flags(data, *DEEPSEEK, "--norm-epsilon", "1e-6", "--pipeline-model-parallel-size", "2",
+                    "--expert-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "3", iters=3),
+           tmp_path, "train")
+    assert convert_to_hf.main(["--load", str(ckpt), "--output", str(tmp_path / "hf")]) == 0
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    biases = [v for k, v in exported.items() if k.endswith("e_score_correction_bias")]
+    # three mixtures and the MTP layer's; each bias moved +-rate per step: after 3 steps none is zero
+    assert len(biases) == 4 and all((b.abs() > 0).all() for b in biases)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+
+    config, reader, _ = open_checkpoint(str(ckpt))
+    model = load_tp_shard(config, reader, types.SimpleNamespace(tp_rank=0, tp_size=1))  # one process, whole
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids)[..., :config.vocab_size]
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
