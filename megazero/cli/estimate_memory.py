@@ -166,8 +166,11 @@ def compare(words: Sequence[str], layouts: Sequence[str], world_size: Optional[i
             progress.update()
     kinds = [("weights", lambda e: e.params), ("gradients", lambda e: e.grads),
              ("optimizer states", lambda e: e.optimizer), ("activations", lambda e: e.activations),
-             ("ZeRO-3 gather buffers", lambda e: e.buffers), ("gradients in flight", lambda e: e.grad_buckets),
-             ("total memory", lambda e: e.total), ("NCCL communicators (est.)", lambda e: e.nccl),
+             ("ZeRO-3 gather buffers", lambda e: e.buffers), ("gradients in flight", lambda e: e.grad_buckets)]
+    if any(e.embedding_sync for _, e in rows):  # pp > 1, tied or MTP: the peak may be this exchange's
+        kinds += [("embedding grad buffer", lambda e: e.embedding_stash),
+                  ("(its exchange, after)", lambda e: e.embedding_sync)]
+    kinds += [("total memory", lambda e: e.total), ("NCCL communicators (est.)", lambda e: e.nccl),
              ("total with NCCL", lambda e: e.device_total)]
     if any(e.host_total or e.nvme or e.nvme_params for _, e in rows):
         kinds += [("host memory (offload)", lambda e: e.host_total),

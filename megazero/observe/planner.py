@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import expert_parameters, flops_per_iteration, moe_layers, num_parameters
+from megazero.model.flops import (expert_parameters, flops_per_iteration, moe_layers, mtp_parameters, num_parameters,
+                                  replicated_parameters)
 from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
                                             loader_pinned_bytes, nccl_communicators, nccl_line)
 from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
@@ -67,7 +68,6 @@ from megazero.observe.planner_stages import embedding_params as _embedding_param
 from megazero.observe.planner_stages import model_state_bytes, pipeline_plan, stage_layers
 from megazero.observe.planner_stages import with_experts as _with_experts
 from megazero.observe.planner_traffic import traffic_bytes_per_step
-from megazero.training.startup import replicated_parameters
 
 if TYPE_CHECKING:
     from megazero.training.config import TrainConfig
@@ -112,6 +112,10 @@ class MemoryEstimate:
     nccl_communicators: dict = field(default_factory=dict)
     nccl_note: str = ""  # what the count says of ZeRO-3's gradient communicator
     host_pinned_batches: float = 0.0  # the data loader's pinned batches, rounded as the caching allocator holds them
+    # pp > 1, tied or multi-token prediction: the word embedding's gradient shared by the first and last
+    # stage, its fp32 sum through backward and the exchange after it (the largest stage's)
+    embedding_stash: float = 0.0
+    embedding_sync: float = 0.0
 
     @property
     def nccl(self) -> float:
@@ -133,7 +137,10 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.grad_buckets
+        """The tensors at the step's peak: the states, and the activations with the gradients in flight (or
+        the shared embedding's gradient exchange after backward, when larger)."""
+        transient = max(self.activations + self.grad_buckets + self.embedding_stash, self.embedding_sync)
+        return self.params + self.grads + self.optimizer + self.buffers + transient
 
     def fits(self, gpu_memory_gib: float) -> bool:
         """Whether ``device_total`` (tensors and NCCL's estimate) is within ``gpu_memory_gib`` GiB."""
@@ -148,6 +155,9 @@ class MemoryEstimate:
             rows.append(("ZeRO-3 gather buffers", self.buffers))
         if self.grad_buckets:
             rows.append(("gradients in flight", self.grad_buckets))
+        if self.embedding_sync:
+            rows.append(("embedding grad buffer", self.embedding_stash))
+            rows.append(("(its exchange, after)", self.embedding_sync))
         rows.append(("total", self.total))
         host = [(name, v) for name, v in (("offloaded optimizer", self.host_optimizer),
                                           ("offload ring buffers", self.host_ring),
@@ -283,10 +293,14 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     experts = expert_parameters(config)
     psi_experts, edp = experts / (etp * expert_parallel * pp), zdp * tp // (expert_parallel * etp)
     psi = ((total - experts - replicated) / tp + replicated) / pp
+    # the decoder layers' parameters (an average layer below), without the multi-token prediction depths
+    mtp_all, mtp_replicated, mtp_experts = mtp_parameters(config)
+    mtp_moe = bool(mtp_experts)  # the prediction depths are mixtures (the last layer is)
+    layers_total, layers_replicated = total - mtp_all, replicated - mtp_replicated
 
     # The largest flat group's partition (a layer's weights, or the word embedding): what one
     # offload buffer needs at most.
-    largest = max((total - replicated - _embedding_params(config)) / config.num_layers / tp,
+    largest = max((layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp,
                   config.padded_vocab_size * config.hidden_size / tp) / (zdp if zero_stage else 1)
 
     def param_host(n: float) -> dict[str, float]:
@@ -315,8 +329,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     buffers = 0.0
     if zero_stage == 3:
         # The layer being computed plus the one being prefetched, gathered to full (TP-local) size.
-        layer = (total - replicated - _embedding_params(config)) / config.num_layers / tp
-        layer += (replicated - (config.max_position_embeddings * config.hidden_size
+        layer = (layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp
+        layer += (layers_replicated - (config.max_position_embeddings * config.hidden_size
                                 if config.position_embedding_type == "learned" else 0)) / config.num_layers
         emb = config.padded_vocab_size * config.hidden_size / tp
         if prefetch_bucket_size is None:
@@ -328,7 +342,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         buffers = (max(layer, emb) + ahead * layer) * _STATE_BYTES[precision][0]
     grad_buckets = 0.0
     if zero_stage >= 2:
-        layer_local = (total - replicated - _embedding_params(config)) / config.num_layers / tp
+        layer_local = (layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp
         unit = max(layer_local, config.padded_vocab_size * config.hidden_size / tp)
         reduce_bytes = _DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else _STATE_BYTES[precision][1]
         # At the step's peak (backward's start, all activations alive) one unit's autograd
@@ -355,23 +369,28 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
             r = st["stage"]
             sends = 2 * virtual_pp - (r == 0) - (r == pp - 1)
             st["traffic"] = traffic_bytes_per_step(
-                config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"], layers=st["layers"],
-                moe_layers=st["moe_layers"], pp_bytes=sends * m_steps * pipeline["boundary_bytes"],
+                config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"],
+                layers=st["layers"], moe_layers=st["moe_layers"], mtp_layers=st["mtp_layers"],
+                mtp_moe_layers=st["mtp_layers"] if mtp_moe else 0, pp_bytes=sends * m_steps * pipeline["boundary_bytes"],
                 first_stage=r == 0, last_stage=r == pp - 1, **common)
         psi_experts = stage["expert_params"]  # the largest stage's
         psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
+        embedding = dict(embedding_stash=stage["embedding_stash"], embedding_sync=stage["embedding_sync"])
         traffic = stage["traffic"]
     else:
-        traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts, layers=config.num_layers,
-                                         moe_layers=moe_layers(config), **common)
+        embedding = {}
+        traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts,
+                                         layers=config.num_layers, moe_layers=moe_layers(config),
+                                         mtp_layers=config.mtp_num_layers,
+                                         mtp_moe_layers=config.mtp_num_layers if mtp_moe else 0, **common)
     host = offloaded_bytes(psi, dp=zdp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,
                            buffer_size=offload_buffer_size, largest=largest)
     host.update({k: v for k, v in param_host(psi).items() if k != "weights_on_device"})
     nccl = nccl_communicators(tp=tp, pp=pp, dp=dp, cp=context_parallel, hierarchical_cp=hierarchical_cp,
                               ep=expert_parallel, etp=etp, zero_stage=zero_stage, keep_gathered=keep_gathered)
     return MemoryEstimate(
-        **host,
+        **host, **embedding,
         traffic=traffic,
         params=weights, grads=grads, optimizer=optim, activations=act["total"], buffers=buffers,
         grad_buckets=grad_buckets,

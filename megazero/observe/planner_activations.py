@@ -1,6 +1,7 @@
 """Activation memory of the planner: what a layer keeps for backward (Korthikanti et al. 2022,
 generalised to GQA, SwiGLU, mixtures of experts and context parallelism's exchanges), and what a
-rank holds over its layers under recomputation. ``planner.py`` puts it beside the model states.
+rank holds over its layers under recomputation, and the multi-token prediction depths' (on the last
+stage, beside the loss). ``planner.py`` puts it beside the model states.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
                                act_bytes: int = 2, expert_tp: Optional[int] = None) -> float:
     """Saved activations of one transformer layer (Korthikanti et al. 2022, Sec. 4.1).
 
-    Generalised over the paper's 34 s b h + 5 a s^2 b (16-bit, ffn = 4h, MHA):
+    Generalised over the paper's 34 s b h + 5 a s^2 b (16-bit, ffn = 4h, MHA; multi-latent attention's
+    projections, latents and widths in place of Q, K, V):
       replicated under TP (sharded with SP): 2 norm inputs + QKV and fc1 inputs at
         ``act_bytes`` and 2 dropout masks at 1 byte: s b h (4e + 2) = 10 s b h;
       sharded by TP: Q, K, V, projection input, fc1 output, activation output:
@@ -42,7 +44,17 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     replicated = s * b * h * (4 * e + hidden_masks)
     # SwiGLU keeps fc1's output (gate, up), silu(gate) and their product (fc2's input): 4 f; GeLU 2 f
     mlp = 4 * f if gate == 2 else 2 * f
-    sharded = e * s * b * (n * d + 2 * g * d + n * d + mlp)
+    if c.multi_latent_attention:
+        # q and k at qk_dim (the shared RoPE key expanded over the heads), the up-projected [k_nope | v]
+        # (v is a view of it), the projection's input; beside the layer's input (replicated, sharded
+        # under SP with the down-projections' tokens): the latents the norms and up-projections keep
+        # and the key/value down-projection's output (the latent is a view of it, the RoPE key beside)
+        attention = 2 * n * c.qk_dim + n * (c.qk_head_dim + c.v_head_dim) + n * c.v_dim
+        latents = (2 * c.q_lora_rank if c.q_lora_rank else 0) + 2 * c.kv_lora_rank + c.qk_pos_emb_head_dim
+        replicated += e * s * b * latents
+    else:
+        attention = n * d + 2 * g * d + n * d
+    sharded = e * s * b * (attention + mlp)
     score_bytes = 2 * e + 1 if c.attention_dropout > 0 else e
     scores = n * s * s * b * score_bytes if keep_attention_scores else 0
     whole = 0.0
@@ -87,8 +99,30 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
     # output layer's logits in the compute dtype alive beside the cross-entropy's fp32 working copy.
     mask = s * b * h / sp_div if c.hidden_dropout > 0 else 0
     outside = mask + 2 * act_bytes * s * b * h / sp_div + (4 + act_bytes) * s * b * c.padded_vocab_size / t
+    mtp = _mtp_activations(c, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
+                           keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes,
+                           expert_tp=expert_tp)
+    outside += mtp
     return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside,
-            "saved_per_layer": saved, "recompute_live": live, "layer_input": layer_input, "embedding_mask": mask}
+            "saved_per_layer": saved, "recompute_live": live, "layer_input": layer_input, "embedding_mask": mask,
+            "mtp": mtp}
+
+
+def _mtp_activations(c: GPTConfig, *, micro_batch_size: int, seq_length: int, tp: int, sequence_parallel: bool,
+                     keep_attention_scores: bool, act_bytes: int, expert_tp: Optional[int]) -> float:
+    """What the multi-token prediction depths keep for backward, on the last stage, one micro-batch: each
+    depth's layer (of the last layer's kind; not recomputed), its embedding, the two norms' concatenation
+    (``eh_proj``'s input), its final norm's and the head's inputs, and the head's fp32 softmax (the
+    depth's loss is taken in forward, its backward runs with the main loss's)."""
+    if not c.mtp_num_layers:
+        return 0.0
+    s, b, t = seq_length, micro_batch_size, tp
+    kind = c.replace(moe_layer_freq=1) if c.is_moe_layer(c.num_layers - 1) else c.replace(num_experts=None)
+    layer = activation_bytes_per_layer(kind, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
+                                       keep_attention_scores=keep_attention_scores, act_bytes=act_bytes,
+                                       expert_tp=expert_tp)
+    hidden = act_bytes * s * b * c.hidden_size * (1 + 2 + 1 + 1) / (t if sequence_parallel else 1)
+    return c.mtp_num_layers * (layer + hidden + 4 * s * b * c.padded_vocab_size / t)
 
 
 def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int, cp: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import mlp_parameters, moe_layers
+from megazero.model.flops import mlp_parameters, moe_layers, mtp_parameters
 from megazero.model.pipeline_split import layers_per_chunk_table
 from megazero.observe.planner_offload import DTYPE_BYTES
 
@@ -94,6 +94,16 @@ def _stage_activations(act: dict, *, n: int, moe: int, moe_share: float, r: int,
     return acts, in_flight
 
 
+def _embedding_sync(c: GPTConfig, word: float) -> tuple[float, float]:
+    """(bytes alive through backward, bytes at the exchange after it) of the word embedding's gradient
+    shared by the first and the last stage (tied, or read by multi-token prediction): each micro-batch's
+    gradient summed into an fp32 buffer, then all-gathered over the embedding group (the two stages) and
+    the peer's added: the buffer, the two gathered and the sum (``TiedEmbeddingGradSync``)."""
+    if not (c.tie_embeddings or c.mtp_num_layers):
+        return 0.0, 0.0
+    return 4 * word, 4 * 4 * word
+
+
 def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, replicated: int, tp: int,
                   act: dict, state_of, expert_states: tuple, psi_experts: float, m: int, micro_batch_size: int,
                   seq_length: int, sequence_parallel: bool, precision: str) -> tuple[dict, dict]:
@@ -101,12 +111,18 @@ def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, r
     the largest stage (its dict). ``layers[stage][chunk]`` from :func:`stage_layers`; ``total`` the
     dense parameters; ``state_of(psi)`` a stage's dense (weights, grads, optimizer) bytes;
     ``expert_states`` / ``psi_experts`` those of an average stage's routed experts (the model's over
-    pp), which each stage holds in proportion to its mixture layers."""
+    pp), which each stage holds in proportion to its mixture layers (the last stage's multi-token prediction
+    layers among them). ``total`` and ``replicated`` include the prediction depths, which the last stage
+    holds beside a copy of the word embedding (their input; tied, it is the head's copy as well)."""
     c = config
     L, h, pp, v = c.num_layers, c.hidden_size, len(layers), len(layers[0])
     norm = h * (2 if c.normalization == "layernorm" else 1)
     pos = c.max_position_embeddings * h if c.position_embedding_type == "learned" else 0
     word = c.padded_vocab_size * h / tp
+    mtp_all, mtp_replicated, mtp_experts = mtp_parameters(c)
+    mtp_local = (mtp_all - mtp_experts - mtp_replicated) / tp + mtp_replicated
+    total, replicated = total - (mtp_all - mtp_experts), replicated - mtp_replicated  # the decoder layers'
+    mtp_moe = c.mtp_num_layers if mtp_experts else 0
     layer = (total - replicated - embedding_params(c)) / L / tp + (replicated - pos - norm) / L
     dense_mlp, mixture = mlp_parameters(c)
     # TP-local: the router (and the shared expert's gate) whole on every rank, the rest sharded
@@ -127,13 +143,19 @@ def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, r
         if r == pp - 1:
             params += norm + word  # the head: its own weight, or the tied copy of the embedding
             ends.append("head")
+            if c.mtp_num_layers:  # the depths, and the embedding's copy they read (tied: the head's)
+                params += mtp_local + (0 if c.tie_embeddings else word)
+                ends.append(f"{c.mtp_num_layers} MTP")
         acts, in_flight = _stage_activations(act, n=n, moe=here, moe_share=moe_total / L, r=r, pp=pp, v=v, m=m)
-        share = here * pp / moe_total if moe_total else 0.0  # of the average stage's experts
+        # of the average stage's experts (the model's, the prediction depths' included, over pp)
+        held = here + (mtp_moe if r == pp - 1 else 0)
+        share = held * pp / (moe_total + mtp_moe) if moe_total + mtp_moe else 0.0
         states = with_experts(state_of(params), tuple(x * share for x in expert_states))
-        st = dict(stage=r, layers=n, moe_layers=here, layer_ranges=[(rg.start, rg.stop) for rg in chunks],
+        stash, sync = _embedding_sync(c, word) if r in (0, pp - 1) else (0.0, 0.0)
+        st = dict(stage=r, layers=n, moe_layers=here, mtp_layers=c.mtp_num_layers if r == pp - 1 else 0, layer_ranges=[(rg.start, rg.stop) for rg in chunks],
                   ends=f" + {' + '.join(ends)}" if ends else "", params=params + psi_experts * share,
                   expert_params=psi_experts * share, states=states, activations=acts, in_flight=in_flight,
-                  total=sum(states) + acts)
+                  embedding_stash=stash, embedding_sync=sync, total=sum(states) + max(acts + stash, sync))
         stages.append(st)
         if worst is None or st["total"] > worst["total"]:
             worst = st

@@ -51,25 +51,44 @@ def zero_bytes(psi: float, *, n: int, zero_stage: int, microbatches: int, precis
 
 def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers: float, microbatches: int,
              recompute: Optional[str], own_token_moe_layers: float = 0.0, moe_layers: float = 0.0,
-             sequence_parallel: bool = False, embedding: bool = True, head: bool = True) -> float:
+             sequence_parallel: bool = False, embedding: bool = True, head: float = True,
+             mtp_inputs: float = 0.0) -> float:
     """Megatron's tensor-parallel exchanges: per layer and micro-batch 2 all-reduces of [tokens, h] in
     forward and 2 in backward (2 more with full recompute), or the same bytes as SP's all-gather +
     reduce-scatter; under SP, backward gathers the input of the QKV and dense MLP's first
     column-parallel linears again (as Megatron, rather than keep it). A mixture layer whose ranks
     route their own tokens (expert TP other than TP, no shared expert) exchanges only its attention's
-    half. Outside the layers, on the stages holding them: the embedding's output reduction (an
+    half. Multi-latent attention's input side carries its latents and the RoPE key (the query's
+    input, h wide, without a query latent) instead of [tokens, h], and under SP its down-projections'
+    weight gradients are all-reduced each micro-batch. Outside the layers, on the stages holding them: the embedding's output reduction (an
     all-reduce, or SP's reduce-scatter and its backward all-gather), the head's input (its gradient's
     all-reduce, or SP's all-gather, backward re-gather and reduce-scatter) and the loss's per-token
-    fp32 max, target logit and sum. ``tokens``: the TP group's share of the sequence (s / cp x b)."""
+    fp32 max, target logit and sum; ``mtp_inputs``: the multi-token prediction depths' input exchanges.
+    ``tokens``: the TP group's share of the sequence (s / cp x b)."""
     if tp <= 1:
         return 0.0
     act = DTYPE_BYTES[precision] * tokens * config.hidden_size
     per_layer = 6 if recompute == "full" else 4
     units = layers * per_layer - own_token_moe_layers * per_layer / 2
-    if sequence_parallel:  # an all-gather is half an all-reduce's bytes
-        units += 0.5 * (layers + layers - moe_layers)
+    if config.multi_latent_attention:  # the attention's input side exchanges the latents, not [tokens, h]
+        c = config
+        width = (c.q_lora_rank or c.hidden_size) + c.kv_lora_rank + c.qk_pos_emb_head_dim
+        # input side: its gradient's all-reduce; or SP's gather, its reduce-scatter, backward's re-gather
+        # (and the recomputed forward's gather)
+        side = (1.5 + (0.5 if recompute == "full" else 0.0)) if sequence_parallel else 1.0
+        units -= layers * side * (1 - width / c.hidden_size)
+        if sequence_parallel:  # the down-projections saw this rank's tokens: their weights' gradients all-reduced
+            down = (c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_pos_emb_head_dim
+            units += layers * down / tokens
+    if sequence_parallel:  # an all-gather is half an all-reduce's bytes; a shared expert re-gathers its input
+        shared = moe_layers if config.moe_shared_expert_intermediate_size else 0.0
+        units += 0.5 * (layers + layers - moe_layers + shared)
     units += embedding + head * (1.5 if sequence_parallel else 1.0)
-    loss = 3 * 4 * tokens if head else 0  # all-reduced [tokens] fp32: the max, then the target logit and the sum
+    # a multi-token prediction depth's input: eh_proj's [2h] input (its gradient all-reduced, or SP's
+    # all-gather and reduce-scatter), its output gathered over the hidden dimension (and SP's backward
+    # all-gather of it and of the embedding's scatter)
+    units += mtp_inputs * (3.5 if sequence_parallel else 2.5)
+    loss = 3 * 4 * tokens * head  # all-reduced [tokens] fp32: the max, then the target logit and the sum (per head pass)
     return microbatches * 2 * (units * act + loss) * (tp - 1) / tp
 
 
@@ -157,31 +176,44 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
                            ep: int = 1, etp: Optional[int] = None, moe_layers: float = 0.0, cp: int = 1,
                            cp_comm_type: Union[str, Sequence[str]] = "p2p", hierarchical_cp: Sequence[int] = (),
                            sequence_parallel: bool = False, first_stage: bool = True,
-                           last_stage: bool = True) -> dict[str, float]:
+                           last_stage: bool = True, mtp_layers: int = 0, mtp_moe_layers: int = 0) -> dict[str, float]:
     """Bytes one GPU of a stage of ``layers`` layers (``moe_layers`` of them mixtures) sends per step,
     by group: ``dp`` over the ``psi`` dense parameters partitioned over ``dp`` ranks (data x context
     parallel), ``edp`` over the ``psi_experts`` routed-expert parameters over ``edp`` ranks, ``tp``,
     ``cp``, ``ep`` (the token all-to-alls), ``pp`` (``pp_bytes``) and their ``total``;
     ``dp_all_gather`` / ``dp_reduce`` (and ``edp_*``) split ZeRO's two directions. ``seq_length`` is
     the rank's share of the sequence (s / cp), ``microbatches`` per step; ``first_stage`` /
-    ``last_stage``: the stage holds the embedding / the head and the loss."""
+    ``last_stage``: the stage holds the embedding / the head and the loss; ``mtp_layers`` (``mtp_moe_layers``
+    of them mixtures): the last stage's multi-token prediction layers, which are never recomputed, each
+    with its own pass through the head."""
     m, b = microbatches, micro_batch_size
     etp = tp if etp is None else etp
     zero = dict(zero_stage=zero_stage, microbatches=m, precision=precision, grad_accum_dtype=grad_accum_dtype)
     dp_gather, dp_reduce = zero_bytes(psi, n=dp, **zero)
     edp_gather, edp_reduce = zero_bytes(psi_experts, n=edp, **zero)
     sp = sequence_parallel and tp > 1
-    own_moe = moe_layers if etp != tp and config.moe_shared_expert_intermediate_size is None else 0.0
+    own = etp != tp and config.moe_shared_expert_intermediate_size is None
+
+    def layer_bytes(n: float, moe: float, rc: Optional[str], embedding: bool, head: float,
+                    mtp: float = 0.0) -> tuple[float, ...]:
+        """(tp, cp, ep) bytes of ``n`` layers (``moe`` mixtures) recomputed as ``rc`` says, ``head`` passes
+        through the head, ``mtp`` multi-token prediction inputs."""
+        return (tp_bytes(config, tp=tp, tokens=seq_length * b, precision=precision, layers=n, microbatches=m,
+                         recompute=rc, own_token_moe_layers=moe if own else 0.0, moe_layers=moe, sequence_parallel=sp,
+                         embedding=embedding, head=head, mtp_inputs=mtp),
+                cp_bytes(config, kinds=cp_comm_type, layers=n, microbatches=m, tp=tp, cp=cp, seq_length=seq_length * cp,
+                         micro_batch_size=b, precision=precision, recompute=rc, hierarchical_cp=hierarchical_cp)
+                if n else 0.0,
+                moe * m * ep_bytes_per_layer(config, tp=tp, cp=cp, ep=ep, etp=etp, tokens=seq_length * b,
+                                             precision=precision, recompute=rc, sequence_parallel=sp))
+
+    exchanges = layer_bytes(layers, moe_layers, recompute, first_stage, last_stage)
+    if mtp_layers:  # the multi-token prediction layers are not recomputed; each depth has its head
+        rc = None if recompute == "full" else recompute
+        extra = layer_bytes(mtp_layers, mtp_moe_layers, rc, False, mtp_layers, mtp_layers)
+        exchanges = tuple(a + x for a, x in zip(exchanges, extra))
     out = {"dp": dp_gather + dp_reduce, "dp_all_gather": dp_gather, "dp_reduce": dp_reduce,
            "edp": edp_gather + edp_reduce, "edp_all_gather": edp_gather, "edp_reduce": edp_reduce,
-           "tp": tp_bytes(config, tp=tp, tokens=seq_length * b, precision=precision, layers=layers, microbatches=m,
-                          recompute=recompute, own_token_moe_layers=own_moe, moe_layers=moe_layers,
-                          sequence_parallel=sp, embedding=first_stage, head=last_stage),
-           "cp": cp_bytes(config, kinds=cp_comm_type, layers=layers, microbatches=m, tp=tp, cp=cp,
-                          seq_length=seq_length * cp, micro_batch_size=b, precision=precision, recompute=recompute,
-                          hierarchical_cp=hierarchical_cp),
-           "ep": moe_layers * m * ep_bytes_per_layer(config, tp=tp, cp=cp, ep=ep, etp=etp, tokens=seq_length * b,
-                                                     precision=precision, recompute=recompute, sequence_parallel=sp),
-           "pp": pp_bytes}
+           "tp": exchanges[0], "cp": exchanges[1], "ep": exchanges[2], "pp": pp_bytes}
     out["total"] = sum(out[k] for k in ("dp", "edp", "tp", "cp", "ep", "pp"))
     return out

@@ -275,12 +275,17 @@ class MetaDeviceMode(TorchDispatchMode):
 def cuda_attention_on_meta() -> Iterator[None]:
     """While active, ``scaled_dot_product_attention`` on meta tensors runs the kernel CUDA picks:
     flash attention (its meta kernel and backward: output and log-sum-exp, no s x s scores) for
-    unmasked fp16/bf16 inputs, the math path otherwise. Registered for meta's autograd key, so
+    unmasked fp16/bf16 inputs (memory-efficient attention, the same, where values are narrower or
+    wider than queries and keys), the math path otherwise. Registered for meta's autograd key, so
     it holds in backward too (activation recomputation); removed on exit."""
     lib = torch.library.Library("aten", "IMPL")
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and not enable_gqa:
+        fused = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and not enable_gqa
+        if fused and v.size(-1) != q.size(-1):  # flash needs one head width: CUDA picks memory-efficient
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+        if fused:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
                                                                       scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal,

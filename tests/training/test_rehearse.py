@@ -383,3 +383,46 @@ def test_an_uneven_pipeline_split_is_planned_per_stage_as_rehearsed(layout):
         moe = sum(config.model.is_moe_layer(i) for i in range(sum(layers[:stage]), sum(layers[:stage + 1])))
         assert (sent["ep"] > 0) == (moe > 0)  # the dense first stage of the pattern sends no all-to-all
     assert est.pipeline["worst_stage"] == max(est.pipeline["stages"], key=lambda st: st["total"])["stage"]
+
+
+def test_a_deepseek_v3_launch_on_1024_ranks_is_rehearsed_against_the_count_of_what_each_stage_holds(tmp_path):
+    """examples/recipes/deepseek_v3_moe.sh (DeepSeek-V3-671B: multi-latent attention, 256 experts, one MTP
+    depth) on 1024 ranks: tp 2 with SP x pp 16 (3 dense layers first, 2 last) x dp 32, ep 64 with whole
+    experts (etp 1, expert data parallel 1), the distributed optimizer, 16 of the batch's micro-batches
+    (the first stage's in flight). The first stage holds the embedding and 3 dense layers; the last 2
+    mixture layers, the MTP depth (a mixture layer of its own), the head and a copy of the embedding.
+    Each one's model state is the count of those parameters (bf16 weights and fp32 gradients, 2 + 4
+    bytes, the fp32 master and Adam moments, 12, over dp 32; the routed experts' 18 whole), to the byte
+    in the ZeRO engine and in the plan; the peak (the shared embedding's gradient exchange) and the
+    bytes sent per group are the plan's."""
+    from megazero.model.flops import attention_parameters, mlp_parameters
+    from megazero.observe.rehearsal import PLAN_GROUPS, sent_by_plan_group
+    from tests.training.test_recipes import recipe_command
+
+    _, argv = recipe_command("deepseek_v3_moe", tmp_path)
+    config, _ = rehearsal_config(argv, 1024, micro_batches=16)
+    c, p = config.model, config.parallel
+    assert (p.tp, p.pp, p.dp, p.ep, p.etp, c.mtp_num_layers) == (2, 16, 32, 64, 1, 1)
+    h, word = c.hidden_size, c.padded_vocab_size * c.hidden_size // 2
+    attention, replicated = attention_parameters(c)
+    dense_mlp, shared_and_router = mlp_parameters(c)
+    router = c.num_experts * h
+    attention = (attention - replicated) // 2 + replicated + 2 * h  # TP-local, with the layer's two norms
+    dense, mixture = attention + dense_mlp // 2, attention + (shared_and_router - router) // 2 + router
+    experts = 3 * (c.num_experts // 64) * 3 * h * c.moe_ffn_size  # 4 whole SwiGLU experts of 3 mixture layers
+    first = word + 3 * dense
+    mtp = 3 * h + 2 * h * h // 2 + mixture  # its norms, eh_proj [h, 2h] and its layer
+    last = 2 * mixture + mtp + h + word + word  # the final norm, the head and the embedding's copy
+    for rank, stage, dense_params, expert_params in ((0, 0, first, 0), (960, 15, last, experts)):
+        r = rehearse_rank(config, rank)
+        assert (r.pp_rank, r.tp_rank, r.dp_rank) == (stage, 0, 0)
+        count = dense_params * (2 + 4) + dense_params * 12 // 32 + expert_params * (2 + 4 + 12)
+        assert r.engine_state_bytes == r.plan["state_bytes"] == count, (stage, r.engine_state_bytes, r.plan, count)
+        # beyond the engine's parameters: the routers' expert biases and token counts (fp32) and a few scalars
+        assert 0 <= r.state_bytes - r.engine_state_bytes <= (2 * 4 * 256 * 3 if stage else 0) + 64
+        assert r.plan["peak_bytes"] == pytest.approx(r.peak_bytes, rel=0.10), (stage, r.plan, r.peak_bytes)
+        sent = sent_by_plan_group(r)
+        for key in PLAN_GROUPS:
+            assert sent[key] == pytest.approx(r.plan[f"sent_{key}"], rel=0.10 if key == "tp" else 0.02), (stage, key)
+        assert (sent["ep"] > 0) == (stage == 15)
+        assert r.sent_bytes["embedding"] == 4 * word  # the fp32 gradient of the embedding, to the other stage
