@@ -120,6 +120,9 @@ class GPTConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # The epsilon of the two latent norms (q_layernorm, kv_layernorm). None: layernorm_epsilon (Megatron's);
+    # DeepSeek's checkpoints keep 1e-6 there whatever their other norms take.
+    latent_layernorm_epsilon: Optional[float] = None
     # --- RoPE scaling ----------------------------------------------------------------------------------
     # 'rope' | 'yarn' (Peng et al. 2023, DeepSeek's form). None: 'yarn' with multi-latent attention (as
     # Megatron), else 'rope'. YaRN stretches the frequencies below beta_slow rotations over the original
@@ -215,6 +218,11 @@ class GPTConfig:
         return "yarn" if self.multi_latent_attention else "rope"
 
     @property
+    def latent_norm_epsilon(self) -> float:
+        """The epsilon of multi-latent attention's latent norms (``latent_layernorm_epsilon`` or the model's)."""
+        return self.layernorm_epsilon if self.latent_layernorm_epsilon is None else self.latent_layernorm_epsilon
+
+    @property
     def qk_dim(self) -> int:
         """Width of one query/key head in the attention's dot product (MLA: no-position + RoPE parts)."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
@@ -284,6 +292,8 @@ class GPTConfig:
         for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"multi-latent attention: {name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_layernorm_epsilon is not None and not self.latent_layernorm_epsilon > 0:
+            raise ValueError(f"latent_layernorm_epsilon must be > 0 or None, got {self.latent_layernorm_epsilon}")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank must be >= 1 or None (no query LoRA), got {self.q_lora_rank}")
         d = self.qk_pos_emb_head_dim

@@ -225,7 +225,6 @@ def test_multi_token_prediction_maps_both_ways_and_computes_deepseeks_formula(tm
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope type 'linear'"),
     (dict(rope_parameters={**YARN, "truncate": False}), "YaRN truncate=False"),
     (dict(attention_bias=True), "attention_bias=True"),
-    (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),
 ])
 def test_configs_megazero_cannot_represent_are_refused_by_value(change, named):
     hf = {**hf_config().to_dict(), **change}
@@ -241,8 +240,8 @@ KIMI_YARN = dict(factor=32.0, original_max_position_embeddings=8, beta_fast=1.0,
 @pytest.mark.parametrize("family", ["kimi_k2", "moonlight"])
 def test_kimi_k2_and_moonlight_shapes_match_transformers(family, tmp_path):
     """Kimi-K2 (its own model_type, one expert group, 4 experts per token, YaRN with beta_fast = beta_slow, written
-    the older way: rope_scaling and rope_theta) and Moonlight (no query LoRA, plain RoPE) differ from DeepSeek-V3
-    only in values."""
+    the older way: rope_scaling and rope_theta) and Moonlight (no query LoRA, plain RoPE, rms_norm_eps 1e-5 beside
+    the latent norms' fixed 1e-6) differ from DeepSeek-V3 only in values."""
     if family == "kimi_k2":
         hf = random_hf(tmp_path / "hf", n_group=1, topk_group=1, num_experts_per_tok=4, routed_scaling_factor=2.827,
                        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, **KIMI_YARN})
@@ -254,13 +253,14 @@ def test_kimi_k2_and_moonlight_shapes_match_transformers(family, tmp_path):
                    "moe_layer_freq": 1}, open(path, "w"))
     else:
         hf = random_hf(tmp_path / "hf", q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3,
-                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, rms_norm_eps=1e-5)
     config, model = imported(tmp_path / "hf")
     assert (config.moe_router_num_groups, config.rotary_base) == (None, 50000.0)
     if family == "kimi_k2":
         assert (config.rotary_scaling_factor, config.beta_fast, config.beta_slow) == (32.0, 1.0, 1.0)
     else:
         assert (config.q_lora_rank, config.resolved_rope_type) == (None, "rope")
+        assert (config.layernorm_epsilon, config.latent_norm_epsilon) == (1e-5, 1e-6)
     assert_same_logits_and_loss(model, hf)
 
 
@@ -270,7 +270,7 @@ def test_megazero_configs_hf_cannot_express_are_refused():
                 activation="swiglu", add_bias_linear=False, multi_latent_attention=True, num_experts=8,
                 moe_router_topk=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
                 moe_router_score_function="sigmoid", layernorm_epsilon=1e-6)
-    for change, named in ((dict(layernorm_epsilon=1e-5), "layernorm_epsilon=1e-05"),
+    for change, named in ((dict(layernorm_epsilon=1e-5), "set latent_layernorm_epsilon=1e-06"),
                           (dict(moe_router_num_groups=2, moe_router_group_topk=1), "moe_router_topk=4 with"),
                           (dict(moe_router_score_function="softmax"), "moe_router_score_function='softmax'"),
                           (dict(moe_layer_freq=(1, 0)), "moe_layer_freq=(1, 0)"),

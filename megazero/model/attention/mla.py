@@ -104,15 +104,16 @@ class MultiLatentAttention(CausalAttention):
         whole = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, bias=c.add_bias_linear,
                      init_method=init, partial_grads=self.sequence_parallel)
         norm = dict(tp_group=tp_group, tp_size=tp_size, device=device)  # partial grads exactly under SP
+        latent = c.replace(layernorm_epsilon=c.latent_norm_epsilon)  # the latent norms' own epsilon
         q_out = n * (self.qk + self.rope)
         if c.q_lora_rank is None:
             self.linear_q_proj = mpu.ColumnParallelLinear(h, q_out, **column)
         else:
             self.linear_q_down_proj = ReplicatedLinear(h, c.q_lora_rank, **whole)
-            self.q_layernorm = build_norm(c, size=c.q_lora_rank, **norm)
+            self.q_layernorm = build_norm(latent, size=c.q_lora_rank, **norm)
             self.linear_q_up_proj = mpu.ColumnParallelLinear(c.q_lora_rank, q_out, **column)
         self.linear_kv_down_proj = ReplicatedLinear(h, c.kv_lora_rank + self.rope, **whole)
-        self.kv_layernorm = build_norm(c, size=c.kv_lora_rank, **norm)
+        self.kv_layernorm = build_norm(latent, size=c.kv_lora_rank, **norm)
         self.linear_kv_up_proj = mpu.ColumnParallelLinear(c.kv_lora_rank, n * (self.qk + self.v), **column)
         self.linear_proj = mpu.RowParallelLinear(n * self.v, h, input_is_parallel=True, init_method=output_init,
                                                  tp_group=tp_group, params_dtype=c.params_dtype, device=device,

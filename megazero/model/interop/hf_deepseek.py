@@ -26,8 +26,8 @@ Names (HF ``model.layers.i.`` <-> megazero ``layers.i.``):
 Routing: HF scores a group by the sum of its 2 best experts, megazero by its best top-k / group-top-k,
 so group-limited routing converts where ``num_experts_per_tok = 2 * topk_group`` (or where every group
 is used). megazero renormalises the top-k sigmoid scores exactly when k > 1: ``norm_topk_prob`` must
-be ``k > 1``. DeepSeek's latent norms keep eps 1e-6 whatever ``rms_norm_eps`` says, megazero's take
-``layernorm_epsilon``: it must be 1e-6. Also refused, by value and with the fix: quantized checkpoints
+be ``k > 1``. DeepSeek's latent norms keep eps 1e-6 whatever ``rms_norm_eps`` says: imported as
+``latent_layernorm_epsilon``. Also refused, by value and with the fix: quantized checkpoints
 (``quantization_config``), scoring other than sigmoid / ``noaux_tc``, RoPE other than default or YaRN,
 YaRN with ``truncate=False`` or an ``attention_factor`` of its own, attention biases, no shared expert,
 and DeepSeek's ``moe_layer_freq`` other than 1.
@@ -48,6 +48,7 @@ __all__ = ["DEEPSEEK_FAMILIES", "DEEPSEEK_IMPORT_FAMILIES", "DEEPSEEK_ARCHITECTU
            "streaming_group"]
 
 DEEPSEEK_FAMILIES = ("deepseek_v3",)  # written on export
+_LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm eps, whatever rms_norm_eps says
 DEEPSEEK_IMPORT_FAMILIES = ("deepseek_v3", "kimi_k2")  # read on import (Kimi-K2's own model_type)
 DEEPSEEK_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -74,8 +75,9 @@ def deepseek_mismatches(c: GPTConfig) -> list[str]:
             ("add_bias_linear", False), ("add_qkv_bias", False), ("qk_layernorm", False),
             ("moe_router_score_function", "sigmoid"), ("moe_shared_expert_gate", False)]
     out = [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v]
-    if c.layernorm_epsilon != 1e-6:
-        out.append(f"layernorm_epsilon={c.layernorm_epsilon} (DeepSeek-V3's latent norms keep eps 1e-6: needs 1e-6)")
+    if c.latent_norm_epsilon != _LATENT_EPS:
+        out.append(f"the latent norms' epsilon {c.latent_norm_epsilon} (DeepSeek-V3's q_a_layernorm and kv_a_layernorm "
+                   f"keep {_LATENT_EPS}: set latent_layernorm_epsilon={_LATENT_EPS})")
     if not c.num_experts or c.num_experts < 2:
         out.append(f"num_experts={c.num_experts} (DeepSeek-V3's mixtures need at least 2 experts)")
         return out
@@ -314,10 +316,6 @@ def deepseek_config_kwargs(hf: dict[str, Any], mtp_layers: int) -> dict[str, Any
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1)):
         if hf.get(key, want) != want:
             problems.append(f"{key}={hf[key]!r} (DeepSeek-V3 in megazero needs {want!r})")
-    if hf.get("rms_norm_eps", 1e-6) != 1e-6:
-        problems.append(f"rms_norm_eps={hf['rms_norm_eps']} (DeepSeek's latent norms q_a_layernorm and kv_a_layernorm "
-                        "keep eps 1e-6 whatever rms_norm_eps says, megazero's norms all take layernorm_epsilon: "
-                        "representable when rms_norm_eps is 1e-6)")
     if not hf.get("n_shared_experts"):
         problems.append(f"n_shared_experts={hf.get('n_shared_experts')} (megazero maps DeepSeek-V3 with its shared "
                         "experts)")
@@ -336,6 +334,7 @@ def deepseek_config_kwargs(hf: dict[str, Any], mtp_layers: int) -> dict[str, Any
               normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
               tie_embeddings=hf.get("tie_word_embeddings", False), hidden_dropout=0.0,
               attention_dropout=hf.get("attention_dropout", 0.0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+              latent_layernorm_epsilon=_LATENT_EPS,
               init_method_std=hf.get("initializer_range", 0.02), mtp_num_layers=mtp_layers,
               **_routing_kwargs(hf, problems))
     if kind == "yarn":

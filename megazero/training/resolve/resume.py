@@ -60,7 +60,7 @@ CHECKPOINT_MODEL_FIELDS = (
     "moe_router_pre_softmax", "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
+    "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
     "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_FILL_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
