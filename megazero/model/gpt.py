@@ -118,9 +118,10 @@ class GPTModel(torch.nn.Module):
         ``post_process`` the final norm, head and loss (last stage), ``layers`` the global indices of
         the transformer layers this stage holds (default: all). ``groups``: the run's
         :class:`megazero.mpu.ParallelGroups`, whose tensor- and expert-parallel groups the layers are handed
-        (the keyword groups below then must not be given); without it, ``tp_group`` and ``ep_group``. A last stage with tied embeddings
-        and no ``pre_process`` holds a copy of the word embedding as its head, marked
-        ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it once.
+        (the keyword groups below then must not be given); without it, ``tp_group`` and ``ep_group``. A last
+        stage with tied embeddings or multi-token prediction and no ``pre_process`` holds a copy of the word
+        embedding, marked ``pipeline_shared_copy`` (and Megatron's ``shared``) so the gradient norm counts it
+        once.
         ``ep_group``: the expert-parallel group of a mixture of experts (default: the registered mpu
         group; none: this rank holds every expert); ``expert_groups`` gives every expert group at once
         (expert tensor parallelism too; its ``aux_scale`` is replaced by the model's). ``moe_aux`` scales

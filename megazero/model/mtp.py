@@ -150,7 +150,8 @@ class MultiTokenPrediction(torch.nn.Module):
         return out
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                embed: Callable[[torch.Tensor], torch.Tensor], head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                embed: Callable[[torch.Tensor], torch.Tensor],
+                head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 rotary, attention_mask, cp: Optional[ContextParallel], key: Optional[DropoutKey]) -> torch.Tensor:
         """``hidden`` ``[s(/tp), b, h]`` (the main model's last hidden states, normed), ``labels`` ``[b, s]``,
         ``targets`` and ``mask`` ``[D, b, s]`` (:func:`multi_token_targets`, this rank's tokens); ``embed(ids

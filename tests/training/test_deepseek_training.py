@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.training.test_layout_invariance import RTOL, data, flags, launch  # noqa: F401
+from tests.training.test_layout_invariance import RTOL, assert_resumes_elsewhere, data, flags, launch  # noqa: F401
 
 DEEPSEEK = (
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
@@ -34,7 +34,8 @@ def one_process(data, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.parametrize("world,extra", [
-    (4, ["--tp", "2", "--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+    (4, ["--tp", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+         "--expert-tensor-parallel-size", "1"]),
     (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     (4, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
          "--expert-model-parallel-size", "2", "--zero-stage", "3"]),  # uneven: 1 and 3 layers
@@ -81,3 +82,12 @@ def test_deepseek_shape_packed_documents_equal_one_process(data, tmp_path, world
     for it, r in ref.items():
         for key in KEYS:
             assert abs(got[it][key] - r[key]) <= RTOL * abs(r[key]), (world, extra, it, key, got[it][key], r[key])
+
+
+def test_deepseek_shape_resumes_at_other_layouts(data, one_process, tmp_path):  # noqa: F811
+    """Saved at pp 2 x ep 2 (the MTP layer and the embedding's copy on the last stage, the expert biases in
+    the buffers), resumed in one process and at tp 2 x cp 2: iterations 3 on equal the uninterrupted run."""
+    assert_resumes_elsewhere(data, list(DEEPSEEK), (4, ["--pipeline-model-parallel-size", "2",
+                                                        "--expert-model-parallel-size", "2"]),
+                             [(1, []), (4, ["--tp", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                                            "--cp-comm-type", "p2p"])], one_process, tmp_path, "dsv3")
