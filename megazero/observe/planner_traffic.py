@@ -80,14 +80,13 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
         if sequence_parallel:  # the down-projections saw this rank's tokens: their weights' gradients all-reduced
             down = (c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_pos_emb_head_dim
             units += layers * down / tokens
-    if sequence_parallel:  # an all-gather is half an all-reduce's bytes; a shared expert re-gathers its input
-        shared = moe_layers if config.moe_shared_expert_intermediate_size else 0.0
-        units += 0.5 * (layers + layers - moe_layers + shared)
+    if sequence_parallel:  # an all-gather is half an all-reduce's bytes
+        units += 0.5 * (layers + layers - moe_layers)
     units += embedding + head * (1.5 if sequence_parallel else 1.0)
-    # a multi-token prediction depth's input: eh_proj's [2h] input (its gradient all-reduced, or SP's
-    # all-gather and reduce-scatter), its output gathered over the hidden dimension (and SP's backward
-    # all-gather of it and of the embedding's scatter)
-    units += mtp_inputs * (3.5 if sequence_parallel else 2.5)
+    # a multi-token prediction depth's input: the embedding's output all-reduced, eh_proj's [2h] input
+    # (its gradient all-reduced, or SP's all-gather and reduce-scatter), its output gathered over the
+    # hidden dimension (and SP's backward all-gather of it and of the embedding's scatter)
+    units += mtp_inputs * (4.5 if sequence_parallel else 3.5)
     loss = 3 * 4 * tokens * head  # all-reduced [tokens] fp32: the max, then the target logit and the sum (per head pass)
     return microbatches * 2 * (units * act + loss) * (tp - 1) / tp
 

@@ -354,6 +354,22 @@ UNEVEN_LAYOUTS = {
 }
 
 
+# Multi-latent attention (a query latent, values narrower than queries and keys) with RoPE, and one multi-token
+# prediction depth on the last stage, beside its copy of the (untied) embedding.
+MLA = ["--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "96", "--kv-lora-rank", "64", "--qk-head-dim",
+       "64", "--qk-pos-emb-head-dim", "32", "--v-head-dim", "48", "--position-embedding-type", "rope",
+       "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1", "--num-query-groups", "8"]
+UNEVEN_LAYOUTS.update({
+    "mla mtp pp2 first 3": (4, MLA + ["--pp", "2", "--decoder-first-pipeline-num-layers", "3",
+                                      "--global-batch-size", "4"], [3, 4]),
+    "mla mtp moe tp2 sp etp1 pp3 first 1 last 2": (
+        12, MLA + MOE + ["--moe-layer-freq", "([0]*1+[1]*6)", "--moe-shared-expert-intermediate-size", "256", "--ep",
+                         "2", "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--pp", "3",
+                         "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "2",
+                         "--use-distributed-optimizer", "--global-batch-size", "4"], [1, 4, 2]),
+})
+
+
 @pytest.mark.parametrize("layout", UNEVEN_LAYOUTS)
 def test_an_uneven_pipeline_split_is_planned_per_stage_as_rehearsed(layout):
     """Each stage's rank 0 rehearsed (tools/rehearse.py's ranks) against the plan of its own stage: the
