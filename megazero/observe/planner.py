@@ -9,7 +9,10 @@ position table), N_d the data-parallel size and K = 12 for mixed-precision Adam:
     stage 0  (2 + 2 + K) Psi            stage 2  2 Psi + (2 + K) Psi / N_d
     stage 1  2 Psi + 2 Psi + K Psi / N_d stage 3  (2 + 2 + K) Psi / N_d
 
-(fp32 training: 4 + 4 + 8, the master weights being the weights themselves).
+(fp32 training: 4 + 4 + 8, the master weights being the weights themselves). Multi-latent
+attention's down-projections and their norms are replicated over TP, its up-projections sharded;
+multi-token prediction's depths live on the last stage, beside a copy of the word embedding
+(the parameter counts: :mod:`megazero.model.flops`).
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", Sec. 4: per layer, with 16-bit activations,
@@ -28,8 +31,9 @@ Pipeline parallelism (pp stages, v chunks per rank, m micro-batches per step) is
 planned per stage and the largest stage is reported (:mod:`megazero.observe.planner_stages`):
 a stage holds the layers training's split gives it (even, or Megatron's uneven first and
 last stages) with its own dense and mixture layers, the first also the embedding (and
-position table), the last the final norm and the head (with tied embeddings, a copy of
-the word embedding). Under 1F1B stage r keeps min(pp - r, m) micro-batches' activations (the first stage pp);
+position table), the last the final norm and the head (with tied embeddings or multi-token prediction, a copy of
+the word embedding, whose gradient the two stages exchange after backward: an fp32 buffer through
+backward, then four of them at the exchange, which can be the stage's peak). Under 1F1B stage r keeps min(pp - r, m) micro-batches' activations (the first stage pp);
 under interleaving the first stage keeps (pp - 1) * 2 + (v - 1) * pp + 1 chunk
 micro-batches of L / (pp v) layers, i.e. L (1 + (pp - 1) / (pp v)) layers' worth
 (Korthikanti et al. 2022, Sec. 4.2.3). The bubble is (pp - 1) / (v m) of the ideal

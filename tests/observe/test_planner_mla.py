@@ -118,3 +118,28 @@ def test_deepseek_v3_is_671b_with_37b_activated_and_an_mtp_module_of_11_6b():
     assert round((main + mtp + 2 * 129280 * 7168) / 1e9, 1) == 684.5
     assert active_parameters(c.replace(mtp_num_layers=0)) == 37_552_282_624
     assert expert_parameters(c) == 59 * 256 * 3 * 7168 * 2048  # 58 layers' and the MTP layer's routed experts
+
+
+def test_the_plan_holds_per_rank_what_the_tp2_model_holds():
+    """tools/estimate_memory.py's per-GPU parameters at tp 2: the up-projections halved, the down-projections,
+    their norms and the MTP depths' norms whole."""
+    from megazero.observe.planner import estimate_memory
+
+    overrides = CONFIGS["q lora moe mtp2 untied"]
+    local, _ = run_distributed(2, _tp2_replicated, overrides)[0]
+    est = estimate_memory(_mla(**overrides), tp=2, dp=1, zero_stage=0, micro_batch_size=1)
+    assert est.params_per_rank == local
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_pipeline_stage_of_the_plan_holds_what_the_stage_builds(tied):
+    """pp 2 (the first stage one dense layer, the last two mixtures and the MTP depths): the plan's
+    parameters per stage are the built stages' (the last one's embedding copy included)."""
+    from megazero.observe.planner import estimate_memory
+
+    c = _mla(q_lora_rank=24, mtp_num_layers=2, num_layers=3, tie_embeddings=tied, **{**MOE, "moe_layer_freq": (0, 1, 1)})
+    built = [GPTModel(c, device="meta", pre_process=True, post_process=False, layers=range(0, 1)),
+             GPTModel(c, device="meta", pre_process=False, post_process=True, layers=range(1, 3))]
+    est = estimate_memory(c, tp=1, dp=1, pp=2, zero_stage=0, micro_batch_size=1, first_stage_layers=1)
+    assert [st["params"] for st in est.pipeline["stages"]] == [num_parameters(m) for m in built]
+    assert est.pipeline["stages"][1]["ends"] == " + head + 2 MTP"
