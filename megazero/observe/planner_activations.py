@@ -132,7 +132,7 @@ def _gathered_kv(act: dict, config: GPTConfig, *, seq_length: int, micro_batch_s
     their fp32 gradients and the cast of them while it reduce-scatters, in place of the loss's logits
     at the peak."""
     c = config
-    kv = 2 * seq_length * micro_batch_size * (c.query_groups / tp) * c.head_dim
+    kv = seq_length * micro_batch_size * (c.query_groups / tp) * (c.qk_dim + c.v_dim)  # K and V, each its width
     extra = kv * act_bytes * (cp - 1) / cp
     out = dict(act, per_layer=act["per_layer"] + extra * layers / c.num_layers)
     if recompute == "full":
