@@ -23,27 +23,11 @@ import time
 import torch
 
 from ..model import GPTConfig, num_parameters
-from ..model.flops import moe_layers
+from ..model.flops import replicated_parameters
 
 __all__ = ["StartupEstimate", "estimate_startup", "measure_rates", "replicated_parameters"]
 
 GB = 1e9
-
-
-def replicated_parameters(config: GPTConfig) -> int:
-    """Parameters that tensor parallelism does not shard: norms, row-parallel biases
-    (attention projection, second MLP linear), the learned position table and the routers of a
-    mixture of experts."""
-    c = config
-    h = c.hidden_size
-    norm = h * (2 if c.normalization == "layernorm" else 1)
-    row_bias = 2 * h if c.add_bias_linear else 0
-    total = c.num_layers * (2 * norm + row_bias) + norm
-    if c.position_embedding_type == "learned":
-        total += c.max_position_embeddings * h
-    if c.num_experts:  # routers and shared-expert gates
-        total += moe_layers(c) * h * (c.num_experts + (1 if c.moe_shared_expert_gate else 0))
-    return total
 
 
 @dataclasses.dataclass
