@@ -143,4 +143,4 @@ def test_dropless_mixture_of_experts_reads_its_all_to_all_sizes_once_per_layer_a
     # does the same): 4 layers x 4 micro-batches per rank and iteration, besides the step's read.
     for r in _count(2, *MOE, "--expert-model-parallel-size", "2"):
         for it in r["iterations"][1:-1]:
-            assert it == {"tolist@engine.py:_step_sums": 1, "tolist@moe_dispatch.py:dispatch": 16}, (r["rank"], it)
+            assert it == {"tolist@engine.py:_step_sums": 1, "tolist@dispatch.py:dispatch": 16}, (r["rank"], it)
