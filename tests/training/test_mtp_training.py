@@ -39,6 +39,7 @@ def one_process(one_process_run):
 @pytest.mark.parametrize("world,extra", [
     (2, []),  # dp 2: each rank's own valid-target counts
     (2, ["--pipeline-model-parallel-size", "2"]),  # MTP on the last stage, with its own copy of the embedding
+    (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),  # interleaved
     (2, ["--tp", "2", "--sequence-parallel"]),
     (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),  # shifted tokens across the CP boundary
     (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2"]),
