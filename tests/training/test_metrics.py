@@ -143,3 +143,16 @@ def test_plot_metrics_writes_png(tmp_path):
     assert load_tool("plot_metrics").main([str(path), "--output", str(out)]) == 0
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_multi_token_prediction_losses_sit_beside_the_lm_loss_and_in_tensorboard():
+    from megazero.training.metrics import IterationStats, format_log_lines, megatron_scalars
+
+    stats = IterationStats(iteration=3, train_iters=9, consumed_samples=24, seconds_per_iteration=0.5, lr=1e-3,
+                           global_batch_size=8, losses={"lm loss": 5.0, "mtp_1 loss": 5.25, "mtp_2 loss": 5.5,
+                                                        "moe aux loss": 0.01})
+    first, second = format_log_lines(stats)
+    assert "| lm loss: 5.0000 | mtp_1 loss: 5.2500 | mtp_2 loss: 5.5000 | lr:" in first
+    assert "mtp_" not in second and "moe aux loss" in second
+    tags = {tag: value for tag, value, axis in megatron_scalars(stats.to_record(), None) if axis == "iteration"}
+    assert tags["mtp_1 loss"] == 5.25 and tags["mtp_2 loss"] == 5.5
