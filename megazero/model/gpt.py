@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from .layer_spec import ExpertParallel
 from .mtp import MTPScale, MultiTokenPrediction, multi_token_targets
 from .transformer import TransformerLayer, dropout
 
-__all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement"]
+__all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement", "step_metrics", "finish_step"]
 
 
 class PositionEmbedding(torch.nn.Module):
@@ -200,46 +200,6 @@ class GPTModel(torch.nn.Module):
                 scale = MTPScale(log=log, grad=(log * (factor * loss_scale)).float())
             self.mtp.set_scale(scale, aux)
 
-    def step_metrics(self, micro_batches: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """This stage's figures of the step's forwards, on the device, to be summed over the stages and averaged
-        over data-parallel ranks: a mixture's 'moe aux loss' (per micro-batch), 'expert load sum' (each layer's
-        busiest expert over the mean), 'moe layers' and 'moe dropped sum'; multi-token prediction's
-        'mtp_k loss' (each depth's cross-entropy over its targets)."""
-        out: dict[str, torch.Tensor] = {}
-        if self.config.num_experts:
-            aux, loads, dropped = self.moe_aux.take()
-            zero = torch.zeros((), dtype=torch.float64, device=device)
-            total = torch.stack(aux).sum().double() / micro_batches if aux else zero
-            if aux and self.sequence_parallel:  # each TP rank routed its own tokens: shares
-                dist.all_reduce(total, group=self.tp_group)
-            out["moe aux loss"] = total.to(device)
-            out["expert load sum"] = torch.stack(loads).sum().double().to(device) if loads else zero
-            out["moe layers"] = torch.full((), float(len(loads)), dtype=torch.float64, device=device)
-            out["moe dropped sum"] = torch.stack(dropped).sum().double().to(device) if dropped else zero
-        if self.mtp is not None:
-            records = self.mtp.take()
-            if records:
-                for k, value in enumerate(torch.stack(records).sum(0)):
-                    out[f"mtp_{k + 1} loss"] = value.double()
-        return out
-
-    def finish_step(self, updated: bool, group: Optional[dist.ProcessGroup]) -> None:
-        """After the step: every router's expert bias (DeepSeek-V3's auxiliary-loss-free balancing) moves by its
-        experts' token copies over the whole global batch (summed over ``group``, the data x context ranks, in
-        one all-reduce; TP ranks counted the same gathered tokens). A skipped step leaves the biases."""
-        if not self.config.moe_router_enable_expert_bias:
-            return
-        routers = [m for m in self.modules() if isinstance(m, Router)]
-        if not routers:
-            return
-        counts = torch.stack([r.tokens_per_expert for r in routers])
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-        for router, c in zip(routers, counts):
-            if updated:
-                router.update_expert_bias(c, self.config.moe_router_bias_update_rate)
-            router.tokens_per_expert.zero_()
-
     # ---- forward ---------------------------------------------------------------------------
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
@@ -274,7 +234,7 @@ class GPTModel(torch.nn.Module):
         multi-token prediction's targets (:func:`~megazero.model.mtp.multi_token_targets` of the whole
         sequence, then this rank's tokens); in training without them they are made from ``labels`` (one
         document, one process). The MTP loss reaches the gradients in backward and the log through
-        :meth:`step_metrics`; the output stays the per-token LM loss.
+        :func:`step_metrics`; the output stays the per-token LM loss.
         """
         mtp = (mtp_targets, mtp_mask)
         if context_parallel is not None:
@@ -399,6 +359,54 @@ class GPTModel(torch.nn.Module):
             logits = logits.masked_fill(padded, float("-inf"))
         return logits
 
+
+
+def step_metrics(models: Sequence[GPTModel], micro_batches: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The figures of a step's forwards through one stage's ``models`` (its chunks), on ``device``, to be
+    summed over the stages and averaged over data-parallel ranks: a mixture's 'moe aux loss' (per
+    micro-batch), 'expert load sum' (each layer's busiest expert over the mean), 'moe layers' and
+    'moe dropped sum'; multi-token prediction's 'mtp_k loss' (each depth's cross-entropy over its targets)."""
+    out: dict[str, torch.Tensor] = {}
+    c = models[0].config
+    if c.num_experts:
+        aux, loads, dropped = [], [], []
+        for m in models:
+            a, l_, d = m.moe_aux.take()
+            aux, loads, dropped = aux + a, loads + l_, dropped + d
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        total = (torch.stack(aux).sum().double() / micro_batches).to(device) if aux else zero
+        if aux and models[0].sequence_parallel:  # each TP rank routed its own tokens: shares, one all-reduce
+            dist.all_reduce(total, group=models[0].tp_group)
+        out["moe aux loss"] = total
+        out["expert load sum"] = torch.stack(loads).sum().double().to(device) if loads else zero
+        out["moe layers"] = torch.full((), float(len(loads)), dtype=torch.float64, device=device)
+        out["moe dropped sum"] = torch.stack(dropped).sum().double().to(device) if dropped else zero
+    for m in models:
+        records = m.mtp.take() if m.mtp is not None else []
+        if records:
+            for k, value in enumerate(torch.stack(records).sum(0)):
+                out[f"mtp_{k + 1} loss"] = value.double().to(device)
+    return out
+
+
+def finish_step(models: Sequence[GPTModel], updated: bool, group: Optional[dist.ProcessGroup]) -> None:
+    """After a step of one stage's ``models``: every router's expert bias (DeepSeek-V3's auxiliary-loss-free
+    balancing) moves by its experts' token copies over the whole global batch (summed over ``group``, the
+    data x context ranks, in one all-reduce for all the chunks; TP ranks counted the same gathered tokens).
+    A skipped step (``updated`` False) leaves the biases."""
+    c = models[0].config
+    if not c.moe_router_enable_expert_bias:
+        return
+    routers = [r for m in models for r in m.modules() if isinstance(r, Router)]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    for router, n in zip(routers, counts):
+        if updated:
+            router.update_expert_bias(n, c.moe_router_bias_update_rate)
+        router.tokens_per_expert.zero_()
 
 def _check_context_parallel(position_ids: Optional[torch.Tensor]) -> None:
     """Refuse what a context-parallel forward cannot do, saying how to run instead. Dropout of any kind

@@ -25,6 +25,7 @@ from .. import zero
 from ..data import GPTBatch, build_batch, masked_mean, to_device
 from ..model.attention.cp_context import ContextParallel
 from ..model.attention.cp_input import context_parallel_context, document_bounds, prepare_context_parallel_input
+from ..model.gpt import finish_step, step_metrics
 from ..model.keyed_dropout import sample_keys
 from ..model.moe.layer import Router, is_expert_parameter
 from ..model.mtp import multi_token_targets
@@ -124,8 +125,8 @@ class TrainModel:
         ring_only = bool(kinds) and not kinds & {"a2a", "allgather"}
         b = build_batch(to_device(text, self.device), eod, d.reset_position_ids,
                         d.reset_attention_mask and not ring_only, d.eod_mask_loss)
-        # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
         b = ModelBatch(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)})
+        # Plain positions and plain causality are the model's defaults: passing nothing keeps flash attention usable.
         b = b if d.reset_position_ids else dataclasses.replace(b, position_ids=None)
         if self.config.model.mtp_num_layers:
             b = self._with_mtp_targets(b, eod)
@@ -175,13 +176,10 @@ class TrainModel:
         micro_batches = [self.micro_batch(b["text"], eod, b.get("index")) for b in batches]
         self._prepare_chunks(micro_batches)
         losses, updated = self.stage.train_step(micro_batches, lap)
-        for chunk in self.chunks:
-            chunk.finish_step(updated, self.groups.dp_cp_group if self.groups.dp_cp_size > 1 else None)
+        finish_step(self.chunks, updated, self.groups.dp_cp_group if self.groups.dp_cp_size > 1 else None)
         metrics = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in self.metric_names}
         metrics["lm loss"] = self._local_mean(losses)
-        for chunk in self.chunks:
-            for name, value in chunk.step_metrics(len(batches), self.device).items():
-                metrics[name] = metrics[name] + value.double()
+        metrics.update(step_metrics(self.chunks, len(batches), self.device))
         return metrics, updated
 
     def _prepare_chunks(self, micro_batches: list[ModelBatch]) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.model import GPTConfig, GPTModel
+from megazero.model.gpt import step_metrics
 from megazero.model.mtp import multi_token_targets
 
 V = 64
@@ -79,7 +80,7 @@ def test_equals_hand_written_reference_with_global_normalisation(q_mla):
         lm = (per_token * loss_mask).sum() / loss_mask.sum()
         (lm / len(micro)).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    logged = model.step_metrics(len(micro), torch.device("cpu"))
+    logged = step_metrics([model], len(micro), torch.device("cpu"))
 
     model.zero_grad()
     factor = c.mtp_loss_scaling_factor / c.mtp_num_layers
