@@ -213,6 +213,10 @@ class CheckpointConfig:
     no_load_rng: bool = False
     ckpt_step: Optional[int] = None  # --ckpt-step: load this iteration instead of the latest
     use_checkpoint_args: bool = False
+    ckpt_format: str = "megazero"  # what --save writes: "megazero" or "torch_dist" (Megatron-LM's)
+    async_save: bool = False  # write checkpoints in the background (one in flight)
+    non_persistent_save_interval: Optional[int] = None  # rank-local checkpoints every N iterations
+    non_persistent_local_ckpt_dir: Optional[str] = None
 
 
 @dataclass

@@ -364,8 +364,22 @@ g(R, "--no-save-rng", "megazero checkpoints always hold every rank's RNG states 
 g(H, "--use-checkpoint-args", "the model's shape and architecture from the checkpoint in --load or "
   "--pretrained-checkpoint (Megatron's load_args_from_checkpoint); a model flag that disagrees with it is refused; "
   "a run from a checkpoint without --num-layers/--hidden-size/--num-attention-heads/--model-preset does this anyway")
-g(M, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format: megazero writes its own format, which "
-  "reloads at any tp x dp x ZeRO stage; accepted", str)
+g(H, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format of --save: megazero (its own, reloads at any "
+  "tp x pp x dp x ep x ZeRO stage) or torch_dist (Megatron-LM's distributed format, which megatron-core's "
+  "dist_checkpointing.load reads at any tp x pp); --load reads either, and Megatron-LM's torch_dist checkpoints",
+  str, choices=("megazero", "torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"), default="megazero",
+  refuse_values=tuple((v, f"--ckpt-format {v} is not written by megazero: use --ckpt-format torch_dist (what "
+                          "Megatron-LM writes by default) or megazero") for v in ("torch", "zarr", "torch_dcp",
+                                                                                   "fsdp_dtensor")))
+g(H, "--async-save", "write each checkpoint in the background while training continues (at most one save in "
+  "flight; the next save, the end of the run, a signal or a failure waits for it)")
+g(H, "--non-persistent-save-interval", "iterations between rank-local checkpoints for a fast restart (with "
+  "--non-persistent-ckpt-type local), besides the --save-interval ones", int)
+g(H, "--non-persistent-ckpt-type", "where the non-persistent checkpoints go: local (each node's "
+  "--non-persistent-local-ckpt-dir)", str, choices=("local", "global", "in_memory"),
+  refuse_values=tuple((v, f"--non-persistent-ckpt-type {v} is not supported: use local") for v in ("global",
+                                                                                                 "in_memory")))
+g(H, "--non-persistent-local-ckpt-dir", "the node-local directory of the non-persistent checkpoints", str)
 g(M, "--use-dist-ckpt", "sharded checkpoints: megazero's checkpoints are sharded and reshardable; accepted")
 g(M, "--auto-detect-ckpt-format", "find the format of --load: megazero reads its own format; accepted")
 g(M, "--dist-ckpt-strictness", "how a distributed checkpoint's missing or unexpected keys are handled: a megazero "
