@@ -1,0 +1,475 @@
+"""megatron-core as a test oracle: it writes Megatron-LM-shaped ``torch_dist`` checkpoints and computes logits.
+
+* :func:`write_mcore_checkpoint` builds megatron-core's ``GPTModel`` for a megazero :class:`GPTConfig` at a
+  (tp, pp, ep, dp) layout on CPU gloo ranks and saves it as Megatron-LM's ``save_checkpoint`` does with
+  ``--ckpt-format torch_dist``: ``latest_checkpointed_iteration.txt`` and ``iter_{N:07d}/`` holding
+  ``dist_checkpointing.save`` of ``generate_state_dict``'s dict (args, checkpoint_version, iteration, model,
+  optimizer, opt_param_scheduler, num_floating_point_operations_so_far, rng_state).
+* :func:`mcore_logits` loads such a directory into megatron-core's model at any layout (megatron-core does
+  the resharding) and returns the full-vocabulary logits.
+
+Each call spawns all its ranks once (megatron-core's import is the slow part). Weights are megatron-core's
+CPU initialisation from ``seed``; every norm weight and bias then gets seeded noise, so a loader that maps
+a norm or a bias to the wrong place cannot agree with megatron-core's logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import socket
+import tempfile
+import zlib
+from typing import Any, Optional
+
+import pytest
+import torch
+
+def _have_mcore() -> bool:
+    """Whether megatron-core is installed, without importing it here (its import takes seconds)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:  # no 'megatron' package at all
+        return False
+
+
+HAVE_MCORE = _have_mcore()
+
+requires_mcore = pytest.mark.skipif(
+    not HAVE_MCORE, reason="megatron-core (the bench extra: pip install -e .[bench]) is not installed")
+
+__all__ = ["HAVE_MCORE", "requires_mcore", "write_mcore_checkpoint", "mcore_logits", "transformer_config",
+           "megatron_args", "data_parallel_size"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+# ---- megazero GPTConfig -> megatron-core ------------------------------------------------------------------
+
+def _activation(name: str):
+    import torch.nn.functional as F
+
+    if name == "swiglu":
+        return F.silu
+    if name == "gelu":  # megazero's gelu is the tanh approximation
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "squared_relu":
+        return lambda x: torch.pow(F.relu(x), 2)
+    raise ValueError(f"activation {name!r} has no megatron-core equivalent here")
+
+
+def _moe_kwargs(config, grouped_gemm: bool) -> dict:
+    if config.num_experts is None:
+        return {}
+    freq = config.moe_layer_freq
+    return dict(
+        num_moe_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.moe_ffn_size, moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=config.moe_shared_expert_gate,
+        moe_router_pre_softmax=config.moe_router_pre_softmax,
+        moe_router_score_function=config.moe_router_score_function,
+        moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+        moe_router_num_groups=config.moe_router_num_groups, moe_router_group_topk=config.moe_router_group_topk,
+        moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+        moe_router_load_balancing_type=config.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=config.moe_aux_loss_coeff, moe_grouped_gemm=grouped_gemm,
+        moe_token_dispatcher_type="alltoall",
+    )
+
+
+def _mla_kwargs(config) -> dict:
+    if not config.multi_latent_attention:
+        return {}
+    return dict(
+        multi_latent_attention=True, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+        qk_head_dim=config.qk_head_dim, qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
+        v_head_dim=config.v_head_dim, rope_type=config.resolved_rope_type,
+        rotary_base=config.rotary_base, rotary_percent=config.rotary_percent,
+        rotary_scaling_factor=config.rotary_scaling_factor,
+        original_max_position_embeddings=config.original_max_position_embeddings,
+        beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
+        mscale_all_dim=config.mscale_all_dim,
+    )
+
+
+def transformer_config(config, tp: int = 1, pp: int = 1, ep: int = 1, *, grouped_gemm: bool = False):
+    """megatron-core's TransformerConfig (MLATransformerConfig under multi-latent attention) for ``config``."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    if config.apply_layernorm_1p:
+        raise ValueError("apply_layernorm_1p needs apex or Transformer Engine norms in megatron-core; "
+                         "the fixture builds the local spec only: use apply_layernorm_1p=False")
+    kw = dict(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.ffn_size,
+        gated_linear_unit=config.activation == "swiglu", activation_func=_activation(config.activation),
+        normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=config.layernorm_epsilon, add_bias_linear=config.add_bias_linear,
+        add_qkv_bias=config.add_qkv_bias, qk_layernorm=config.qk_layernorm,
+        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+    kw.update(_moe_kwargs(config, grouped_gemm))
+    if config.multi_latent_attention:
+        kw.update(_mla_kwargs(config))
+        return MLATransformerConfig(**kw)
+    kw.update(num_query_groups=config.query_groups, kv_channels=config.head_dim)
+    return TransformerConfig(**kw)
+
+
+def _position_embedding_type(config) -> str:
+    return {"learned": "learned_absolute", "rope": "rope", "none": "none"}[config.position_embedding_type]
+
+
+def data_parallel_size(tp: int, ep: int, dp: int) -> int:
+    """The data-parallel size a run needs: megatron-core's expert grid (expert tp = tp) takes ep out of dp."""
+    return dp * ep // math.gcd(dp, ep)
+
+
+def megatron_args(config, tp: int, pp: int, ep: int, dp: int, *, iteration: int, seed: int, optimizer: bool,
+                  grouped_gemm: bool, optimizer_format: str, **overrides: Any) -> argparse.Namespace:
+    """The ``args`` Namespace Megatron-LM's pretrain_gpt.py would store for this model and layout."""
+    gqa = config.query_groups != config.num_attention_heads and not config.multi_latent_attention
+    freq = config.moe_layer_freq
+    args = dict(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, group_query_attention=gqa,
+        num_query_groups=config.query_groups if gqa else 1, kv_channels=config.head_dim,
+        ffn_hidden_size=config.ffn_size, seq_length=config.seq_length,
+        max_position_embeddings=config.max_position_embeddings, padded_vocab_size=config.padded_vocab_size,
+        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, vocab_size=None,
+        tokenizer_type="GPT2BPETokenizer",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp, context_parallel_size=1, data_parallel_size=dp,
+        world_size=tp * pp * dp, virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
+        swiglu=config.activation == "swiglu", squared_relu=config.activation == "squared_relu",
+        normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=config.layernorm_epsilon, apply_layernorm_1p=False,
+        add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
+        untie_embeddings_and_output_weights=not config.tie_embeddings,
+        position_embedding_type=_position_embedding_type(config),
+        add_position_embedding=config.position_embedding_type == "learned",
+        rotary_base=int(config.rotary_base), rotary_percent=config.rotary_percent,
+        rotary_seq_len_interpolation_factor=None, use_rope_scaling=False,
+        qk_layernorm=config.qk_layernorm, num_experts=config.num_experts,
+        moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.moe_ffn_size if config.num_experts else None,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq, moe_grouped_gemm=grouped_gemm,
+        moe_router_load_balancing_type=config.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=config.moe_aux_loss_coeff, moe_router_pre_softmax=config.moe_router_pre_softmax,
+        moe_router_score_function=config.moe_router_score_function,
+        moe_token_dispatcher_type="alltoall", multi_latent_attention=config.multi_latent_attention,
+        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std, seed=seed, fp16=False, bf16=False, params_dtype=torch.float32,
+        consumed_train_samples=iteration * 8, consumed_valid_samples=0, skipped_train_samples=0,
+        train_iters=100, train_samples=None, iteration=iteration,
+        lr=3e-4, min_lr=3e-5, lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=None,
+        weight_decay=0.01, start_weight_decay=0.01, end_weight_decay=0.01, weight_decay_incr_style="constant",
+        clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, optimizer="adam",
+        global_batch_size=8, micro_batch_size=2, rampup_batch_size=None,
+        ckpt_format="torch_dist", use_dist_ckpt=True, use_distributed_optimizer=optimizer,
+        dist_ckpt_optim_fully_reshardable=optimizer_format == "fully_reshardable",
+        ckpt_fully_parallel_save=True, no_save_optim=not optimizer, no_save_rng=False,
+        async_save=False, save=None, load=None, save_interval=iteration,
+    )
+    if config.multi_latent_attention:
+        args.update(_mla_kwargs(config))
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+# ---- ranks ---------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_shims() -> None:
+    """megatron-core's save and load call CUDA helpers that have CPU meanings (in the spawned ranks only)."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    # The tracker's CUDA generators do not exist on CPU; dropout then draws from the CPU generator.
+    mcore_random.CudaRNGStatesTracker.fork = contextlib.contextmanager(lambda self, name=None: (yield))
+
+
+def _spawn(job: dict, world: int) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(world, _free_port(), job), nprocs=world, join=True)
+
+
+def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+
+    try:
+        ps.initialize_model_parallel(job["tp"], job["pp"], expert_model_parallel_size=job["ep"])
+        {"save": _save_on_rank, "logits": _logits_on_rank}[job["kind"]](job)
+        dist.barrier()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+# ---- on each rank ----------------------------------------------------------------------------------------------
+
+def _layer_spec(config, tcfg, grouped_gemm: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if config.num_experts is not None:  # per-layer specs: moe_layer_freq may mix dense and expert layers
+        return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization=tcfg.normalization)
+    return get_gpt_layer_local_spec(None, False, config.qk_layernorm, config.multi_latent_attention,
+                                    normalization=tcfg.normalization)
+
+
+def _build_model(job: dict):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = job["config"]
+    if job["grouped_gemm"]:
+        _grouped_gemm_shim()
+    tcfg = transformer_config(config, job["tp"], job["pp"], job["ep"], grouped_gemm=job["grouped_gemm"])
+    torch.manual_seed(job["seed"])  # use_cpu_initialization draws every full weight from this generator
+    model = GPTModel(
+        tcfg, _layer_spec(config, tcfg, job["grouped_gemm"]), vocab_size=config.padded_vocab_size,
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=config.tie_embeddings,
+        position_embedding_type=_position_embedding_type(config) if not config.multi_latent_attention
+        else "none" if config.position_embedding_type == "none" else config.resolved_rope_type,
+        rotary_percent=config.rotary_percent, rotary_base=int(config.rotary_base))
+    return model
+
+
+def _shard_seed(seed: int, name: str, param) -> int:
+    """A seed for one rank's piece of a parameter: equal on the ranks that hold the same piece."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
+    expert = not getattr(param, "allreduce", True)
+    ep = ps.get_expert_model_parallel_rank() if expert else -1
+    if expert:
+        tp = ps.get_expert_tensor_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
+    key = f"{seed}|{ps.get_pipeline_model_parallel_rank()}|{tp}|{ep}|{name}"
+    return zlib.crc32(key.encode())
+
+
+def _perturb_norms_and_biases(model, seed: int) -> None:
+    """megatron-core starts norms at 1 and biases at 0; seeded noise makes each of them distinct."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                g = torch.Generator().manual_seed(_shard_seed(seed, name, p))
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _sharded_metadata(optimizer_format: Optional[str]) -> dict:
+    """Megatron-LM's _build_sharded_state_dict_metadata for a run with or without the distributed optimizer."""
+    from megatron.core import parallel_state as ps
+
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if optimizer_format is not None:
+        meta["distrib_optim_sharding_type"] = optimizer_format
+        if optimizer_format == "fully_reshardable":
+            meta["distrib_optim_fully_reshardable_mem_efficient"] = False
+    meta["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    return meta
+
+
+def _rng_state():
+    """Megatron-LM's get_rng_state for torch_dist: one ShardedObject over the (pp, tp) grid, replicated over dp.
+    On CPU there is no CUDA generator: 'cuda_rng_state' holds the CPU generator's state in its place."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", [state], (ps.get_pipeline_model_parallel_world_size(),
+                                                ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _scheduler_state(args) -> dict:
+    """What Megatron-LM's OptimizerParamScheduler.state_dict() holds after ``args.iteration`` steps."""
+    return {"max_lr": args.lr, "lr_warmup_steps": args.lr_warmup_iters * args.global_batch_size,
+            "num_steps": args.iteration * args.global_batch_size, "lr_decay_style": args.lr_decay_style,
+            "lr_decay_steps": args.train_iters * args.global_batch_size, "min_lr": args.min_lr,
+            "start_wd": args.start_weight_decay, "end_wd": args.end_weight_decay,
+            "wd_incr_style": args.weight_decay_incr_style,
+            "wd_incr_steps": args.train_iters * args.global_batch_size}
+
+
+def _save_on_rank(job: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    model = _build_model(job)
+    _perturb_norms_and_biases(model, job["seed"])
+    args = job["args"]
+    optimizer_format = job["optimizer_format"] if job["optimizer"] else None
+    meta = _sharded_metadata(optimizer_format)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": job["iteration"]}
+    if job["optimizer"]:
+        model, optimizer = _train_steps(model, job)
+        state["model"] = model.sharded_state_dict(metadata=meta)
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
+    else:
+        state["model"] = model.sharded_state_dict(metadata=meta)
+    state["opt_param_scheduler"] = _scheduler_state(args)
+    state["rng_state"] = _rng_state()
+    state["num_floating_point_operations_so_far"] = float(job["iteration"]) * 1e9
+    iter_dir = os.path.join(job["out"], f"iter_{job['iteration']:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(iter_dir, exist_ok=True)
+    dist.barrier()
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
+                                                ps.get_data_parallel_group(with_context_parallel=True))
+    content = {k: v for k, v in meta.items() if k != "dp_cp_group"}
+    dist_checkpointing.save(state, iter_dir, strategy, validate_access_integrity=True, content_metadata=content)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(job["out"], TRACKER), "w") as f:
+            f.write(str(job["iteration"]))
+
+
+def _iter_dir(path: str) -> str:
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            return os.path.join(path, f"iter_{int(f.read().strip()):07d}")
+    return path
+
+
+def _load_model(model, path: str) -> None:
+    """megatron-core's strict load of every model tensor; the checkpoint's other keys (optimizer, rng) may stay."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    request = model.sharded_state_dict(metadata=_sharded_metadata(None))
+    loaded, missing, unexpected = dist_checkpointing.load(request, _iter_dir(path), strict=StrictHandling.RETURN_ALL)
+    # megatron-core's words: 'unexpected' = asked for but not in the checkpoint, 'missing' = in it, not asked for
+    left = [k for k in missing if not k.startswith(("optimizer.", "rng_state", "rerun_state_machine"))]
+    if unexpected or left:
+        raise RuntimeError(f"checkpoint {path} does not match megatron-core's model: absent {sorted(unexpected)}, "
+                           f"not loaded {sorted(left)}")
+    model.load_state_dict({k: v for k, v in loaded.items() if k in request}, strict=True)  # less common.pt
+
+
+def _forward(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """One eval forward through this rank's stage; hidden states pass between stages by send/recv.
+    The last stage returns its vocabulary shard's logits [b, s, v/tp], the others None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    if not first:
+        hidden = torch.empty(s, b, model.config.hidden_size)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    with torch.no_grad():
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: not attended
+        out = model(tokens if first else None, positions, mask)
+    if not last:
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def _logits_on_rank(job: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    model = _build_model(job)
+    _load_model(model, job["path"])
+    model.eval()
+    out = _forward(model, job["tokens"])
+    if out is None:
+        return
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.contiguous(), group=group)
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save(torch.cat(parts, dim=-1).float(), job["result"])
+
+
+def _train_steps(model, job: dict):
+    raise NotImplementedError("optimizer=True is not built yet")
+
+
+def _grouped_gemm_shim() -> None:
+    raise NotImplementedError("grouped_gemm=True is not built yet")
+
+
+# ---- the two entry points ----------------------------------------------------------------------------------
+
+def _job(config, tp: int, pp: int, ep: int, dp: int, **kw) -> tuple[dict, int]:
+    config.validate(tp)
+    dp = data_parallel_size(tp, ep, dp)
+    job = dict(config=config, tp=tp, pp=pp, ep=ep, dp=dp, grouped_gemm=False, seed=1234, **kw)
+    return job, tp * pp * dp
+
+
+def write_mcore_checkpoint(out: str, config, tp: int = 1, pp: int = 1, ep: int = 1, *, dp: int = 1,
+                           iteration: int = 10, seed: int = 1234, optimizer: bool = False,
+                           grouped_gemm: bool = False, optimizer_format: str = "fully_reshardable",
+                           **args_overrides: Any) -> None:
+    """megatron-core writes a Megatron-LM ``torch_dist`` checkpoint directory ``out`` of a model with megazero
+    GPTConfig ``config`` at tp x pp x ep (x dp: raised to a multiple of ep, as megatron-core's expert grid
+    needs). ``optimizer``: the distributed Adam after two steps, its state as ``optimizer_format``
+    ('fully_reshardable' | 'dp_reshardable'). ``args_overrides`` replace fields of the stored args."""
+    if optimizer_format not in ("fully_reshardable", "dp_reshardable"):
+        raise ValueError(f"optimizer_format must be 'fully_reshardable' or 'dp_reshardable', got {optimizer_format!r}")
+    os.makedirs(out, exist_ok=True)
+    job, world = _job(config, tp, pp, ep, dp, kind="save", out=os.path.abspath(out), iteration=iteration,
+                      optimizer=optimizer, optimizer_format=optimizer_format)
+    job.update(seed=seed, grouped_gemm=grouped_gemm)
+    job["args"] = megatron_args(config, tp, pp, ep, job["dp"], iteration=iteration, seed=seed, optimizer=optimizer,
+                                grouped_gemm=grouped_gemm, optimizer_format=optimizer_format, **args_overrides)
+    _spawn(job, world)
+
+
+def mcore_logits(path: str, config, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1, *,
+                 grouped_gemm: bool = False) -> torch.Tensor:
+    """megatron-core loads ``path`` (a top dir with the tracker, or an ``iter_`` dir) strictly into its GPTModel
+    at tp x pp x ep and returns the eval logits of ``tokens`` [b, s]: [b, s, padded_vocab] fp32 on CPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "logits.pt")
+        job, world = _job(config, tp, pp, ep, 1, kind="logits", path=os.path.abspath(path),
+                          tokens=tokens.long().cpu(), result=result)
+        job["grouped_gemm"] = grouped_gemm
+        _spawn(job, world)
+        return torch.load(result)
