@@ -1,9 +1,12 @@
-"""Import a Megatron-LM (legacy mp_rank_XX format) or Megatron-DeepSpeed GPT checkpoint,
-at any tp and pp, as a full megazero checkpoint (``model_full.safetensors`` + ``config.json``).
+"""Import a Megatron-LM (torch_dist, the default format, or legacy mp_rank_XX) or Megatron-DeepSpeed GPT
+checkpoint, at any tp, pp and ep, as a full megazero checkpoint (``model_full.safetensors`` + ``config.json``).
 
 Files are read with ``torch.load(weights_only=True)`` and an explicit allow-list (see
-megazero/training/megatron_ckpt.py); nothing in the checkpoint is executed and Megatron
-need not be installed. Train from the result with ``--pretrained-checkpoint OUTPUT``.
+megazero/training/megatron_ckpt.py and megazero/training/torch_dist.py); nothing in the checkpoint is
+executed and Megatron need not be installed. A torch_dist checkpoint is streamed one tensor at a time
+(peak memory: the largest tensor), so its size is bounded by the disk, not the memory. Dense, MoE
+(any expert implementation), multi-latent attention and MTP models are read; the optimizer state is not
+converted. Train from the result with ``--pretrained-checkpoint OUTPUT``.
 Example::
 
     python tools/convert_from_megatron.py --input /ckpt/gpt-1.3b --output ckpt/gpt-1.3b-mz --vocab-size 50257
@@ -14,13 +17,16 @@ Installed: ``megazero-convert-from-megatron``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
 from megazero.cli.common import setup_logging, tool_parser
-from megazero.model.state_dict import save_full
+from megazero.model.state_dict import SafetensorsStreamWriter, save_full
 from megazero.training.megatron_ckpt import import_megatron, load_megatron_file
+from megazero.training.torch_dist import is_torch_dist
 from megazero.utils.progress import Progress
+from megazero.zero.shard_io import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +48,47 @@ def _counted_load(progress: Progress):
     return load
 
 
+def convert_torch_dist(path: str, output: str, vocab_size: int | None = None) -> tuple:
+    """Stream a torch_dist checkpoint into ``output``/model_full.safetensors + config.json, one tensor at a
+    time. Returns ``(config, info)``; ``info["bytes_read"]`` counts the checkpoint bytes read."""
+    from megazero.model.interop.megatron_dist import open_torch_dist
+
+    config, source, info = open_torch_dist(path, vocab_size=vocab_size)
+    names = source.keys()
+    dtypes = {n: source.ckpt.dtype(source.get_slice(n).key) for n in names}
+    os.makedirs(output, exist_ok=True)
+    layout = [(n, tuple(source.get_slice(n).get_shape()), dtypes[n]) for n in names]
+    writer = SafetensorsStreamWriter(os.path.join(output, "model_full.safetensors"), layout, {"format": "pt"})
+    try:
+        with Progress("convert", total=len(names), unit="tensors", logger=log) as progress:
+            for n in names:
+                writer.write(n, source.get_tensor(n))
+                progress.update(postfix=n)
+        writer.close()
+    except BaseException:  # no half-written file is left behind
+        writer._f.close()
+        if os.path.exists(writer.path + ".tmp"):
+            os.remove(writer.path + ".tmp")
+        raise
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config.to_dict(), f, indent=2)
+    info["bytes_read"] = source.ckpt.bytes_read
+    return config, info
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    if is_torch_dist(args.input):
+        try:
+            config, info = convert_torch_dist(args.input, args.output, args.vocab_size)
+        except (CheckpointError, ValueError, KeyError) as e:
+            log.error("convert_from_megatron: error: %s", e)
+            return 1
+        log.info("read Megatron-LM torch_dist checkpoint of iteration %s (tp=%s, pp=%s, ep=%s; optimizer state: %s, "
+                 "not converted); wrote %d-layer %d-wide GPT to %s", info["iteration"], info["tp"], info["pp"],
+                 info["ep"], info["optimizer"], config.num_layers, config.hidden_size, args.output)
+        return 0
     try:
         with Progress("read", unit="checkpoint files", logger=log) as progress:
             config, full_sd, info = import_megatron(args.input, vocab_size=args.vocab_size,

@@ -1,7 +1,8 @@
 """Recognize checkpoints written by Megatron-LM or Megatron-DeepSpeed, and read them safely.
 
 ``detect_foreign_checkpoint(path)`` tells a ``--load`` directory that megazero cannot
-resume (instead of silently "starting from scratch") and says how to convert it.
+resume (instead of silently "starting from scratch") and says how to convert it; Megatron-LM's
+``torch_dist`` directories are read as they are (``megazero.training.torch_dist``), so they pass.
 ``import_megatron(path)`` reads a Megatron checkpoint's weights (any tp, any pp) into a full
 megazero state dict; the name and shape mapping is ``megazero.model.interop.megatron_import``'s.
 ``load_megatron_file`` reads one Megatron ``.pt`` file with ``torch.load(weights_only=True)``
@@ -36,6 +37,7 @@ import torch
 
 from megazero.model.config import GPTConfig
 from megazero.model.interop.megatron_import import deepspeed_layer_names, flatten, megatron_names, megatron_to_megazero
+from megazero.training.torch_dist import is_torch_dist
 
 __all__ = ["detect_foreign_checkpoint", "load_megatron_file", "import_megatron", "CONVERT_HINT"]
 
@@ -51,8 +53,8 @@ def _read(path: str) -> str:
 
 
 def detect_foreign_checkpoint(path: str) -> Optional[str]:
-    """A message naming the Megatron format of ``path`` and how to convert it, or None
-    when ``path`` is not a Megatron-LM / Megatron-DeepSpeed checkpoint directory."""
+    """A message naming the Megatron format of ``path`` and how to convert it, or None when ``path`` is not
+    a Megatron-LM / Megatron-DeepSpeed checkpoint directory, or is one megazero reads as it is (torch_dist)."""
     if not path or not os.path.isdir(path):
         return None
     hint = CONVERT_HINT.format(path=path)
@@ -61,11 +63,8 @@ def detect_foreign_checkpoint(path: str) -> Optional[str]:
     if os.path.isfile(tracker):
         it = _read(tracker)
         iteration_dir = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else it)
-    if os.path.isfile(os.path.join(iteration_dir, ".metadata")) or os.path.isfile(os.path.join(iteration_dir, "common.pt")):
-        return (f"{path} is a Megatron-LM torch_dist (distributed) checkpoint, which megazero cannot load. "
-                f"Convert it to Megatron's legacy format with Megatron-LM itself (run its training once with "
-                f"--load {path} --ckpt-convert-format torch --ckpt-convert-save LEGACY_DIR), then: "
-                + CONVERT_HINT.format(path="LEGACY_DIR"))
+    if is_torch_dist(path):
+        return None  # Megatron-LM's torch_dist format: megazero reads it (megazero.training.torch_dist)
     ranks = sorted(glob.glob(os.path.join(iteration_dir, "mp_rank_*")))
     if ranks:
         names = [os.path.basename(r) for r in ranks]

@@ -72,7 +72,7 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
     pos = _get(args, "position_embedding_type", default="learned_absolute")
     if _get(args, "use_rotary_position_embeddings", default=False):
         pos = "rope"
-    pos = {"learned_absolute": "learned"}.get(pos, pos)
+    pos = {"learned_absolute": "learned", "yarn": "rope"}.get(pos, pos)
     norm = str(_get(args, "normalization", default="LayerNorm")).lower()
     act = "swiglu" if _get(args, "swiglu", default=False) else "squared_relu" if _get(args, "squared_relu", default=False) else "gelu"
     groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", default=False) else None
@@ -80,7 +80,7 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
     heads = args.num_attention_heads
     kv = _get(args, "kv_channels")
     padded = int(_get(args, "padded_vocab_size"))
-    return GPTConfig(
+    fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
         vocab_size=vocab_size or padded, ffn_hidden_size=_get(args, "ffn_hidden_size"),
         num_query_groups=groups if groups not in (None, heads) else None,
@@ -99,8 +99,61 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
         init_method_std=float(_get(args, "init_method_std", default=0.02)),
         layernorm_epsilon=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
-        vocab_padding_tp=tp,
+        vocab_padding_tp=tp, add_qkv_bias=bool(_get(args, "add_qkv_bias", default=False)),
+        mtp_num_layers=int(_get(args, "mtp_num_layers", default=0)),
+        mtp_loss_scaling_factor=float(_get(args, "mtp_loss_scaling_factor", default=0.1)),
     )
+    return GPTConfig(**{**fields, **_moe_fields(args), **_mla_fields(args)})
+
+
+def _moe_fields(args: Any) -> dict:
+    """GPTConfig's mixture-of-experts fields from Megatron's ``--num-experts`` / ``--moe-*`` args."""
+    experts = _get(args, "num_experts", "num_moe_experts")
+    if not experts:
+        return {}
+    freq = _get(args, "moe_layer_freq", default=1)
+    balancing = _get(args, "moe_router_load_balancing_type", default="aux_loss")
+    out = dict(num_experts=int(experts), moe_router_topk=int(_get(args, "moe_router_topk", default=2)),
+               moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
+               moe_layer_freq=tuple(int(f) for f in freq) if isinstance(freq, (list, tuple)) else int(freq),
+               moe_router_load_balancing_type=balancing if isinstance(balancing, str) else balancing[0],
+               moe_shared_expert_intermediate_size=_get(args, "moe_shared_expert_intermediate_size"),
+               moe_shared_expert_gate=bool(_get(args, "moe_shared_expert_gate", default=False)),
+               moe_router_pre_softmax=bool(_get(args, "moe_router_pre_softmax", default=False)),
+               moe_router_score_function=_get(args, "moe_router_score_function", default="softmax"),
+               moe_router_enable_expert_bias=bool(_get(args, "moe_router_enable_expert_bias", default=False)),
+               moe_router_num_groups=_get(args, "moe_router_num_groups"),
+               moe_router_group_topk=_get(args, "moe_router_group_topk"),
+               moe_router_topk_scaling_factor=_get(args, "moe_router_topk_scaling_factor"),
+               moe_router_dtype=_get(args, "moe_router_dtype", default="fp32"),
+               moe_grouped_gemm=bool(_get(args, "moe_grouped_gemm", default=False)),
+               moe_expert_capacity_factor=_get(args, "moe_expert_capacity_factor"),
+               moe_token_drop_policy=_get(args, "moe_token_drop_policy", default="probs"),
+               moe_pad_expert_input_to_capacity=bool(_get(args, "moe_pad_expert_input_to_capacity", default=False)))
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        v = _get(args, name)
+        if v is not None:
+            out[name] = float(v[0] if isinstance(v, (list, tuple)) else v)
+    return out
+
+
+def _mla_fields(args: Any) -> dict:
+    """GPTConfig's multi-latent attention and RoPE-scaling fields from Megatron's args."""
+    out = {}
+    if _get(args, "multi_latent_attention", default=False):
+        out = dict(multi_latent_attention=True, q_lora_rank=_get(args, "q_lora_rank"), num_query_groups=None,
+                   kv_channels=None, kv_lora_rank=int(_get(args, "kv_lora_rank", default=512)),
+                   qk_head_dim=int(_get(args, "qk_head_dim", default=128)),
+                   qk_pos_emb_head_dim=int(_get(args, "qk_pos_emb_head_dim", default=64)),
+                   v_head_dim=int(_get(args, "v_head_dim", default=128)))
+    rope_type = _get(args, "rope_type") or ("yarn" if _get(args, "position_embedding_type") == "yarn" else None)
+    if rope_type is not None:
+        out["rope_type"] = rope_type
+    for name, kind in (("rotary_scaling_factor", float), ("original_max_position_embeddings", int),
+                       ("beta_fast", float), ("beta_slow", float), ("mscale", float), ("mscale_all_dim", float)):
+        if _get(args, name) is not None:
+            out[name] = kind(_get(args, name))
+    return out
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, torch.Tensor]:
