@@ -76,7 +76,7 @@ def _moe_kwargs(config, grouped_gemm: bool) -> dict:
         moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
         moe_router_load_balancing_type=config.moe_router_load_balancing_type,
         moe_aux_loss_coeff=config.moe_aux_loss_coeff, moe_grouped_gemm=grouped_gemm,
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type="allgather",
     )
 
 
@@ -166,7 +166,7 @@ def megatron_args(config, tp: int, pp: int, ep: int, dp: int, *, iteration: int,
         moe_router_load_balancing_type=config.moe_router_load_balancing_type,
         moe_aux_loss_coeff=config.moe_aux_loss_coeff, moe_router_pre_softmax=config.moe_router_pre_softmax,
         moe_router_score_function=config.moe_router_score_function,
-        moe_token_dispatcher_type="alltoall", multi_latent_attention=config.multi_latent_attention,
+        moe_token_dispatcher_type="allgather", multi_latent_attention=config.multi_latent_attention,
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std, seed=seed, fp16=False, bf16=False, params_dtype=torch.float32,
         consumed_train_samples=iteration * 8, consumed_valid_samples=0, skipped_train_samples=0,
@@ -204,6 +204,10 @@ def _cpu_shims() -> None:
     torch.cuda.current_device = lambda: "cpu"
     # The tracker's CUDA generators do not exist on CPU; dropout then draws from the CPU generator.
     mcore_random.CudaRNGStatesTracker.fork = contextlib.contextmanager(lambda self, name=None: (yield))
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # the router's matmul names it whether or not TE imported
+        moe_utils.te_general_gemm = None
 
 
 def _spawn(job: dict, world: int) -> None:
@@ -261,7 +265,21 @@ def _build_model(job: dict):
         position_embedding_type=_position_embedding_type(config) if not config.multi_latent_attention
         else "none" if config.position_embedding_type == "none" else config.resolved_rope_type,
         rotary_percent=config.rotary_percent, rotary_base=int(config.rotary_base))
+    if job["grouped_gemm"]:
+        _let_grouped_experts_run_fp32(model)
     return model
+
+
+def _let_grouped_experts_run_fp32(model) -> None:
+    """GroupedMLP's forward asserts bf16 for its CUDA kernel; the torch stand-in runs fp32 weights as they are."""
+    import copy
+
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    for module in model.modules():
+        if isinstance(module, GroupedMLP):
+            module.config = copy.copy(module.config)
+            module.config.bf16 = True
 
 
 def _shard_seed(seed: int, name: str, param) -> int:
@@ -430,8 +448,22 @@ def _train_steps(model, job: dict):
     raise NotImplementedError("optimizer=True is not built yet")
 
 
+def _gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+    """The grouped_gemm package's ``ops.gmm`` as a loop: rows of ``a`` in groups of ``batch_sizes`` times b[e]."""
+    rows = torch.split(a, [int(n) for n in batch_sizes.tolist()])
+    return torch.cat([r @ (b[e].t() if trans_b else b[e]) for e, r in enumerate(rows)])
+
+
 def _grouped_gemm_shim() -> None:
-    raise NotImplementedError("grouped_gemm=True is not built yet")
+    """megatron-core's GroupedMLP (the local spec's grouped experts) wants the grouped_gemm package (CUDA);
+    its one kernel, written in torch, stands in on CPU."""
+    import types
+
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    gg.grouped_gemm_is_available = lambda: True
+    gg.assert_grouped_gemm_is_available = lambda: None
+    gg.ops = types.SimpleNamespace(gmm=_gmm)
 
 
 # ---- the two entry points ----------------------------------------------------------------------------------
