@@ -118,6 +118,10 @@ def transformer_config(config, tp: int = 1, pp: int = 1, ep: int = 1, *, grouped
     )
     kw.update(_moe_kwargs(config, grouped_gemm))
     if config.multi_latent_attention:
+        if config.latent_norm_epsilon != config.layernorm_epsilon:
+            raise ValueError("megatron-core's MLA latent norms take layernorm_epsilon: leave "
+                             "latent_layernorm_epsilon unset (or equal) for the fixture")
+        kw["qk_layernorm"] = True  # megazero's MLA always has its latent norms (Megatron's --qk-layernorm)
         kw.update(_mla_kwargs(config))
         return MLATransformerConfig(**kw)
     kw.update(num_query_groups=config.query_groups, kv_channels=config.head_dim)
@@ -158,7 +162,7 @@ def megatron_args(config, tp: int, pp: int, ep: int, dp: int, *, iteration: int,
         add_position_embedding=config.position_embedding_type == "learned",
         rotary_base=int(config.rotary_base), rotary_percent=config.rotary_percent,
         rotary_seq_len_interpolation_factor=None, use_rope_scaling=False,
-        qk_layernorm=config.qk_layernorm, num_experts=config.num_experts,
+        qk_layernorm=config.qk_layernorm or config.multi_latent_attention, num_experts=config.num_experts,
         moe_router_topk=config.moe_router_topk,
         moe_ffn_hidden_size=config.moe_ffn_size if config.num_experts else None,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
@@ -208,6 +212,10 @@ def _cpu_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):  # the router's matmul names it whether or not TE imported
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):  # without TE a placeholder, which MLA's isinstance() refuses
+        mla.TELinear = type("NoTELinear", (), {})
 
 
 def _spawn(job: dict, world: int) -> None:
@@ -239,13 +247,39 @@ def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
 
 # ---- on each rank ----------------------------------------------------------------------------------------------
 
-def _layer_spec(config, tcfg, grouped_gemm: bool):
+class _MLACoreAttention(torch.nn.Module):
+    """Softmax attention with query/key heads of one width and value heads of another: what MLA's spec asks of
+    its core attention (Transformer Engine's there; the local DotProductAttention has one head width)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 **unused):
+        super().__init__()  # (the base Attention builds one without the widths; MLA then replaces it)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or 1) ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **unused):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        s_q, s_k = scores.shape[-2:]
+        causal = torch.ones(s_q, s_k, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(causal if attention_mask is None else attention_mask | causal, float("-inf"))
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [b, n, s, dv]
+        return out.permute(2, 0, 1, 3).reshape(s_q, q.shape[0], -1)
+
+
+def _layer_spec(config, tcfg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if config.num_experts is not None:  # per-layer specs: moe_layer_freq may mix dense and expert layers
-        return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization=tcfg.normalization)
-    return get_gpt_layer_local_spec(None, False, config.qk_layernorm, config.multi_latent_attention,
-                                    normalization=tcfg.normalization)
+        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization=tcfg.normalization)
+        layers = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(None, False, tcfg.qk_layernorm, config.multi_latent_attention,
+                                        normalization=tcfg.normalization)
+        layers = [spec]
+    if config.multi_latent_attention:
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = _MLACoreAttention
+    return spec
 
 
 def _build_model(job: dict):
@@ -258,12 +292,11 @@ def _build_model(job: dict):
     tcfg = transformer_config(config, job["tp"], job["pp"], job["ep"], grouped_gemm=job["grouped_gemm"])
     torch.manual_seed(job["seed"])  # use_cpu_initialization draws every full weight from this generator
     model = GPTModel(
-        tcfg, _layer_spec(config, tcfg, job["grouped_gemm"]), vocab_size=config.padded_vocab_size,
+        tcfg, _layer_spec(config, tcfg), vocab_size=config.padded_vocab_size,
         max_sequence_length=config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=config.tie_embeddings,
-        position_embedding_type=_position_embedding_type(config) if not config.multi_latent_attention
-        else "none" if config.position_embedding_type == "none" else config.resolved_rope_type,
+        position_embedding_type=_position_embedding_type(config),  # MLA: its attention makes its own RoPE
         rotary_percent=config.rotary_percent, rotary_base=int(config.rotary_base))
     if job["grouped_gemm"]:
         _let_grouped_experts_run_fp32(model)
