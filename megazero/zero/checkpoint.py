@@ -32,7 +32,7 @@ import json
 import math
 import os
 import re
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -549,75 +549,18 @@ def load_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
 
 
 
-def _read_local_rows(sl, full_shape: list[int], sharded: bool, dim: int, stride: int, rank: int, world: int,
-                     lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the flattened TP shard ``(rank, world)`` of a safetensors slice
-    handle, reading only the rows (dim 0) that hold them."""
-    local = list(full_shape)
-    if sharded:
-        local[dim] //= world
-    row = math.prod(local[1:])
-    r0, r1 = lo // row, -(-hi // row)
-    if not sharded:
-        rows = sl[r0:r1]
-    elif dim == 0:
-        blk = full_shape[0] // (stride * world)
-        pieces = []
-        for s in range(stride):
-            a, b = max(r0, s * blk), min(r1, (s + 1) * blk)
-            if a < b:
-                base = (s * world + rank) * blk
-                pieces.append(sl[base + a - s * blk:base + b - s * blk])
-        rows = torch.cat(pieces)
-    elif dim == len(full_shape) - 1:
-        blk = full_shape[dim] // (stride * world)
-        rows = torch.cat([sl[r0:r1, (s * world + rank) * blk:(s * world + rank + 1) * blk] for s in range(stride)],
-                         dim=-1)
-    else:  # a middle partition dim (no such parameter in megazero's models): read the rows whole
-        from ..mpu.sharding import shard_of_full
-
-        rows = shard_of_full(sl[r0:r1], dim, stride, rank, world)
-    return rows.reshape(-1)[lo - r0 * row:hi - r0 * row].float()
-
-
 @torch.no_grad()
-def load_full_weights_file(engine: ZeroEngine, path: str) -> None:
-    """Set every parameter from a full (tp=1) safetensors state dict (``model_full.safetensors``),
-    reading only this rank's rows: its DP partition of its TP shard with ZeRO-3, its TP shard
-    where the group keeps full compute parameters. Collective-free."""
-    from safetensors import safe_open
+def load_full_weights_file(engine: ZeroEngine, source: Any, *, master: Optional[Any] = None,
+                           moments: Optional[dict[str, Any]] = None, step: Optional[int] = None,
+                           where: Optional[str] = None) -> None:
+    """Set every parameter from full (tp=1-named) weights, reading only this rank's rows: its DP partition
+    of its TP shard with ZeRO-3, its TP shard where the group keeps full compute parameters. ``source``: the
+    path of a safetensors state dict (``model_full.safetensors``) or a source with safetensors' ``keys()`` /
+    ``get_slice()`` (a torch_dist checkpoint's ``MegatronDistSource``); ``master`` and ``moments``
+    (``exp_avg``... -> source) the fp32 masters and optimizer state from their own sources, with the
+    optimizer's ``step`` (:func:`~megazero.zero.source_load.load_from_sources`). Collective-free."""
+    from .source_load import load_from_sources, open_safetensors
 
-    try:
-        f = safe_open(path, framework="pt")
-    except Exception as e:  # safetensors raises several types for bad headers/sizes
-        raise CheckpointError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
-    wanted = {s.name for g in engine.groups for s in g.slots}
-    if wanted - set(f.keys()):
-        raise CheckpointError(f"{path} lacks {sorted(wanted - set(f.keys()))[:8]}: it was made for another model shape")
-    for g in engine.groups:
-        for s in g.slots:
-            sl = f.get_slice(s.name)
-            full_shape = list(sl.get_shape())
-            p = s.param
-            rank, world = tp_shard_of(p, engine.tp_rank, engine.tp_size)
-            sharded = is_tp_sharded(p) and world > 1
-            dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
-            local = list(full_shape)
-            if sharded:
-                local[dim] //= world
-            if local != list(s.shape):
-                raise CheckpointError(f"{path}: {s.name} has shape {tuple(full_shape)}, which gives {tuple(local)} on "
-                                      f"this rank; the model has {tuple(s.shape)}: was it configured differently?")
-            if g.resident:
-                values = _read_local_rows(sl, full_shape, sharded, dim, stride, rank, world, 0, s.numel)
-                g.load_param_values(s, values.view(s.shape))
-                continue
-            p0, s0, n = g.owned_range(s)
-            if n:
-                values = _read_local_rows(sl, full_shape, sharded, dim, stride, rank, world, p0, p0 + n)
-                g.master[s0:s0 + n].copy_(values)
-                if g.master is not g.shard:
-                    g.shard[s0:s0 + n].copy_(values)
-        if g.resident:
-            g.bind_views()
-    engine.release_gathered()
+    if isinstance(source, (str, os.PathLike)):
+        where, source = where or str(source), open_safetensors(str(source))
+    load_from_sources(engine, source, where=where or type(source).__name__, master=master, moments=moments, step=step)

@@ -104,9 +104,12 @@ _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
 
 def _megazero_tensors(config: GPTConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of every parameter and persistent buffer of ``config``'s model, in model order."""
+    from megazero.mpu.utils import NO_GROUP
+
     from ..gpt import GPTModel
 
-    model = GPTModel(config, device="meta")
+    # full (tp = 1, every expert) shapes, whatever groups the calling process registered
+    model = GPTModel(config, tp_group=NO_GROUP, ep_group=NO_GROUP, device="meta")
     out = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     for prefix, module in model.named_modules():
         for n, b in module.named_buffers(recurse=False):

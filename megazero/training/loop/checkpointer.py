@@ -15,6 +15,7 @@ from ..failures import agree
 from ..health import PhaseBoard
 from ..health.watchdog import warn_if_save_near_timeout
 from ..lr_schedule import LRScheduler
+from ..megatron_resume import is_torch_dist_load, read_torch_dist
 from ..output import rank_zero_logger
 from ..step import TrainModel
 from .state import Callback, TrainState
@@ -100,8 +101,11 @@ class Checkpointer:
         if ck.load:
             agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
         # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
-        state = load_checkpoint(ck.load, engine, ck.ckpt_step, pipeline=self.run.stage,
-                                load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
+        if ck.load and is_torch_dist_load(ck.load):
+            state = self._load_torch_dist()
+        else:
+            state = load_checkpoint(ck.load, engine, ck.ckpt_step, pipeline=self.run.stage,
+                                    load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
         if state is None and ck.pretrained:
             _init_from_pretrained(engine, ck.pretrained)
         if state is None:
@@ -133,12 +137,32 @@ class Checkpointer:
                  + (" with a new layout" if state["resharded"] else ""))
         return state["iteration"], state["consumed_samples"]
 
+    def _load_torch_dist(self) -> dict:
+        """Collective: the weights (and, unless weights only are asked for, the optimizer) from the
+        torch_dist checkpoint in ``--load``, each rank reading its share; its train state."""
+        ck, engine = self.config.checkpoint, self.run.engine
+        state = agree("checkpoint load", lambda: read_torch_dist(
+            ck.load, engine, self.config.model, iteration=ck.ckpt_step,
+            load_optimizer=not (ck.finetune or ck.no_load_optim), finetune=ck.finetune))
+        engine.global_steps, engine.skipped_steps, engine.micro_steps = state["iteration"], 0, 0
+        for note in state["notes"]:
+            log.info(f"> {note}")
+        log.info(f"> loaded {state['directory']} (torch_dist: "
+                 + ("weights and optimizer" if state["optimizer_loaded"] else "weights only")
+                 + f", {state['bytes_read'] / 2 ** 20:.2f} MiB read by this rank"
+                 + "); the RNG is freshly seeded (the saved states belong to "
+                 + ("another layout" if state["source"] == "megazero" else "Megatron-LM's generators") + ")")
+        state["resharded"] = True
+        return state
+
 
 def _refuse_foreign_checkpoint(load: str) -> None:
     """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
     instead of finding no megazero checkpoint there and silently starting from scratch."""
     from ..megatron_ckpt import detect_foreign_checkpoint
 
+    if is_torch_dist_load(load):
+        return  # read by megatron_resume
     message = detect_foreign_checkpoint(load)
     if message is not None:
         raise CheckpointError(message)

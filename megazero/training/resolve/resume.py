@@ -11,11 +11,15 @@ from megazero.training.config import CheckpointConfig, ConfigError
 
 
 def start_checkpoint(ns: argparse.Namespace) -> Optional[str]:
-    """The checkpoint the run's weights come from: --load when it holds a megazero checkpoint ('latest')
-    or full weights (a converter's output), else --pretrained-checkpoint; None for a fresh start."""
+    """The checkpoint the run's weights come from: --load when it holds a megazero checkpoint ('latest'),
+    full weights (a converter's output) or a torch_dist checkpoint (Megatron-LM's or megazero's), else
+    --pretrained-checkpoint; None for a fresh start."""
     from megazero.training.checkpointing import FULL_WEIGHTS, latest_iteration
+    from megazero.training.megatron_resume import is_torch_dist_load
 
     if ns.load is not None and os.path.isdir(ns.load):
+        if is_torch_dist_load(ns.load):
+            return ns.load
         try:
             if latest_iteration(ns.load) is not None:
                 return ns.load
@@ -38,12 +42,22 @@ def _iteration(ns: argparse.Namespace, source: str) -> Optional[int]:
     return ns.ckpt_step if source == ns.load else None
 
 
+def _saved_model(source: str, iteration: Optional[int]) -> tuple[str, dict[str, Any]]:
+    """``(where, saved GPTConfig dict)`` of any checkpoint the run can start from."""
+    from megazero.training.checkpointing import saved_model_config
+    from megazero.training.megatron_resume import is_torch_dist_load, torch_dist_model_config
+
+    if is_torch_dist_load(source):
+        return torch_dist_model_config(source, iteration)
+    return saved_model_config(source, iteration)
+
+
 def checkpoint_model(ns: argparse.Namespace, source: str) -> tuple[str, dict[str, Any]]:
     """``(where, saved GPTConfig dict)`` of the checkpoint ``source`` (--use-checkpoint-args)."""
-    from megazero.training.checkpointing import CheckpointError, saved_model_config
+    from megazero.training.checkpointing import CheckpointError
 
     try:
-        return saved_model_config(source, _iteration(ns, source))
+        return _saved_model(source, _iteration(ns, source))
     except CheckpointError as e:
         raise ConfigError(f"cannot read the model arguments of {source}: {e}") from None
 
@@ -77,8 +91,9 @@ def checkpoint_args_source(ns: argparse.Namespace, check_files: bool) -> Optiona
             raise ConfigError("--use-checkpoint-args needs --load or --pretrained-checkpoint (the checkpoint whose "
                               "model arguments to use)")
         if source is None and check_files:
-            raise ConfigError(f"--use-checkpoint-args: {ns.load or ns.pretrained_checkpoint} holds no megazero "
-                              "checkpoint ('latest' or model_full.safetensors) to take the model arguments from")
+            raise ConfigError(f"--use-checkpoint-args: {ns.load or ns.pretrained_checkpoint} holds no checkpoint "
+                              "('latest', model_full.safetensors or a torch_dist iteration) to take the model "
+                              "arguments from")
         return source
     if ns.model_preset is None and all(getattr(ns, a) is None for a in MODEL_SHAPE_FLAGS):
         return source
@@ -127,9 +142,13 @@ def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool
         return False
     from megazero.data.tokenizer_files import recorded_tokenizer_args
     from megazero.training.checkpointing import CheckpointError, checkpoint_tokenizer_dir
+    from megazero.training.megatron_resume import is_torch_dist_load, torch_dist_tokenizer_dir
 
     try:
-        directory = checkpoint_tokenizer_dir(source, _iteration(ns, source))
+        if is_torch_dist_load(source):
+            directory = torch_dist_tokenizer_dir(source, _iteration(ns, source))
+        else:
+            directory = checkpoint_tokenizer_dir(source, _iteration(ns, source))
         if directory is None:
             return False
         kind, files = recorded_tokenizer_args(directory)
@@ -146,13 +165,13 @@ def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool
 def saved_model_fields(ns: argparse.Namespace) -> Optional[tuple[str, dict[str, Any]]]:
     """``(where, saved GPTConfig dict)`` of the weights this run starts from (:func:`start_checkpoint`);
     None for a fresh start or an unreadable checkpoint (whose load then names what is wrong)."""
-    from megazero.training.checkpointing import CheckpointError, saved_model_config
+    from megazero.training.checkpointing import CheckpointError
 
     source = start_checkpoint(ns)
     if source is None:
         return None
     try:
-        return saved_model_config(source, _iteration(ns, source))
+        return _saved_model(source, _iteration(ns, source))
     except (CheckpointError, OSError):
         return None
 

@@ -1,0 +1,229 @@
+"""Resuming (or fine-tuning) from a Megatron-LM ``torch_dist`` checkpoint at any megazero layout.
+
+As Megatron-LM's ``load_checkpoint``: the run continues after ``common.pt``'s ``iteration`` with
+``args.consumed_train_samples`` samples consumed (the sampler continues from there) and the LR schedule at
+``opt_param_scheduler``'s position (its keys mapped onto :class:`~megazero.training.lr_schedule.LRScheduler`'s).
+The weights are always read; the optimizer state unless weights only are asked for (``--no-load-optim``,
+``--finetune``): megatron-core's distributed optimizer saved ``fully_reshardable`` (the fp32 master and
+Adam's moments as ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` of the model key's global
+shape, the step in ``common.pt``'s param groups). Another optimizer layout (``dp_reshardable``'s flat
+per-bucket buffers) is refused, naming the way out. Megatron's saved RNG belongs to Megatron's generators:
+the run's fresh seeding stands.
+
+A torch_dist checkpoint megazero wrote has a ``megazero`` entry in ``common.pt`` (its train state and config):
+the iteration, samples and LR schedule come from there, exactly.
+
+Each rank reads only the chunks holding its share (``megazero.zero.source_load``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..zero.shard_io import CheckpointError
+
+__all__ = ["is_torch_dist_load", "torch_dist_path", "torch_dist_model_config", "torch_dist_tokenizer_dir",
+           "megatron_scheduler_state", "read_torch_dist"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MASTER_PREFIXES = ("optimizer.state.param.", "optimizer.state.fp32_param.")
+
+
+def is_torch_dist_load(load: Optional[str]) -> bool:
+    """Whether ``load`` is a torch_dist checkpoint (a ``--save`` directory or one iteration directory)."""
+    if not load:
+        return False
+    try:
+        from .torch_dist import is_torch_dist
+    except ModuleNotFoundError:  # a build without the torch_dist reader
+        return False
+    return is_torch_dist(load)
+
+
+def torch_dist_path(load: str, iteration: Optional[int] = None) -> str:
+    """The directory to open: ``load`` itself, or its ``iter_XXXXXXX`` for ``--ckpt-step``."""
+    if iteration is None:
+        return load
+    directory = os.path.join(load, f"iter_{iteration:07d}")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--ckpt-step {iteration}: {directory} does not exist")
+    return directory
+
+
+def _megazero_entry(common: dict) -> Optional[dict]:
+    """``common.pt``'s ``megazero`` entry (train state and config, dicts or JSON text), None when absent."""
+    entry = common.get("megazero")
+    if entry is None:
+        return None
+    entry = json.loads(entry) if isinstance(entry, (str, bytes)) else dict(entry)
+    return {k: json.loads(v) if isinstance(v, (str, bytes)) else v for k, v in entry.items()}
+
+
+def torch_dist_model_config(load: str, iteration: Optional[int] = None) -> tuple[str, dict[str, Any]]:
+    """``(where, GPTConfig dict)`` of a torch_dist checkpoint: megazero's saved config, or the model
+    Megatron-LM's ``args`` describe. Raises CheckpointError naming the file."""
+    from ..model.interop.megatron_import import config_from_megatron_args
+    from .torch_dist import TorchDistCheckpoint
+
+    ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
+    where = os.path.join(ckpt.directory, "common.pt")
+    own = _megazero_entry(ckpt.common)
+    if own is not None and isinstance(own.get("config"), dict) and isinstance(own["config"].get("model"), dict):
+        return where, own["config"]["model"]
+    if ckpt.args is None:
+        raise CheckpointError(f"{where} has no 'args' (the run's arguments): megazero cannot tell the model's shape")
+    try:
+        config = config_from_megatron_args(ckpt.args, getattr(ckpt.args, "vocab_size", None))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{where}: the run's arguments do not give a megazero model: {e}") from None
+    return where, config.to_dict()
+
+
+def torch_dist_tokenizer_dir(load: str, iteration: Optional[int] = None) -> Optional[str]:
+    """The ``tokenizer/`` directory megazero recorded beside a torch_dist iteration, None when there is none
+    (Megatron-LM records none: its args name a tokenizer by type and paths of the machine that saved it)."""
+    from .torch_dist import resolve_iteration_dir
+
+    directory, _ = resolve_iteration_dir(torch_dist_path(load, iteration))
+    found = os.path.join(directory, "tokenizer")
+    return found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
+
+
+# Megatron's OptimizerParamScheduler.state_dict() keys (and older names) -> megazero's LRScheduler's.
+_SCHEDULER_KEYS = (("max_lr", ("max_lr", "start_lr")), ("min_lr", ("min_lr",)),
+                   ("warmup_steps", ("lr_warmup_steps", "warmup_steps", "warmup_iter")),
+                   ("decay_steps", ("lr_decay_steps", "decay_steps", "end_iter")),
+                   ("decay_style", ("lr_decay_style", "decay_style")),
+                   ("num_steps", ("num_steps", "num_iters")))
+_WD_KEYS = ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+
+
+def megatron_scheduler_state(sd: dict) -> dict[str, Any]:
+    """megazero's LRScheduler state for Megatron's ``opt_param_scheduler`` dict. A constant weight decay is
+    the optimizer's, not a schedule (megazero schedules none then): its keys are left out."""
+    out: dict[str, Any] = {}
+    for ours, theirs in _SCHEDULER_KEYS:
+        found = next((sd[k] for k in theirs if k in sd), None)
+        if found is not None:
+            out[ours] = found
+    if "num_steps" not in out:
+        raise CheckpointError(f"opt_param_scheduler {sorted(sd)} has no num_steps: not Megatron's scheduler state")
+    if sd.get("wd_incr_style", "constant") != "constant":
+        out.update({k: sd[k] for k in _WD_KEYS if k in sd})
+    return out
+
+
+def _optimizer_step(common: dict, fallback: int) -> tuple[int, bool]:
+    """Adam's step count from ``common.pt``'s optimizer param groups (``fallback`` when none holds one);
+    whether it was found."""
+    opt = common.get("optimizer")
+    steps = set()
+    for o in (opt if isinstance(opt, list) else [opt]):
+        inner = o.get("optimizer", o) if isinstance(o, dict) else None
+        for g in (inner or {}).get("param_groups", []) if isinstance(inner, dict) else []:
+            if isinstance(g, dict) and g.get("step") is not None:
+                steps.add(int(g["step"].item() if isinstance(g["step"], torch.Tensor) else g["step"]))
+    if len(steps) > 1:
+        raise CheckpointError(f"the optimizer's param groups hold different steps {sorted(steps)}")
+    return (steps.pop(), True) if steps else (fallback, False)
+
+
+def _refuse_layout(ckpt, kind: str) -> None:
+    raise CheckpointError(f"{ckpt.directory}: its optimizer state is megatron-core's {kind} layout, which megazero "
+                          "cannot reshard; load the weights only with --no-load-optim, or re-save it in Megatron-LM "
+                          "with --dist-ckpt-optim-fully-reshardable")
+
+
+def _optimizer_sources(ckpt, config, names: set[str]) -> tuple[Optional[Any], dict[str, Any]]:
+    """(master source or None, moment -> source) of a fully_reshardable optimizer state, for ``names``."""
+    from ..model.interop.megatron_dist import MegatronDistSource, entries_for_checkpoint
+
+    entries = [e for e in entries_for_checkpoint(ckpt, config) if e.name in names]
+    keys = set(ckpt.keys())
+
+    def source(prefix: str) -> Any:
+        try:
+            return MegatronDistSource(ckpt, config, prefix=prefix, entries=entries)
+        except CheckpointError as e:
+            if "global shape" in str(e):  # model-shaped keys with flat buffers: not reshardable
+                _refuse_layout(ckpt, "flat-buffer (dp_reshardable)")
+            raise
+
+    moments = {m: source(f"optimizer.state.{m}.") for m in _MOMENTS}
+    prefix = next((p for p in _MASTER_PREFIXES if any(k.startswith(p) for k in keys)), None)
+    return (source(prefix) if prefix else None), moments
+
+
+def _restore_buffers(engine, source) -> None:
+    """The model's persistent buffers (the routers' expert biases) by global name from the weights' source."""
+    from .checkpointing import _named_persistent_buffers
+
+    have = set(source.keys())
+    with torch.no_grad():
+        for name, b in _named_persistent_buffers(engine):
+            full = engine.param_name(name)
+            if full not in have:
+                raise CheckpointError(f"{source.ckpt.directory} lacks the model buffer {full}: it was saved by a "
+                                      "model without it; resume with the same model")
+            b.copy_(source.get_slice(full)[...].to(b.device, b.dtype))
+
+
+def _train_state(ckpt, finetune: bool) -> dict[str, Any]:
+    """iteration, consumed samples, LR schedule (megazero's format) and where they came from."""
+    own = _megazero_entry(ckpt.common)
+    if own is not None and isinstance(own.get("train_state"), dict):
+        state = dict(own["train_state"])
+        state["source"] = "megazero"
+        return state
+    iteration = ckpt.common.get("iteration", ckpt.iteration)
+    sched = ckpt.common.get("opt_param_scheduler", ckpt.common.get("lr_scheduler"))
+    consumed = getattr(ckpt.args, "consumed_train_samples", None) if ckpt.args is not None else None
+    if not finetune and (iteration is None or consumed is None or not isinstance(sched, dict)):
+        raise CheckpointError(f"{ckpt.directory}/common.pt lacks the iteration, args.consumed_train_samples or "
+                              "opt_param_scheduler (a 'release' checkpoint?): start from its weights with --finetune")
+    return {"iteration": int(iteration or 0), "consumed_samples": int(consumed or 0),
+            "lr_scheduler": megatron_scheduler_state(sched) if isinstance(sched, dict) else None,
+            "source": "megatron"}
+
+
+def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = None, load_optimizer: bool = True,
+                    finetune: bool = False) -> dict[str, Any]:
+    """Collective-free: fill ``engine`` (its model ``config``) from the torch_dist checkpoint ``load`` and
+    return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format),
+    ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``."""
+    from ..model.interop.megatron_dist import MegatronDistSource, optimizer_state_kind
+    from ..zero.checkpoint import load_full_weights_file, optimizer_state_keys
+    from .torch_dist import TorchDistCheckpoint
+
+    ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
+    state = _train_state(ckpt, finetune)
+    notes: list[str] = []
+    names = {s.name for g in engine.groups for s in g.slots}
+    weights = MegatronDistSource(ckpt, config)
+    master, moments, step = None, None, None
+    kind = optimizer_state_kind(ckpt) if load_optimizer else "none"
+    if kind == "fully_reshardable":
+        wanted = optimizer_state_keys(engine.optimizer)
+        if set(wanted) != set(_MOMENTS):
+            raise CheckpointError(f"{ckpt.directory} holds Adam's state {list(_MOMENTS)}, this run's "
+                                  f"{type(engine.optimizer).__name__} keeps {list(wanted)}: resume with Adam, or "
+                                  "load the weights only with --no-load-optim")
+        master, moments = _optimizer_sources(ckpt, config, names)
+        step, found = _optimizer_step(ckpt.common, state["iteration"])
+        if not found:
+            notes.append(f"the optimizer's step count is not in common.pt: Adam continues at step {step} "
+                         "(the iteration)")
+    elif kind != "none":
+        _refuse_layout(ckpt, kind)
+    elif load_optimizer:
+        notes.append(f"{ckpt.directory} holds no optimizer state (saved with --no-save-optim?): the optimizer "
+                     "starts afresh")
+    load_full_weights_file(engine, weights, master=master, moments=moments, step=step, where=ckpt.directory)
+    _restore_buffers(engine, weights)
+    state.update(optimizer_loaded=moments is not None, bytes_read=ckpt.bytes_read, directory=ckpt.directory,
+                 notes=notes)
+    return state
