@@ -173,8 +173,9 @@ def _stacked(config, full: dict[str, torch.Tensor], prefix: str = "") -> dict[st
     return out
 
 
-def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable") -> None:
-    """The megazero checkpoint ``saved`` (iteration 2) as Megatron-LM's torch_dist save of the same state."""
+def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable", megazero: bool = False) -> None:
+    """The megazero checkpoint ``saved`` (iteration 2) as Megatron-LM's torch_dist save of the same state; with
+    ``megazero`` as megazero's own (its train state and config in common.pt, no Megatron args or scheduler)."""
     from megazero.training.checkpointing import open_checkpoint
     from tests.mcore import megatron_args
 
@@ -201,6 +202,10 @@ def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable") -
                                       "wd_incr_steps": sched["decay_steps"]},
               "optimizer": {"optimizer": {"param_groups": [{"lr": 0.0, "step": step}, {"lr": 0.0, "step": step}]},
                             "param_state_sharding_type": optimizer}}
+    if megazero:
+        common = {"iteration": 2, "optimizer": common["optimizer"],
+                  "megazero": {"train_state": json.dumps(state),
+                               "config": open(os.path.join(saved, "iter_0000002", "config.json")).read()}}
     _write_torch_dist(out, 2, tensors, common)
 
 
@@ -213,6 +218,7 @@ def optim_run(tmp_path_factory):
     ref = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--save", saved, "--save-interval", "1"], runs, "ref")
     _to_torch_dist(saved, str(runs / "tdist"))
     _to_torch_dist(saved, str(runs / "tdist_flat"), optimizer="dp_reshardable")
+    _to_torch_dist(saved, str(runs / "tdist_megazero"), megazero=True)
     return runs, prefix, ref
 
 
@@ -232,6 +238,12 @@ def test_optimizer_state_resumes_as_the_uninterrupted_run(optim_run, world, extr
     _assert_same(got, ref, name)
     log = open(runs / f"{name}.log").read()
     assert "weights and optimizer" in log and "resumed from iteration 2 (16 samples)" in log, log[-2000:]
+
+
+def test_megazero_torch_dist_resumes_from_its_own_train_state(optim_run):
+    runs, prefix, ref = optim_run
+    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / "tdist_megazero")], runs, "mz")
+    _assert_same(got, ref, "megazero's torch_dist")
 
 
 def test_no_load_optim_reads_the_weights_only(optim_run):
@@ -291,7 +303,7 @@ def mcore_run(tmp_path_factory):
 
 
 @requires_mcore
-@pytest.mark.parametrize("world,extra", [(1, []), (2, ["--tp", "2"]), (2, ["--pp", "2"]),
+@pytest.mark.parametrize("world,extra", [(1, []), (2, ["--tp", "2", "--use-checkpoint-args"]), (2, ["--pp", "2"]),
                                          (2, ["--zero-stage", "3"])])
 def test_finetune_from_megatron_core_at_any_layout(mcore_run, world, extra):
     runs, prefix, ckpt, ref = mcore_run
@@ -318,6 +330,39 @@ def test_resume_from_megatron_core_continues_its_run(mcore_run):
     for it in (11, 12):
         a, b = got[4][it]["lm_loss"], got[1][it]["lm_loss"]
         assert abs(a - b) <= RTOL * abs(b), f"iteration {it}: tp 2 x pp 2 loss {a} vs pp 1 {b}"
+    from tests.launch import in_pool
+
+    changed = in_pool(1, _base(prefix, 12) + ["--load", ckpt, "--lr", "1e-3"], cwd=runs)  # another schedule
+    assert changed.returncode != 0 and "--use-checkpoint-opt_param-scheduler" in changed.output, changed.output[-2000:]
     # Megatron's schedule at its sample 88: warmup 16, cosine to sample 800
     expected = 3e-5 + (3e-4 - 3e-5) * 0.5 * (1 + math.cos(math.pi * (88 - 16) / (800 - 16)))
     assert abs(got[1][11]["lr"] - expected) <= 1e-9, (got[1][11]["lr"], expected)
+
+
+def _read_share(ckpt: str, tp: int, stage: int) -> dict:
+    """On each rank of a tp x dp engine: the bytes read from the .distcp files for its weights, and its share."""
+    from megazero import mpu, zero
+    from megazero.model import GPTModel
+    from megazero.model.interop.megatron_dist import open_torch_dist
+    from megazero.training.megatron_resume import read_torch_dist
+    from tests.zero.common import ds_config
+
+    torch.set_num_threads(1)
+    mpu.initialize_model_parallel(tp)
+    config, _, _ = open_torch_dist(ckpt)
+    engine = zero.initialize(GPTModel(config, device="meta"), ds_config(stage, micro=2), mpu=mpu)
+    state = read_torch_dist(ckpt, engine, config, load_optimizer=False)
+    total = sum(p.numel() for p in GPTModel(config, tp_group=None, device="meta").parameters()) * 4 if tp == 1 else None
+    return {"read": state["bytes_read"], "own": sum(g.shard_numel for g in engine.groups) * 4, "total": total}
+
+
+@requires_mcore
+def test_each_rank_reads_about_its_share(mcore_run):
+    from tests.distributed import run_distributed
+
+    _, _, ckpt, _ = mcore_run
+    whole = run_distributed(1, _read_share, ckpt, 1, 0)[0]
+    assert whole["read"] >= whole["total"]  # one rank: everything, once, and the blobs' headers
+    for rank, o in enumerate(run_distributed(4, _read_share, ckpt, 2, 3)):
+        print(f"tp 2 x dp 2 ZeRO-3 rank {rank}: read {o['read']} B of {whole['read']} B, its share {o['own']} B")
+        assert o["read"] < 0.4 * whole["read"], o
