@@ -222,6 +222,11 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     elif load_optimizer:
         notes.append(f"{ckpt.directory} holds no optimizer state (saved with --no-save-optim?): the optimizer "
                      "starts afresh")
+    opt = ckpt.common.get("optimizer")
+    if moments is not None and any(isinstance(o, dict) and o.get("grad_scaler") for o in (
+            opt if isinstance(opt, list) else [opt])):
+        notes.append("Megatron's fp16 loss scale is not carried over: the loss scaler starts from its initial "
+                     "scale")
     load_full_weights_file(engine, weights, master=master, moments=moments, step=step, where=ckpt.directory)
     _restore_buffers(engine, weights)
     state.update(optimizer_loaded=moments is not None, bytes_read=ckpt.bytes_read, directory=ckpt.directory,

@@ -366,3 +366,30 @@ def test_each_rank_reads_about_its_share(mcore_run):
     for rank, o in enumerate(run_distributed(4, _read_share, ckpt, 2, 3)):
         print(f"tp 2 x dp 2 ZeRO-3 rank {rank}: read {o['read']} B of {whole['read']} B, its share {o['own']} B")
         assert o["read"] < 0.4 * whole["read"], o
+
+
+@requires_mcore
+def test_mixture_of_experts_from_megatron_core_at_any_expert_layout(tmp_path):
+    """megatron-core's experts (saved at ep 2, the routers' expert biases among the buffers) fine-tune alike at
+    ep 1, ep 2 and tp 2 x ep 2 with sequence parallelism."""
+    from megazero.model.config import GPTConfig
+    from tests.mcore import write_mcore_checkpoint
+
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16,
+                       max_position_embeddings=16, make_vocab_size_divisible_by=32, activation="swiglu",
+                       normalization="rmsnorm", position_embedding_type="rope", add_bias_linear=False,
+                       tie_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0, num_experts=4,
+                       moe_router_topk=2, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
+                       moe_router_enable_expert_bias=True)
+    ckpt = str(tmp_path / "moe")
+    write_mcore_checkpoint(ckpt, config, ep=2, iteration=10)
+    prefix = write_corpus(tmp_path)
+    runs = {}
+    for world, extra in ((1, []), (2, ["--expert-model-parallel-size", "2"]),
+                         (4, ["--tp", "2", "--expert-model-parallel-size", "2", "--sequence-parallel"])):
+        runs[world] = launch(world, _base(prefix, 2) + ["--num-experts", "4", *extra, "--load", ckpt, "--finetune"],
+                             tmp_path, f"moe_{world}")
+    for world in (2, 4):
+        for it in (1, 2):
+            a, b = runs[world][it]["lm_loss"], runs[1][it]["lm_loss"]
+            assert abs(a - b) <= RTOL * abs(b), f"world {world}: iteration {it} loss {a} vs one process {b}"
