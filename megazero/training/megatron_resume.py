@@ -30,7 +30,6 @@ __all__ = ["is_torch_dist_load", "torch_dist_path", "torch_dist_model_config", "
            "megatron_scheduler_state", "read_torch_dist"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_MASTER_PREFIXES = ("optimizer.state.param.", "optimizer.state.fp32_param.")
 
 
 def is_torch_dist_load(load: Optional[str]) -> bool:
@@ -117,16 +116,25 @@ def megatron_scheduler_state(sd: dict) -> dict[str, Any]:
     return out
 
 
-def _optimizer_step(common: dict, fallback: int) -> tuple[int, bool]:
-    """Adam's step count from ``common.pt``'s optimizer param groups (``fallback`` when none holds one);
-    whether it was found."""
+def _optimizers(common: dict) -> list[dict]:
+    """``common.pt``'s optimizer state dicts: one, or a chained optimizer's (a list, or a dict by index)."""
     opt = common.get("optimizer")
+    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
+        opt = [opt[k] for k in sorted(opt)]
+    return [o for o in (opt if isinstance(opt, list) else [opt]) if isinstance(o, dict)]
+
+
+def _optimizer_step(common: dict, fallback: int) -> tuple[int, bool]:
+    """Adam's step count from ``common.pt``'s optimizer param groups (the distributed optimizer) or per-parameter
+    state (the plain one); ``fallback`` when none holds one. Whether it was found."""
     steps = set()
-    for o in (opt if isinstance(opt, list) else [opt]):
-        inner = o.get("optimizer", o) if isinstance(o, dict) else None
-        for g in (inner or {}).get("param_groups", []) if isinstance(inner, dict) else []:
-            if isinstance(g, dict) and g.get("step") is not None:
-                steps.add(int(g["step"].item() if isinstance(g["step"], torch.Tensor) else g["step"]))
+    for o in _optimizers(common):
+        inner = o.get("optimizer", o)
+        groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+        state = inner.get("state", {}) if isinstance(inner, dict) else {}
+        found = [g.get("step") for g in groups if isinstance(g, dict)]
+        found += [v.get("step") for v in (state.values() if isinstance(state, dict) else []) if isinstance(v, dict)]
+        steps |= {int(x.item() if isinstance(x, torch.Tensor) else x) for x in found if x is not None}
     if len(steps) > 1:
         raise CheckpointError(f"the optimizer's param groups hold different steps {sorted(steps)}")
     return (steps.pop(), True) if steps else (fallback, False)
@@ -138,24 +146,71 @@ def _refuse_layout(ckpt, kind: str) -> None:
                           "with --dist-ckpt-optim-fully-reshardable")
 
 
+def _optimizer_kind(ckpt) -> str:
+    """The optimizer state's layout: ``common.pt``'s ``param_state_sharding_type`` (of any chained part), else
+    what the keys show ('fully_reshardable', 'dp_reshardable' or 'none')."""
+    import re
+
+    from ..model.interop.megatron_dist import optimizer_state_kind
+
+    for o in _optimizers(ckpt.common):
+        kind = o.get("param_state_sharding_type")
+        if isinstance(kind, str):
+            return "fully_reshardable" if kind == "fully_sharded_model_space" else kind
+    if any(re.match(r"chained_\d+\.optimizer\.state\.", k) for k in ckpt.keys()):
+        return "fully_reshardable"
+    return optimizer_state_kind(ckpt)
+
+
+class _Union:
+    """Several sources as one: each name from the first that has it (a chained optimizer's parts)."""
+
+    def __init__(self, sources: list) -> None:
+        self._of = {n: s for s in reversed(sources) for n in s.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self._of)
+
+    def get_slice(self, name: str) -> Any:
+        return self._of[name].get_slice(name)
+
+
 def _optimizer_sources(ckpt, config, names: set[str]) -> tuple[Optional[Any], dict[str, Any]]:
-    """(master source or None, moment -> source) of a fully_reshardable optimizer state, for ``names``."""
+    """(master source or None, moment -> source) of a fully_reshardable optimizer state, for ``names``. The
+    state keys are ``optimizer.state.<what>.<model key>``, under a chained optimizer saved with prefixes
+    ``chained_<i>.optimizer.state...`` (each model key in one part)."""
+    import re
+
     from ..model.interop.megatron_dist import MegatronDistSource, entries_for_checkpoint
 
     entries = [e for e in entries_for_checkpoint(ckpt, config) if e.name in names]
     keys = set(ckpt.keys())
+    chains = sorted({m.group(1) for k in keys if (m := re.match(r"(chained_\d+\.)optimizer\.state\.", k))})
+    chains = ([""] if any(k.startswith("optimizer.state.") for k in keys) else []) + chains
 
-    def source(prefix: str) -> Any:
-        try:
-            return MegatronDistSource(ckpt, config, prefix=prefix, entries=entries)
-        except CheckpointError as e:
-            if "global shape" in str(e):  # model-shaped keys with flat buffers: not reshardable
-                _refuse_layout(ckpt, "flat-buffer (dp_reshardable)")
-            raise
+    def source(what: str) -> Optional[Any]:
+        parts = []
+        for chain in chains:
+            prefix = f"{chain}optimizer.state.{what}."
+            present = [e for e in entries if any(prefix + k in keys for k in (e.key,) + e.aliases)]
+            if not present:
+                continue
+            try:
+                parts.append(MegatronDistSource(ckpt, config, prefix=prefix, entries=present))
+            except CheckpointError as e:
+                if "global shape" in str(e):  # flat tensors where the model's shapes belong: not reshardable
+                    _refuse_layout(ckpt, f"flat ({_optimizer_kind(ckpt)}, not model-shaped)")
+                raise
+        return _Union(parts) if parts else None
 
-    moments = {m: source(f"optimizer.state.{m}.") for m in _MOMENTS}
-    prefix = next((p for p in _MASTER_PREFIXES if any(k.startswith(p) for k in keys)), None)
-    return (source(prefix) if prefix else None), moments
+    moments = {}
+    for m in _MOMENTS:
+        moments[m] = source(m)
+        if moments[m] is None:
+            raise CheckpointError(f"{ckpt.directory} holds optimizer state but no {m} (optimizer.state.{m}.*): it "
+                                  "was saved by another optimizer; load the weights only with --no-load-optim")
+    master = next((found for what in ("param", "fp32_param") if (found := source(what)) is not None), None)
+    return master, moments
 
 
 def _restore_buffers(engine, source) -> None:
@@ -195,7 +250,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     """Collective-free: fill ``engine`` (its model ``config``) from the torch_dist checkpoint ``load`` and
     return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format),
     ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``."""
-    from ..model.interop.megatron_dist import MegatronDistSource, optimizer_state_kind
+    from ..model.interop.megatron_dist import MegatronDistSource
     from ..zero.checkpoint import load_full_weights_file, optimizer_state_keys
     from .torch_dist import TorchDistCheckpoint
 
@@ -205,7 +260,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     names = {s.name for g in engine.groups for s in g.slots}
     weights = MegatronDistSource(ckpt, config)
     master, moments, step = None, None, None
-    kind = optimizer_state_kind(ckpt) if load_optimizer else "none"
+    kind = _optimizer_kind(ckpt) if load_optimizer else "none"
     if kind == "fully_reshardable":
         wanted = optimizer_state_keys(engine.optimizer)
         if set(wanted) != set(_MOMENTS):
@@ -222,9 +277,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     elif load_optimizer:
         notes.append(f"{ckpt.directory} holds no optimizer state (saved with --no-save-optim?): the optimizer "
                      "starts afresh")
-    opt = ckpt.common.get("optimizer")
-    if moments is not None and any(isinstance(o, dict) and o.get("grad_scaler") for o in (
-            opt if isinstance(opt, list) else [opt])):
+    if moments is not None and any(o.get("grad_scaler") for o in _optimizers(ckpt.common)):
         notes.append("Megatron's fp16 loss scale is not carried over: the loss scaler starts from its initial "
                      "scale")
     load_full_weights_file(engine, weights, master=master, moments=moments, step=step, where=ckpt.directory)

@@ -175,7 +175,10 @@ def _stacked(config, full: dict[str, torch.Tensor], prefix: str = "") -> dict[st
 
 def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable", megazero: bool = False) -> None:
     """The megazero checkpoint ``saved`` (iteration 2) as Megatron-LM's torch_dist save of the same state; with
-    ``megazero`` as megazero's own (its train state and config in common.pt, no Megatron args or scheduler)."""
+    ``megazero`` as megazero's own (its train state and config in common.pt, no Megatron args or scheduler).
+    ``optimizer``: the distributed optimizer's 'fully_reshardable' or 'dp_reshardable' layout; 'chained' (two
+    distributed optimizers, the output layer in the second, keys prefixed chained_<i>.); 'plain' (the
+    non-distributed mixed-precision optimizer: master as fp32_param, the step per parameter)."""
     from megazero.training.checkpointing import open_checkpoint
     from tests.mcore import megatron_args
 
@@ -183,9 +186,15 @@ def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable", m
     names = list(reader.names)
     full = {k: {n: reader.full(n, k) for n in names} for k in ("master", "exp_avg", "exp_avg_sq")}
     tensors = _stacked(config, full["master"])
-    if optimizer == "fully_reshardable":
-        for key, prefix in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-            tensors.update(_stacked(config, full[key], f"optimizer.state.{prefix}."))
+    if optimizer in ("fully_reshardable", "chained", "plain"):
+        master = "fp32_param" if optimizer == "plain" else "param"
+        for key, prefix in (("master", master), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            if optimizer == "chained":
+                for i, part in enumerate(({n: v for n, v in full[key].items() if not n.startswith("output_layer")},
+                                          {n: v for n, v in full[key].items() if n.startswith("output_layer")})):
+                    tensors.update(_stacked(config, part, f"chained_{i}.optimizer.state.{prefix}."))
+            else:
+                tensors.update(_stacked(config, full[key], f"optimizer.state.{prefix}."))
     else:  # flat per-bucket buffers
         flat = torch.cat([full["exp_avg"][n].reshape(-1) for n in names])
         tensors["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg"] = flat
@@ -202,6 +211,13 @@ def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable", m
                                       "wd_incr_steps": sched["decay_steps"]},
               "optimizer": {"optimizer": {"param_groups": [{"lr": 0.0, "step": step}, {"lr": 0.0, "step": step}]},
                             "param_state_sharding_type": optimizer}}
+    if optimizer == "chained":
+        common["optimizer"] = {i: {"optimizer": {"param_groups": [{"lr": 0.0, "step": step}]},
+                                   "param_state_sharding_type": "fully_reshardable"} for i in range(2)}
+    elif optimizer == "plain":
+        common["optimizer"] = {"optimizer": {"param_groups": [{"lr": 0.0, "params": [0, 1]}],
+                                             "state": {0: {"step": torch.tensor(float(step))},
+                                                       1: {"step": torch.tensor(float(step))}}}}
     if megazero:
         common = {"iteration": 2, "optimizer": common["optimizer"],
                   "megazero": {"train_state": json.dumps(state),
@@ -219,6 +235,8 @@ def optim_run(tmp_path_factory):
     _to_torch_dist(saved, str(runs / "tdist"))
     _to_torch_dist(saved, str(runs / "tdist_flat"), optimizer="dp_reshardable")
     _to_torch_dist(saved, str(runs / "tdist_megazero"), megazero=True)
+    for layout in ("chained", "plain"):
+        _to_torch_dist(saved, str(runs / f"tdist_{layout}"), optimizer=layout)
     return runs, prefix, ref
 
 
@@ -238,6 +256,15 @@ def test_optimizer_state_resumes_as_the_uninterrupted_run(optim_run, world, extr
     _assert_same(got, ref, name)
     log = open(runs / f"{name}.log").read()
     assert "weights and optimizer" in log and "resumed from iteration 2 (16 samples)" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("layout", ["chained", "plain"])
+def test_other_optimizer_layouts_of_model_shaped_state_resume_alike(optim_run, layout):
+    runs, prefix, ref = optim_run
+    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / f"tdist_{layout}")], runs, layout)
+    _assert_same(got, ref, f"the {layout} optimizer")
+    log = open(runs / f"{layout}.log").read()
+    assert "weights and optimizer" in log and "step count is not in common.pt" not in log, log[-2000:]
 
 
 def test_megazero_torch_dist_resumes_from_its_own_train_state(optim_run):
