@@ -3,18 +3,19 @@
 * The loader of full weights reads any source with safetensors' interface: a fake source gives what the
   safetensors file gives, weights, fp32 master, Adam's moments and step alike, reading only its rows.
 * Megatron's opt_param_scheduler maps onto megazero's LR schedule.
-* A checkpoint megatron-core wrote at tp 2 x pp 2: --finetune at pp 1, tp 2, pp 2 and ZeRO-3 dp 2 gives the
-  first losses of a one-process run from its converted full weights; a resume continues at iteration 11 with
-  80 samples consumed and Megatron's LR, the same at pp 1 and at tp 2 x pp 2.
-* The optimizer (torch's DCP writing megatron-core's fully_reshardable names for the state of a megazero run
-  after 2 iterations): iterations 3 and 4 resumed from it at pp 1, tp 2 and ZeRO-3 dp 2 equal the
-  uninterrupted run; with --no-load-optim the weights only (iteration 4 then differs); a dp_reshardable
-  optimizer is refused with the way out.
+* A checkpoint megatron-core wrote at tp 2 x pp 2: --finetune at pp 1, tp 2 (--use-checkpoint-args), pp 2 and
+  ZeRO-3 dp 2 gives the first losses of a one-process run from its converted full weights; a resume continues
+  at iteration 11 with 80 samples consumed and Megatron's LR, the same at pp 1 and at tp 2 x pp 2; another LR
+  schedule is refused; each rank of tp 2 x dp 2 ZeRO-3 reads about its share. megatron-core's experts
+  (ep 2) fine-tune alike at ep 1, ep 2 and tp 2 x ep 2.
+* The optimizer (torch's DCP writing megatron-core's names for the state of a megazero run after 2
+  iterations): iterations 3 and 4 resumed from the fully_reshardable layout at pp 1, tp 2, pp 2 and ZeRO-3
+  dp 2, from a chained optimizer's and from the non-distributed optimizer's equal the uninterrupted run, as
+  from megazero's own torch_dist save (its train state in common.pt); with --no-load-optim the weights only
+  (iteration 4 then differs); a dp_reshardable optimizer is refused with the way out.
 """
-
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -248,7 +249,7 @@ def _assert_same(got: dict, ref: dict, what: str, iterations=(3, 4)) -> None:
             assert abs(a - b) <= RTOL * abs(b), f"{what}: iteration {it} {key} {a} vs the uninterrupted run's {b}"
 
 
-@pytest.mark.parametrize("world,extra", [(1, []), (2, ["--tp", "2"]), (2, ["--zero-stage", "3"])])
+@pytest.mark.parametrize("world,extra", [(1, []), (2, ["--tp", "2"]), (2, ["--pp", "2"]), (2, ["--zero-stage", "3"])])
 def test_optimizer_state_resumes_as_the_uninterrupted_run(optim_run, world, extra):
     runs, prefix, ref = optim_run
     name = f"tdist_{world}_{'_'.join(extra) or 'pp1'}"
@@ -269,7 +270,8 @@ def test_other_optimizer_layouts_of_model_shaped_state_resume_alike(optim_run, l
 
 def test_megazero_torch_dist_resumes_from_its_own_train_state(optim_run):
     runs, prefix, ref = optim_run
-    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / "tdist_megazero")], runs, "mz")
+    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / "tdist_megazero"), "--ckpt-step",
+                                                                 "2"], runs, "mz")
     _assert_same(got, ref, "megazero's torch_dist")
 
 
@@ -322,7 +324,8 @@ def mcore_run(tmp_path_factory):
     saved_config, source, _ = open_torch_dist(ckpt)  # the converted full weights, for the one-process run
     full = str(runs / "full")
     os.makedirs(full)
-    save_file({n: source.get_tensor(n).contiguous() for n in source.keys()}, os.path.join(full, "model_full.safetensors"))
+    save_file({n: source.get_tensor(n).contiguous() for n in source.keys()},
+              os.path.join(full, "model_full.safetensors"))
     json.dump(saved_config.to_dict(), open(os.path.join(full, "config.json"), "w"))
     prefix = write_corpus(runs)
     ref = launch(1, _base(prefix, 2) + ["--pretrained-checkpoint", full], runs, "from_full")
