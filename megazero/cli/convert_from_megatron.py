@@ -51,7 +51,7 @@ def _counted_load(progress: Progress):
 def convert_torch_dist(path: str, output: str, vocab_size: int | None = None) -> tuple:
     """Stream a torch_dist checkpoint into ``output``/model_full.safetensors + config.json, one tensor at a
     time. Returns ``(config, info)``; ``info["bytes_read"]`` counts the checkpoint bytes read."""
-    from megazero.model.interop.megatron_dist import open_torch_dist
+    from megazero.training.torch_dist_source import open_torch_dist
 
     config, source, info = open_torch_dist(path, vocab_size=vocab_size)
     names = source.keys()

@@ -5,11 +5,8 @@ resume (instead of silently "starting from scratch") and says how to convert it;
 ``torch_dist`` directories are read as they are (``megazero.training.torch_dist``), so they pass.
 ``import_megatron(path)`` reads a Megatron checkpoint's weights (any tp, any pp) into a full
 megazero state dict; the name and shape mapping is ``megazero.model.interop.megatron_import``'s.
-``load_megatron_file`` reads one Megatron ``.pt`` file with ``torch.load(weights_only=True)``
-and an explicit allow-list: ``argparse.Namespace``, the numpy types of saved RNG states,
-and inert placeholder classes for Megatron/DeepSpeed enums found in saved ``args``
-(e.g. ``ModelType.encoder_or_decoder``), so no code from the checkpoint ever runs and
-Megatron need not be installed. Anything else is refused by name.
+Every Megatron ``.pt`` file is read with :func:`~megazero.training.megatron_pickle.load_megatron_file`
+(an allow-list; no code from the checkpoint runs).
 
 Layouts read (any tp, any pp):
 
@@ -27,7 +24,6 @@ Layouts read (any tp, any pp):
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import re
@@ -37,6 +33,7 @@ import torch
 
 from megazero.model.config import GPTConfig
 from megazero.model.interop.megatron_import import deepspeed_layer_names, flatten, megatron_names, megatron_to_megazero
+from megazero.training.megatron_pickle import load_megatron_file
 from megazero.training.torch_dist import is_torch_dist
 
 __all__ = ["detect_foreign_checkpoint", "load_megatron_file", "import_megatron", "CONVERT_HINT"]
@@ -81,56 +78,6 @@ def detect_foreign_checkpoint(path: str) -> Optional[str]:
             glob.glob(os.path.join(path, "*model_states.pt"))):
         return f"{path} is one step of a Megatron-DeepSpeed checkpoint; import its weights with: {hint}"
     return None
-
-
-def _placeholder(module: str, name: str) -> type:
-    """An inert stand-in for a class named in a checkpoint (an enum in saved args)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    cls = type(name, (), {"__init__": __init__, "__setstate__": __setstate__,
-                          "__repr__": lambda self: f"<{module}.{name} {self.args}>"})
-    cls.__module__, cls.__qualname__ = module, name
-    return cls
-
-
-def _numpy_globals() -> list:
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    out = [core.multiarray._reconstruct, np.ndarray, np.dtype]
-    dtypes = getattr(np, "dtypes", None)
-    if dtypes is not None:
-        out += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
-    return out
-
-
-_PLACEHOLDER_PREFIXES = ("megatron.", "deepspeed.")
-
-
-def load_megatron_file(path: str) -> dict:
-    """``torch.load(path, weights_only=True)`` with the allow-list described above."""
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    allowed = [argparse.Namespace] + _numpy_globals()
-    allowed_names = {f"{g.__module__}.{getattr(g, '__qualname__', g.__name__)}" for g in allowed}
-    refused = []
-    for full in unsafe:
-        if full in allowed_names:
-            continue
-        module, _, name = full.rpartition(".")
-        if full.startswith(_PLACEHOLDER_PREFIXES):
-            allowed.append(_placeholder(module, name))
-        else:
-            refused.append(full)
-    if refused:
-        raise ValueError(f"{path} contains Python objects outside megazero's allow-list: {refused}; refusing to "
-                         f"unpickle them (only tensors, argparse.Namespace, numpy RNG state and Megatron enums are read)")
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # ---- reading a Megatron checkpoint's weights ------------------------------------------------------

@@ -5,8 +5,9 @@ An iteration directory holds ``.metadata`` (a pickle of DCP's ``Metadata``: ever
 chunks, and where each chunk's bytes are), ``__R_I.distcp`` files (each chunk a ``torch.save`` blob at an
 offset), ``common.pt`` (Megatron's non-sharded state: ``args``, ``iteration``, ...) and ``metadata.json``.
 
-``.metadata`` is unpickled with an allow-list of exactly DCP's metadata classes, ``torch.Size``, the dtypes and
-the layout / memory-format helpers; ``common.pt`` with ``megatron_ckpt.load_megatron_file``. ``read(key, index)``
+``.metadata`` is unpickled with an allow-list of exactly DCP's metadata classes, ``torch.Size``, the dtypes,
+the layout / memory-format helpers and ``pathlib`` paths (the saved checkpoint id); ``common.pt`` with
+``megatron_pickle.load_megatron_file``. ``read(key, index)``
 reads only the chunks the region overlaps, and of each chunk only the rows it needs (the blob's zip
 directory, its small pickle and those rows' bytes), falling back to loading the chunk's blob whole
 (``torch.load(weights_only=True)``) when the blob is not a plain little-endian stored tensor.
@@ -39,6 +40,7 @@ _ALLOWED = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
 }
 Index = Union[int, slice, tuple]
 
@@ -217,7 +219,7 @@ class TorchDistCheckpoint:
         path = os.path.join(self.directory, "common.pt")
         if not os.path.isfile(path):
             return {}
-        from .megatron_ckpt import load_megatron_file
+        from .megatron_pickle import load_megatron_file
 
         try:
             common = load_megatron_file(path)

@@ -248,8 +248,7 @@ def test_detects_megatron_formats(tmp_path):
     (dist_ckpt / "latest_checkpointed_iteration.txt").write_text("50")
     (dist_ckpt / "iter_0000050" / ".metadata").write_bytes(b"")
     (dist_ckpt / "iter_0000050" / "common.pt").write_bytes(b"")
-    msg = detect_foreign_checkpoint(str(dist_ckpt))
-    assert "torch_dist" in msg and "--ckpt-convert-format torch" in msg
+    assert detect_foreign_checkpoint(str(dist_ckpt)) is None  # torch_dist is read as it is (training.torch_dist)
     own = tmp_path / "own"
     (own / "iter_0000010").mkdir(parents=True)
     (own / "latest").write_text("iter_0000010")
