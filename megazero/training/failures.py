@@ -61,8 +61,8 @@ class RunAborted(RuntimeError):
         self.phase, self.rank, self.message, self.user, self.tb = phase, rank, message, user, tb
 
 
-def _flag_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def _flag_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    if dist.get_backend(group) == "nccl":  # a gloo group beside NCCL (background saves) agrees on the host
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -104,7 +104,7 @@ def conclude(phase: str, failure: Optional[Failure], group: Optional[dist.Proces
                              failure.tb) from failure.error
         return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    flag = torch.tensor([world - rank if failure is not None else 0], dtype=torch.int64, device=_flag_device())
+    flag = torch.tensor([world - rank if failure is not None else 0], dtype=torch.int64, device=_flag_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
         return

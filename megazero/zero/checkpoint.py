@@ -32,7 +32,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,9 +68,25 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
     of another stage's parameter (``pipeline_shared_copy``: the tied head's embedding) is
     not listed, since it equals the original and loads from it.
     """
-    from safetensors.torch import save_file
+    tensors, meta = stage_zero_state(engine, pp_rank=pp_rank, pp_size=pp_size)
+    path = write_zero_state(tensors, meta, directory)
+    engine.drop_pages()  # the NVMe maps' pages this save read (offload)
+    return path
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+
+def stage_zero_state(engine: ZeroEngine, *, pp_rank: int = 0, pp_size: int = 1,
+                     snapshot: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                     ) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, metadata)`` of this rank's file (:func:`save_zero_state`), read now: the fp32
+    partitions and optimizer state on the host, the metadata as plain values. ``snapshot(t)``
+    makes each host tensor (default ``t.float().contiguous().cpu()``, which may share the live
+    tensor's memory on the CPU); a background save passes one that copies, so the step may change
+    the live tensors right after (and then drops the NVMe pages its copies read, as
+    :func:`save_zero_state` does after writing)."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().contiguous().cpu()
+
+    snapshot = snapshot or host
     tensors, groups_meta = {}, []
     step = optimizer_step(engine.optimizer)  # torch keeps it in the state, apex's FusedAdam in the group
     keys = ("master",) + optimizer_state_keys(engine.optimizer)
@@ -79,7 +95,7 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
         for key in keys:
             value = g.master if key == "master" else state.get(key)
             if value is not None:
-                tensors[f"g{i}.{key}"] = value.detach().float().contiguous().cpu()
+                tensors[f"g{i}.{key}"] = snapshot(value.detach())
         groups_meta.append({
             "partitions": g.partitions, "shard_start": g.shard_start, "shard_numel": g.shard_numel,
             "padded_numel": g.padded_numel, "partitioning": g.part.name, "replica_rank": g.part.replica_rank,
@@ -94,10 +110,19 @@ def save_zero_state(engine: ZeroEngine, directory: str, *, pp_rank: int = 0, pp_
         "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                    "micro_steps": engine.micro_steps},
     }
+    if snapshot is not host:
+        engine.drop_pages()
+    return tensors, json.loads(json.dumps(meta))  # plain values, detached from the live engine
+
+
+def write_zero_state(tensors: dict[str, torch.Tensor], meta: dict, directory: str) -> str:
+    """Write a staged file (:func:`stage_zero_state`) into ``directory``, fsync'd; no communication."""
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(directory, exist_ok=True)  # every rank: a shared filesystem may not show rank 0's mkdir yet
     path = shard_file(directory, rank)
     save_file(tensors, path, metadata={"megazero": json.dumps(meta)})
-    engine.drop_pages()  # the NVMe maps' pages this save read (offload)
     fsync_path(path)
     return path
 

@@ -59,6 +59,7 @@ class FailureProtocol:
             if failure is None and engine.deferred_failure is not None:  # an offload read or write
                 phase, error = engine.deferred_failure
                 failure = failure_of(error)
+            self.checkpointer.settle()  # every rank is here: the background save in flight is committed
             conclude(phase, failure)
         self.failure = None
 
