@@ -45,12 +45,14 @@ import torch.distributed as dist
 
 from .. import mpu
 from ..mpu.sharding import shard_ranges
-from ..zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state, save_zero_state
+from ..zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state
 from ..zero.engine import ZeroEngine
 from ..zero.shard_io import digest_file, fsync_path, sha256_file
-from .failures import agree
+from .async_save import HostCopier, PendingSave, finish_write
+from .failures import agree, attempt
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir",
+__all__ = ["CheckpointError", "save_checkpoint", "stage_checkpoint", "PendingSave", "MegazeroSave", "load_checkpoint",
+           "latest_iteration", "checkpoint_dir", "publish_directory",
            "load_full_model", "read_manifest", "resolve_checkpoint_dir", "open_checkpoint", "is_full_checkpoint",
            "saved_model_config", "checkpoint_tokenizer_dir", "FullWeightsReader", "TOKENIZER_DIR"]
 
@@ -155,8 +157,28 @@ def save_checkpoint(
     Every file is fsync'd, then the manifest, then the directory is renamed and the
     parent fsync'd, and only then does ``latest`` move (and get fsync'd): a crash at any
     point leaves the previous checkpoint in force. A failure on any rank stops every
-    rank with that rank's message (:class:`RunAborted`).
+    rank with that rank's message (:class:`RunAborted`). It is :func:`stage_checkpoint`'s
+    three parts in a row, over the default group, without host copies.
     """
+    pending = stage_checkpoint(save, iteration, engine, train_state=train_state, config=config, tokenizer=tokenizer,
+                               pipeline=pipeline, on_written=on_written, copy=False)
+    _, failure = attempt(pending.write)
+    finish_write(pending, failure)
+    return pending.directory
+
+
+def stage_checkpoint(
+    save: str, iteration: int, engine: ZeroEngine, *, train_state: dict[str, Any], config: dict[str, Any],
+    tokenizer: Optional[Any] = None, pipeline=None, group: Optional[dist.ProcessGroup] = None,
+    on_written: Optional[Callable[[str], None]] = None, copy: bool = True,
+) -> "MegazeroSave":
+    """Collective over ``group`` (default: the default group): the checkpoint of ``iteration``, staged
+    (:mod:`~megazero.training.async_save`). The stale ``.partial`` directory is removed, and with ``copy``
+    the rank's ZeRO partitions, optimizer state, RNG and persistent buffers are copied into host memory
+    (``host_bytes``: one copy of what the rank holds), so training may go on while ``write()`` runs;
+    without ``copy`` the write reads the live tensors (the synchronous save)."""
+    from ..zero.checkpoint import stage_zero_state
+
     final = checkpoint_dir(save, iteration)
     partial = final + ".partial"
 
@@ -165,62 +187,100 @@ def save_checkpoint(
             os.makedirs(save, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
 
-    agree("checkpoint save", prepare)  # also the barrier: nobody writes before the stale partial is gone
+    agree("checkpoint save", prepare, group=group)  # also the barrier: nobody writes before the stale partial is gone
+    copier = HostCopier() if copy else None
+    host = copier if copier is not None else (lambda t: t.detach().cpu().contiguous())
+    zero = stage_zero_state(engine, **_pipeline_kwargs(pipeline), snapshot=copier.float32 if copier else None)
+    rng = {k: host(v) for k, v in _rng_tensors().items()}
+    buffers = {k: host(v) for k, v in _persistent_buffers(engine).items()}
+    if copier is not None:
+        copier.finish()
+    layout = {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage,
+              **({"pp_size": pipeline.groups.pp_size} if pipeline is not None else {})}
+    coords = {"tp_rank": engine.tp_rank, "dp_rank": engine.dp_rank, "pp_rank": _pipeline_kwargs(pipeline).get("pp_rank", 0)}
+    pending = MegazeroSave(save, final, zero, rng, buffers, json.loads(json.dumps(train_state)),
+                           json.loads(json.dumps(config)), tokenizer=tokenizer, on_written=on_written, group=group,
+                           layout=layout, coords=coords,
+                           drop_pages=None if copy else engine.drop_pages)  # the write reads the NVMe maps itself
+    pending.host_bytes = copier.bytes if copier is not None else 0
+    return pending
 
-    def write() -> dict[str, dict]:
+
+class MegazeroSave(PendingSave):
+    """A staged megazero checkpoint (:func:`stage_checkpoint`): ``write()`` writes this rank's files into
+    ``DIR.partial``, ``commit()`` gathers every rank's entries, and rank 0 writes the manifest, renames
+    the directory and moves ``latest``."""
+
+    def __init__(self, save: str, final: str, zero: tuple[dict, dict], rng: dict, buffers: dict, train_state: dict,
+                 config: dict, *, tokenizer, on_written, group, layout: dict, coords: dict, drop_pages) -> None:
+        self.save, self.partial, self.directory = save, final + ".partial", final
+        self.zero, self.rng, self.buffers = zero, rng, buffers
+        self.train_state, self.config, self.tokenizer = train_state, config, tokenizer
+        self.on_written, self.group = on_written, group
+        self.layout, self.coords, self.drop_pages = layout, coords, drop_pages
+        self.entries: Optional[dict[str, dict]] = None
+
+    def write(self) -> None:
         from safetensors.torch import save_file
 
-        rank = _rank()
+        from ..zero.checkpoint import write_zero_state
+
+        rank, partial = _rank(), self.partial
         os.makedirs(partial, exist_ok=True)  # every rank: NFS attribute caches may not show rank 0's mkdir
-        zero_path = save_zero_state(engine, partial, **_pipeline_kwargs(pipeline))
+        zero_path = write_zero_state(*self.zero, partial)
+        if self.drop_pages is not None:
+            self.drop_pages()
         rng_path = os.path.join(partial, f"rng_rank{rank:05d}.safetensors")
-        save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, rng_path)
+        save_file(self.rng, rng_path)
         fsync_path(rng_path)
         paths = [rng_path]
-        buffers = _persistent_buffers(engine)
-        if buffers:
+        if self.buffers:
             buffers_path = os.path.join(partial, f"buffers_rank{rank:05d}.safetensors")
-            save_file(buffers, buffers_path)
+            save_file(self.buffers, buffers_path)
             fsync_path(buffers_path)
             paths.append(buffers_path)
         if rank == 0:
-            for name, obj in (("train_state.json", train_state), ("config.json", config)):
-                path = os.path.join(partial, name)
-                _write_json_atomic(path, obj)
-                paths.append(path)
-            if tokenizer is not None:
-                from ..data import save_tokenizer_files
-
-                tok_dir = os.path.join(partial, TOKENIZER_DIR)
-                save_tokenizer_files(tokenizer, tok_dir)
-                for name in sorted(os.listdir(tok_dir)):
-                    fsync_path(os.path.join(tok_dir, name))
-                    paths.append(os.path.join(tok_dir, name))
-                fsync_path(tok_dir)
-        if on_written is not None:
-            on_written(partial)
+            paths += self._write_rank0_files()
+        if self.on_written is not None:
+            self.on_written(partial)
         entries = {os.path.relpath(p, partial): digest_file(p) for p in [zero_path] + paths}
-        entries[os.path.relpath(zero_path, partial)].update(tp_rank=engine.tp_rank, dp_rank=engine.dp_rank,
-                                                            pp_rank=_pipeline_kwargs(pipeline).get("pp_rank", 0))
-        return entries
+        entries[os.path.relpath(zero_path, partial)].update(self.coords)
+        self.entries = entries
+        self.zero = self.rng = self.buffers = None  # the host copies are on disk now
 
-    entries = agree("checkpoint save", write)
-    gathered: list[Optional[dict]] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(gathered, entries)
-    else:
-        gathered = [entries]
+    def _write_rank0_files(self) -> list[str]:
+        paths = []
+        for name, obj in (("train_state.json", self.train_state), ("config.json", self.config)):
+            path = os.path.join(self.partial, name)
+            _write_json_atomic(path, obj)
+            paths.append(path)
+        if self.tokenizer is not None:
+            from ..data import save_tokenizer_files
 
-    def commit() -> None:
-        if _rank() == 0:
-            manifest = {"format": MANIFEST_FORMAT,
-                        "layout": {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage,
-                                   **({"pp_size": pipeline.groups.pp_size} if pipeline is not None else {})},
-                        "files": {k: v for e in gathered for k, v in e.items()}}
-            _commit(save, partial, final, manifest)
+            tok_dir = os.path.join(self.partial, TOKENIZER_DIR)
+            save_tokenizer_files(self.tokenizer, tok_dir)
+            for name in sorted(os.listdir(tok_dir)):
+                fsync_path(os.path.join(tok_dir, name))
+                paths.append(os.path.join(tok_dir, name))
+            fsync_path(tok_dir)
+        return paths
 
-    agree("checkpoint save", commit)
-    return final
+    def commit(self) -> None:
+        group = self.group
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        gathered: list[Optional[dict]] = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, self.entries, group=group)
+        else:
+            gathered = [self.entries]
+
+        def seal() -> None:
+            if _rank() == 0:
+                manifest = {"format": MANIFEST_FORMAT, "layout": self.layout,
+                            "files": {k: v for e in gathered for k, v in e.items()}}
+                _commit(self.save, self.partial, self.directory, manifest)
+
+        agree("checkpoint save", seal, group=group)
 
 
 def _pipeline_kwargs(pipeline) -> dict[str, Any]:
@@ -234,17 +294,24 @@ def _pipeline_kwargs(pipeline) -> dict[str, Any]:
 def _commit(save: str, partial: str, final: str, manifest: dict) -> None:
     """Rank 0: seal the checkpoint directory durably, then move ``latest`` (the only visible switch)."""
     _write_json_atomic(os.path.join(partial, "manifest.json"), manifest)
+    publish_directory(save, partial, final, LATEST, os.path.basename(final) + "\n")
+
+
+def publish_directory(save: str, partial: str, final: str, tracker: str, text: str) -> None:
+    """Rank 0: rename the written ``partial`` directory to ``final`` durably, then write ``text`` into the
+    tracker file ``save/tracker`` atomically (the only visible switch: a crash before it leaves the previous
+    checkpoint in force)."""
     fsync_path(partial)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(partial, final)
-    fsync_path(save)  # the rename is durable before latest points at it
-    tmp = os.path.join(save, LATEST + ".tmp")
+    fsync_path(save)  # the rename is durable before the tracker points at it
+    tmp = os.path.join(save, tracker + ".tmp")
     with open(tmp, "w") as f:
-        f.write(os.path.basename(final) + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save, LATEST))
+    os.replace(tmp, os.path.join(save, tracker))
     fsync_path(save)
 
 

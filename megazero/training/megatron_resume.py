@@ -18,18 +18,17 @@ Each rank reads only the chunks holding its share (``megazero.zero.source_load``
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
 import torch
 
 from ..zero.shard_io import CheckpointError
+from .torch_dist_source import megazero_entry
 
 __all__ = ["is_torch_dist_load", "torch_dist_path", "torch_dist_model_config", "torch_dist_tokenizer_dir",
            "megatron_scheduler_state", "read_torch_dist"]
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def is_torch_dist_load(load: Optional[str]) -> bool:
@@ -53,15 +52,6 @@ def torch_dist_path(load: str, iteration: Optional[int] = None) -> str:
     return directory
 
 
-def _megazero_entry(common: dict) -> Optional[dict]:
-    """``common.pt``'s ``megazero`` entry (train state and config, dicts or JSON text), None when absent."""
-    entry = common.get("megazero")
-    if entry is None:
-        return None
-    entry = json.loads(entry) if isinstance(entry, (str, bytes)) else dict(entry)
-    return {k: json.loads(v) if isinstance(v, (str, bytes)) else v for k, v in entry.items()}
-
-
 def torch_dist_model_config(load: str, iteration: Optional[int] = None) -> tuple[str, dict[str, Any]]:
     """``(where, GPTConfig dict)`` of a torch_dist checkpoint: megazero's saved config, or the model
     Megatron-LM's ``args`` describe. Raises CheckpointError naming the file."""
@@ -70,7 +60,7 @@ def torch_dist_model_config(load: str, iteration: Optional[int] = None) -> tuple
 
     ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
     where = os.path.join(ckpt.directory, "common.pt")
-    own = _megazero_entry(ckpt.common)
+    own = megazero_entry(ckpt.common)
     if own is not None and isinstance(own.get("config"), dict) and isinstance(own["config"].get("model"), dict):
         return where, own["config"]["model"]
     if ckpt.args is None:
@@ -151,7 +141,7 @@ def _optimizer_kind(ckpt) -> str:
     what the keys show ('fully_reshardable', 'dp_reshardable' or 'none')."""
     import re
 
-    from ..model.interop.megatron_dist import optimizer_state_kind
+    from .torch_dist_source import optimizer_state_kind
 
     for o in _optimizers(ckpt.common):
         kind = o.get("param_state_sharding_type")
@@ -175,13 +165,15 @@ class _Union:
         return self._of[name].get_slice(name)
 
 
-def _optimizer_sources(ckpt, config, names: set[str]) -> tuple[Optional[Any], dict[str, Any]]:
-    """(master source or None, moment -> source) of a fully_reshardable optimizer state, for ``names``. The
-    state keys are ``optimizer.state.<what>.<model key>``, under a chained optimizer saved with prefixes
+def _optimizer_sources(ckpt, config, names: set[str], wanted: tuple[str, ...], optimizer: str
+                       ) -> tuple[Optional[Any], dict[str, Any]]:
+    """(master source or None, state key -> source) of a fully_reshardable optimizer state, for ``names`` and
+    the run's optimizer state keys ``wanted`` (Adam's moments, SGD's ``momentum_buffer``). The state keys are
+    ``optimizer.state.<what>.<model key>``, under a chained optimizer saved with prefixes
     ``chained_<i>.optimizer.state...`` (each model key in one part)."""
     import re
 
-    from ..model.interop.megatron_dist import MegatronDistSource, entries_for_checkpoint
+    from .torch_dist_source import MegatronDistSource, entries_for_checkpoint
 
     entries = [e for e in entries_for_checkpoint(ckpt, config) if e.name in names]
     keys = set(ckpt.keys())
@@ -204,11 +196,12 @@ def _optimizer_sources(ckpt, config, names: set[str]) -> tuple[Optional[Any], di
         return _Union(parts) if parts else None
 
     moments = {}
-    for m in _MOMENTS:
+    for m in wanted:
         moments[m] = source(m)
         if moments[m] is None:
-            raise CheckpointError(f"{ckpt.directory} holds optimizer state but no {m} (optimizer.state.{m}.*): it "
-                                  "was saved by another optimizer; load the weights only with --no-load-optim")
+            raise CheckpointError(f"{ckpt.directory} holds optimizer state but no {m} (optimizer.state.{m}.*), "
+                                  f"which this run's {optimizer} keeps: it was saved by another optimizer; resume "
+                                  "with that one, or load the weights only with --no-load-optim")
     master = next((found for what in ("param", "fp32_param") if (found := source(what)) is not None), None)
     return master, moments
 
@@ -229,7 +222,7 @@ def _restore_buffers(engine, source) -> None:
 
 def _train_state(ckpt, finetune: bool) -> dict[str, Any]:
     """iteration, consumed samples, LR schedule (megazero's format) and where they came from."""
-    own = _megazero_entry(ckpt.common)
+    own = megazero_entry(ckpt.common)
     if own is not None and isinstance(own.get("train_state"), dict):
         state = dict(own["train_state"])
         state["source"] = "megazero"
@@ -250,7 +243,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     """Collective-free: fill ``engine`` (its model ``config``) from the torch_dist checkpoint ``load`` and
     return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format),
     ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``."""
-    from ..model.interop.megatron_dist import MegatronDistSource
+    from .torch_dist_source import MegatronDistSource
     from ..zero.checkpoint import load_full_weights_file, optimizer_state_keys
     from .torch_dist import TorchDistCheckpoint
 
@@ -262,12 +255,8 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     master, moments, step = None, None, None
     kind = _optimizer_kind(ckpt) if load_optimizer else "none"
     if kind == "fully_reshardable":
-        wanted = optimizer_state_keys(engine.optimizer)
-        if set(wanted) != set(_MOMENTS):
-            raise CheckpointError(f"{ckpt.directory} holds Adam's state {list(_MOMENTS)}, this run's "
-                                  f"{type(engine.optimizer).__name__} keeps {list(wanted)}: resume with Adam, or "
-                                  "load the weights only with --no-load-optim")
-        master, moments = _optimizer_sources(ckpt, config, names)
+        master, moments = _optimizer_sources(ckpt, config, names, optimizer_state_keys(engine.optimizer),
+                                             type(engine.optimizer).__name__)
         step, found = _optimizer_step(ckpt.common, state["iteration"])
         if not found:
             notes.append(f"the optimizer's step count is not in common.pt: Adam continues at step {step} "
@@ -282,6 +271,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
                      "scale")
     load_full_weights_file(engine, weights, master=master, moments=moments, step=step, where=ckpt.directory)
     _restore_buffers(engine, weights)
+    own = megazero_entry(ckpt.common) or {}
     state.update(optimizer_loaded=moments is not None, bytes_read=ckpt.bytes_read, directory=ckpt.directory,
-                 notes=notes)
+                 notes=notes, engine=own.get("engine") if moments is not None else None)
     return state

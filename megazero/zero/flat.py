@@ -24,7 +24,7 @@ so the DP partition splits each TP shard again.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -213,20 +213,25 @@ class FlatGroup:
         Parameters marked ``pipeline_shared_copy`` (a pipeline stage's copy of a tied
         weight) are counted by their owner only.
         """
+        return [(s0, s0 + n) for _, _, s0, n in self.counted_slots(count_replicated, count_any)]
+
+    def counted_slots(self, count_replicated: bool, count_any: Optional[bool] = None
+                      ) -> Iterator[tuple[ParamSlot, int, int, int]]:
+        """``(slot, start_in_param, start_in_shard, length)`` of each parameter range this rank owns and counts
+        (:meth:`norm_ranges`' rule): over all ranks, every element of every parameter exactly once. What the
+        norm sums and what a checkpoint that writes each element once writes."""
         if count_any is None:
             count_any = self.counts_in_norm()
         if not count_any:
-            return []
-        ranges = []
+            return
         for s in self.slots:
             if getattr(s.param, "pipeline_shared_copy", False):
                 continue
             if not count_replicated and not getattr(s.param, "tensor_model_parallel", False):
                 continue
-            _, s0, n = self.owned_range(s)
+            p0, s0, n = self.owned_range(s)
             if n:
-                ranges.append((s0, s0 + n))
-        return ranges
+                yield s, p0, s0, n
 
 
 def fill_range(rows: torch.Tensor, lo: int, hi: int, width: int, src: Optional[torch.Tensor]) -> None:

@@ -309,7 +309,7 @@ def _base(prefix: str, iters: int) -> list[str]:
 @pytest.fixture(scope="module")
 def mcore_run(tmp_path_factory):
     from megazero.model.config import GPTConfig
-    from megazero.model.interop.megatron_dist import open_torch_dist
+    from megazero.training.torch_dist_source import open_torch_dist
     from tests.mcore import write_mcore_checkpoint
 
     runs = tmp_path_factory.mktemp("megatron_resume_mcore")
@@ -373,7 +373,7 @@ def _read_share(ckpt: str, tp: int, stage: int) -> dict:
     """On each rank of a tp x dp engine: the bytes read from the .distcp files for its weights, and its share."""
     from megazero import mpu, zero
     from megazero.model import GPTModel
-    from megazero.model.interop.megatron_dist import open_torch_dist
+    from megazero.training.torch_dist_source import open_torch_dist
     from megazero.training.megatron_resume import read_torch_dist
     from tests.zero.common import ds_config
 

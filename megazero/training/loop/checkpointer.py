@@ -9,9 +9,11 @@ from typing import Optional
 import torch
 
 from ... import mpu
-from ..checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, save_checkpoint
+from ..async_save import BackgroundSave, PendingSave, finish_write, writer_group
+from ..checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, stage_checkpoint
+from ..torch_dist_save import stage_torch_dist
 from ..config import TrainConfig
-from ..failures import agree
+from ..failures import RunAborted, agree, attempt
 from ..health import PhaseBoard
 from ..health.watchdog import warn_if_save_near_timeout
 from ..lr_schedule import LRScheduler
@@ -34,6 +36,14 @@ class Checkpointer:
     A checkpoint holds the engine's state, every rank's RNG, the train state (iteration, consumed
     samples, LR schedule), the config and the tokenizer's files. ``callbacks`` hear ``on_load``,
     ``on_save_written`` and ``on_save``.
+
+    With ``--async-save`` a save into ``--save`` is staged (host copies of the rank's state, logged
+    with their size) and written by a background thread while training goes on; at most one is in
+    flight (the next save waits for it). Every iteration while it is in flight, one small all-reduce
+    on the savers' gloo group asks whether every rank has written; then it is committed (``latest``
+    moves) and ``on_save`` is heard. A planned exit, the end of training and a failure inside an
+    iteration wait for it; ``on_save_written`` is then heard on the writer thread. A failed write
+    stops every rank with that rank's message, ``latest`` left on the previous checkpoint.
     """
 
     def __init__(self, config: TrainConfig, run: TrainModel, scheduler: LRScheduler, tokenizer=None,
@@ -42,25 +52,62 @@ class Checkpointer:
         self.board = board or PhaseBoard()  # where the rank is, for the watchdog
         self.callbacks = callbacks or Callback()
         self.last_saved: Optional[int] = None  # the iteration of the latest save into --save
+        self.in_flight: Optional[BackgroundSave] = None  # the background save not committed yet
 
     # -- saving
 
     def after_step(self, state: TrainState) -> None:
-        """Save at every ``--save-interval``-th iteration."""
+        """Commit the background save once every rank has written it; save at every
+        ``--save-interval``-th iteration."""
+        self.poll()
         ck = self.config.checkpoint
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             self.save(state)
 
     def on_exit(self, state: TrainState) -> None:
-        """A planned exit (signal, duration, interval): save unless this iteration is saved already."""
+        """A planned exit (signal, duration, interval): save unless this iteration is saved already;
+        the save in flight is committed before the run ends."""
         if self.config.checkpoint.save and self.last_saved != state.iteration:
             self.save(state)
+        self.wait()
 
     def at_end(self, state: TrainState) -> None:
-        """The end of training: save unless ``latest`` is this iteration (or training was skipped)."""
+        """The end of training: save unless ``latest`` is this iteration (or training was skipped);
+        the save in flight is committed before the run ends."""
+        self.wait()
         save = self.config.checkpoint.save
-        if save and not self.config.schedule.skip_train and latest_iteration(save) != state.iteration:
+        if (save and not self.config.schedule.skip_train and self.last_saved != state.iteration
+                and latest_iteration(save) != state.iteration):
             self.save(state)
+        self.wait()
+
+    def poll(self) -> None:
+        """Collective, every iteration while a background save is in flight (one small all-reduce on
+        the savers' group): commit it once every rank has written."""
+        if self.in_flight is not None and self.in_flight.ready():
+            self.wait()
+
+    def wait(self) -> None:
+        """Collective: wait for the background save in flight (if any) and commit it."""
+        pending = self.in_flight
+        if pending is None:
+            return
+        self.board.enter("checkpoint save")
+        t0 = time.perf_counter()
+        self.in_flight = None  # a failed one is not waited for twice
+        pending.wait()
+        log.info(f"saved checkpoint {pending.pending.directory} (written in the background in "
+                 f"{pending.write_seconds:.2f}s; {time.perf_counter() - t0:.2f}s waited and committed)")
+        warn_if_save_near_timeout(self.config, pending.write_seconds)
+        self.callbacks.on_save(pending.pending.directory)
+
+    def settle(self) -> None:
+        """Collective, on the way out of a failed iteration: commit the background save in flight; its own
+        failure is logged, the iteration's failure stays the run's."""
+        try:
+            self.wait()
+        except RunAborted as e:
+            log.warning(f"the background checkpoint save in flight failed too: {e}")
 
     def save_debug(self, state: TrainState) -> str:
         """The current state into ``SAVE/debug`` (``./debug`` without ``--save``); its directory."""
@@ -68,22 +115,43 @@ class Checkpointer:
         return self.save(state, save_dir=debug)
 
     def save(self, state: TrainState, save_dir: Optional[str] = None) -> str:
-        """Collective: the checkpoint of ``state.iteration`` into ``save_dir`` (default ``--save``)."""
+        """Collective: the checkpoint of ``state.iteration`` into ``save_dir`` (default ``--save``); with
+        ``--async-save`` one into ``--save`` is staged and written in the background (its directory is
+        returned; it is complete once committed)."""
         save = save_dir or self.config.checkpoint.save
+        background = self.config.checkpoint.async_save and save_dir is None
+        self.wait()  # at most one save in flight
         self.board.enter("checkpoint save")
         t0 = time.perf_counter()
-        path = save_checkpoint(save, state.iteration, self.run.engine,
-                               train_state={"iteration": state.iteration, "consumed_samples": state.consumed_samples,
-                                            "lr_scheduler": self.scheduler.state_dict()},
-                               config=self.config.to_dict(), tokenizer=self.tokenizer, pipeline=self.run.stage,
-                               on_written=self._written)
+        pending = self._stage(state, save, background)
+        if save_dir is None:
+            self.last_saved = state.iteration
+        if background:
+            self.in_flight = BackgroundSave(pending)
+            log.info(f"staged checkpoint {pending.directory} in {time.perf_counter() - t0:.2f}s "
+                     f"({pending.host_bytes / 2 ** 20:.1f} MiB of host memory per rank); writing it in the background")
+            return pending.directory
+        _, failure = attempt(pending.write)
+        finish_write(pending, failure)
         seconds = time.perf_counter() - t0
         log.info(f"saved checkpoint {checkpoint_dir(save, state.iteration)} in {seconds:.2f}s")
         warn_if_save_near_timeout(self.config, seconds)
-        if save_dir is None:
-            self.last_saved = state.iteration
-        self.callbacks.on_save(path)
-        return path
+        self.callbacks.on_save(pending.directory)
+        return pending.directory
+
+    def _stage(self, state: TrainState, save: str, background: bool) -> PendingSave:
+        """The save staged in the run's checkpoint format (``--ckpt-format``)."""
+        kw = dict(train_state={"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+                               "lr_scheduler": self.scheduler.state_dict()},
+                  config=self.config.to_dict(), tokenizer=self.tokenizer, pipeline=self.run.stage,
+                  group=writer_group() if background else None)
+        ck = self.config.checkpoint
+        if ck.ckpt_format == "torch_dist":
+            return stage_torch_dist(save, state.iteration, self.run.engine, **kw, copy=background,
+                                    on_written=self.callbacks.on_save_written if background else self._written,
+                                    transformer_impl=ck.transformer_impl)
+        return stage_checkpoint(save, state.iteration, self.run.engine, **kw, copy=background,
+                                on_written=self.callbacks.on_save_written if background else self._written)
 
     def _written(self, partial: str) -> None:
         self.callbacks.on_save_written(partial)
@@ -145,6 +213,10 @@ class Checkpointer:
             ck.load, engine, self.config.model, iteration=ck.ckpt_step,
             load_optimizer=not (ck.finetune or ck.no_load_optim), finetune=ck.finetune))
         engine.global_steps, engine.skipped_steps, engine.micro_steps = state["iteration"], 0, 0
+        own = state.get("engine")  # megazero's own torch_dist save: its loss scaler and counters
+        if own is not None and own.get("precision") == str(engine.compute_dtype).replace("torch.", ""):
+            engine.loss_scaler.load_state_dict(own["loss_scaler"])
+            engine.global_steps, engine.skipped_steps = own["global_steps"], own["skipped_steps"]
         for note in state["notes"]:
             log.info(f"> {note}")
         log.info(f"> loaded {state['directory']} (torch_dist: "

@@ -230,6 +230,7 @@ def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bo
                             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
                             use_checkpoint_args=bool(ns.use_checkpoint_args), ckpt_step=ns.ckpt_step,
                             ckpt_format=ns.ckpt_format or "megazero", async_save=bool(ns.async_save),
+                            transformer_impl=getattr(ns, "transformer_impl", None) or "transformer_engine",
                             **_non_persistent(ns))
 
 
