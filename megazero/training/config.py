@@ -217,8 +217,6 @@ class CheckpointConfig:
     # the layer spec whose names a torch_dist save uses where megatron-core's specs differ (--transformer-impl)
     transformer_impl: str = "transformer_engine"
     async_save: bool = False  # write checkpoints in the background (one in flight)
-    non_persistent_save_interval: Optional[int] = None  # rank-local checkpoints every N iterations
-    non_persistent_local_ckpt_dir: Optional[str] = None
 
 
 @dataclass

@@ -373,13 +373,9 @@ g(H, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format of --save:
                                                                                    "fsdp_dtensor")))
 g(H, "--async-save", "write each checkpoint in the background while training continues (at most one save in "
   "flight; the next save, the end of the run, a signal or a failure waits for it)")
-g(H, "--non-persistent-save-interval", "iterations between rank-local checkpoints for a fast restart (with "
-  "--non-persistent-ckpt-type local), besides the --save-interval ones", int)
-g(H, "--non-persistent-ckpt-type", "where the non-persistent checkpoints go: local (each node's "
-  "--non-persistent-local-ckpt-dir)", str, choices=("local", "global", "in_memory"),
-  refuse_values=tuple((v, f"--non-persistent-ckpt-type {v} is not supported: use local") for v in ("global",
-                                                                                                 "in_memory")))
-g(H, "--non-persistent-local-ckpt-dir", "the node-local directory of the non-persistent checkpoints", str)
+g(R, ("--non-persistent-save-interval", "--non-persistent-ckpt-type", "--non-persistent-local-ckpt-dir"),
+  "megazero writes no rank-local non-persistent checkpoints: save with --save-interval, and --async-save to keep "
+  "training while each one is written", str)
 g(M, "--use-dist-ckpt", "sharded checkpoints: megazero's checkpoints are sharded and reshardable; accepted")
 g(M, "--auto-detect-ckpt-format", "find the format of --load: megazero reads its own format; accepted")
 g(M, "--dist-ckpt-strictness", "how a distributed checkpoint's missing or unexpected keys are handled: a megazero "

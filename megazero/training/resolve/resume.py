@@ -230,18 +230,4 @@ def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bo
                             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
                             use_checkpoint_args=bool(ns.use_checkpoint_args), ckpt_step=ns.ckpt_step,
                             ckpt_format=ns.ckpt_format or "megazero", async_save=bool(ns.async_save),
-                            transformer_impl=getattr(ns, "transformer_impl", None) or "transformer_engine",
-                            **_non_persistent(ns))
-
-
-def _non_persistent(ns: argparse.Namespace) -> dict[str, Any]:
-    """Megatron's --non-persistent-save-interval with --non-persistent-ckpt-type local and its directory."""
-    interval, directory = ns.non_persistent_save_interval, ns.non_persistent_local_ckpt_dir
-    if interval is None:
-        return {}
-    if interval < 1:
-        raise ConfigError(f"--non-persistent-save-interval must be >= 1, got {interval}")
-    if (ns.non_persistent_ckpt_type or "local") != "local" or directory is None:
-        raise ConfigError("--non-persistent-save-interval needs --non-persistent-ckpt-type local and "
-                          "--non-persistent-local-ckpt-dir DIR (a node-local directory)")
-    return {"non_persistent_save_interval": interval, "non_persistent_local_ckpt_dir": directory}
+                            transformer_impl=getattr(ns, "transformer_impl", None) or "transformer_engine")
