@@ -120,6 +120,9 @@ class MemoryEstimate:
     # stage, its fp32 sum through backward and the exchange after it (the largest stage's)
     embedding_stash: float = 0.0
     embedding_sync: float = 0.0
+    # --async-save: one staged copy of the rank's fp32 master and Adam moments partitions in host memory,
+    # from the save until its background write ends (not in ``host_total``: it comes and goes with saves)
+    host_checkpoint: float = 0.0
 
     @property
     def nccl(self) -> float:
@@ -217,6 +220,9 @@ class MemoryEstimate:
                 if value:
                     lines.append(f"  {name:<24}{value / GiB:>10.2f}")
             lines.append(f"  ({HOST_MEMORY_NOTE})")
+        if self.host_checkpoint:
+            lines.append(f"background checkpoint save (--async-save): {self.host_checkpoint / GiB:.2f} GiB of host "
+                         "memory per rank while a save is written (its staged copy)")
         if self.host_pinned_batches:
             lines.append(f"pinned loader batches: {self.host_pinned_batches:,.0f} bytes of host memory "
                          "(torch's caching host allocator rounds each batch up to a power of two)")
@@ -244,7 +250,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     cp_comm_type: Union[str, tuple[str, ...]] = "p2p",
                     hierarchical_cp: tuple[int, ...] = (), expert_parallel: int = 1,
                     expert_tensor_parallel: Optional[int] = None, first_stage_layers: Optional[int] = None,
-                    last_stage_layers: Optional[int] = None) -> MemoryEstimate:
+                    last_stage_layers: Optional[int] = None, async_save: bool = False) -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -268,6 +274,9 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     bytes are reported apart (``host_optimizer``, ``host_ring``, ``nvme``), not in ``total``.
     ``offload_param`` (ZeRO-3, ``cpu`` / ``nvme`` with ``max_in_cpu`` and the read buffers) does the
     same for the weight partition (``host_params``, ``host_param_ring``, ``nvme_params``).
+
+    ``async_save``: ``host_checkpoint`` is the staged copy a background save holds, the rank's partition of
+    the fp32 masters and Adam's two moments (the whole of them at ZeRO-0).
 
     On a GPU: ``nccl_communicators`` are those a first-stage rank joins (ZeRO-3's gradient
     communicator as the engine decides it, ``keep_gathered`` being ``stage3_keep_gathered_in_step``),
@@ -408,7 +417,9 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                   offload_ratio=ratio, offload_param=offload_param, moe=bool(moe_layers(config))),
         activation_detail=act, pipeline=pipeline,
         nccl_communicators=nccl, nccl_note=gradient_communicator_note(nccl, zero_stage, zdp),
-        host_pinned_batches=float(loader_pinned_bytes(micro_batch_size, s, num_workers)))
+        host_pinned_batches=float(loader_pinned_bytes(micro_batch_size, s, num_workers)),
+        host_checkpoint=12.0 * (psi + psi_experts if zero_stage == 0 else psi / zdp + psi_experts / edp)
+        if async_save else 0.0)
 
 
 def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> dict:
@@ -438,7 +449,8 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
         offload_buffer_count=off.buffer_count, offload_buffer_size=off.buffer_size,
         offload_param=par.device if par.enabled else "none", offload_param_max_in_cpu=par.max_in_cpu,
         offload_param_buffer_count=par.buffer_count, offload_param_buffer_size=par.buffer_size,
-        keep_gathered=zc.stage3_keep_gathered_in_step, num_workers=config.data.num_workers)
+        keep_gathered=zc.stage3_keep_gathered_in_step, num_workers=config.data.num_workers,
+        async_save=config.checkpoint.async_save)
 
 
 def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:

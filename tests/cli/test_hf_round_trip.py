@@ -183,7 +183,7 @@ def test_a_model_flag_that_disagrees_with_the_checkpoint_is_refused(converted, f
 def test_use_checkpoint_args_needs_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load or --pretrained-checkpoint"):
         parse_args(FINETUNE + ["--use-checkpoint-args"], 1)
-    with pytest.raises(ConfigError, match="holds no megazero checkpoint"):
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
         parse_args(FINETUNE + ["--use-checkpoint-args", "--load", str(tmp_path)], 1)
     with pytest.raises(ConfigError, match="--load/--pretrained-checkpoint with a checkpoint to take the model from"):
         parse_args(FINETUNE + ["--vocab-size", "64", "--load", str(tmp_path)], 1)  # no checkpoint there yet

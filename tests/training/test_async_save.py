@@ -1,7 +1,7 @@
 """``--async-save``: checkpoints written by a background thread while training goes on.
 
 Through ``pretrain_gpt.py`` (``tests/launch.py``): at pp 2 and at dp 2 with ZeRO-3 the background
-saves hold the same bytes as the synchronous ones (every file's sha256 in the manifest; config.json
+saves hold the same bytes as the synchronous ones, in both formats (torch_dist's at tp 2 x dp 2) (every file's sha256 in the manifest; config.json
 differs only in the flag itself), the losses are identical, and resuming from either gives the same
 next losses. A write failing on one rank ends the run with that rank's one message and leaves
 ``latest`` on the previous checkpoint; a SIGKILL during a background write (training having gone on
@@ -73,6 +73,27 @@ def test_background_saves_equal_synchronous_ones(data, tmp_path, layout):
     assert _losses(resumed["async"]) == _losses(resumed["sync"])
 
 
+def test_background_torch_dist_saves_equal_synchronous_ones(data, tmp_path):
+    """--ckpt-format torch_dist at tp 2 x dp 2 with ZeRO-3: the .distcp files and DCP's .metadata are the same
+    bytes written in the background; megazero's resume from either continues alike."""
+    runs = {}
+    for mode, extra in (("sync", []), ("async", ["--async-save"])):
+        (tmp_path / mode).mkdir()
+        argv = flags(data, "--tp", "2", "--zero-stage", "3", "--save", str(tmp_path / mode / "ckpt"),
+                     "--save-interval", "2", "--ckpt-format", "torch_dist", *extra, iters=4)
+        runs[mode] = launch(4, argv, tmp_path / mode, "run")
+    assert _losses(runs["async"]) == _losses(runs["sync"])
+    for it in (2, 4):
+        a, b = (tmp_path / mode / "ckpt" / f"iter_{it:07d}" for mode in ("sync", "async"))
+        names = sorted(n for n in os.listdir(a) if n.endswith(".distcp") or n == ".metadata")
+        assert names == sorted(n for n in os.listdir(b) if n.endswith(".distcp") or n == ".metadata")
+        assert len(names) == 6 and all(open(a / n, "rb").read() == open(b / n, "rb").read() for n in names)
+    assert (tmp_path / "async" / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    resumed = {mode: launch(2, flags(data, "--pp", "2", "--load", str(tmp_path / mode / "ckpt"), "--ckpt-step", "2",
+                                     iters=4), tmp_path, f"resumed_{mode}") for mode in ("sync", "async")}
+    assert sorted(resumed["async"]) == [3, 4] and _losses(resumed["async"]) == _losses(resumed["sync"])
+
+
 def test_failed_background_write_ends_the_run_with_its_message(data, tmp_path):
     save = tmp_path / "ckpt"
     argv = flags(data, "--save", str(save), "--save-interval", "2", "--async-save", "--zero-stage", "2", iters=6)
@@ -135,6 +156,15 @@ def _staged_then_changed(directory: str) -> bool:
     pending = stage_checkpoint(directory, 1, engine, train_state={"iteration": 1}, config={}, group=writer_group())
     held = sum(t.numel() * 4 for t in before.values())
     assert held <= pending.host_bytes < held + 65536  # the partitions plus the RNG states
+    from megazero.model import GPTModel
+    from megazero.observe.planner import estimate_memory
+    from tests.zero.test_checkpoint_io import MODEL
+    from tests.zero.common import tiny_config
+
+    planned = estimate_memory(tiny_config(**MODEL), tp=1, dp=2, zero_stage=1, micro_batch_size=1,
+                              async_save=True).host_checkpoint  # what the planner counts for it
+    whole = sum(p.numel() for p in GPTModel(tiny_config(**MODEL), device="meta").parameters())
+    assert planned == 12 * whole / 2 and abs(planned - held) <= 0.01 * held, (planned, held)
     _step(engine)  # the step changes the live tensors before the write
     _, failure = attempt(pending.write)
     finish_write(pending, failure)
