@@ -493,6 +493,48 @@ def check_throughput_1p3b() -> str:
     return f"{ngpu} x {name}: {tokens:.0f} tokens/s, {tflops:.1f} TFLOP/s per GPU{mfu} ({time.time() - t0:.0f} s)"
 
 
+# ---- 7b: a checkpoint saved in the background ---------------------------------------------------
+
+def _iteration_gaps(metrics: str, interval: int) -> tuple[float, float]:
+    """(median ms between a saving iteration and the next, median ms between the others) of a metrics file."""
+    import json
+    import statistics
+
+    stamps = {}
+    for line in open(metrics):
+        rec = json.loads(line) if line.strip() else {}
+        if "timestamp" in rec and "lm_loss" in rec:
+            stamps[rec["iteration"]] = rec["timestamp"]
+    gaps = {it: (stamps[it + 1] - stamps[it]) * 1e3 for it in stamps if it + 1 in stamps and it > 2}
+    return (statistics.median([g for it, g in gaps.items() if it % interval == 0] or [float("nan")]),
+            statistics.median([g for it, g in gaps.items() if it % interval]))
+
+
+def check_async_save() -> str:
+    """gpt-1.3b bf16 on the GPUs saving every 5 iterations in torch_dist: synchronous, then --async-save. The
+    background save's iteration must cost less than the synchronous one's; the figures are reported."""
+    if device().type != "cuda":
+        raise Skip("the background-save timing needs GPUs (pinned device-to-host copies)")
+    import tempfile
+
+    ngpu, interval, out = torch.cuda.device_count(), 5, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, extra in (("sync", []), ("async", ["--async-save"])):
+            metrics = os.path.join(tmp, f"{mode}.jsonl")
+            cmd = throughput_command(ngpu, iters=16) + ["--save", os.path.join(tmp, mode), "--save-interval",
+                                                        str(interval), "--ckpt-format", "torch_dist",
+                                                        "--metrics-file", metrics, *extra]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420,
+                                  env={**os.environ, "PYTHONPATH": ROOT})
+            assert proc.returncode == 0, f"{mode}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}"
+            out.append(_iteration_gaps(metrics, interval))
+    (sync_save, sync_other), (async_save, async_other) = out
+    assert async_save < sync_save, (f"the background save's iteration took {async_save:.0f} ms, the synchronous "
+                                    f"{sync_save:.0f} ms")
+    return (f"{ngpu} GPU(s), gpt-1.3b torch_dist every {interval}: saving iteration {sync_save:.0f} ms sync, "
+            f"{async_save:.0f} ms async; other iterations {sync_other:.0f} / {async_other:.0f} ms")
+
+
 # ---- 8: a hang inside NCCL ---------------------------------------------------------------------
 
 _NCCL_SETTINGS = """
@@ -585,6 +627,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("attention_backends", check_attention_backends),
     ("apex_adam", check_apex_adam),
     ("throughput_1p3b", check_throughput_1p3b),
+    ("async_save", check_async_save),
     ("nccl_watchdog", check_nccl_watchdog),
 ]
 

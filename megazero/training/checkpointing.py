@@ -197,7 +197,8 @@ def stage_checkpoint(
         copier.finish()
     layout = {"tp_size": engine.tp_size, "dp_size": engine.dp_size, "stage": engine.stage,
               **({"pp_size": pipeline.groups.pp_size} if pipeline is not None else {})}
-    coords = {"tp_rank": engine.tp_rank, "dp_rank": engine.dp_rank, "pp_rank": _pipeline_kwargs(pipeline).get("pp_rank", 0)}
+    coords = {"tp_rank": engine.tp_rank, "dp_rank": engine.dp_rank,
+              "pp_rank": _pipeline_kwargs(pipeline).get("pp_rank", 0)}
     pending = MegazeroSave(save, final, zero, rng, buffers, json.loads(json.dumps(train_state)),
                            json.loads(json.dumps(config)), tokenizer=tokenizer, on_written=on_written, group=group,
                            layout=layout, coords=coords,

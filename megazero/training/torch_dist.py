@@ -71,6 +71,10 @@ def is_torch_dist(path: str) -> bool:
     return os.path.isfile(os.path.join(directory, ".metadata"))
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list (not a damaged file)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` and nothing else: a class outside ``_ALLOWED`` is refused by name."""
 
@@ -79,7 +83,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
 
 def _load_metadata(path: str) -> Any:
@@ -89,7 +93,7 @@ def _load_metadata(path: str) -> Any:
     try:
         with open(path, "rb") as f:
             meta = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+    except _Refused as e:
         raise CheckpointError(f"{path} holds a Python object outside the allow-list of DCP metadata classes "
                               f"({e}); refusing to unpickle it (is this file from a trusted torch_dist save?)") from None
     except Exception as e:  # truncated or garbled pickles raise many types

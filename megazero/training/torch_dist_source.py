@@ -123,7 +123,8 @@ def megazero_entry(common: dict) -> Optional[dict]:
 
 def open_torch_dist(path: str, vocab_size: Optional[int] = None) -> tuple[GPTConfig, MegatronDistSource, dict]:
     """``(GPTConfig, MegatronDistSource, info)`` of a Megatron-LM torch_dist checkpoint (``--save`` dir or one
-    iteration dir). The config comes from ``common.pt``'s args (megazero's own config where megazero saved it); ``info``: format, iteration, the run's tp/pp/ep,
+    iteration dir). The config comes from ``common.pt``'s args (megazero's own config where megazero saved it);
+    ``info``: format, iteration, the run's tp/pp/ep,
     ``optimizer`` (``optimizer_state_kind``), ``bytes_read``. A model key megazero cannot map is refused."""
     from ..model.interop.megatron_import import config_from_megatron_args
     from .torch_dist import TorchDistCheckpoint

@@ -1,7 +1,8 @@
 """``--async-save``: checkpoints written by a background thread while training goes on.
 
 Through ``pretrain_gpt.py`` (``tests/launch.py``): at pp 2 and at dp 2 with ZeRO-3 the background
-saves hold the same bytes as the synchronous ones, in both formats (torch_dist's at tp 2 x dp 2) (every file's sha256 in the manifest; config.json
+saves hold the same bytes as the synchronous ones, in both formats (torch_dist's at tp 2 x dp 2)
+(every file's sha256 in the manifest; config.json
 differs only in the flag itself), the losses are identical, and resuming from either gives the same
 next losses. A write failing on one rank ends the run with that rank's one message and leaves
 ``latest`` on the previous checkpoint; a SIGKILL during a background write (training having gone on

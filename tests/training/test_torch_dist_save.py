@@ -109,8 +109,8 @@ def saved(tmp_path_factory):
     ref = launch(1, flags(prefix, *MODEL, iters=4) + ["--save", str(runs / "native"), "--save-interval", "2"],
                  runs, "ref")
     for name, (world, extra) in LAYOUTS.items():
-        launch(world, flags(prefix, *MODEL, *extra, iters=4) + ["--exit-interval", "2", "--save", str(runs / name), "--ckpt-format",
-                                                                "torch_dist"], runs, name)
+        launch(world, flags(prefix, *MODEL, *extra, iters=4) + ["--exit-interval", "2", "--save", str(runs / name),
+                                                                "--ckpt-format", "torch_dist"], runs, name)
     return runs, prefix, ref
 
 
