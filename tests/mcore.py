@@ -139,40 +139,18 @@ def data_parallel_size(tp: int, ep: int, dp: int) -> int:
 
 def megatron_args(config, tp: int, pp: int, ep: int, dp: int, *, iteration: int, seed: int, optimizer: bool,
                   grouped_gemm: bool, optimizer_format: str, **overrides: Any) -> argparse.Namespace:
-    """The ``args`` Namespace Megatron-LM's pretrain_gpt.py would store for this model and layout."""
-    gqa = config.query_groups != config.num_attention_heads and not config.multi_latent_attention
-    freq = config.moe_layer_freq
-    args = dict(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, group_query_attention=gqa,
-        num_query_groups=config.query_groups if gqa else 1, kv_channels=config.head_dim,
-        ffn_hidden_size=config.ffn_size, seq_length=config.seq_length,
-        max_position_embeddings=config.max_position_embeddings, padded_vocab_size=config.padded_vocab_size,
-        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, vocab_size=None,
-        tokenizer_type="GPT2BPETokenizer",
+    """The ``args`` Namespace Megatron-LM's pretrain_gpt.py would store for this model and layout: the model's
+    fields as megazero writes them (``megatron_model_args``), then this run's layout and training fields."""
+    from megazero.model.interop.megatron_args import megatron_model_args
+
+    args = megatron_model_args(config)
+    args.update(
+        vocab_size=None, tokenizer_type="GPT2BPETokenizer",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp, context_parallel_size=1, data_parallel_size=dp,
         world_size=tp * pp * dp, virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
-        swiglu=config.activation == "swiglu", squared_relu=config.activation == "squared_relu",
-        normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
-        norm_epsilon=config.layernorm_epsilon, apply_layernorm_1p=False,
-        add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
-        untie_embeddings_and_output_weights=not config.tie_embeddings,
-        position_embedding_type=_position_embedding_type(config),
-        add_position_embedding=config.position_embedding_type == "learned",
-        rotary_base=int(config.rotary_base), rotary_percent=config.rotary_percent,
-        rotary_seq_len_interpolation_factor=None, use_rope_scaling=False,
-        qk_layernorm=config.qk_layernorm or config.multi_latent_attention, num_experts=config.num_experts,
-        moe_router_topk=config.moe_router_topk,
-        moe_ffn_hidden_size=config.moe_ffn_size if config.num_experts else None,
-        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
-        moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq, moe_grouped_gemm=grouped_gemm,
-        moe_router_load_balancing_type=config.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=config.moe_aux_loss_coeff, moe_router_pre_softmax=config.moe_router_pre_softmax,
-        moe_router_score_function=config.moe_router_score_function,
-        moe_token_dispatcher_type="allgather", multi_latent_attention=config.multi_latent_attention,
-        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
-        init_method_std=config.init_method_std, seed=seed, fp16=False, bf16=False, params_dtype=torch.float32,
+        rotary_seq_len_interpolation_factor=None, use_rope_scaling=False, moe_grouped_gemm=grouped_gemm,
+        moe_token_dispatcher_type="allgather", seed=seed, fp16=False, bf16=False, params_dtype=torch.float32,
         consumed_train_samples=iteration * 8, consumed_valid_samples=0, skipped_train_samples=0,
         train_iters=100, train_samples=None, iteration=iteration,
         lr=3e-4, min_lr=3e-5, lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=None,
@@ -184,8 +162,6 @@ def megatron_args(config, tp: int, pp: int, ep: int, dp: int, *, iteration: int,
         ckpt_fully_parallel_save=True, no_save_optim=not optimizer, no_save_rng=False,
         async_save=False, save=None, load=None, save_interval=iteration,
     )
-    if config.multi_latent_attention:
-        args.update(_mla_kwargs(config))
     args.update(overrides)
     return argparse.Namespace(**args)
 

@@ -23,7 +23,6 @@ writes are its share of the model and optimizer state.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -228,11 +227,10 @@ class TorchDistSave(PendingSave):
                     segment = segment.cpu()
                     for c in chunks:
                         t = c.of(segment).to(dtype if prefix == "" else torch.float32).contiguous().clone()
-                        buf = io.BytesIO()
-                        torch.save(t, buf)
-                        records.append((prefix + c.key, t.dtype, c.shape, c.offsets, c.sizes, name, f.tell(),
-                                        buf.tell()))
-                        f.write(buf.getbuffer())
+                        offset = f.tell()
+                        torch.save(t, f)  # a blob of its own (DCP's layout), written in place: no second copy
+                        records.append((prefix + c.key, t.dtype, c.shape, c.offsets, c.sizes, name, offset,
+                                        f.tell() - offset))
             f.flush()
             os.fsync(f.fileno())
         if self.on_written is not None:
