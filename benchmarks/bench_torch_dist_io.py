@@ -9,8 +9,9 @@ torch_dist checkpoint of a slice of Llama-2-13B's shape (hidden 5120, 40 heads, 
 untied 8192-row vocabulary: 13B's per-layer tensors, 400M parameters); then engines at each
 ``--load-layouts`` entry resume it, weights and optimizer. Per rank: the bytes written (the ``.distcp``
 file) against the state it owns (16 B per owned element: the weight, the fp32 master, two Adam moments),
-and the bytes read against what it loads (12 B per owned element: master and moments). The ratios are
-what the format costs over the share. A measurement: it exits 0.
+and the bytes read against what it loads (12 B per element of its partition: master and moments; plus 4 B
+per element of the TP shard it keeps resident beyond its partition, ZeRO-0/1/2's weights, read as fp32
+masters). The ratios are what the format costs over the share. A measurement: it exits 0.
 """
 
 from __future__ import annotations
@@ -89,7 +90,12 @@ def _rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
 
             t0 = time.perf_counter()
             state = read_torch_dist(job["dir"], engine, config)
-            result = {"bytes": state["bytes_read"], "share": 12 * held, "seconds": time.perf_counter() - t0}
+            # what the rank holds from the file: master and moments of its partition, and (ZeRO-0/1/2 and
+            # ZeRO-3's persistent parameters) the whole TP shard of the weights it keeps resident, read as masters
+            resident = sum(g.numel - (g.shard_numel if g.partitions > 1 else g.numel) for g in engine.groups
+                           if g.resident)
+            result = {"bytes": state["bytes_read"], "share": 12 * held + 4 * resident,
+                      "seconds": time.perf_counter() - t0}
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:

@@ -18,6 +18,7 @@ until its write ends; at most one save is in flight.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Optional
@@ -118,6 +119,19 @@ def _registered(group: dist.ProcessGroup) -> bool:
     return True
 
 
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority (Linux: a thread's nice value is its own), so that where the host's
+    cores are busy (the training step's own threads, data loading) the write takes what they leave instead of
+    slowing the step; the write then takes longer, the next save waits for it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the write runs at the step's priority
+        pass
+
+
+WRITER_NICE = 10  # the writer thread's nice value increment over the process's
+
+
 class BackgroundSave:
     """One staged save being written by a background thread, and the collectives that end it.
 
@@ -134,6 +148,7 @@ class BackgroundSave:
         self._thread.start()
 
     def _write(self) -> None:
+        _yield_cpu()
         t0 = time.perf_counter()
         _, self.failure = attempt(self.pending.write)
         self.write_seconds = time.perf_counter() - t0

@@ -172,12 +172,12 @@ def _owned_items(engine, entries: dict, host) -> list[tuple[list[_Chunk], dict[s
             if entry is None:
                 raise CheckpointError(f"{s.name} has no megatron-core torch_dist name: save with --ckpt-format "
                                       "megazero")
-            segments = {"": None}
+            master = host(g.master.detach()[s0:s0 + n])
+            segments = {"": master}  # the model tensor: the master in the compute dtype (cast when written)
             for what, prefix in prefixes.items():
-                value = g.master if what == "master" else state.get(what)
+                value = master if what == "master" else state.get(what)
                 if value is not None:
-                    segments[prefix] = host(value.detach()[s0:s0 + n])
-            segments[""] = segments["optimizer.state.param."]  # the model tensor: the master in compute dtype
+                    segments[prefix] = value if what == "master" else host(value.detach()[s0:s0 + n])
             items.append((slot_chunks(entry, tuple(s.shape), p0, p0 + n, _split_of(engine, s.param)), segments,
                           engine.compute_dtype))
     if engine.tp_rank == 0 and engine.dp_rank == 0:
