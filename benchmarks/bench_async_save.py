@@ -11,8 +11,10 @@ each synchronous and in the background. Runs alternate within every repeat. From
 (``--log-interval 1``) the wall-clock gap between consecutive iterations' timestamps is taken: for an
 iteration that saves it holds the save as the loop sees it (the whole write when synchronous, the staging
 copy when in the background); the other iterations' gaps show what a write going on beside them costs.
-The table gives, per mode, the median gap of the saving iterations and of the others, and the run's
-total wall time, with ratios against the no-save baseline of the same repeat. A measurement: it exits 0.
+The table gives, per mode, what the loop waited for at a save (rank 0's logged "saved checkpoint ... in"
+or "staged checkpoint ... in" time), the median gap of the saving iterations and of the others, and the
+run's total wall time, with ratios against the no-save baseline of the same repeat. A measurement: it
+exits 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -63,7 +66,11 @@ def run_once(mode: str, world: int, iters: int, interval: int, extra: list[str],
     # the save of iteration i happens after its step, before iteration i + 1's
     save_gaps = [g for it, g in gaps.items() if it % interval == 0]
     other = [g for it, g in gaps.items() if it % interval]
+    # what the loop waited for at each save: the whole save (synchronous) or its staging (background)
+    blocked = [float(m.group(1)) * 1e3 for m in re.finditer(r"(?:saved|staged) checkpoint \S+ in ([0-9.]+)s",
+                                                             proc.stdout + proc.stderr)]
     return {"save": statistics.median(save_gaps) if saving and save_gaps else float("nan"),
+            "blocked": statistics.median(blocked) if blocked else float("nan"),
             "other": statistics.median(other), "total": (max(stamps.values()) - min(stamps.values())) * 1e3}
 
 
@@ -84,14 +91,16 @@ def main() -> None:
     base = results["no save"]
     print(f"world {args.world}, {args.iters} iterations, a save every {args.interval}, {args.repeats} repeats; "
           f"extra flags: {' '.join(args.extra) or '-'}")
-    print(f"{'mode':<18}{'saving iter ms':>16}{'other iter ms':>15}{'x no-save':>11}{'run ms':>10}{'x no-save':>11}")
+    print(f"{'mode':<18}{'blocked ms':>12}{'saving iter ms':>16}{'other iter ms':>15}{'x no-save':>11}{'run ms':>10}"
+          f"{'x no-save':>11}")
     for mode, runs in results.items():
+        blocked = statistics.median(x["blocked"] for x in runs)
         save = statistics.median(x["save"] for x in runs)
         other = statistics.median(x["other"] for x in runs)
         total = statistics.median(x["total"] for x in runs)
         r_other = statistics.median(x["other"] / b["other"] for x, b in zip(runs, base))
         r_total = statistics.median(x["total"] / b["total"] for x, b in zip(runs, base))
-        print(f"{mode:<18}{save:>16.1f}{other:>15.1f}{r_other:>11.3f}{total:>10.0f}{r_total:>11.3f}")
+        print(f"{mode:<18}{blocked:>12.1f}{save:>16.1f}{other:>15.1f}{r_other:>11.3f}{total:>10.0f}{r_total:>11.3f}")
 
 
 if __name__ == "__main__":
