@@ -226,9 +226,11 @@ class TorchDistSave(PendingSave):
                 for prefix, segment in segments.items():
                     segment = segment.cpu()
                     for c in chunks:
-                        t = c.of(segment).to(dtype if prefix == "" else torch.float32).contiguous().clone()
+                        t = c.of(segment).to(dtype if prefix == "" else torch.float32).contiguous()
+                        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                            t = t.clone()  # torch.save writes a view's whole storage
                         offset = f.tell()
-                        torch.save(t, f)  # a blob of its own (DCP's layout), written in place: no second copy
+                        torch.save(t, f)  # a blob of its own (DCP's layout), written in place
                         records.append((prefix + c.key, t.dtype, c.shape, c.offsets, c.sizes, name, offset,
                                         f.tell() - offset))
             f.flush()
@@ -255,7 +257,7 @@ class TorchDistSave(PendingSave):
             length = f.tell()
         fsync_path(extra)
         meta = _dcp_metadata([r for part in gathered for r in part], extra_state_keys(self.entries),
-                             os.path.basename(extra), length, self.directory)
+                             os.path.basename(extra), length)
         with open(os.path.join(self.partial, ".metadata"), "wb") as f:
             pickle.dump(meta, f)
         torch.save(self.common, os.path.join(self.partial, "common.pt"))
@@ -269,7 +271,7 @@ class TorchDistSave(PendingSave):
         publish_directory(self.save, self.partial, self.directory, TRACKER, str(self.common["iteration"]))
 
 
-def _dcp_metadata(records: list[tuple], extra_keys: list[str], extra_file: str, extra_len: int, directory: str):
+def _dcp_metadata(records: list[tuple], extra_keys: list[str], extra_file: str, extra_len: int):
     """torch.distributed.checkpoint's ``Metadata`` of every rank's chunks. A chunk written by two ranks (a
     copy both hold) is kept once; two chunks that overlap otherwise are an error of the writer."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
