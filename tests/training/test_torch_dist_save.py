@@ -6,7 +6,7 @@
   (``dist_checkpointing.load`` into its ``GPTModel``, strictly) loads the checkpoint at tp 1 and at tp 2 x pp 2
   and computes the logits megazero computes from its own checkpoint of the same run; each rank wrote only its
   share (no element twice). A DeepSeek-V3-shaped model (MLA, MoE with shared experts and expert bias) saved at
-  pp 2 x ep 2 loads in megatron-core alike.
+  pp 2 x ep 2 loads in megatron-core alike, its experts as SequentialMLP and as GroupedMLP.
 * megazero resumes its torch_dist save at another layout as the uninterrupted run, optimizer included.
 """
 
@@ -189,6 +189,8 @@ def test_deepseek_shape_saved_at_pp2_ep2_loads_in_megatron_core(tmp_path):
     assert any(".mlp.router.expert_bias" in n for n in source.keys())
     one = mcore_logits(str(save), config, TOKENS)
     torch.testing.assert_close(mcore_logits(str(save), config, TOKENS, tp=2, pp=2, ep=2), one, rtol=1e-5, atol=1e-5)
+    grouped = mcore_logits(str(save), config, TOKENS, ep=2, grouped_gemm=True)  # GroupedMLP reads the same keys
+    torch.testing.assert_close(grouped, one, rtol=1e-5, atol=1e-5)
     from megazero.model import GPTModel
     from megazero.mpu.utils import NO_GROUP
 
@@ -198,3 +200,26 @@ def test_deepseek_shape_saved_at_pp2_ep2_loads_in_megatron_core(tmp_path):
     with torch.no_grad():
         v = config.vocab_size
         torch.testing.assert_close(model(TOKENS)[..., :v], one[..., :v], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_saved_at_pp2_resumes_as_the_uninterrupted_run(tmp_path):
+    """MTP's depth (megatron-core's ``mtp.layers.0.*`` keys, written by the last stage) survives the format."""
+    from megazero.training.torch_dist import TorchDistCheckpoint
+
+    prefix = write_corpus(tmp_path)
+    mtp = [*MODEL, "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+    ref = launch(1, flags(prefix, *mtp, iters=4), tmp_path, "ref")
+    save = tmp_path / "mtp"
+    launch(2, flags(prefix, *mtp, "--pp", "2", iters=4) + ["--exit-interval", "2", "--save", str(save),
+                                                          "--ckpt-format", "torch_dist"], tmp_path, "save")
+    ckpt = TorchDistCheckpoint(str(save))
+    assert "mtp.layers.0.eh_proj.weight" in ckpt.keys()
+    assert "optimizer.state.exp_avg.mtp.layers.0.transformer_layer.mlp.linear_fc1.weight" in ckpt.keys()
+    assert "mtp.layers.0.eh_proj._extra_state/shard_0_1" in ckpt.metadata.state_dict_metadata
+    got = launch(1, flags(prefix, *mtp, iters=4) + ["--load", str(save)], tmp_path, "resumed")
+    assert sorted(got) == [3, 4]
+    for it in (3, 4):
+        for key in ("lm_loss", "mtp_1_loss", "grad_norm"):
+            a, b = got[it][key], ref[it][key]
+            assert abs(a - b) <= RTOL * abs(b), f"iteration {it} {key} {a} vs the uninterrupted run's {b}"
