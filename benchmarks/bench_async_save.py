@@ -4,7 +4,7 @@
     python benchmarks/bench_async_save.py                       # 2 ranks, ZeRO-1, 3 interleaved repeats
     python benchmarks/bench_async_save.py --world 4 -- --tp 2 --zero-stage 3
 
-Each run is ``torchrun --nproc_per_node WORLD pretrain_gpt.py`` of a small dense GPT (about 50M
+Each run is ``torchrun --nproc_per_node WORLD pretrain_gpt.py`` of a small dense GPT (about 44M
 parameters: the state a rank copies and writes is hundreds of MB, not a toy's kilobytes) saving every
 ``--interval`` iterations, in one of five modes: no save (the baseline), megazero's format and torch_dist,
 each synchronous and in the background. Runs alternate within every repeat. From the metrics file
