@@ -30,7 +30,6 @@ __all__ = ["is_torch_dist_load", "torch_dist_path", "torch_dist_model_config", "
            "megatron_scheduler_state", "read_torch_dist"]
 
 
-
 def is_torch_dist_load(load: Optional[str]) -> bool:
     """Whether ``load`` is a torch_dist checkpoint (a ``--save`` directory or one iteration directory)."""
     if not load:
@@ -165,17 +164,18 @@ class _Union:
         return self._of[name].get_slice(name)
 
 
-def _optimizer_sources(ckpt, config, names: set[str], wanted: tuple[str, ...], optimizer: str
+def _optimizer_sources(ckpt, config, table: list, names: set[str], wanted: tuple[str, ...], optimizer: str
                        ) -> tuple[Optional[Any], dict[str, Any]]:
-    """(master source or None, state key -> source) of a fully_reshardable optimizer state, for ``names`` and
-    the run's optimizer state keys ``wanted`` (Adam's moments, SGD's ``momentum_buffer``). The state keys are
+    """(master source or None, state key -> source) of a fully_reshardable optimizer state, for ``names`` of the
+    checkpoint's name ``table`` (``entries_for_checkpoint``) and the run's optimizer state keys ``wanted``
+    (Adam's moments, SGD's ``momentum_buffer``). The state keys are
     ``optimizer.state.<what>.<model key>``, under a chained optimizer saved with prefixes
     ``chained_<i>.optimizer.state...`` (each model key in one part)."""
     import re
 
-    from .torch_dist_source import MegatronDistSource, entries_for_checkpoint
+    from .torch_dist_source import MegatronDistSource
 
-    entries = [e for e in entries_for_checkpoint(ckpt, config) if e.name in names]
+    entries = [e for e in table if e.name in names]
     keys = set(ckpt.keys())
     chains = sorted({m.group(1) for k in keys if (m := re.match(r"(chained_\d+\.)optimizer\.state\.", k))})
     chains = ([""] if any(k.startswith("optimizer.state.") for k in keys) else []) + chains
@@ -220,9 +220,9 @@ def _restore_buffers(engine, source) -> None:
             b.copy_(source.get_slice(full)[...].to(b.device, b.dtype))
 
 
-def _train_state(ckpt, finetune: bool) -> dict[str, Any]:
-    """iteration, consumed samples, LR schedule (megazero's format) and where they came from."""
-    own = megazero_entry(ckpt.common)
+def _train_state(ckpt, own: Optional[dict], finetune: bool) -> dict[str, Any]:
+    """iteration, consumed samples, LR schedule (megazero's format) and where they came from (``own``: the
+    ``megazero`` entry of a megazero save)."""
     if own is not None and isinstance(own.get("train_state"), dict):
         state = dict(own["train_state"])
         state["source"] = "megazero"
@@ -242,20 +242,23 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
                     finetune: bool = False) -> dict[str, Any]:
     """Collective-free: fill ``engine`` (its model ``config``) from the torch_dist checkpoint ``load`` and
     return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format),
-    ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``."""
-    from .torch_dist_source import MegatronDistSource
+    ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``, and
+    ``engine`` (a megazero save's loss scaler and step counters, when the optimizer was loaded; else None)."""
     from ..zero.checkpoint import load_full_weights_file, optimizer_state_keys
+    from .torch_dist_source import MegatronDistSource, entries_for_checkpoint
     from .torch_dist import TorchDistCheckpoint
 
     ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
-    state = _train_state(ckpt, finetune)
+    own = megazero_entry(ckpt.common)
+    state = _train_state(ckpt, own, finetune)
     notes: list[str] = []
     names = {s.name for g in engine.groups for s in g.slots}
-    weights = MegatronDistSource(ckpt, config)
+    table = entries_for_checkpoint(ckpt, config)  # built once: a meta model of the whole config
+    weights = MegatronDistSource(ckpt, config, entries=table)
     master, moments, step = None, None, None
     kind = _optimizer_kind(ckpt) if load_optimizer else "none"
     if kind == "fully_reshardable":
-        master, moments = _optimizer_sources(ckpt, config, names, optimizer_state_keys(engine.optimizer),
+        master, moments = _optimizer_sources(ckpt, config, table, names, optimizer_state_keys(engine.optimizer),
                                              type(engine.optimizer).__name__)
         step, found = _optimizer_step(ckpt.common, state["iteration"])
         if not found:
@@ -271,7 +274,6 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
                      "scale")
     load_full_weights_file(engine, weights, master=master, moments=moments, step=step, where=ckpt.directory)
     _restore_buffers(engine, weights)
-    own = megazero_entry(ckpt.common) or {}
     state.update(optimizer_loaded=moments is not None, bytes_read=ckpt.bytes_read, directory=ckpt.directory,
-                 notes=notes, engine=own.get("engine") if moments is not None else None)
+                 notes=notes, engine=(own or {}).get("engine") if moments is not None else None)
     return state
