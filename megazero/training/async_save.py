@@ -21,14 +21,14 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .failures import Failure, attempt, conclude
 
-__all__ = ["PendingSave", "HostCopier", "BackgroundSave", "writer_group", "finish_write"]
+__all__ = ["PendingSave", "HostCopier", "BackgroundSave", "writer_group", "gather_on_rank0", "finish_write"]
 
 log = logging.getLogger(__name__)
 
@@ -93,30 +93,25 @@ class HostCopier:
             torch.cuda.current_stream().synchronize()
 
 
-_GROUP: dict = {}  # the default group it was made under -> the gloo group
-
-
 def writer_group() -> Optional[dist.ProcessGroup]:
-    """Collective the first time per default group: the gloo group over every rank that background
-    saves commit and poll on (None without torch.distributed). Made once; every rank calls it
-    at the same point of the run (the first save)."""
+    """Collective: a new gloo group over every rank, for background saves to commit and poll on (None without
+    torch.distributed). Every rank makes it at the same point of the run; its owner keeps it."""
     if not dist.is_initialized():
         return None
-    default = dist.distributed_c10d._get_default_group()
-    if _GROUP.get("default") is not default or not _registered(_GROUP["group"]):
-        from ..mpu.parallel_state import new_group
+    from ..mpu.parallel_state import new_group
 
-        _GROUP.update(default=default, group=new_group(list(range(dist.get_world_size())), backend="gloo"))
-    return _GROUP["group"]
+    return new_group(list(range(dist.get_world_size())), backend="gloo")
 
 
-def _registered(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still alive (a teardown of the groups, as between runs in one process, ends it)."""
-    try:
-        dist.get_rank(group)
-    except (ValueError, RuntimeError):
-        return False
-    return True
+def gather_on_rank0(obj: Any, group: Optional[dist.ProcessGroup]) -> Optional[list]:
+    """Collective over ``group``: every rank's ``obj`` in rank order on rank 0, None elsewhere (``[obj]``
+    without torch.distributed). What a commit needs: only rank 0 writes the index of every rank's files."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    rank0 = dist.get_rank() == 0
+    gathered: Optional[list] = [None] * dist.get_world_size(group) if rank0 else None
+    dist.gather_object(obj, gathered, dst=0, group=group)
+    return gathered
 
 
 def _yield_cpu() -> None:

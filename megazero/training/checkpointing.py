@@ -48,11 +48,11 @@ from ..mpu.sharding import shard_ranges
 from ..zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state
 from ..zero.engine import ZeroEngine
 from ..zero.shard_io import digest_file, fsync_path, sha256_file
-from .async_save import HostCopier, PendingSave, finish_write
+from .async_save import HostCopier, PendingSave, finish_write, gather_on_rank0
 from .failures import agree, attempt
 
 __all__ = ["CheckpointError", "save_checkpoint", "stage_checkpoint", "PendingSave", "MegazeroSave", "load_checkpoint",
-           "latest_iteration", "checkpoint_dir", "publish_directory",
+           "latest_iteration", "checkpoint_dir", "clear_partial", "publish_directory",
            "load_full_model", "read_manifest", "resolve_checkpoint_dir", "open_checkpoint", "is_full_checkpoint",
            "saved_model_config", "checkpoint_tokenizer_dir", "FullWeightsReader", "TOKENIZER_DIR"]
 
@@ -180,14 +180,7 @@ def stage_checkpoint(
     from ..zero.checkpoint import stage_zero_state
 
     final = checkpoint_dir(save, iteration)
-    partial = final + ".partial"
-
-    def prepare() -> None:
-        if _rank() == 0:
-            os.makedirs(save, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-
-    agree("checkpoint save", prepare, group=group)  # also the barrier: nobody writes before the stale partial is gone
+    clear_partial(save, final + ".partial", group)
     copier = HostCopier() if copy else None
     host = copier if copier is not None else (lambda t: t.detach().cpu().contiguous())
     zero = stage_zero_state(engine, **_pipeline_kwargs(pipeline), snapshot=copier.float32 if copier else None)
@@ -267,21 +260,26 @@ class MegazeroSave(PendingSave):
         return paths
 
     def commit(self) -> None:
-        group = self.group
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        gathered: list[Optional[dict]] = [None] * world
-        if dist.is_initialized():
-            dist.all_gather_object(gathered, self.entries, group=group)
-        else:
-            gathered = [self.entries]
+        gathered = gather_on_rank0(self.entries, self.group)
 
         def seal() -> None:
-            if _rank() == 0:
+            if gathered is not None:
                 manifest = {"format": MANIFEST_FORMAT, "layout": self.layout,
                             "files": {k: v for e in gathered for k, v in e.items()}}
                 _commit(self.save, self.partial, self.directory, manifest)
 
-        agree("checkpoint save", seal, group=group)
+        agree("checkpoint save", seal, group=self.group)
+
+
+def clear_partial(save: str, partial: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Collective over ``group``: rank 0 makes ``save`` and removes a stale ``partial`` directory (an
+    interrupted save's); also the barrier, so that nobody writes before it is gone."""
+    def prepare() -> None:
+        if _rank() == 0:
+            os.makedirs(save, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+
+    agree("checkpoint save", prepare, group=group)
 
 
 def _pipeline_kwargs(pipeline) -> dict[str, Any]:

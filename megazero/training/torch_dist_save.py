@@ -27,7 +27,6 @@ import json
 import math
 import os
 import pickle
-import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,8 +37,8 @@ from ..mpu.sharding import is_tp_sharded, tp_shard_of
 from ..zero.checkpoint import optimizer_state_keys
 from ..zero.optim import optimizer_step
 from ..zero.shard_io import CheckpointError, fsync_path
-from .async_save import HostCopier, PendingSave
-from .checkpointing import _named_persistent_buffers, publish_directory
+from .async_save import HostCopier, PendingSave, gather_on_rank0
+from .checkpointing import _named_persistent_buffers, checkpoint_dir, clear_partial, publish_directory
 from .failures import agree
 
 __all__ = ["stage_torch_dist", "TorchDistSave", "flat_boxes", "global_pieces", "TRACKER"]
@@ -240,12 +239,8 @@ class TorchDistSave(PendingSave):
         self.records, self.items = records, None  # the host copies are on disk now
 
     def commit(self) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        gathered: Optional[list] = [self.records]
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            gathered = [None] * dist.get_world_size(self.group) if rank == 0 else None
-            dist.gather_object(self.records, gathered, dst=0, group=self.group)
-        agree("checkpoint save", lambda: self._seal(gathered) if rank == 0 else None, group=self.group)
+        gathered = gather_on_rank0(self.records, self.group)
+        agree("checkpoint save", lambda: self._seal(gathered) if gathered is not None else None, group=self.group)
 
     def _seal(self, gathered: list) -> None:
         """Rank 0: DCP's metadata over every rank's chunks, the common state, then the directory in place."""
@@ -360,25 +355,22 @@ def _common_state(engine, iteration: int, train_state: dict, config: dict, trans
 
 def stage_torch_dist(save: str, iteration: int, engine, *, train_state: dict[str, Any], config: dict[str, Any],
                      tokenizer=None, pipeline=None, group: Optional[dist.ProcessGroup] = None, copy: bool = False,
-                     on_written=None, transformer_impl: str = "transformer_engine") -> TorchDistSave:
+                     on_written=None, transformer_impl: str = "transformer_engine",
+                     entries: Optional[list] = None) -> TorchDistSave:
     """Collective over ``group`` (default: the default group): the torch_dist checkpoint of ``iteration``,
     staged (:mod:`~megazero.training.async_save`). ``config``: ``TrainConfig.to_dict()``. With ``copy`` the
     rank's owned master, optimizer state and buffers are copied into host memory (``host_bytes``), so
-    training may go on while ``write()`` runs; without, the write reads the live tensors."""
+    training may go on while ``write()`` runs; without, the write reads the live tensors. ``entries``: the
+    name table ``mcore_entries(model config, transformer_impl=...)``, which a run keeps for its saves (at
+    DeepSeek-V3's size it takes seconds to build); built here when not given."""
     from ..model.config import GPTConfig
     from ..model.interop.megatron_dist import mcore_entries
 
     del pipeline  # every stage's engine names its parameters as at pp = 1: the keys place them
-    final = os.path.join(save, f"iter_{iteration:07d}")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-
-    def prepare() -> None:
-        if rank == 0:
-            os.makedirs(save, exist_ok=True)
-            shutil.rmtree(final + ".partial", ignore_errors=True)
-
-    agree("checkpoint save", prepare, group=group)  # also the barrier: nobody writes before the stale partial is gone
-    entries = mcore_entries(GPTConfig.from_dict(config["model"]), transformer_impl=transformer_impl)
+    final = checkpoint_dir(save, iteration)
+    clear_partial(save, final + ".partial", group)
+    if entries is None:
+        entries = mcore_entries(GPTConfig.from_dict(config["model"]), transformer_impl=transformer_impl)
     copier = HostCopier() if copy else None
     items = _owned_items(engine, {e.name: e for e in entries}, copier if copier is not None else (lambda t: t))
     if copier is not None:

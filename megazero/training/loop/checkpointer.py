@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 
 from ... import mpu
+from ...model.interop.megatron_dist import mcore_entries
 from ..async_save import BackgroundSave, PendingSave, finish_write, writer_group
 from ..checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, stage_checkpoint
-from ..torch_dist_save import stage_torch_dist
 from ..config import TrainConfig
 from ..failures import RunAborted, agree, attempt
 from ..health import PhaseBoard
@@ -20,6 +20,7 @@ from ..lr_schedule import LRScheduler
 from ..megatron_resume import is_torch_dist_load, read_torch_dist
 from ..output import rank_zero_logger
 from ..step import TrainModel
+from ..torch_dist_save import stage_torch_dist
 from .state import Callback, TrainState
 
 __all__ = ["Checkpointer"]
@@ -53,6 +54,8 @@ class Checkpointer:
         self.callbacks = callbacks or Callback()
         self.last_saved: Optional[int] = None  # the iteration of the latest save into --save
         self.in_flight: Optional[BackgroundSave] = None  # the background save not committed yet
+        self._writers: Optional[list] = None  # [the background saves' gloo group], made at the first one
+        self._mcore_entries: Optional[list] = None  # torch_dist's name table, built at the first such save
 
     # -- saving
 
@@ -144,14 +147,22 @@ class Checkpointer:
         kw = dict(train_state={"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                                "lr_scheduler": self.scheduler.state_dict()},
                   config=self.config.to_dict(), tokenizer=self.tokenizer, pipeline=self.run.stage,
-                  group=writer_group() if background else None)
+                  group=self._writer_group() if background else None)
         ck = self.config.checkpoint
         if ck.ckpt_format == "torch_dist":
+            if self._mcore_entries is None:
+                self._mcore_entries = mcore_entries(self.config.model, transformer_impl=ck.transformer_impl)
             return stage_torch_dist(save, state.iteration, self.run.engine, **kw, copy=background,
                                     on_written=self.callbacks.on_save_written if background else self._written,
-                                    transformer_impl=ck.transformer_impl)
+                                    transformer_impl=ck.transformer_impl, entries=self._mcore_entries)
         return stage_checkpoint(save, state.iteration, self.run.engine, **kw, copy=background,
                                 on_written=self.callbacks.on_save_written if background else self._written)
+
+    def _writer_group(self):
+        """Collective at the first background save: the gloo group the background saves poll and commit on."""
+        if self._writers is None:
+            self._writers = [writer_group()]
+        return self._writers[0]
 
     def _written(self, partial: str) -> None:
         self.callbacks.on_save_written(partial)
