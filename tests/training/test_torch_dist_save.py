@@ -2,7 +2,7 @@
 
 * The chunk geometry: a rank's flat ZeRO partition of a TP shard becomes rectangles of the global tensor that
   tile it exactly, for every partition dim and stride (SwiGLU's [gate; up]).
-* Through ``pretrain_gpt.py`` at one process, tp 2 x pp 2 and tp 2 x dp 2 with ZeRO-3: megatron-core itself
+* Through ``pretrain_gpt.py`` at one process, tp 2 x pp 2, tp 2 x dp 2 with ZeRO-3 and cp 2 x an uneven pp 2: megatron-core itself
   (``dist_checkpointing.load`` into its ``GPTModel``, strictly) loads the checkpoint at tp 1 and at tp 2 x pp 2
   and computes the logits megazero computes from its own checkpoint of the same run; each rank wrote only its
   share (no element twice). A DeepSeek-V3-shaped model (MLA, MoE with shared experts and expert bias) saved at
@@ -97,7 +97,10 @@ def _distcp_bytes(directory: str) -> tuple[int, int]:
 
 
 LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["--tp", "2", "--pp", "2"]),
-           "tp2_dp2_zero3": (4, ["--tp", "2", "--zero-stage", "3"])}
+           "tp2_dp2_zero3": (4, ["--tp", "2", "--zero-stage", "3"]),
+           # context parallelism (ZeRO partitions over dp x cp) and an uneven pipeline (1 + 3 layers)
+           "cp2_pp2_uneven": (4, ["--cp", "2", "--pp", "2", "--decoder-first-pipeline-num-layers", "1",
+                                  "--zero-stage", "2"])}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,8 @@ def test_common_state_is_megatron_lms(saved):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source,world,extra", [("tp2_pp2", 1, []), ("one", 2, ["--pp", "2"]),
-                                                ("tp2_dp2_zero3", 2, ["--tp", "2", "--zero-stage", "2"])])
+                                                ("tp2_dp2_zero3", 2, ["--tp", "2", "--zero-stage", "2"]),
+                                                ("cp2_pp2_uneven", 2, ["--cp", "2"])])
 def test_resumes_at_another_layout_as_the_uninterrupted_run(saved, source, world, extra):
     runs, prefix, ref = saved
     name = f"resume_{source}_{world}"
