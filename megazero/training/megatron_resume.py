@@ -258,8 +258,8 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     master, moments, step = None, None, None
     kind = _optimizer_kind(ckpt) if load_optimizer else "none"
     if kind == "fully_reshardable":
-        master, moments = _optimizer_sources(ckpt, config, table, names, optimizer_state_keys(engine.optimizer),
-                                             type(engine.optimizer).__name__)
+        master, moments = _optimizer_sources(ckpt, config, table, names, optimizer_state_keys(engine),
+                                             engine.config.optimizer.type)
         step, found = _optimizer_step(ckpt.common, state["iteration"])
         if not found:
             notes.append(f"the optimizer's step count is not in common.pt: Adam continues at step {step} "

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from ..mpu.sharding import is_tp_sharded, tp_shard_of
-from ..zero.checkpoint import optimizer_state_keys
 from ..zero.optim import optimizer_step
 from ..zero.shard_io import CheckpointError, fsync_path
 from .async_save import HostCopier, PendingSave, gather_on_rank0
@@ -153,18 +152,17 @@ def _split_of(engine, param: torch.Tensor) -> Optional[tuple[int, int, int, int]
     return int(param.partition_dim), int(getattr(param, "partition_stride", 1)), rank, world
 
 
-def _state_prefixes(optimizer) -> dict[str, str]:
-    """Segment name -> key prefix: the fp32 master and each optimizer state tensor (Adam's moments)."""
-    return {"master": "optimizer.state.param.",
-            **{k: f"optimizer.state.{k}." for k in optimizer_state_keys(optimizer)}}
+def _state_prefixes(keys: tuple[str, ...]) -> dict[str, str]:
+    """Segment name -> key prefix: the fp32 master and each optimizer state tensor ``keys`` (Adam's moments)."""
+    return {"master": "optimizer.state.param.", **{k: f"optimizer.state.{k}." for k in keys}}
 
 
 def _owned_items(engine, entries: dict, host) -> list[tuple[list[_Chunk], dict[str, torch.Tensor], torch.dtype]]:
     """``(chunks, {prefix: segment}, model dtype)`` for every parameter range this rank writes, and for the
     model's persistent buffers (TP rank 0 of data-parallel rank 0 of each stage)."""
-    prefixes = _state_prefixes(engine.optimizer)
     items = []
     for g in engine.groups:
+        prefixes = _state_prefixes(engine.state_keys(g))
         state = engine.optimizer.state.get(g.master, {})
         for s, p0, s0, n in g.counted_slots(count_replicated=engine.tp_rank == 0):
             entry = entries.get(s.name)

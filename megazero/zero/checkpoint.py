@@ -47,13 +47,11 @@ __all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_zero_s
 
 
 
-def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    """The per-element state tensors ``optimizer`` keeps beside each master (saved and resharded
-    like the master itself); scalar state such as Adam's step is saved as ``optimizer_step``."""
-    if isinstance(optimizer, torch.optim.SGD):
-        # torch's SGD keeps no buffer without momentum
-        return ("momentum_buffer",) if optimizer.defaults.get("momentum", 0) else ()
-    return ("exp_avg", "exp_avg_sq")
+def optimizer_state_keys(engine: ZeroEngine) -> tuple[str, ...]:
+    """The per-element state tensors the engine's optimizer keeps beside any master (saved and
+    resharded like the master itself; its components say which: ``zero/optimizers.py``); scalar
+    state such as Adam's step is saved as ``optimizer_step``."""
+    return engine.state_keys()
 
 
 def shard_file(directory: str, rank: int) -> str:
@@ -89,10 +87,9 @@ def stage_zero_state(engine: ZeroEngine, *, pp_rank: int = 0, pp_size: int = 1,
     snapshot = snapshot or host
     tensors, groups_meta = {}, []
     step = optimizer_step(engine.optimizer)  # torch keeps it in the state, apex's FusedAdam in the group
-    keys = ("master",) + optimizer_state_keys(engine.optimizer)
     for i, g in enumerate(engine.groups):
         state = engine.optimizer.state.get(g.master, {})
-        for key in keys:
+        for key in ("master",) + engine.state_keys(g):
             value = g.master if key == "master" else state.get(key)
             if value is not None:
                 tensors[f"g{i}.{key}"] = snapshot(value.detach())
@@ -367,8 +364,8 @@ class CheckpointReader:
 
     def state_keys(self) -> tuple[str, ...]:
         """The optimizer state keys saved beside the masters (none before the first step)."""
-        return tuple(sorted(k[3:] for k in self.file_of(0, self.prefer_dp).tensors
-                            if k.startswith("g0.") and k != "g0.master"))
+        keys = {k.split(".", 1)[1] for k in self.file_of(0, self.prefer_dp).tensors}
+        return tuple(sorted(keys - {"master"}))
 
     # ---- planning
 
@@ -513,15 +510,16 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)
-    wanted, saved_keys = optimizer_state_keys(engine.optimizer), reader.state_keys()
+    wanted, saved_keys = optimizer_state_keys(engine), reader.state_keys()
     if not load_optimizer:
         saved_keys = ()
     if saved_keys and set(saved_keys) != set(wanted):
         raise CheckpointError(f"{directory} holds optimizer state {list(saved_keys)}, this run's "
-                              f"{type(engine.optimizer).__name__} keeps {list(wanted)}: it was saved with another "
-                              "optimizer (or SGD momentum on/off); resume with the optimizer that saved it")
-    keys = ("master",) + (wanted if saved_keys else ())
+                              f"{engine.config.optimizer.type} keeps {list(wanted)}: it was saved with another "
+                              "optimizer (or SGD momentum on/off); resume with the optimizer that saved it, or "
+                              "switch optimizers with --no-load-optim (the weights load, the state starts afresh)")
     for g in engine.groups:
+        keys = ("master",) + (engine.state_keys(g) if saved_keys else ())
         bufs = {"master": g.master, **engine.optimizer_state_buffers(g, keys[1:])}
         # One DP partition at a time: the CPU staging memory is one group's partition.
         stage = {k: torch.zeros(g.shard_numel, dtype=torch.float32) for k in keys}

@@ -137,6 +137,19 @@ class CommCounter:
             return None
         return dist.all_reduce(t, op=op, group=self.groups[name], async_op=async_op)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   name: str) -> None:
+        """``all_to_all_single`` with uneven splits over group ``name``; counts the bytes this rank
+        sends to the others (its own split is a local copy)."""
+        n = self.size(name)
+        rank = 0 if n == 1 else dist.get_rank(self.groups[name])
+        self.bytes[("all_to_all", name)] += (inp.numel() - in_splits[rank]) * inp.element_size()
+        self.calls[("all_to_all", name)] += 1
+        if n == 1:
+            out.copy_(inp)
+            return
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.groups[name])
+
     def snapshot(self) -> dict[str, int]:
         """``{"all_gather/dp": bytes, ...}`` since the last :meth:`reset`."""
         return {f"{op}/{name}": n for (op, name), n in sorted(self.bytes.items())}

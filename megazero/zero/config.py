@@ -15,7 +15,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["ZeroConfigError", "OptimizerConfig", "FP16Config", "OffloadOptimizerConfig",
+from .optimizers import MuonConfig, OptimizerConfig, ZeroConfigError, parse_optimizer
+
+__all__ = ["ZeroConfigError", "OptimizerConfig", "MuonConfig", "FP16Config", "OffloadOptimizerConfig",
            "OffloadParamConfig", "ZeroOptimizationConfig", "ZeroConfig", "load_config", "parse_optimizer",
            "parse_zero_optimization", "parse_fp16", "parse_grad_accum_dtype", "parse_communication_data_type",
            "HONOURED_KEYS", "NO_EFFECT_KEYS"]
@@ -35,6 +37,8 @@ HONOURED_KEYS: tuple[str, ...] = (
     "optimizer.params.weight_decay",
     "optimizer.params.adam_w_mode",
     "optimizer.params.momentum",
+    "optimizer.params.muon_lr",
+    "optimizer.params.adam_lr",
     "zero_optimization.stage",
     "zero_optimization.overlap_comm",
     "zero_optimization.reduce_bucket_size",
@@ -88,23 +92,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "steps_per_print",
     "wall_clock_breakdown",
 )
-
-
-class ZeroConfigError(ValueError):
-    """A ZeRO configuration that cannot work; the message names the key."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    type: str = "AdamW"
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    # DeepSpeed's "Adam" is decoupled (AdamW) unless adam_w_mode is false.
-    adam_w_mode: bool = True
-    torch_adam: bool = False
-    momentum: float = 0.0  # type "SGD": torch.optim.SGD's momentum; weight decay is coupled (L2), as Megatron's SGD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,11 +296,11 @@ class ZeroConfig:
                                   f"of the parameters, which stages 0-2 do not partition; got stage {zero.stage}); "
                                   "set zero_optimization.stage to 3, or offload the optimizer state alone "
                                   "(offload_optimizer)")
-        if opt.type == "SGD" and not 0.0 <= float(opt.momentum) < 1.0:
-            raise ZeroConfigError(f"optimizer.params.momentum must be in [0, 1), got {opt.momentum}")
-        if offload.enabled and opt.type == "SGD":
-            raise ZeroConfigError("zero_optimization.offload_optimizer steps Adam/AdamW on the host; optimizer.type SGD "
-                                  "keeps one momentum buffer: run it on the accelerator (offload_optimizer.device none)")
+        opt.component.check(opt)
+        if offload.enabled and not opt.component.host_step:
+            raise ZeroConfigError(f"zero_optimization.offload_optimizer steps Adam/AdamW on the host; optimizer.type "
+                                  f"{opt.type} runs on the accelerator (Muon's Newton-Schulz needs each whole matrix "
+                                  "there): set offload_optimizer.device none")
         if self.bf16 and self.fp16 is not None:
             raise ZeroConfigError("bf16.enabled and fp16.enabled are both true; choose one precision")
         if self.gradient_accumulation_steps < 1:
@@ -391,24 +378,6 @@ def _offload(section: Any, key: str, cls: type) -> Any:
         if name in fields:
             fields[name] = bool(fields[name])
     return cls(**fields)
-
-
-def parse_optimizer(opt_type: str, params: dict) -> OptimizerConfig:
-    """DeepSpeed's ``optimizer`` block (``type`` and ``params``) as an :class:`OptimizerConfig`;
-    refuses unknown types and keys. Value ranges are checked by :meth:`ZeroConfig.validate`."""
-    opt_params = _pick(params, "optimizer.params")
-    if "betas" in opt_params:
-        opt_params["betas"] = tuple(float(b) for b in opt_params["betas"])
-    if str(opt_type).lower() not in ("adam", "adamw", "fusedadam", "sgd"):
-        raise ZeroConfigError(f"optimizer.type {opt_type!r} is not supported; use Adam, AdamW or SGD")
-    if str(opt_type).lower() != "sgd" and "momentum" in opt_params:
-        raise ZeroConfigError(f"unknown key optimizer.params.momentum for optimizer.type {opt_type!r} (it is SGD's; "
-                              f"Adam's momentum is betas[0])")
-    if str(opt_type).lower() == "sgd":
-        opt_type = "SGD"
-    if str(opt_type).lower() == "adamw":
-        opt_params["adam_w_mode"] = True
-    return OptimizerConfig(type=opt_type, **opt_params)
 
 
 def parse_zero_optimization(section: dict) -> ZeroOptimizationConfig:

@@ -61,6 +61,8 @@ from .flat import FlatGroup, ParamSlot, squared_norm
 from . import full_weights
 from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
 from .loss_scaler import LossScaler
+from .muon import MuonStep
+from .optimizers import takes_matrix
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel, group_info
 from .placement import Placement
 from .reducer import GradReducer
@@ -138,6 +140,7 @@ class ZeroEngine(torch.nn.Module):
         self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
         self.grads = self._build_gradient_store()
         self.placement = Placement(config, self.groups, self.device, on_failure=self.fail_later)
+        self.muon = self._build_muon(tp_group)
         self.loss_scaler = LossScaler(config.fp16)
         self.state = TrainingState.IDLE
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(s.name))
@@ -157,9 +160,11 @@ class ZeroEngine(torch.nn.Module):
         """Units in static order, each split into flat groups by partitioning and optimizer class."""
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold if self.stage == 3 else -1
         plan = plan_units(self.module, self.unit_modules, threshold)
+        oc = self.config.optimizer
+        per_matrix = (lambda n, p, in_layer: takes_matrix(p, in_layer, n)) if oc.component.per_matrix else None
         units, self.partitionings = build_units(
             plan, stage=self.stage, no_decay=no_decay, partitioning=partitioning, default=default,
-            param_name=self.param_name, compute_dtype=self.compute_dtype, device=self.device)
+            param_name=self.param_name, compute_dtype=self.compute_dtype, device=self.device, per_matrix=per_matrix)
         groups = [g for u in units for g in u.groups]
         self.slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {id(s.param): (g, s) for g in groups for s in g.slots}
         return units, groups, plan
@@ -176,6 +181,18 @@ class ZeroEngine(torch.nn.Module):
             comm.groups[grads_channel(part)] = gradient_communicator(
                 part.shard, self.stage, part.size, keep_gathered, separate=comm.emulated(part.name))
         return comm
+
+    def _build_muon(self, tp_group) -> Optional[MuonStep]:
+        """The per-matrix step of a per-matrix optimizer (Muon: ``muon.py``), when any group needs it."""
+        groups = [g for g in self.trainable_groups if g.per_matrix]
+        if not groups:
+            return None
+        return MuonStep(groups, self.config.optimizer.muon_config, self.comm, tp_group, self.tp_rank, self.tp_size)
+
+    def state_keys(self, g: Optional[FlatGroup] = None) -> tuple[str, ...]:
+        """The optimizer state tensors beside ``g``'s master (any master's when None): what
+        checkpoints save and reshard (``Placement.state_keys``)."""
+        return self.placement.state_keys(g)
 
     def _build_gradient_store(self) -> GradientStore:
         common = dict(grad_dtype=self.grad_dtype, reduce_dtype=self.reduce_dtype, device=self.device,
@@ -431,12 +448,14 @@ class ZeroEngine(torch.nn.Module):
             clip = self.config.gradient_clipping
             if clip > 0 and norm > clip:
                 coef *= clip / (norm + 1e-6)
-            on_device = [g for g in self.trainable_groups if not self.placement.is_offloaded(g)]
+            on_device = [g for g in self.trainable_groups if not self.placement.is_offloaded(g) and not g.per_matrix]
             for g in on_device:
                 g.master.grad = grads[g].float().mul_(coef)
-            self.optimizer.step()
+            self.optimizer.step()  # elementwise groups (per-matrix ones carry no .grad: the kernel skips them)
             for g in on_device:
                 g.master.grad = None
+            if self.muon is not None:  # whole matrices, each updated once by its owner
+                self.muon.step(grads, coef, self.optimizer)
             if self.offload is not None:  # the host's part, streamed (its return writes each shard)
                 self.placement.offloaded_step(grads, coef)
             self._publish_params(written=self.placement.offloaded)
@@ -548,7 +567,7 @@ class ZeroEngine(torch.nn.Module):
 
     def set_lr(self, lr: float) -> None:
         for pg in self.optimizer.param_groups:
-            pg["lr"] = lr
+            pg["lr"] = lr * pg.get("lr_mult", 1.0)
 
     def num_local_parameters(self) -> int:
         """Ψ of the ZeRO formulas: parameters of this rank's TP shard."""

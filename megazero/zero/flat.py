@@ -57,7 +57,8 @@ class FlatGroup:
     the whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
     ``trainable`` is False for frozen parameters (``requires_grad=False``): they
     are partitioned and gathered like the others but get no gradient buffer and
-    never enter the optimizer, so weight decay cannot touch them.
+    never enter the optimizer, so weight decay cannot touch them. ``per_matrix`` groups hold
+    parameters a per-matrix optimizer (Muon) updates whole (``megazero/zero/muon.py``).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class FlatGroup:
         resident: bool,
         weight_decay: bool,
         trainable: bool = True,
+        per_matrix: bool = False,
     ) -> None:
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -86,6 +88,7 @@ class FlatGroup:
         self.shard_start = self.rank * self.shard_numel
         self.compute_dtype, self.device = compute_dtype, device
         self.resident, self.weight_decay, self.trainable = resident, weight_decay, trainable
+        self.per_matrix = per_matrix  # stepped matrix by matrix (Muon: megazero/zero/muon.py), not elementwise
         self.full: Optional[torch.Tensor] = None  # [padded_numel] compute dtype; storage empty while released
         self.shard: torch.Tensor  # [shard_numel] compute dtype (a view of `full` when resident)
         self.master: torch.Tensor  # [shard_numel] fp32 (aliases `shard` when compute is fp32)

@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .optimizers import SGD, Muon
+
 __all__ = ["build_optimizer", "optimizer_step", "set_optimizer_step", "keeps_step_in_group", "say_once"]
 
 # Packages whose Adam-family kernels count steps in ``param_group["step"]`` (apex's FusedAdam,
@@ -60,11 +62,14 @@ def build_optimizer(param_groups: list[dict], oc, device: torch.device, *,
     ``mixed_devices``: some masters are on the host (optimizer offload): torch's fused kernel,
     which groups tensors by device (apex's takes CUDA tensors only)."""
     device = torch.device(device)
-    if oc.type == "SGD":  # Megatron's SGD: weight decay added to the gradient (coupled L2)
-        return torch.optim.SGD(param_groups, lr=oc.lr, momentum=oc.momentum,
+    c = oc.component
+    if isinstance(c, SGD):  # Megatron's SGD: weight decay added to the gradient (coupled L2)
+        return torch.optim.SGD(param_groups, lr=oc.lr, momentum=oc.momentum or 0.0,
                                foreach=device.type != "cuda" or None)
     kwargs = dict(lr=oc.lr, betas=oc.betas, eps=oc.eps)
-    torch_cls = torch.optim.AdamW if oc.adam_w_mode else torch.optim.Adam
+    # Muon's elementwise parameters take the auxiliary AdamW (its matrices are listed but carry no
+    # .grad at this kernel's step: the engine steps them, megazero/zero/muon.py)
+    torch_cls = torch.optim.AdamW if oc.adam_w_mode or isinstance(c, Muon) else torch.optim.Adam
     if device.type == "meta":
         return torch_cls(param_groups, foreach=False, **kwargs)
     if device.type != "cuda" or mixed_devices:
@@ -128,12 +133,13 @@ def set_optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
     """
     if isinstance(optimizer, torch.optim.SGD):
         return
+    groups = [g for g in optimizer.param_groups if not g.get("per_matrix")]  # Muon's matrices count no steps
     if keeps_step_in_group(optimizer):
-        for group in optimizer.param_groups:
+        for group in groups:
             group["step"] = int(step)
         return
     on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-    for group in optimizer.param_groups:
+    for group in groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
             if state:  # torch's fused/capturable kernels keep the count on the parameter's device

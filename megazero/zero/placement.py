@@ -50,12 +50,36 @@ class Placement:
             self.offload = OptimizerOffload(offloaded_groups(self.trainable_groups, off.ratio), off, oc, self.device,
                                             rank=_rank(), say=say_once)
         self.offloaded = frozenset(self.offload.groups) if self.offload else frozenset()
-        decay = [g.master for g in self.trainable_groups if g.weight_decay]
-        no_decay = [g.master for g in self.trainable_groups if not g.weight_decay]
-        param_groups = [{"params": decay, "weight_decay": oc.weight_decay}]
-        if no_decay:
-            param_groups.append({"params": no_decay, "weight_decay": 0.0})
+        param_groups = self._param_groups(oc)
         return build_optimizer(param_groups, oc, self.device, mixed_devices=self.offload is not None)
+
+    def _param_groups(self, oc) -> list[dict]:
+        """Decayed and undecayed masters; a per-matrix optimizer's (Muon's) matrices in groups of their
+        own (``per_matrix``), each kind at its lr (``lr_mult``: the LR schedule scales both alike)."""
+        kinds = (False, True) if oc.component.per_matrix else (False,)
+        groups = []
+        for per_matrix in kinds:
+            for decay in (True, False):
+                masters = [g.master for g in self.trainable_groups if g.weight_decay == decay and g.per_matrix == per_matrix]
+                if not masters and not (decay and not per_matrix):  # the decayed group is always listed
+                    continue
+                group = {"params": masters, "weight_decay": oc.weight_decay if decay else 0.0}
+                if oc.component.per_matrix:
+                    lr = (oc.muon_lr if per_matrix else oc.adam_lr) or oc.lr
+                    group.update(lr=lr, lr_mult=lr / oc.lr, per_matrix=per_matrix)
+                groups.append(group)
+        return groups
+
+    def state_keys(self, g: Optional[FlatGroup] = None) -> tuple[str, ...]:
+        """The optimizer state tensors kept beside ``g``'s master (its optimizer's component says
+        which), or beside any master when ``g`` is None."""
+        oc = self.config.optimizer
+        if g is not None:
+            return oc.component.state_keys(oc, g.per_matrix)
+        keys: dict[str, None] = {}
+        for group in self.trainable_groups:
+            keys.update(dict.fromkeys(oc.component.state_keys(oc, group.per_matrix)))
+        return tuple(keys)
 
     def _build_param_offload(self) -> Optional[ParamOffload]:
         """ZeRO-3's ``offload_param``: the gathered groups' partitions to the host or NVMe; the

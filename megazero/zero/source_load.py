@@ -88,8 +88,8 @@ class _Slot:
                                self.rank, self.world, lo, hi)
 
 
-def _check_names(engine, sources: Mapping[str, Any], where: str) -> None:
-    wanted = {s.name for g in engine.groups for s in g.slots}
+def _check_names(engine, sources: Mapping[str, Any], where: str, groups: Optional[list] = None) -> None:
+    wanted = {s.name for g in (engine.groups if groups is None else groups) for s in g.slots}
     for what, source in sources.items():
         missing = sorted(wanted - set(source.keys()))
         if missing:
@@ -107,9 +107,12 @@ def load_from_sources(engine, weights: Any, *, where: str, master: Optional[Any]
     Collective-free; the engine's gathered copies are dropped."""
     values_from = master if master is not None else weights
     moments = dict(moments or {})
-    _check_names(engine, {"weights": values_from, **moments}, where)
+    _check_names(engine, {"weights": values_from}, where)
+    for key, source in moments.items():  # each state key, for the masters whose optimizer keeps it
+        _check_names(engine, {key: source}, where, [g for g in engine.groups if key in engine.state_keys(g)])
     for g in engine.groups:
-        bufs = engine.optimizer_state_buffers(g, tuple(moments))
+        kept = {key: source for key, source in moments.items() if key in engine.state_keys(g)}
+        bufs = engine.optimizer_state_buffers(g, tuple(kept))
         for s in g.slots:
             slot = _Slot(engine, s, values_from, where)
             p0, s0, n = g.owned_range(s)
@@ -120,7 +123,7 @@ def load_from_sources(engine, weights: Any, *, where: str, master: Optional[Any]
                 g.master[s0:s0 + n].copy_(values)
                 if g.master is not g.shard:
                     g.shard[s0:s0 + n].copy_(values)
-            for key, source in moments.items():
+            for key, source in kept.items():
                 if n:
                     bufs[key][s0:s0 + n].copy_(slot.read(source, s.name, p0, p0 + n))
         if g.resident:

@@ -104,6 +104,7 @@ class UnitPlan:
     # module -> names of the units whose parameters it owns (what its forward needs gathered)
     needs: dict[int, list[str]]
     hooked: list[torch.nn.Module]  # modules that get gather hooks: layers and every module outside them
+    in_layer: frozenset[int] = frozenset()  # ids of the parameters inside a layer module
 
 
 def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], persistence_threshold: int) -> UnitPlan:
@@ -156,16 +157,21 @@ def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], per
     if persistent:
         units.append(PlannedUnit("persistent", len(order), persistent, True))
     hooked = [m for m in model.modules() if id(m) in layer_ids or id(m) not in inside_layer]
-    return UnitPlan(units, needs, hooked)
+    in_layer = frozenset(id(p) for layer in layer_modules for p in layer.parameters())
+    return UnitPlan(units, needs, hooked, in_layer)
 
 
 def build_units(plan: UnitPlan, *, stage: int, no_decay: Callable[[str, torch.nn.Parameter], bool],
                 partitioning: Optional[PartitionFn], default: Partitioning, param_name: Callable[[str], str],
-                compute_dtype: torch.dtype, device: torch.device) -> tuple[list[Unit], list[Partitioning]]:
+                compute_dtype: torch.dtype, device: torch.device,
+                per_matrix: Optional[Callable[[str, torch.nn.Parameter, bool], bool]] = None
+                ) -> tuple[list[Unit], list[Partitioning]]:
     """The units of ``plan`` with their flat groups (no buffers yet), and the partitionings in use.
 
     A unit's parameters are split by partitioning (``partitioning(name, param)``, None meaning
-    ``default``) and then by optimizer class: decayed, undecayed (``no_decay``), frozen. Groups are
+    ``default``) and then by optimizer class: updated per matrix (``per_matrix(name, param,
+    inside_a_layer)``, a per-matrix optimizer's choice) or elementwise, decayed or undecayed
+    (``no_decay``), frozen. Groups are
     partitioned from stage 1 on and resident (always whole) below stage 3 and for persistent units;
     ``param_name`` gives the name a slot is known by (a pipeline stage's whole-model names).
     """
@@ -179,15 +185,20 @@ def build_units(plan: UnitPlan, *, stage: int, no_decay: Callable[[str, torch.nn
                 raise ValueError(f"two partitionings are named {part.name!r}; give each process group its own name")
             by_part.setdefault(part.name, []).append((n, p))
         groups = []
+        matrix = {id(p) for n, p in planned.params
+                  if p.requires_grad and per_matrix is not None and per_matrix(n, p, id(p) in plan.in_layer)}
         for name, params in by_part.items():
-            for trainable, decay in ((True, True), (True, False), (False, False)):
+            for trainable, decay, whole in ((True, True, True), (True, True, False), (True, False, True),
+                                            (True, False, False), (False, False, False)):
                 chosen = [(param_name(n), p) for n, p in params
-                          if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)]
+                          if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)
+                          and (id(p) in matrix) == whole]
                 if chosen:
                     groups.append(FlatGroup(chosen, part=parts[name], partitioned=stage > 0,
                                             compute_dtype=compute_dtype, device=device,
                                             resident=stage < 3 or planned.persistent,
-                                            weight_decay=trainable and decay, trainable=trainable))
+                                            weight_decay=trainable and decay, trainable=trainable,
+                                            per_matrix=whole))
         units.append(Unit(planned.name, groups, planned.position))
     return units, list(parts.values())
 

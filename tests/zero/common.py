@@ -44,7 +44,7 @@ def ds_config(stage: int, accum: int = 1, clip: float = 0.0, threshold: int = 0,
 
 def zero_run(tp: int, stage: int, steps: int = 5, accum: int = 1, clip: float = 0.0, meta: bool = False,
              threshold: int = 0, model_overrides: dict | None = None, extra: dict | None = None,
-             after: Callable[[zero.ZeroEngine], object] | None = None):
+             after: Callable[[zero.ZeroEngine], object] | None = None, config=None):
     """Train on this rank's slice of every global micro-batch; return losses, norms, weights
     (and ``after(engine)`` once the last step is done, when given)."""
     mpu.initialize_model_parallel(tp)
@@ -53,7 +53,7 @@ def zero_run(tp: int, stage: int, steps: int = 5, accum: int = 1, clip: float = 
     torch.manual_seed(SEED)
     model = GPTModel(cfg, device="meta" if meta else None)
     micro = GLOBAL_MICRO_ROWS // dp
-    engine = zero.initialize(model, ds_config(stage, accum, clip, threshold, micro, **(extra or {})), mpu=mpu)
+    engine = zero.initialize(model, config or ds_config(stage, accum, clip, threshold, micro, **(extra or {})), mpu=mpu)
     data = batches(steps, accum, GLOBAL_MICRO_ROWS)
     losses, norms = [], []
     for step in range(steps):

@@ -1,0 +1,227 @@
+"""Muon's per-matrix step inside the ZeRO engine, at every layout.
+
+The update (:class:`megazero.zero.optimizers.MuonConfig` states it) splits into an elementwise
+part, run by each rank on the partition of the flat groups it holds as ZeRO keeps them, and one
+that needs the whole matrix:
+
+1. each holder folds its reduced, unscaled and clipped gradient into the momentum (the state
+   ``momentum_buffer``, partitioned like the fp32 master: checkpoints reshard it like Adam's
+   moments) and forms ``u`` (Nesterov or plain);
+2. ``u`` goes to the matrix's owner (:mod:`megazero.zero.matrix_exchange`); with
+   ``tp_mode="duplicated"`` the owners on each TP rank gather the TP shards (one all-gather per
+   TP group), so every owner sees the matrix of a tp = 1 run;
+3. the owner runs Newton-Schulz once per matrix per step (Q, K and V apart with ``split_qkv``),
+   scales it, and keeps its TP block;
+4. the update goes back to the holders, which apply decoupled weight decay and the update to
+   their fp32 master partition; the engine then publishes the parameters as for any optimizer.
+
+The engine calls :meth:`MuonStep.step` at the accumulation boundary only, after the overflow
+check: a skipped step leaves the momentum as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full, tp_shard_group_of, tp_shard_of
+from .comm import CommCounter
+from .flat import FlatGroup
+from .matrix_exchange import Matrix, MatrixExchange, assign_owners
+from .optimizers import MuonConfig
+
+__all__ = ["newton_schulz", "scale_factor", "MuonStep"]
+logger = logging.getLogger(__name__)
+
+
+def newton_schulz(u: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``torch.optim.Muon``'s quintic Newton-Schulz iteration on a 2-D ``u``, in ``dtype`` (the
+    same operations in the same order: bf16 equals it bit for bit). ``u`` is left unchanged."""
+    a, b, c = coefficients
+    x = u.to(dtype, copy=True)
+    tall = u.size(0) > u.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def scale_factor(rows: int, cols: int, mode: str) -> float:
+    """The update's scale for a ``rows x cols`` (out x in) matrix (``MuonConfig.scale_mode``)."""
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    return math.sqrt(rows / cols)  # unit_rms_norm
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision: str) -> Iterator[None]:
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class MuonStep:
+    """The per-matrix groups of one engine and their step (see the module docstring).
+
+    ``groups``: the trainable ``per_matrix`` flat groups; ``tp_group``/``tp_rank``/``tp_size``: the
+    engine's TP coordinates (a parameter with its own ``tp_shard_group`` uses that). ``comm`` counts
+    the exchanges under each partitioning's name and the TP gathers under ``muon.tp<i>``."""
+
+    def __init__(self, groups: list[FlatGroup], config: MuonConfig, comm: CommCounter,
+                 tp_group: Optional[dist.ProcessGroup], tp_rank: int, tp_size: int) -> None:
+        self.groups, self.config, self.comm = groups, config, comm
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.dtype = torch.bfloat16 if config.ns_dtype == "bf16" else torch.float32
+        self.ns_runs = 0  # Newton-Schulz runs on this rank (each matrix once per step, by its owner)
+        self.exchanges: list[MatrixExchange] = []
+        self.loads: dict[str, list[float]] = {}
+        by_part: dict[str, list[Matrix]] = {}
+        for g in groups:
+            for s in g.slots:
+                by_part.setdefault(g.part.name, []).append(Matrix(g, s, self._whole_shape(s.param)))
+        for name, matrices in by_part.items():
+            part = matrices[0].group.part
+            self.loads[name] = assign_owners(matrices, part.size, config.ns_steps)
+            self.exchanges.append(MatrixExchange(matrices, comm, name, part.rank, part.size))
+        self._tp_names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ layout
+
+    def _sharded(self, p: torch.nn.Parameter) -> bool:
+        """Whether ``p``'s TP shards are gathered whole before Newton-Schulz."""
+        return self.config.tp_mode != "blockwise" and is_tp_sharded(p) and self._tp_world(p)[1] > 1
+
+    def _tp_world(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        return tp_shard_of(p, self.tp_rank, self.tp_size)
+
+    def _whole_shape(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        rows, cols = int(p.shape[0]), int(p.shape[1])
+        if self._sharded(p):
+            world = self._tp_world(p)[1]
+            if int(getattr(p, "partition_dim", 0)) == 0:
+                rows *= world
+            else:
+                cols *= world
+        return rows, cols
+
+    def _tp_name(self, group: Optional[dist.ProcessGroup]) -> str:
+        key = id(group)
+        if key not in self._tp_names:
+            name = f"muon.tp{len(self._tp_names)}"
+            self.comm.groups[name] = group
+            self._tp_names[key] = name
+        return self._tp_names[key]
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, grads: dict[FlatGroup, torch.Tensor], coef: float, optimizer: torch.optim.Optimizer) -> None:
+        """Update every per-matrix group's master from its reduced gradient ``grads[g]`` times
+        ``coef`` (unscale and clip); the momentum lives in ``optimizer.state[g.master]``."""
+        cfg = self.config
+        u, scratch = {}, {}
+        for g in self.groups:
+            state = optimizer.state[g.master]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.zeros_like(g.master)
+            grad = grads[g].float().mul_(coef)
+            buf.lerp_(grad, 1 - cfg.momentum)
+            u[g] = grad.lerp_(buf, cfg.momentum) if cfg.nesterov else buf
+            scratch[g] = grad  # free once u has gone to the owners: the updates come back into it
+        for exchange in self.exchanges:
+            owned = exchange.gather(u)
+            whole = self._gather_tp(owned)
+            with _matmul_precision(cfg.fp32_matmul_precision):
+                updates = {m: self._update(m, w) for m, w in whole.items()}
+            for g in {m.group for m in exchange.matrices}:
+                scratch[g].zero_()
+            exchange.scatter(updates, scratch)
+        hp = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+        for g in self.groups:
+            group = hp[id(g.master)]
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd:
+                g.master.mul_(1 - lr * wd)
+            g.master.add_(scratch[g], alpha=-lr)
+
+    def _gather_tp(self, owned: dict[Matrix, torch.Tensor]) -> dict[Matrix, torch.Tensor]:
+        """Each owned matrix as a 2-D tensor of its whole shape: TP shards gathered (one flat
+        all-gather per TP group; its peers own the same matrices)."""
+        out = {m: flat.view(m.slot.shape) for m, flat in owned.items() if not self._sharded(m.slot.param)}
+        by_group: dict[int, list[Matrix]] = {}
+        groups: dict[int, Optional[dist.ProcessGroup]] = {}
+        for m in owned:
+            if self._sharded(m.slot.param):
+                pg = tp_shard_group_of(m.slot.param, self.tp_group)
+                by_group.setdefault(id(pg), []).append(m)
+                groups[id(pg)] = pg
+        for key, matrices in by_group.items():
+            world = self._tp_world(matrices[0].slot.param)[1]
+            mine = torch.cat([owned[m] for m in matrices])
+            gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+            self.comm.all_gather(gathered, mine, self._tp_name(groups[key]))
+            shards = gathered.view(world, -1)
+            at = 0
+            for m in matrices:
+                p, n = m.slot.param, m.slot.numel
+                pieces = [shards[r].narrow(0, at, n).view(m.slot.shape) for r in range(world)]
+                out[m] = full_from_shards(pieces, int(getattr(p, "partition_dim", 0)),
+                                          int(getattr(p, "partition_stride", 1)))
+                at += n
+        return out
+
+    def _update(self, m: Matrix, whole: torch.Tensor) -> torch.Tensor:
+        """The scaled, orthogonalised update of ``m`` (flat, fp32), this TP rank's block of it."""
+        cfg = self.config
+        p = m.slot.param
+        fused = getattr(p, "fused_matrices", None) if cfg.split_qkv else None
+        if fused:  # rows repeat per query group as (q, k, v): orthogonalise Q, K and V apart
+            rows, cols = whole.shape
+            groups = rows // sum(fused)
+            parts = torch.split(whole.reshape(groups, sum(fused), cols), list(fused), dim=1)
+            update = torch.cat([self._orthogonalize(t.reshape(-1, cols)).view(groups, -1, cols) for t in parts],
+                               dim=1).view(rows, cols)
+        else:
+            update = self._orthogonalize(whole)
+        self.ns_runs += 1
+        if self._sharded(p):
+            rank, world = self._tp_world(p)
+            update = shard_of_full(update, int(getattr(p, "partition_dim", 0)),
+                                   int(getattr(p, "partition_stride", 1)), rank, world)
+        return update.reshape(-1)
+
+    def _orthogonalize(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        o = newton_schulz(x, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, self.dtype).float()
+        scale = scale_factor(x.size(0), x.size(1), cfg.scale_mode) * cfg.extra_scale_factor
+        return o if scale == 1.0 else o.mul_(scale)
+
+    # ------------------------------------------------------------------ accounting
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """fp32 bytes this rank sends per step: to the owners (``in``), back to the holders
+        (``out``), and in the owners' TP gathers (``tp``)."""
+        out = {"in": 0, "out": 0, "tp": 0}
+        for ex in self.exchanges:
+            for k, v in ex.bytes_per_step().items():
+                out[k] += v
+            for m in ex.owned:
+                if self._sharded(m.slot.param):
+                    out["tp"] += 4 * m.slot.numel * (self._tp_world(m.slot.param)[1] - 1)
+        return out
