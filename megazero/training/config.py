@@ -20,7 +20,7 @@ import torch
 from megazero.model.config import GPTConfig
 from megazero.training.ds_keys import strip_ignored
 from megazero.training.errors import ConfigError  # re-exported: `from megazero.training.config import ConfigError`
-from megazero.zero.config import (FP16Config, OptimizerConfig, ZeroConfig, parse_communication_data_type,
+from megazero.zero.config import (FP16Config, MuonConfig, OptimizerConfig, ZeroConfig, parse_communication_data_type,
                                   parse_fp16, parse_grad_accum_dtype, parse_optimizer, parse_zero_optimization)
 
 __all__ = [
@@ -100,8 +100,9 @@ class PrecisionConfig:
 class OptimConfig:
     """Optimizer hyper-parameters. ``lr`` is the peak LR the schedule warms up to."""
 
-    type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW; or 'SGD'
+    type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW; 'SGD'; 'Muon'
     sgd_momentum: float = 0.9
+    muon: Optional[MuonConfig] = None  # type 'Muon': its knobs (the --muon-* flags)
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -298,10 +299,11 @@ class TrainConfig:
         s, o, p = self.schedule, self.optim, self.precision
         if o.type == "SGD":  # the JSON's Adam-only params do not apply
             optimizer = OptimizerConfig(type="SGD", lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
-        else:
+        else:  # Adam, or Muon with its auxiliary AdamW (the JSON may add muon_lr / adam_lr)
             optimizer = dataclasses.replace(
                 parse_optimizer(o.type, ds.get("optimizer", {}).get("params", {})),
-                lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
+                lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
+                momentum=None, muon=o.muon)
         zero = parse_zero_optimization(ds.get("zero_optimization", {}))
         offload = zero.offload_optimizer
         if o.offload_device is not None:

@@ -289,9 +289,34 @@ g(H, ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"), 
 
 # ------------------------------------------------------------------------------------------ optimizer
 g = _group("optimizer and precision")
-g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, or sgd", _lower,
-  choices=("adam", "adamw", "sgd"), default="adam")
+g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, sgd, or muon (the 2-D weights "
+  "inside the transformer layers; embeddings, output layer, norms and biases take AdamW with the --adam-* flags)",
+  _lower, choices=("adam", "adamw", "sgd", "muon"), default="adam")
 g(H, "--sgd-momentum", "momentum of --optimizer sgd", float, default=0.9)
+g(H, "--muon-momentum", "Muon's momentum (an average: m = b m + (1 - b) g)", float, default=0.95)
+g(H, ("--muon-nesterov", "--muon-use-nesterov"), "Muon: Nesterov momentum (orthogonalise (1 - b) g + b m)",
+  dest="muon_nesterov")
+g(H, "--muon-num-ns-steps", "Muon: Newton-Schulz iterations (quintic, coefficients 3.4445, -4.775, 2.0315)", int,
+  default=5)
+g(H, "--muon-scale-mode", "Muon's update scale for an out x in matrix: spectral sqrt(max(out, in)), "
+  "unit_rms_norm sqrt(out/in), shape_scaling sqrt(max(1, out/in))", _lower,
+  choices=("spectral", "unit_rms_norm", "shape_scaling"), default="spectral")
+g(H, "--muon-extra-scale-factor", "Muon: a further factor on the update (Moonlight's 0.2 matches AdamW's RMS "
+  "with spectral)", float, default=1.0)
+g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K and V matrices apart",
+  dest="muon_split_qkv", default=True)
+g(H, "--muon-no-split-qkv", "Muon: orthogonalise the fused QKV weight as one matrix", dest="muon_split_qkv",
+  store_false=True)
+g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix: every layout "
+  "equals one process), blockwise (Newton-Schulz on each TP shard: the update depends on the TP size), "
+  "distributed (Megatron's Gram all-reduce; the same update as duplicated, run as it)", _lower,
+  choices=("duplicated", "blockwise", "distributed"), default="duplicated")
+g(H, "--muon-scalar-optimizer", "the optimizer of the parameters Muon does not take: adam (AdamW)", _lower,
+  choices=("adam",), default="adam")
+g(H, "--muon-fp32-matmul-prec", "torch's float32 matmul precision inside Newton-Schulz (medium/high allow "
+  "TF32/bf16 passes on GPUs)", _lower, choices=("highest", "high", "medium"), default="highest")
+g(H, "--muon-ns-dtype", "Muon: the dtype Newton-Schulz runs in (bf16 is torch.optim.Muon's)", _lower,
+  choices=("fp32", "bf16"), default="fp32")
 g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "
   "live on the host and step there (zero_optimization.offload_optimizer device cpu; ZeRO stage >= 1)")
 g(H, "--optimizer-offload-fraction", "fraction of the optimizer state offloaded by --optimizer-cpu-offload, by whole "

@@ -187,7 +187,10 @@ class ZeroEngine(torch.nn.Module):
         groups = [g for g in self.trainable_groups if g.per_matrix]
         if not groups:
             return None
-        return MuonStep(groups, self.config.optimizer.muon_config, self.comm, tp_group, self.tp_rank, self.tp_size)
+        muon = MuonStep(groups, self.config.optimizer.muon_config, self.comm, tp_group, self.tp_rank, self.tp_size)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("Muon: %s", muon.describe())
+        return muon
 
     def state_keys(self, g: Optional[FlatGroup] = None) -> tuple[str, ...]:
         """The optimizer state tensors beside ``g``'s master (any master's when None): what

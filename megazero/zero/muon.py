@@ -214,6 +214,18 @@ class MuonStep:
 
     # ------------------------------------------------------------------ accounting
 
+    def describe(self) -> str:
+        """One line: matrices, owners' balance and bytes sent per step on this rank."""
+        parts = []
+        for ex in self.exchanges:
+            loads = self.loads[ex.name]
+            balance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else 1.0
+            parts.append(f"{len(ex.matrices)} matrices over {ex.name} ({ex.size} ranks; this rank owns "
+                         f"{len(ex.owned)}, busiest/mean Newton-Schulz work {balance:.2f})")
+        sent = self.bytes_per_step()
+        return (f"{'; '.join(parts)}; this rank sends {sent['in'] / 2**20:.1f} MiB to owners, "
+                f"{sent['out'] / 2**20:.1f} MiB back, {sent['tp'] / 2**20:.1f} MiB in TP gathers per step")
+
     def bytes_per_step(self) -> dict[str, int]:
         """fp32 bytes this rank sends per step: to the owners (``in``), back to the holders
         (``out``), and in the owners' TP gathers (``tp``)."""

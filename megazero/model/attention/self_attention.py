@@ -100,6 +100,9 @@ class SelfAttention(CausalAttention):
         qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
         self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False, init_method=init,
                                                    **{**common, "bias": c.add_bias_linear or c.add_qkv_bias})
+        # The weight's rows repeat per query group as (its queries, a key, a value): three matrices
+        # fused into one, as an optimizer that works per matrix (Muon's QKV split) must know.
+        self.linear_qkv.weight.fused_matrices = (self.heads_per_group * c.head_dim, c.head_dim, c.head_dim)
         self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
                                                  input_is_parallel=True, init_method=output_init, **common)
         if c.qk_layernorm:

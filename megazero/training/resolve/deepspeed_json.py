@@ -50,10 +50,13 @@ def merge_deepspeed_json(ns: argparse.Namespace, ds: dict[str, Any], path: str) 
     """Fill flags the command line left unset from the JSON; refuse disagreements."""
     if json_get(ds, "sequence_parallel_size") not in (None, 1) and ns.cp_comm_type is None:
         ns.cp_comm_type = ["a2a"]  # Ulysses is context parallelism by all-to-all over heads
+    muon = str(json_get(ds, "optimizer.type") or "").lower() == "muon"
     for key, attr, flag_name, convert in _DS_KEYS:
         raw = json_get(ds, key)
         if raw is None:
             continue
+        if muon and attr == "sgd_momentum":  # Muon's params.momentum is its own
+            attr, flag_name = "muon_momentum", "--muon-momentum"
         value = convert(raw)
         given = getattr(ns, attr)
         if isinstance(value, bool):

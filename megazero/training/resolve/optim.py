@@ -1,4 +1,5 @@
-"""Optimizer: type (Adam/AdamW/SGD), lr, betas, eps, weight decay and its schedule, gradient clipping."""
+"""Optimizer: type (Adam/AdamW/SGD/Muon) and Muon's knobs, lr, betas, eps, weight decay and its schedule,
+gradient clipping."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from typing import Any, Optional
 
 from megazero.training.config import ConfigError, OptimConfig
+from megazero.zero.optimizers import MuonConfig, ZeroConfigError, component
 from megazero.training.resolve.common import default, json_get
 
 
@@ -13,15 +15,17 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
     o = OptimConfig(lr=ns.lr)  # present: parse_args checked the required flags
     ds_type = json_get(ds or {}, "optimizer.type")
     if ds_type is not None:
-        if str(ds_type).lower() not in ("adam", "adamw", "fusedadam", "sgd"):
-            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} is not supported; use Adam, AdamW "
-                              f"or SGD")
-        if ns.optimizer is not None and (ns.optimizer == "sgd") != (str(ds_type).lower() == "sgd"):
+        try:
+            kind = component(ds_type)
+        except ZeroConfigError as e:
+            raise ConfigError(f"--deepspeed-config {e}") from None
+        if ns.optimizer is not None and component(ns.optimizer) is not kind:
             raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} disagrees with --optimizer "
                               f"{ns.optimizer}; set it in one place")
-        o.type = "SGD" if str(ds_type).lower() == "sgd" else str(ds_type)
-    if ns.optimizer == "sgd":
-        o.type = "SGD"
+        o.type = str(ds_type) if kind.name == "AdamW" else kind.name
+    if ns.optimizer in ("sgd", "muon"):
+        o.type = component(ns.optimizer).name
+    _resolve_muon(ns, o)
     if o.type == "SGD":
         _check_engine_has_sgd()
     elif ns.sgd_momentum is not None:
@@ -82,9 +86,33 @@ def _resolve_offload(ns: argparse.Namespace, ds: Optional[dict[str, Any]], o: Op
     elif fraction is not None:
         o.offload_device = json_device
     o.offload_fraction = fraction
-    if o.offload_device is not None and o.type == "SGD":
-        raise ConfigError("optimizer offload steps Adam/AdamW on the host; --optimizer sgd runs on the accelerator "
-                          "(drop --optimizer-cpu-offload)")
+    if o.offload_device is not None and not component(o.type).host_step:
+        raise ConfigError(f"optimizer offload steps Adam/AdamW on the host; --optimizer {o.type.lower()} runs on the "
+                          "accelerator (Muon's Newton-Schulz needs each whole matrix there): drop "
+                          "--optimizer-cpu-offload")
+
+
+def _resolve_muon(ns: argparse.Namespace, o: OptimConfig) -> None:
+    """--optimizer muon's knobs (Megatron-LM's --muon-* flags), refused without it."""
+    given = [f"--{k.replace('_', '-')}" for k in _MUON_FLAGS if getattr(ns, k, None) is not None]
+    if o.type != "Muon":
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --optimizer muon")
+        return
+    muon = MuonConfig(
+        momentum=default(ns.muon_momentum, 0.95), nesterov=bool(ns.muon_nesterov),
+        ns_steps=default(ns.muon_num_ns_steps, 5), scale_mode=default(ns.muon_scale_mode, "spectral"),
+        extra_scale_factor=default(ns.muon_extra_scale_factor, 1.0), split_qkv=default(ns.muon_split_qkv, True),
+        tp_mode=default(ns.muon_tp_mode, "duplicated"), ns_dtype=default(ns.muon_ns_dtype, "fp32"),
+        fp32_matmul_precision=default(ns.muon_fp32_matmul_prec, "highest"))
+    try:
+        o.muon = muon.validate()
+    except ZeroConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+_MUON_FLAGS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
+               "muon_split_qkv", "muon_tp_mode", "muon_scalar_optimizer", "muon_fp32_matmul_prec", "muon_ns_dtype")
 
 
 def _check_engine_has_sgd() -> None:

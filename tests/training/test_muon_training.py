@@ -1,0 +1,79 @@
+"""pretrain_gpt.py --optimizer muon at several layouts (ZeRO 0-3, the distributed optimizer, TP with SP, PP,
+CP, EP, gradient accumulation, clipping), compared with the one-process run of the same flags: loss and grad
+norm per iteration within 2e-5 (fp32 Newton-Schulz, QKV split, dropout 0); a checkpoint resumes at another
+layout; switching from AdamW takes --no-load-optim; and Muon's flags are refused where they cannot work."""
+
+from __future__ import annotations
+
+import pytest
+
+from megazero.training.arguments import parse_args
+from megazero.training.config import ConfigError
+from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401
+                                                   launch)
+from tests.training.test_moe_training import MOE
+
+MUON = ("--optimizer", "muon", "--muon-nesterov", "--muon-extra-scale-factor", "0.2", "--weight-decay", "0.1")
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *MUON), tmp_path_factory.mktemp("muon1"), "muon1")
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *MUON, *MOE), tmp_path_factory.mktemp("muon1_moe"), "muon1_moe")
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--zero-stage", "0"]),  # plain DP: each rank orthogonalises its own matrices, all-gathers the rest
+    (4, ["--tp", "2", "--sequence-parallel", "--use-distributed-optimizer"]),  # ZeRO-1, whole matrices over TP
+    (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"]),
+    (4, ["--zero-stage", "3"]),
+    (4, ["--context-parallel-size", "2", "--zero-stage", "1"]),
+])
+def test_muon_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
+    got = launch(world, flags(data, *MUON, *extra), tmp_path, "muon")
+    assert_same_run(got, one_process, what=f"muon at world {world} {extra}")
+    losses = [one_process[i]["lm_loss"] for i in sorted(one_process)]
+    assert losses[0] - losses[-1] > 0.05, losses  # it trains
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--expert-model-parallel-size", "2"]),
+    (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
+         "1", "--zero-stage", "2"]),
+])
+def test_muon_with_experts_equals_one_process(data, one_process_moe, tmp_path, world, extra):  # noqa: F811
+    got = launch(world, flags(data, *MUON, *MOE, *extra), tmp_path, "muon_moe")
+    assert_same_run(got, one_process_moe, what=f"muon with experts at world {world} {extra}")
+
+
+def test_muon_resumes_at_another_layout(data, one_process, tmp_path):  # noqa: F811
+    assert_resumes_elsewhere(data, list(MUON), (4, ["--tp", "2", "--use-distributed-optimizer"]),
+                             [(2, ["--pipeline-model-parallel-size", "2", "--zero-stage", "3"])],
+                             one_process, tmp_path, "muon")
+
+
+def test_switching_from_adamw_to_muon_takes_no_load_optim(data, tmp_path):  # noqa: F811
+    saved = str(tmp_path / "adamw")
+    launch(1, flags(data, "--save", saved, "--save-interval", "2"), tmp_path, "adamw")
+    with pytest.raises(AssertionError, match="holds optimizer state.*switch optimizers with --no-load-optim"):
+        launch(1, flags(data, *MUON, "--load", saved, "--ckpt-step", "2"), tmp_path, "muon_refused")
+    got = launch(1, flags(data, *MUON, "--load", saved, "--ckpt-step", "2", "--no-load-optim"), tmp_path,
+                 "muon_switched")
+    assert sorted(got) == [3, 4]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--muon-momentum", "0.9"], "--muon-momentum need --optimizer muon"),
+    (["--optimizer", "muon", "--optimizer-cpu-offload", "--zero-stage", "1"], "drop --optimizer-cpu-offload"),
+    (["--optimizer", "muon", "--muon-momentum", "1.2"], "momentum must be in"),
+    (["--optimizer", "muon", "--muon-tp-mode", "sideways"], "invalid choice: 'sideways'"),
+    (["--optimizer", "muon", "--muon-scale-mode", "huge"], "invalid choice: 'huge'"),
+])
+def test_muon_refusals(data, extra, message, capsys):  # noqa: F811
+    with pytest.raises((ConfigError, SystemExit)) as info:
+        parse_args(flags(data, *extra), 1)
+    assert message in str(info.value) + capsys.readouterr().err
