@@ -250,7 +250,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                     cp_comm_type: Union[str, tuple[str, ...]] = "p2p",
                     hierarchical_cp: tuple[int, ...] = (), expert_parallel: int = 1,
                     expert_tensor_parallel: Optional[int] = None, first_stage_layers: Optional[int] = None,
-                    last_stage_layers: Optional[int] = None, async_save: bool = False) -> MemoryEstimate:
+                    last_stage_layers: Optional[int] = None, async_save: bool = False,
+                    optimizer: str = "adam") -> MemoryEstimate:
     """Per-GPU memory of training ``config`` under a parallel plan.
 
     The execution options come from the keyword arguments, not from ``config``'s
@@ -275,6 +276,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     ``offload_param`` (ZeRO-3, ``cpu`` / ``nvme`` with ``max_in_cpu`` and the read buffers) does the
     same for the weight partition (``host_params``, ``host_param_ring``, ``nvme_params``).
 
+    ``optimizer`` (``adam``, ``sgd``, ``muon``): the state bytes per parameter its component keeps
+    (``megazero/zero/optimizers.py``): Muon one momentum on the layers' matrices (every routed expert
+    weight) and Adam's two moments on the embeddings, output layer, norms and biases (the dense parameters'
+    average is used on every stage).
     ``async_save``: ``host_checkpoint`` is the staged copy a background save holds, the rank's partition of
     the fp32 masters and Adam's two moments (the whole of them at ZeRO-0).
 
@@ -323,11 +328,13 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                                      optimizer_ratio=ratio)
 
     kept = param_host(psi)["weights_on_device"]
+    dense_k, expert_k = optimizer_bytes(optimizer, precision, 1.0 - _embedding_params(config) / max(total - experts, 1))
     expert_states = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision,
-                                      grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept)
+                                      grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept,
+                                      optimizer_bytes=expert_k)
     weights, grads, optim = _with_experts(
         model_state_bytes(psi, dp=zdp, zero_stage=zero_stage, precision=precision, grad_accum_dtype=grad_accum_dtype,
-                          offload_ratio=ratio, weights_on_device=kept), expert_states)
+                          offload_ratio=ratio, weights_on_device=kept, optimizer_bytes=dense_k), expert_states)
     act_kw = dict(micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp, recompute=recompute,
                   sequence_parallel=sequence_parallel and tp > 1, flash_attn=flash_attn,
                   act_bytes=_DTYPE_BYTES[precision], expert_tp=etp)
@@ -371,7 +378,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     if pp > 1:  # each stage its own layers (training's split), mixtures and experts
         def state_of(n: float) -> tuple[float, float, float]:
             return model_state_bytes(n, dp=zdp, zero_stage=zero_stage, precision=precision,
-                                     grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept)
+                                     grad_accum_dtype=grad_accum_dtype, offload_ratio=ratio, weights_on_device=kept,
+                                     optimizer_bytes=dense_k)
 
         pipeline, stage = pipeline_plan(
             config, stage_layers(config, pp, virtual_pp, first_stage_layers, last_stage_layers), total=total - experts,
@@ -422,6 +430,19 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         if async_save else 0.0)
 
 
+def optimizer_bytes(optimizer: str, precision: str, matrix_share: float) -> tuple[float, float]:
+    """Optimizer bytes per parameter (the fp32 master where it is apart, and the state its component keeps)
+    for the dense parameters (``matrix_share`` of them are the layers' matrices) and the routed experts."""
+    from megazero.zero.optimizers import OptimizerConfig, component
+
+    kind = component(optimizer)
+    oc = OptimizerConfig(type=kind.name, momentum=0.9 if kind.name == "SGD" else None)
+    master = _STATE_BYTES[precision][2] - 8  # the table's K is the master's bytes plus Adam's 8
+    matrix = kind.state_bytes(oc, matrix=kind.per_matrix)
+    other = kind.state_bytes(oc, matrix=False)
+    return master + matrix * matrix_share + other * (1 - matrix_share), master + matrix
+
+
 def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> dict:
     """The keyword arguments of :func:`estimate_memory` for a parsed ``TrainConfig`` (the plan
     pretrain_gpt.py would run), with what its ZeRO engine gets from the --deepspeed_config JSON
@@ -450,7 +471,7 @@ def plan_of(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) ->
         offload_param=par.device if par.enabled else "none", offload_param_max_in_cpu=par.max_in_cpu,
         offload_param_buffer_count=par.buffer_count, offload_param_buffer_size=par.buffer_size,
         keep_gathered=zc.stage3_keep_gathered_in_step, num_workers=config.data.num_workers,
-        async_save=config.checkpoint.async_save)
+        async_save=config.checkpoint.async_save, optimizer=config.optim.type.lower())
 
 
 def estimate_memory_for(config: "TrainConfig", *, grad_accum_dtype: Optional[str] = None) -> MemoryEstimate:

@@ -28,7 +28,8 @@ STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = "bf16",
                       grad_accum_dtype: Optional[str] = None, offload_ratio: float = 0.0,
-                      weights_on_device: float = 1.0) -> tuple[float, float, float]:
+                      weights_on_device: float = 1.0, optimizer_bytes: Optional[float] = None
+                      ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per rank on the device for ``psi`` parameters (ZeRO
     paper, Sec. 3.1/5).
 
@@ -37,6 +38,7 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = 
     paper's 2 + 2 + 12). ``offload_ratio`` of the optimizer partition lives on the host
     (:func:`offloaded_bytes`): the device keeps the rest; ``weights_on_device`` of the ZeRO-3
     weight partition stays there (the rest is offloaded, :func:`offloaded_param_bytes`).
+    ``optimizer_bytes``: the optimizer's bytes per parameter, master included (default: Adam's, the table's K).
     """
     if precision not in STATE_BYTES:
         raise ValueError(f"precision must be one of {sorted(STATE_BYTES)}, got {precision!r}")
@@ -45,6 +47,8 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str = 
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
     w, g, o = STATE_BYTES[precision]
+    if optimizer_bytes is not None:
+        o = optimizer_bytes
     if grad_accum_dtype is not None:
         g = DTYPE_BYTES[grad_accum_dtype]
     return (w * psi / (dp if zero_stage >= 3 else 1) * (weights_on_device if zero_stage >= 3 else 1.0),

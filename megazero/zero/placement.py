@@ -60,7 +60,8 @@ class Placement:
         groups = []
         for per_matrix in kinds:
             for decay in (True, False):
-                masters = [g.master for g in self.trainable_groups if g.weight_decay == decay and g.per_matrix == per_matrix]
+                masters = [g.master for g in self.trainable_groups
+                           if g.weight_decay == decay and g.per_matrix == per_matrix]
                 if not masters and not (decay and not per_matrix):  # the decayed group is always listed
                     continue
                 group = {"params": masters, "weight_decay": oc.weight_decay if decay else 0.0}
