@@ -303,8 +303,8 @@ g(H, "--muon-scale-mode", "Muon's update scale for an out x in matrix: spectral 
   choices=("spectral", "unit_rms_norm", "shape_scaling"), default="spectral")
 g(H, "--muon-extra-scale-factor", "Muon: a further factor on the update (Moonlight's 0.2 matches AdamW's RMS "
   "with spectral)", float, default=1.0)
-g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K and V matrices apart",
-  dest="muon_split_qkv", default=True)
+g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K and V matrices apart (the "
+  "default)", dest="muon_split_qkv")
 g(H, "--muon-no-split-qkv", "Muon: orthogonalise the fused QKV weight as one matrix", dest="muon_split_qkv",
   store_false=True)
 g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix: every layout "

@@ -99,6 +99,17 @@ class MuonStep:
             self.loads[name] = assign_owners(matrices, part.size, config.ns_steps)
             self.exchanges.append(MatrixExchange(matrices, comm, name, part.rank, part.size))
         self._tp_names: dict[int, str] = {}
+        # Each group's matrices with the range of this rank's partition they cover, and each matrix's
+        # update scale (1 where the owner scales the parts of a fused matrix itself).
+        self.held: dict[FlatGroup, list[tuple[Matrix, tuple[int, int]]]] = {g: [] for g in groups}
+        self.scales: dict[Matrix, float] = {}
+        for ex in self.exchanges:
+            for m in ex.matrices:
+                lo, hi = ex.held(m, ex.rank)
+                start = 0 if ex.whole else ex.rank * m.group.shard_numel
+                if hi > lo:
+                    self.held[m.group].append((m, (lo - start, hi - lo)))
+                self.scales[m] = 1.0 if self._fused(m) else self._scale(*m.shape)  # (a TP shard's with blockwise)
 
     # ------------------------------------------------------------------ layout
 
@@ -158,7 +169,8 @@ class MuonStep:
             lr, wd = group["lr"], group["weight_decay"]
             if wd:
                 g.master.mul_(1 - lr * wd)
-            g.master.add_(scratch[g], alpha=-lr)
+            for m, (lo, n) in self.held[g]:  # torch.optim.Muon's form: W - (lr * scale) * O
+                g.master.narrow(0, lo, n).add_(scratch[g].narrow(0, lo, n), alpha=-lr * self.scales[m])
 
     def _gather_tp(self, owned: dict[Matrix, torch.Tensor]) -> dict[Matrix, torch.Tensor]:
         """Each owned matrix as a 2-D tensor of its whole shape: TP shards gathered (one flat
@@ -188,17 +200,16 @@ class MuonStep:
 
     def _update(self, m: Matrix, whole: torch.Tensor) -> torch.Tensor:
         """The scaled, orthogonalised update of ``m`` (flat, fp32), this TP rank's block of it."""
-        cfg = self.config
         p = m.slot.param
-        fused = getattr(p, "fused_matrices", None) if cfg.split_qkv else None
-        if fused:  # rows repeat per query group as (q, k, v): orthogonalise Q, K and V apart
+        fused = self._fused(m)
+        if fused:  # rows repeat per query group as (q, k, v): orthogonalise Q, K and V apart, each scaled
             rows, cols = whole.shape
             groups = rows // sum(fused)
             parts = torch.split(whole.reshape(groups, sum(fused), cols), list(fused), dim=1)
-            update = torch.cat([self._orthogonalize(t.reshape(-1, cols)).view(groups, -1, cols) for t in parts],
-                               dim=1).view(rows, cols)
-        else:
-            update = self._orthogonalize(whole)
+            update = torch.cat([self._orthogonalize(t.reshape(-1, cols), scaled=True).view(groups, -1, cols)
+                                for t in parts], dim=1).view(rows, cols)
+        else:  # scaled by the holders (self.scales), as torch.optim.Muon scales the lr
+            update = self._orthogonalize(whole, scaled=False)
         self.ns_runs += 1
         if self._sharded(p):
             rank, world = self._tp_world(p)
@@ -206,11 +217,18 @@ class MuonStep:
                                    int(getattr(p, "partition_stride", 1)), rank, world)
         return update.reshape(-1)
 
-    def _orthogonalize(self, x: torch.Tensor) -> torch.Tensor:
+    def _orthogonalize(self, x: torch.Tensor, scaled: bool) -> torch.Tensor:
         cfg = self.config
         o = newton_schulz(x, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, self.dtype).float()
-        scale = scale_factor(x.size(0), x.size(1), cfg.scale_mode) * cfg.extra_scale_factor
+        scale = self._scale(x.size(0), x.size(1)) if scaled else 1.0
         return o if scale == 1.0 else o.mul_(scale)
+
+    def _scale(self, rows: int, cols: int) -> float:
+        return scale_factor(rows, cols, self.config.scale_mode) * self.config.extra_scale_factor
+
+    def _fused(self, m: Matrix) -> Optional[tuple[int, ...]]:
+        """The per-query-group row blocks of a fused QKV weight when Q, K and V are orthogonalised apart."""
+        return getattr(m.slot.param, "fused_matrices", None) if self.config.split_qkv else None
 
     # ------------------------------------------------------------------ accounting
 

@@ -37,7 +37,7 @@ def _clip(params, clip):
     return float(norm)
 
 
-def reference(fp32: bool, clip: float = CLIP, fused: bool = False):
+def reference(fp32: bool, clip: float = CLIP, fused: bool = False, accum: int = ACCUM):
     torch.manual_seed(SEED)
     model = GPTModel(tiny_config())
     named = list(model.named_parameters())
@@ -46,13 +46,13 @@ def reference(fp32: bool, clip: float = CLIP, fused: bool = False):
     muon = torch.optim.Muon(matrices, lr=MUON_LR, momentum=0.9, weight_decay=WD)
     adam = torch.optim.AdamW(rest, lr=ADAM_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD, fused=fused)
     momentum = [torch.zeros_like(p) for p in matrices]
-    data = batches(STEPS, ACCUM, GLOBAL_MICRO_ROWS)
+    data = batches(STEPS, accum, GLOBAL_MICRO_ROWS)
     losses = []
     for step in range(STEPS):
         total = 0.0
-        for a in range(ACCUM):
+        for a in range(accum):
             rows = data[step, a]
-            loss = model(rows[:, :-1], labels=rows[:, 1:]).mean() / ACCUM
+            loss = model(rows[:, :-1], labels=rows[:, 1:]).mean() / accum
             loss.backward()
             total += loss.item()
         if clip:
@@ -102,6 +102,27 @@ def test_muon_equals_one_process_at_tp2_dp2(stage, fp32):
 def _initial():
     torch.manual_seed(SEED)
     return {k: v.detach().clone() for k, v in GPTModel(tiny_config()).state_dict().items()}
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_one_process_equals_torch_muon_bit_for_bit(accum):
+    """ZeRO-1 on one rank, without clipping (torch's norm is fp32, the engine's fp64): the weights are
+    torch.optim.Muon's and torch's fused AdamW's, to the bit, with or without gradient accumulation."""
+    import megazero.zero as zero
+
+    torch.manual_seed(SEED)
+    model = GPTModel(tiny_config())
+    engine = zero.initialize(model, ds_config(1, accum, 0.0, 0, GLOBAL_MICRO_ROWS, **MUON))
+    _, ref_weights, matrices = reference(False, clip=0.0, fused=True, accum=accum)
+    data = batches(STEPS, accum, GLOBAL_MICRO_ROWS)
+    for step in range(STEPS):
+        for a in range(accum):
+            rows = data[step, a]
+            engine.backward(engine(rows[:, :-1], labels=rows[:, 1:]).mean())
+            engine.step()
+    weights = model.state_dict()
+    assert [k for k, v in ref_weights.items() if not torch.equal(weights[k], v)] == []
+    assert engine.muon.ns_runs == STEPS * matrices
 
 
 def test_newton_schulz_is_torch_muons():
