@@ -11,6 +11,7 @@ from megazero.training.arguments import parse_args
 from megazero.training.config import ConfigError
 from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401
                                                    launch)
+from tests.training.test_deepseek_training import DEEPSEEK, KEYS
 from tests.training.test_moe_training import MOE
 
 MUON = ("--optimizer", "muon", "--muon-nesterov", "--muon-extra-scale-factor", "0.2", "--weight-decay", "0.1")
@@ -50,10 +51,47 @@ def test_muon_with_experts_equals_one_process(data, one_process_moe, tmp_path, w
     assert_same_run(got, one_process_moe, what=f"muon with experts at world {world} {extra}")
 
 
-def test_muon_resumes_at_another_layout(data, one_process, tmp_path):  # noqa: F811
-    assert_resumes_elsewhere(data, list(MUON), (4, ["--tp", "2", "--use-distributed-optimizer"]),
+def test_muon_with_expert_tensor_parallel_equals_one_process(data, one_process_moe, tmp_path):  # noqa: F811
+    """Experts sharded over an expert TP group of their own: the owners gather them over it."""
+    got = launch(4, flags(data, *MUON, *MOE, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
+                          "2", "--zero-stage", "3"), tmp_path, "muon_etp")
+    assert_same_run(got, one_process_moe, what="muon with expert TP 2")
+
+
+@pytest.fixture(scope="module")
+def one_process_deepseek(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *MUON, *DEEPSEEK), tmp_path_factory.mktemp("muon1_dsv3"), "muon1_dsv3")
+
+
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--tp", "2", "--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+         "1", "--use-distributed-optimizer"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--zero-stage", "3"]),
+])
+def test_muon_on_the_deepseek_shape_equals_one_process(data, one_process_deepseek, tmp_path, world,  # noqa: F811
+                                                       extra):
+    """Multi-latent attention's down and up projections, the MTP layer's, the routers and the experts."""
+    got = launch(world, flags(data, *MUON, *DEEPSEEK, *extra), tmp_path, "muon_dsv3")
+    for it, ref in one_process_deepseek.items():
+        for key in KEYS:
+            a, b = got[it][key], ref[key]
+            assert abs(a - b) <= 2e-5 * abs(b), f"world {world} {extra}: iteration {it} {key} {a} vs {b}"
+
+
+def test_blockwise_depends_on_the_tp_size(data, one_process, tmp_path):  # noqa: F811
+    """--muon-tp-mode blockwise orthogonalises each TP shard: at tp 1 it is the duplicated run, at tp 2
+    another one (Megatron's documented layout dependence)."""
+    same = launch(1, flags(data, *MUON, "--muon-tp-mode", "blockwise"), tmp_path, "blockwise1")
+    assert_same_run(same, one_process, what="blockwise at tp 1")
+    other = launch(2, flags(data, *MUON, "--muon-tp-mode", "blockwise", "--tp", "2"), tmp_path, "blockwise2")
+    assert abs(other[4]["lm_loss"] - one_process[4]["lm_loss"]) > 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["megazero", "torch_dist"])
+def test_muon_resumes_at_another_layout(data, one_process, tmp_path, fmt):  # noqa: F811
+    assert_resumes_elsewhere(data, [*MUON, "--ckpt-format", fmt], (4, ["--tp", "2", "--use-distributed-optimizer"]),
                              [(2, ["--pipeline-model-parallel-size", "2", "--zero-stage", "3"])],
-                             one_process, tmp_path, "muon")
+                             one_process, tmp_path, f"muon_{fmt}")
 
 
 def test_switching_from_adamw_to_muon_takes_no_load_optim(data, tmp_path):  # noqa: F811

@@ -168,3 +168,31 @@ def test_use_muon_tags_choose_the_matrices():
     model[0].weight.use_muon = True  # outside any layer list, tagged in
     engine = zero.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon"}})
     assert [s.name for g in engine.groups if g.per_matrix for s in g.slots] == ["0.weight"]
+
+
+def test_a_skipped_fp16_step_leaves_the_momentum_alone():
+    """An inf gradient (a loss scale too large for fp16) skips the step before the optimizer: no
+    momentum is created or changed, the weights stay; the next steps update with finite state."""
+    import megazero.zero as zero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ModuleList([torch.nn.Linear(16, 16)]))
+    layer = model[1][0]
+    layer.weight.use_muon = True
+    engine = zero.initialize(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Muon"},
+                                     "fp16": {"enabled": True, "initial_scale_power": 30, "hysteresis": 1}})
+    before = layer.weight.detach().clone()
+    x = torch.randn(2, 8).half()
+
+    def step():
+        engine.backward(layer(model[0](x)).float().pow(2).mean())
+        return engine.step()
+
+    assert not step() and engine.skipped_steps == 1
+    master = next(g.master for g in engine.groups if g.per_matrix)
+    assert "momentum_buffer" not in engine.optimizer.state.get(master, {})
+    assert torch.equal(layer.weight, before)
+    while not step():
+        assert engine.skipped_steps < 40
+    buf = engine.optimizer.state[master]["momentum_buffer"]
+    assert torch.isfinite(buf).all() and buf.abs().max() > 0 and not torch.equal(layer.weight, before)
