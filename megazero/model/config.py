@@ -179,6 +179,9 @@ class GPTConfig:
     recompute_method: str = "uniform"  # 'uniform': chunks of recompute_num_layers; 'block': first N layers only
     recompute_num_layers: int = 1
     attention_backend: str = "auto"  # 'auto' | 'flash' | 'sdpa' | 'math'
+    # Keep each attention's largest logit per head over a step's training forwards (for QK-clip and
+    # its log, Megatron's --qk-clip / --log-max-attention-logit); one extra QK^T, without gradient.
+    track_max_attention_logit: bool = False
     params_dtype: torch.dtype = torch.float32
 
     # ---- resolved sizes -------------------------------------------------------------------

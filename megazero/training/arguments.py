@@ -18,6 +18,7 @@ built-in default. A value given on the command line *and* in the JSON must agree
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -152,6 +153,11 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     checkpoint_tokenizer_flags(ns, notes)  # from a checkpoint, no tokenizer flags: the tokenizer it recorded
     data = resolve_data(ns, check_files)
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
+    if optim.qk_clip or optim.log_max_attention_logit:
+        if parallel.cp > 1:
+            raise ConfigError("--qk-clip and --log-max-attention-logit take each head's largest logit over the whole "
+                              "sequence, which a context-parallel rank does not see: use --context-parallel-size 1")
+        model = dataclasses.replace(model, track_max_attention_logit=True)
     schedule = resolve_schedule(ns, parallel, ds, ns.deepspeed_config, model.seq_length)
     resolve_pipeline(ns, parallel, model, schedule)
     resolve_context_parallel(parallel, model, notes)

@@ -103,6 +103,12 @@ class OptimConfig:
     type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW; 'SGD'; 'Muon'
     sgd_momentum: float = 0.9
     muon: Optional[MuonConfig] = None  # type 'Muon': its knobs (the --muon-* flags)
+    # QK-clip (Kimi K2's MuonClip): after each update, scale the query/key weights of every head whose
+    # largest attention logit exceeded the threshold (Megatron's --qk-clip*, --log-max-attention-logit).
+    qk_clip: bool = False
+    qk_clip_threshold: float = 100.0
+    qk_clip_alpha: float = 0.5
+    log_max_attention_logit: bool = False
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01

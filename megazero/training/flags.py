@@ -315,6 +315,14 @@ g(H, "--muon-scalar-optimizer", "the optimizer of the parameters Muon does not t
   choices=("adam",), default="adam")
 g(H, "--muon-fp32-matmul-prec", "torch's float32 matmul precision inside Newton-Schulz (medium/high allow "
   "TF32/bf16 passes on GPUs)", _lower, choices=("highest", "high", "medium"), default="highest")
+g(H, "--qk-clip", "QK-clip (Kimi K2's MuonClip): after each update, heads whose largest attention logit over "
+  "the step exceeded --qk-clip-threshold get their query and key weights scaled down to it (any optimizer; "
+  "context parallel size 1)")
+g(H, "--qk-clip-threshold", "QK-clip's threshold on the largest attention logit", float, default=100.0)
+g(H, "--qk-clip-alpha", "QK-clip's balance: queries scale by eta^alpha, keys by eta^(1 - alpha)", float,
+  default=0.5)
+g(H, "--log-max-attention-logit", "log the model's largest attention logit (max_attention_logit) at each log "
+  "interval (one extra QK^T per attention, without gradient)")
 g(H, "--muon-ns-dtype", "Muon: the dtype Newton-Schulz runs in (bf16 is torch.optim.Muon's)", _lower,
   choices=("fp32", "bf16"), default="fp32")
 g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "

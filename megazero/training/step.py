@@ -31,6 +31,7 @@ from ..model.moe.layer import Router, is_expert_parameter
 from ..model.mtp import multi_token_targets
 from ..model.pipeline_split import build_pipeline_model, global_name_fn
 from ..pipeline import PipelineStage
+from .qk_clip import QKClip
 from .config import TrainConfig
 
 __all__ = ["TrainModel", "LossLog", "ModelBatch", "megatron_no_weight_decay"]
@@ -107,6 +108,12 @@ class TrainModel:
                                       param_names=global_name_fn(self.chunks),
                                       forward_key=_chunk_index if len(self.chunks) > 1 else None,
                                       partitioning=expert_partitioning(groups))
+        o = config.optim
+        self.qk_clip: Optional[QKClip] = None  # --qk-clip / --log-max-attention-logit
+        if o.qk_clip or o.log_max_attention_logit:
+            self.qk_clip = QKClip(list(self.chunks), clip=o.qk_clip, threshold=o.qk_clip_threshold,
+                                  alpha=o.qk_clip_alpha)
+            self.engine.after_update.append(self.qk_clip)
         self._cp_contexts: dict[int, ContextParallel] = {}  # sequence length -> this rank's CP context
         self.stage = PipelineStage(self.engine, self.chunks, groups, micro_batch_size=config.schedule.micro_batch_size,
                                    seq_length=config.model.seq_length, loss_fn=_loss)

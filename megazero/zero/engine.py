@@ -152,6 +152,9 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.last_overflow = False
         self._global_grad_norm: Optional[float] = None
+        # Called with the engine after each update of the fp32 masters, before the weights are published
+        # from them (QK-clip rescales rows there: megazero/training/qk_clip.py).
+        self.after_update: list[Callable[["ZeroEngine"], None]] = []
 
     # ------------------------------------------------------------------ construction
 
@@ -461,6 +464,8 @@ class ZeroEngine(torch.nn.Module):
                 self.muon.step(grads, coef, self.optimizer)
             if self.offload is not None:  # the host's part, streamed (its return writes each shard)
                 self.placement.offloaded_step(grads, coef)
+            for hook in self.after_update:
+                hook(self)
             self._publish_params(written=self.placement.offloaded)
             updated = True
             self.global_steps += 1
@@ -527,6 +532,20 @@ class ZeroEngine(torch.nn.Module):
     def _sum_squares(self, grads: dict[FlatGroup, torch.Tensor]) -> torch.Tensor:
         """Squared L2 norm of this rank's part of the model's gradient (``flat.squared_norm``)."""
         return squared_norm(grads, tp_rank=self.tp_rank, device=self.device)
+
+    @torch.no_grad()
+    def scale_rows(self, param: torch.nn.Parameter, factors: torch.Tensor) -> None:
+        """Multiply row ``r`` of ``param`` (this rank's TP shard, 2-D) by ``factors[r]`` in the fp32 master
+        partition this rank holds; the weights follow at the next publication (an ``after_update`` hook's
+        change is published by the step that called it). The optimizer state is left as it is."""
+        g, slot = self.slot_of[id(param)]
+        if self.is_offloaded(g):
+            raise ValueError(f"{slot.name}: its fp32 master is offloaded; rows cannot be rescaled on the device")
+        p0, s0, n = g.owned_range(slot)
+        if n:
+            cols = slot.numel // slot.shape[0]
+            rows = torch.arange(p0, p0 + n, device=g.master.device) // cols
+            g.master.narrow(0, s0, n).mul_(factors.to(g.master.device, torch.float32)[rows])
 
     @torch.no_grad()
     def publish_params(self) -> None:

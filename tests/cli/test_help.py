@@ -87,6 +87,8 @@ CONTEXT = {
     "--lr-warmup-samples": (["--train-samples", "10"], ("--train-iters",)),
     "--sgd-momentum": (["--optimizer", "sgd"], ()),
     **{f.names[0]: (["--optimizer", "muon"], ()) for f in FLAGS if f.names[0].startswith("--muon-")},
+    "--qk-clip-threshold": (["--qk-clip"], ()),
+    "--qk-clip-alpha": (["--qk-clip"], ()),
     "--optimizer-offload-fraction": (["--optimizer-cpu-offload"], ()),
     "--split": (["--data-path", "corpus_text_document"], ("--mock-data",)),  # file data: mock data has no split
     "--mock-data": (["--tokenizer-type", "NullTokenizer"], ()),  # the shown --split default is refused beside it

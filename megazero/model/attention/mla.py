@@ -42,7 +42,7 @@ from ..keyed_dropout import DropoutKey
 from ..norms import build_norm
 from .cp_context import ContextParallel
 from .rope import apply_rotary, deinterleave, softmax_mscale
-from .self_attention import CausalAttention, Rotary
+from .self_attention import CausalAttention, Rotary, row_factors
 
 __all__ = ["MultiLatentAttention", "ReplicatedLinear", "multi_latent_attention"]
 
@@ -140,6 +140,14 @@ class MultiLatentAttention(CausalAttention):
         kv = kv.view(kv.size(0), kv.size(1), self.heads, self.qk + self.v)
         k_nope, v = torch.split(kv, [self.qk, self.v], dim=-1)
         return k_nope, v, k_pe.unsqueeze(2)
+
+    def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Per head (Kimi K2's MLA rule, as Megatron's): q_nope rows by ``eta^alpha``, q_pe rows by ``eta``
+        (the shared RoPE key is left alone), k_nope rows of the up-projection by ``eta^(1 - alpha)``."""
+        q = self.linear_q_proj if self.config.q_lora_rank is None else self.linear_q_up_proj
+        ones = torch.ones_like(eta)
+        return [(q.weight, row_factors((eta.pow(alpha), self.qk), (eta, self.rope))),
+                (self.linear_kv_up_proj.weight, row_factors((eta.pow(1 - alpha), self.qk), (ones, self.v)))]
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
                 cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:

@@ -28,9 +28,10 @@ from ..keyed_dropout import AttentionDropout, DropoutKey
 from ..norms import build_norm
 from .core import core_attention
 from .cp_context import ContextParallel, context_parallel_attention
+from .max_logit import max_attention_logit
 from .rope import apply_rotary
 
-__all__ = ["CausalAttention", "SelfAttention", "Rotary"]
+__all__ = ["CausalAttention", "SelfAttention", "Rotary", "row_factors"]
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
@@ -43,11 +44,19 @@ class CausalAttention(torch.nn.Module):
 
     config: GPTConfig
     number: int
+    # [heads/tp]: the largest logit of each of this rank's heads since it was last taken (track_max_attention_logit)
+    max_logit: Optional[torch.Tensor] = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
                cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
         """q ``[s, b, heads/tp, dqk]``, k ``[s, b, groups/tp, dqk]``, v ``[s, b, groups/tp, dv]`` ->
         ``[s, b, heads/tp * dv]``, recomputed in backward under selective recompute."""
+        if self.config.track_max_attention_logit and self.training:
+            if cp is not None:
+                raise ValueError("the largest attention logit (QK-clip) needs each query's whole sequence of keys; "
+                                 "with context parallelism a rank holds a part of it: use context parallel size 1")
+            m = max_attention_logit(q, k, attention_mask)
+            self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
             return mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp, key), q, k, v)
         return self._core(q, k, v, attention_mask, cp, key)
@@ -80,6 +89,17 @@ class CausalAttention(torch.nn.Module):
         first = self.linear_proj.tp_rank * q.size(2)  # TP ranks hold consecutive query heads
         return AttentionDropout(p, samples, torch.arange(first, first + q.size(2), device=q.device), self.number)
 
+    def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """QK-clip (Kimi K2's MuonClip): for ``eta`` ``[heads/tp]`` (<= 1, the threshold over each head's
+        largest logit), the factor of every row of the weights that make queries and keys, such that the
+        head's logits shrink by ``eta``: ``(weight, factors of its rows)`` for this rank's TP shards."""
+        raise NotImplementedError
+
+
+def row_factors(*blocks: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """Per-row factors from blocks ``(factor per unit [u], rows per unit)``, interleaved unit by unit."""
+    return torch.cat([f.view(-1, 1).expand(-1, n) for f, n in blocks], dim=1).reshape(-1)
+
 
 class SelfAttention(CausalAttention):
     """Fused-QKV causal self-attention over this rank's heads (optionally GQA and RoPE)."""
@@ -110,6 +130,14 @@ class SelfAttention(CausalAttention):
             self.q_layernorm, self.k_layernorm = build_norm(c, **kw), build_norm(c, **kw)
         else:
             self.q_layernorm = self.k_layernorm = None
+
+    def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """A query group's keys serve all its heads: the group takes its smallest ``eta`` (Megatron's GQA
+        rule); its queries' rows scale by ``eta^alpha``, its key's by ``eta^(1 - alpha)``, V's stay."""
+        g = eta.view(self.groups_per_rank, self.heads_per_group).amin(dim=1)
+        d = self.kv_channels
+        return [(self.linear_qkv.weight, row_factors((g.pow(alpha), self.heads_per_group * d), (g.pow(1 - alpha), d),
+                                               (torch.ones_like(g), d)))]
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
                 cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:

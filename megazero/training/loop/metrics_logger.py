@@ -166,6 +166,8 @@ class MetricsLogger:
         opts = self.config.logging
         if opts.log_params_norm:
             stats.extra["params_norm"] = params_norm(engine, self.run.groups)
+        if self.config.optim.log_max_attention_logit and self.run.qk_clip is not None:
+            stats.extra["max_attention_logit"] = self.run.qk_clip.largest(self.run.groups.mp_group)
         if self.zeros is not None and self.zeros.zeros is not None:
             stats.extra["num_zeros"] = float(self.zeros.zeros)
         if opts.log_optimizer_states_to_tensorboard:

@@ -42,6 +42,7 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
         raise ConfigError(f"--sgd-momentum must be in [0, 1), got {o.sgd_momentum}")
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError(f"--weight-decay and --clip-grad must be >= 0, got {o.weight_decay} and {o.clip_grad}")
+    _resolve_qk_clip(ns, o)
     _resolve_offload(ns, ds, o)
     style = default(ns.weight_decay_incr_style, "constant")
     o.weight_decay_incr_style = style
@@ -109,6 +110,19 @@ def _resolve_muon(ns: argparse.Namespace, o: OptimConfig) -> None:
         o.muon = muon.validate()
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
+
+
+def _resolve_qk_clip(ns: argparse.Namespace, o: OptimConfig) -> None:
+    """--qk-clip and its threshold and alpha, --log-max-attention-logit."""
+    o.qk_clip, o.log_max_attention_logit = bool(ns.qk_clip), bool(ns.log_max_attention_logit)
+    for attr in ("qk_clip_threshold", "qk_clip_alpha"):
+        if getattr(ns, attr) is not None:
+            if not o.qk_clip:
+                raise ConfigError(f"--{attr.replace('_', '-')} needs --qk-clip")
+            setattr(o, attr, getattr(ns, attr))
+    if o.qk_clip_threshold <= 0 or not 0.0 <= o.qk_clip_alpha <= 1.0:
+        raise ConfigError(f"--qk-clip-threshold must be > 0 and --qk-clip-alpha in [0, 1], got "
+                          f"{o.qk_clip_threshold} and {o.qk_clip_alpha}")
 
 
 _MUON_FLAGS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
