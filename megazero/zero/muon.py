@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full, tp_shard_group_of, tp_shard_of
 from .comm import CommCounter
 from .flat import FlatGroup
-from .matrix_exchange import Matrix, MatrixExchange, assign_owners
+from .matrix_exchange import Matrix, MatrixExchange, assign_owners, ns_cost
 from .optimizers import MuonConfig
 
 __all__ = ["newton_schulz", "scale_factor", "MuonStep"]
@@ -157,9 +157,10 @@ class MuonStep:
             scratch[g] = grad  # free once u has gone to the owners: the updates come back into it
         for exchange in self.exchanges:
             owned = exchange.gather(u)
-            whole = self._gather_tp(owned)
+            updates = {}
             with _matmul_precision(cfg.fp32_matmul_precision):
-                updates = {m: self._update(m, w) for m, w in whole.items()}
+                for m in list(owned):  # one whole matrix at a time, each input freed once used
+                    updates[m] = self._update(m, self._whole(m, owned.pop(m)))
             for g in {m.group for m in exchange.matrices}:
                 scratch[g].zero_()
             exchange.scatter(updates, scratch)
@@ -172,31 +173,21 @@ class MuonStep:
             for m, (lo, n) in self.held[g]:  # torch.optim.Muon's form: W - (lr * scale) * O
                 g.master.narrow(0, lo, n).add_(scratch[g].narrow(0, lo, n), alpha=-lr * self.scales[m])
 
-    def _gather_tp(self, owned: dict[Matrix, torch.Tensor]) -> dict[Matrix, torch.Tensor]:
-        """Each owned matrix as a 2-D tensor of its whole shape: TP shards gathered (one flat
-        all-gather per TP group; its peers own the same matrices)."""
-        out = {m: flat.view(m.slot.shape) for m, flat in owned.items() if not self._sharded(m.slot.param)}
-        by_group: dict[int, list[Matrix]] = {}
-        groups: dict[int, Optional[dist.ProcessGroup]] = {}
-        for m in owned:
-            if self._sharded(m.slot.param):
-                pg = tp_shard_group_of(m.slot.param, self.tp_group)
-                by_group.setdefault(id(pg), []).append(m)
-                groups[id(pg)] = pg
-        for key, matrices in by_group.items():
-            world = self._tp_world(matrices[0].slot.param)[1]
-            mine = torch.cat([owned[m] for m in matrices])
-            gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-            self.comm.all_gather(gathered, mine, self._tp_name(groups[key]))
-            shards = gathered.view(world, -1)
-            at = 0
-            for m in matrices:
-                p, n = m.slot.param, m.slot.numel
-                pieces = [shards[r].narrow(0, at, n).view(m.slot.shape) for r in range(world)]
-                out[m] = full_from_shards(pieces, int(getattr(p, "partition_dim", 0)),
-                                          int(getattr(p, "partition_stride", 1)))
-                at += n
-        return out
+    def _whole(self, m: Matrix, flat: torch.Tensor) -> torch.Tensor:
+        """``m`` as a 2-D tensor of its whole shape from this rank's ``flat`` part: a TP-sharded matrix
+        gathered over its TP group (whose ranks own the same matrices, in the same order)."""
+        p = m.slot.param
+        if not self._sharded(p):
+            return flat.view(m.slot.shape)
+        group = tp_shard_group_of(p, self.tp_group)
+        world = self._tp_world(p)[1]
+        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        self.comm.all_gather(gathered, flat, self._tp_name(group))
+        dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+        if dim == 0 and stride == 1:  # the shards stacked are the whole matrix: no copy
+            return gathered.view(m.shape)
+        shards = gathered.view(world, *m.slot.shape)
+        return full_from_shards(list(shards.unbind(0)), dim, stride)
 
     def _update(self, m: Matrix, whole: torch.Tensor) -> torch.Tensor:
         """The scaled, orthogonalised update of ``m`` (flat, fp32), this TP rank's block of it."""
@@ -241,8 +232,20 @@ class MuonStep:
             parts.append(f"{len(ex.matrices)} matrices over {ex.name} ({ex.size} ranks; this rank owns "
                          f"{len(ex.owned)}, busiest/mean Newton-Schulz work {balance:.2f})")
         sent = self.bytes_per_step()
-        return (f"{'; '.join(parts)}; this rank sends {sent['in'] / 2**20:.1f} MiB to owners, "
-                f"{sent['out'] / 2**20:.1f} MiB back, {sent['tp'] / 2**20:.1f} MiB in TP gathers per step")
+        return (f"{'; '.join(parts)}; per step this rank runs {self.ns_flops() / 1e12:.3g} TFLOP of "
+                f"Newton-Schulz and sends {sent['in'] / 2**20:.1f} MiB to owners, {sent['out'] / 2**20:.1f} MiB "
+                f"back, {sent['tp'] / 2**20:.1f} MiB in TP gathers")
+
+    def ns_flops(self) -> float:
+        """FLOPs of the Newton-Schulz iterations this rank runs per step (Q, K and V apart where split)."""
+        total = 0.0
+        for ex in self.exchanges:
+            for m in ex.owned:
+                fused = self._fused(m)
+                rows, cols = m.shape
+                shapes = [(rows // sum(fused) * f, cols) for f in fused] if fused else [m.shape]
+                total += sum(2 * ns_cost(shape, self.config.ns_steps) for shape in shapes)
+        return total
 
     def bytes_per_step(self) -> dict[str, int]:
         """fp32 bytes this rank sends per step: to the owners (``in``), back to the holders
