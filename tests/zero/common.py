@@ -72,16 +72,21 @@ def zero_run(tp: int, stage: int, steps: int = 5, accum: int = 1, clip: float = 
     return losses, norms, engine.consolidated_state_dict()
 
 
-def reference_run(steps: int = 5, accum: int = 1, clip: float = 0.0, model_overrides: dict | None = None):
-    """The same training in one process with torch.optim.AdamW on the full batch."""
+def reference_run(steps: int = 5, accum: int = 1, clip: float = 0.0, model_overrides: dict | None = None,
+                  make_step: Callable[[GPTModel], Callable[[], None]] | None = None):
+    """The same training in one process on the full batch: torch.optim.AdamW, or the update
+    ``make_step(model)`` returns (called after the clip; it zeroes nothing)."""
     cfg = tiny_config(**(model_overrides or {}))
     torch.manual_seed(SEED)
     model = GPTModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    if make_step is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        make_step = lambda m: opt.step  # noqa: E731
+    update = make_step(model)
     data = batches(steps, accum, GLOBAL_MICRO_ROWS)
     losses, norms = [], []
     for step in range(steps):
-        opt.zero_grad()
+        model.zero_grad()
         total = 0.0
         for a in range(accum):
             rows = data[step, a]
@@ -89,7 +94,7 @@ def reference_run(steps: int = 5, accum: int = 1, clip: float = 0.0, model_overr
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-        opt.step()
+        update()
         losses.append(total)
         norms.append(float(norm))
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -11,7 +11,8 @@ from megazero.model import GPTModel
 from megazero.zero.config import MuonConfig, ZeroConfigError, load_config
 from megazero.zero.muon import newton_schulz
 from tests.distributed import run_distributed
-from tests.zero.common import GLOBAL_MICRO_ROWS, SEED, WD, batches, ds_config, tiny_config, zero_run
+from tests.zero.common import (GLOBAL_MICRO_ROWS, SEED, WD, batches, ds_config, reference_run, tiny_config,
+                               zero_run)
 
 MUON_LR, ADAM_LR, STEPS, ACCUM, CLIP = 0.02, 3e-3, 4, 2, 0.5
 MUON = {"optimizer": {"type": "Muon", "params": {"lr": MUON_LR, "adam_lr": ADAM_LR, "momentum": 0.9,
@@ -31,38 +32,27 @@ def _fp32_muon_step(params, momentum, lr, wd):
         p.add_(update, alpha=-lr * max(1, p.shape[0] / p.shape[1]) ** 0.5)
 
 
-@torch.no_grad()
-def _clip(params, clip):
-    norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    return float(norm)
-
-
 def reference(fp32: bool, clip: float = CLIP, fused: bool = False, accum: int = ACCUM):
-    torch.manual_seed(SEED)
-    model = GPTModel(tiny_config())
-    named = list(model.named_parameters())
-    matrices = [p for n, p in named if takes_muon(n, p)]
-    rest = [p for n, p in named if not takes_muon(n, p)]
-    muon = torch.optim.Muon(matrices, lr=MUON_LR, momentum=0.9, weight_decay=WD)
-    adam = torch.optim.AdamW(rest, lr=ADAM_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD, fused=fused)
-    momentum = [torch.zeros_like(p) for p in matrices]
-    data = batches(STEPS, accum, GLOBAL_MICRO_ROWS)
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for a in range(accum):
-            rows = data[step, a]
-            loss = model(rows[:, :-1], labels=rows[:, 1:]).mean() / accum
-            loss.backward()
-            total += loss.item()
-        if clip:
-            _clip(model.parameters(), clip)
-        with torch.no_grad():
+    """One process: torch.optim.Muon (or its fp32 twin) on the layers' matrices, AdamW on the rest."""
+    counts = []
+
+    def make_step(model):
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if takes_muon(n, p)]
+        counts.append(len(matrices))
+        muon = torch.optim.Muon(matrices, lr=MUON_LR, momentum=0.9, weight_decay=WD)
+        adam = torch.optim.AdamW([p for n, p in named if not takes_muon(n, p)], lr=ADAM_LR, betas=(0.9, 0.95),
+                                 eps=1e-8, weight_decay=WD, fused=fused)
+        momentum = [torch.zeros_like(p) for p in matrices]
+
+        @torch.no_grad()
+        def step():
             _fp32_muon_step(matrices, momentum, MUON_LR, WD) if fp32 else muon.step()
-        adam.step()
-        model.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, len(matrices)
+            adam.step()
+        return step
+
+    losses, _, weights = reference_run(STEPS, accum, clip, make_step=make_step)
+    return losses, weights, counts[0]
 
 
 def _run(stage, fp32):
