@@ -535,6 +535,22 @@ def check_async_save() -> str:
             f"{async_save:.0f} ms async; other iterations {sync_other:.0f} / {async_other:.0f} ms")
 
 
+def check_muon_step() -> str:
+    """Muon's optimizer step against AdamW's on the GPUs (benchmarks/bench_muon.py, ZeRO-1 over every GPU, a
+    dense GPT of 4 layers at hidden 2048, 4 micro-batches of 2048 tokens): both steps run; the figures are
+    reported."""
+    if device().type != "cuda":
+        raise Skip("the Muon step's timing is for GPUs (CPU figures: docs/benchmarks.md)")
+    ngpu = torch.cuda.device_count()
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_muon.py"), "--device", "cuda", "--world",
+           str(ngpu), "--hidden", "2048", "--layers", "4", "--seq", "2048", "--micro", "4", "--repeats", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    ratio = next(line for line in proc.stdout.splitlines() if line.startswith("muon / adamw"))
+    return f"{ngpu} GPU(s), hidden 2048 x 4 layers: {ratio}"
+
+
 # ---- 8: a hang inside NCCL ---------------------------------------------------------------------
 
 _NCCL_SETTINGS = """
@@ -628,6 +644,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("apex_adam", check_apex_adam),
     ("throughput_1p3b", check_throughput_1p3b),
     ("async_save", check_async_save),
+    ("muon_step", check_muon_step),
     ("nccl_watchdog", check_nccl_watchdog),
 ]
 
