@@ -186,3 +186,26 @@ def test_a_skipped_fp16_step_leaves_the_momentum_alone():
         assert engine.skipped_steps < 40
     buf = engine.optimizer.state[master]["momentum_buffer"]
     assert torch.isfinite(buf).all() and buf.abs().max() > 0 and not torch.equal(layer.weight, before)
+
+
+def test_parameter_offload_steps_muon_alike():
+    """ZeRO-3 with the parameter partitions on the host: the same weights as without (Muon's masters stay
+    on the device; its optimizer offload is refused above)."""
+    import megazero.zero as zero
+
+    def train(offload):
+        torch.manual_seed(SEED)
+        model = GPTModel(tiny_config())
+        extra = {"offload_param": {"device": "cpu"}} if offload else {}
+        cfg = ds_config(3, 1, CLIP, 0, GLOBAL_MICRO_ROWS, **MUON)
+        cfg["zero_optimization"].update(extra)
+        engine = zero.initialize(model, cfg)
+        data = batches(3, 1, GLOBAL_MICRO_ROWS)
+        for step in range(3):
+            rows = data[step, 0]
+            engine.backward(engine(rows[:, :-1], labels=rows[:, 1:]).mean())
+            engine.step()
+        return engine.consolidated_state_dict(rank0_only=False)
+
+    plain, offloaded = train(False), train(True)
+    assert all(torch.equal(plain[k], offloaded[k]) for k in plain)
