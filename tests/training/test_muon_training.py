@@ -41,6 +41,21 @@ def test_muon_equals_one_process(data, one_process, tmp_path, world, extra):  # 
     assert losses[0] - losses[-1] > 0.05, losses  # it trains
 
 
+@pytest.mark.parametrize("name,precision,world,layout,rtol", [
+    ("bf16", ["--bf16"], 4, ["--tp", "2", "--use-distributed-optimizer"], 2e-2),
+    # a loss scale of 2^20 overflows: iterations 1-3 are skipped (no update, the momentum untouched)
+    ("fp16", ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1"], 2,
+     ["--pipeline-model-parallel-size", "2"], 1e-3),
+])
+def test_muon_in_half_precision_equals_one_process(data, tmp_path, name, precision, world, layout,  # noqa: F811
+                                                   rtol):
+    ref = launch(1, flags(data, *MUON, *precision, iters=8), tmp_path, f"{name}_ref")
+    got = launch(world, flags(data, *MUON, *precision, *layout, iters=8), tmp_path, name)
+    assert_same_run(got, ref, rtol=rtol, what=f"muon {name}")
+    if name == "fp16":
+        assert min(ref) == 4 and ref[4]["loss_scale"] == 131072, ref  # three skipped steps, then updates
+
+
 @pytest.mark.parametrize("world,extra", [
     (2, ["--expert-model-parallel-size", "2"]),
     (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
