@@ -307,10 +307,11 @@ g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K a
   "default)", dest="muon_split_qkv")
 g(H, "--muon-no-split-qkv", "Muon: orthogonalise the fused QKV weight as one matrix", dest="muon_split_qkv",
   store_false=True)
-g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix: every layout "
-  "equals one process), blockwise (Newton-Schulz on each TP shard: the update depends on the TP size), "
-  "distributed (Megatron's Gram all-reduce; the same update as duplicated, run as it)", _lower,
-  choices=("duplicated", "blockwise", "distributed"), default="duplicated")
+g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix), distributed "
+  "(the owners run Newton-Schulz on their TP blocks together, summing Gram matrices over TP: nothing gathered, "
+  "no TP rank repeats the others' work); both equal one process; blockwise (Newton-Schulz on each TP block: "
+  "the update depends on the TP size)", _lower, choices=("duplicated", "blockwise", "distributed"),
+  default="duplicated")
 g(H, "--muon-scalar-optimizer", "the optimizer of the parameters Muon does not take: adam (AdamW)", _lower,
   choices=("adam",), default="adam")
 g(H, "--muon-fp32-matmul-prec", "torch's float32 matmul precision inside Newton-Schulz (medium/high allow "

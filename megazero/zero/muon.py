@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,28 @@ def newton_schulz(u: torch.Tensor, coefficients: tuple[float, float, float], ste
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def newton_schulz_sharded(u: torch.Tensor, dim: int, all_reduce: Callable[[torch.Tensor], None],
+                          coefficients: tuple[float, float, float], steps: int, eps: float,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """:func:`newton_schulz` of a matrix split over TP ranks along ``dim`` (each holds ``u``, its block),
+    without gathering it (Megatron's ``distributed`` TP mode): the Gram matrix of the dimension that is
+    not split is summed over the ranks (``all_reduce``, in fp32) and each rank updates its own block,
+    using ``(aI + bA + cA^2) X = X (aI + bG + cG^2)`` with ``A = X X^T``, ``G = X^T X`` for row blocks.
+    The same map as on the whole matrix; the sums run in another order."""
+    a, b, c = coefficients
+    x = u.to(dtype, copy=True)
+    sq = x.float().pow(2).sum().reshape(1)
+    all_reduce(sq)
+    x.div_(sq.sqrt().clamp(min=eps).to(dtype))
+    for _ in range(steps):
+        gram = x.float().T @ x.float() if dim == 0 else x.float() @ x.float().T
+        all_reduce(gram)
+        gram = gram.to(dtype)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, x, poly, beta=a) if dim == 0 else torch.addmm(x, poly, x, beta=a)
+    return x
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -160,7 +182,9 @@ class MuonStep:
             updates = {}
             with _matmul_precision(cfg.fp32_matmul_precision):
                 for m in list(owned):  # one whole matrix at a time, each input freed once used
-                    updates[m] = self._update(m, self._whole(m, owned.pop(m)))
+                    flat = owned.pop(m)
+                    x = flat.view(m.slot.shape) if self._split_over_tp(m) else self._whole(m, flat)
+                    updates[m] = self._update(m, x)
             for g in {m.group for m in exchange.matrices}:
                 scratch[g].zero_()
             exchange.scatter(updates, scratch)
@@ -189,29 +213,45 @@ class MuonStep:
         shards = gathered.view(world, *m.slot.shape)
         return full_from_shards(list(shards.unbind(0)), dim, stride)
 
+    def _split_over_tp(self, m: Matrix) -> bool:
+        """Whether ``m``'s Newton-Schulz runs on its TP blocks together (``tp_mode="distributed"``)."""
+        return self.config.tp_mode == "distributed" and self._sharded(m.slot.param)
+
     def _update(self, m: Matrix, whole: torch.Tensor) -> torch.Tensor:
-        """The scaled, orthogonalised update of ``m`` (flat, fp32), this TP rank's block of it."""
+        """The scaled, orthogonalised update of ``m`` (flat, fp32), this TP rank's block of it. ``whole``
+        is the whole matrix, or this rank's TP block when the iteration runs split over TP."""
         p = m.slot.param
         fused = self._fused(m)
         if fused:  # rows repeat per query group as (q, k, v): orthogonalise Q, K and V apart, each scaled
             rows, cols = whole.shape
             groups = rows // sum(fused)
             parts = torch.split(whole.reshape(groups, sum(fused), cols), list(fused), dim=1)
-            update = torch.cat([self._orthogonalize(t.reshape(-1, cols), scaled=True).view(groups, -1, cols)
+            update = torch.cat([self._orthogonalize(m, t.reshape(-1, cols), scaled=True).view(groups, -1, cols)
                                 for t in parts], dim=1).view(rows, cols)
         else:  # scaled by the holders (self.scales), as torch.optim.Muon scales the lr
-            update = self._orthogonalize(whole, scaled=False)
+            update = self._orthogonalize(m, whole, scaled=False)
         self.ns_runs += 1
-        if self._sharded(p):
+        if self._sharded(p) and not self._split_over_tp(m):
             rank, world = self._tp_world(p)
             update = shard_of_full(update, int(getattr(p, "partition_dim", 0)),
                                    int(getattr(p, "partition_stride", 1)), rank, world)
         return update.reshape(-1)
 
-    def _orthogonalize(self, x: torch.Tensor, scaled: bool) -> torch.Tensor:
+    def _orthogonalize(self, m: Matrix, x: torch.Tensor, scaled: bool) -> torch.Tensor:
+        """Newton-Schulz of ``x`` (``m``'s whole matrix, a part of it, or their TP blocks), fp32, scaled by
+        its whole shape's factor when ``scaled``."""
         cfg = self.config
-        o = newton_schulz(x, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, self.dtype).float()
-        scale = self._scale(x.size(0), x.size(1)) if scaled else 1.0
+        rows, cols = x.shape
+        if self._split_over_tp(m):
+            p = m.slot.param
+            dim, world = int(getattr(p, "partition_dim", 0)), self._tp_world(p)[1]
+            name = self._tp_name(tp_shard_group_of(p, self.tp_group))
+            o = newton_schulz_sharded(x, dim, lambda t: self.comm.all_reduce(t, name), cfg.ns_coefficients,
+                                      cfg.ns_steps, cfg.eps, self.dtype).float()
+            rows, cols = (rows * world, cols) if dim == 0 else (rows, cols * world)
+        else:
+            o = newton_schulz(x, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, self.dtype).float()
+        scale = self._scale(rows, cols) if scaled else 1.0
         return o if scale == 1.0 else o.mul_(scale)
 
     def _scale(self, rows: int, cols: int) -> float:
@@ -244,17 +284,27 @@ class MuonStep:
                 fused = self._fused(m)
                 rows, cols = m.shape
                 shapes = [(rows // sum(fused) * f, cols) for f in fused] if fused else [m.shape]
-                total += sum(2 * ns_cost(shape, self.config.ns_steps) for shape in shapes)
+                if self._split_over_tp(m):  # each TP rank: its block's Gram and update, the small polynomial
+                    dim, world = int(getattr(m.slot.param, "partition_dim", 0)), self._tp_world(m.slot.param)[1]
+                    for r, c in shapes:
+                        big, k = (r, c) if dim == 0 else (c, r)
+                        total += self.config.ns_steps * 2 * (2 * big * k * k / world + 2 * k ** 3)
+                else:
+                    total += sum(2 * ns_cost(shape, self.config.ns_steps) for shape in shapes)
         return total
 
     def bytes_per_step(self) -> dict[str, int]:
         """fp32 bytes this rank sends per step: to the owners (``in``), back to the holders
-        (``out``), and in the owners' TP gathers (``tp``)."""
+        (``out``), and in the owners' TP gathers or Gram all-reduces (``tp``)."""
         out = {"in": 0, "out": 0, "tp": 0}
         for ex in self.exchanges:
             for k, v in ex.bytes_per_step().items():
                 out[k] += v
             for m in ex.owned:
-                if self._sharded(m.slot.param):
+                if self._split_over_tp(m):  # a ring all-reduce sends about twice the Gram matrix per iteration
+                    rows, cols = m.slot.shape
+                    k = cols if int(getattr(m.slot.param, "partition_dim", 0)) == 0 else rows
+                    out["tp"] += 4 * 2 * k * k * self.config.ns_steps
+                elif self._sharded(m.slot.param):
                     out["tp"] += 4 * m.slot.numel * (self._tp_world(m.slot.param)[1] - 1)
         return out

@@ -48,9 +48,9 @@ class MuonConfig:
     ``scale`` is ``shape_scaling`` sqrt(max(1, out/in)) (``torch.optim.Muon``'s "original"),
     ``spectral`` sqrt(max(out, in)) or ``unit_rms_norm`` sqrt(out/in). ``split_qkv``: a fused
     QKV weight is orthogonalised as its Q, K and V matrices apart. ``tp_mode``: ``duplicated``
-    gathers a TP-sharded matrix whole (every layout equals one process); ``blockwise`` runs
-    Newton-Schulz on each TP shard (a different update at each TP size); ``distributed`` is
-    Megatron's Gram-matrix all-reduce, which gives ``duplicated``'s result and runs here as it.
+    gathers a TP-sharded matrix whole; ``distributed`` runs the iteration on the TP blocks together,
+    summing Gram matrices over TP (both equal one process); ``blockwise`` runs Newton-Schulz on each TP
+    shard (a different update at each TP size).
     """
 
     momentum: float = 0.95

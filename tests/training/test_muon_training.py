@@ -33,12 +33,23 @@ def one_process_moe(data, tmp_path_factory):  # noqa: F811
     (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"]),
     (4, ["--zero-stage", "3"]),
     (4, ["--context-parallel-size", "2", "--zero-stage", "1"]),
+    # Newton-Schulz on the TP blocks together: Gram matrices summed over TP, nothing gathered
+    (2, ["--tp", "2", "--muon-tp-mode", "distributed"]),
+    (4, ["--tp", "2", "--sequence-parallel", "--muon-tp-mode", "distributed", "--zero-stage", "3"]),
 ])
 def test_muon_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
     got = launch(world, flags(data, *MUON, *extra), tmp_path, "muon")
     assert_same_run(got, one_process, what=f"muon at world {world} {extra}")
     losses = [one_process[i]["lm_loss"] for i in sorted(one_process)]
     assert losses[0] - losses[-1] > 0.05, losses  # it trains
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_swiglu_blocks_over_tp_equal_one_process(data, tmp_path, mode):  # noqa: F811
+    """SwiGLU's fc1 holds [gate; up] blocks on each TP rank (partition stride 2)."""
+    ref = launch(1, flags(data, *MUON, "--swiglu"), tmp_path, "swiglu_ref")
+    got = launch(2, flags(data, *MUON, "--swiglu", "--tp", "2", "--muon-tp-mode", mode), tmp_path, "swiglu_tp2")
+    assert_same_run(got, ref, what=f"swiglu at tp 2, {mode}")
 
 
 @pytest.mark.parametrize("name,precision,world,layout,rtol", [
@@ -66,11 +77,13 @@ def test_muon_with_experts_equals_one_process(data, one_process_moe, tmp_path, w
     assert_same_run(got, one_process_moe, what=f"muon with experts at world {world} {extra}")
 
 
-def test_muon_with_expert_tensor_parallel_equals_one_process(data, one_process_moe, tmp_path):  # noqa: F811
-    """Experts sharded over an expert TP group of their own: the owners gather them over it."""
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_muon_with_expert_tensor_parallel_equals_one_process(data, one_process_moe, tmp_path, mode):  # noqa: F811
+    """Experts sharded over an expert TP group of their own: the owners gather them (or sum their Gram
+    matrices) over it."""
     got = launch(4, flags(data, *MUON, *MOE, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
-                          "2", "--zero-stage", "3"), tmp_path, "muon_etp")
-    assert_same_run(got, one_process_moe, what="muon with expert TP 2")
+                          "2", "--zero-stage", "3", "--muon-tp-mode", mode), tmp_path, "muon_etp")
+    assert_same_run(got, one_process_moe, what=f"muon with expert TP 2, {mode}")
 
 
 @pytest.fixture(scope="module")
