@@ -2,7 +2,7 @@
 """The optimizer step of Muon against AdamW's at the same layout, through the ZeRO engine.
 
     python benchmarks/bench_muon.py                          # 2 ranks (dp 2), ZeRO-1, 5 interleaved repeats
-    python benchmarks/bench_muon.py --world 4 --tp 2 --stage 3 --hidden 768
+    python benchmarks/bench_muon.py --world 4 --tp 2 --stage 3 --hidden 768 --tp-mode distributed
     python benchmarks/bench_muon.py --device cuda --world 1 --hidden 4096 --layers 4   # on a GPU
 
 Each repeat builds the same dense GPT (SwiGLU, RoPE, no biases) twice, once per optimizer, and runs
@@ -17,6 +17,7 @@ counters). A measurement: it exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -52,6 +53,7 @@ def _worker(rank: int, world: int, args, port: int, out) -> None:
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=rank, world_size=world)
     from megazero import mpu, zero
     from megazero.model import GPTModel
+    from megazero.zero.config import MuonConfig, load_config
     from megazero.zero.matrix_exchange import ns_cost
 
     mpu.initialize_model_parallel(args.tp)
@@ -64,6 +66,10 @@ def _worker(rank: int, world: int, args, port: int, out) -> None:
             model = GPTModel(_model_config(args), device="meta")
             cfg = {"train_micro_batch_size_per_gpu": args.micro, "optimizer": OPTIMIZERS[name],
                    "zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0}
+            cfg = load_config(cfg)
+            if name == "muon":  # the JSON's Muon (torch.optim.Muon's update) with the TP mode asked for
+                cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(
+                    cfg.optimizer, muon=MuonConfig(tp_mode=args.tp_mode)))
             engine = zero.initialize(model, cfg, mpu=mpu, device=device)
             tokens = torch.randint(0, 8192, (args.micro, args.seq + 1), device=device)
             steps, passes = [], []
@@ -85,8 +91,7 @@ def _worker(rank: int, world: int, args, port: int, out) -> None:
             entry["step"].append(statistics.median(steps))
             entry["pass"].append(statistics.median(passes))
             if name == "muon":
-                sent = {k: v for k, v in engine.comm.snapshot().items() if k.startswith("all_to_all")
-                        or k.startswith("all_gather/muon")}
+                sent = {k: v for k, v in engine.comm.snapshot().items() if k.startswith("all_to_all") or "/muon" in k}
                 params = sum(p.numel() for p in model.parameters()) * args.tp
                 ns = sum(ns_cost(m.shape) * 2 for ex in engine.muon.exchanges for m in ex.matrices)
                 results["muon_info"] = {"sent": sent, "ns_flops": ns, "train_flops": 6 * params * args.micro * args.seq
@@ -111,6 +116,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tp-mode", default="duplicated", choices=("duplicated", "distributed", "blockwise"))
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -124,7 +130,8 @@ def main() -> None:
     info = results.pop("muon_info")
     print(f"dense GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro {args.micro}: "
           f"{info['params'] / 1e6:.1f}M parameters; world {args.world} = tp {args.tp} x dp "
-          f"{args.world // args.tp}, ZeRO-{args.stage}, {args.device}, {args.repeats} interleaved repeats")
+          f"{args.world // args.tp}, ZeRO-{args.stage}, {args.device}, {args.repeats} interleaved repeats, "
+          f"--muon-tp-mode {args.tp_mode}")
     print(f"Muon: {info['describe']}")
     print(f"{'':8} {'step ms':>10} {'fwd+bwd ms':>12} {'step / iteration':>18}")
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in results.items()}

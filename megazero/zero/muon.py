@@ -274,7 +274,7 @@ class MuonStep:
         sent = self.bytes_per_step()
         return (f"{'; '.join(parts)}; per step this rank runs {self.ns_flops() / 1e12:.3g} TFLOP of "
                 f"Newton-Schulz and sends {sent['in'] / 2**20:.1f} MiB to owners, {sent['out'] / 2**20:.1f} MiB "
-                f"back, {sent['tp'] / 2**20:.1f} MiB in TP gathers")
+                f"back, {sent['tp'] / 2**20:.1f} MiB over TP")
 
     def ns_flops(self) -> float:
         """FLOPs of the Newton-Schulz iterations this rank runs per step (Q, K and V apart where split)."""
