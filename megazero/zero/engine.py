@@ -62,7 +62,6 @@ from . import full_weights
 from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
 from .loss_scaler import LossScaler
 from .muon import MuonStep
-from .optimizers import takes_matrix
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel, group_info
 from .placement import Placement
 from .reducer import GradReducer
@@ -164,7 +163,8 @@ class ZeroEngine(torch.nn.Module):
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold if self.stage == 3 else -1
         plan = plan_units(self.module, self.unit_modules, threshold)
         oc = self.config.optimizer
-        per_matrix = (lambda n, p, in_layer: takes_matrix(p, in_layer, n)) if oc.component.per_matrix else None
+        per_matrix = (lambda n, p, in_layer: oc.component.takes_matrix(p, in_layer, n)) if oc.component.per_matrix \
+            else None
         units, self.partitionings = build_units(
             plan, stage=self.stage, no_decay=no_decay, partitioning=partitioning, default=default,
             param_name=self.param_name, compute_dtype=self.compute_dtype, device=self.device, per_matrix=per_matrix)

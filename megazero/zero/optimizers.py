@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["ZeroConfigError", "MuonConfig", "OptimizerConfig", "Optimizer", "COMPONENTS", "component",
-           "parse_optimizer", "takes_matrix", "SCALE_MODES", "TP_MODES"]
+           "parse_optimizer", "SCALE_MODES", "TP_MODES"]
 
 
 class ZeroConfigError(ValueError):
@@ -130,6 +130,11 @@ class Optimizer:
     def check(self, oc: OptimizerConfig) -> None:
         """Refuse values out of range (``ZeroConfigError`` naming the key)."""
 
+    def takes_matrix(self, param: torch.nn.Parameter, in_layer: bool, name: str) -> bool:
+        """Whether ``param`` (``name``; ``in_layer``: inside a transformer layer) is updated as a whole
+        matrix rather than elementwise."""
+        return False
+
 
 class Adam(Optimizer):
     name, aliases = "AdamW", ("adamw", "adam", "fusedadam")
@@ -162,6 +167,18 @@ class Muon(Optimizer):
 
     def state_keys(self, oc, matrix=False):
         return ("momentum_buffer",) if matrix else Adam.state_keys(Adam(), oc)
+
+    def takes_matrix(self, param, in_layer, name):
+        """DeepSpeed's ``param.use_muon`` when set, else a 2-D weight inside a transformer layer
+        (embeddings, the output layer, norms and biases take the auxiliary AdamW)."""
+        tag = getattr(param, "use_muon", None)
+        if tag is None:
+            return param.dim() == 2 and in_layer
+        if tag and param.dim() != 2:
+            raise ZeroConfigError(f"{name} is tagged use_muon but has shape {tuple(param.shape)}: Muon "
+                                  f"orthogonalises 2-D matrices; set use_muon = False on it (it then takes the "
+                                  f"auxiliary AdamW)")
+        return bool(tag)
 
     def check(self, oc):
         oc.muon_config.validate()
@@ -202,16 +219,3 @@ def parse_optimizer(opt_type: str, params: dict[str, Any]) -> OptimizerConfig:
     oc = OptimizerConfig(type=type_name, **fields)
     c.check(oc)
     return oc
-
-
-def takes_matrix(param: torch.nn.Parameter, in_layer: bool, name: str) -> bool:
-    """Whether a per-matrix optimizer (Muon) updates ``param`` as a matrix: DeepSpeed's
-    ``param.use_muon`` when set, else a 2-D weight inside a transformer layer (embeddings, the
-    output layer, norms and biases take the auxiliary AdamW)."""
-    tag = getattr(param, "use_muon", None)
-    if tag is None:
-        return param.dim() == 2 and in_layer
-    if tag and param.dim() != 2:
-        raise ZeroConfigError(f"{name} is tagged use_muon but has shape {tuple(param.shape)}: Muon orthogonalises "
-                              f"2-D matrices; set use_muon = False on it (it then takes the auxiliary AdamW)")
-    return bool(tag)
