@@ -437,7 +437,8 @@ def optimizer_bytes(optimizer: str, precision: str, matrix_share: float) -> tupl
 
     kind = component(optimizer)
     oc = OptimizerConfig(type=kind.name, momentum=0.9 if kind.name == "SGD" else None)
-    master = _STATE_BYTES[precision][2] - 8  # the table's K is the master's bytes plus Adam's 8
+    adam = component("adam")
+    master = _STATE_BYTES[precision][2] - adam.state_bytes(OptimizerConfig())  # the table's K: master + Adam's
     matrix = kind.state_bytes(oc, matrix=kind.per_matrix)
     other = kind.state_bytes(oc, matrix=False)
     return master + matrix * matrix_share + other * (1 - matrix_share), master + matrix

@@ -244,7 +244,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format),
     ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``, and
     ``engine`` (a megazero save's loss scaler and step counters, when the optimizer was loaded; else None)."""
-    from ..zero.checkpoint import load_full_weights_file, optimizer_state_keys
+    from ..zero.checkpoint import load_full_weights_file
     from .torch_dist_source import MegatronDistSource, entries_for_checkpoint
     from .torch_dist import TorchDistCheckpoint
 
@@ -258,7 +258,7 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     master, moments, step = None, None, None
     kind = _optimizer_kind(ckpt) if load_optimizer else "none"
     if kind == "fully_reshardable":
-        master, moments = _optimizer_sources(ckpt, config, table, names, optimizer_state_keys(engine),
+        master, moments = _optimizer_sources(ckpt, config, table, names, engine.state_keys(),
                                              engine.config.optimizer.type)
         step, found = _optimizer_step(ckpt.common, state["iteration"])
         if not found:

@@ -47,13 +47,6 @@ __all__ = ["CheckpointError", "save_zero_state", "load_zero_state", "read_zero_s
 
 
 
-def optimizer_state_keys(engine: ZeroEngine) -> tuple[str, ...]:
-    """The per-element state tensors the engine's optimizer keeps beside any master (saved and
-    resharded like the master itself; its components say which: ``zero/optimizers.py``); scalar
-    state such as Adam's step is saved as ``optimizer_step``."""
-    return engine.state_keys()
-
-
 def shard_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"zero_rank{rank:05d}.safetensors")
 
@@ -510,7 +503,7 @@ def read_zero_state(engine: ZeroEngine, directory: str, manifest: Optional[dict]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     meta = dict(reader.first_meta)
-    wanted, saved_keys = optimizer_state_keys(engine), reader.state_keys()
+    wanted, saved_keys = engine.state_keys(), reader.state_keys()
     if not load_optimizer:
         saved_keys = ()
     if saved_keys and set(saved_keys) != set(wanted):

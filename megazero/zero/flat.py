@@ -129,13 +129,15 @@ class FlatGroup:
             s.param.data = self.full.narrow(0, s.offset, s.numel).view(s.shape)
             s.param.ds_shape = s.shape  # DeepSpeed's attribute, for code that looks for it
 
-    def owned_range(self, slot: ParamSlot) -> tuple[int, int, int]:
-        """``(start_in_param, start_in_shard, length)`` of the part of ``slot`` this rank owns."""
-        lo = max(slot.offset, self.shard_start)
-        hi = min(slot.offset + slot.numel, self.shard_start + self.shard_numel)
+    def owned_range(self, slot: ParamSlot, partition: Optional[int] = None) -> tuple[int, int, int]:
+        """``(start_in_param, start_in_shard, length)`` of the part of ``slot`` this rank owns, or the
+        rank at ``partition`` of the group's partitioning (unpartitioned, every rank holds the whole)."""
+        start = self.shard_start if partition is None or self.partitions == 1 else partition * self.shard_numel
+        lo = max(slot.offset, start)
+        hi = min(slot.offset + slot.numel, start + self.shard_numel)
         if hi <= lo:
             return 0, 0, 0
-        return lo - slot.offset, lo - self.shard_start, hi - lo
+        return lo - slot.offset, lo - start, hi - lo
 
     @torch.no_grad()
     def load_param_values(self, slot: ParamSlot, value: torch.Tensor) -> None:

@@ -22,8 +22,7 @@ a matrix's TP shards share a TP group, since the owner index is the same on ever
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
+import heapq
 import torch
 
 from .comm import CommCounter
@@ -41,14 +40,6 @@ class Matrix:
     shape: tuple[int, int]  # of the whole matrix (TP shards gathered, where they are)
     owner: int = -1  # rank in the group's partitioning
 
-    @property
-    def lo(self) -> int:
-        return self.slot.offset
-
-    @property
-    def hi(self) -> int:
-        return self.slot.offset + self.slot.numel
-
 
 def ns_cost(shape: tuple[int, int], steps: int = 5) -> float:
     """Multiply-adds of Newton-Schulz on a ``shape`` matrix: per iteration X X^T, A A and B X
@@ -62,11 +53,13 @@ def assign_owners(matrices: list[Matrix], ranks: int, steps: int = 5) -> list[fl
     rank (ties to the lowest rank): deterministic, so every rank computes the same owners. Returns
     each rank's load (Newton-Schulz multiply-adds)."""
     loads = [0.0] * ranks
-    order = sorted(range(len(matrices)), key=lambda i: (-ns_cost(matrices[i].shape, steps), i))
-    for i in order:
-        owner = min(range(ranks), key=lambda r: (loads[r], r))
+    costs = [ns_cost(m.shape, steps) for m in matrices]
+    heap = [(0.0, r) for r in range(ranks)]  # (load, rank): a heap, so 1,024 ranks cost log(1024) per matrix
+    for i in sorted(range(len(matrices)), key=lambda i: (-costs[i], i)):
+        load, owner = heapq.heappop(heap)
         matrices[i].owner = owner
-        loads[owner] += ns_cost(matrices[i].shape, steps)
+        loads[owner] = load + costs[i]
+        heapq.heappush(heap, (loads[owner], owner))
     return loads
 
 
@@ -82,21 +75,14 @@ class MatrixExchange:
         self.owned = [m for m in matrices if m.owner == rank]
 
     def held(self, m: Matrix, r: int) -> tuple[int, int]:
-        """``[lo, hi)`` of ``m`` (in its group's flat coordinates) that rank ``r`` holds."""
-        if self.whole:
-            return m.lo, m.hi
-        g = m.group
-        start = r * g.shard_numel
-        lo, hi = max(m.lo, start), min(m.hi, start + g.shard_numel)
-        return (lo, hi) if hi > lo else (m.lo, m.lo)
+        """``(start in the matrix, length)`` of the part of ``m`` that rank ``r`` holds."""
+        p0, _, n = m.group.owned_range(m.slot, r)
+        return p0, n
 
-    def _local(self, m: Matrix, shard: torch.Tensor, r: Optional[int] = None) -> torch.Tensor:
-        """``m``'s part held by rank ``r`` (this rank), as a view of this rank's ``shard``."""
-        lo, hi = self.held(m, self.rank if r is None else r)
-        if hi == lo:
-            return shard.narrow(0, 0, 0)
-        start = 0 if self.whole else self.rank * m.group.shard_numel
-        return shard.narrow(0, lo - start, hi - lo)
+    def _local(self, m: Matrix, shard: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``m``, as a view of its ``shard`` of ``m``'s group."""
+        _, s0, n = m.group.owned_range(m.slot)
+        return shard.narrow(0, s0, n)
 
     def gather(self, values: dict[FlatGroup, torch.Tensor]) -> dict[Matrix, torch.Tensor]:
         """Each owned matrix whole (flat, fp32) from every holder's ``values`` (its partition)."""
@@ -141,12 +127,10 @@ class MatrixExchange:
                 at += n
 
     def _span(self, m: Matrix, r: int) -> int:
-        lo, hi = self.held(m, r)
-        return hi - lo
+        return self.held(m, r)[1]
 
     def _piece(self, m: Matrix, update: torch.Tensor, r: int) -> torch.Tensor:
-        lo, hi = self.held(m, r)
-        return update.narrow(0, lo - m.lo, hi - lo)
+        return update.narrow(0, *self.held(m, r))
 
     def bytes_per_step(self) -> dict[str, int]:
         """fp32 bytes this rank sends per step: ``in`` (to the owners) and ``out`` (to the holders)."""

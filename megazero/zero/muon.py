@@ -127,10 +127,9 @@ class MuonStep:
         self.scales: dict[Matrix, float] = {}
         for ex in self.exchanges:
             for m in ex.matrices:
-                lo, hi = ex.held(m, ex.rank)
-                start = 0 if ex.whole else ex.rank * m.group.shard_numel
-                if hi > lo:
-                    self.held[m.group].append((m, (lo - start, hi - lo)))
+                _, s0, n = m.group.owned_range(m.slot)
+                if n:
+                    self.held[m.group].append((m, (s0, n)))
                 self.scales[m] = 1.0 if self._fused(m) else self._scale(*m.shape)  # (a TP shard's with blockwise)
 
     # ------------------------------------------------------------------ layout

@@ -126,6 +126,7 @@ def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], per
         for p in layer.parameters():
             owners.setdefault(id(p), set()).add(id(layer))
             params[id(p)] = p
+    in_layer = frozenset(params)  # the parameters inside a layer module
     outside = [m for m in model.modules() if id(m) not in inside_layer]
     for m in outside:
         modules_by_id[id(m)] = m
@@ -157,7 +158,6 @@ def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], per
     if persistent:
         units.append(PlannedUnit("persistent", len(order), persistent, True))
     hooked = [m for m in model.modules() if id(m) in layer_ids or id(m) not in inside_layer]
-    in_layer = frozenset(id(p) for layer in layer_modules for p in layer.parameters())
     return UnitPlan(units, needs, hooked, in_layer)
 
 
