@@ -9,7 +9,8 @@ that needs the whole matrix:
    moments) and forms ``u`` (Nesterov or plain);
 2. ``u`` goes to the matrix's owner (:mod:`megazero.zero.matrix_exchange`); with
    ``tp_mode="duplicated"`` the owners on each TP rank gather the TP shards (one all-gather per
-   TP group), so every owner sees the matrix of a tp = 1 run;
+   matrix, one at a time), so every owner sees the matrix of a tp = 1 run (``distributed``: they run
+   the iteration on their blocks together instead);
 3. the owner runs Newton-Schulz once per matrix per step (Q, K and V apart with ``split_qkv``),
    scales it, and keeps its TP block;
 4. the update goes back to the holders, which apply decoupled weight decay and the update to
@@ -102,7 +103,7 @@ class MuonStep:
 
     ``groups``: the trainable ``per_matrix`` flat groups; ``tp_group``/``tp_rank``/``tp_size``: the
     engine's TP coordinates (a parameter with its own ``tp_shard_group`` uses that). ``comm`` counts
-    the exchanges under each partitioning's name and the TP gathers under ``muon.tp<i>``."""
+    the exchanges under each partitioning's name and the TP exchanges under ``muon.tp<i>``."""
 
     def __init__(self, groups: list[FlatGroup], config: MuonConfig, comm: CommCounter,
                  tp_group: Optional[dist.ProcessGroup], tp_rank: int, tp_size: int) -> None:
