@@ -33,6 +33,7 @@ The one path still pinning through the caching allocator is the data loader's ba
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 from megazero.mpu.parallel_state import group_ranks
@@ -87,6 +88,14 @@ def nccl_communicators(*, tp: int, pp: int, dp: int, zero_stage: int, keep_gathe
     if min(tp, pp, dp, cp) < 1 or not 0 <= pp_rank < pp:
         raise ValueError(f"tp, pp, dp and cp must be >= 1 and 0 <= pp_rank < pp, got tp {tp}, pp {pp}, dp {dp}, "
                          f"cp {cp}, pp_rank {pp_rank}")
+    # the layout search asks for thousands of plans over a few hundred layouts
+    return dict(_communicators(tp, pp, dp, zero_stage, keep_gathered, pp_rank, collectives, cp,
+                               tuple(hierarchical_cp or ()), ep, etp))
+
+
+@lru_cache(maxsize=1024)
+def _communicators(tp: int, pp: int, dp: int, zero_stage: int, keep_gathered: bool, pp_rank: int, collectives: str,
+                   cp: int, hierarchical_cp: tuple[int, ...], ep: int, etp: Optional[int]) -> dict[str, int]:
     world = tp * pp * dp * cp
     rank = pp_rank * dp * cp * tp  # tp, cp and dp rank 0 of that stage: every rank of a stage joins alike
     out = {"world": 1} if world > 1 else {}
