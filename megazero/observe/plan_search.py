@@ -74,8 +74,14 @@ class Plan:
 
     @property
     def stage_peak_bytes(self) -> list[float]:
-        st = self.memory.pipeline.get("stages")
-        return [float(s["total"]) for s in st] if st else [float(self.memory.total)]
+        """Each pipeline stage's peak without NCCL's buffers (with the ZeRO-3 gather buffers and the gradients
+        in flight, which every stage has alike)."""
+        e = self.memory
+        st = e.pipeline.get("stages")
+        if not st:
+            return [float(e.total)]
+        return [float(sum(s["states"]) + e.buffers + max(s["activations"] + s["embedding_stash"] + e.grad_buckets,
+                                                         s["embedding_sync"])) for s in st]
 
     @property
     def shortfall(self) -> float:
@@ -212,7 +218,9 @@ def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, g
     vpps = [r.vpp] if r.vpp else ([1] + [v for v in _divisors(per_stage) if v > 1]) if pp > 1 else [1]
     for vpp in vpps:
         for zero in r.zero_stages:
-            for sp in sorted({s and tp > 1 for s in r.sequence_parallel}):
+            # experts split other than the attention route each rank's own tokens: Megatron's SP
+            sps = {s and tp > 1 for s in r.sequence_parallel}
+            for sp in sorted(sps - ({False} if etp not in (None, tp) and tp > 1 else set())):
                 for rc in r.recompute:
                     seq = []
                     for b in mbs:
@@ -277,7 +285,7 @@ def describe_layout(lay: Layout) -> str:
     return " ".join(parts)
 
 
-def family_reason(fam: Family, best: Optional[Plan], peak: float) -> str:
+def family_reason(fam: Family, best: Optional[Plan]) -> str:
     """Why ``fam`` did not give the chosen plan."""
     if fam.invalid:
         return fam.invalid

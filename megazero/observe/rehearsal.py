@@ -63,7 +63,7 @@ import torch.distributed as dist
 from .. import mpu
 from ..utils.memory_tracker import LiveMemoryTracker
 from .step_kinds import StepKinds
-from ..utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
+from ..utils.meta_device import MetaDeviceMode, cuda_kernels_on_meta
 from ..training.arguments import parse_args
 from ..training.config import ConfigError, TrainConfig
 from ..training.output import console
@@ -363,7 +363,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
         # The loop logs its lines (rank 0's) through megazero.training's loggers: shown on the
         # redirected stdout with what it prints, so they go to ``log`` and nowhere else.
         with contextlib.redirect_stdout(out), console("megazero.training"), phases, device_mode, tracker, \
-                cuda_attention_on_meta():
+                cuda_kernels_on_meta():
             pretrain(config, device=torch.device("meta"), callbacks=[Measure()])
         groups = mpu.get_parallel_groups()
     except BaseException as e:

@@ -13,7 +13,7 @@ _EXPORTS = {
     "LiveMemoryTracker": "memory_tracker", "MemoryMark": "memory_tracker", "active_tracker": "memory_tracker",
     "peak_memory_source": "memory_tracker", "step_peak_memory": "memory_tracker",
     "missing_packages": "optional_deps", "require_packages": "optional_deps",
-    "MetaDeviceMode": "meta_device", "cuda_attention_on_meta": "meta_device",
+    "MetaDeviceMode": "meta_device", "cuda_kernels_on_meta": "meta_device",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # static tools see the real imports
     from megazero.utils.memory_tracker import (  # noqa: F401
         LiveMemoryTracker, MemoryMark, active_tracker, peak_memory_source, step_peak_memory,
     )
-    from megazero.utils.meta_device import MetaDeviceMode, cuda_attention_on_meta  # noqa: F401
+    from megazero.utils.meta_device import MetaDeviceMode, cuda_kernels_on_meta  # noqa: F401
     from megazero.utils.optional_deps import missing_packages, require_packages  # noqa: F401
 
 

@@ -3,7 +3,7 @@
 A meta tensor has a shape, a dtype, strides and a storage of the right size, and no memory;
 every operator's meta kernel computes only what its output looks like. Three things keep a
 real training step from running there as it would on a GPU, and :class:`MetaDeviceMode` /
-:func:`cuda_attention_on_meta` supply them:
+:func:`cuda_kernels_on_meta` supply them:
 
 - *Reads of device values* (``.item()``, ``.tolist()``, ``.cpu()``, copying into a host
   tensor), reported to ``on_read``: on a GPU each one is a host synchronisation. A meta
@@ -16,8 +16,9 @@ real training step from running there as it would on a GPU, and :class:`MetaDevi
   and micro-batch. Their output metadata is cached by operator and input metadata, as
   ``FakeTensorMode`` does (:class:`MetaKernelCache`).
 - *Kernel choice*: ``scaled_dot_product_attention`` on meta decomposes into the math path
-  (s x s scores); CUDA runs flash attention, whose meta kernel exists
-  (:func:`cuda_attention_on_meta`).
+  (s x s scores); CUDA runs flash attention, whose meta kernel exists; ``dropout`` on meta keeps
+  a mask of the input's dtype for backward, CUDA's fused kernel a bool one
+  (:func:`cuda_kernels_on_meta`).
 
 Collectives (``c10d`` operators) are reported to ``on_collective`` as they are issued.
 """
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaDeviceMode", "MetaKernelCache", "cuda_attention_on_meta"]
+__all__ = ["MetaDeviceMode", "MetaKernelCache", "cuda_kernels_on_meta"]
 
 _UNCACHEABLE = object()
 
@@ -272,12 +273,13 @@ class MetaDeviceMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def cuda_attention_on_meta() -> Iterator[None]:
-    """While active, ``scaled_dot_product_attention`` on meta tensors runs the kernel CUDA picks:
-    flash attention (its meta kernel and backward: output and log-sum-exp, no s x s scores) for
+def cuda_kernels_on_meta() -> Iterator[None]:
+    """While active, ``scaled_dot_product_attention`` and ``dropout`` on meta tensors run the kernels CUDA
+    picks: flash attention (its meta kernel and backward: output and log-sum-exp, no s x s scores) for
     unmasked fp16/bf16 inputs (memory-efficient attention, the same, where values are narrower or
-    wider than queries and keys), the math path otherwise. Registered for meta's autograd key, so
-    it holds in backward too (activation recomputation); removed on exit."""
+    wider than queries and keys), the math path otherwise; and the fused dropout, whose mask is bool (one
+    byte per element, where meta's decomposition keeps a mask of the input's dtype). Registered for
+    meta's autograd key, so it holds in backward too (activation recomputation); removed on exit."""
     lib = torch.library.Library("aten", "IMPL")
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
@@ -291,7 +293,11 @@ def cuda_attention_on_meta() -> Iterator[None]:
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
 
+    def dropout(x, p, train):
+        return torch.ops.aten.native_dropout(x, p, train)[0] if train and p > 0 else x
+
     lib.impl("scaled_dot_product_attention", sdpa, "AutogradMeta")
+    lib.impl("dropout", dropout, "AutogradMeta")
     try:
         yield
     finally:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.utils.meta_device import MetaDeviceMode, cuda_attention_on_meta
+from megazero.utils.meta_device import MetaDeviceMode, cuda_kernels_on_meta
 
 
 def test_host_values_survive_collectives_and_device_results_read_as_zeros():
@@ -55,10 +55,16 @@ def test_cached_kernels_give_the_same_outputs_and_attention_is_cudas():
                (b.shape, b.stride(), b.dtype, b.untyped_storage().nbytes())
     q = torch.empty(2, 4, 256, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     ops = _Ops()
-    with cuda_attention_on_meta(), ops:
+    with cuda_kernels_on_meta(), ops:
         F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1).sum().backward()
     assert torch.ops.aten._scaled_dot_product_flash_attention_backward.default in ops.seen
     assert torch.ops.aten.bmm.default not in ops.seen  # no s x s scores
     with _Ops() as after:  # removed on exit: meta's own (math) decomposition again
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert torch.ops.aten.bmm.default in after.seen
+    x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with cuda_kernels_on_meta(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t,
+                                                                         lambda t: t):
+        F.dropout(x * 1.0, 0.1)
+    assert saved == [torch.bool]  # CUDA's fused dropout keeps a one-byte mask
