@@ -13,7 +13,8 @@ each planned for memory per pipeline stage (megazero/observe/planner.py, what to
 measures) and for time (megazero/observe/plan_time.py: compute by GEMM size, collectives by where
 their group lands, bubble, ZeRO's overlap, the optimizer step). Printed: the fitting plans fastest
 first with their time and memory terms, the launch flags of the best, and why every other (tp, cp,
-pp, ep) family lost. Installed: ``megazero-plan``. Exit status: 0 a plan, 1 nothing fits, 2 invalid
+pp, ep) family lost. A pipeline whose size does not divide the layers gets Megatron's uneven split
+(lighter first and last stages). Installed: ``megazero-plan``. Exit status: 0 a plan, 1 nothing fits, 2 invalid
 input, 3 a rehearsal failed.
 """
 
@@ -50,7 +51,8 @@ _FIXED = {"tp": "tp", "pp": "pp", "context_parallel_size": "cp", "expert_model_p
           "micro_batch_size": "micro_batch_size", "zero_stage": "zero_stages", "sequence_parallel": "sequence_parallel",
           "recompute_granularity": "recompute", "recompute_activations": "recompute",
           "optimizer_cpu_offload": "offload", "num_layers_per_virtual_pipeline_stage": None,
-          "recompute_method": None, "recompute_num_layers": None}
+          "recompute_method": None, "recompute_num_layers": None, "decoder_first_pipeline_num_layers": None,
+          "decoder_last_pipeline_num_layers": None}
 
 
 def _add_own(add: Callable) -> None:

@@ -131,6 +131,9 @@ def layout_args(lay: Layout) -> list[str]:
         args += ["--ep", str(lay.ep), "--expert-tensor-parallel-size", str(lay.etp)]
     if lay.vpp > 1:
         args += ["--virtual-pipeline-model-parallel-size", str(lay.vpp)]
+    if lay.first_stage_layers is not None:
+        args += ["--decoder-first-pipeline-num-layers", str(lay.first_stage_layers),
+                 "--decoder-last-pipeline-num-layers", str(lay.last_stage_layers)]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     if lay.recompute:
@@ -140,6 +143,17 @@ def layout_args(lay: Layout) -> list[str]:
     if lay.offload_optimizer:
         args.append("--optimizer-cpu-offload")
     return args
+
+
+def uneven_split(layers: int, pp: int) -> Optional[tuple[int, int]]:
+    """(first, last) stage layers of Megatron's uneven split when ``pp`` does not divide ``layers``: the
+    middle stages ceil(layers / pp) each, the rest to the ends (the first one more when odd, as the last
+    holds the head); None when that leaves an end empty."""
+    if pp < 3:
+        return None
+    middle = -(-layers // pp)
+    rest = layers - (pp - 2) * middle
+    return (rest - rest // 2, rest // 2) if rest >= 2 and rest - rest // 2 <= middle else None
 
 
 def _model_at(config: GPTConfig, tp: int) -> GPTConfig:
@@ -176,8 +190,8 @@ def _families(config: GPTConfig, cluster: Cluster, r: Restrictions, gbs: int) ->
                             continue
                         dp = world // (tp * cp * pp)
                         why = _why_not(_model_at(config, tp), tp)
-                        if not why and L % pp:
-                            why = f"{L} layers do not split evenly over pp {pp}"
+                        if not why and L % pp and uneven_split(L, pp) is None:
+                            why = f"{L} layers do not split over pp {pp}, evenly or with lighter end stages"
                         if not why and gbs % dp:
                             why = f"global batch {gbs} is not divisible by dp {dp}"
                         if not why and moe and (tp * cp * dp) % (ep * etp):
@@ -194,7 +208,8 @@ def evaluate(config: GPTConfig, lay: Layout, cluster: Cluster, base: dict, *, gl
     kw = dict(base, tp=lay.tp, dp=lay.dp, pp=lay.pp, context_parallel=lay.cp, expert_parallel=lay.ep,
               expert_tensor_parallel=lay.etp or lay.tp, zero_stage=lay.zero_stage, sequence_parallel=lay.sequence_parallel,
               recompute=lay.recompute, micro_batch_size=lay.micro_batch_size, virtual_pp=lay.vpp, num_microbatches=m,
-              global_batch_size=global_batch_size, first_stage_layers=None, last_stage_layers=None,
+              global_batch_size=global_batch_size, first_stage_layers=lay.first_stage_layers,
+              last_stage_layers=lay.last_stage_layers,
               offload_optimizer="cpu" if lay.offload_optimizer else base.get("offload_optimizer", "none"),
               offload_ratio=1.0 if lay.offload_optimizer else base.get("offload_ratio", 1.0))
     est = estimate_memory(model, **kw)
@@ -215,7 +230,8 @@ def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, g
     per_rank = gbs // dp
     mbs = [r.micro_batch_size] if r.micro_batch_size else [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH]
     per_stage = config.num_layers // pp
-    vpps = [r.vpp] if r.vpp else ([1] + [v for v in _divisors(per_stage) if v > 1]) if pp > 1 else [1]
+    ends = uneven_split(config.num_layers, pp) if config.num_layers % pp else None
+    vpps = [r.vpp] if r.vpp else ([1] + [v for v in _divisors(per_stage) if v > 1]) if pp > 1 and not ends else [1]
     for vpp in vpps:
         for zero in r.zero_stages:
             # experts split other than the attention route each rank's own tokens: Megatron's SP
@@ -228,7 +244,9 @@ def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, g
                         if vpp > 1 and m % pp:  # interleaving takes micro-batches in groups of pp
                             continue
                         seq.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, zero_stage=zero,
-                                          sequence_parallel=sp, recompute=rc, micro_batch_size=b))
+                                          sequence_parallel=sp, recompute=rc, micro_batch_size=b,
+                                          first_stage_layers=ends[0] if ends else None,
+                                          last_stage_layers=ends[1] if ends else None))
                     if seq:
                         yield seq
 
@@ -276,7 +294,10 @@ def slower_because(plan: Plan, best: Plan) -> str:
 
 def describe_layout(lay: Layout) -> str:
     """``tp 4 pp 8 v 2 dp 16 cp 1 ZeRO-1 SP full mbs 1``."""
-    parts = [f"tp {lay.tp}", f"pp {lay.pp}"] + ([f"v {lay.vpp}"] if lay.vpp > 1 else []) + [f"dp {lay.dp}"]
+    parts = [f"tp {lay.tp}", f"pp {lay.pp}"] + ([f"v {lay.vpp}"] if lay.vpp > 1 else [])
+    if lay.first_stage_layers is not None:
+        parts.append(f"({lay.first_stage_layers}+...+{lay.last_stage_layers} layers)")
+    parts.append(f"dp {lay.dp}")
     parts += [f"cp {lay.cp}"] if lay.cp > 1 else []
     parts += [f"ep {lay.ep} etp {lay.etp}"] if lay.etp is not None else []
     parts += [f"ZeRO-{lay.zero_stage}"] + (["SP"] if lay.sequence_parallel else [])

@@ -71,6 +71,8 @@ class Layout:
     recompute: Optional[str] = None  # None, "selective", "full"
     micro_batch_size: int = 1
     offload_optimizer: bool = False
+    first_stage_layers: Optional[int] = None  # Megatron's uneven split: the first and last stages' layers
+    last_stage_layers: Optional[int] = None
 
     @property
     def model_parallel(self) -> int:

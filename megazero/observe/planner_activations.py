@@ -23,10 +23,13 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     Generalised over the paper's 34 s b h + 5 a s^2 b (16-bit, ffn = 4h, MHA; multi-latent attention's
     projections, latents and widths in place of Q, K, V):
       replicated under TP (sharded with SP): 2 norm inputs + QKV and fc1 inputs at
-        ``act_bytes`` and 2 dropout masks at 1 byte: s b h (4e + 2) = 10 s b h;
+        ``act_bytes`` and 2 dropout masks at 1 byte: s b h (4e + 2) = 10 s b h (RMSNorm without
+        apex's kernel keeps an fp32 copy of its input and its normalized output: 4 + e bytes per
+        element where LayerNorm keeps e, 8 s b h more per layer);
       sharded by TP: Q, K, V, projection input, fc1 output, activation output:
         e s b (n d + 2 g d + n d + 2 f) = 24 s b h (SwiGLU: 4 f, fc1's gate and up, silu(gate)
-        and their product);
+        and their product; grouped-query K and V repeated to the query heads, n d each, unless the
+        backend is flash-attn, which reads the groups as they are);
       attention scores (dropped by selective recompute / flash attention): softmax
         output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
     Mixture-of-experts layers (averaged over the layers): the k experts' MLP activations per token in
@@ -41,7 +44,8 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     gate = 2 if c.activation == "swiglu" else 1
     # Dropout masks (1 byte) and dropout outputs exist only with dropout > 0 (the paper assumes it).
     hidden_masks = 2 if c.hidden_dropout > 0 else 0
-    replicated = s * b * h * (4 * e + hidden_masks)
+    norm_extra = 4 if c.normalization == "rmsnorm" else 0  # torch's RMSNorm: fp32 input and normalized output
+    replicated = s * b * h * (4 * e + hidden_masks + 2 * norm_extra)
     # SwiGLU keeps fc1's output (gate, up), silu(gate) and their product (fc2's input): 4 f; GeLU 2 f
     mlp = 4 * f if gate == 2 else 2 * f
     if c.multi_latent_attention:
@@ -51,9 +55,10 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         # and the key/value down-projection's output (the latent is a view of it, the RoPE key beside)
         attention = 2 * n * c.qk_dim + n * (c.qk_head_dim + c.v_head_dim) + n * c.v_dim
         latents = (2 * c.q_lora_rank if c.q_lora_rank else 0) + 2 * c.kv_lora_rank + c.qk_pos_emb_head_dim
-        replicated += e * s * b * latents
+        replicated += e * s * b * latents + norm_extra * s * b * ((c.q_lora_rank or 0) + c.kv_lora_rank)
     else:
-        attention = n * d + 2 * g * d + n * d
+        kv = g if c.attention_backend == "flash" else n  # sdpa and the math kernel repeat the groups
+        attention = n * d + 2 * kv * d + n * d
     sharded = e * s * b * (attention + mlp)
     score_bytes = 2 * e + 1 if c.attention_dropout > 0 else e
     scores = n * s * s * b * score_bytes if keep_attention_scores else 0
@@ -98,7 +103,8 @@ def _activations(config: GPTConfig, *, micro_batch_size: int, seq_length: int, t
     # Embedding dropout mask (1 byte), final norm and output-layer inputs, and the loss's peak: the
     # output layer's logits in the compute dtype alive beside the cross-entropy's fp32 working copy.
     mask = s * b * h / sp_div if c.hidden_dropout > 0 else 0
-    outside = mask + 2 * act_bytes * s * b * h / sp_div + (4 + act_bytes) * s * b * c.padded_vocab_size / t
+    norm = act_bytes + (4 if c.normalization == "rmsnorm" else 0)  # torch's RMSNorm keeps its fp32 input too
+    outside = mask + (norm + act_bytes) * s * b * h / sp_div + (4 + act_bytes) * s * b * c.padded_vocab_size / t
     mtp = _mtp_activations(c, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
                            keep_attention_scores=not flash_attn and recompute != "selective", act_bytes=act_bytes,
                            expert_tp=expert_tp)
@@ -121,7 +127,9 @@ def _mtp_activations(c: GPTConfig, *, micro_batch_size: int, seq_length: int, tp
     layer = activation_bytes_per_layer(kind, micro_batch_size=b, seq_length=s, tp=t, sequence_parallel=sequence_parallel,
                                        keep_attention_scores=keep_attention_scores, act_bytes=act_bytes,
                                        expert_tp=expert_tp)
-    hidden = act_bytes * s * b * c.hidden_size * (1 + 2 + 1 + 1) / (t if sequence_parallel else 1)
+    # three norms (torch's RMSNorm keeps its fp32 input too), the concatenation and the head's input
+    norm = act_bytes + (4 if c.normalization == "rmsnorm" else 0)
+    hidden = (3 * norm + 2 * act_bytes) * s * b * c.hidden_size / (t if sequence_parallel else 1)
     return c.mtp_num_layers * (layer + hidden + 4 * s * b * c.padded_vocab_size / t)
 
 
