@@ -13,9 +13,10 @@ each planned for memory per pipeline stage (megazero/observe/planner.py, what to
 measures) and for time (megazero/observe/plan_time.py: compute by GEMM size, collectives by where
 their group lands, bubble, ZeRO's overlap, the optimizer step). Printed: the fitting plans fastest
 first with their time and memory terms, the launch flags of the best, and why every other (tp, cp,
-pp, ep) family lost. A pipeline whose size does not divide the layers gets Megatron's uneven split
+pp, ep) family lost. MFU counts the FLOPs a step needs (the causal half of each attention square, no
+recompute), TFLOP/s per GPU Narayanan et al.'s count (the whole square, recompute included). A pipeline whose size does not divide the layers gets Megatron's uneven split
 (lighter first and last stages). Installed: ``megazero-plan``. Exit status: 0 a plan, 1 nothing fits, 2 invalid
-input, 3 a rehearsal failed.
+input (a world size no layout divides among them), 3 a rehearsal failed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 # A rehearsal's fake process groups warn once per group as they are destroyed (see tools/rehearse.py).
@@ -64,6 +66,7 @@ def _add_own(add: Callable) -> None:
     add("--intra-node-gbps", type=float, help="collective bus bandwidth per GPU within a node, GB/s")
     add("--inter-node-gbps", type=float, help="collective bus bandwidth per GPU across nodes, GB/s")
     add("--hbm-gbps", type=float, help="device-memory bandwidth, GB/s")
+    add("--host-memory-gb", type=float, help="host memory per GPU in GiB, for offloaded state (default: the preset's)")
     add("--memory-reserve-gb", type=float, default=3.0,
         help="GiB of each GPU left to the CUDA context, workspaces and fragmentation")
     add("--vpp", type=int, help="fix the virtual pipeline stages per rank")
@@ -152,7 +155,7 @@ def _cluster(own: argparse.Namespace) -> Cluster:
         raise ConfigError("give --world-size (the GPUs of the launch)")
     device = device_preset(own.gpu, memory_gib=own.device_memory_gb, peak_tflops=own.peak_tflops,
                            intra_node_gbps=own.intra_node_gbps, inter_node_gbps=own.inter_node_gbps,
-                           hbm_gbps=own.hbm_gbps)
+                           hbm_gbps=own.hbm_gbps, host_memory_gib=own.host_memory_gb)
     return Cluster(own.world_size, own.gpus_per_node, device, reserve_gib=own.memory_reserve_gb)
 
 
@@ -240,26 +243,34 @@ def _rehearse(plans: list[Plan], words: list[str], world: int) -> list[dict]:
     return rows
 
 
-def _nothing_fits(result: SearchResult, config: TrainConfig, base: dict, cluster: Cluster) -> str:
-    """One line: why no layout runs, or the closest plan and the change that would close its gap."""
+def _nothing_fits(result: SearchResult, config: TrainConfig, base: dict, cluster: Cluster,
+                  restrictions: Restrictions) -> str:
+    """One line: why no layout runs, or the closest plan and what would close its gap (more GPUs of this
+    kind, or as many GPUs with more memory: each the smallest such change, searched again)."""
     if result.closest is None:
         reasons = sorted({f.invalid for f in result.families if f.invalid})
         return (f"no layout of {cluster.world} GPUs runs this model: " + "; ".join(reasons[:3])
                 + ("; ..." if len(reasons) > 3 else "") + ". Choose a --world-size these divide")
-    from megazero.cli.estimate_memory import suggestions
-
     p = result.closest
-    lay = p.layout
-    kw = dict(base, tp=lay.tp, dp=lay.dp, pp=lay.pp, zero_stage=lay.zero_stage, micro_batch_size=lay.micro_batch_size,
-              recompute=lay.recompute, sequence_parallel=lay.sequence_parallel, context_parallel=lay.cp,
-              expert_parallel=lay.ep, expert_tensor_parallel=lay.etp or lay.tp, virtual_pp=lay.vpp,
-              num_microbatches=None, offload_optimizer="cpu" if lay.offload_optimizer else "none")
-    fixes = suggestions(config.model.replace(vocab_padding_tp=lay.tp), kw, cluster.usable_bytes / GiB)
-    bigger = [n for n, d in DEVICES.items() if d.memory_gib - cluster.reserve_gib >= p.memory.device_total / GiB]
-    knob = fixes[0] if fixes else (f"--gpu {bigger[0]}" if bigger else "more GPUs (--world-size)")
+    kw = dict(global_batch_size=config.schedule.global_batch_size, precision=config.precision.dtype,
+              optimizer=config.optim.type.lower(), restrictions=restrictions)
+    knobs = []
+    for factor in (2, 4, 8, 16, 32):
+        bigger = replace(cluster, world=cluster.world * factor)
+        if search(config.model, bigger, base, **kw).plans:
+            knobs.append(f"--world-size {bigger.world}")
+            break
+    for name, device in DEVICES.items():
+        if device.memory_gib > cluster.device.memory_gib and \
+                search(config.model, replace(cluster, device=device), base, **kw).plans:
+            knobs.append(f"--gpu {name} ({device.memory_gib:g} GiB)")
+            break
     return (f"no layout fits in {cluster.usable_bytes / GiB:.1f} GiB per GPU ({cluster.device.memory_gib:g} GiB less "
-            f"--memory-reserve-gb {cluster.reserve_gib:g}): the closest, {describe_layout(lay)}, needs "
-            f"{p.memory.device_total / GiB:.2f} GiB, {p.shortfall / GiB:.2f} GiB more; it would fit with {knob}")
+            f"--memory-reserve-gb {cluster.reserve_gib:g}): the closest, {describe_layout(p.layout)}, needs "
+            f"{p.memory.device_total / GiB:.2f} GiB, {p.shortfall / GiB:.2f} GiB more"
+            + (f"; a plan fits with {' or with '.join(knobs)}" if knobs else
+               "; nor with 32 times the GPUs or a larger preset: give --global-batch-size room for more data parallel "
+               "ranks, or shrink the model"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -294,8 +305,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  f"{cluster.usable_bytes / GiB:.1f} GiB (GEMM efficiency {GEMM_EFFICIENCY:g}: Narayanan et al. 2021, "
                  "Table 1, 1.7B)")
     if not plans:
-        log.error("error: %s", _nothing_fits(result, config, base, cluster))
-        return 1
+        log.error("error: %s", _nothing_fits(result, config, base, cluster, restrictions))
+        return 1 if result.closest is not None else 2
     best = plans[0]
     shown = plans[:own.top]
     write_output("\n".join(_table(shown, peak) + _explain(best, rest, cluster)))

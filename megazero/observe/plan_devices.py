@@ -31,6 +31,7 @@ class Device:
     intra_node_gbps: float  # collective bus bandwidth per GPU inside a node (NVLink)
     inter_node_gbps: float  # collective bus bandwidth per GPU across nodes (its NIC)
     pcie_gbps: float = 25.0  # host <-> device, each way (offload)
+    host_memory_gib: float = 256.0  # the node's memory per GPU (what offloaded state may use)
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s at ``precision`` (bf16, fp16, fp32)."""
@@ -38,22 +39,23 @@ class Device:
 
 
 # Datasheet peaks (dense, no sparsity); memory as the driver reports it; busbw from nccl-tests on
-# DGX-class systems (NVLink 3/4/5; 8 x HDR 200 Gb/s for A100, 8 x NDR 400 Gb/s for the others).
+# DGX-class systems (NVLink 3/4/5; 8 x HDR 200 Gb/s for A100, 8 x NDR 400 Gb/s for the others); host memory
+# a DGX's (2 TB, 4 TB for B200) over its 8 GPUs.
 DEVICES = {
     "a100-80gb": Device("a100-80gb", 80.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 2039.0, 230.0, 23.0,
-                        pcie_gbps=25.0),
+                        pcie_gbps=25.0, host_memory_gib=256.0),
     "h100-80gb": Device("h100-80gb", 79.6, {"bf16": 989.0, "fp16": 989.0, "fp32": 495.0}, 3350.0, 360.0, 45.0,
                         pcie_gbps=50.0),
     "h200": Device("h200", 140.4, {"bf16": 989.0, "fp16": 989.0, "fp32": 495.0}, 4800.0, 360.0, 45.0,
                    pcie_gbps=50.0),
     "b200": Device("b200", 179.1, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0}, 8000.0, 720.0, 45.0,
-                   pcie_gbps=50.0),
+                   pcie_gbps=50.0, host_memory_gib=512.0),
 }
 
 
 def device_preset(name: str, *, memory_gib: Optional[float] = None, peak_tflops: Optional[float] = None,
                   intra_node_gbps: Optional[float] = None, inter_node_gbps: Optional[float] = None,
-                  hbm_gbps: Optional[float] = None) -> Device:
+                  hbm_gbps: Optional[float] = None, host_memory_gib: Optional[float] = None) -> Device:
     """The preset ``name`` with the given figures replaced (``peak_tflops``: the bf16/fp16 peak; TF32 half
     of it). An unknown name raises ValueError naming the presets."""
     if name not in DEVICES:
@@ -62,14 +64,15 @@ def device_preset(name: str, *, memory_gib: Optional[float] = None, peak_tflops:
     d = DEVICES[name]
     for label, value in (("--device-memory-gb", memory_gib), ("--peak-tflops", peak_tflops),
                          ("--intra-node-gbps", intra_node_gbps), ("--inter-node-gbps", inter_node_gbps),
-                         ("--hbm-gbps", hbm_gbps)):
+                         ("--hbm-gbps", hbm_gbps), ("--host-memory-gb", host_memory_gib)):
         if value is not None and value <= 0:
             raise ValueError(f"{label} must be positive, got {value:g}")
     peaks = d.peak_tflops if peak_tflops is None else {"bf16": peak_tflops, "fp16": peak_tflops,
                                                        "fp32": peak_tflops / 2}
     return replace(d, memory_gib=memory_gib or d.memory_gib, peak_tflops=peaks,
                    intra_node_gbps=intra_node_gbps or d.intra_node_gbps,
-                   inter_node_gbps=inter_node_gbps or d.inter_node_gbps, hbm_gbps=hbm_gbps or d.hbm_gbps)
+                   inter_node_gbps=inter_node_gbps or d.inter_node_gbps, hbm_gbps=hbm_gbps or d.hbm_gbps,
+                   host_memory_gib=host_memory_gib or d.host_memory_gib)
 
 
 @lru_cache(maxsize=4096)

@@ -53,7 +53,7 @@ class Plan:
     memory: MemoryEstimate
     time: StepTime
     flops: float  # Narayanan et al.'s count of one step (recompute included when full)
-    model_flops: float  # without recompute
+    model_flops: float  # without recompute, the attention's causal half only (what MFU counts)
     fits: bool  # the peak with NCCL's estimate within the device's memory (what tools/rehearse.py checks)
     usable: float  # bytes a plan may use: the device's less the cluster's reserve
 
@@ -70,6 +70,8 @@ class Plan:
         return self.flops / self.time.total / self.world / 1e12
 
     def mfu(self, peak: float) -> float:
+        """Model FLOPs utilization: the FLOPs a step needs (no recompute, the causal half of the attention
+        square) per second per GPU over ``peak``."""
         return self.model_flops / self.time.total / self.world / peak
 
     @property
@@ -83,9 +85,14 @@ class Plan:
         return [float(sum(s["states"]) + e.buffers + max(s["activations"] + s["embedding_stash"] + e.grad_buckets,
                                                          s["embedding_sync"])) for s in st]
 
+    host: float = float("inf")  # host bytes per GPU offloaded state may use
+
     @property
     def shortfall(self) -> float:
-        """Bytes over what a plan may use (<= 0 when it can be chosen)."""
+        """Bytes over what a plan may use on the device (<= 0 when it can be chosen; offloaded state beyond the
+        host's share of memory counts as a shortfall of infinity)."""
+        if self.memory.host_total > self.host:
+            return float("inf")
         return self.memory.device_total - self.usable
 
     def memory_terms(self) -> dict[str, float]:
@@ -143,6 +150,15 @@ def layout_args(lay: Layout) -> list[str]:
     if lay.offload_optimizer:
         args.append("--optimizer-cpu-offload")
     return args
+
+
+def causal_flops(config: GPTConfig, global_batch_size: int) -> float:
+    """Training FLOPs of a step without recompute, counting only the causal half of each attention square
+    (Narayanan et al.'s count, :func:`~megazero.model.flops.flops_per_iteration`, has all of it)."""
+    c, s = config, config.seq_length
+    square = 2 * s * c.num_attention_heads * (c.qk_dim + c.v_dim)  # per token and layer, forward
+    layers = c.num_layers + (c.mtp_num_layers or 0)
+    return flops_per_iteration(c, global_batch_size) - 3 * global_batch_size * s * layers * square / 2
 
 
 def uneven_split(layers: int, pp: int) -> Optional[tuple[int, int]]:
@@ -219,11 +235,12 @@ def evaluate(config: GPTConfig, lay: Layout, cluster: Cluster, base: dict, *, gl
                   cp_comm_type=cp_type if isinstance(cp_type, str) else cp_type[0])
     full = lay.recompute == "full"
     return Plan(layout=lay, memory=est, time=t, flops=flops_per_iteration(model, global_batch_size, recompute_full=full),
-                model_flops=flops_per_iteration(model, global_batch_size), fits=est.fits(cluster.device.memory_gib),
-                usable=cluster.usable_bytes)
+                model_flops=causal_flops(model, global_batch_size), fits=est.fits(cluster.device.memory_gib),
+                usable=cluster.usable_bytes, host=cluster.device.host_memory_gib * GiB)
 
 
-def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, gbs: int) -> Iterator[list[Layout]]:
+def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, gbs: int,
+             flash: bool) -> Iterator[list[Layout]]:
     """Each (vpp, ZeRO, SP, recompute) setting of a family, its micro-batch sizes smallest first."""
     tp, cp, pp, ep, etp = key
     dp = cluster.world // (tp * cp * pp)
@@ -238,6 +255,8 @@ def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, g
             sps = {s and tp > 1 for s in r.sequence_parallel}
             for sp in sorted(sps - ({False} if etp not in (None, tp) and tp > 1 else set())):
                 for rc in r.recompute:
+                    if rc == "selective" and flash and len(r.recompute) > 1:
+                        continue  # a flash kernel holds no s x s scores for selective recompute to drop
                     seq = []
                     for b in mbs:
                         m = per_rank // b
@@ -263,13 +282,14 @@ def search(config: GPTConfig, cluster: Cluster, base: dict, *, global_batch_size
         families.append(fam)
         if why:
             continue
-        for seq in _layouts(key, config, cluster, r, gbs):
+        for seq in _layouts(key, config, cluster, r, gbs, base.get("flash_attn", True)):
             for lay in seq:
                 plan = evaluate(config, lay, cluster, base, **kw)
                 evaluated += 1
                 if plan.shortfall > 0 and r.offload and lay.zero_stage and optimizer != "muon":
-                    plan = evaluate(config, replace(lay, offload_optimizer=True), cluster, base, **kw)
+                    offloaded = evaluate(config, replace(lay, offload_optimizer=True), cluster, base, **kw)
                     evaluated += 1
+                    plan = offloaded if offloaded.shortfall < plan.shortfall else plan
                 if plan.shortfall > 0:
                     if fam.closest is None or plan.shortfall < fam.closest.shortfall:
                         fam.closest = plan
