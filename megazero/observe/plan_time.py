@@ -6,7 +6,8 @@ Per pipeline stage and micro-batch (the slowest stage sets the pace):
   depths. Each GEMM class (attention projections, attention core, dense MLP, routed experts, logits) runs
   at ``GEMM_EFFICIENCY`` x peak, reduced along each of its three dimensions d by ``d / (d + GEMM_HALF_DIM)``
   (small GEMMs fill the tensor cores worse); flash-style attention computes the causal half of the square,
-  the math kernel the whole of it. Memory-bound work (norms, activations, dropout, softmax, the loss) moves
+  the math kernel the whole of it. Each layer adds ``LAYER_OVERHEAD_S`` per micro-batch in forward (twice in
+  backward) for its kernels' launches and tails, which weigh on small micro-batches. Memory-bound work (norms, activations, dropout, softmax, the loss) moves
   ``ELEMENTWISE_PASSES`` x the bytes a layer keeps for backward (the planner's activation formula) through
   HBM, twice that in backward.
 - **recompute**: full recompute runs each layer's forward again, selective the attention core.
@@ -43,9 +44,9 @@ from megazero.observe.planner_offload import DTYPE_BYTES
 
 __all__ = ["Layout", "StepTime", "step_time", "TIME_TERMS", "GEMM_EFFICIENCY"]
 
-GEMM_EFFICIENCY = 0.817  # of peak for large GEMMs; calibrated: Narayanan et al. 2021 Table 1, 1.7B row
-GEMM_HALF_DIM = 48  # a weight dimension this long halves the efficiency along it
-GEMM_HALF_TOKENS = 512  # as many tokens (rows) halve it: per-kernel fixed costs weigh on small micro-batches
+GEMM_EFFICIENCY = 0.780  # of peak for large GEMMs; calibrated: Narayanan et al. 2021 Table 1, 1.7B row
+GEMM_HALF_DIM = 48  # a GEMM dimension this long halves the efficiency along it (tensor-core tiles)
+LAYER_OVERHEAD_S = 2e-4  # per layer and micro-batch, forward (twice that backward): the ~30 kernels' launch and tails
 ELEMENTWISE_PASSES = 2.0  # bytes moved through HBM per byte of saved activation, forward
 OVERLAP_SLOWDOWN = 0.1  # what overlapped communication still costs, as a share of its time
 LATENCY_S = (10e-6, 25e-6)  # per collective call: inside a node, across nodes
@@ -100,7 +101,7 @@ def _gemm(flops: float, m: float, n: float, k: float, peak: float) -> float:
     """Seconds of a GEMM of ``flops`` FLOPs with dimensions m x n x k at ``peak`` FLOP/s."""
     if flops <= 0:
         return 0.0
-    return flops / (peak * GEMM_EFFICIENCY * m / (m + GEMM_HALF_TOKENS) * _f(max(n, 1)) * _f(max(k, 1)))
+    return flops / (peak * GEMM_EFFICIENCY * _f(m) * _f(max(n, 1)) * _f(max(k, 1)))
 
 
 def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: bool, peak: float, hbm: float,
@@ -137,7 +138,7 @@ def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: boo
                                        act_bytes=act_bytes, expert_tp=lay.etp)
     scores = 0.0 if flash else (2 * act_bytes + 1) * n * tokens * seq / t  # the math kernel's s x s softmax
     core += ELEMENTWISE_PASSES * scores / hbm
-    return time + core + ELEMENTWISE_PASSES * saved / hbm, core
+    return time + core + ELEMENTWISE_PASSES * saved / hbm + LAYER_OVERHEAD_S, core
 
 
 def _exposed(comm: float, window: float) -> float:
