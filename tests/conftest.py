@@ -26,6 +26,7 @@ SLOW_MODULES = {
     "tests/training/test_moe_training.py",
     "tests/training/test_mtp_training.py",
     "tests/training/test_offload.py",
+    "tests/training/test_plan_launch.py",
     "tests/training/test_restart.py",
     "tests/training/test_startup.py",
     "tests/training/test_tools_scale.py",

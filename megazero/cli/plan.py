@@ -78,8 +78,8 @@ def _add_own(add: Callable) -> None:
     add("--top", type=int, default=10, help="plans printed and written to --json")
     add("--json", metavar="PATH", help="write plans and rejected families as JSON")
     add("--rehearse", type=int, default=0, metavar="K",
-        help="rehearse the top K plans (tools/rehearse.py, first and last pipeline stage): predicted against "
-             "measured peak")
+        help="rehearse the top K plans (tools/rehearse.py; the first, the largest and the last pipeline stage): "
+             "predicted against measured peak")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,7 +224,7 @@ def _family_json(f: Family, reason: str) -> dict:
 
 
 def _rehearse(plans: list[Plan], words: list[str], world: int) -> list[dict]:
-    """Each plan's first and last pipeline stage rehearsed: predicted against measured peak (bytes)."""
+    """Each plan's first, largest and last pipeline stage rehearsed: predicted against measured peak (bytes)."""
     from megazero.observe.rehearsal import rehearsal_config, rehearse_rank
 
     rows = []
@@ -233,7 +233,7 @@ def _rehearse(plans: list[Plan], words: list[str], world: int) -> list[dict]:
         config, _ = rehearsal_config(words + layout_args(lay), world, micro_batches=lay.pp * lay.vpp,
                                      parser=build_parser())
         stage = world // lay.pp
-        for pp_rank in dict.fromkeys((0, lay.pp - 1)):
+        for pp_rank in dict.fromkeys((0, p.memory.pipeline.get("worst_stage", 0), lay.pp - 1)):
             report = rehearse_rank(config, pp_rank * stage)
             predicted = p.stage_peak_bytes[pp_rank]
             rows.append(dict(plan=i, stage=pp_rank, rank=pp_rank * stage, predicted_bytes=predicted,
