@@ -14,6 +14,8 @@
 #   TENSORBOARD_DIR [CHECKPOINT_DIR/tensorboard]
 #   TORCHRUN [torchrun on PATH, else .venv/bin/torchrun]   the launcher
 #   DRY_RUN [0]   1: plan memory and traffic per GPU for this world size (tools/estimate_memory.py), no launch
+#   PLAN [0]      1: the fastest layout that fits this world size (tools/plan.py), the recipe's own layout and
+#                 micro-batch left out; GPU [h100-80gb] is the preset it plans for; no launch
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 for arg in "$@"; do
@@ -47,6 +49,17 @@ ARGS=("${MODEL_ARGS[@]}" ${MOE_ARGS[@]+"${MOE_ARGS[@]}"} "${PARALLEL_ARGS[@]}" "
       "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@")
 
 cd "$ROOT"
+if [[ "${PLAN:-0}" == 1 ]]; then
+    PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
+    PLAN_ARGS=()
+    skip=0
+    for arg in "${TRAINING_ARGS[@]}"; do  # the micro-batch is the plan's to choose
+        if (( skip )); then skip=0; elif [[ "$arg" == --micro-batch-size ]]; then skip=1; else PLAN_ARGS+=("$arg"); fi
+    done
+    exec "$PYTHON" tools/plan.py --world-size $((NNODES * GPUS_PER_NODE)) --gpus-per-node "$GPUS_PER_NODE" \
+        --gpu "${GPU:-h100-80gb}" "${MODEL_ARGS[@]}" ${MOE_ARGS[@]+"${MOE_ARGS[@]}"} --bf16 "${PLAN_ARGS[@]}" \
+        "${DATA_ARGS[@]}" "$@"
+fi
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
     exec "$PYTHON" tools/estimate_memory.py --world-size $((NNODES * GPUS_PER_NODE)) "${ARGS[@]}"

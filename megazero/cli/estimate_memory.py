@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
-import sys
 from typing import Callable, Optional, Sequence
 
-from megazero.cli.common import setup_logging, write_output
-from megazero.cli.planning import add_device_memory, plan_config, planning_parser, split_own
+from megazero.cli.common import write_output
+from megazero.cli.planning import add_device_memory, plan_config, planning_parser, split_own, tool_args
 from megazero.model.config import GPTConfig
 from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory, plan_of
 from megazero.training.arguments import describe
@@ -195,13 +194,11 @@ def _not_fitting(config: GPTConfig, plan: dict, est: MemoryEstimate, device_gib:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    setup_logging()
-    if "-h" in words or "--help" in words:
-        build_parser().print_help()
-        return 0
+    parsed = tool_args(argv, build_parser, _add_own)
+    if isinstance(parsed, int):
+        return parsed
+    own, rest = parsed
     try:
-        own, rest = split_own(words, _add_own)
         if own.compare:
             write_output(compare(rest, own.compare, own.world_size))
             return 0

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Callable, Optional, Sequence
 
-from megazero.cli.common import setup_logging, write_output
-from megazero.cli.planning import plan_config, planning_parser, split_own
+from megazero.cli.common import write_output
+from megazero.cli.planning import plan_config, planning_parser, tool_args
 from megazero.training.config import ConfigError
 from megazero.training.startup import estimate_startup, measure_rates
 
@@ -36,13 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    setup_logging()
-    if "-h" in words or "--help" in words:
-        build_parser().print_help()
-        return 0
+    parsed = tool_args(argv, build_parser, _add_own)
+    if isinstance(parsed, int):
+        return parsed
+    own, rest = parsed
     try:
-        own, rest = split_own(words, _add_own)
         if own.world_size is None:
             raise ConfigError("give --world-size (the ranks torchrun would start for this launch)")
         cfg = plan_config(rest, own.world_size, build_parser())

@@ -14,9 +14,10 @@ measures) and for time (megazero/observe/plan_time.py: compute by GEMM size, col
 their group lands, bubble, ZeRO's overlap, the optimizer step). Printed: the fitting plans fastest
 first with their time and memory terms, the launch flags of the best, and why every other (tp, cp,
 pp, ep) family lost. MFU counts the FLOPs a step needs (the causal half of each attention square, no
-recompute), TFLOP/s per GPU Narayanan et al.'s count (the whole square, recompute included). A pipeline whose size does not divide the layers gets Megatron's uneven split
-(lighter first and last stages). Installed: ``megazero-plan``. Exit status: 0 a plan, 1 nothing fits, 2 invalid
-input (a world size no layout divides among them), 3 a rehearsal failed.
+recompute), TFLOP/s per GPU Narayanan et al.'s count (the whole square, recompute included). A
+pipeline whose size does not divide the layers gets Megatron's uneven split (lighter first and last
+stages). Installed: ``megazero-plan``. Exit status: 0 a plan, 1 nothing fits, 2 invalid input (a world
+size no layout divides among them), 3 a rehearsal failed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 import logging
 import os
 import shlex
-import sys
 import time
 from dataclasses import replace
 from typing import Callable, Optional, Sequence
@@ -34,8 +34,8 @@ from typing import Callable, Optional, Sequence
 # A rehearsal's fake process groups warn once per group as they are destroyed (see tools/rehearse.py).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from megazero.cli.common import setup_logging, write_output  # noqa: E402
-from megazero.cli.planning import plan_config, planning_parser, split_own  # noqa: E402
+from megazero.cli.common import write_output  # noqa: E402
+from megazero.cli.planning import plan_config, planning_parser, tool_args  # noqa: E402
 from megazero.observe.plan_devices import DEVICES, Cluster, device_preset  # noqa: E402
 from megazero.observe.plan_search import (MEMORY_TERMS,  # noqa: E402
                                           Family, Plan, Restrictions, SearchResult, describe_layout,
@@ -274,13 +274,11 @@ def _nothing_fits(result: SearchResult, config: TrainConfig, base: dict, cluster
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    setup_logging()
-    if "-h" in words or "--help" in words:
-        build_parser().print_help()
-        return 0
+    parsed = tool_args(argv, build_parser, _add_own)
+    if isinstance(parsed, int):
+        return parsed
+    own, rest = parsed
     try:
-        own, rest = split_own(words, _add_own)
         cluster = _cluster(own)
         rest, fixed = _fixed(rest)
         restrictions = _restrictions(own, fixed)
@@ -299,7 +297,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     peak = cluster.device.peak(config.precision.dtype)
     d = cluster.device
     write_output(f"{cluster.world} x {d.name} ({cluster.gpus_per_node} per node; {d.memory_gib:g} GiB, "
-                 f"{d.peak_tflops[config.precision.dtype]:g} TFLOP/s {config.precision.dtype}, HBM {d.hbm_gbps:g} GB/s, "
+                 f"{d.peak_tflops[config.precision.dtype]:g} TFLOP/s {config.precision.dtype}, "
+                 f"HBM {d.hbm_gbps:g} GB/s, "
                  f"NVLink {d.intra_node_gbps:g} GB/s, network {d.inter_node_gbps:g} GB/s per GPU); "
                  f"{result.evaluated} layouts planned in {time.perf_counter() - t0:.1f} s, {len(result.plans)} fit in "
                  f"{cluster.usable_bytes / GiB:.1f} GiB (GEMM efficiency {GEMM_EFFICIENCY:g}: Narayanan et al. 2021, "

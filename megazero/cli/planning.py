@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Callable, NoReturn, Sequence
+import sys
+from typing import Callable, NoReturn, Optional, Sequence, Union
 
-from megazero.cli.common import HelpFormatter
+from megazero.cli.common import HelpFormatter, setup_logging
 from megazero.training.arguments import build_parser as pretrain_parser
 from megazero.training.arguments import parse_args
 from megazero.training.config import ConfigError, TrainConfig
 
-__all__ = ["DEVICE_MEMORY_GIB", "add_device_memory", "planning_parser", "split_own", "plan_config"]
+__all__ = ["DEVICE_MEMORY_GIB", "add_device_memory", "planning_parser", "split_own", "plan_config", "tool_args"]
 
 log = logging.getLogger(__name__)
 
@@ -59,3 +60,21 @@ def plan_config(words: Sequence[str], world_size: int, parser: argparse.Argument
     """pretrain_gpt.py's ``words`` for ``world_size`` ranks, as it would resolve them, for a plan."""
     return parse_args(list(words), world_size, check_files=False, planning=True, parser=parser)
 
+
+
+
+def tool_args(argv: Optional[Sequence[str]], build_parser: Callable[[], argparse.ArgumentParser],
+              add_own: Callable[[Callable], None]) -> Union[int, tuple[argparse.Namespace, list[str]]]:
+    """A planning tool's command line (``argv``, else ``sys.argv[1:]``), its logging set up: (its own flags,
+    pretrain_gpt.py's words), or the exit status when there is nothing more to do (0 once ``--help`` has
+    printed the help, 2 after one line on a bad flag of its own)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    if "-h" in words or "--help" in words:
+        build_parser().print_help()
+        return 0
+    try:
+        return split_own(words, add_own)
+    except ConfigError as e:
+        log.error("error: %s", e)
+        return 2

@@ -222,7 +222,8 @@ def evaluate(config: GPTConfig, lay: Layout, cluster: Cluster, base: dict, *, gl
     model = _model_at(config, lay.tp)
     m = global_batch_size // (lay.micro_batch_size * lay.dp)
     kw = dict(base, tp=lay.tp, dp=lay.dp, pp=lay.pp, context_parallel=lay.cp, expert_parallel=lay.ep,
-              expert_tensor_parallel=lay.etp or lay.tp, zero_stage=lay.zero_stage, sequence_parallel=lay.sequence_parallel,
+              expert_tensor_parallel=lay.etp or lay.tp, zero_stage=lay.zero_stage,
+              sequence_parallel=lay.sequence_parallel,
               recompute=lay.recompute, micro_batch_size=lay.micro_batch_size, virtual_pp=lay.vpp, num_microbatches=m,
               global_batch_size=global_batch_size, first_stage_layers=lay.first_stage_layers,
               last_stage_layers=lay.last_stage_layers,
@@ -234,7 +235,8 @@ def evaluate(config: GPTConfig, lay: Layout, cluster: Cluster, base: dict, *, gl
                   flash_attn=base.get("flash_attn", True), optimizer=optimizer,
                   cp_comm_type=cp_type if isinstance(cp_type, str) else cp_type[0])
     full = lay.recompute == "full"
-    return Plan(layout=lay, memory=est, time=t, flops=flops_per_iteration(model, global_batch_size, recompute_full=full),
+    return Plan(layout=lay, memory=est, time=t,
+                flops=flops_per_iteration(model, global_batch_size, recompute_full=full),
                 model_flops=causal_flops(model, global_batch_size), fits=est.fits(cluster.device.memory_gib),
                 usable=cluster.usable_bytes, host=cluster.device.host_memory_gib * GiB)
 

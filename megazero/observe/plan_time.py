@@ -6,10 +6,10 @@ Per pipeline stage and micro-batch (the slowest stage sets the pace):
   depths. Each GEMM class (attention projections, attention core, dense MLP, routed experts, logits) runs
   at ``GEMM_EFFICIENCY`` x peak, reduced along each of its three dimensions d by ``d / (d + GEMM_HALF_DIM)``
   (small GEMMs fill the tensor cores worse); flash-style attention computes the causal half of the square,
-  the math kernel the whole of it. Each layer adds ``LAYER_OVERHEAD_S`` per micro-batch in forward (twice in
-  backward) for its kernels' launches and tails, which weigh on small micro-batches. Memory-bound work (norms, activations, dropout, softmax, the loss) moves
-  ``ELEMENTWISE_PASSES`` x the bytes a layer keeps for backward (the planner's activation formula) through
-  HBM, twice that in backward.
+  the math kernel the whole of it. Each layer adds ``LAYER_OVERHEAD_S`` per micro-batch in forward (twice
+  in backward) for its kernels' launches and tails, which weigh on small micro-batches. Memory-bound work
+  (norms, activations, dropout, softmax, the loss) moves ``ELEMENTWISE_PASSES`` x the bytes a layer keeps
+  for backward (the planner's activation formula) through HBM, twice that in backward.
 - **recompute**: full recompute runs each layer's forward again, selective the attention core.
 - **tp** / **ep**: the tensor-parallel collectives and the experts' all-to-alls are on the critical path
   (megazero does not overlap them); **cp**: the ring's exchange hides behind the attention core's compute
@@ -242,8 +242,9 @@ def step_time(config: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstim
     stages = est.pipeline["stages"] if est.pipeline else [dict(
         layers=c.num_layers, moe_layers=moe_layers(c), traffic=est.traffic, params=est.params_per_rank,
         expert_params=experts)]
-    kw = dict(tokens=lay.micro_batch_size * c.seq_length // lay.cp, seq=c.seq_length, peak=cluster.device.peak(precision),
-              hbm=cluster.device.hbm_gbps * 1e9, flash=flash_attn, act_bytes=DTYPE_BYTES[precision])
+    kw = dict(tokens=lay.micro_batch_size * c.seq_length // lay.cp, seq=c.seq_length,
+              peak=cluster.device.peak(precision), hbm=cluster.device.hbm_gbps * 1e9, flash=flash_attn,
+              act_bytes=DTYPE_BYTES[precision])
     layer = dict(zip(("dense", "dense_core"), _layer_forward(c, lay, moe=False, **kw)), ring=cp_comm_type == "p2p")
     layer.update(zip(("moe", "moe_core"), _layer_forward(c, lay, moe=True, **kw) if moe_layers(c) else (0.0, 0.0)))
     per, seen = [], {}

@@ -5,6 +5,7 @@ synthetic tokens."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -18,8 +19,8 @@ from tests.launch import ROOT, in_pool
 
 RECIPES = os.path.join(ROOT, "examples", "recipes")
 # The environment the recipes read: a value left in the caller's environment would change the launch.
-SETTINGS = {"CHECKPOINT_DIR", "CP", "DATA_PATH", "DRY_RUN", "EP", "GLOBAL_BATCH", "GPUS_PER_NODE", "MASTER_ADDR",
-            "MASTER_PORT", "MICRO_BATCH", "NNODES", "NODE_RANK", "PP", "SEQ_LENGTH", "TENSORBOARD_DIR",
+SETTINGS = {"CHECKPOINT_DIR", "CP", "DATA_PATH", "DRY_RUN", "EP", "GLOBAL_BATCH", "GPU", "GPUS_PER_NODE", "MASTER_ADDR",
+            "MASTER_PORT", "MICRO_BATCH", "NNODES", "NODE_RANK", "PLAN", "PP", "SEQ_LENGTH", "TENSORBOARD_DIR",
             "TOKENIZER_MODEL", "TORCHRUN", "TP", "TRAIN_ITERS", "ZERO_STAGE"}
 
 
@@ -136,6 +137,23 @@ def test_deepseek_v3_moe_dry_run_plans_its_uneven_stages():
     largest = re.search(r"largest stage: (\d+) \((\d+) layers", out)
     assert largest and largest.groups() == ("15", "2"), out[-3000:]
     assert re.search(r"GPU memory 80 GiB: (fits|does NOT fit)", out)
+
+
+def test_plan_picks_a_layout_for_a_recipe_model(tmp_path):
+    """PLAN=1 through the script: tools/plan.py searches the recipe's model at the world size, the recipe's own
+    layout and micro-batch left out; its chosen launch parses at that world size."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(["bash", os.path.join(RECIPES, "llama3_8b.sh"), "--json", str(out), "--top", "3"],
+                          env={**env, "PLAN": "1", "NNODES": "8", "GPU": "h200"}, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "64 x h200" in proc.stdout and "chosen:" in proc.stdout
+    best = json.loads(out.read_text())["plans"][0]
+    config = parse_args(best["args"], 64, check_files=False, planning=True)
+    assert (config.parallel.tp, config.parallel.pp, config.schedule.micro_batch_size) == \
+        (best["tp"], best["pp"], best["micro_batch_size"])
+    assert config.model.num_layers == 32 and config.model.ffn_size == 14336  # the recipe's model
 
 
 def test_a_recipe_with_data_passes_its_tokenizer(tmp_path):
