@@ -33,7 +33,8 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
       attention scores (dropped by selective recompute / flash attention): softmax
         output, its dropout mask and output: a s^2 b (2e + 1) = 5 a s^2 b, sharded by TP.
     Mixture-of-experts layers (averaged over the layers): the k experts' MLP activations per token in
-    place of the dense MLP's (sharded by TP), the dispatched and combined token copies ``2 e k s b h``,
+    place of the dense MLP's (sharded by TP), the shared expert's (sharded by TP; under SP with an expert
+    TP other than TP, beside its gathered input), the dispatched and combined token copies ``2 e k s b h``,
     the router's fp32 input and its logits and probabilities (whole on every TP rank). With an expert
     tensor-parallel size ``expert_tp`` other than ``tp`` each rank routes its own s b / tp tokens and
     holds their copies once per etp rank of their experts (the experts' own activations are the same);
@@ -68,10 +69,14 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
         share, k, fm = moe_layers(c) / c.num_layers, c.moe_router_topk, c.moe_ffn_size
         # padded to capacity, every expert gets capacity rows: the copies times the factor
         pad = c.moe_expert_capacity_factor if c.moe_pad_expert_input_to_capacity else 1.0
-        sharded += share * e * s * b * (k * pad * (2 * gate * fm if gate == 2 else 2 * fm) - mlp)
+        shared = c.moe_shared_expert_intermediate_size or 0  # the shared expert: every token, sharded over TP
+        expert_mlp = (2 * gate * fm if gate == 2 else 2 * fm)
+        sharded += share * e * s * b * (k * pad * expert_mlp + expert_mlp * shared / fm - mlp)
         own = expert_tp is not None and expert_tp != t  # own tokens: s b / tp of them, sent to etp ranks each
         tokens, copies = (s * b / t, s * b * expert_tp / t * pad) if own else (s * b, s * b * pad)
         whole = share * (2 * e * k * copies * h + 4 * tokens * h + 3 * 4 * tokens * c.num_experts)
+        if own and shared and sequence_parallel:  # the shared expert's input: the TP group's tokens, gathered
+            whole += share * e * s * b * h
     return replicated / (t if sequence_parallel else 1) + (sharded + scores) / t + whole
 
 
