@@ -250,7 +250,7 @@ def _nothing_fits(result: SearchResult, config: TrainConfig, base: dict, cluster
     if result.closest is None:
         reasons = sorted({f.invalid for f in result.families if f.invalid})
         return (f"no layout of {cluster.world} GPUs runs this model: " + "; ".join(reasons[:3])
-                + ("; ..." if len(reasons) > 3 else "") + ". Choose a --world-size these divide")
+                + ("; ..." if len(reasons) > 3 else "") + ". Change --world-size, or the sizes the flags fix")
     p = result.closest
     kw = dict(global_batch_size=config.schedule.global_batch_size, precision=config.precision.dtype,
               optimizer=config.optim.type.lower(), restrictions=restrictions)

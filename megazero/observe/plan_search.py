@@ -247,7 +247,7 @@ def _layouts(key: tuple, config: GPTConfig, cluster: Cluster, r: Restrictions, g
     tp, cp, pp, ep, etp = key
     dp = cluster.world // (tp * cp * pp)
     per_rank = gbs // dp
-    mbs = [r.micro_batch_size] if r.micro_batch_size else [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH]
+    mbs = [b for b in _divisors(per_rank) if (b == r.micro_batch_size if r.micro_batch_size else b <= MAX_MICRO_BATCH)]
     per_stage = config.num_layers // pp
     ends = uneven_split(config.num_layers, pp) if config.num_layers % pp else None
     vpps = [r.vpp] if r.vpp else ([1] + [v for v in _divisors(per_stage) if v > 1]) if pp > 1 and not ends else [1]
@@ -284,7 +284,13 @@ def search(config: GPTConfig, cluster: Cluster, base: dict, *, global_batch_size
         families.append(fam)
         if why:
             continue
-        for seq in _layouts(key, config, cluster, r, gbs, base.get("flash_attn", True)):
+        layouts = list(_layouts(key, config, cluster, r, gbs, base.get("flash_attn", True)))
+        if not layouts:
+            per_rank = gbs // (cluster.world // (key[0] * key[1] * key[2]))
+            fam.invalid = (f"no micro-batch size{f' {r.micro_batch_size}' if r.micro_batch_size else ''} splits each "
+                           f"data-parallel rank's {per_rank} sequences as the schedule needs")
+            continue
+        for seq in layouts:
             for lay in seq:
                 plan = evaluate(config, lay, cluster, base, **kw)
                 evaluated += 1

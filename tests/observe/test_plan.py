@@ -197,6 +197,8 @@ def _errors(capsys) -> list[str]:
     (["--world-size", "13", "--model-preset", "gpt-13b", "--global-batch-size", "8"], 2,
      "no layout of 13 GPUs runs this model"),
     (["--world-size", "8", "--model-preset", "gpt-13b"], 2, "give --global-batch-size"),
+    (["--world-size", "8", "--model-preset", "gpt-13b", "--global-batch-size", "16", "--micro-batch-size", "3"], 2,
+     "no micro-batch size 3 splits each data-parallel rank's"),
     (["--model-preset", "gpt-13b", "--global-batch-size", "8"], 2, "give --world-size"),
     (["--world-size", "8", "--model-preset", "gpt-13b", "--global-batch-size", "8", "--optimizer-cpu-offload"], 2,
      "the planner offloads where nothing fits"),
