@@ -2,10 +2,12 @@
 a launch could use, each planned for memory (:func:`.planner.estimate_memory`, per pipeline stage) and
 time (:mod:`.plan_time`), the fitting ones ranked fastest first, the others explained by family.
 
-Pruning never drops a candidate that could win: sizes must divide what they split (the world, the layers,
-the heads, the experts, the global batch), TP stays within a node unless fixed, each context-parallel
-rank keeps at least ``MIN_CP_TOKENS`` tokens, and micro-batches grow only while they fit (memory grows
-with the micro-batch). Optimizer offload is tried only for candidates that do not fit without it.
+Two priors bound the search: TP stays within a node unless fixed, and each context-parallel rank keeps at
+least ``MIN_CP_TOKENS`` tokens. Beyond them no candidate that could win is dropped: sizes must divide what
+they split (the world, the layers, the heads, the experts, the global batch), selective recompute is left
+out where the attention kernel holds no s x s scores (it would save nothing and cost time), micro-batches
+grow only while they fit (memory grows with the micro-batch), and optimizer offload is tried only for
+candidates that do not fit without it.
 """
 
 from __future__ import annotations
