@@ -30,7 +30,8 @@ from .config import GPTConfig
 
 __all__ = ["num_parameters", "expert_parameters", "mlp_parameters", "attention_parameters", "mtp_parameters",
            "replicated_parameters",
-           "active_parameters", "moe_layers", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token"]
+           "active_parameters", "moe_layers", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token",
+           "attention_matrices", "attention_square_flops_per_token"]
 
 
 def moe_layers(c: GPTConfig) -> int:
@@ -176,22 +177,38 @@ def num_parameters(model_or_config: Union[torch.nn.Module, GPTConfig], *, local:
                for p in model_or_config.parameters())
 
 
+def attention_matrices(c: GPTConfig) -> list[tuple[int, int]]:
+    """The weight matrices of one layer's attention as ``(rows, columns)``, whole (before TP), Q, K and V
+    apart: standard ``[n d, h]``, ``[g d, h]`` twice and the projection ``[h, n v]``; multi-latent
+    attention the query projection ``[n (qk + rope), h]`` (or its up-projection from ``q_lora`` and the
+    down-projection ``[q_lora, h]``), the key/value down-projection ``[kv_lora + rope, h]``, its
+    up-projection ``[n (qk + v), kv_lora]`` and the projection ``[h, n v]``. Their sizes are the
+    attention's multiply-adds per token outside the s x s square."""
+    h, n = c.hidden_size, c.num_attention_heads
+    out = (h, n * c.v_dim)
+    if not c.multi_latent_attention:
+        d, g = c.head_dim, c.query_groups
+        return [(n * d, h), (g * d, h), (g * d, h), out]
+    q_out = n * (c.qk_head_dim + c.qk_pos_emb_head_dim)
+    queries = [(q_out, h)] if c.q_lora_rank is None else [(q_out, c.q_lora_rank), (c.q_lora_rank, h)]
+    return queries + [(c.kv_lora_rank + c.qk_pos_emb_head_dim, h),
+                      (n * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), out]
+
+
+def attention_square_flops_per_token(c: GPTConfig, seq_length: Optional[int] = None) -> int:
+    """Forward FLOPs of the attention's scores at ``qk_dim`` and context at ``v_dim`` for one token over the
+    whole s x s square (a causal kernel computes half of it)."""
+    return 2 * (seq_length or c.seq_length) * c.num_attention_heads * (c.qk_dim + c.v_dim)
+
+
 def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None) -> int:
     """Forward matmul FLOPs of one (dense) transformer layer for one token of a length-``seq_length``
-    sequence: the attention's projections, the scores at ``qk_dim`` and the context at ``v_dim`` over the
+    sequence: the attention's matrices, the scores at ``qk_dim`` and the context at ``v_dim`` over the
     whole s x s square, and the dense MLP."""
     c = config
-    s = seq_length or c.seq_length
-    h, n, f = c.hidden_size, c.num_attention_heads, c.ffn_size
+    h, f = c.hidden_size, c.ffn_size
     gate = 2 if c.activation == "swiglu" else 1
-    if c.multi_latent_attention:
-        qk, rope, kv_lora = c.qk_head_dim, c.qk_pos_emb_head_dim, c.kv_lora_rank
-        q = n * (qk + rope) * (h if c.q_lora_rank is None else c.q_lora_rank)
-        q += h * c.q_lora_rank if c.q_lora_rank is not None else 0
-        projections = q + h * (kv_lora + rope) + kv_lora * n * (qk + c.v_head_dim)
-    else:
-        projections = h * (n + 2 * c.query_groups) * c.head_dim
-    attention = 2 * projections + 2 * s * n * (c.qk_dim + c.v_dim) + 2 * n * c.v_dim * h
+    attention = 2 * sum(r * k for r, k in attention_matrices(c)) + attention_square_flops_per_token(c, seq_length)
     return attention + 2 * h * gate * f + 2 * f * h
 
 

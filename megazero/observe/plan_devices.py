@@ -104,17 +104,18 @@ class Cluster:
             raise ValueError(f"--memory-reserve-gb {self.reserve_gib:g} must be >= 0 and below the device's "
                              f"{self.device.memory_gib:g} GiB")
 
-    def bandwidth(self, kind: str, *, tp: int, pp: int, cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> float:
-        """Bytes per second a rank moves in the layout's ``kind`` group (tp, cp, dp, dp_cp, pp, ep, edp,
-        expert): the node's bandwidth if every such group lies within a node, else the network's."""
+    def crosses_nodes(self, kind: str, *, tp: int, pp: int, cp: int = 1, ep: int = 1,
+                      etp: Optional[int] = None) -> bool:
+        """Whether some group of the layout's ``kind`` (tp, cp, dp, dp_cp, pp, ep, edp, expert) spans more
+        than one node."""
         etp = tp if etp is None else etp
         spans = _spans(self.world, self.gpus_per_node, tp, pp, cp, ep, etp)
-        if kind not in spans:  # ep over data x context (etp = tp): its groups are the edp-like lines
+        if kind not in spans:  # no such group of its own: ep and edp run over data (x context) parallel
             kind = {"ep": "dp_cp" if cp > 1 else "dp", "edp": "dp_cp" if cp > 1 else "dp", "cp": "tp"}.get(kind, kind)
-        gbps = self.device.inter_node_gbps if spans.get(kind, False) else self.device.intra_node_gbps
-        return gbps * 1e9
+        return spans.get(kind, False)
 
-    def crosses_nodes(self, kind: str, **layout) -> bool:
-        """Whether the layout's ``kind`` groups leave the node (what the table prints)."""
-        return self.bandwidth(kind, **layout) == self.device.inter_node_gbps * 1e9 and \
-            self.device.inter_node_gbps != self.device.intra_node_gbps
+    def bandwidth(self, kind: str, **layout) -> float:
+        """Bytes per second a rank moves in the layout's ``kind`` group: the node's bandwidth if every such
+        group lies within a node, else the network's."""
+        d = self.device
+        return (d.inter_node_gbps if self.crosses_nodes(kind, **layout) else d.intra_node_gbps) * 1e9

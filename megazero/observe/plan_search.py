@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import flops_per_iteration, moe_layers
+from megazero.model.flops import attention_square_flops_per_token, flops_per_iteration, moe_layers
 from megazero.observe.plan_devices import Cluster
 from megazero.observe.plan_time import TIME_TERMS, Layout, StepTime, step_time
 from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory
@@ -58,6 +58,7 @@ class Plan:
     model_flops: float  # without recompute, the attention's causal half only (what MFU counts)
     fits: bool  # the peak with NCCL's estimate within the device's memory (what tools/rehearse.py checks)
     usable: float  # bytes a plan may use: the device's less the cluster's reserve
+    host: float = float("inf")  # host bytes per GPU offloaded state may use
 
     @property
     def step_time_s(self) -> float:
@@ -86,8 +87,6 @@ class Plan:
             return [float(e.total)]
         return [float(sum(s["states"]) + e.buffers + max(s["activations"] + s["embedding_stash"] + e.grad_buckets,
                                                          s["embedding_sync"])) for s in st]
-
-    host: float = float("inf")  # host bytes per GPU offloaded state may use
 
     @property
     def shortfall(self) -> float:
@@ -158,8 +157,8 @@ def causal_flops(config: GPTConfig, global_batch_size: int) -> float:
     """Training FLOPs of a step without recompute, counting only the causal half of each attention square
     (Narayanan et al.'s count, :func:`~megazero.model.flops.flops_per_iteration`, has all of it)."""
     c, s = config, config.seq_length
-    square = 2 * s * c.num_attention_heads * (c.qk_dim + c.v_dim)  # per token and layer, forward
     layers = c.num_layers + (c.mtp_num_layers or 0)
+    square = attention_square_flops_per_token(c)  # per token and layer, forward
     return flops_per_iteration(c, global_batch_size) - 3 * global_batch_size * s * layers * square / 2
 
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import _mtp_flops_per_token, expert_parameters, moe_layers
+from megazero.model.flops import (_mtp_flops_per_token, attention_matrices, attention_square_flops_per_token,
+                                  expert_parameters, moe_layers)
 from megazero.observe.plan_devices import Cluster
 from megazero.observe.planner import MemoryEstimate
 from megazero.observe.planner_activations import activation_bytes_per_layer
@@ -110,16 +111,10 @@ def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: boo
     sequences ``seq`` long (the whole sequence: CP splits the tokens, not the keys)."""
     h, n, t = c.hidden_size, c.num_attention_heads, lay.tp
     gate = 2 if c.activation == "swiglu" else 1
-    if c.multi_latent_attention:
-        q_in = h if c.q_lora_rank is None else c.q_lora_rank
-        proj = n * (c.qk_head_dim + c.qk_pos_emb_head_dim) * q_in + (h * c.q_lora_rank if c.q_lora_rank else 0)
-        proj += h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * n * (c.qk_head_dim + c.v_head_dim)
-        proj += n * c.v_head_dim * h
-    else:
-        proj = h * (n + 2 * c.query_groups) * c.head_dim + n * c.head_dim * h
+    proj = sum(r * k for r, k in attention_matrices(c))
     time = _gemm(2 * tokens * proj / t, tokens, proj / h / t, h, peak)
     # attention core: q k^T and p v per head over the s x s square (flash: the causal half)
-    square = 2 * tokens * seq * n * (c.qk_dim + c.v_dim) / t
+    square = tokens * attention_square_flops_per_token(c, seq) / t
     core = _gemm(square / 2 if flash else square, seq, seq, min(c.qk_dim, c.v_dim), peak)
     if moe:
         fm, k, experts = c.moe_ffn_size, c.moe_router_topk, c.num_experts
@@ -146,22 +141,20 @@ def _exposed(comm: float, window: float) -> float:
     return max(comm - window, 0.0) + OVERLAP_SLOWDOWN * min(comm, window)
 
 
-def _latency(cluster: Cluster, kind: str, lay: Layout) -> float:
-    inter = cluster.crosses_nodes(kind, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp)
-    return LATENCY_S[1] if inter else LATENCY_S[0]
-
-
 def _comm(cluster: Cluster, kind: str, lay: Layout, sent: float, calls: float) -> float:
+    """Seconds to send ``sent`` bytes in ``calls`` collectives over the layout's ``kind`` groups."""
     if sent <= 0:
         return 0.0
-    bw = cluster.bandwidth(kind, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp)
-    return sent / bw + calls * _latency(cluster, kind, lay)
+    inter = cluster.crosses_nodes(kind, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp)
+    gbps = cluster.device.inter_node_gbps if inter else cluster.device.intra_node_gbps
+    return sent / (gbps * 1e9) + calls * LATENCY_S[inter]
 
 
 def _stage(c: GPTConfig, lay: Layout, cluster: Cluster, st: dict, layer: dict, *, first: bool, last: bool, m: int,
-           precision: str) -> dict:
+           precision: str, ring: bool) -> dict:
     """One stage's per-micro-batch seconds: fwd, bwd, recompute, tp, cp, ep (``st``: the planner's stage;
-    ``layer``: forward seconds of a dense and a mixture layer and of their attention cores)."""
+    ``layer``: forward seconds of a dense and a mixture layer and of their attention cores; ``ring``: the
+    context-parallel exchange is the ring, which overlaps the attention core)."""
     peak, hbm = cluster.device.peak(precision), cluster.device.hbm_gbps * 1e9
     e = DTYPE_BYTES[precision]
     tokens = lay.micro_batch_size * c.seq_length // lay.cp
@@ -179,7 +172,7 @@ def _stage(c: GPTConfig, lay: Layout, cluster: Cluster, st: dict, layer: dict, *
     calls = 6 if lay.recompute == "full" else 4  # collectives per layer and micro-batch (with recompute's)
     tp = _comm(cluster, "tp", lay, traffic["tp"] / m, calls * (n + c.mtp_num_layers * last) + 2 * (first + last))
     cp = _comm(cluster, "cp", lay, traffic["cp"] / m, 2 * n * max(lay.cp - 1, 1))
-    if layer["ring"]:
+    if ring:
         cp = _exposed(cp, 3 * cores)
     ep = _comm(cluster, "ep", lay, traffic["ep"] / m, calls * n_moe)
     return dict(fwd=fwd, bwd=2 * fwd, recompute=recompute, tp=tp, cp=cp, ep=ep)
@@ -188,18 +181,10 @@ def _stage(c: GPTConfig, lay: Layout, cluster: Cluster, st: dict, layer: dict, *
 def _matrices(c: GPTConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(a layer's attention and dense MLP matrices, one routed expert's), whole (before TP), as Muon
     orthogonalizes them (Q, K and V apart)."""
-    h, n, gate = c.hidden_size, c.num_attention_heads, 2 if c.activation == "swiglu" else 1
-    if c.multi_latent_attention:
-        q_in = h if c.q_lora_rank is None else c.q_lora_rank
-        attention = [(n * (c.qk_head_dim + c.qk_pos_emb_head_dim), q_in), (c.kv_lora_rank + c.qk_pos_emb_head_dim, h),
-                     (n * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), (h, n * c.v_head_dim)]
-        attention += [(c.q_lora_rank, h)] if c.q_lora_rank else []
-    else:
-        d, g = c.head_dim, c.query_groups
-        attention = [(n * d, h), (g * d, h), (g * d, h), (h, n * d)]
+    h, gate = c.hidden_size, 2 if c.activation == "swiglu" else 1
     mlp = [(gate * c.ffn_size, h), (h, c.ffn_size)]
     expert = [(gate * c.moe_ffn_size, h), (h, c.moe_ffn_size)] if c.num_experts else []
-    return attention + mlp, expert
+    return attention_matrices(c) + mlp, expert
 
 
 def _optimizer(c: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstimate, stage: dict, optimizer: str,
@@ -245,13 +230,14 @@ def step_time(config: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstim
     kw = dict(tokens=lay.micro_batch_size * c.seq_length // lay.cp, seq=c.seq_length,
               peak=cluster.device.peak(precision), hbm=cluster.device.hbm_gbps * 1e9, flash=flash_attn,
               act_bytes=DTYPE_BYTES[precision])
-    layer = dict(zip(("dense", "dense_core"), _layer_forward(c, lay, moe=False, **kw)), ring=cp_comm_type == "p2p")
+    layer = dict(zip(("dense", "dense_core"), _layer_forward(c, lay, moe=False, **kw)))
     layer.update(zip(("moe", "moe_core"), _layer_forward(c, lay, moe=True, **kw) if moe_layers(c) else (0.0, 0.0)))
     per, seen = [], {}
     for r, st in enumerate(stages):  # stages alike in layers, ends and bytes sent cost alike
         key = (st["layers"], st["moe_layers"], r == 0, r == len(stages) - 1, tuple(sorted(st["traffic"].items())))
         if key not in seen:
-            seen[key] = _stage(c, lay, cluster, st, layer, first=key[2], last=key[3], m=m, precision=precision)
+            seen[key] = _stage(c, lay, cluster, st, layer, first=key[2], last=key[3], m=m, precision=precision,
+                               ring=cp_comm_type == "p2p")
         per.append(seen[key])
     busy = [sum(p.values()) for p in per]
     slow = max(range(len(per)), key=busy.__getitem__)
