@@ -1,6 +1,6 @@
 """tools/plan.py as a user runs it: its plans rehearsed within 10 % of their predicted peak on every
-rehearsed stage, and the flags of its best plan (pp 1 and pp 2) launched through pretrain_gpt.py train
-like the one-process run of the same command."""
+rehearsed stage, and the flags of its best plan (pp 1 and 2, cp 2, ep 2 at pp 2) launched through
+pretrain_gpt.py train like the one-process run of the same command."""
 
 from __future__ import annotations
 
@@ -51,18 +51,33 @@ def _without(words: list[str], name: str) -> list[str]:
     return words[:i] + words[i + 2:]
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_the_best_plan_launches_and_trains_like_one_process(data, tmp_path, pp):
-    """The plan's ``args`` (pretrain_gpt.py's flags) on 4 gloo ranks against the same flags in one process."""
-    model = _without(flags(data), "--micro-batch-size")
-    doc, _ = _plan(tmp_path, f"pp{pp}", "--world-size", "4", "--gpus-per-node", "4", "--gpu", "h100-80gb",
-                   "--pp", str(pp), *model)
+# a mixture of experts as tests/training/test_moe_training.py trains it
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--disable-bias-linear",
+       "--swiglu", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-layer-freq", "2"]
+
+
+@pytest.mark.parametrize("name,world,layers,fixed,model_extra", [
+    ("pp1", 4, 4, ["--pp", "1"], []),
+    ("pp2", 4, 4, ["--pp", "2"], []),
+    ("cp2", 4, 4, ["--cp", "2"], []),  # a fixed context-parallel size (the search's prior would not split 16 tokens)
+    ("ep2_pp2", 4, 4, ["--ep", "2", "--pp", "2"], MOE),
+    ("pp3_uneven", 3, 5, ["--pp", "3"], []),  # 5 layers over 3 stages: Megatron's lighter end stages
+])
+def test_the_best_plan_launches_and_trains_like_one_process(data, tmp_path, name, world, layers, fixed, model_extra):
+    """The plan's ``args`` (pretrain_gpt.py's flags) on gloo ranks against the same flags in one process."""
+    model = _without(flags(data, *model_extra, layers=layers), "--micro-batch-size")
+    doc, _ = _plan(tmp_path, name, "--world-size", str(world), "--gpus-per-node", "4", "--gpu", "h100-80gb", *fixed,
+                   *model)
     best = doc["plans"][0]
-    assert best["pp"] == pp and best["dp"] * best["tp"] * best["cp"] * best["pp"] == 4
+    for flag, value in zip(fixed[::2], fixed[1::2]):
+        assert best[flag.lstrip("-")] == int(value), (flag, best)
+    assert best["dp"] * best["tp"] * best["cp"] * best["pp"] == world
     args = best["args"]
     assert args[:len(model)] == model  # the user's flags, then the layout's
-    got = launch(4, args, tmp_path, f"plan_pp{pp}")
-    ref = launch(1, model + ["--micro-batch-size", str(best["micro_batch_size"])], tmp_path, f"one_pp{pp}")
+    if layers % best["pp"]:
+        assert "--decoder-first-pipeline-num-layers" in args and "--decoder-last-pipeline-num-layers" in args
+    got = launch(world, args, tmp_path, f"plan_{name}")
+    ref = launch(1, model + ["--micro-batch-size", str(best["micro_batch_size"])], tmp_path, f"one_{name}")
     assert got and set(got) == set(ref)
-    assert_same_run(got, ref, what=f"the planned layout {best['tp']}x{best['pp']}x{best['dp']}, "
-                                   f"ZeRO-{best['zero_stage']}")
+    assert_same_run(got, ref, what=f"the planned layout tp {best['tp']} cp {best['cp']} pp {best['pp']} "
+                                   f"ep {best['ep']} dp {best['dp']}, ZeRO-{best['zero_stage']}")
