@@ -212,7 +212,7 @@ def test_bad_input_is_one_line(capsys, argv, rc, says):
 
 
 def test_a_model_that_fits_nowhere_is_told_what_would_fit(capsys):
-    argv = ["--world-size", "8", "--gpu", "a100-80gb", "--model-preset", "gpt-175b", "--global-batch-size", "64",
+    argv = ["--world-size", "1", "--gpu", "a100-80gb", "--model-preset", "gpt-13b", "--global-batch-size", "8",
             "--bf16", "--no-offload"]
     assert plan_cli.main(argv) == 1
     lines = _errors(capsys)
