@@ -57,6 +57,12 @@ SLOW_TESTS = {
 }
 
 
+def pytest_configure(config) -> None:
+    # pyproject's addopts already says -q: one more (pytest -q, scripts/test.sh --quick -q) would make it -qq,
+    # which drops the count of passed and failed tests. Quieter than -q gains nothing worth losing that.
+    config.option.verbose = max(config.option.verbose, -1)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         module, _, name = item.nodeid.partition("::")
