@@ -3,10 +3,13 @@
     python tools/plot_metrics.py checkpoints/run/metrics.jsonl --output curves.png
 
 Installed: ``megazero-plot-metrics``. Subplots against iteration: loss (train ``lm_loss``
-and eval ``eval_lm_loss``), learning rate, tokens/s, under a title (``--title``, default the
-file's path), with a dashed line where a later process resumed the run (see ``resumes``).
-Records missing a key are skipped for that curve, so a run that logged no eval simply has no
-eval line. Needs matplotlib (Agg backend, no display).
+and eval ``eval_lm_loss``), learning rate, tokens/s, and where the run has them the multi-token
+prediction losses (``mtp_k_loss``, one curve per depth), a mixture of experts' auxiliary loss
+(``moe_aux_loss``) and its experts' load (``expert_load_max_over_mean``, with
+``moe_dropped_fraction`` under a capacity), under a title (``--title``, default the file's path),
+with a dashed line where a later process resumed the run (see ``resumes``). Records missing a
+key are skipped for that curve, so a run that logged no eval simply has no eval line. Needs
+matplotlib (Agg backend, no display).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from typing import Optional, Sequence
 
 from megazero.cli.common import setup_logging, tool_parser
@@ -76,33 +80,46 @@ def resumes(records: list[dict]) -> list[int]:
     return found
 
 
+def panels(records: list[dict]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """The figure's subplots, top to bottom: ``(y label, [(key, curve label, line style), ...])``. Loss,
+    learning rate and tokens/s always; multi-token prediction and a mixture's panels when a record has their keys."""
+    keys = {k for r in records for k in r}
+    out = [("lm loss", [(TRAIN_LOSS, "train", "-"), (EVAL_LOSS, "eval", "o-")]),
+           ("learning rate", [(LR, "", "-")]), ("tokens/s", [(TOKENS, "", "-")])]
+    depths = sorted((int(m.group(1)) for m in map(re.compile(r"mtp_(\d+)_loss").fullmatch, keys) if m))
+    if depths:
+        out.append(("multi-token prediction loss", [(f"mtp_{d}_loss", f"depth {d}", "-") for d in depths]))
+    if "moe_aux_loss" in keys:
+        out.append(("moe aux loss", [("moe_aux_loss", "", "-")]))
+    if "expert_load_max_over_mean" in keys:
+        out.append(("expert load", [("expert_load_max_over_mean", "busiest / mean", "-"),
+                                    ("moe_dropped_fraction", "dropped fraction", "-")]))
+    return out
+
+
 def plot(records: list[dict], output: str, title: Optional[str] = None) -> None:
-    """Write the figure of ``records`` to ``output`` (its format from the file name's suffix)."""
+    """Write the figure of ``records`` (:func:`panels`) to ``output`` (its format from the file name's suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    loss_ax, lr_ax, tok_ax = axes
-    for key, label, style in ((TRAIN_LOSS, "train", "-"), (EVAL_LOSS, "eval", "o-")):
-        x, y = series(records, key)
-        if x:
-            loss_ax.plot(x, y, style, label=label, markersize=3)
-    loss_ax.set_ylabel("lm loss")
-    for ax, key, label in ((lr_ax, LR, "learning rate"), (tok_ax, TOKENS, "tokens/s")):
-        x, y = series(records, key)
-        if x:
-            ax.plot(x, y)
-        ax.set_ylabel(label)
+    layout = panels(records)
+    fig, axes = plt.subplots(len(layout), 1, figsize=(8, 2.6 * len(layout)), sharex=True)
+    for ax, (ylabel, curves) in zip(axes, layout):
+        for key, label, style in curves:
+            x, y = series(records, key)
+            if x:
+                ax.plot(x, y, style, label=label or None, markersize=3)
+        ax.set_ylabel(ylabel)
     for n, at in enumerate(resumes(records)):
         for ax in axes:
-            ax.axvline(at, color="gray", linestyle="--", linewidth=1, label="resumed" if n == 0 and ax is loss_ax else None)
-    if loss_ax.lines:
-        loss_ax.legend()
+            ax.axvline(at, color="gray", linestyle="--", linewidth=1, label="resumed" if n == 0 and ax is axes[0] else None)
     for ax in axes:
+        if any(not line.get_label().startswith("_") for line in ax.lines):  # a curve with a label
+            ax.legend()
         ax.grid(True, alpha=0.3)
-    tok_ax.set_xlabel("iteration")
+    axes[-1].set_xlabel("iteration")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

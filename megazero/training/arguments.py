@@ -265,6 +265,19 @@ def _latents(m: GPTConfig) -> str:
             f"v {m.v_head_dim})")
 
 
+def _optimizer(o: OptimConfig) -> str:
+    """The optimizer and its own settings, as the start-up line shows them: Muon's momentum and iterations on the
+    layers' matrices, and the AdamW betas of what it leaves to AdamW (embeddings, output layer, norms, biases)."""
+    adam = f"betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g}"
+    if o.type == "SGD":
+        return f"SGD momentum {o.sgd_momentum}"
+    if o.type == "Muon" and o.muon is not None:
+        m = o.muon
+        return (f"Muon momentum {m.momentum}{' (Nesterov)' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps "
+                f"on the layers' matrices, AdamW {adam} on the rest")
+    return f"{o.type} {adam}"
+
+
 def describe(config: TrainConfig) -> str:
     """A few human lines summarising the resolved run (printed at startup and by dry runs); a plan
     whose run length or learning rate are placeholders (``parse_args(planning=True)``) shows neither."""
@@ -296,7 +309,7 @@ def describe(config: TrainConfig) -> str:
         + (f"; stop at {s.train_tokens:,} tokens" if s.train_tokens else ""),
         *([f"pipeline: {pipeline_plan_line(config)}"] if p.pp > 1 else []),
         *([f"lr: {o.lr:g} -> {o.min_lr:g} {s.lr_decay_style}, warmup {s.lr_warmup_samples} {s.lr_unit}, decay "
-           f"{s.lr_decay_samples} {s.lr_unit}; {o.type} betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g} "
-           f"wd {o.weight_decay}, clip {o.clip_grad}"] if training else []),
+           f"{s.lr_decay_samples} {s.lr_unit}; {_optimizer(o)}, wd {o.weight_decay}, clip {o.clip_grad}"]
+          if training else []),
     ]
     return "\n".join(lines)

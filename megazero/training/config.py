@@ -151,6 +151,9 @@ class ScheduleConfig:
     exit_interval: Optional[int] = None  # stop (after saving) when iteration % exit_interval == 0
     exit_duration_in_mins: Optional[float] = None  # stop (after saving) after this much training time
     exit_signal_handler: bool = False  # SIGTERM -> save and exit
+    # outside fp16, a non-finite loss or gradient norm ends the run with a debug checkpoint; False
+    # (--no-check-for-nan-in-loss-and-grad): the step is skipped and training goes on
+    check_for_nan_in_loss_and_grad: bool = True
     skip_train: bool = False  # evaluate only
     override_opt_param_scheduler: bool = False  # on resume: the command line's schedule wins
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins

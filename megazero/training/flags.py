@@ -411,11 +411,13 @@ g(R, ("--non-persistent-save-interval", "--non-persistent-ckpt-type", "--non-per
   "megazero writes no rank-local non-persistent checkpoints: save with --save-interval, and --async-save to keep "
   "training while each one is written", str)
 g(M, "--use-dist-ckpt", "sharded checkpoints: megazero's checkpoints are sharded and reshardable; accepted")
-g(M, "--auto-detect-ckpt-format", "find the format of --load: megazero reads its own format; accepted")
+g(M, "--auto-detect-ckpt-format", "find the format of --load: megazero always does, reading its own format and "
+  "Megatron-LM's torch_dist alike; accepted")
 g(M, "--dist-ckpt-strictness", "how a distributed checkpoint's missing or unexpected keys are handled: a megazero "
   "load refuses any mismatch, naming the keys; accepted", str)
-g(M, "--no-check-for-nan-in-loss-and-grad", "Megatron's per-step NaN check: megazero's own check stays on (a loss or "
-  "gradient norm that stops being finite ends the run, fp16 skipping the step first); accepted")
+g(H, "--no-check-for-nan-in-loss-and-grad", "turn off the check that ends the run (saving a debug checkpoint) at a "
+  "loss or gradient norm that is not finite: the step is skipped, as fp16's loss scaler skips one, and training "
+  "goes on", dest="check_for_nan_in_loss_and_grad", store_false=True)
 g(M, ("--cross-entropy-loss-fusion", "--manual-gc", "--enable-experimental"), "a fused cross-entropy kernel, Python "
   "garbage collection at fixed intervals, Megatron's experimental features: megazero computes the cross-entropy "
   "unfused (the same function), leaves the collector alone and has no experimental switch; accepted")
@@ -440,12 +442,13 @@ g(H, "--tensorboard-queue-size", "events queued before a flush", int, default=10
 g(H, "--log-timers-to-tensorboard", "forward-backward / optimizer times (Megatron's '-time' tags)")
 g(H, "--log-batch-size-to-tensorboard", "'batch-size' tag")
 g(H, "--log-validation-ppl-to-tensorboard", "'lm loss validation ppl' tag")
-g(H, "--log-memory-to-tensorboard", "'mem-...' tags")
+g(H, "--log-memory-to-tensorboard", "the log line's peak memory as TensorBoard's 'mem-max-allocated-bytes'")
 g(H, "--log-optimizer-states-to-tensorboard", "norms and max-abs of the optimizer moments "
   "(Megatron-DeepSpeed's 'optimizer/...' tags)")
 g(H, "--log-params-norm", "the parameters' global norm ('params-norm')")
 g(H, "--log-num-zeros-in-grad", "zeros in the gradient ('num-zeros')")
-g(H, "--log-throughput", "TFLOP/s in the log line ('throughput')")
+g(H, "--log-throughput", "the log line's throughput in TensorBoard: 'throughput' (TFLOP/s per rank), "
+  "'tokens-per-second' and 'mfu'")
 g(H, "--log-straggler", "every log interval, the slowest and fastest ranks' times per phase (data, "
   "forward-backward, optimizer step) with their rank ids, from one small gather; a warning names a rank "
   "slower than the median by --straggler-factor for 3 intervals in a row")
@@ -461,7 +464,7 @@ g(M, ("--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "
   "on by default in megazero (loss scale and learning rate are always logged); accepted")
 g(H, "--wandb-project", "Weights & Biases project (needs wandb; WANDB_MODE=offline works without network)", str)
 g(H, "--wandb-exp-name", "Weights & Biases run name", str)
-g(H, "--wandb-save-dir", "Weights & Biases directory", str)
+g(H, "--wandb-save-dir", "Weights & Biases directory (default: SAVE/wandb with --save, else wandb's ./wandb)", str)
 g(M, "--track-memory", "megazero: on CPU, track live tensors so the log line's memory is the step's peak "
   "(costs about 4x per op; CUDA always reports its allocator's peak)")
 g(M, "--device-peak-tflops", "megazero: one device's dense peak TFLOP/s, for the log line's MFU (model FLOPs "

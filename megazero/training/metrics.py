@@ -326,7 +326,9 @@ def format_log_line(stats: IterationStats) -> str:
 
 
 # JSONL key -> Megatron's TensorBoard tag, and the logging option that enables it (None: always, as
-# Megatron's --log-learning-rate-to-tensorboard / --log-loss-scale-to-tensorboard default on).
+# Megatron's --log-learning-rate-to-tensorboard / --log-loss-scale-to-tensorboard default on). A mixture's
+# statistics are the log line's (Megatron writes its per-kind router losses whenever experts train; megazero's
+# 'moe aux loss' is their sum); --log-throughput adds tokens/s and MFU beside Megatron's 'throughput'.
 _TB_TAGS: dict[str, tuple[str, Optional[str]]] = {
     "lr": ("learning-rate", None),
     "lm_loss": ("lm loss", None),
@@ -338,6 +340,12 @@ _TB_TAGS: dict[str, tuple[str, Optional[str]]] = {
     "eval_lm_loss": ("lm loss validation", None),
     "eval_ppl": ("lm loss validation ppl", "log_validation_ppl_to_tensorboard"),
     "tflops_per_rank": ("throughput", "log_throughput"),
+    "tokens_per_s": ("tokens-per-second", "log_throughput"),
+    "mfu": ("mfu", "log_throughput"),
+    "moe_aux_loss": ("moe aux loss", None),
+    "expert_load_max_over_mean": ("expert load max over mean", None),
+    "moe_dropped_fraction": ("moe dropped fraction", None),
+    "max_attention_logit": ("max_attention_logit", None),  # in the record with --log-max-attention-logit only
     "fwd_ms": ("forward-compute-time", "log_timers_to_tensorboard"),
     "bwd_ms": ("backward-compute-time", "log_timers_to_tensorboard"),
     "step_ms": ("optimizer-time", "log_timers_to_tensorboard"),
@@ -421,7 +429,7 @@ class MetricsWriter:
         if getattr(options, "wandb_project", None):
             import wandb  # presence checked when the command line was parsed
 
-            save_dir = options.wandb_save_dir or (os.path.join(tensorboard_dir, "wandb") if tensorboard_dir else None)
+            save_dir = options.wandb_save_dir  # --wandb-save-dir, else {save}/wandb; None: wandb's ./wandb
             if save_dir:
                 os.makedirs(save_dir, exist_ok=True)
             self._wandb = wandb.init(project=options.wandb_project, name=options.wandb_exp_name, dir=save_dir)

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import torch
 
 from .. import mpu
-from .arguments import check_vocab, pipeline_plan_line
+from .arguments import check_vocab
 from .config import TrainConfig
 from .failures import agree
 from .health import PhaseBoard
@@ -131,9 +131,7 @@ def _train(config: TrainConfig, state: TrainState, board: PhaseBoard, groups, de
 def _announce(config: TrainConfig, run: TrainModel) -> None:
     for note in config.notes:
         log.info(f"> {note}")
-    if config.parallel.pp > 1:
-        log.info(f"> pipeline: {pipeline_plan_line(config)}")
-    log.info(describe_model(config, run))
+    log.info(describe_model(config, run))  # (the stages' split is in arguments.describe's 'pipeline:' line)
 
 
 def _sample(config: TrainConfig, run: TrainModel, tokenizer) -> Optional[str]:

@@ -133,6 +133,20 @@ def test_pipeline_layouts_resolve_and_plan():
     assert parse("--no-pipeline-parallel", world=4).parallel.pp == 1
 
 
+def test_the_start_line_gives_each_optimizers_own_settings():
+    from megazero.training.arguments import describe
+
+    assert "; AdamW betas (0.9, 0.95) eps 1e-08, wd 0.1, clip 1.0" in describe(
+        parse("--adam-beta2 0.95 --weight-decay 0.1", world=1))
+    # Muon's momentum for the layers' matrices; the betas are the AdamW of everything else
+    muon = describe(parse("--optimizer muon --muon-momentum 0.9 --muon-nesterov --adam-beta2 0.95", world=1))
+    assert ("; Muon momentum 0.9 (Nesterov), 5 Newton-Schulz steps on the layers' matrices, AdamW betas (0.9, 0.95) "
+            "eps 1e-08 on the rest, wd 0.01" in muon), muon
+    assert "Muon momentum 0.95, 5 Newton-Schulz" in describe(parse("--optimizer muon", world=1))
+    sgd = describe(parse("--optimizer sgd --sgd-momentum 0.8", world=1))
+    assert "; SGD momentum 0.8, wd" in sgd and "betas" not in sgd
+
+
 @pytest.mark.parametrize("extra, world, pattern", [
     ("--tp 3", 4, r"world size 4 is not divisible by --tp 3 x --pp 1 = 3"),
     ("--pp 3", 4, r"world size 4 is not divisible by --tp 1 x --pp 3 = 3"),

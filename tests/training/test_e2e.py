@@ -1,6 +1,7 @@
 """End-to-end training on CPU: loss falls, exact resume, resharding, crash-safe saves, refusals."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -199,6 +200,14 @@ def test_nan_loss_stops_with_iteration_and_debug_checkpoint(dataset, tmp_path):
     with pytest.raises(AssertionError, match="non-finite loss at iteration 3"):
         run(4, argv(dataset, "--save", str(tmp_path)), nan_at_iteration=3)
     assert os.path.exists(tmp_path / "debug" / "iter_0000003" / "manifest.json")
+
+
+def test_nan_loss_with_the_check_off_skips_the_step_and_trains_on(dataset, tmp_path):
+    # Megatron's --no-check-for-nan-in-loss-and-grad: no stop and no debug copy; the engine skips the poisoned step
+    result = run(1, argv(dataset, "--save", str(tmp_path), "--no-check-for-nan-in-loss-and-grad", tp=1, stage=1),
+                 nan_at_iteration=3)
+    assert result.iteration == 8 and not os.path.exists(tmp_path / "debug")
+    assert math.isnan(result.losses[3]) and all(math.isfinite(result.losses[i]) for i in (1, 2, 4, 5, 6, 7, 8))
 
 
 def _pretrain_gpt_main(args):

@@ -70,15 +70,18 @@ def test_params_norm_and_zeros_count_each_element_once(layout, plain_dp):
 def test_megatron_tag_names_are_gated_by_their_flags():
     record = {"lr": 1e-3, "lm_loss": 2.0, "loss_scale": 1.0, "grad_norm": 0.5, "global_batch_size": 8,
               "consumed_samples": 80, "eval_ppl": 7.0, "fwd_ms": 3.0, "elapsed_ms_per_iteration": 20.0,
-              "memory_mb": 1.0, "optimizer/momentum_l2": 0.1, "tflops_per_rank": 0.5}
+              "memory_mb": 1.0, "optimizer/momentum_l2": 0.1, "tflops_per_rank": 0.5, "tokens_per_s": 900.0,
+              "mfu": 0.4, "moe_aux_loss": 0.02, "expert_load_max_over_mean": 1.5}
     tags = {t for t, _, _ in megatron_scalars(record, LoggingConfig())}
     assert tags == {"learning-rate", "learning-rate vs samples", "lm loss", "lm loss vs samples", "loss-scale",
-                    "loss-scale vs samples", "grad-norm", "grad-norm vs samples"}
+                    "loss-scale vs samples", "grad-norm", "grad-norm vs samples", "moe aux loss",
+                    "expert load max over mean"}
     on = LoggingConfig(log_batch_size_to_tensorboard=True, log_validation_ppl_to_tensorboard=True,
                        log_timers_to_tensorboard=True, log_memory_to_tensorboard=True,
                        log_optimizer_states_to_tensorboard=True, log_throughput=True)
     scalars = {t: (v, axis) for t, v, axis in megatron_scalars(record, on)}
     assert scalars["batch-size vs samples"] == (8.0, "samples") and scalars["iteration-time"] == (0.02, "iteration")
+    assert scalars["tokens-per-second"] == (900.0, "iteration") and scalars["mfu"] == (0.4, "iteration")
     for tag in ("lm loss validation ppl", "forward-compute-time", "mem-max-allocated-bytes", "throughput",
                 "optimizer/momentum_l2"):
         assert tag in scalars
@@ -119,3 +122,21 @@ def test_wandb_missing_is_a_clear_error():
         pass
     with pytest.raises(ConfigError, match="needs the wandb package, which is not installed: pip install wandb"):
         parse_args(TINY + "--train-iters 1 --wandb-project p".split(), 1)
+
+
+def test_wandb_writes_under_save_not_under_tensorboard(tmp_path, monkeypatch):
+    # Megatron's default --wandb-save-dir is {save}/wandb; the run's TensorBoard directory holds event files only
+    import sys
+    import types
+
+    from megazero.training.metrics import MetricsWriter
+
+    started = []
+    fake = types.SimpleNamespace(init=lambda **kw: started.append(kw) or types.SimpleNamespace(finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    base = TINY + f"--train-iters 1 --wandb-project p --tensorboard-dir {tmp_path / 'tb'}".split()
+    for extra, expected in (([], None), (["--save", str(tmp_path / "ck")], tmp_path / "ck" / "wandb"),
+                            (["--save", str(tmp_path / "ck"), "--wandb-save-dir", str(tmp_path / "w")], tmp_path / "w")):
+        options = parse_args(base + extra, 1, check_files=False).logging  # (the fake module has no import spec)
+        MetricsWriter(None, options.tensorboard_dir, options=options).close()
+        assert started.pop()["dir"] == (None if expected is None else str(expected))

@@ -145,6 +145,34 @@ def test_plot_metrics_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
 
+def test_plot_metrics_draws_multi_token_prediction_and_experts_panels(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed: tools/plot_metrics.py needs it")
+    import matplotlib.pyplot as plt
+
+    records = [{"iteration": i, "lm_loss": 5.0 - i / 10, "lr": 1e-3, "tokens_per_s": 900.0, "mtp_1_loss": 5.5 - i / 10,
+                "mtp_2_loss": 5.8 - i / 10, "moe_aux_loss": 0.02 + i / 1000, "expert_load_max_over_mean": 1 + i / 10}
+               for i in range(1, 6)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn, real_savefig = {}, plt.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        for ax in fig.axes:
+            drawn[ax.get_ylabel()] = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+        return real_savefig(fig, *args, **kwargs)
+
+    plt.Figure.savefig = savefig
+    try:
+        assert load_tool("plot_metrics").main([str(path), "--output", str(tmp_path / "c.png")]) == 0
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert list(drawn) == ["lm loss", "learning rate", "tokens/s", "multi-token prediction loss", "moe aux loss",
+                           "expert load"]
+    assert drawn["multi-token prediction loss"] == {f"depth {d}": [r[f"mtp_{d}_loss"] for r in records] for d in (1, 2)}
+    assert list(drawn["moe aux loss"].values()) == [[r["moe_aux_loss"] for r in records]]
+    assert drawn["expert load"] == {"busiest / mean": [r["expert_load_max_over_mean"] for r in records]}
+
+
 def test_multi_token_prediction_losses_sit_beside_the_lm_loss_and_in_tensorboard():
     from megazero.training.metrics import IterationStats, format_log_lines, megatron_scalars
 

@@ -16,8 +16,32 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 
 
 @pytest.fixture(scope="module")
-def one_process(data, tmp_path_factory):  # noqa: F811
-    return launch(1, flags(data, *MOE), tmp_path_factory.mktemp("moe1"), "moe1")
+def one_process_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe1")
+
+
+@pytest.fixture(scope="module")
+def one_process(data, one_process_dir):  # noqa: F811
+    # with TensorBoard's tags, read by test_tensorboard_gets_the_log_lines_figures
+    return launch(1, flags(data, *MOE, "--tensorboard-dir", "tb", "--log-throughput", "--log-memory-to-tensorboard"),
+                  one_process_dir, "moe1")
+
+
+def test_tensorboard_gets_the_log_lines_figures(one_process, one_process_dir):
+    # pretrain_gpt.py's event file, read by TensorBoard's own reader: the mixture's statistics by default, the
+    # throughput and memory as --log-throughput and --log-memory-to-tensorboard ask, each as its metrics record says
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(one_process_dir / "tb"))
+    events.Reload()
+    for tag, key, unit in (("moe aux loss", "moe_aux_loss", 1), ("expert load max over mean", "expert_load_max_over_mean", 1),
+                           ("throughput", "tflops_per_rank", 1), ("tokens-per-second", "tokens_per_s", 1),
+                           ("mem-max-allocated-bytes", "memory_mb", 2 ** 20), ("lm loss", "lm_loss", 1)):
+        got = {e.step: e.value for e in events.Scalars(tag)}
+        assert sorted(got) == sorted(one_process), (tag, sorted(got))
+        for it, record in one_process.items():
+            assert got[it] == pytest.approx(record[key] * unit, rel=1e-6), (tag, it, got[it], record[key])
 
 
 @pytest.mark.parametrize("world,extra", [
@@ -120,7 +144,9 @@ def test_a_layer_pattern_with_dense_layers_first_equals_one_process(data, tmp_pa
     got = launch(4, flags(data, *pattern, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"),
                  tmp_path, "pattern4")
     assert_same_run(got, one, what="--moe-layer-freq ([0]*1+[1]*3), pp 2 x ep 2")
-    assert "3 of 4 layers mixtures of 4 experts, top-2" in open(tmp_path / "pattern4.log").read()
+    log = open(tmp_path / "pattern4.log").read()
+    assert "3 of 4 layers mixtures of 4 experts, top-2" in log
+    assert log.count("pipeline: ") == 1, log  # the stages' split, said once
 
 
 QWEN2 = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--disable-bias-linear",

@@ -32,12 +32,15 @@ class FailureProtocol:
 
     Outside fp16 (whose loss scaler skips such steps), a non-finite gradient or loss stops the run:
     the current state is saved (``Checkpointer.save_debug``) and :class:`TrainingDiverged` names the
-    iteration.
+    iteration. With ``--no-check-for-nan-in-loss-and-grad`` the run goes on: the engine skipped the
+    step, and the log line counts it among the skipped iterations.
     """
 
     def __init__(self, config: TrainConfig, run: TrainModel, checkpointer: Checkpointer) -> None:
         self.config, self.run, self.checkpointer = config, run, checkpointer
         self.failure: Failure | None = None  # this rank's failed read of the current iteration
+        # a non-finite loss or gradient stops the run, but not under fp16 (its scaler skips the step) nor with the check off
+        self.stops_on_nan = config.precision.dtype != "fp16" and config.schedule.check_for_nan_in_loss_and_grad
 
     def read(self, it: Iterator, n: int, state: TrainState) -> list[dict]:
         """The next iteration's ``n`` micro-batches, without an agreement of their own."""
@@ -64,15 +67,15 @@ class FailureProtocol:
         self.failure = None
 
     def check_update(self, state: TrainState, metrics: MetricsLogger) -> None:
-        """The step of ``state.iteration`` overflowed outside fp16: stop (every rank takes part in
-        bringing the losses to the host; the loss is for the message)."""
-        if self.run.engine.last_overflow and self.config.precision.dtype != "fp16":
+        """The step of ``state.iteration`` overflowed outside fp16: stop, unless the check is off (every
+        rank takes part in bringing the losses to the host; the loss is for the message)."""
+        if self.run.engine.last_overflow and self.stops_on_nan:
             loss = metrics.drain().get(state.iteration, {}).get("lm loss", float("nan"))
             raise self.diverged(state, state.iteration, "gradients" if math.isfinite(loss) else "loss", loss)
 
     def check_loss(self, state: TrainState, iteration: int, loss: float) -> None:
-        """A loss on the host: non-finite outside fp16 stops the run."""
-        if not math.isfinite(loss) and self.config.precision.dtype != "fp16":
+        """A loss on the host: non-finite outside fp16 stops the run (unless the check is off)."""
+        if not math.isfinite(loss) and self.stops_on_nan:
             raise self.diverged(state, iteration, "loss", loss)
 
     def diverged(self, state: TrainState, iteration: int, what: str, loss: float) -> TrainingDiverged:

@@ -38,12 +38,14 @@ def resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes:
                               "works without a network), or drop the wandb options")
     if (ns.wandb_exp_name or ns.wandb_save_dir) and not wandb_project:
         raise ConfigError("--wandb-exp-name/--wandb-save-dir need --wandb-project")
+    # Megatron's default: {save}/wandb (without --save, wandb's own ./wandb)
+    wandb_save_dir = ns.wandb_save_dir or (os.path.join(ns.save, "wandb") if wandb_project and ns.save else None)
     cfg = LoggingConfig(
         log_interval=log_interval, tensorboard_dir=tb_dir, metrics_file=metrics_file,
         wall_clock_breakdown=bool(json_get(ds, "wall_clock_breakdown") or False),
         tensorboard_log_interval=default(ns.tensorboard_log_interval, 1),
         tensorboard_queue_size=default(ns.tensorboard_queue_size, 1000), csv_dir=csv_dir,
-        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
+        wandb_project=wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=wandb_save_dir,
         track_memory=bool(ns.track_memory), device_peak_tflops=ns.device_peak_tflops)
     cfg.log_straggler = bool(ns.log_straggler)
     cfg.straggler_minmax_count = default(ns.straggler_minmax_count, 1)

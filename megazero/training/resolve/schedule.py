@@ -154,6 +154,7 @@ def resolve_schedule(ns: argparse.Namespace, par: ParallelConfig, ds: Optional[d
         eval_interval=default(ns.eval_interval, 1000), eval_iters=default(ns.eval_iters, 100),
         exit_interval=ns.exit_interval, exit_duration_in_mins=ns.exit_duration_in_mins,
         exit_signal_handler=bool(ns.exit_signal_handler), skip_train=bool(ns.skip_train),
+        check_for_nan_in_loss_and_grad=ns.check_for_nan_in_loss_and_grad is not False,
         override_opt_param_scheduler=bool(ns.override_opt_param_scheduler),
         use_checkpoint_opt_param_scheduler=bool(ns.use_checkpoint_opt_param_scheduler))
     if sched.lr_warmup_init < 0:
