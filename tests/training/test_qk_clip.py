@@ -78,10 +78,15 @@ def one_process(data, tmp_path_factory):  # noqa: F811
 def test_qk_clip_equals_one_process(data, one_process, tmp_path, world, extra):  # noqa: F811
     got = launch(world, flags(data, *CLIP, *extra), tmp_path, "qkclip")
     assert_same_run(got, one_process, what=f"qk-clip at world {world} {extra}")
-    # Clipped heads attend almost uniformly: their Q/K gradients are tiny, and Newton-Schulz normalises
-    # them, so those rows carry the gradients' summation-order noise at 1e-4 (the loss barely sees them)
-    for it, ref in one_process.items():
-        assert got[it]["max_attention_logit"] == pytest.approx(ref["max_attention_logit"], rel=1e-3)
+    # The largest logit of iteration 1 comes from the initial weights (a function of the seed) and that of
+    # iteration 2 from one clipped update: both are layout-invariant, and a clip applied to the wrong heads,
+    # layers or stages moves the second by O(1) (11.9 unclipped against 0.86). Later maxima are not: Newton-
+    # Schulz amplifies the gradients' summation order (which differs between layouts and between AVX2 and
+    # AVX-512 kernels) into the Q/K weights, 1e-5 to 1e-3 of the logit with or without a clip, while the loss
+    # stays within 1e-7; the loss and gradient norm above cover those iterations.
+    for it in (1, 2):
+        got_max, ref_max = got[it]["max_attention_logit"], one_process[it]["max_attention_logit"]
+        assert got_max == pytest.approx(ref_max, rel=1e-5), (it, got_max, ref_max)
     assert max(r["max_attention_logit"] for r in one_process.values()) > 0.5  # it clipped
 
 
