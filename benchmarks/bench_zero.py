@@ -5,8 +5,8 @@
     python benchmarks/bench_zero.py --repeats 3 --dtypes fp32
     python benchmarks/bench_zero.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
         --seq-length 64 --vocab-size 512 --steps 2 --repeats 1    # smoke run, ~1 min
-    python benchmarks/bench_zero.py --against                 # this checkout against BASELINE_COMMIT, ~15 min
-    python benchmarks/bench_zero.py --against 19be593 --dtypes fp32 --repeats 6
+    python benchmarks/bench_zero.py --against                 # the working tree against HEAD, ~15 min
+    python benchmarks/bench_zero.py --against HEAD~3 --dtypes fp32 --repeats 6
 
 Configurations (one GPT shape; default 4 layers, hidden 256, 8 heads, seq 256,
 vocab 8192, micro-batch 4 sequences per DP rank; AdamW, no clipping):
@@ -37,8 +37,8 @@ the CPU time per rank and step inside the model's matmul and attention kernels (
 extra step, ``zero_baselines.ComputeTimer``; the same FLOPs in every arrangement) and the rest of
 the step's CPU time, which is what the arrangement itself costs ("vs": its ratio to megazero's).
 
-``--against COMMIT`` (default ``BASELINE_COMMIT``) compares this checkout's megazero with the
-commit's: the commit is checked out into a temporary git worktree, and each run imports megazero
+``--against REF`` (a commit, branch or tag; default ``HEAD``, so that uncommitted changes are what is
+measured) compares this checkout's megazero with the ref's: the ref is checked out into a temporary git worktree, and each run imports megazero
 from one of the two trees through this same harness (``zero_baselines.py``). The two alternate
 within every repeat (A B, then B A), and the table gives each tree's medians, the ratio of every
 repeat's pair and the kernels/rest split, so that a change of the engine's own cost shows in one
@@ -79,7 +79,7 @@ CONFIGS = {  # name -> (system, tp); dp = --world-size / tp
     "Megatron-DS tp1": ("megatron-ds", 1),
 }
 NEEDS = {"deepspeed": ("deepspeed",), "megatron-ds": ("deepspeed", "megatron.core")}
-BASELINE_COMMIT = "19be593"  # --against's default: the last commit before context and expert parallelism
+AGAINST_DEFAULT = "HEAD"  # a bare --against: the working tree's changes against the last commit
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
                "steps", "warmup", "persistence_threshold")
 
@@ -108,9 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", "--nproc", dest="world_size", type=int, default=4, help="processes per run")
     p.add_argument("--timeout", type=float, default=600, help="seconds per child run")
     p.add_argument("--json", default=None, help="also write every run's raw results here")
-    p.add_argument("--against", nargs="?", const=BASELINE_COMMIT, default=None, metavar="COMMIT",
-                   help=f"compare this checkout's megazero with COMMIT's (default {BASELINE_COMMIT}), "
-                        "paired and interleaved")
+    p.add_argument("--against", nargs="?", const=AGAINST_DEFAULT, default=None, metavar="REF",
+                   help=f"compare this checkout's megazero with REF's (a commit, branch or tag; default "
+                        f"{AGAINST_DEFAULT}: the uncommitted changes), paired and interleaved")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 4 if args.against else 3
@@ -258,16 +258,19 @@ def _git(*argv: str) -> str:
 def commit_tree(commit: str, parent: Path):
     """A detached git worktree of ``commit`` under ``parent``, removed on exit."""
     path = parent / "against"
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still removes its worktree
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still removes its worktree
     try:
-        _git("worktree", "add", "--detach", str(path), commit)
-    except subprocess.CalledProcessError as e:
-        raise SystemExit(f"--against {commit}: git worktree add failed ({e.stderr.strip().splitlines()[-1]}); "
-                         "name a commit of this repository") from None
-    try:
-        yield path
+        try:
+            _git("worktree", "add", "--detach", str(path), commit)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"--against {commit}: git worktree add failed ({e.stderr.strip().splitlines()[-1]}); "
+                             "name a commit, branch or tag of this repository") from None
+        try:
+            yield path
+        finally:
+            _git("worktree", "remove", "--force", str(path))
     finally:
-        _git("worktree", "remove", "--force", str(path))
+        signal.signal(signal.SIGTERM, before)
 
 
 def this_checkout() -> str:
