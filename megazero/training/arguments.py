@@ -43,7 +43,8 @@ from megazero.training.flag_names import with_flags
 from megazero.training.flags import HELP_EPILOG, add_to_parser, refusals
 from megazero.training.output import console, write_error_file
 from megazero.training.resolve.common import default
-from megazero.training.resolve.data import DEFAULT_TOKENIZER, TOKENIZER_TYPES, missing_data_flags, resolve_data
+from megazero.training.resolve.data import (DEFAULT_TOKENIZER, TOKENIZER_TYPES, missing_data_flags,
+                                            read_data_args_files, resolve_data)
 from megazero.training.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
 from megazero.training.resolve.deepspeed_moe import balancing_notes, merge_deepspeed_moe
 from megazero.training.resolve.logs import resolve_logging
@@ -139,6 +140,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     if ds is not None:
         merge_deepspeed(ns, ds, notes)
     merge_deepspeed_moe(ns, notes)
+    read_data_args_files(ns, check_files)
     notes += balancing_notes(ns)
     if planning:
         notes += fill_for_planning(ns)

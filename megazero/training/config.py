@@ -85,6 +85,8 @@ class PrecisionConfig:
     hysteresis: int = 2  # overflows tolerated before the scale is lowered
     consecutive_hysteresis: bool = False  # DeepSpeed's fp16.consecutive_hysteresis
     accumulate_grads_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
+    grad_accum_dtype: Optional[str] = None  # --main-grads-dtype & co. (None: the JSON's, else the engine's default)
+    grad_comm_dtype: Optional[str] = None  # --megatron-fsdp-grad-comm-dtype (None: the JSON's, else the accumulation's)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -338,10 +340,10 @@ class TrainConfig:
             bf16=p.dtype == "bf16",
             fp16=fp16,
             gradient_clipping=float(o.clip_grad),
-            grad_accum_dtype="fp32" if p.accumulate_grads_fp32 else grad_accum,
+            grad_accum_dtype="fp32" if p.accumulate_grads_fp32 else p.grad_accum_dtype or grad_accum,
             steps_per_print=self.logging.log_interval,
             wall_clock_breakdown=self.logging.wall_clock_breakdown,
-            communication_data_type=parse_communication_data_type(ds.get("communication_data_type")),
+            communication_data_type=p.grad_comm_dtype or parse_communication_data_type(ds.get("communication_data_type")),
             prescale_gradients=bool(ds.get("prescale_gradients", False)),
             gradient_predivide_factor=float(ds.get("gradient_predivide_factor", 1.0)),
         ).validate()

@@ -21,7 +21,8 @@ _FIELD_FLAGS = {"layernorm_epsilon": "--norm-epsilon", "ffn_size": "--ffn-hidden
 
 @functools.lru_cache(maxsize=1)
 def _field_pattern() -> tuple[re.Pattern, dict[str, str]]:
-    flags = {f.attr: min(f.names, key=len) for f in FLAGS if "_" in f.attr and not f.attr.startswith("ds_")}
+    flags = {f.attr: min(f.names, key=len) for f in FLAGS  # a refused or no-effect flag is never the fix to name
+             if "_" in f.attr and not f.attr.startswith("ds_") and f.in_help}
     flags.update(_FIELD_FLAGS)
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
     # a field alone (not inside a flag, a JSON key, a path or a quoted name), with an optional =value

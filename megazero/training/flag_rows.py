@@ -7,16 +7,38 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-__all__ = ["add_moe_rows", "add_mla_rows"]
+__all__ = ["add_moe_rows", "add_mla_rows", "refuse", "accept"]
 
 H, M, R = "honoured", "mapped", "refused"
 _DS_MOE = "DeepSpeed-MoE (Megatron-DeepSpeed): "
 _NEEDS_MLA = "; needs --multi-latent-attention (a value other than the default is refused without it)"
 _YARN = "; YaRN only (a value other than this default without YaRN is refused)"
+_ONE_BALANCING = ("several load-balancing losses at once (a type and a weight each, Megatron's lists) do not exist in "
+                  "megazero: give one --moe-router-load-balancing-type and one --moe-aux-loss-coeff")
 
 
 def _lower(s: str) -> str:
     return s.lower()
+
+
+def accept(g: Callable[..., Any], meaning: str, switches: str = "", values: str = "", type=str) -> None:
+    """Mapped rows accepted with no effect (``meaning`` ends in "accepted"): the ``switches`` as one row, the
+    ``values`` (flags that take one value of ``type``) as another."""
+    assert meaning.endswith("accepted"), meaning
+    if switches.split():
+        g(M, tuple(switches.split()), meaning)
+    if values.split():
+        g(M, tuple(values.split()), meaning, type)
+
+
+def refuse(g: Callable[..., Any], message: str, switches: str = "", values: str = "") -> None:
+    """One refused row per flag, all with ``message``: ``switches`` take no value, ``values`` take the words that
+    follow them (one or more in Megatron), so that a refused flag stops the run with its message, never as an
+    unexpected word."""
+    for name in switches.split():
+        g(R, name, message)
+    for name in values.split():
+        g(R, name, message, str, nargs="*")
 
 
 def _layer_freq(s: str):
@@ -62,11 +84,12 @@ def add_moe_rows(g: Callable[..., Any]) -> None:
       "0 (dense) and 1 (experts), one per layer, in Megatron's form: \"([0]*3+[1]*58)\"", _layer_freq, default=1)
     g(H, "--moe-router-load-balancing-type", "aux_loss (Switch's load-balancing loss over each micro-batch), "
       "seq_aux_loss (the same per sequence, averaged: independent of how the global batch is split) or none",
-      _lower, choices=("aux_loss", "none", "seq_aux_loss", "sinkhorn"), default="aux_loss",
-      refuse_values=(("sinkhorn", "--moe-router-load-balancing-type sinkhorn is not available in megazero; use aux_loss, "
-                                  "seq_aux_loss or none"),))
+      _lower, choices=("aux_loss", "none", "seq_aux_loss", "sinkhorn", "global_aux_loss", "quantile_balancing"),
+      default="aux_loss", several=_ONE_BALANCING, refuse_values=tuple(
+          (v, f"--moe-router-load-balancing-type {v} is not available in megazero; use aux_loss, seq_aux_loss or "
+              "none") for v in ("sinkhorn", "global_aux_loss", "quantile_balancing")))
     g(H, "--moe-aux-loss-coeff", "weight of the load-balancing loss (its gradient is added in backward, scaled as "
-      "the language-model loss; default 0)", float)
+      "the language-model loss; default 0)", float, several=_ONE_BALANCING)
     g(M, "--moe-loss-coeff", _DS_MOE + "--moe-aux-loss-coeff (its default 0.1)", float, dest="ds_moe_loss_coeff")
     g(H, "--moe-z-loss-coeff", "weight of the router z-loss (mean logsumexp of the logits, squared)", float, default=0.0)
     g(H, "--moe-router-pre-softmax", "softmax over all experts before the top k (weights not renormalised, "
@@ -99,7 +122,9 @@ def add_moe_rows(g: Callable[..., Any]) -> None:
       "routed ones (Qwen2-MoE, DeepSeek)", int)
     g(H, "--moe-shared-expert-gate", "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE's shared_expert_gate)")
     g(H, "--moe-router-score-function", "softmax, or sigmoid (DeepSeek-V3: the top k sigmoids renormalised)", _lower,
-      choices=("softmax", "sigmoid"), default="softmax")
+      choices=("softmax", "sigmoid", "sqrtsoftplus"), default="softmax",
+      refuse_values=(("sqrtsoftplus", "--moe-router-score-function sqrtsoftplus does not exist in megazero; use "
+                                      "softmax or sigmoid"),))
     g(H, "--moe-router-num-groups", "group-limited routing (DeepSeek): the experts in this many groups", int)
     g(H, "--moe-router-group-topk", "group-limited routing: the groups a token's experts may come from, those whose "
       "best top-k / group-topk experts score highest", int)

@@ -3,7 +3,7 @@
 One row per flag. ``build_parser`` (in ``arguments``) makes argparse from these rows,
 ``refusals`` turns every refused flag (or refused value) found on a command line into
 one message naming the megazero way, and ``flags_markdown`` writes docs/flags.md, so
-the code and the documentation cannot drift (tests/training/test_flags.py checks the
+the code and the documentation cannot drift (tests/scripts/test_scripts_parse.py checks the
 file against the table).
 
 Status of a row:
@@ -15,7 +15,15 @@ Status of a row:
   computation, which is the only one megazero has.
 - ``refused``: stops the run before any process group starts, with the message given.
 
-A row may also refuse some *values* of an otherwise honoured flag (``refuse_values``).
+A row may also refuse some *values* of an otherwise honoured flag (``refuse_values``), name the only
+values megazero has (``only``, Megatron's default among them) and refuse every other, or take one value
+where Megatron takes a list and refuse several (``several``).
+
+Every flag of Megatron-LM's newest ``arguments.py`` has a row (tests/training/test_megatron_flags.py holds the
+table against the list in tests/training/megatron_lm_flags.txt). The groups are built here in order; rows kept
+elsewhere: ``flag_rows`` (mixtures of experts, multi-latent attention), ``flag_rows_training`` (batch, schedule,
+optimizer), ``flag_rows_mcore`` (Megatron-core's newer flags in megazero's groups) and ``flag_rows_absent``
+(the Megatron-LM features megazero does not have, in groups of their own).
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megazero.training import flag_rows_mcore as mcore
 from megazero.training.flag_rows import add_mla_rows, add_moe_rows
+from megazero.training.flag_rows_absent import NO_TE, add_absent_groups
+from megazero.training.flag_rows_training import add_optimizer_rows, add_schedule_rows
 
 __all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "HELP_EPILOG", "refusals", "flags_markdown",
            "add_to_parser"]
@@ -49,6 +60,8 @@ class Flag:
     # The value in force when the flag is not given, as --help and docs/flags.md show it (None: none to
     # show, e.g. it comes from the data or the preset). The parser's own default stays None.
     default: Any = None
+    only: Optional[tuple] = None  # the values megazero has: any other value is refused with the meaning
+    several: Optional[str] = None  # a flag Megatron gives several values and megazero one: why more are refused
 
     @property
     def attr(self) -> str:
@@ -61,6 +74,9 @@ class Flag:
         return not (self.status == REFUSED or (self.status == MAPPED and self.meaning.endswith("accepted")))
 
     def argparse_kwargs(self) -> dict[str, Any]:
+        if self.several is not None:  # one value, or a list that ``refusals`` refuses
+            return dict(dest=self.attr, default=None, type=self.type, choices=self.choices, metavar=self.metavar,
+                        nargs="+", action=_OneOfSeveral)
         if self.type is None and self.nargs is None:
             return dict(action="store_false" if self.store_false else "store_true", default=None, dest=self.attr)
         kw: dict[str, Any] = dict(dest=self.attr, default=None)
@@ -70,6 +86,13 @@ class Flag:
             if getattr(self, key) is not None:
                 kw[key] = getattr(self, key)
         return kw
+
+
+class _OneOfSeveral(argparse.Action):
+    """A flag given one value stores it; given several, the list (refused by ``refusals``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
 
 
 def _lower(s: str) -> str:
@@ -95,8 +118,6 @@ def _group(name: str):
 
 
 H, M, R = HONOURED, MAPPED, REFUSED
-_NO_TE = "Transformer Engine does not exist in megazero; its layers are megazero's own (megazero.mpu)"
-_NO_FP8 = "FP8 training does not exist in megazero; use --bf16 (or --fp16)"
 
 # ------------------------------------------------------------------------------------------- launcher
 g = _group("launcher and parallelism")
@@ -108,9 +129,10 @@ g(H, ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: each o
   "block of layers (the embedding on the first, final norm and head on the last), trained with 1F1B "
   "(PipeDream-Flush); world = tp x cp x pp x dp (expert parallelism divides the ranks of a stage, no factor "
   "of its own)", int, dest="pp", default=1)
-g(H, "--virtual-pipeline-model-parallel-size", "model chunks per pipeline rank (interleaved 1F1B, Narayanan et al. "
+g(H, ("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"), "model chunks per "
+  "pipeline rank (interleaved 1F1B, Narayanan et al. "
   "2021): bubble (pp-1)/(v m) instead of (pp-1)/m, for v times more p2p messages; micro-batches per step must be a "
-  "multiple of pp", int, default=1)
+  "multiple of pp", int, dest="virtual_pipeline_model_parallel_size", default=1)
 g(H, "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B given as layers per model chunk: v = num_layers / "
   "(pp x this)", int)
 g(R, "--pipeline-model-parallel-layout", "a per-chunk layout string is not available: give the layers of the "
@@ -155,34 +177,41 @@ g(M, "--no-pipeline-parallel", "Megatron-DeepSpeed's 'no DeepSpeed pipeline engi
 g(M, ("--use-mcore-models", "--use-legacy-models"), "which of Megatron's two model implementations: megazero "
   "has one GPT implementation; accepted")
 g(H, "--transformer-impl", "layer implementation: 'local' is megazero's own layers", str,
-  choices=("local", "transformer_engine"),
-  refuse_values=(("transformer_engine", f"--transformer-impl transformer_engine: {_NO_TE}; "
-                                        "pass --transformer-impl local"),))
+  choices=("local", "transformer_engine", "inference_optimized"),
+  refuse_values=(("transformer_engine", f"--transformer-impl transformer_engine: {NO_TE}; "
+                                        "pass --transformer-impl local"),
+                                       ("inference_optimized", "--transformer-impl inference_optimized: Megatron's "
+                                        "inference layers do not exist in megazero; pass --transformer-impl local")))
 g(M, "--no-async-tensor-model-parallel-allreduce", "synchronous tensor-parallel all-reduce: megazero's is "
   "synchronous; accepted")
 g(M, ("--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-      "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm"),
+      "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+      "--no-gradient-reduce-div-fusion"),
   "turn a fused CUDA kernel off: megazero computes these steps unfused (PyTorch ops); accepted")
 g(M, "--cpu-optimizer", "Megatron-DeepSpeed's optimizer on the CPU: --optimizer-cpu-offload (the DeepSpeed JSON's "
   "offload_optimizer block, when given, says where)")
 g(M, "--cpu-torch-adam", "Megatron-DeepSpeed's torch Adam instead of DeepSpeed's CPU Adam: megazero's host step is "
   "torch's fused AdamW; accepted")
-g(R, ("--tp-comm-overlap", "--te-rng-tracker"), f"{_NO_TE}; drop the flag")
-g(R, "--tp-comm-overlap-cfg", f"{_NO_TE}; drop the flag", str)
+mcore.add_parallel_rows(g)
 
 # --------------------------------------------------------------------------------------------- model
 g = _group("model")
 g(M, "--model-preset", "megazero only: a named shape (gpt-tiny ... gpt-175b); shape flags override it", str)
-for _n in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
-           "--max-position-embeddings"):
+for _n in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--max-position-embeddings"):
     g(H, _n, "model shape", int)
+g(H, ("--seq-length", "--encoder-seq-length"), "tokens per sample (--encoder-seq-length: Megatron's other name of it "
+  "for GPTs)", int, dest="seq_length")
 g(H, "--num-query-groups", "key/value heads for grouped-query attention", int)
 g(M, "--num-key-value-heads", "Megatron-DeepSpeed's name for --num-query-groups", int)
 g(M, "--group-query-attention", "enable GQA: --num-query-groups alone does it; refused beside --multi-latent-attention "
   "(Megatron asserts the two exclusive); accepted")
 g(H, "--kv-channels", "per-head dimension (default hidden / heads)", int)
 g(H, "--position-embedding-type", "learned_absolute, rope, yarn (RoPE with YaRN scaling, Megatron's way for "
-  "attention without latents) or none", str, choices=("learned_absolute", "learned", "rope", "yarn", "none"))
+  "attention without latents) or none", str, choices=("learned_absolute", "learned", "rope", "yarn", "none", "mrope",
+                                                    "relative"),
+  refuse_values=tuple((v, f"--position-embedding-type {v}: {what} does not exist in megazero; use rope, yarn or "
+                          "learned_absolute") for v, what in (("mrope", "multimodal RoPE"),
+                                                              ("relative", "T5's relative position bias"))))
 g(M, "--use-rotary-position-embeddings", "Megatron-DeepSpeed's --position-embedding-type rope")
 g(M, "--no-position-embedding", "no learned position table: --position-embedding-type none, or beside rope nothing "
   "more")
@@ -224,13 +253,13 @@ g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (
 g(M, ("--use-flash-attn", "--use-flash-attn-v2"), "--attention-backend flash", dest="use_flash_attn")
 g(H, "--add-qkv-bias", "a bias on the query/key/value projection only (Qwen2's)")
 add_moe_rows(g)
-g(R, ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
-      "--fp8-amax-compute-algo"), _NO_FP8, str)
-g(R, ("--fp8-param-gather", "--no-fp8-wgrad"), _NO_FP8)
+mcore.add_moe_rows_newer(g)
+mcore.add_model_rows(g)
 
 # ------------------------------------------------------------------- multi-latent attention, YaRN, MTP
 g = _group("multi-latent attention, RoPE scaling and multi-token prediction")
 add_mla_rows(g)
+mcore.add_mtp_rows_newer(g)
 
 # ---------------------------------------------------------------------------------------- recompute
 g = _group("activation recompute")
@@ -254,105 +283,22 @@ g(R, "--contigious-checkpointing", "contiguous buffers for partitioned activatio
   "activations instead)")
 g(R, ("--checkpoint-in-cpu", "--synchronize-each-layer", "--profile-backward"),
   "DeepSpeed activation-checkpointing internals that megazero does not have; drop the flag")
+mcore.add_recompute_rows(g)
 
 # ------------------------------------------------------------------------------------- batch/schedule
 g = _group("batch and schedule")
-g(H, "--micro-batch-size", "sequences per rank per forward", int)
-g(H, "--global-batch-size", "sequences per optimizer step", int)
-g(H, "--rampup-batch-size", "START INCR SAMPLES: the global batch grows from START by INCR every "
-  "SAMPLES / ((global - START) / INCR) consumed samples; the LR schedule advances by the samples consumed. "
-  "Also with --train-iters (Megatron-LM asserts against that, yet its GPT-3 175B example combines them)",
-  int, nargs=3, metavar=("START", "INCR", "SAMPLES"))
-g(H, "--train-iters", "iterations to train", int)
-g(H, "--train-samples", "samples to train (sample-based schedule)", int)
-g(H, "--train-tokens", "Megatron-DeepSpeed: stop once this many tokens were consumed (with --train-samples)", int)
-g(H, "--lr", "peak learning rate", float)
-g(H, "--min-lr", "learning rate floor after decay", float, default=0.0)
-g(H, "--lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD", str,
-  choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"), default="linear")
-g(H, "--lr-wsd-decay-style", "WSD's final annealing: exponential, linear, cosine or minus_sqrt", str,
-  choices=("exponential", "linear", "cosine", "minus_sqrt"), default="exponential")
-g(H, "--lr-wsd-decay-iters", "length of WSD's annealing phase in iterations", int)
-g(H, "--lr-wsd-decay-samples", "length of WSD's annealing phase in samples", int)
-g(H, "--lr-warmup-iters", "linear warmup, in iterations", int, default=0)
-g(H, "--lr-warmup-samples", "linear warmup, in samples", int, default=0)
-g(H, "--lr-warmup-fraction", "warmup as a fraction of the decay", float)
-g(H, "--lr-warmup-tokens", "Megatron-DeepSpeed: warmup in tokens", int)
-g(H, "--lr-warmup-init", "learning rate at the start of warmup", float, default=0.0)
-g(H, "--lr-decay-iters", "decay ends here (iterations, warmup included)", int)
-g(H, "--lr-decay-samples", "decay ends here (samples, warmup included)", int)
-g(H, "--lr-decay-tokens", "Megatron-DeepSpeed: decay ends here (tokens, warmup included)", int)
-g(H, ("--override-opt_param-scheduler", "--override-lr-scheduler"), "on resume, take the LR/WD schedule from "
-  "the command line instead of checking it against the checkpoint's", dest="override_opt_param_scheduler")
-g(H, ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"), "on resume, take the LR/WD "
-  "schedule from the checkpoint", dest="use_checkpoint_opt_param_scheduler")
+add_schedule_rows(g)
+mcore.add_schedule_rows(g)
 
 # ------------------------------------------------------------------------------------------ optimizer
 g = _group("optimizer and precision")
-g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, sgd, or muon (the 2-D weights "
-  "inside the transformer layers; embeddings, output layer, norms and biases take AdamW with the --adam-* flags)",
-  _lower, choices=("adam", "adamw", "sgd", "muon"), default="adam")
-g(H, "--sgd-momentum", "momentum of --optimizer sgd", float, default=0.9)
-g(H, "--muon-momentum", "Muon's momentum (an average: m = b m + (1 - b) g)", float, default=0.95)
-g(H, ("--muon-nesterov", "--muon-use-nesterov"), "Muon: Nesterov momentum (orthogonalise (1 - b) g + b m)",
-  dest="muon_nesterov")
-g(H, "--muon-num-ns-steps", "Muon: Newton-Schulz iterations (quintic, coefficients 3.4445, -4.775, 2.0315)", int,
-  default=5)
-g(H, "--muon-scale-mode", "Muon's update scale for an out x in matrix: spectral sqrt(max(out, in)), "
-  "unit_rms_norm sqrt(out/in), shape_scaling sqrt(max(1, out/in))", _lower,
-  choices=("spectral", "unit_rms_norm", "shape_scaling"), default="spectral")
-g(H, "--muon-extra-scale-factor", "Muon: a further factor on the update (Moonlight's 0.2 matches AdamW's RMS "
-  "with spectral)", float, default=1.0)
-g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K and V matrices apart (the "
-  "default)", dest="muon_split_qkv")
-g(H, "--muon-no-split-qkv", "Muon: orthogonalise the fused QKV weight as one matrix", dest="muon_split_qkv",
-  store_false=True)
-g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix), distributed "
-  "(the owners run Newton-Schulz on their TP blocks together, summing Gram matrices over TP: nothing gathered, "
-  "no TP rank repeats the others' work); both equal one process; blockwise (Newton-Schulz on each TP block: "
-  "the update depends on the TP size)", _lower, choices=("duplicated", "blockwise", "distributed"),
-  default="duplicated")
-g(H, "--muon-scalar-optimizer", "the optimizer of the parameters Muon does not take: adam (AdamW)", _lower,
-  choices=("adam",), default="adam")
-g(H, "--muon-fp32-matmul-prec", "torch's float32 matmul precision inside Newton-Schulz (medium/high allow "
-  "TF32/bf16 passes on GPUs)", _lower, choices=("highest", "high", "medium"), default="highest")
-g(H, "--qk-clip", "QK-clip (Kimi K2's MuonClip): after each update, heads whose largest attention logit over "
-  "the step exceeded --qk-clip-threshold get their query and key weights scaled down to it (any optimizer; "
-  "context parallel size 1)")
-g(H, "--qk-clip-threshold", "QK-clip's threshold on the largest attention logit", float, default=100.0)
-g(H, "--qk-clip-alpha", "QK-clip's balance: queries scale by eta^alpha, keys by eta^(1 - alpha)", float,
-  default=0.5)
-g(H, "--log-max-attention-logit", "log the model's largest attention logit (max_attention_logit) at each log "
-  "interval (one extra QK^T per attention, without gradient)")
-g(H, "--muon-ns-dtype", "Muon: the dtype Newton-Schulz runs in (bf16 is torch.optim.Muon's)", _lower,
-  choices=("fp32", "bf16"), default="fp32")
-g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "
-  "live on the host and step there (zero_optimization.offload_optimizer device cpu; ZeRO stage >= 1)")
-g(H, "--optimizer-offload-fraction", "fraction of the optimizer state offloaded by --optimizer-cpu-offload, by whole "
-  "groups in model order (offload_optimizer.ratio)", float, default=1.0)
-g(H, "--weight-decay", "decoupled weight decay (not on biases and norms)", float, default=0.01)
-g(H, "--start-weight-decay", "weight decay at the start of the weight-decay schedule", float)
-g(H, "--end-weight-decay", "weight decay at the end of training", float)
-g(H, "--weight-decay-incr-style", "constant, linear or cosine increase from start to end", str,
-  choices=("constant", "linear", "cosine"), default="constant")
-g(H, "--clip-grad", "global gradient-norm clip (0 disables)", float, default=1.0)
-g(H, "--adam-beta1", "Adam beta1", float, default=0.9)
-g(H, "--adam-beta2", "Adam beta2", float, default=0.999)
-g(H, "--adam-eps", "Adam epsilon", float, default=1e-08)
-g(H, "--bf16", "bf16 training with fp32 master weights")
-g(H, "--fp16", "fp16 training with fp32 master weights and loss scaling")
-g(H, "--loss-scale", "static fp16 loss scale (default dynamic); with --deepspeed_config the JSON's fp16 block "
-  "governs, as in Megatron-DeepSpeed", float)
-g(H, "--initial-loss-scale", "dynamic loss scale start", float, default=2.0 ** 32)
-g(H, "--min-loss-scale", "dynamic loss scale floor", float, default=1.0)
-g(H, "--loss-scale-window", "good steps before the scale grows", int, default=1000)
-g(H, "--hysteresis", "overflows tolerated before the scale shrinks", int, default=2)
-g(H, "--accumulate-allreduce-grads-in-fp32", "accumulate and reduce gradients in fp32 "
-  "(data_types.grad_accum_dtype fp32)")
-g(H, "--seed", "random seed", int, default=1234)
+add_optimizer_rows(g)
+mcore.add_precision_rows(g)
 
 # ----------------------------------------------------------------------------------------------- data
 g = _group("data and tokenizer")
+_NO_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "MultimodalTokenizer",
+                  "NullMultimodalTokenizer", "SFTTokenizer")
 g(H, "--data-path", "PREFIX, 'P1 P2 ...' (blended by size, as megatron-core) or 'W1 P1 W2 P2 ...'", str, nargs="+")
 g(H, "--train-data-path", "training data only (with --valid-data-path/--test-data-path instead of --split)",
   str, nargs="+")
@@ -375,18 +321,23 @@ g(H, "--eod-mask-loss", "no loss on end-of-document tokens")
 g(H, "--tokenizer-type", "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, GPT2BPETokenizer "
   "(default, as Megatron's pretrain_gpt.py), HuggingFaceTokenizer, HFTokenizer, NullTokenizer", str,
   choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
-           "HuggingFaceTokenizer", "HFTokenizer", "NullTokenizer"))
+           "HuggingFaceTokenizer", "HFTokenizer", "NullTokenizer") + _NO_TOKENIZERS,
+  refuse_values=tuple((v, f"--tokenizer-type {v} does not exist in megazero: a GPT's tokenizers are the other "
+                          "choices (HuggingFaceTokenizer reads most)") for v in _NO_TOKENIZERS))
 g(H, "--tokenizer-model", "SentencePiece model file or Hugging Face tokenizer directory", str)
 g(H, "--vocab-file", "GPT-2 BPE vocab.json", str)
 g(H, "--merge-file", "GPT-2 BPE merges.txt", str)
 g(H, "--vocab-size", "NullTokenizer's vocabulary; with other tokenizers an override", int)
 g(H, "--vocab-extra-ids", "extra sentinel tokens added to the tokenizer", int, default=0)
 
+mcore.add_data_rows(g)
+
 # ---------------------------------------------------------------------------------------- checkpoints
 g = _group("checkpoints and run control")
 g(H, "--save", "checkpoint directory", str)
 g(H, "--load", "resume from this directory", str)
-g(H, "--save-interval", "iterations between checkpoints (without --save: no checkpoints, one warning)", int)
+g(H, ("--save-interval", "--persistent-save-interval"), "iterations between checkpoints (without --save: no "
+  "checkpoints, one warning)", int, dest="save_interval")
 g(M, "--pretrained-checkpoint", "megazero: initial weights from a full checkpoint (tools/convert_from_hf.py)", str)
 g(H, "--finetune", "load only the weights from --load; iteration, samples, optimizer and RNG start afresh")
 g(H, "--no-load-optim", "do not load the optimizer state (moments) from --load")
@@ -433,6 +384,8 @@ g(H, "--skip-train", "no training: only evaluate (validation and test) the loade
 g(H, "--eval-interval", "iterations between validations", int, default=1000)
 g(H, "--eval-iters", "batches per validation and test evaluation", int, default=100)
 
+mcore.add_checkpoint_rows(g)
+
 # -------------------------------------------------------------------------------------------- logging
 g = _group("logging")
 g(H, "--log-interval", "iterations between log lines", int, default=100)
@@ -474,6 +427,11 @@ g(M, "--metrics-file", "megazero: JSONL metrics (default SAVE/metrics.jsonl)", s
 g(M, "--generate-prompt", "megazero: sample from the model at the end of training", str)
 g(M, "--generate-tokens", "megazero: tokens to sample", int, default=32)
 
+mcore.add_logging_rows(g)
+
+# ------------------------------------------------------- Megatron-LM features megazero does not have
+add_absent_groups(_group)
+
 FLAGS: tuple[Flag, ...] = tuple(_ROWS)
 del _ROWS, g
 
@@ -508,20 +466,26 @@ def _given(ns: argparse.Namespace, flag: Flag) -> bool:
 
 
 def refusals(ns: argparse.Namespace) -> list[str]:
-    """Messages for every refused flag or refused value present in ``ns`` (empty: nothing refused)."""
-    out = []
-    seen = set()
+    """Messages for every refused flag or refused value present in ``ns`` (empty: nothing refused); refused flags
+    that share a message share its line."""
+    lines: list[tuple[list[str], str]] = []  # (refused flags given, message): flags [] for a refused value
+    by_message: dict[str, list[str]] = {}
     for f in FLAGS:
         value = getattr(ns, f.attr, None)
         if value is None:
             continue
-        if f.status == REFUSED and f.attr not in seen:
-            seen.add(f.attr)
-            out.append(f"{f.names[0]}: {f.meaning}")
-        for bad, message in f.refuse_values:
-            if value == bad:
-                out.append(message)
-    return out
+        if f.status == REFUSED:
+            if f.meaning not in by_message:
+                by_message[f.meaning] = []
+                lines.append((by_message[f.meaning], f.meaning))
+            if f.names[0] not in by_message[f.meaning]:
+                by_message[f.meaning].append(f.names[0])
+        lines += [([], message) for bad, message in f.refuse_values if value == bad]
+        if f.several is not None and isinstance(value, list):
+            lines.append(([], f"{f.names[0]} {' '.join(map(_shown, value))}: {f.several}"))
+        elif f.only is not None and value not in f.only:
+            lines.append(([], f"{f.names[0]} {_shown(value)}: {f.meaning}"))
+    return [f"{', '.join(flags)}: {message}" if flags else message for flags, message in lines]
 
 
 def _spelling(f: Flag) -> str:
@@ -535,6 +499,11 @@ def _spelling(f: Flag) -> str:
     return names
 
 
+def _table(rows: list[list[Any]]) -> list[str]:
+    return [f"| {', '.join(names)} | {status} | {shown} | {meaning.replace('|', '/')} |"
+            for names, status, shown, meaning in rows]
+
+
 def flags_markdown() -> str:
     """docs/flags.md: the flag table and the DeepSpeed JSON key table."""
     from megazero.training.ds_keys import DS_KEYS
@@ -546,17 +515,34 @@ def flags_markdown() -> str:
              "mechanism named. **refused**: the run stops before any process group starts, with the message shown. "
              "Nothing is silently ignored. **default**: the value in force when the flag is not given (blank: "
              "none, or it comes from the data, the preset or the DeepSpeed JSON). `pretrain_gpt.py --help` lists the "
-             "honoured and mapped flags, less the mapped ones accepted with no effect.", ""]
-    current = None
+             "honoured and mapped flags, less the mapped ones accepted with no effect.", "",
+             "Every flag of Megatron-LM's `megatron/training/arguments.py` has a row: a test holds this table against "
+             "the list in `tests/training/megatron_lm_flags.txt` (its header names the Megatron-LM commit; "
+             "`scripts/megatron_flag_list.py` writes it from Megatron-LM's own parser), so a new Megatron-LM flag "
+             "fails a test rather than a launch. Accepted with no effect are only the flags that choose how Megatron "
+             "computes or communicates what megazero computes too, with the same result (a fused kernel, a bucket "
+             "size), and switches that turn off something megazero does not do; a flag that asks for a capability "
+             "megazero lacks is refused, naming what to use. The groups \"not in megazero\" hold the Megatron-LM "
+             "features megazero does not have.", ""]
+    current, rows = None, []  # rows: [spellings, status, default, meaning] of the group's table
     for f in FLAGS:
         if f.group != current:
-            current = f.group
+            lines += _table(rows)
+            current, rows = f.group, []
             lines += ["", f"## {current}", "", "| flag | status | default | meaning / megazero |", "|---|---|---|---|"]
         meaning = f.meaning
         if f.refuse_values:
             meaning += " Refused values: " + "; ".join(f"`{v}`" for v, _ in f.refuse_values) + "."
+        if f.several is not None:
+            meaning += " One value: several are refused."
+        if f.only is not None:
+            meaning = meaning.rstrip(".") + ". Only: " + ", ".join(f"`{_shown(v)}`" for v in f.only) + "."
         shown = "" if f.default is None else f"`{_shown(f.default)}`"
-        lines.append(f"| {_spelling(f)} | {f.status} | {shown} | {meaning.replace('|', '/')} |")
+        if rows and rows[-1][1:] == [f.status, shown, meaning]:  # refused flags sharing a message: one row
+            rows[-1][0].append(_spelling(f))
+        else:
+            rows.append([[_spelling(f)], f.status, shown, meaning])
+    lines += _table(rows)
     lines += ["", "## DeepSpeed JSON keys (`--deepspeed_config`)", "",
               "**ignored** keys tune DeepSpeed's own internals and mean nothing here: they are accepted and listed "
               "in one line at start-up. Any key not in this table is refused as unknown.", "",

@@ -135,7 +135,7 @@ def test_original_175b_pipeline_layout_refused_with_the_numbers():
 @pytest.mark.parametrize("extra, message", [
     ("--num-experts 8 --mlp-type residual", "--mlp-type residual (DeepSpeed's PR-MoE"),
     ("--num-experts 8 --moe-token-dropping", "--moe-token-dropping: DeepSpeed-MoE's switch"),
-    ("--fp8-format hybrid", "--fp8-format: FP8 training does not exist in megazero; use --bf16"),
+    ("--fp8-format hybrid", "--fp8-format: FP8 and FP4 training do not exist in megazero yet; use --bf16"),
     ("--transformer-impl transformer_engine", "Transformer Engine does not exist in megazero"),
     ("--no-save-optim", "--no-save-optim: megazero checkpoints always hold the optimizer"),
     ("--partition-activations", "use --sequence-parallel"),

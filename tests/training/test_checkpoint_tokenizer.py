@@ -73,6 +73,14 @@ def test_checkpoint_records_the_tokenizer_and_convert_to_hf_exports_it(tmp_path,
     assert {f"tokenizer/{n}" for n in recorded} <= set(manifest)
     assert not any(name.endswith(".partial") for name in os.listdir(save))
 
+    from megazero.training import ConfigError, parse_args
+
+    resume = argv("--load", str(save)) + ["--data-path", "corpus"]  # file data: the tokenizer is needed
+    resume.remove("--mock-data")
+    assert parse_args(resume, 2, check_files=False).data.vocab_file == str(it / "tokenizer" / "vocab.json")
+    with pytest.raises(ConfigError, match="GPT2BPETokenizer .* needs --vocab-file"):  # the default, not the recorded
+        parse_args(resume + ["--no-use-tokenizer-model-from-checkpoint-args"], 2, check_files=False)
+
     out = tmp_path / "hf"
     assert load_tool("convert_to_hf").main(["--input", str(save), "--output", str(out)]) == 0
     hf_config = json.load(open(out / "config.json"))

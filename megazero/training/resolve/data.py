@@ -46,6 +46,39 @@ def _tokenizer_files(t: str, ns: argparse.Namespace) -> list[tuple[str, Optional
             "NullTokenizer": []}.get(t, [])
 
 
+def read_data_args_files(ns: argparse.Namespace, check_files: bool) -> None:
+    """--data-args-path / --per-split-data-args-path (Megatron's get_blend_and_blend_per_split): the --data-path words,
+    or the --train/valid/test-data-path words of a JSON file's "train", "valid" and "test", read into ``ns`` in
+    place of the flags, before anything checks the data flags. A file that is not there is refused, or left
+    unread without ``check_files`` (a plan made for another machine)."""
+    import json
+
+    for flag_name, path, flags in (("--data-args-path", ns.data_args_path, ("data_path",)),
+                                   ("--per-split-data-args-path", ns.per_split_data_args_path,
+                                    ("train_data_path", "valid_data_path", "test_data_path"))):
+        if path is None:
+            continue
+        given = [f"--{f.replace('_', '-')}" for f in flags if getattr(ns, f)]
+        if given:
+            raise ConfigError(f"{flag_name} {path} stands for {' and '.join(given)}: give one of them")
+        if not os.path.isfile(path):
+            if check_files:
+                raise ConfigError(f"{flag_name} {path}: no such file")
+            continue
+        text = open(path).read()
+        if len(flags) == 1:
+            ns.data_path = text.split()
+            continue
+        try:
+            splits = json.loads(text)
+            words = {split: splits[split] for split in ("train", "valid", "test")}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{flag_name} {path}: need a JSON object with \"train\", \"valid\" and \"test\" "
+                              f"(each a string or a list of weights and prefixes): {e!r}") from None
+        for split, value in words.items():
+            setattr(ns, f"{split}_data_path", value.split() if isinstance(value, str) else [str(w) for w in value])
+
+
 def _default_note(ns: argparse.Namespace) -> str:
     return " (the default without --tokenizer-type, as Megatron's pretrain_gpt.py)" if ns.tokenizer_type is None else ""
 

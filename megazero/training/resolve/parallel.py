@@ -76,6 +76,10 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
                           "choose a2a+p2p")
     ep, etp = _expert_parallel(ns, tp, world_size // (tp * cp * pp), cp)
     zero_stage = ns.zero_stage
+    fsdp_stage = _fully_sharded_stage(ns)
+    if zero_stage is None and fsdp_stage is not None:
+        zero_stage = fsdp_stage
+        notes.append(f"--use-megatron-fsdp: ZeRO stage {fsdp_stage} (fully sharded data parallel)")
     if ns.use_distributed_optimizer:
         if zero_stage == 0:
             raise ConfigError("--use-distributed-optimizer (optimizer states sharded over data parallel, i.e. "
@@ -128,10 +132,16 @@ def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConf
                                   f"--virtual-pipeline-model-parallel-size is {v_given}; give one of them")
         if v < 1:
             raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}")
+        _account_for_ends(ns, par, model.num_layers, v)
         layers_per_chunk_table(model.num_layers, par.pp, v, par.decoder_first_pipeline_num_layers,
                                par.decoder_last_pipeline_num_layers)
     except PipelineSplitError as e:
         raise ConfigError(f"pipeline layout: {e}") from None
+    group = ns.microbatch_group_size_per_virtual_pipeline_stage
+    if v > 1 and group is not None and group != par.pp:
+        raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: megazero's interleaved 1F1B "
+                          f"runs micro-batches in groups of pp = {par.pp} (Megatron's default); pass {par.pp} or drop "
+                          "the flag")
     m = schedule.grad_accum_steps
     if v > 1:
         per_micro = schedule.micro_batch_size * par.dp
@@ -144,6 +154,49 @@ def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConf
                     f"micro-batches (global batch / (micro batch {schedule.micro_batch_size} x dp {par.dp})); use a "
                     f"--global-batch-size giving a multiple of {par.pp} micro-batches, or drop the virtual stages")
     par.virtual_pp = v
+
+
+_SHARDING_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _fully_sharded_stage(ns: argparse.Namespace) -> Optional[int]:
+    """The ZeRO stage --use-megatron-fsdp / --use-torch-fsdp2 mean (--data-parallel-sharding-strategy's, by default
+    Megatron-FSDP's optim_grads_params: 3); None without them. A --zero-stage that disagrees is refused."""
+    strategy = ns.data_parallel_sharding_strategy
+    if not ns.use_megatron_fsdp:
+        if strategy is not None:
+            raise ConfigError(f"--data-parallel-sharding-strategy {strategy} is Megatron-FSDP's: add "
+                              "--use-megatron-fsdp, or give the ZeRO stage with --zero-stage")
+        return None
+    stage = _SHARDING_STAGES[strategy or "optim_grads_params"]
+    if ns.zero_stage is not None and ns.zero_stage != stage:
+        raise ConfigError(f"--use-megatron-fsdp with sharding {strategy or 'optim_grads_params'} is ZeRO stage "
+                          f"{stage}, which contradicts --zero-stage {ns.zero_stage}; drop one of them")
+    return stage
+
+
+def _account_for_ends(ns: argparse.Namespace, par: ParallelConfig, num_layers: int, v: int) -> None:
+    """--account-for-embedding/loss-in-pipeline-split (Megatron-core's split, the embedding and the loss counted
+    as a layer each): the first / last stage's layers, (num_layers + counted) / pp - 1."""
+    ends = [(flag, stage) for flag, stage, given in (
+        ("--account-for-embedding-in-pipeline-split", "first", ns.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", "last", ns.account_for_loss_in_pipeline_split)) if given]
+    if not ends:
+        return
+    names = " and ".join(flag for flag, _ in ends)
+    if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
+        raise ConfigError(f"{names} with --decoder-first/last-pipeline-num-layers: give one way to split the layers "
+                          "(Megatron refuses both too)")
+    if v > 1:
+        raise ConfigError(f"{names} with {v} virtual pipeline stages: megazero splits each stage's layers evenly over "
+                          "its chunks; give --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+                          f"(multiples of {v}) instead")
+    counted = num_layers + len(ends)
+    if counted % par.pp:
+        raise ConfigError(f"{names}: {num_layers} layers + {len(ends)} = {counted} is not divisible by "
+                          f"--pipeline-model-parallel-size {par.pp}")
+    for _, stage in ends:
+        setattr(par, f"decoder_{stage}_pipeline_num_layers", counted // par.pp - 1)
 
 
 def pipeline_plan_line(config: TrainConfig) -> str:

@@ -1,4 +1,5 @@
-"""Precision: bf16 / fp16 / fp32, and the fp16 loss scaler (flags or the DeepSpeed JSON's fp16 block)."""
+"""Precision: bf16 / fp16 / fp32, the gradients' accumulation and reduction dtypes, and the fp16 loss scaler
+(flags or the DeepSpeed JSON's fp16 block)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def resolve_precision(ns: argparse.Namespace, ds: Optional[dict[str, Any]], ds_p
         raise ConfigError("--bf16 and --fp16 are mutually exclusive; choose one (bf16 needs no loss scaling)")
     dtype = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32"
     prec = PrecisionConfig(dtype=dtype, accumulate_grads_fp32=bool(ns.accumulate_allreduce_grads_in_fp32))
+    _gradient_dtypes(ns, prec, ds or {})
     block = (ds or {}).get("fp16")
     if dtype == "fp16" and isinstance(block, dict):
         # As in Megatron-DeepSpeed, the JSON's fp16 block drives DeepSpeed's loss scaler and the
@@ -60,3 +62,33 @@ def resolve_precision(ns: argparse.Namespace, ds: Optional[dict[str, Any]], ds_p
         raise ConfigError(f"need --min-loss-scale > 0, --loss-scale-window >= 1, --hysteresis >= 1; got "
                           f"{prec.min_loss_scale}, {prec.loss_scale_window}, {prec.hysteresis}")
     return prec
+
+
+def _agreed(what: str, given: dict[str, str]) -> Optional[str]:
+    """The one value the sources in ``given`` (source -> dtype) name, or None when none does."""
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"the {what}: " + ", ".join(f"{source} {value}" for source, value in given.items())
+                          + " disagree; give it once")
+    return next(iter(given.values()), None)
+
+
+def _gradient_dtypes(ns: argparse.Namespace, prec: PrecisionConfig, ds: dict[str, Any]) -> None:
+    """Megatron's gradient dtype flags: --main-grads-dtype, --megatron-fsdp-main-grads-dtype and --grad-reduce-in-bf16
+    set the accumulation dtype, --megatron-fsdp-grad-comm-dtype the reduction's ('auto': left as is). They must
+    agree with each other, with --accumulate-allreduce-grads-in-fp32 and with the DeepSpeed JSON."""
+    from megazero.zero.config import parse_communication_data_type
+
+    accum = {flag: value for flag, value in (("--main-grads-dtype", ns.main_grads_dtype),
+                                             ("--megatron-fsdp-main-grads-dtype", ns.megatron_fsdp_main_grads_dtype),
+                                             ("--grad-reduce-in-bf16", "bf16" if ns.grad_reduce_in_bf16 else None))
+             if value not in (None, "auto")}
+    prec.grad_accum_dtype = _agreed("gradient accumulation dtype", dict(
+        accum, **({"--accumulate-allreduce-grads-in-fp32": "fp32"} if accum and prec.accumulate_grads_fp32 else {}),
+        **({"data_types.grad_accum_dtype (DeepSpeed JSON)": ds["data_types"]["grad_accum_dtype"]}
+           if accum and ds.get("data_types", {}).get("grad_accum_dtype") else {})))
+    comm = ns.megatron_fsdp_grad_comm_dtype
+    if comm not in (None, "auto"):
+        json_comm = parse_communication_data_type(ds.get("communication_data_type"))
+        prec.grad_comm_dtype = _agreed("gradient reduction dtype", dict(
+            {"--megatron-fsdp-grad-comm-dtype": comm},
+            **({"communication_data_type (DeepSpeed JSON)": json_comm} if json_comm else {})))

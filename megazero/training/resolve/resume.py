@@ -137,6 +137,8 @@ def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool
     one: its type and files set in ``ns``. Whether it did."""
     if ns.tokenizer_type is not None or ns.tokenizer_model or ns.vocab_file or ns.merge_file:
         return False
+    if ns.no_use_tokenizer_model_from_checkpoint_args:  # the tokenizer flags are then required
+        return False
     source = start_checkpoint(ns)
     if source is None:
         return False
@@ -214,6 +216,9 @@ def resolve_checkpoint(ns: argparse.Namespace, notes: list[str], check_files: bo
         pretrained = ns.load
         notes.append(f"--load {ns.load}: full weights (no 'latest'): the run starts from them, as with "
                      "--pretrained-checkpoint, at iteration 0")
+    if ns.exit_on_missing_checkpoint and ns.load is not None and check_files and start_checkpoint(ns) != ns.load:
+        raise ConfigError(f"--exit-on-missing-checkpoint: --load {ns.load} holds no checkpoint (no 'latest', full "
+                          "weights or torch_dist iteration); fix the path, or drop the flag to start from scratch")
     save_interval = ns.save_interval
     if save_interval is not None and save_interval < 1:
         raise ConfigError(f"--save-interval must be >= 1, got {save_interval}")

@@ -1,0 +1,121 @@
+"""The flag table's rows of the groups "batch and schedule" and "optimizer and precision" (Megatron-LM's flags and
+megazero's own, Muon and QK-clip among them). ``flags`` calls each ``add_*`` inside its group; each
+``g(status, names, meaning, type, **kw)`` adds one row (see ``flags.Flag``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["add_schedule_rows", "add_optimizer_rows"]
+
+H, M, R = "honoured", "mapped", "refused"
+
+
+def _lower(s: str) -> str:
+    return s.lower()
+
+
+def add_schedule_rows(g: Callable[..., Any]) -> None:
+    """Group "batch and schedule": batch sizes, run length, the learning-rate schedule."""
+    g(H, "--micro-batch-size", "sequences per rank per forward", int)
+    g(H, "--global-batch-size", "sequences per optimizer step", int)
+    g(H, "--rampup-batch-size", "START INCR SAMPLES: the global batch grows from START by INCR every "
+      "SAMPLES / ((global - START) / INCR) consumed samples; the LR schedule advances by the samples consumed. "
+      "Also with --train-iters (Megatron-LM asserts against that, yet its GPT-3 175B example combines them)",
+      int, nargs=3, metavar=("START", "INCR", "SAMPLES"))
+    g(H, "--train-iters", "iterations to train", int)
+    g(H, "--train-samples", "samples to train (sample-based schedule)", int)
+    g(H, "--train-tokens", "Megatron-DeepSpeed: stop once this many tokens were consumed (with --train-samples)", int)
+    g(H, "--lr", "peak learning rate", float)
+    g(H, "--min-lr", "learning rate floor after decay", float, default=0.0)
+    g(H, "--lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD", str,
+      choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"), default="linear")
+    g(H, "--lr-wsd-decay-style", "WSD's final annealing: exponential, linear, cosine or minus_sqrt", str,
+      choices=("exponential", "linear", "cosine", "minus_sqrt"), default="exponential")
+    g(H, "--lr-wsd-decay-iters", "length of WSD's annealing phase in iterations", int)
+    g(H, "--lr-wsd-decay-samples", "length of WSD's annealing phase in samples", int)
+    g(H, "--lr-warmup-iters", "linear warmup, in iterations", int, default=0)
+    g(H, "--lr-warmup-samples", "linear warmup, in samples", int, default=0)
+    g(H, "--lr-warmup-fraction", "warmup as a fraction of the decay", float)
+    g(H, "--lr-warmup-tokens", "Megatron-DeepSpeed: warmup in tokens", int)
+    g(H, "--lr-warmup-init", "learning rate at the start of warmup", float, default=0.0)
+    g(H, "--lr-decay-iters", "decay ends here (iterations, warmup included)", int)
+    g(H, "--lr-decay-samples", "decay ends here (samples, warmup included)", int)
+    g(H, "--lr-decay-tokens", "Megatron-DeepSpeed: decay ends here (tokens, warmup included)", int)
+    g(H, ("--override-opt_param-scheduler", "--override-opt-param-scheduler", "--override-lr-scheduler"),
+      "on resume, take the LR/WD schedule from the command line instead of checking it against the checkpoint's",
+      dest="override_opt_param_scheduler")
+    g(H, ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+          "--use-checkpoint-lr-scheduler"), "on resume, take the LR/WD schedule from the checkpoint", dest="use_checkpoint_opt_param_scheduler")
+
+
+def add_optimizer_rows(g: Callable[..., Any]) -> None:
+    """Group "optimizer and precision": the optimizers, weight decay and clipping, the precision and loss scaling."""
+    g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, sgd, or muon (the 2-D "
+      "weights inside the transformer layers; embeddings, output layer, norms and biases take AdamW with the --adam-* flags)",
+      _lower, choices=("adam", "adamw", "sgd", "muon", "dist_muon", "adaptive_muon", "lion", "soap"), default="adam",
+      refuse_values=(("dist_muon", "--optimizer dist_muon: use --optimizer muon, which megazero runs distributed under "
+                                   "every ZeRO stage (--muon-tp-mode for tensor-parallel matrices)"),
+                     *((v, f"--optimizer {v}: {name} does not exist in megazero; use adam, adamw, sgd or muon")
+                       for v, name in (("adaptive_muon", "adaptive Muon"), ("lion", "Lion"), ("soap", "SOAP")))))
+    g(H, "--sgd-momentum", "momentum of --optimizer sgd", float, default=0.9)
+    g(H, "--muon-momentum", "Muon's momentum (an average: m = b m + (1 - b) g)", float, default=0.95)
+    g(H, ("--muon-nesterov", "--muon-use-nesterov"), "Muon: Nesterov momentum (orthogonalise (1 - b) g + b m)",
+      dest="muon_nesterov")
+    g(H, "--muon-num-ns-steps", "Muon: Newton-Schulz iterations (quintic, coefficients 3.4445, -4.775, 2.0315)", int,
+      default=5)
+    g(H, "--muon-scale-mode", "Muon's update scale for an out x in matrix: spectral sqrt(max(out, in)), "
+      "unit_rms_norm sqrt(out/in), shape_scaling sqrt(max(1, out/in))", _lower,
+      choices=("spectral", "unit_rms_norm", "shape_scaling"), default="spectral")
+    g(H, "--muon-extra-scale-factor", "Muon: a further factor on the update (Moonlight's 0.2 matches AdamW's RMS "
+      "with spectral)", float, default=1.0)
+    g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K and V matrices apart (the "
+      "default)", dest="muon_split_qkv")
+    g(H, "--muon-no-split-qkv", "Muon: orthogonalise the fused QKV weight as one matrix", dest="muon_split_qkv",
+      store_false=True)
+    g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix), distributed "
+      "(the owners run Newton-Schulz on their TP blocks together, summing Gram matrices over TP: nothing gathered, "
+      "no TP rank repeats the others' work); both equal one process; blockwise (Newton-Schulz on each TP block: "
+      "the update depends on the TP size)", _lower, choices=("duplicated", "blockwise", "distributed"),
+      default="duplicated")
+    g(H, "--muon-scalar-optimizer", "the optimizer of the parameters Muon does not take: adam (AdamW)", _lower,
+      choices=("adam", "lion"), default="adam",
+      refuse_values=(("lion", "--muon-scalar-optimizer lion: Lion does not exist in megazero; use adam"),))
+    g(H, "--muon-fp32-matmul-prec", "torch's float32 matmul precision inside Newton-Schulz (medium/high allow "
+      "TF32/bf16 passes on GPUs)", _lower, choices=("highest", "high", "medium", "low"), default="highest",
+      refuse_values=(("low", "--muon-fp32-matmul-prec low: torch's float32 matmul precision is highest, high or "
+                             "medium; pass one of them"),))
+    g(H, "--qk-clip", "QK-clip (Kimi K2's MuonClip): after each update, heads whose largest attention logit over "
+      "the step exceeded --qk-clip-threshold get their query and key weights scaled down to it (any optimizer; "
+      "context parallel size 1)")
+    g(H, "--qk-clip-threshold", "QK-clip's threshold on the largest attention logit", float, default=100.0)
+    g(H, "--qk-clip-alpha", "QK-clip's balance: queries scale by eta^alpha, keys by eta^(1 - alpha)", float,
+      default=0.5)
+    g(H, "--log-max-attention-logit", "log the model's largest attention logit (max_attention_logit) at each log "
+      "interval (one extra QK^T per attention, without gradient)")
+    g(H, "--muon-ns-dtype", "Muon: the dtype Newton-Schulz runs in (bf16 is torch.optim.Muon's)", _lower,
+      choices=("fp32", "bf16"), default="fp32")
+    g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "
+      "live on the host and step there (zero_optimization.offload_optimizer device cpu; ZeRO stage >= 1)")
+    g(H, "--optimizer-offload-fraction", "fraction of the optimizer state offloaded by --optimizer-cpu-offload, by "
+      "whole groups in model order (offload_optimizer.ratio)", float, default=1.0)
+    g(H, "--weight-decay", "decoupled weight decay (not on biases and norms)", float, default=0.01)
+    g(H, "--start-weight-decay", "weight decay at the start of the weight-decay schedule", float)
+    g(H, "--end-weight-decay", "weight decay at the end of training", float)
+    g(H, "--weight-decay-incr-style", "constant, linear or cosine increase from start to end", str,
+      choices=("constant", "linear", "cosine"), default="constant")
+    g(H, "--clip-grad", "global gradient-norm clip (0 disables)", float, default=1.0)
+    g(H, "--adam-beta1", "Adam beta1", float, default=0.9)
+    g(H, "--adam-beta2", "Adam beta2", float, default=0.999)
+    g(H, "--adam-eps", "Adam epsilon", float, default=1e-08)
+    g(H, "--bf16", "bf16 training with fp32 master weights")
+    g(H, "--fp16", "fp16 training with fp32 master weights and loss scaling")
+    g(H, "--loss-scale", "static fp16 loss scale (default dynamic); with --deepspeed_config the JSON's fp16 block "
+      "governs, as in Megatron-DeepSpeed", float)
+    g(H, "--initial-loss-scale", "dynamic loss scale start", float, default=2.0 ** 32)
+    g(H, "--min-loss-scale", "dynamic loss scale floor", float, default=1.0)
+    g(H, "--loss-scale-window", "good steps before the scale grows", int, default=1000)
+    g(H, "--hysteresis", "overflows tolerated before the scale shrinks", int, default=2)
+    g(H, "--accumulate-allreduce-grads-in-fp32", "accumulate and reduce gradients in fp32 "
+      "(data_types.grad_accum_dtype fp32)")
+    g(H, "--seed", "random seed", int, default=1234)
