@@ -39,7 +39,7 @@ from megazero.cli.planning import plan_config, planning_parser, tool_args  # noq
 from megazero.observe.plan_devices import DEVICES, Cluster, device_preset  # noqa: E402
 from megazero.observe.plan_search import (MEMORY_TERMS,  # noqa: E402
                                           Family, Plan, Restrictions, SearchResult, describe_layout,
-                                          family_reason, layout_args, search)
+                                          family_reason, grown_terms, layout_args, search, slower_because)
 from megazero.observe.plan_time import GEMM_EFFICIENCY, TIME_TERMS  # noqa: E402
 from megazero.observe.planner import GiB, plan_of  # noqa: E402
 from megazero.training.arguments import build_parser as pretrain_parser  # noqa: E402
@@ -76,6 +76,8 @@ def _add_own(add: Callable) -> None:
     add("--no-context-parallel", action="store_true", help="never context parallelism")
     add("--no-offload", action="store_true", help="never optimizer offload (tried where nothing else fits)")
     add("--top", type=int, default=10, help="plans printed and written to --json")
+    add("--verbose", action="store_true",
+        help="every other family on a line of its own (default: grouped by why they lost)")
     add("--json", metavar="PATH", help="write plans and rejected families as JSON")
     add("--rehearse", type=int, default=0, metavar="K",
         help="rehearse the top K plans (tools/rehearse.py; the first, the largest and the last pipeline stage): "
@@ -171,17 +173,21 @@ def _validated(result: SearchResult, words: list[str], world: int, top: int) -> 
         except (ConfigError, ValueError) as e:
             lay = plan.layout
             result.families.append(Family(key=(lay.tp, lay.cp, lay.pp, lay.ep, lay.etp),
-                                          invalid=f"{describe_layout(lay)}: pretrain_gpt.py refuses it: {e}"))
+                                          invalid=f"{describe_layout(lay)}: pretrain_gpt.py refuses it: {e}",
+                                          rule="pretrain_gpt.py refuses the flags"))
     return out
 
 
 def _table(plans: list[Plan], peak: float) -> list[str]:
-    head = (f"{'#':>2} {'layout':<58} {'step s':>8} {'TFLOP/s':>8} {'MFU':>5} {'peak GiB':>9}  "
-            + " ".join(f"{t:>9}" for t in TIME_TERMS))
+    """The plans, fastest first; a ``host GiB`` column (per GPU) when one of them offloads."""
+    host = any(p.layout.offload_optimizer for p in plans)
+    head = (f"{'#':>2} {'layout':<58} {'step s':>8} {'TFLOP/s':>8} {'MFU':>5} {'peak GiB':>9}"
+            + (f" {'host GiB':>9}" if host else "") + "  " + " ".join(f"{t:>9}" for t in TIME_TERMS))
     lines = [head]
     for i, p in enumerate(plans, 1):
         lines.append(f"{i:>2} {describe_layout(p.layout):<58} {p.step_time_s:>8.3f} {p.tflops_per_gpu:>8.1f} "
-                     f"{100 * p.mfu(peak):>4.1f}% {p.memory.device_total / GiB:>9.2f}  "
+                     f"{100 * p.mfu(peak):>4.1f}% {p.memory.device_total / GiB:>9.2f}"
+                     + (f" {p.memory.host_total / GiB:>9.2f}" if host else "") + "  "
                      + " ".join(f"{p.time.terms[t]:>9.3f}" for t in TIME_TERMS))
     return lines
 
@@ -191,6 +197,9 @@ def _explain(best: Plan, words: list[str], cluster: Cluster) -> list[str]:
     t, m = best.time.terms, best.memory_terms()
     stages = best.stage_peak_bytes
     nodes = max(cluster.world // cluster.gpus_per_node, 1)
+    host = [f"  host {best.memory.host_total / GiB:.2f} GiB per GPU for the offloaded optimizer state (the "
+            f"preset's {cluster.device.host_memory_gib:g} GiB per GPU; --host-memory-gb)"] \
+        if best.layout.offload_optimizer else []
     return [
         f"chosen: {describe_layout(best.layout)}",
         f"  step {best.step_time_s:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in t.items() if v)
@@ -199,9 +208,51 @@ def _explain(best: Plan, words: list[str], cluster: Cluster) -> list[str]:
             f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in m.items() if v)
         + f" (stage {best.memory.pipeline.get('worst_stage', 0)}; per stage: "
         + ", ".join(f"{b / GiB:.1f}" for b in stages) + " GiB without NCCL)",
+        *host,
         f"  launch: torchrun --nnodes {nodes} --nproc-per-node {min(cluster.gpus_per_node, cluster.world)} "
         f"pretrain_gpt.py {shlex.join(words + layout_args(best.layout))}",
     ]
+
+
+def _family_key(f: Family) -> str:
+    tp, cp, pp, ep, etp = f.key
+    return f"tp {tp} cp {cp} pp {pp}" + (f" ep {ep} etp {etp}" if etp is not None else "")
+
+
+def _why_lost(f: Family, best: Plan) -> str:
+    """The group ``f`` falls in: the rule it breaks, no fit, or the time term that grew most."""
+    if f.invalid:
+        return f"cannot run, {f.rule}"
+    if f.best is None:
+        return "fits at no setting"
+    grown = grown_terms(f.best, best)
+    return f"slower, most by {grown[0][0]}" if grown else "slower by under 0.5 % in each term"
+
+
+def _others(families: list[Family], best: Plan, verbose: bool) -> list[str]:
+    """The families that lost: one line each with ``verbose``, else one line per reason (how many, and the
+    nearest or an example)."""
+    others = [f for f in families if f.best is not best]
+    if verbose:
+        return ["the other families (tp, cp, pp, ep):"] + [f"  {_family_key(f)}: {family_reason(f, best)}"
+                                                           for f in others]
+    groups: dict[str, list[Family]] = {}
+    for f in others:  # in the search's order: the fastest first, then those that fit nowhere, then the invalid
+        groups.setdefault(_why_lost(f, best), []).append(f)
+    lines = [f"the other {len(others)} families (tp, cp, pp, ep) by why they lost (--verbose: each):"]
+    for why, fams in groups.items():
+        n = f"{len(fams)} famil{'y' if len(fams) == 1 else 'ies'}"
+        first = fams[0]
+        if first.best is not None:
+            worst = max(f.best.step_time_s for f in fams) / best.step_time_s - 1
+            lines.append(f"  {why}: {n}, up to {100 * worst:.1f} % slower; the nearest, {_family_key(first)}, "
+                         f"{slower_because(first.best, best)}")
+        elif not first.invalid:
+            closest = min(fams, key=lambda f: f.closest.shortfall if f.closest else float("inf"))
+            lines.append(f"  {why}: {n}; the closest, {_family_key(closest)}: {family_reason(closest, best)}")
+        else:
+            lines.append(f"  {why}: {n}, such as {_family_key(first)}: {first.invalid}")
+    return lines
 
 
 def _plan_json(p: Plan, words: list[str], peak: float) -> dict:
@@ -211,7 +262,8 @@ def _plan_json(p: Plan, words: list[str], peak: float) -> dict:
                 micro_batch_size=lay.micro_batch_size, offload_optimizer=lay.offload_optimizer,
                 microbatches=p.time.microbatches, step_time_s=p.step_time_s, tflops_per_gpu=p.tflops_per_gpu,
                 mfu=p.mfu(peak), peak_bytes=max(p.stage_peak_bytes), stage_peak_bytes=p.stage_peak_bytes,
-                peak_bytes_with_nccl=p.memory.device_total, fits=p.fits, time_terms=p.time.terms,
+                peak_bytes_with_nccl=p.memory.device_total, host_bytes=p.memory.host_total, fits=p.fits,
+                time_terms=p.time.terms,
                 memory_terms=p.memory_terms(), args=words + layout_args(lay))
 
 
@@ -309,13 +361,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     best = plans[0]
     shown = plans[:own.top]
     write_output("\n".join(_table(shown, peak) + _explain(best, rest, cluster)))
+    write_output("\n".join(_others(result.families, best, own.verbose)))
     reasons = [(f, family_reason(f, best)) for f in result.families]
-    write_output("the other families (tp, cp, pp, ep):")
-    for f, why in reasons:
-        if f.best is not best:
-            write_output(f"  tp {f.key[0]} cp {f.key[1]} pp {f.key[2]}" + (f" ep {f.key[3]} etp {f.key[4]}"
-                                                                          if f.key[4] is not None else "")
-                         + f": {why}")
     rehearsed = []
     if own.rehearse:
         write_output(f"rehearsing the top {min(own.rehearse, len(plans))} plans (tools/rehearse.py):")

@@ -115,6 +115,7 @@ class Family:
     best: Optional[Plan] = None  # the fastest fitting
     closest: Optional[Plan] = None  # the smallest shortfall when none fits
     invalid: str = ""  # why the sizes cannot run at all
+    rule: str = ""  # the rule ``invalid`` breaks, a few words alike for every family that breaks it
 
 
 @dataclass
@@ -186,8 +187,10 @@ def _why_not(config: GPTConfig, tp: int) -> str:
         return str(e)
 
 
-def _families(config: GPTConfig, cluster: Cluster, r: Restrictions, gbs: int) -> Iterator[tuple[tuple, str]]:
-    """(tp, cp, pp, ep, etp) families and why each cannot run ('' when it can)."""
+def _families(config: GPTConfig, cluster: Cluster, r: Restrictions,
+              gbs: int) -> Iterator[tuple[tuple, tuple[str, str]]]:
+    """(tp, cp, pp, ep, etp) families and why each cannot run: (the rule it breaks, the reason), empty
+    strings when it can."""
     world, L, s = cluster.world, config.num_layers, config.seq_length
     moe = bool(moe_layers(config))
     for tp in ([r.tp] if r.tp else [d for d in _divisors(world) if d <= cluster.gpus_per_node]):
@@ -203,17 +206,22 @@ def _families(config: GPTConfig, cluster: Cluster, r: Restrictions, gbs: int) ->
                     for etp in etps:
                         key = (tp, cp, pp, ep, etp)
                         if world % (tp * cp * pp):
-                            yield key, f"tp x cp x pp = {tp * cp * pp} does not divide the world of {world}"
+                            yield key, ("the sizes do not divide the world",
+                                        f"tp x cp x pp = {tp * cp * pp} does not divide the world of {world}")
                             continue
                         dp = world // (tp * cp * pp)
                         why = _why_not(_model_at(config, tp), tp)
+                        rule = "the model does not split over tp" if why else ""
                         if not why and L % pp and uneven_split(L, pp) is None:
+                            rule = "the layers do not split over pp"
                             why = f"{L} layers do not split over pp {pp}, evenly or with lighter end stages"
                         if not why and gbs % dp:
+                            rule = "dp does not divide the batch"
                             why = f"global batch {gbs} is not divisible by dp {dp}"
                         if not why and moe and (tp * cp * dp) % (ep * etp):
+                            rule = "ep x etp does not divide a stage's ranks"
                             why = f"ep {ep} x etp {etp} does not divide the stage's {tp * cp * dp} ranks"
-                        yield key, why
+                        yield key, (rule, why)
 
 
 def evaluate(config: GPTConfig, lay: Layout, cluster: Cluster, base: dict, *, global_batch_size: int,
@@ -280,14 +288,15 @@ def search(config: GPTConfig, cluster: Cluster, base: dict, *, global_batch_size
     r, gbs = restrictions, global_batch_size
     plans, families, evaluated = [], [], 0
     kw = dict(global_batch_size=gbs, precision=precision, optimizer=optimizer)
-    for key, why in _families(config, cluster, r, gbs):
-        fam = Family(key=key, invalid=why)
+    for key, (rule, why) in _families(config, cluster, r, gbs):
+        fam = Family(key=key, invalid=why, rule=rule)
         families.append(fam)
         if why:
             continue
         layouts = list(_layouts(key, config, cluster, r, gbs, base.get("flash_attn", True)))
         if not layouts:
             per_rank = gbs // (cluster.world // (key[0] * key[1] * key[2]))
+            fam.rule = "no micro-batch size splits the batch"
             fam.invalid = (f"no micro-batch size{f' {r.micro_batch_size}' if r.micro_batch_size else ''} splits each "
                            f"data-parallel rank's {per_rank} sequences as the schedule needs")
             continue
@@ -313,11 +322,17 @@ def search(config: GPTConfig, cluster: Cluster, base: dict, *, global_batch_size
     return SearchResult(plans=plans, families=families, evaluated=evaluated, closest=None if plans else closest)
 
 
+def grown_terms(plan: Plan, best: Plan) -> list[tuple[str, float]]:
+    """The time terms of ``plan`` that exceed ``best``'s by more than 0.5 % of its step, as (term, excess
+    over ``best``'s step), the largest first."""
+    diffs = ((k, (plan.time.terms[k] - best.time.terms[k]) / best.step_time_s) for k in TIME_TERMS)
+    return sorted(((k, d) for k, d in diffs if d > 0.005), key=lambda kd: -kd[1])
+
+
 def slower_because(plan: Plan, best: Plan) -> str:
     """``'12.3 % slower: bubble +8.1 %, tp +3.0 %'``: the terms that grew most against ``best``."""
     ratio = plan.step_time_s / best.step_time_s - 1
-    diffs = sorted(((plan.time.terms[k] - best.time.terms[k]) / best.step_time_s, k) for k in TIME_TERMS)
-    grown = [f"{k} +{100 * d:.1f} %" for d, k in reversed(diffs) if d > 0.005][:2]
+    grown = [f"{k} +{100 * d:.1f} %" for k, d in grown_terms(plan, best)[:2]]
     return f"{100 * ratio:.1f} % slower" + (f": {', '.join(grown)}" if grown else "")
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-import random
 from dataclasses import replace
 
 import pytest
@@ -11,13 +11,14 @@ import pytest
 from megazero.cli import plan as plan_cli
 from megazero.cli.planning import plan_config
 from megazero.observe.plan_devices import Cluster, device_preset
-from megazero.observe.plan_record import (KORTHIKANTI_2022, NARAYANAN_2021, calibrated_gemm_efficiency, row_plan,
-                                          row_search)
-from megazero.observe.plan_search import (Restrictions, _divisors, _families, evaluate, layout_args, search,
-                                          uneven_split)
+from megazero.observe.plan_record import (KORTHIKANTI_2022, NARAYANAN_2021, NARAYANAN_2021_SWEEPS,
+                                          NARAYANAN_2021_TABLE2, calibrated_gemm_efficiency, constant_baseline,
+                                          predicted_tflops, row_best, row_plan, row_search, sweep_result)
+from megazero.observe.plan_search import MIN_CP_TOKENS, Restrictions, evaluate, layout_args, search, uneven_split
 from megazero.observe.plan_time import GEMM_EFFICIENCY, TIME_TERMS, Layout
 from megazero.observe.planner import GiB, plan_of
 from megazero.training.arguments import parse_args
+from megazero.training.config import ConfigError
 
 
 def _model(layers: int, heads: int, hidden: int, seq: int, gbs: int, *extra: str):
@@ -28,63 +29,72 @@ def _model(layers: int, heads: int, hidden: int, seq: int, gbs: int, *extra: str
     return words, config, plan_of(config)
 
 
-def _brute_force(config, cluster, base, gbs, keep_all: bool = False):
-    """Every layout of every valid family, no pruning: (the fastest that fits, how many fit); with
-    ``keep_all`` (every plan, how many)."""
-    best, fitting, L, every = None, 0, config.num_layers, []
-    for (tp, cp, pp, ep, etp), why in _families(config, cluster, Restrictions(), gbs):
-        if why:
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _launches(words: list[str], lay: Layout, world: int, parser) -> bool:
+    """Whether pretrain_gpt.py's command line accepts ``lay`` at ``world`` ranks (the independent judge)."""
+    try:
+        plan_config(words + layout_args(lay), world, parser)
+        return True
+    except (ConfigError, ValueError):
+        return False
+
+
+def _every_plan(words, config, base, cluster, gbs) -> list:
+    """Every layout of every size pretrain_gpt.py accepts, evaluated: no pruning, none of the search's rules
+    on what may run; only the search's two declared priors (TP within a node, MIN_CP_TOKENS per CP rank)
+    and Megatron's uneven split bound it."""
+    parser, world, L, experts = plan_cli.build_parser(), cluster.world, config.num_layers, config.num_experts or 0
+    plans = []
+    for tp, cp, pp in itertools.product(_divisors(world), repeat=3):
+        if world % (tp * cp * pp) or tp > cluster.gpus_per_node or (cp > 1 and config.seq_length // cp < MIN_CP_TOKENS):
             continue
-        dp = cluster.world // (tp * cp * pp)
         ends = uneven_split(L, pp) if L % pp else None
-        for vpp in ([v for v in _divisors(L // pp)] if pp > 1 and not ends else [1]):
-            for zero in (0, 1, 2, 3):
-                for sp in (False, True):
-                    for rc in (None, "selective", "full"):
-                        for b in _divisors(gbs // dp):
-                            for offload in (False, True):
-                                m = gbs // (b * dp)
-                                if (sp and tp == 1) or (vpp > 1 and m % pp) or (offload and not zero) or \
-                                        (not sp and tp > 1 and etp not in (None, tp)):
-                                    continue
-                                lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, zero_stage=zero,
-                                             sequence_parallel=sp, recompute=rc, micro_batch_size=b,
-                                             offload_optimizer=offload,
-                                             first_stage_layers=ends[0] if ends else None,
-                                             last_stage_layers=ends[1] if ends else None)
-                                plan = evaluate(config, lay, cluster, base, global_batch_size=gbs, precision="bf16",
-                                                optimizer="adamw")
-                                every.append(plan)
-                                if plan.shortfall <= 0:
-                                    fitting += 1
-                                    if best is None or plan.step_time_s < best.step_time_s:
-                                        best = plan
-    return (every, len(every)) if keep_all else (best, fitting)
+        for ep, etp in itertools.product(_divisors(experts), _divisors(world)) if experts else [(1, None)]:
+            family = Layout(tp=tp, pp=pp, dp=world // (tp * cp * pp), cp=cp, ep=ep, etp=etp,
+                            first_stage_layers=ends and ends[0], last_stage_layers=ends and ends[1])
+            if not any(_launches(words, replace(family, sequence_parallel=sp), world, parser) for sp in (False, True)):
+                continue
+            for vpp, zero, sp, rc, b, offload in itertools.product(
+                    _divisors(L // pp) if pp > 1 and not ends else [1], (0, 1, 2, 3), (False, True),
+                    (None, "selective", "full"), _divisors(gbs // family.dp), (False, True)):
+                if offload and not zero:  # nothing to offload without a ZeRO partition
+                    continue
+                lay = replace(family, vpp=vpp, zero_stage=zero, sequence_parallel=sp, recompute=rc,
+                              micro_batch_size=b, offload_optimizer=offload)
+                plans.append(evaluate(config, lay, cluster, base, global_batch_size=gbs, precision="bf16",
+                                      optimizer="adamw"))
+    return plans
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_search_picks_what_brute_force_picks(seed):
-    rng = random.Random(seed)
-    heads = rng.choice([4, 8])
-    layers = rng.choice([4, 6, 7])
-    moe = ["--num-experts", "4", "--moe-router-topk", "2"] if seed % 2 else []
-    world = rng.choice([4, 8])
-    words, config, base = _model(layers, heads, 32 * heads, rng.choice([1024, 2048]), 16, *moe)
-    # a device on which about half the layouts fit
-    roomy = Cluster(world, 4, device_preset("h100-80gb"), reserve_gib=0.0)
-    everything, _ = _brute_force(config.model, roomy, base, 16, keep_all=True)
-    median = sorted(p.memory.device_total for p in everything)[len(everything) // 2]
-    cluster = replace(roomy, device=device_preset("h100-80gb", memory_gib=median / GiB))
-    found = search(config.model, cluster, base, global_batch_size=16, precision="bf16")
-    best, fitting = _brute_force(config.model, cluster, base, 16)
-    assert best is not None and found.plans, "the case should have fitting layouts"
-    assert 0 < fitting < len(everything)
+@pytest.mark.parametrize("layers,heads,hidden,seq,experts,share,gbs", [
+    (6, 16, 2048, 2048, 0, 0.3, 16),  # tp 2 ZeRO-3 SP, full recompute
+    (4, 16, 4096, 4096, 0, 0.1, 8),  # tp 4 pp 2
+    (7, 8, 4096, 1024, 4, 0.3, 8),  # experts: ep 4 etp 2, optimizer offload (pp 4 splits the 7 layers unevenly)
+])
+def test_search_picks_what_brute_force_picks(layers, heads, hidden, seq, experts, share, gbs):
+    """On a device where ``share`` of all layouts fit, the search's pick is the fastest layout that fits among
+    every one pretrain_gpt.py launches, and it launches."""
+    moe = ["--num-experts", str(experts), "--moe-router-topk", "2"] if experts else []
+    words, config, base = _model(layers, heads, hidden, seq, gbs, *moe)
+    roomy = Cluster(8, 4, device_preset("h100-80gb"), reserve_gib=0.0)
+    plans = _every_plan(words, config.model, base, roomy, gbs)
+    memory = sorted(p.memory.device_total for p in plans)[int(share * len(plans))]
+    cluster = replace(roomy, device=device_preset("h100-80gb", memory_gib=memory / GiB))
+    fits = [p for p in plans if p.memory.device_total <= cluster.usable_bytes and p.memory.host_total <= p.host]
+    fitting = sorted(fits, key=lambda p: p.step_time_s)
+    parser = plan_cli.build_parser()
+    best = next(p for p in fitting if _launches(words, p.layout, 8, parser))
+    found = search(config.model, cluster, base, global_batch_size=gbs, precision="bf16")
     assert found.plans[0].step_time_s == pytest.approx(best.step_time_s, rel=1e-12), (found.plans[0].layout,
                                                                                      best.layout)
+    assert _launches(words, found.plans[0].layout, 8, parser)
     assert [p.step_time_s for p in found.plans] == sorted(p.step_time_s for p in found.plans)
 
 
-def test_time_and_memory_terms_sum_and_json_plans_launch(tmp_path, capsys):
+def test_json_plans_launch_their_layout(tmp_path, capsys):
     out = tmp_path / "plans.json"
     words, _, _ = _model(4, 4, 128, 1024, 32)
     rc = plan_cli.main(["--world-size", "8", "--gpus-per-node", "4", "--gpu", "a100-80gb", "--device-memory-gb",
@@ -95,7 +105,6 @@ def test_time_and_memory_terms_sum_and_json_plans_launch(tmp_path, capsys):
     assert plans and [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
     for p in plans:
         assert set(p["time_terms"]) == set(TIME_TERMS)
-        assert sum(p["time_terms"].values()) == pytest.approx(p["step_time_s"], rel=1e-12)
         assert sum(p["memory_terms"].values()) == pytest.approx(p["peak_bytes_with_nccl"], rel=1e-12)
         assert p["peak_bytes"] == max(p["stage_peak_bytes"]) and len(p["stage_peak_bytes"]) == p["pp"]
         assert p["dp"] == 8 // (p["tp"] * p["pp"] * p["cp"]) and p["fits"]
@@ -107,7 +116,44 @@ def test_time_and_memory_terms_sum_and_json_plans_launch(tmp_path, capsys):
         assert (cfg.model.recompute_granularity or "none") == p["recompute"]
     assert doc["rejected"] and all(r["reason"] for r in doc["rejected"])
     text = capsys.readouterr().out
-    assert "chosen:" in text and "launch: torchrun" in text and "the other families" in text
+    assert "chosen:" in text and "launch: torchrun" in text
+
+
+def test_the_other_families_are_grouped_and_verbose_lists_each(tmp_path, capsys):
+    """By default one line per reason a family lost, every family counted once; --verbose one line each."""
+    out = tmp_path / "plans.json"
+    words, _, _ = _model(6, 4, 128, 1024, 16)
+    argv = ["--world-size", "8", "--json", str(out), *words]
+    assert plan_cli.main(argv) == 0
+    text = capsys.readouterr().out.splitlines()
+    rejected = json.loads(out.read_text())["rejected"]
+    groups = text[text.index(next(line for line in text if line.startswith("the other"))) + 1:]
+    counts = [int(line.split(": ")[1].split()[0]) for line in groups]
+    assert sum(counts) == len(rejected) and len(groups) < len(rejected) and len(text) <= 150
+    assert len({line.split(": ")[0] for line in groups}) == len(groups)  # each reason once
+    assert plan_cli.main(argv + ["--verbose"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    listed = text[text.index("the other families (tp, cp, pp, ep):") + 1:]
+    assert len(listed) == len(rejected)
+    assert all(line == f"  tp {r['tp']} cp {r['cp']} pp {r['pp']}: {r['reason']}" for line, r in zip(listed, rejected))
+
+
+def test_an_offloading_plan_says_its_host_memory(tmp_path, capsys):
+    words, config, base = _model(4, 8, 256, 1024, 16)
+    cluster = Cluster(8, 8, device_preset("h100-80gb"))
+    lay = Layout(tp=1, pp=1, dp=8, zero_stage=1, micro_batch_size=1)
+    one = evaluate(config.model, lay, cluster, base, global_batch_size=16, precision="bf16", optimizer="adamw")
+    offloaded = evaluate(config.model, replace(lay, offload_optimizer=True), cluster, base, global_batch_size=16,
+                         precision="bf16", optimizer="adamw").memory
+    memory = (one.memory.device_total - one.memory.optimizer / 2) / GiB  # room only with the state offloaded
+    out = tmp_path / "plans.json"
+    assert plan_cli.main(["--world-size", "8", "--device-memory-gb", f"{memory:.6f}", "--memory-reserve-gb", "0",
+                          "--tp", "1", "--pp", "1", "--zero-stage", "1", "--micro-batch-size", "1", "--recompute",
+                          "none", "--json", str(out), *words]) == 0
+    text = capsys.readouterr().out
+    [plan] = json.loads(out.read_text())["plans"]
+    assert plan["offload_optimizer"] and plan["host_bytes"] == offloaded.host_total > 0
+    assert "host GiB" in text and f"host {offloaded.host_total / GiB:.2f} GiB per GPU" in text
 
 
 def test_tflops_count_narayanan_and_mfu_the_causal_half():
@@ -124,24 +170,46 @@ def test_the_calibrated_constant_is_the_one_in_the_code():
     assert calibrated_gemm_efficiency() == pytest.approx(GEMM_EFFICIENCY, abs=0.002)
 
 
-def test_narayanan_table_1_layouts_and_throughput():
-    """Restricted to 2021's features, the published (tp, pp) is among the three fastest families for at least
-    8 of the 10 rows, and the published layout's predicted TFLOP/s per GPU is within 15 % on every row."""
-    in_top3 = 0
-    for row in NARAYANAN_2021:
-        assert row_plan(row).tflops_per_gpu == pytest.approx(row.tflops, rel=0.15), row.name
-        ranked = [(f.key[0], f.key[2]) for f in row_search(row).families if f.best]
-        in_top3 += (row.tp, row.pp) in ranked[:3]
+def test_narayanan_table_1_beats_the_best_constant():
+    """Table 1 without its calibration row (a validation set: the constants were chosen with it in view). A
+    constant TFLOP/s, even the best one in hindsight (5.6 % mean), fails these bounds, as does the time model
+    before its per-layer overhead (4.8 % mean, 10.2 % max, recalibrated); the published (tp, pp) is among the
+    planner's three fastest families for at least 8 of the 10 rows."""
+    rows = NARAYANAN_2021[1:]
+    errors = [abs(row_plan(row).tflops_per_gpu / row.tflops - 1) for row in rows]
+    constant = min(sum(abs(c / row.tflops - 1) for row in rows) / len(rows) for c in (r.tflops for r in rows))
+    mean = sum(errors) / len(errors)
+    assert mean < 0.045 and max(errors) < 0.10 and mean < 0.8 * constant, (mean, max(errors), constant)
+    in_top3 = sum((row.tp, row.pp) in [(f.key[0], f.key[2]) for f in row_search(row).families if f.best][:3]
+                  for row in NARAYANAN_2021)
     assert in_top3 >= 8
 
 
-def test_korthikanti_table_5_step_times_out_of_sample():
+def test_korthikanti_table_5_step_times():
+    """Table 5 shaped the per-layer overhead (a validation set); the form it replaced misses by 12.3 % mean,
+    22.2 % max."""
     errors = []
     for row in KORTHIKANTI_2022:
         for plan, measured in ((row_plan(row), row.step_full_s),
                                (row_plan(row, recompute="selective", sequence_parallel=True), row.step_selective_s)):
             errors.append(plan.step_time_s / measured - 1)
     assert max(map(abs, errors)) < 0.10 and sum(map(abs, errors)) / len(errors) < 0.05, errors
+
+
+def test_held_out_record():
+    """Published measurements the model was never chosen on: Narayanan et al. 2021's Table 2 (PTD-P) is
+    predicted closer than Table 1's mean utilization predicts it, with its fall in throughput as the GPUs
+    double at a fixed batch; Figure 13's finding, tensor parallelism up to the node, holds at both batch
+    sizes. (What does not hold is in docs/benchmarks.md.)"""
+    predicted = {row: predicted_tflops(row, row_best(row)) for row in NARAYANAN_2021_TABLE2}
+    ours = [abs(p / row.tflops - 1) for row, p in predicted.items()]
+    constant = [abs(constant_baseline(row) / row.tflops - 1) for row in predicted]
+    assert sum(ours) < sum(constant), (ours, constant)
+    for name in ("174.6B", "529.6B"):
+        by_gpus = [predicted[row] for row in NARAYANAN_2021_TABLE2 if row.name == name]
+        assert by_gpus == sorted(by_gpus, reverse=True)
+    figure_13 = sweep_result(NARAYANAN_2021_SWEEPS[0])
+    assert [holds for _, _, holds in figure_13] == [True, True], figure_13
 
 
 def test_groups_land_on_nvlink_or_the_network():
