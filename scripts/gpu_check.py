@@ -24,6 +24,8 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
    CUDA; the CPU flash op in the dry run) computing a GQA causal attention block by block, as a
    context-parallel rank does: forward blocks merged by their log-sum-exp, each block's backward given
    the merged output and LSE; output and gradients within :data:`RING_RTOL` of fp64 math attention.
+   ``ring_kernels_dropout``: the CUDA kernels with their own dropout (Philox state kept for backward)
+   equal torch's SDPA with dropout from the same generator state, output and gradients.
    ``moe_layer``: the mixture-of-experts layer (router, token dropping, a gated shared expert, the
    load-balancing loss's gradient, the padded dispatch) on the device against the CPU's per-expert
    loop in fp32, within :data:`MOE_RTOL`; the experts as grouped matmuls against the device's loop in
@@ -339,7 +341,7 @@ def _blockwise_attention(q, k, v, kernel, chunks: int):
     blocks = [(i, j) for i in range(chunks) for j in range(i + 1)]
     for i, j in blocks:
         rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-        o, l_ = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], i == j, scale)
+        o, l_, _ = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], i == j, scale)
         new = torch.logaddexp(lse[:, :, rows], l_.float())
         out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new).unsqueeze(-1)
                            + o.float() * torch.exp(l_.float() - new).unsqueeze(-1))
@@ -379,6 +381,39 @@ def check_ring_kernels() -> str:
             worst = max(worst, err)
         out.append(f"{name} {str(dtype).split('.')[-1]} {worst:.1e}")
     return "block-merged GQA causal attention vs fp64, worst relative error: " + ", ".join(out)
+
+
+def check_ring_kernels_dropout() -> str:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megazero.model.attention.ring_kernels import block_kernel
+
+    dev = device()
+    if dev.type != "cuda":
+        raise Skip("the CUDA ops' own dropout (the CPU's math kernel draws its masks: tests/model)")
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for name, dtype, backend in [("cuda_flash", torch.bfloat16, SDPBackend.FLASH_ATTENTION),
+                                 ("cuda_efficient", torch.float32, SDPBackend.EFFICIENT_ATTENTION)]:
+        q, k, v, dout = (torch.randn(2, 8, 512, 128, device=dev, generator=g, dtype=dtype) for _ in range(4))
+        kernel = block_kernel(name, q, dropout=True)
+        torch.cuda.manual_seed(7)
+        o, lse, rng = kernel.forward(q, k, v, True, 128 ** -0.5, 0.1)
+        grads = kernel.backward(dout, q, k, v, o, lse, True, 128 ** -0.5, 0.1, rng)
+        ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        torch.cuda.manual_seed(7)  # torch's SDPA, the same op from the same generator state: the same masks
+        with sdpa_kernel(backend):
+            ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, dropout_p=0.1, is_causal=True)
+        ref_grads = torch.autograd.grad(ref, ref_in, dout)
+        worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                    for a, b in [(o, ref)] + list(zip(grads, ref_grads)))
+        assert worst <= RING_RTOL[dtype], \
+            f"{name} with dropout vs torch's SDPA: off by {worst:.2e} > {RING_RTOL[dtype]}"
+        undropped = kernel.forward(q, k, v, True, 128 ** -0.5)[0]
+        assert not torch.allclose(o, undropped), f"{name}: dropout 0.1 left the output unchanged"
+        out.append(f"{name} {worst:.1e}")
+    return "one causal block with the kernel's own dropout vs torch's SDPA from the same generator state: " + \
+        ", ".join(out)
 
 
 # ---- 5b: the mixture-of-experts layer -------------------------------------------------------------
@@ -639,6 +674,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("slow_collectives", check_slow_collectives),
     ("offload_bitwise", check_offload_bitwise),
     ("ring_kernels", check_ring_kernels),
+    ("ring_kernels_dropout", check_ring_kernels_dropout),
     ("moe_layer", check_moe_layer),
     ("attention_backends", check_attention_backends),
     ("apex_adam", check_apex_adam),

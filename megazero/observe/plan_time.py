@@ -5,9 +5,13 @@ Per pipeline stage and micro-batch (the slowest stage sets the pace):
 - **compute**: forward + backward (twice forward) of the stage's layers, head and multi-token prediction
   depths. Each GEMM class (attention projections, attention core, dense MLP, routed experts, logits) runs
   at ``GEMM_EFFICIENCY`` x peak, reduced along each of its three dimensions d by ``d / (d + GEMM_HALF_DIM)``
-  (small GEMMs fill the tensor cores worse); flash-style attention computes the causal half of the square,
-  the math kernel the whole of it. Each layer adds ``LAYER_OVERHEAD_S`` per micro-batch in forward (twice
-  in backward) for its kernels' launches and tails, which weigh on small micro-batches. Memory-bound work
+  (small GEMMs fill the tensor cores worse); flash-style attention computes the causal half of the square
+  (with Megatron's dropout too, at any cp: the fused kernels draw it), the math kernel the whole of it.
+  Attention dropout keyed by position (``--dropout-rng position``) runs the explicit formula in tiles at
+  any cp: the causal half in full fp32 (``MATH_FP32_SHARE`` of the TF32 peak) and ``KEYED_BYTES_PER_SCORE``
+  through HBM per score (the scores, their exponentials and each mask's 32-bit hash). Each layer adds
+  ``LAYER_OVERHEAD_S`` per micro-batch in forward (twice in backward) for its kernels' launches and tails,
+  which weigh on small micro-batches. Memory-bound work
   (norms, activations, dropout, softmax, the loss) moves ``ELEMENTWISE_PASSES`` x the bytes a layer keeps
   for backward (the planner's activation formula) through HBM, twice that in backward.
 - **recompute**: full recompute runs each layer's forward again, selective the attention core.
@@ -43,7 +47,7 @@ from megazero.observe.planner import MemoryEstimate
 from megazero.observe.planner_activations import activation_bytes_per_layer
 from megazero.observe.planner_offload import DTYPE_BYTES
 
-__all__ = ["Layout", "StepTime", "step_time", "TIME_TERMS", "GEMM_EFFICIENCY"]
+__all__ = ["Layout", "StepTime", "step_time", "attention_kernel", "TIME_TERMS", "GEMM_EFFICIENCY"]
 
 GEMM_EFFICIENCY = 0.780  # of peak for large GEMMs; calibrated: Narayanan et al. 2021 Table 1, 1.7B row
 GEMM_HALF_DIM = 48  # a GEMM dimension this long halves the efficiency along it (tensor-core tiles)
@@ -53,6 +57,11 @@ OVERLAP_SLOWDOWN = 0.1  # what overlapped communication still costs, as a share 
 LATENCY_S = (10e-6, 25e-6)  # per collective call: inside a node, across nodes
 OPTIMIZER_BYTES = 34.0  # AdamW over an fp32 partition: read master, grad, m, v and write master, m, v, weight
 HOST_ADAM_PARAMS_PER_S = 1e9  # CPU Adam (DeepSpeed-style, a GPU's share of the host's cores)
+MATH_FP32_SHARE = 1 / 8  # full fp32 (torch's default, no TF32) per TF32 peak: A100 19.5 / 156, H100 67 / 495 TFLOP/s
+# HBM bytes per score element of the keyed tiles, forward: a third of the ~600 that forward and backward move
+# (the time model's backward is twice forward): the mask's hash twice (~220 each: ten int64 passes of xor,
+# shift, multiply), the scores, their exponentials and the dropout factors (~160).
+KEYED_BYTES_PER_SCORE = 200.0
 
 TIME_TERMS = ("compute", "recompute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 
@@ -105,17 +114,40 @@ def _gemm(flops: float, m: float, n: float, k: float, peak: float) -> float:
     return flops / (peak * GEMM_EFFICIENCY * _f(m) * _f(max(n, 1)) * _f(max(k, 1)))
 
 
-def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: bool, peak: float, hbm: float,
-                   flash: bool, act_bytes: int) -> tuple[float, float]:
+def attention_kernel(c: GPTConfig, flash_attn: bool) -> str:
+    """The kernel a training step's attention core runs: 'keyed' (attention dropout keyed by position: the
+    explicit formula in tiles, at any cp), 'flash' (flash-attn or torch's fused ops, which draw Megatron's
+    dropout themselves at any cp) or 'math' (``--attention-backend unfused``)."""
+    if c.dropout_rng == "position" and c.attention_dropout > 0:
+        return "keyed"
+    return "flash" if flash_attn else "math"
+
+
+def _attention_core(c: GPTConfig, kernel: str, *, tokens: int, seq: int, t: int, peak: float, fp32: float,
+                    hbm: float, act_bytes: int) -> float:
+    """Forward seconds of the attention core of ``tokens`` queries over sequences ``seq`` long on ``t`` TP ranks:
+    q k^T and p v per head over the s x s square (flash and keyed: the causal half) and the kernel's passes."""
+    square = tokens * attention_square_flops_per_token(c, seq) / t
+    scores = c.num_attention_heads * tokens * seq / t  # elements of the whole square
+    d = min(c.qk_dim, c.v_dim)
+    if kernel == "keyed":
+        return _gemm(square / 2, seq, seq, d, fp32 * MATH_FP32_SHARE) + KEYED_BYTES_PER_SCORE * scores / 2 / hbm
+    if kernel == "flash":
+        return _gemm(square / 2, seq, seq, d, peak)
+    return _gemm(square, seq, seq, d, peak) + ELEMENTWISE_PASSES * (2 * act_bytes + 1) * scores / hbm  # its softmax
+
+
+def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: bool, peak: float, fp32: float,
+                   hbm: float, kernel: str, act_bytes: int) -> tuple[float, float]:
     """(forward seconds of one layer on one rank, of which the attention core) for ``tokens`` tokens of
-    sequences ``seq`` long (the whole sequence: CP splits the tokens, not the keys)."""
-    h, n, t = c.hidden_size, c.num_attention_heads, lay.tp
+    sequences ``seq`` long (the whole sequence: CP splits the tokens, not the keys); ``kernel``: the
+    attention core's (:func:`attention_kernel`)."""
+    h, t = c.hidden_size, lay.tp
     gate = 2 if c.activation == "swiglu" else 1
     proj = sum(r * k for r, k in attention_matrices(c))
     time = _gemm(2 * tokens * proj / t, tokens, proj / h / t, h, peak)
-    # attention core: q k^T and p v per head over the s x s square (flash: the causal half)
-    square = tokens * attention_square_flops_per_token(c, seq) / t
-    core = _gemm(square / 2 if flash else square, seq, seq, min(c.qk_dim, c.v_dim), peak)
+    core = _attention_core(c, kernel, tokens=tokens, seq=seq, t=t, peak=peak, fp32=fp32, hbm=hbm,
+                           act_bytes=act_bytes)
     if moe:
         fm, k, experts = c.moe_ffn_size, c.moe_router_topk, c.num_experts
         etp = lay.etp or t
@@ -131,8 +163,6 @@ def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: boo
     saved = activation_bytes_per_layer(kind, micro_batch_size=1, seq_length=tokens, tp=t,
                                        sequence_parallel=lay.sequence_parallel and t > 1, keep_attention_scores=False,
                                        act_bytes=act_bytes, expert_tp=lay.etp)
-    scores = 0.0 if flash else (2 * act_bytes + 1) * n * tokens * seq / t  # the math kernel's s x s softmax
-    core += ELEMENTWISE_PASSES * scores / hbm
     return time + core + ELEMENTWISE_PASSES * saved / hbm + LAYER_OVERHEAD_S, core
 
 
@@ -228,8 +258,8 @@ def step_time(config: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstim
         layers=c.num_layers, moe_layers=moe_layers(c), traffic=est.traffic, params=est.params_per_rank,
         expert_params=experts)]
     kw = dict(tokens=lay.micro_batch_size * c.seq_length // lay.cp, seq=c.seq_length,
-              peak=cluster.device.peak(precision), hbm=cluster.device.hbm_gbps * 1e9, flash=flash_attn,
-              act_bytes=DTYPE_BYTES[precision])
+              peak=cluster.device.peak(precision), fp32=cluster.device.peak("fp32"), hbm=cluster.device.hbm_gbps * 1e9,
+              kernel=attention_kernel(c, flash_attn), act_bytes=DTYPE_BYTES[precision])
     layer = dict(zip(("dense", "dense_core"), _layer_forward(c, lay, moe=False, **kw)))
     layer.update(zip(("moe", "moe_core"), _layer_forward(c, lay, moe=True, **kw) if moe_layers(c) else (0.0, 0.0)))
     per, seen = [], {}

@@ -245,7 +245,7 @@ g(H, "--dropout-rng", "where dropout masks come from: 'stream' (torch's generato
   "attention kernels' own, as Megatron; masks change with the layout) or 'position' (hidden dropout a function of "
   "sample, token index, feature and site, attention dropout of sample, global head, query and key index and layer: "
   "the same at every layout; attention with dropout then runs the explicit formula in tiles, not flash). Default: "
-  "position under --context-parallel-size > 1, else stream", _lower, choices=("stream", "position"))
+  "stream at every --context-parallel-size", _lower, choices=("stream", "position"))
 g(H, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x tensor-parallel size (GPT-2 "
   "at tp 4: 50688); a resume keeps the padded size of the checkpoint in --load", int, default=128)
 g(H, "--attention-backend", "attention kernel: auto, flash (flash-attn), fused (PyTorch SDPA), unfused/local "

@@ -130,13 +130,13 @@ class _Recorder:
     def __init__(self):
         self.seen = []
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, dropout_p=0.0):
         self.seen.append((q, k, v))
-        return _KERNELS["math"].forward(q, k, v, causal, scale)
+        return _KERNELS["math"].forward(q, k, v, causal, scale, dropout_p)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng=None):
         self.seen.append((dout, q, k, v, out))
-        return _KERNELS["math"].backward(dout, q, k, v, out, lse, causal, scale)
+        return _KERNELS["math"].backward(dout, q, k, v, out, lse, causal, scale, dropout_p, rng)
 
 
 @pytest.mark.parametrize("name", ["math", "cpu_flash", "one-width"])
@@ -147,7 +147,7 @@ def test_block_kernels_take_their_own_value_width(name, causal):
         for groups in (HEADS, 2):
             q, k, v, go = _inputs(S, groups, dv)
             qt, kt, vt = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out, lse = kernel.forward(qt, kt, vt, causal, 1 / math.sqrt(DQK))
+            out, lse, _ = kernel.forward(qt, kt, vt, causal, 1 / math.sqrt(DQK))
             dout = go.reshape(S, B, HEADS, dv).permute(1, 2, 0, 3)
             grads = kernel.backward(dout, qt, kt, vt, out, lse, causal, 1 / math.sqrt(DQK))
             allowed = _allowed(S) if causal else torch.ones(B, 1, S, S, dtype=torch.bool)
@@ -169,7 +169,7 @@ def test_cuda_kernels_keep_the_block_contract_with_their_own_value_width(name, d
     k = torch.empty(b, g, n, dqk, device="meta", dtype=dtype)
     v = torch.empty(b, g, n, dv, device="meta", dtype=dtype)
     kernel = _KERNELS[name]
-    out, lse = kernel.forward(q, k, v, True, 0.1)
+    out, lse, _ = kernel.forward(q, k, v, True, 0.1)
     assert out.shape == (b, h, n, dv) and out.dtype == dtype and lse.shape == (b, h, n)
     dq, dk, d_v = kernel.backward(torch.empty_like(out), q, k, v, out, lse, True, 0.1)
     assert (dq.shape, dk.shape, d_v.shape) == (q.shape, k.shape, v.shape)

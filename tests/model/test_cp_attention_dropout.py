@@ -96,8 +96,9 @@ def test_math_kernel_tiles_apply_the_masks_forward_and_backward(tile, causal):
     dout = torch.randn_like(ref)
     want = torch.autograd.grad(ref, (qt, kt, vt), dout)
     kernel = _MathKernel(tile_elements=tile)
-    out, lse = kernel.forward(qt, kt, vt, causal, 1 / math.sqrt(D), drop, (pos, pos), mask)
-    got = kernel.backward(dout, qt, kt, vt, out, lse, causal, 1 / math.sqrt(D), drop, (pos, pos), mask)
+    out, lse, _ = kernel.forward(qt, kt, vt, causal, 1 / math.sqrt(D), dropout=drop, positions=(pos, pos), mask=mask)
+    got = kernel.backward(dout, qt, kt, vt, out, lse, causal, 1 / math.sqrt(D), dropout=drop, positions=(pos, pos),
+                          mask=mask)
     assert _worst([out], [ref]) < 1e-12
     assert _worst(got, want) < 1e-12
 
@@ -176,3 +177,108 @@ def _a2a_kernel_masks():
 def test_a2a_takes_the_kernels_own_masks_from_the_model_parallel_stream():
     # --dropout-rng stream: Ulysses runs the fused kernel on the whole sequence, which draws its masks
     assert run_distributed(2, _a2a_kernel_masks) == [True, True]
+
+
+# ---- the kernels' own masks (--dropout-rng stream, the default: Megatron's, masks follow the layout) ----
+
+def _seeded(fn):
+    """``fn`` run from the same model-parallel stream each time (a forward's masks are a function of it)."""
+    from megazero.mpu.random import model_parallel_manual_seed
+
+    def run(*args):
+        model_parallel_manual_seed(3, tp_rank=0)
+        return fn(*args)
+    return run
+
+
+def test_math_kernel_draws_masks_that_scale_the_probabilities():
+    # One-hot values make the output the dropped probabilities themselves: out[i, j] = P_ij M_ij / (1 - p).
+    from megazero.model.attention.ring_attention import block_attention
+    from megazero.model.attention.ring_kernels import _MathKernel, register_block_kernel
+
+    register_block_kernel("math_7x7_tiles", _MathKernel(tile_elements=7 * 7 * HEADS))  # ragged tiles, several blocks
+    seq, layout = 48, zigzag_layout(48, 2)
+    q_runs, k_runs = layout.runs[0], sorted((r for runs in layout.runs for r in runs), key=lambda r: r[1])
+    rows = layout.positions(0)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(rows.numel(), 1, HEADS, D, generator=g, dtype=torch.float64)
+    k = torch.randn(seq, 1, GROUPS, D, generator=g, dtype=torch.float64)
+    eye = torch.eye(seq, dtype=torch.float64)[:, None, None, :].expand(seq, 1, GROUPS, seq)
+    attend = _seeded(lambda p: block_attention(q, k, eye, q_runs, k_runs, kernel="math_7x7_tiles", dropout_p=p)
+                     .view(-1, HEADS, seq))
+    probs, out = attend(0.0), attend(P)
+    kept = out != 0
+    assert torch.allclose(out[kept], probs[kept] / (1 - P), rtol=1e-12, atol=0)
+    causal = (rows[:, None, None] >= torch.arange(seq)[None, None, :]).expand_as(out)
+    assert torch.equal(probs != 0, causal)
+    dropped = (causal & ~kept).sum().item() / causal.sum().item()
+    assert abs(dropped - P) < 4 * (P * (1 - P) / causal.sum().item()) ** 0.5, dropped
+    assert torch.equal(out, attend(P))  # the same stream, the same masks
+
+
+def _directional_derivative(kind: str):
+    """One cp rank with the kernels' own masks: the derivative of sum(out . go) over all ranks along a
+    direction, from the gradients and from central differences of forwards drawn from the same stream
+    (relative difference); they agree only if backward applies forward's masks in every block of every
+    ring step and every tile."""
+    from megazero.model.attention.ring_kernels import _MathKernel, register_block_kernel
+
+    register_block_kernel("math_5x5_tiles", _MathKernel(tile_elements=5 * 5 * B * HEADS))
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, go = _inputs()
+    layout = zigzag_layout(S, cp)
+    shard = SequenceShard.from_rank_positions([layout.positions(r) for r in range(cp)], rank)
+    local = [split_for_rank(t.detach(), rank, cp, layout=layout) for t in (q, k, v)]
+    gen = torch.Generator().manual_seed(9)
+    direction = [split_for_rank(torch.randn(t.shape, generator=gen, dtype=t.dtype), rank, cp, layout=layout)
+                 for t in (q, k, v)]
+    go = split_for_rank(go, rank, cp, layout=layout)
+
+    @_seeded
+    def loss(*t):
+        if kind == "p2p":
+            out = ring_attention(*t, layout, None, kernel="math_5x5_tiles", dropout_p=P)
+        else:
+            out = allgather_attention(*t, shard, None, layout=layout, dropout_p=P)
+        return (out * go).sum()
+
+    x = [t.clone().requires_grad_() for t in local]
+    analytic = sum((g_ * d).sum() for g_, d in zip(torch.autograd.grad(loss(*x), x), direction))
+    eps = 1e-6
+    plus = loss(*(t + eps * d for t, d in zip(local, direction)))
+    minus = loss(*(t - eps * d for t, d in zip(local, direction)))
+    both = torch.stack([analytic, (plus - minus) / (2 * eps)]).detach()
+    dist.all_reduce(both)
+    return (both[0] - both[1]).abs().item() / both[0].abs().item()
+
+
+@pytest.mark.parametrize("kind", ["p2p", "allgather"])
+def test_exchanges_with_the_kernels_own_masks_backpropagate_through_the_masks_they_drew(kind):
+    assert max(run_distributed(2, _directional_derivative, kind)) < 1e-7
+
+
+@pytest.mark.parametrize("name, dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
+def test_cuda_kernels_draw_their_own_masks_and_replay_them_in_backward_on_meta(name, dtype):
+    """torch's CUDA ops with dropout, on meta tensors: the Philox state forward returns is what backward
+    takes (the values by scripts/gpu_check.sh)."""
+    from megazero.model.attention.ring_kernels import block_kernel
+
+    q = torch.empty(2, 8, 40, 64, device="meta", dtype=dtype)
+    k = torch.empty(2, 2, 40, 64, device="meta", dtype=dtype)
+    kernel = block_kernel(name, q, dropout=True)
+    out, lse, rng = kernel.forward(q, k, k, True, 0.125, 0.1)
+    assert rng is not None and out.shape == q.shape
+    dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, k, out, lse, True, 0.125, 0.1, rng)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+
+
+def test_auto_picks_a_kernel_that_draws_dropout():
+    from megazero.model.attention.ring_kernels import _KERNELS, block_kernel
+
+    gpu = torch.empty(1, 4, 16, 64, device="meta", dtype=torch.bfloat16)  # the rehearsal's stand-in for CUDA
+    assert block_kernel("auto", gpu, dropout=True) is _KERNELS["cuda_flash"]
+    cpu = torch.empty(1, 4, 16, 64)
+    assert block_kernel("auto", cpu) is _KERNELS["cpu_flash"]
+    assert block_kernel("auto", cpu, dropout=True) is _KERNELS["math"]  # torch's CPU flash op has no dropout
+    with pytest.raises(ValueError, match="applies no attention dropout"):
+        block_kernel("cpu_flash", cpu, dropout=True)

@@ -384,7 +384,7 @@ def test_cuda_kernels_keep_the_block_contract_on_meta_tensors(name, dtype, causa
     wide = torch.empty(n, b, h + 2 * g, d, device="meta", dtype=dtype)  # [s, b, heads, d] views, as the ring passes
     q, k, v = (t.permute(1, 2, 0, 3) for t in (wide[:, :, :h], wide[:, :, h:h + g], wide[:, :, h + g:]))
     kernel = block_kernel(name, q)
-    out, lse = kernel.forward(q, k, v, causal, 0.125)
+    out, lse, _ = kernel.forward(q, k, v, causal, 0.125)
     assert out.shape == (b, h, n, d) and out.dtype == dtype
     assert lse.shape == (b, h, n) and lse.dtype == torch.float32
     dq, dk, dv = kernel.backward(torch.empty_like(out), q, k, v, out, lse, causal, 0.125)

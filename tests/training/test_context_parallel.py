@@ -229,8 +229,8 @@ def _losses(run, metrics, says: str) -> list[float]:
 
 
 @pytest.mark.parametrize("extra,says", [
-    ([], "masks keyed by position (--dropout-rng position)"),
-    (["--dropout-rng", "stream", "--cp-comm-type", "a2a"], "each rank draws its own masks"),
+    ([], "each rank draws its own masks"),  # Megatron's: the ring's kernels draw them
+    (["--dropout-rng", "position", "--cp-comm-type", "a2a"], "masks keyed by position (--dropout-rng position)"),
 ])
 def test_the_default_dropout_trains_under_context_parallelism_with_one_note(data, tmp_path, extra, says):  # noqa: F811
     # A first CP launch with Megatron's default dropout runs (its mock tokens are uniform: nothing to learn); the same

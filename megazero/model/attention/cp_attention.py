@@ -14,7 +14,8 @@ builds the same from a layout, without communication); every layer reuses it.
 
 Attention dropout is keyed by position (``dropout``, an :class:`~megazero.model.keyed_dropout.AttentionDropout`
 naming the global heads held): both exchanges then apply the whole sequence's masks, by the math
-kernel's tiles.
+kernel's tiles. Or the kernels draw their own masks (``dropout_p``, from the model-parallel stream),
+which depend on the layout.
 
 Shapes follow ``core_attention``: q ``[s_local, b, heads, dqk]``, k ``[s_local, b, groups, dqk]``,
 v ``[s_local, b, groups, dv]`` (dv may differ from dqk), output ``[s_local, b, heads * dv]``. ``group`` is the CP process group (``None``: the default group,
@@ -24,6 +25,7 @@ to causality) is given for the *global* sequence in global order: ``[b, 1, S, S]
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -38,6 +40,7 @@ from megazero.model.keyed_dropout import AttentionDropout
 from megazero.model.attention.ring_attention import block_attention, dense_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
+from megazero.mpu.random import get_rng_tracker
 from megazero.mpu.utils import group_size
 
 __all__ = [
@@ -210,7 +213,8 @@ def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Te
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
                         group: Optional[dist.ProcessGroup], *, backend: str = "auto",
                         attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
-                        layout: Optional[CPLayout] = None, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+                        layout: Optional[CPLayout] = None, dropout: Optional[AttentionDropout] = None,
+                        dropout_p: float = 0.0) -> torch.Tensor:
     """All-gather-KV attention over ``group``: q/k ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b,
     groups, dv]`` -> ``[s_local, b, heads * dv]``.
 
@@ -220,8 +224,11 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     kernels (flash on CPU and CUDA): no mask, no scores held. Otherwise (a mask: packed documents)
     ``sdpa`` or ``math`` with an explicit mask from the global positions (``flash`` is refused).
     ``dropout``: keyed attention dropout (the math kernel's tiles, masks of the global positions).
+    ``dropout_p``: the kernels' own masks (the block kernels', or sdpa's), from the model-parallel stream.
     """
     _check(q, k, v, shard, attention_mask)
+    if dropout is not None and dropout_p > 0.0:
+        raise ValueError("give attention dropout once: dropout_p (the kernels' masks) or dropout (keyed)")
     k_all, v_all = gather_sequence(k, group, counter), gather_sequence(v, group, counter)
     if not shard.is_identity:
         k_all, v_all = k_all.index_select(0, shard.order), v_all.index_select(0, shard.order)
@@ -229,7 +236,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         k_runs = sorted((run for runs in layout.runs for run in runs), key=lambda run: run[1])  # global order
         return block_attention(q, k_all, v_all, layout.runs[rank], k_runs,
-                               kernel="math" if backend == "math" else "auto", dropout=dropout)
+                               kernel="math" if backend == "math" else "auto", dropout=dropout, dropout_p=dropout_p)
     if dropout is not None:  # the keyed masks' tiles, the documents' mask sliced per tile
         allowed = _allowed(shard, k_all.size(0), attention_mask)
         keys = torch.arange(k_all.size(0), device=q.device)
@@ -245,12 +252,14 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     k_all, v_all = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k_all, v_all))
     qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k_all, v_all))  # [b, n, s, d]
     allowed = _allowed(shard, k_all.size(0), attention_mask)
-    if chosen == "sdpa":
-        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed)
-    else:  # the explicit formula, as core_attention's math backend computes it
-        scores = torch.matmul(qq, kk.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), vv)
+    with get_rng_tracker().fork(device=q.device) if dropout_p > 0.0 else contextlib.nullcontext():
+        if chosen == "sdpa":
+            out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, dropout_p=dropout_p)
+        else:  # the explicit formula, as core_attention's math backend computes it
+            scores = torch.matmul(qq, kk.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0.0 else probs, vv)
     return out.permute(2, 0, 1, 3).reshape(s, b, heads * dv)
 
 

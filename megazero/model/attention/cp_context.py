@@ -116,23 +116,22 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     its block kernel from ``ring_kernels`` (the explicit formula when ``backend`` is 'math').
     ``dropout``: attention dropout keyed by position (``dropout.heads``: this rank's global heads), the
     masks of the whole sequence whichever exchange runs; every exchange then computes by the explicit
-    formula's tiles. ``dropout_p``: the fused kernel's own masks, where the exchange runs one (``a2a``);
-    the other exchanges take keyed dropout only."""
+    formula's tiles. ``dropout_p``: the kernels' own masks instead (the fused kernels run: sdpa or
+    flash in ``a2a``, the block kernels in the others), drawn from the model-parallel stream, which
+    depend on the layout (Megatron's behaviour)."""
     kind = cp.comm_type_of(layer)
     if kind == "a2a":
         return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
                              counter=cp.counter, dropout=dropout, dropout_p=dropout_p)
-    if dropout_p > 0:
-        raise ValueError(f"the {kind} exchange applies attention dropout keyed by position (dropout), not a "
-                         "kernel's own masks (dropout_p)")
     if kind == "allgather":
         return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
-                                   counter=cp.counter, layout=cp.layout, dropout=dropout)
+                                   counter=cp.counter, layout=cp.layout, dropout=dropout, dropout_p=dropout_p)
     if attention_mask is not None and not cp.documents:
         raise ValueError(f"the {kind} exchange takes packed documents from its layouts "
                          "(ContextParallel.with_documents), not from an attention mask; pass no mask")
     kernel = "math" if backend == "math" else "auto"
     if kind == "a2a+p2p":
-        return hierarchical_attention(q, k, v, cp.hierarchy, counter=cp.counter, kernel=kernel, dropout=dropout)
+        return hierarchical_attention(q, k, v, cp.hierarchy, counter=cp.counter, kernel=kernel, dropout=dropout,
+                                      dropout_p=dropout_p)
     return ring_attention(q, k, v, cp.sample_layouts or cp.layout, cp.group, stats=cp.counter, kernel=kernel,
-                          dropout=dropout)
+                          dropout=dropout, dropout_p=dropout_p)

@@ -14,13 +14,17 @@ own tokens. Sent: key/value blocks carry ``groups`` heads, not ``heads``, K at i
 
 The block kernel (:mod:`megazero.model.attention.ring_kernels`) is chosen by device and dtype: torch's flash
 op on CPU and on CUDA (fp16/bf16), its memory-efficient op for fp32 on CUDA, the explicit formula for
-fp64; each holds one block's working set, never the (s/cp)^2 scores of a whole exchange. With attention
-dropout keyed by position (``dropout``) every block runs the math kernel, which applies the masks of
-the block's global positions and heads in tiles of at most 4M score elements.
+fp64; each holds one block's working set, never the (s/cp)^2 scores of a whole exchange. Attention
+dropout with the kernels' own masks (``dropout_p``: Megatron's behaviour, masks that depend on the
+layout) runs in the same kernels, drawn from the model-parallel stream, except on CPU, whose flash op
+has none (the math kernel draws them there). With attention dropout keyed by position (``dropout``)
+every block runs the math kernel, which applies the masks of the block's global positions and heads in
+tiles of at most 4M score elements.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from megazero.model.attention.cp_layout import Block, CPLayout, Run, plan_blocks
 from megazero.model.keyed_dropout import AttentionDropout
 from megazero.model.attention.ring_kernels import acc_dtype, block_kernel
+from megazero.mpu.random import get_rng_tracker
 
 __all__ = ["ring_attention", "block_attention", "dense_attention", "RingStats"]
 
@@ -95,10 +100,10 @@ def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk: Block, out: torch.
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats, dropout):
+    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats, dropout, dropout_p):
         size = layouts[0].cp_size
         ctx.positions = _positions(layouts, q.device) if dropout is not None else None
-        ctx.dropout = dropout
+        ctx.dropout, ctx.dropout_p, ctx.rngs = dropout, dropout_p, {}
         ring = _Ring(group, rank, size) if size > 1 else None
         s, b, h, dv = *q.shape[:3], v.size(3)
         acc = acc_dtype(q.dtype)
@@ -112,10 +117,11 @@ class _RingAttention(torch.autograd.Function):
             kt, vt = _bhsd(cur[0]), _bhsd(cur[1])
             src = (rank - step) % size
             for i, (bs, layout) in enumerate(_by_sample(layouts)):
-                for blk in plan_blocks(layout.runs[rank], layout.runs[src]):
-                    o, lse = kernel.forward(qt[bs, :, blk.q_lo:blk.q_hi], kt[bs, :, blk.k_lo:blk.k_hi],
-                                            vt[bs, :, blk.k_lo:blk.k_hi], blk.causal, scale,
-                                            **_keyed(ctx, i, bs, rank, src, blk))
+                for j, blk in enumerate(plan_blocks(layout.runs[rank], layout.runs[src])):
+                    with _drawing(dropout_p, q.device):
+                        o, lse, ctx.rngs[src, i, j] = kernel.forward(
+                            qt[bs, :, blk.q_lo:blk.q_hi], kt[bs, :, blk.k_lo:blk.k_hi], vt[bs, :, blk.k_lo:blk.k_hi],
+                            blk.causal, scale, dropout_p, **_keyed(ctx, i, bs, rank, src, blk))
                     _merge(acc_out[bs], acc_lse[bs], blk, o, lse)
                     _count(stats, forward_pairs=blk.pairs)
             if step < size - 1:
@@ -156,7 +162,13 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_works)
             dkv = dkv_in
         dq = dq.to(q.dtype).permute(2, 0, 1, 3)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None
+
+
+def _drawing(dropout_p: float, device):
+    """Where a block kernel's own dropout masks are drawn: the model-parallel stream on ``device``, as
+    ``core_attention``'s (tensor-parallel ranks draw apart; recompute replays the stream)."""
+    return get_rng_tracker().fork(device=device) if dropout_p > 0.0 else contextlib.nullcontext()
 
 
 def _on_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
@@ -189,11 +201,11 @@ def _block_grads(ctx, src: int, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor,
     dk, dv = (torch.zeros(t.shape, dtype=dq.dtype, device=dq.device) for t in kv)
     kt, vt, dkt, dvt = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dk), _bhsd(dv)
     for i, (bs, layout) in enumerate(_by_sample(ctx.layouts)):
-        for blk in plan_blocks(layout.runs[ctx.rank], layout.runs[src]):
+        for j, blk in enumerate(plan_blocks(layout.runs[ctx.rank], layout.runs[src])):
             rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
             g = ctx.kernel.backward(dot[bs, :, rows], qt[bs, :, rows], kt[bs, :, cols], vt[bs, :, cols],
-                                    ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale,
-                                    **_keyed(ctx, i, bs, ctx.rank, src, blk))
+                                    ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale, ctx.dropout_p,
+                                    ctx.rngs[src, i, j], **_keyed(ctx, i, bs, ctx.rank, src, blk))
             dq[bs, :, rows] += g[0]
             dkt[bs, :, cols] += g[1]
             dvt[bs, :, cols] += g[2]
@@ -210,10 +222,11 @@ def _by_sample(layouts: tuple[CPLayout, ...]):
 
 class _BlockAttention(torch.autograd.Function):
     """Attention of local queries against key/values already at hand (gathered), block by block;
-    ``positions`` (query, key) and ``dropout`` for keyed dropout, ``mask`` ``[b | 1, 1, n, m]``."""
+    ``positions`` (query, key) and ``dropout`` for keyed dropout, ``mask`` ``[b | 1, 1, n, m]``,
+    ``dropout_p`` for the kernel's own masks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale, kernel, positions, dropout, mask):
+    def forward(ctx, q, k, v, blocks, scale, kernel, positions, dropout, mask, dropout_p):
         s, b, h, dv = *q.shape[:3], v.size(3)
         acc = acc_dtype(q.dtype)
         acc_out = torch.zeros(b, h, s, dv, dtype=acc, device=q.device)
@@ -221,9 +234,13 @@ class _BlockAttention(torch.autograd.Function):
         qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
         ctx.blocks, ctx.scale, ctx.kernel, ctx.positions, ctx.dropout, ctx.mask = (blocks, scale, kernel, positions,
                                                                                   dropout, mask)
+        ctx.dropout_p, ctx.rngs = dropout_p, []
         for blk in blocks:
-            o, lse = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
-                                    vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale, **_extras(ctx, blk))
+            with _drawing(dropout_p, q.device):
+                o, lse, rng = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
+                                             vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale, dropout_p,
+                                             **_extras(ctx, blk))
+            ctx.rngs.append(rng)
             _merge(acc_out, acc_lse, blk, o, lse)
         out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * dv)
         ctx.save_for_backward(q, k, v, out, acc_lse if acc == torch.float64 else acc_lse.float())
@@ -240,15 +257,15 @@ class _BlockAttention(torch.autograd.Function):
         dq = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
         dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v))
         dkt, dvt = _bhsd(dk), _bhsd(dv)
-        for blk in ctx.blocks:
+        for blk, rng in zip(ctx.blocks, ctx.rngs):
             rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
             g = ctx.kernel.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols], ot[:, :, rows],
-                                    lse[:, :, rows], blk.causal, ctx.scale, **_extras(ctx, blk))
+                                    lse[:, :, rows], blk.causal, ctx.scale, ctx.dropout_p, rng, **_extras(ctx, blk))
             dq[:, :, rows] += g[0]
             dkt[:, :, cols] += g[1]
             dvt[:, :, cols] += g[2]
         return (dq.to(q.dtype).permute(2, 0, 1, 3), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _extras(ctx, blk: Block) -> dict:
@@ -268,17 +285,18 @@ def _run_positions(runs: Sequence[Run]) -> torch.Tensor:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run],
                     k_runs: Sequence[Run], *, softmax_scale: Optional[float] = None,
-                    kernel: str = "auto", dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+                    kernel: str = "auto", dropout: Optional[AttentionDropout] = None,
+                    dropout_p: float = 0.0) -> torch.Tensor:
     """Causal (per-document) attention of queries q ``[n, b, heads, dqk]`` holding the tokens ``q_runs``
     against k ``[m, b, groups, dqk]`` and v ``[m, b, groups, dv]`` holding ``k_runs`` (e.g. every rank's,
     gathered), computed by the ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or
-    scores. ``dropout``: keyed attention dropout (the math kernel, masks from the runs' positions).
-    Returns ``[n, b, heads * dv]``."""
+    scores. ``dropout``: keyed attention dropout (the math kernel, masks from the runs' positions);
+    ``dropout_p``: the kernels' own masks, from the model-parallel stream. Returns ``[n, b, heads * dv]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
     positions = (tuple(_on_device([_run_positions(q_runs), _run_positions(k_runs)], q.device))
                  if dropout is not None else None)
     return _BlockAttention.apply(q, k, v, tuple(plan_blocks(tuple(q_runs), tuple(k_runs))), scale,
-                                 _kernel(kernel, q, v, dropout), positions, dropout, None)
+                                 _kernel(kernel, q, v, dropout, dropout_p), positions, dropout, None, dropout_p)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: AttentionDropout, *,
@@ -292,13 +310,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: 
     if mask is not None:
         mask = mask.to(torch.bool).reshape(-1, 1, *mask.shape[-2:]) if mask.dim() != 4 else mask.to(torch.bool)
     blocks = (Block(0, q.size(0), 0, k.size(0), causal),)
-    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, v, dropout), positions, dropout, mask)
+    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, v, dropout, 0.0), positions, dropout, mask,
+                                 0.0)
 
 
-def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]):
-    """The block kernel for ``name``; with keyed dropout the math kernel, the one that applies its masks."""
+def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout], dropout_p: float):
+    """The block kernel for ``name``: with keyed dropout the math kernel, the one that applies its masks;
+    with ``dropout_p`` one that draws its own."""
+    if dropout is not None and dropout_p > 0.0:
+        raise ValueError("give attention dropout once: dropout_p (the kernels' masks) or dropout (keyed)")
     if dropout is None:
-        return block_kernel(name, q, v.size(-1))
+        return block_kernel(name, q, v.size(-1), dropout=dropout_p > 0.0)
     if name not in ("auto", "math"):
         raise ValueError(f"keyed attention dropout runs in the math block kernel; kernel {name!r} draws no keyed "
                          "masks: pass kernel 'auto' or 'math'")
@@ -308,7 +330,7 @@ def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, dropout: Optional[Atten
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout | Sequence[CPLayout],
                    group: Optional[dist.ProcessGroup] = None, *, softmax_scale: Optional[float] = None,
                    kernel: str = "auto", stats: Optional[RingStats] = None,
-                   dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+                   dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
 
     q ``[s_local, b, heads, dqk]``, k ``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` hold
@@ -319,6 +341,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     to q, k, v. ``softmax_scale`` defaults to 1/sqrt(dqk). Every rank of the group must call it with the
     same layouts and shapes. ``dropout``: attention dropout keyed by position (the math block kernel;
     masks from the layouts' positions and the global heads ``dropout.heads``), the same masks at any layout.
+    ``dropout_p``: attention dropout with the block kernels' own masks instead, drawn from the
+    model-parallel stream (``mpu.model_parallel_manual_seed``), which depend on the layout (Megatron's).
     """
     layouts = (layout,) if isinstance(layout, CPLayout) else tuple(layout)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -341,5 +365,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
         raise ValueError(f"this rank holds {q.size(0)} tokens but the layout gives each rank {layout.local_len} "
                          f"(of {layout.seq_len}); split the sequence with split_for_rank and the same layout")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
-    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, _kernel(kernel, q, v, dropout), stats,
-                                dropout)
+    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, _kernel(kernel, q, v, dropout, dropout_p),
+                                stats, dropout, dropout_p)

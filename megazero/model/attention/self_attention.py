@@ -39,7 +39,7 @@ Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 class CausalAttention(torch.nn.Module):
     """What every attention of a layer shares once its q, k and v are made: the core attention of this
     rank's heads (a backend, or the context-parallel exchange of layer ``number``), its dropout (keyed
-    by position when the samples' keys are given) and selective recompute. A subclass sets ``config``,
+    by position when the samples' keys are given, else the kernels' own) and selective recompute. A subclass sets ``config``,
     ``number`` and a row-parallel ``linear_proj`` (whose TP rank says which heads this rank holds)."""
 
     config: GPTConfig
@@ -64,7 +64,7 @@ class CausalAttention(torch.nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
               cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
         p = self.config.attention_dropout if self.training else 0.0
-        keyed = self._keyed_dropout(p, q, key, cp)
+        keyed = self._keyed_dropout(p, q, key)
         if cp is not None:
             return context_parallel_attention(q, k, v, cp, layer=self.number, backend=self.config.attention_backend,
                                               attention_mask=attention_mask, dropout=keyed,
@@ -72,22 +72,15 @@ class CausalAttention(torch.nn.Module):
         return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=0.0 if keyed else p,
                               attention_mask=attention_mask, dropout=keyed)
 
-    def _keyed_dropout(self, p: float, q: torch.Tensor, key: Optional[DropoutKey],
-                       cp: Optional[ContextParallel]) -> Optional[AttentionDropout]:
-        """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position: by the
-        samples' keys (``key``, --dropout-rng position: the same masks at every layout) or, under context
-        parallelism without them, by keys drawn from the model-parallel stream (masks that depend on the
-        layout, as the fused kernels' do). None: the backend draws its own masks (one process, and the
-        all-to-all exchange, which runs it on the whole sequence), or there is no dropout."""
-        if p == 0.0 or (key is None and (cp is None or cp.comm_type_of(self.number) == "a2a")):
+    def _keyed_dropout(self, p: float, q: torch.Tensor, key: Optional[DropoutKey]) -> Optional[AttentionDropout]:
+        """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position by the
+        samples' keys (``key``, --dropout-rng position: the same masks at every layout). None: the kernels
+        draw their own masks from the model-parallel stream (Megatron's: under context parallelism they
+        depend on the layout), or there is no dropout."""
+        if p == 0.0 or key is None:
             return None
-        if key is not None:
-            samples = key.samples
-        else:
-            with mpu.get_rng_tracker().fork(device=q.device):
-                samples = torch.randint(0, 1 << 32, (q.size(1),), dtype=torch.int64, device=q.device)
         first = self.linear_proj.tp_rank * q.size(2)  # TP ranks hold consecutive query heads
-        return AttentionDropout(p, samples, torch.arange(first, first + q.size(2), device=q.device), self.number)
+        return AttentionDropout(p, key.samples, torch.arange(first, first + q.size(2), device=q.device), self.number)
 
     def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """QK-clip (Kimi K2's MuonClip): for ``eta`` ``[heads/tp]`` (<= 1, the threshold over each head's

@@ -263,9 +263,9 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
             kw[key] = preset[key]
     if saved:
         kw.update(checkpoint_model_kwargs(saved, given_model_fields(ns, pos, eps_field, data), where))
-    # Context parallelism splits each sequence: only position-keyed masks (hidden and attention) survive
-    # that unchanged.
-    kw["dropout_rng"] = ns.dropout_rng or ("position" if par.cp > 1 else "stream")
+    # Megatron's masks at every layout (the fused kernels run); position-keyed masks, the same at every
+    # layout, only when asked: their attention dropout runs the explicit formula in tiles.
+    kw["dropout_rng"] = ns.dropout_rng or "stream"
     kw["vocab_padding_tp"] = par.tp  # Megatron pads to make_vocab_size_divisible_by x tp
     if check_files:
         keep_saved_vocab_padding(ns, kw, par.tp, notes)

@@ -265,9 +265,11 @@ def context_parallel_dropout_note(cp: int, model: GPTConfig) -> str:
             return ""
         return (f"dropout under --context-parallel-size {cp}: masks keyed by position (--dropout-rng position), the "
                 f"same at every layout; attention with dropout {model.attention_dropout:g} runs the explicit "
-                "formula in tiles, slower than the fused kernels (--attention-dropout 0 runs those)")
-    return (f"dropout under --context-parallel-size {cp} with --dropout-rng stream: each rank draws its own masks, "
-            "which depend on the layout (as in Megatron-LM); --dropout-rng position makes them the same at every layout")
+                "formula in tiles, slower than the fused kernels (--dropout-rng stream or --attention-dropout 0 "
+                "runs those)")
+    return (f"dropout under --context-parallel-size {cp}: each rank draws its own masks, which depend on the layout "
+            "(as in Megatron-LM); --dropout-rng position makes them the same at every layout (its attention "
+            "dropout runs the explicit formula in tiles, slower than the fused kernels)")
 
 
 def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, notes: list[str]) -> None:
