@@ -2,7 +2,9 @@
 keep/drop, so every split of the sequence (context parallelism), of the heads (tensor parallelism,
 the all-to-all's head split) and of the batch sees the bits of the whole sequence's mask; and every
 exchange (p2p ring, a2a, allgather, a2a+p2p) with dropout equals the one-process attention with that
-mask, output and gradients, in fp64 to 1e-12."""
+mask, output and gradients, in fp64 to 1e-12. With the kernels' own masks (--dropout-rng stream, the
+default: Megatron's), the masks scale the probabilities at the drop rate and every exchange's gradients
+are those of the masks its forward drew (against central differences of forwards from the same stream)."""
 
 from __future__ import annotations
 
@@ -238,8 +240,10 @@ def _directional_derivative(kind: str):
     def loss(*t):
         if kind == "p2p":
             out = ring_attention(*t, layout, None, kernel="math_5x5_tiles", dropout_p=P)
-        else:
+        elif kind == "allgather":
             out = allgather_attention(*t, shard, None, layout=layout, dropout_p=P)
+        else:
+            out = hierarchical_attention(*t, Hierarchy.build(S, 2, cp // 2, *_groups(cp, 2)), dropout_p=P)
         return (out * go).sum()
 
     x = [t.clone().requires_grad_() for t in local]
@@ -252,9 +256,9 @@ def _directional_derivative(kind: str):
     return (both[0] - both[1]).abs().item() / both[0].abs().item()
 
 
-@pytest.mark.parametrize("kind", ["p2p", "allgather"])
-def test_exchanges_with_the_kernels_own_masks_backpropagate_through_the_masks_they_drew(kind):
-    assert max(run_distributed(2, _directional_derivative, kind)) < 1e-7
+@pytest.mark.parametrize("kind,world", [("p2p", 2), ("allgather", 2), ("a2a+p2p", 4)])
+def test_exchanges_with_the_kernels_own_masks_backpropagate_through_the_masks_they_drew(kind, world):
+    assert max(run_distributed(world, _directional_derivative, kind)) < 1e-7
 
 
 @pytest.mark.parametrize("name, dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
