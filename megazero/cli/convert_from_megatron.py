@@ -49,20 +49,20 @@ def _counted_load(progress: Progress):
 
 
 def convert_torch_dist(path: str, output: str, vocab_size: int | None = None) -> tuple:
-    """Stream a torch_dist checkpoint into ``output``/model_full.safetensors + config.json, one tensor at a
-    time. Returns ``(config, info)``; ``info["bytes_read"]`` counts the checkpoint bytes read."""
-    from megazero.training.torch_dist_source import open_torch_dist
+    """Stream a torch_dist checkpoint (read by the loader every program shares, ``checkpoint_reader.open_checkpoint``)
+    into ``output``/model_full.safetensors + config.json, one tensor at a time, in its stored dtypes. Returns
+    ``(config, info)``; ``info["bytes_read"]`` counts the checkpoint bytes read."""
+    from megazero.training.checkpoint_reader import open_checkpoint
 
-    config, source, info = open_torch_dist(path, vocab_size=vocab_size)
-    names = source.keys()
-    dtypes = {n: source.ckpt.dtype(source.get_slice(n).key) for n in names}
+    config, reader, saved = open_checkpoint(path, vocab_size=vocab_size)
+    names = list(reader.names)
     os.makedirs(output, exist_ok=True)
-    layout = [(n, tuple(source.get_slice(n).get_shape()), dtypes[n]) for n in names]
+    layout = [(n, tuple(reader.full_shape(n)), reader.full_dtype(n)) for n in names]
     writer = SafetensorsStreamWriter(os.path.join(output, "model_full.safetensors"), layout, {"format": "pt"})
     try:
         with Progress("convert", total=len(names), unit="tensors", logger=log) as progress:
             for n in names:
-                writer.write(n, source.get_tensor(n))
+                writer.write(n, reader.full(n))
                 progress.update(postfix=n)
         writer.close()
     except BaseException:  # no half-written file is left behind
@@ -72,7 +72,8 @@ def convert_torch_dist(path: str, output: str, vocab_size: int | None = None) ->
         raise
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
-    info["bytes_read"] = source.ckpt.bytes_read
+    info = dict(saved["torch_dist"])
+    info["bytes_read"] = reader.source.ckpt.bytes_read
     return config, info
 
 

@@ -1,7 +1,8 @@
 """Export a megazero checkpoint to a Hugging Face transformers directory.
 
 ``--load`` is a training checkpoint (the ``--save`` directory of pretrain_gpt.py, or one
-of its ``iter_*`` directories; any tp x pp x dp x ZeRO stage), a full checkpoint
+of its ``iter_*`` directories; any tp x pp x dp x ZeRO stage, either --ckpt-format), a Megatron-LM
+``torch_dist`` checkpoint (any tp x pp x ep), a full checkpoint
 (``model_full.safetensors`` + ``config.json``, as tools/convert_from_hf.py and
 ``megazero.model.state_dict.save_full`` write it), or a ``.safetensors``/``.pt`` full state dict
 with ``--config``. The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
@@ -34,8 +35,8 @@ from megazero.model import GPTConfig
 from megazero.model.interop.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict
 from megazero.model.interop.hf_deepseek import streaming_group
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full
-from megazero.training.checkpointing import (TOKENIZER_DIR, CheckpointError, FullWeightsReader,
-                                             checkpoint_tokenizer_dir, open_checkpoint)
+from megazero.training.checkpoint_reader import FullWeightsReader, checkpoint_tokenizer_dir, open_checkpoint
+from megazero.training.checkpointing import TOKENIZER_DIR, CheckpointError
 from megazero.utils.optional_deps import require_packages
 
 TOOL = "convert_to_hf"
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser(__doc__)
     p.add_argument("--load", "--input", dest="load", required=True,
-                   help="megazero checkpoint directory, or a full state dict file (.safetensors/.pt)")
+                   help="checkpoint directory (pretrain_gpt.py's --save in either format, Megatron-LM's torch_dist, "
+                        "a full checkpoint), or a full state dict file (.safetensors/.pt)")
     p.add_argument("--config", default=None, help="GPTConfig json (default: config.json next to the weights)")
     p.add_argument("--output", required=True, help="directory to write the HF model into")
     p.add_argument("--tokenizer-dir", default=None,

@@ -4,14 +4,14 @@
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tp 2 --prompt "ROMEO:"
     python tools/generate.py --load CONVERTED_DIR --temperature 0 --prompt "Hello"
 
-Installed: ``megazero-generate``. ``--load`` is a --save directory of pretrain_gpt.py (its latest
-iteration, or --ckpt-step), one of its iter_* directories, or a full checkpoint as
-tools/convert_from_hf.py and tools/convert_from_megatron.py write it. The model shape comes from
+Installed: ``megazero-generate``. ``--load`` is a --save directory of pretrain_gpt.py in either
+--ckpt-format, or of Megatron-LM's torch_dist (its latest iteration, or --ckpt-step), one of its iter_*
+directories, or a full checkpoint as tools/convert_from_hf.py and tools/convert_from_megatron.py write it. The model shape comes from
 the checkpoint's config.json; the tokenizer from the checkpoint's tokenizer/ directory (else the
 tokenizer files its run named), unless --tokenizer-type gives one. A checkpoint without a
 tokenizer reads and writes token ids as text (Megatron's NullTokenizer: ``--prompt "17 4 99"``).
 Each process reads only its own TP shard of every weight (straight from the ZeRO shards, whatever
-tp x dp saved them, or from the full weights): nothing holds the whole model. The text goes to
+tp x dp saved them, from the torch_dist chunks, or from the full weights): nothing holds the whole model. The text goes to
 stdout; progress and errors to stderr.
 """
 
@@ -29,7 +29,8 @@ from megazero.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megazero.data.tokenizer_files import load_tokenizer_from_dir, recorded_tokenizer_args
 from megazero.model import GPTModel, materialize_
 from megazero.model.sampling import generate_text
-from megazero.training.checkpointing import CheckpointError, checkpoint_tokenizer_dir, open_checkpoint
+from megazero.training.checkpoint_reader import checkpoint_tokenizer_dir, open_checkpoint
+from megazero.training.checkpointing import CheckpointError
 from megazero.training.config import GenerateConfig
 from megazero.training.failures import agree, report
 from megazero.utils.progress import Progress
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser(__doc__)
     p.add_argument("--load", required=True,
-                   help="checkpoint directory: the --save of pretrain_gpt.py, one iter_* directory, or a full "
-                        "checkpoint (tools/convert_from_hf.py --output)")
+                   help="checkpoint directory: the --save of pretrain_gpt.py (either --ckpt-format) or of Megatron-LM "
+                        "(torch_dist), one iter_* directory, or a full checkpoint (tools/convert_from_hf.py --output)")
     p.add_argument("--ckpt-step", "--iteration", dest="ckpt_step", type=int, default=None,
                    help="the iteration to load (default: the one 'latest' names)")
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,

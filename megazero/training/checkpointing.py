@@ -28,9 +28,9 @@ A full checkpoint, as the converters write (``tools/convert_from_hf.py``,
     OUT/config.json             the GPTConfig
     OUT/tokenizer/              the model's tokenizer, by content (where it has one)
 
-is read as it is wherever a training checkpoint is (``open_checkpoint``,
-``saved_model_config``, ``checkpoint_tokenizer_dir``): a directory with a ``latest``
+is read as it is wherever a training checkpoint is: a directory with a ``latest``
 marker is a training checkpoint, one with only ``model_full.safetensors`` a full one.
+``checkpoint_reader.py`` opens either, and Megatron-LM's torch_dist, for the programs that read a model.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..mpu.sharding import shard_ranges
 from ..zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state
 from ..zero.engine import ZeroEngine
 from ..zero.shard_io import digest_file, fsync_path, sha256_file
@@ -53,8 +52,8 @@ from .failures import agree, attempt
 
 __all__ = ["CheckpointError", "save_checkpoint", "stage_checkpoint", "PendingSave", "MegazeroSave", "load_checkpoint",
            "latest_iteration", "checkpoint_dir", "clear_partial", "publish_directory",
-           "load_full_model", "read_manifest", "resolve_checkpoint_dir", "open_checkpoint", "is_full_checkpoint",
-           "saved_model_config", "checkpoint_tokenizer_dir", "FullWeightsReader", "TOKENIZER_DIR"]
+           "load_full_model", "read_manifest", "resolve_checkpoint_dir", "is_full_checkpoint", "TOKENIZER_DIR",
+           "FULL_WEIGHTS"]
 
 LATEST = "latest"
 TOKENIZER_DIR = "tokenizer"  # the run's tokenizer, by content (megazero.data.save_tokenizer_files)
@@ -432,9 +431,10 @@ def resolve_checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
         return load
     iteration = iteration if iteration is not None else latest_iteration(load)
     if iteration is None:
-        raise CheckpointError(f"{load} holds no checkpoint: no 'latest' marker, no train_state.json and no "
-                              f"{FULL_WEIGHTS}; pass a --save directory of pretrain_gpt.py, one of its iter_* "
-                              "directories, or the output of tools/convert_from_hf.py")
+        raise CheckpointError(f"{load} holds no checkpoint: no 'latest' marker, no train_state.json, no "
+                              f"{FULL_WEIGHTS} and no torch_dist iteration; pass a --save directory of "
+                              "pretrain_gpt.py (either --ckpt-format) or Megatron-LM, one of its iter_* directories, "
+                              "or the output of tools/convert_from_hf.py")
     return checkpoint_dir(load, iteration)
 
 
@@ -443,130 +443,3 @@ def is_full_checkpoint(load: str, iteration: Optional[int] = None) -> bool:
     converters write): it has those and no training checkpoint ('latest' or train_state.json) to prefer."""
     return (iteration is None and os.path.isfile(os.path.join(load, FULL_WEIGHTS))
             and not os.path.exists(os.path.join(load, "train_state.json")) and latest_iteration(load) is None)
-
-
-def saved_model_config(load: str, iteration: Optional[int] = None) -> tuple[str, dict[str, Any]]:
-    """``(path of its config.json, GPTConfig dict)`` of a checkpoint: a --save directory (its latest or
-    ``iteration``), one iter_* directory, or a full checkpoint. Raises CheckpointError naming the file."""
-    if is_full_checkpoint(load, iteration):
-        path = os.path.join(load, "config.json")
-        model = _read_json(path)
-    else:  # read before any process starts; the load verifies every file against the manifest
-        path = os.path.join(resolve_checkpoint_dir(load, iteration), "config.json")
-        saved = _read_json(path)
-        model = saved.get("model") if isinstance(saved, dict) else None
-    if not isinstance(model, dict):
-        raise CheckpointError(f"{path} holds no model configuration")
-    return path, model
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-
-
-def checkpoint_tokenizer_dir(load: str, iteration: Optional[int] = None) -> Optional[str]:
-    """The ``tokenizer/`` directory recorded in a checkpoint (any form ``saved_model_config`` reads),
-    None when it recorded none."""
-    base = load if is_full_checkpoint(load, iteration) else resolve_checkpoint_dir(load, iteration)
-    found = os.path.join(base, TOKENIZER_DIR)
-    return found if os.path.isfile(os.path.join(found, "megazero_tokenizer.json")) else None
-
-
-def open_checkpoint(load: str, iteration: Optional[int] = None):
-    """``(GPTConfig, reader, saved TrainConfig dict)`` of a checkpoint: the reader gives any tensor's full
-    value or TP shard (``names``, ``full_shape``, ``full``, ``tp_shard``), reading (and, for a training
-    checkpoint, verifying) only its bytes. ``load`` is the --save directory, one iter_* directory, or a
-    full checkpoint (its saved dict then holds only ``model``)."""
-    from ..model import GPTConfig
-    from ..zero.checkpoint import CheckpointReader
-
-    if is_full_checkpoint(load, iteration):
-        _, model = saved_model_config(load)
-        config = GPTConfig.from_dict(model)
-        return config, FullWeightsReader(os.path.join(load, FULL_WEIGHTS), config), {"model": model}
-    directory = resolve_checkpoint_dir(load, iteration)
-    manifest = read_manifest(directory)
-    saved = json.load(open(_verified(directory, manifest, "config.json")))
-    reader = CheckpointReader(directory, manifest)
-    buffers = _saved_buffers(directory, manifest)
-    return GPTConfig.from_dict(saved["model"]), (WithBuffers(reader, buffers) if buffers else reader), saved
-
-
-class WithBuffers:
-    """A training checkpoint's reader that also gives the model's saved persistent buffers (the routers'
-    expert biases): whole tensors on every TP rank, by their global names."""
-
-    def __init__(self, reader, buffers: dict[str, torch.Tensor]) -> None:
-        self.reader, self.buffers = reader, buffers
-        self.names = list(reader.names) + [n for n in buffers if n not in set(reader.names)]
-
-    def full_shape(self, name: str) -> list[int]:
-        return list(self.buffers[name].shape) if name in self.buffers else self.reader.full_shape(name)
-
-    def full(self, name: str, **kw) -> torch.Tensor:
-        return self.buffers[name].clone() if name in self.buffers else self.reader.full(name, **kw)
-
-    def tp_shard(self, name: str, rank: int, world: int, **kw) -> torch.Tensor:
-        return self.buffers[name].clone() if name in self.buffers else self.reader.tp_shard(name, rank, world, **kw)
-
-    def __getattr__(self, attr: str):  # the rest of CheckpointReader's interface
-        return getattr(self.reader, attr)
-
-
-class FullWeightsReader:
-    """A full (tp = 1 names and shapes) safetensors state dict with the reading interface of
-    ``zero.checkpoint.CheckpointReader``: ``names``, ``full_shape``, ``full`` (in the stored dtype,
-    ``full_dtype``) and ``tp_shard``, which reads only the rows (or columns) of its shard."""
-
-    def __init__(self, path: str, config) -> None:
-        from safetensors import safe_open
-
-        try:
-            self._file = safe_open(path, framework="pt")
-        except Exception as e:  # safetensors raises several types for bad headers/sizes
-            raise CheckpointError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
-        self.path, self.config = path, config
-        self.names = list(self._file.keys())
-        self._layout: Optional[dict[str, tuple[bool, int, int]]] = None
-
-    def full_shape(self, name: str) -> list[int]:
-        return list(self._file.get_slice(name).get_shape())
-
-    def full_dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._file.get_slice(name).get_dtype()]
-
-    def full(self, name: str) -> torch.Tensor:
-        return self._file.get_tensor(name)
-
-    def tp_shard(self, name: str, rank: int, world: int) -> torch.Tensor:
-        """TP rank ``rank`` of ``world``'s shard of ``name``, split as the model's parameter is."""
-        if self._layout is None:  # how each parameter is split: a meta model's attributes
-            from ..model import GPTModel
-
-            model = GPTModel(self.config, device="meta")
-            self._layout = {n: (bool(getattr(p, "tensor_model_parallel", False)), int(getattr(p, "partition_dim", 0)),
-                                int(getattr(p, "partition_stride", 1))) for n, p in model.named_parameters()}
-        sharded, dim, stride = self._layout.get(name, (False, 0, 1))
-        handle = self._file.get_slice(name)
-        if not sharded or world == 1:
-            return handle[:]
-        shape = handle.get_shape()
-        try:
-            ranges = shard_ranges(shape[dim], stride, rank, world)
-        except ValueError:
-            raise CheckpointError(f"{self.path}: {name} has {shape[dim]} entries along dim {dim}, which do not split "
-                                  f"over tp {world}; use a --tp that divides it") from None
-        index, parts = [slice(None)] * len(shape), []
-        for lo, hi in ranges:  # only the shard's bytes are read
-            index[dim] = slice(lo, hi)
-            parts.append(handle[tuple(index)])
-        return torch.cat(parts, dim=dim)
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}

@@ -109,7 +109,7 @@ def test_a_trained_checkpoint_exports_with_its_expert_biases(tmp_path):
     import types
 
     from megazero.cli.generate import load_tp_shard
-    from megazero.training.checkpointing import open_checkpoint
+    from megazero.training.checkpoint_reader import open_checkpoint
     from tests.training.test_deepseek_training import DEEPSEEK
     from tests.training.test_layout_invariance import flags, launch, write_corpus
 

@@ -180,7 +180,7 @@ def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable", m
     ``optimizer``: the distributed optimizer's 'fully_reshardable' or 'dp_reshardable' layout; 'chained' (two
     distributed optimizers, the output layer in the second, keys prefixed chained_<i>.); 'plain' (the
     non-distributed mixed-precision optimizer: master as fp32_param, the step per parameter)."""
-    from megazero.training.checkpointing import open_checkpoint
+    from megazero.training.checkpoint_reader import open_checkpoint
     from tests.mcore import megatron_args
 
     config, reader, _ = open_checkpoint(saved, 2)

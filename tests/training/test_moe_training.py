@@ -310,7 +310,7 @@ def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # no
     transformers = pytest.importorskip("transformers")
     from megazero.model import GPTModel
     from megazero.model.state_dict import load_full_state_dict
-    from megazero.training.checkpointing import open_checkpoint
+    from megazero.training.checkpoint_reader import open_checkpoint
 
     mixtral = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--swiglu",
                "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--num-query-groups", "2",

@@ -42,23 +42,14 @@ def _iteration(ns: argparse.Namespace, source: str) -> Optional[int]:
     return ns.ckpt_step if source == ns.load else None
 
 
-def _saved_model(source: str, iteration: Optional[int]) -> tuple[str, dict[str, Any]]:
-    """``(where, saved GPTConfig dict)`` of any checkpoint the run can start from."""
-    from megazero.training.checkpointing import saved_model_config
-    from megazero.training.megatron_resume import is_torch_dist_load, torch_dist_model_config
-
-    if is_torch_dist_load(source):
-        return torch_dist_model_config(source, iteration)
-    return saved_model_config(source, iteration)
-
-
 def checkpoint_model(ns: argparse.Namespace, source: str) -> tuple[str, dict[str, Any]]:
-    """``(where, saved GPTConfig dict)`` of the checkpoint ``source`` (--use-checkpoint-args)."""
+    """``(where, saved GPTConfig dict)`` of the checkpoint ``source`` (any format the run can start from)."""
+    from megazero.training.checkpoint_reader import saved_model_config
     from megazero.training.checkpointing import CheckpointError
 
     try:
-        return _saved_model(source, _iteration(ns, source))
-    except CheckpointError as e:
+        return saved_model_config(source, _iteration(ns, source))
+    except (CheckpointError, OSError) as e:
         raise ConfigError(f"cannot read the model arguments of {source}: {e}") from None
 
 
@@ -143,14 +134,11 @@ def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool
     if source is None:
         return False
     from megazero.data.tokenizer_files import recorded_tokenizer_args
-    from megazero.training.checkpointing import CheckpointError, checkpoint_tokenizer_dir
-    from megazero.training.megatron_resume import is_torch_dist_load, torch_dist_tokenizer_dir
+    from megazero.training.checkpoint_reader import checkpoint_tokenizer_dir
+    from megazero.training.checkpointing import CheckpointError
 
     try:
-        if is_torch_dist_load(source):
-            directory = torch_dist_tokenizer_dir(source, _iteration(ns, source))
-        else:
-            directory = checkpoint_tokenizer_dir(source, _iteration(ns, source))
+        directory = checkpoint_tokenizer_dir(source, _iteration(ns, source))
         if directory is None:
             return False
         kind, files = recorded_tokenizer_args(directory)
@@ -167,14 +155,12 @@ def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool
 def saved_model_fields(ns: argparse.Namespace) -> Optional[tuple[str, dict[str, Any]]]:
     """``(where, saved GPTConfig dict)`` of the weights this run starts from (:func:`start_checkpoint`);
     None for a fresh start or an unreadable checkpoint (whose load then names what is wrong)."""
-    from megazero.training.checkpointing import CheckpointError
-
     source = start_checkpoint(ns)
     if source is None:
         return None
     try:
-        return _saved_model(source, _iteration(ns, source))
-    except (CheckpointError, OSError):
+        return checkpoint_model(ns, source)
+    except ConfigError:
         return None
 
 
