@@ -38,7 +38,7 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "tests/cli/test_progress.py::test_generate_reports_tensors_loaded",
     "tests/cli/test_progress.py::test_rehearse_reports_ranks",
-    "tests/cli/test_deepseek_tools.py::test_a_trained_checkpoint_exports_with_its_expert_biases",
+    "tests/cli/test_deepseek_tools.py::test_a_fine_tune_saved_as_torch_dist_exports_with_its_trained_expert_biases",
     "tests/model/test_flops.py::test_sharded_meta_models_count_the_same",
     "tests/model/test_ring_attention.py::test_ring_on_8_ranks",
     "tests/model/test_cp_hierarchical.py::test_hierarchical_equals_one_process",

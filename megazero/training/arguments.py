@@ -53,7 +53,7 @@ from megazero.training.resolve.model import (GPT2_VOCAB_SIZE, MODEL_FIELD_FLAGS,
 from megazero.training.resolve.optim import resolve_optim
 from megazero.training.resolve.planning import PLANNING_NOTE, fill_for_planning
 from megazero.training.resolve.parallel import (check_local_rank, pipeline_plan_line, resolve_context_parallel,
-                                                resolve_parallel, resolve_pipeline)
+                                                resolve_expert_parallel, resolve_parallel, resolve_pipeline)
 from megazero.training.resolve.precision import resolve_precision
 from megazero.training.resolve.resume import check_pretrained, checkpoint_tokenizer_flags, resolve_checkpoint
 from megazero.training.resolve.schedule import resolve_schedule
@@ -141,7 +141,6 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
         merge_deepspeed(ns, ds, notes)
     merge_deepspeed_moe(ns, notes)
     read_data_args_files(ns, check_files)
-    notes += balancing_notes(ns)
     if planning:
         notes += fill_for_planning(ns)
     missing = missing_required(ns)
@@ -155,6 +154,8 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     checkpoint_tokenizer_flags(ns, notes)  # from a checkpoint, no tokenizer flags: the tokenizer it recorded
     data = resolve_data(ns, check_files)
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
+    resolve_expert_parallel(parallel, model)
+    notes += balancing_notes(ns, model)
     if optim.qk_clip or optim.log_max_attention_logit:
         if parallel.cp > 1:
             raise ConfigError("--qk-clip and --log-max-attention-logit take each head's largest logit over the whole "

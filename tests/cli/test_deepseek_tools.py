@@ -87,6 +87,15 @@ def test_multi_token_prediction_layers_stream_both_ways(rope_interleave, tmp_pat
     if rope_interleave:  # (a rotate-half checkpoint exports interleaved)
         assert convert_to_hf.main(["--load", str(mz), "--output", str(tmp_path / "back")]) == 0
         same_tensors(str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "back" / "model.safetensors"))
+        # fine-tuning it: the flags of multi-latent attention and prediction apply to the checkpoint's
+        from megazero.training.arguments import ConfigError, parse_args
+        from tests.cli.test_hf_round_trip import TUNE
+
+        start = TUNE + ["--pretrained-checkpoint", str(mz), "--tokenizer-type", "NullTokenizer", "--vocab-size", "89"]
+        m = parse_args(start + ["--mtp-loss-scaling-factor", "0.3", "--kv-lora-rank", "16"], 1).model
+        assert (m.mtp_num_layers, m.mtp_loss_scaling_factor, m.kv_lora_rank) == (1, 0.3, 16)
+        with pytest.raises(ConfigError, match="--kv-lora-rank 32 disagrees with the checkpoint's --kv-lora-rank 16"):
+            parse_args(start + ["--kv-lora-rank", "32"], 1)
 
 
 def test_a_config_megazero_cannot_represent_is_refused_in_one_line(tmp_path, capsys):
@@ -101,34 +110,123 @@ def test_a_config_megazero_cannot_represent_is_refused_in_one_line(tmp_path, cap
     assert not os.path.exists(tmp_path / "mz" / "model_full.safetensors")
 
 
-def test_a_trained_checkpoint_exports_with_its_expert_biases(tmp_path):
-    """pretrain_gpt.py trains a DeepSeek-V3-shaped model (expert biases moving every step) at pp 2 x ep 2 and
-    saves; tools/convert_to_hf.py exports that training checkpoint: the routers' biases become
-    e_score_correction_bias, and transformers' logits equal the checkpoint's model's (tools/generate.py's
-    loader)."""
+# The random DeepSeek-V3 of tests/model/test_hf_deepseek.py (hf_config), as a user types its shape for
+# pretrain_gpt.py: every flag agrees with the imported checkpoint.
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+         "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rotary-scaling-factor", "4",
+         "--mscale", "1.0", "--mscale-all-dim", "0.8", "--yarn-original-max-position-embeddings", "32",
+         "--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1]",
+         "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+         "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1",
+         "--moe-router-enable-expert-bias"]
+
+
+@pytest.fixture(scope="module")
+def moonlight_eps(tmp_path_factory):
+    """A random DeepSeek-V3 whose rms_norm_eps is 1e-5 (as Moonlight's; its latent norms keep 1e-6), with a
+    tokenizer, converted."""
+    d = tmp_path_factory.mktemp("dsv3_eps")
+    hf = random_hf(d / "hf", rms_norm_eps=1e-5)
+    save_tokenizer(str(d / "hf"))
+    assert convert_from_hf.main(["--input", str(d / "hf"), "--output", str(d / "mz")]) == 0
+    return hf, d / "mz"
+
+
+@pytest.mark.parametrize("shape", [[], SHAPE], ids=["no_shape_flags", "shape_flags"])
+def test_a_fine_tune_keeps_the_latent_norms_epsilon_and_exports(moonlight_eps, shape):
+    """Fine-tuning the import, with or without its shape flags: the latent norms keep the checkpoint's 1e-6 while
+    the other norms take 1e-5 (--norm-epsilon sets those only), so the model still exports to DeepSeek-V3; the
+    dropout and the routing's training settings are the checkpoint's."""
+    from megazero.model.interop.hf import hf_architecture, hf_config_dict
+    from megazero.training.arguments import parse_args
+    from tests.cli.test_hf_round_trip import TUNE
+
+    hf, mz = moonlight_eps
+    cfg = parse_args(TUNE + ["--pretrained-checkpoint", str(mz)] + shape, 1)
+    m = cfg.model
+    assert (m.layernorm_epsilon, m.latent_norm_epsilon) == (hf.config.rms_norm_eps, 1e-6)
+    assert (m.hidden_dropout, m.attention_dropout, m.moe_router_load_balancing_type) == (0.0, 0.0, "seq_aux_loss")
+    assert hf_architecture(m) == "deepseek_v3" and hf_config_dict(m)["rms_norm_eps"] == 1e-5
+    assert not any("cannot export" in n or "no load balancing" in n for n in cfg.notes), cfg.notes
+
+
+@pytest.mark.parametrize("experts", [[], ["--num-experts", "8"]], ids=["from_checkpoint", "given"])
+def test_expert_parallelism_applies_to_the_checkpoints_experts(moonlight_eps, experts):
+    """--expert-model-parallel-size splits the checkpoint's 8 experts (no --num-experts needed), whose routers
+    balance their loads with the expert bias: no 'no load balancing' note; an impossible split names the model's
+    expert count."""
+    from megazero.training.arguments import ConfigError, parse_args
+    from tests.cli.test_hf_round_trip import TUNE
+
+    _, mz = moonlight_eps
+    start = TUNE + ["--pretrained-checkpoint", str(mz)] + experts
+    cfg = parse_args(start + ["--expert-model-parallel-size", "2"], 2)
+    assert (cfg.parallel.ep, cfg.model.num_experts, cfg.model.moe_router_enable_expert_bias) == (2, 8, True)
+    assert not any("load balancing" in n for n in cfg.notes), cfg.notes
+    with pytest.raises(ConfigError, match="the model's 8 experts .* not divisible by --expert-model-parallel-size 3"):
+        parse_args(start + ["--expert-model-parallel-size", "3"], 3)
+    with pytest.raises(ConfigError, match="--num-experts 4 disagrees with the checkpoint's --num-experts 8"):
+        parse_args(TUNE + ["--pretrained-checkpoint", str(mz), "--num-experts", "4"], 1)
+
+
+def test_a_model_that_cannot_export_to_its_family_is_said_at_start_up():
+    """A DeepSeek-V3-shaped run from flags (multi-latent attention: DeepSeek-V3 is the family that has it) whose
+    routing HF cannot express (top-k other than 2 x the group top-k) is warned of once, before it trains; the
+    same run with an exportable routing is not."""
+    import shlex
+
+    from megazero.training.arguments import parse_args
+    from tests.training.test_mla_mtp_flags import BASE
+
+    def notes(*flags: str) -> list[str]:
+        cfg = parse_args(shlex.split(BASE) + SHAPE + ["--norm-epsilon", "1e-6", *flags], 1, check_files=False)
+        return [n for n in cfg.notes if "cannot export" in n]
+
+    said = notes("--moe-router-topk", "1")
+    assert len(said) == 1 and said[0].startswith("warning: tools/convert_to_hf.py cannot export this run's model to "
+                                                 "DeepseekV3ForCausalLM"), said
+    assert "moe_router_topk=1 with moe_router_group_topk=1" in said[0] and "2 x moe_router_group_topk" in said[0]
+    assert notes() == []
+    latent = [n for n in parse_args(shlex.split(BASE) + SHAPE, 1, check_files=False).notes if "cannot export" in n]
+    assert len(latent) == 1 and "latent_layernorm_epsilon=1e-06" in latent[0], latent  # Megatron's: --norm-epsilon
+
+
+def test_a_fine_tune_saved_as_torch_dist_exports_with_its_trained_expert_biases(moonlight_eps, tmp_path, capsys):
+    """pretrain_gpt.py fine-tunes the import with its shape flags at pp 2 x ep 2 (the expert biases moving every
+    step) and saves it as torch_dist; tools/convert_to_hf.py exports that save (the latent norms' 1e-6 kept, or
+    it would refuse): the routers' biases become e_score_correction_bias, transformers' logits equal the
+    checkpoint's model's (tools/generate.py's loader), and tools/generate.py reads the save to transformers'
+    greedy tokens."""
     import types
 
     from megazero.cli.generate import load_tp_shard
     from megazero.training.checkpoint_reader import open_checkpoint
-    from tests.training.test_deepseek_training import DEEPSEEK
-    from tests.training.test_layout_invariance import flags, launch, write_corpus
+    from tests.cli.test_hf_round_trip import TUNE
 
-    data = write_corpus(tmp_path)
+    hf, mz = moonlight_eps
     ckpt = tmp_path / "ckpt"
-    launch(4, flags(data, *DEEPSEEK, "--norm-epsilon", "1e-6", "--pipeline-model-parallel-size", "2",
-                    "--expert-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "3", iters=3),
-           tmp_path, "train")
+    run = in_pool(4, TUNE + SHAPE + ["--pretrained-checkpoint", mz, "--pipeline-model-parallel-size", "2",
+                                     "--expert-model-parallel-size", "2", "--save", ckpt, "--save-interval", "3",
+                                     "--ckpt-format", "torch_dist"])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "cannot export" not in run.output and "no load balancing" not in run.output
     assert convert_to_hf.main(["--load", str(ckpt), "--output", str(tmp_path / "hf")]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    biases = [v for k, v in exported.items() if k.endswith("e_score_correction_bias")]
-    # three mixtures and the MTP layer's; each bias moved +-rate per step: after 3 steps none is zero
-    assert len(biases) == 4 and all((b.abs() > 0).all() for b in biases)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    imported = load_file(str(mz.parent / "hf" / "model.safetensors"))
+    biases = [k for k in exported if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 1 and not torch.equal(exported[biases[0]], imported[biases[0]])  # trained
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert tuned.config.rms_norm_eps == 1e-5 and tuned.config.attention_dropout == 0.0
 
     config, reader, _ = open_checkpoint(str(ckpt))
+    assert config.latent_norm_epsilon == 1e-6
     model = load_tp_shard(config, reader, types.SimpleNamespace(tp_rank=0, tp_size=1))  # one process, whole
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = model(ids)[..., :config.vocab_size]
-        theirs = hf(ids).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(ids)[..., :config.vocab_size], tuned(ids).logits, rtol=1e-4, atol=1e-4)
+    prompt = " ".join(map(word, PROMPT_IDS))
+    assert_same_greedy(generated_ids(capsys, ["--load", str(ckpt), "--prompt", prompt]),
+                       hf_greedy(tuned, PROMPT_IDS, NEW))

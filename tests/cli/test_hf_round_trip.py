@@ -29,9 +29,11 @@ VOCAB = 90  # the random models' vocabulary (tests/model/test_hf*.py)
 EOT = 0  # <|endoftext|>
 PROMPT_IDS = [5, 7, 9, 11]
 NEW = 8
-FINETUNE = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
-            "--seq-length", "16", "--log-interval", "1", "--eval-iters", "0",
-            "--hidden-dropout", "0", "--attention-dropout", "0"]  # torch's dropout streams follow the layout
+# What a fine-tune gives beyond the checkpoint; the dropout comes from it (0 for Llama and Mixtral: torch's dropout
+# streams follow the layout, so the layouts' losses agree only without it). GPT-2's is 0.1: FINETUNE sets 0.
+TUNE = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
+        "--seq-length", "16", "--log-interval", "1", "--eval-iters", "0"]
+FINETUNE = TUNE + ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def word(i: int) -> str:
@@ -74,8 +76,8 @@ def assert_same_greedy(ours: list[int], theirs: list[int]) -> None:
     assert len(ours) == len(theirs) or ours[-1] == EOT
 
 
-def losses(world: int, argv: list[str], metrics) -> dict[int, float]:
-    run = in_pool(world, FINETUNE + argv + ["--metrics-file", str(metrics)])
+def losses(world: int, argv: list[str], metrics, tune: list[str] = FINETUNE) -> dict[int, float]:
+    run = in_pool(world, tune + argv + ["--metrics-file", str(metrics)])
     assert run.returncode == 0, run.output[-3000:]
     return {m["iteration"]: m["lm_loss"] for m in map(json.loads, open(metrics)) if "lm_loss" in m}
 
@@ -97,14 +99,15 @@ def test_hf_model_converts_generates_finetunes_and_exports_back(kind, tmp_path, 
     assert at_tp2.returncode == 0, at_tp2.stderr[-3000:]
     assert at_tp2.stdout.split() == list(map(word, ours))
 
-    # fine-tuning: the shape and the tokenizer from the checkpoint, at three layouts
+    # fine-tuning: the shape, the tokenizer and the dropout (but GPT-2's) from the checkpoint, at three layouts
+    tune = FINETUNE if kind == "gpt2" else TUNE
     one = losses(1, ["--pretrained-checkpoint", str(mz), "--save", str(tmp_path / "ft"), "--save-interval", "3"],
-                 tmp_path / "one.jsonl")
-    # a mixture splits its experts over expert parallelism (at tp 2 its gradients are not yet tp 1's); the
-    # layout is checked before the model is read, so --ep names the (agreeing) expert count
-    split = ["--tp", "2"] if kind in ("gpt2", "llama") else ["--expert-model-parallel-size", "2", "--num-experts", "4"]
-    two = losses(2, ["--load", str(mz), "--finetune"] + split, tmp_path / "two.jsonl")
-    pp2 = losses(2, ["--pretrained-checkpoint", str(mz), "--pp", "2"], tmp_path / "pp2.jsonl")
+                 tmp_path / "one.jsonl", tune)
+    # a mixture splits its experts over expert parallelism, the checkpoint's experts (at tp 2 its gradients are
+    # not yet tp 1's)
+    split = ["--tp", "2"] if kind in ("gpt2", "llama") else ["--expert-model-parallel-size", "2"]
+    two = losses(2, ["--load", str(mz), "--finetune"] + split, tmp_path / "two.jsonl", tune)
+    pp2 = losses(2, ["--pretrained-checkpoint", str(mz), "--pp", "2"], tmp_path / "pp2.jsonl", tune)
     assert sorted(one) == sorted(two) == sorted(pp2) == [1, 2, 3]
     for i in one:
         assert two[i] == pytest.approx(one[i], abs=2e-5) and pp2[i] == pytest.approx(one[i], abs=2e-5), (one, two, pp2)
@@ -126,6 +129,8 @@ def test_hf_model_converts_generates_finetunes_and_exports_back(kind, tmp_path, 
     tuned = load_file(str(tmp_path / "ft_hf" / "model.safetensors"))
     assert tuned.keys() == after.keys() and not all(torch.equal(tuned[k], after[k]) for k in after)
     tuned_hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ft_hf")).eval()
+    if kind != "gpt2":  # the fine-tune trained without dropout, as the original, and its export says so
+        assert tuned_hf.config.attention_dropout == hf.config.attention_dropout == 0.0
     assert_same_greedy(generated_ids(capsys, ["--load", str(tmp_path / "ft"), "--prompt", prompt]),
                        hf_greedy(tuned_hf, PROMPT_IDS, NEW))
 
@@ -178,6 +183,33 @@ def test_a_model_flag_that_disagrees_with_the_checkpoint_is_refused(converted, f
                 "--normalization", "RMSNorm", "--num-query-groups", "2"]
     assert parse_args(FINETUNE + ["--pretrained-checkpoint", str(mz), "--use-checkpoint-args"] + agreeing,
                       1).model.ffn_size == 96
+
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
+         "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]  # the converted Llama's, as a user types them
+
+
+@pytest.mark.parametrize("shape", [[], SHAPE], ids=["no_shape_flags", "shape_flags"])
+def test_a_fine_tune_takes_what_no_flag_sets_from_the_checkpoint(converted, shape):
+    """With or without the model's shape flags: the dropout, the norms' epsilon and the initialisation the
+    export records are the checkpoint's (transformers' own values), not Megatron's defaults; a dropout flag
+    sets another, and the start-up notes name both."""
+    from megazero.model.interop.hf import hf_config_dict
+
+    hf, mz = converted
+    cfg = parse_args(TUNE + ["--pretrained-checkpoint", str(mz)] + shape, 1)
+    m = cfg.model
+    assert (m.hidden_dropout, m.attention_dropout) == (0.0, hf.config.attention_dropout)
+    assert (m.layernorm_epsilon, m.init_method_std) == (hf.config.rms_norm_eps, hf.config.initializer_range)
+    exported = hf_config_dict(m)
+    assert (exported["attention_dropout"], exported["rms_norm_eps"], exported["initializer_range"]) == (
+        hf.config.attention_dropout, hf.config.rms_norm_eps, hf.config.initializer_range)
+    assert not any("cannot export" in n for n in cfg.notes)
+    tuned = parse_args(TUNE + ["--pretrained-checkpoint", str(mz), "--hidden-dropout", "0.1"] + shape, 1)
+    assert (tuned.model.hidden_dropout, tuned.model.attention_dropout) == (0.1, 0.0)
+    said = [n for n in tuned.notes if n.startswith("--hidden-dropout 0.1 in place of the checkpoint's")]
+    assert len(said) == 1 and "hidden_dropout=0.0" in said[0] and str(mz / "config.json") in said[0], tuned.notes
 
 
 def test_use_checkpoint_args_needs_a_checkpoint(tmp_path):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from megazero.model.config import GPTConfig
+
 from ..config import ConfigError
 
 __all__ = ["merge_deepspeed_moe", "balancing_notes"]
@@ -89,15 +91,16 @@ def merge_deepspeed_moe(ns: argparse.Namespace, notes: list[str]) -> None:
                     "the highest routing weights (DeepSpeed selects at random)"))
 
 
-def balancing_notes(ns: argparse.Namespace) -> list[str]:
-    """A note when a mixture of experts trains with no load balancing only because of the defaults: the
-    auxiliary loss's weight defaults to 0 (Megatron-LM's), and no expert bias or capacity is set. Not when
-    the command line chose it (``--moe-aux-loss-coeff 0``, ``--moe-router-load-balancing-type none``)."""
-    if not ns.num_experts or ns.moe_aux_loss_coeff is not None or ns.moe_router_load_balancing_type == "none":
+def balancing_notes(ns: argparse.Namespace, model: GPTConfig) -> list[str]:
+    """A note when the mixture of experts of the resolved ``model`` (from --num-experts or the checkpoint the run
+    starts from) trains with no load balancing only because of the defaults: the auxiliary loss's weight defaults
+    to 0 (Megatron-LM's), and no expert bias or capacity is set. Not when the command line chose it
+    (``--moe-aux-loss-coeff 0``, ``--moe-router-load-balancing-type none``)."""
+    if not model.num_experts or ns.moe_aux_loss_coeff is not None or model.moe_router_load_balancing_type == "none":
         return []
-    if ns.moe_router_enable_expert_bias or ns.moe_expert_capacity_factor is not None:
+    if model.moe_aux_loss_coeff or model.moe_router_enable_expert_bias or model.moe_expert_capacity_factor is not None:
         return []
-    return [f"--num-experts {ns.num_experts[0]} with no load balancing: --moe-aux-loss-coeff defaults to 0 (as in "
+    return [f"{model.num_experts} experts with no load balancing: --moe-aux-loss-coeff defaults to 0 (as in "
             "Megatron-LM), so nothing evens out the experts' loads (the log's 'expert load max over mean'); pass "
             "e.g. --moe-aux-loss-coeff 1e-2, or --moe-router-enable-expert-bias with sigmoid routing, or "
             "--moe-expert-capacity-factor"]

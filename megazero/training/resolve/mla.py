@@ -8,7 +8,7 @@ and betas have no flag there under MLA and keep MLATransformerConfig's 4096, 32 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 from megazero.training.config import ConfigError
 from megazero.training.resolve.common import default, same_value
@@ -30,12 +30,14 @@ def _flag(name: str) -> str:
     return _FLAG.get(name, "--" + name.replace("_", "-"))
 
 
-def _mla(ns: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+def _mla(ns: argparse.Namespace, notes: list[str], checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The MLA fields, refusing the flags Megatron refuses beside it; ``{}`` without --multi-latent-attention,
-    where an MLA size flag other than its default is refused (Megatron would leave it unused)."""
+    where an MLA size flag other than its default is refused (Megatron would leave it unused) unless the
+    ``checkpoint`` the run starts from has multi-latent attention (its fields are compared with them later)."""
     if not ns.multi_latent_attention:
-        _refuse_unused(ns, {"q_lora_rank": 0, **MLA_FLAG_DEFAULTS}, "sizes multi-latent attention: add "
-                       "--multi-latent-attention, or")
+        if not checkpoint.get("multi_latent_attention"):
+            _refuse_unused(ns, {"q_lora_rank": 0, **MLA_FLAG_DEFAULTS}, "sizes multi-latent attention: add "
+                           "--multi-latent-attention, or")
         return {}
     # Megatron's validate_args asserts "Group query attention is mutually exclusive with multi latent attention".
     if ns.group_query_attention:
@@ -101,8 +103,8 @@ def _refuse_unused(ns: argparse.Namespace, defaults: dict[str, Any], why: str) -
         raise ConfigError(f"{', '.join(typed)} {why} drop {'them' if len(typed) > 1 else 'it'}")
 
 
-def _mtp(ns: argparse.Namespace, position: str) -> dict[str, Any]:
-    layers = default(ns.mtp_num_layers, 0)
+def _mtp(ns: argparse.Namespace, position: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    layers = default(ns.mtp_num_layers, checkpoint.get("mtp_num_layers") or 0)
     if not layers:
         _refuse_unused(ns, {"mtp_loss_scaling_factor": 0.1}, "weighs multi-token prediction, which needs "
                                                               "--mtp-num-layers D;")
@@ -113,12 +115,16 @@ def _mtp(ns: argparse.Namespace, position: str) -> dict[str, Any]:
     return {"mtp_num_layers": layers, "mtp_loss_scaling_factor": default(ns.mtp_loss_scaling_factor, 0.1)}
 
 
-def mla_kwargs(ns: argparse.Namespace, position: str, notes: list[str]) -> dict[str, Any]:
+def mla_kwargs(ns: argparse.Namespace, position: str, notes: list[str],
+               checkpoint: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """GPTConfig keyword arguments of the multi-latent attention, RoPE-scaling and multi-token prediction flags;
-    ``position``: the resolved position_embedding_type. Raises ConfigError naming the flag and the fix."""
-    kw = _mla(ns, notes)
-    kw.update(_rope(ns, bool(kw)))
-    kw.update(_mtp(ns, position))
+    ``position``: the resolved position_embedding_type; ``checkpoint``: the saved model fields of the checkpoint
+    the run starts from, whose multi-latent attention and prediction depth the flags then apply to. Raises
+    ConfigError naming the flag and the fix."""
+    checkpoint = checkpoint or {}
+    kw = _mla(ns, notes, checkpoint)
+    kw.update(_rope(ns, bool(kw) or bool(checkpoint.get("multi_latent_attention"))))
+    kw.update(_mtp(ns, position, checkpoint))
     return kw
 
 

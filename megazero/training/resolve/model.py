@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -12,8 +12,11 @@ from megazero.model.config import PRESETS, GPTConfig
 from megazero.training.config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
 from megazero.training.resolve.common import default
 from megazero.training.resolve.mla import given_mla_fields, mla_kwargs
-from megazero.training.resolve.resume import (CHECKPOINT_FILL_FIELDS, CHECKPOINT_MODEL_FIELDS, checkpoint_args_source,
-                                              checkpoint_model, checkpoint_model_kwargs, keep_saved_vocab_padding)
+from megazero.training.resolve.resume import (CHECKPOINT_FILL_FIELDS, CHECKPOINT_LEARNED_FIELDS,
+                                              CHECKPOINT_MODEL_FIELDS, CHECKPOINT_TRAINING_FIELDS,
+                                              checkpoint_args_source, checkpoint_model, checkpoint_model_kwargs,
+                                              checkpoint_training_kwargs, flags_give_the_shape,
+                                              keep_saved_vocab_padding)
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE (50,000 merges + 256 bytes + <|endoftext|>)
 
@@ -79,11 +82,16 @@ def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def moe_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    """GPTConfig keyword arguments of the mixture-of-experts flags (none without --num-experts)."""
-    if not ns.num_experts:
+def moe_kwargs(ns: argparse.Namespace, experts: Any = None) -> dict[str, Any]:
+    """GPTConfig keyword arguments of the mixture-of-experts flags the command line set, for a model of
+    --num-experts experts, else of ``experts`` (the checkpoint's, which then sets num_experts itself); none for
+    a dense model."""
+    if ns.num_experts and len(ns.num_experts) != 1:
+        raise ConfigError(f"--num-experts {' '.join(map(str, ns.num_experts))}: one number of experts for every MoE "
+                          "layer (a per-layer list is not available); give one value")
+    if not ns.num_experts and not experts:
         return {}
-    kw: dict[str, Any] = {"num_experts": ns.num_experts[0]}
+    kw: dict[str, Any] = {"num_experts": ns.num_experts[0]} if ns.num_experts else {}
     if ns.moe_pad_expert_input_to_capacity and ns.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity each "
                           "expert's rows are padded to); add it, or drop the padding (dropless)")
@@ -119,26 +127,38 @@ def build_gpt_config(kw: dict[str, Any]) -> GPTConfig:
     return GPTConfig(**kw)
 
 
-def _from_checkpoint(ns: argparse.Namespace, data: DataConfig, check_files: bool,
-                     notes: list[str]) -> tuple[str, dict[str, Any]]:
-    """``(where, the saved model fields)`` when the model comes from a checkpoint (--use-checkpoint-args, or no
-    model shape flags with --load/--pretrained-checkpoint); ``("", {})`` otherwise. Mock data without a
-    tokenizer takes the checkpoint's recorded one."""
+def _from_checkpoint(ns: argparse.Namespace, check_files: bool,
+                     notes: list[str]) -> tuple[str, dict[str, Any], Optional[GPTConfig]]:
+    """``(where, the saved fields the run takes, the checkpoint's whole model)`` of the checkpoint the run starts
+    from; ``("", {}, None)`` for a fresh start, or where the flags size the model and the checkpoint cannot be
+    read before the run (its load then names what is wrong with it)."""
     source = checkpoint_args_source(ns, check_files)
     if source is None:
-        return "", {}
-    where, saved = checkpoint_model(ns, source)
-    how = "--use-checkpoint-args" if ns.use_checkpoint_args else "no model shape flags"
-    notes.append(f"model arguments from the checkpoint ({how}): {where}")
-    return where, {k: v for k, v in saved.items() if k in CHECKPOINT_MODEL_FIELDS + CHECKPOINT_FILL_FIELDS}
+        return "", {}, None
+    try:
+        where, saved = checkpoint_model(ns, source)
+        try:
+            origin = GPTConfig.from_dict(saved)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where} does not hold a model configuration this build reads: {e}") from None
+    except ConfigError:
+        if flags_give_the_shape(ns) and not ns.use_checkpoint_args:
+            return "", {}, None
+        raise
+    notes.append(f"model from the checkpoint {where}: every model setting no flag gives")
+    taken = CHECKPOINT_MODEL_FIELDS + CHECKPOINT_LEARNED_FIELDS + CHECKPOINT_TRAINING_FIELDS + CHECKPOINT_FILL_FIELDS
+    return where, {k: v for k, v in saved.items() if k in taken}, origin
 
 
-def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: DataConfig) -> dict[str, tuple[str, Any]]:
+def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: DataConfig,
+                       experts: Any = None) -> dict[str, tuple[str, Any]]:
     """GPTConfig field -> (the flag as typed, its value) for each model flag the command line set; ``pos``:
-    the position embedding type the flags asked for (None: none)."""
+    the position embedding type the flags asked for (None: none); ``experts``: the checkpoint's number of
+    experts, whose mixture-of-experts flags count without --num-experts."""
     given: dict[str, tuple[str, Any]] = {}
     for attr in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
-                 "max_position_embeddings", "rotary_base", "normalization"):
+                 "max_position_embeddings", "rotary_base", "normalization", "hidden_dropout", "attention_dropout",
+                 "init_method_std", "label_smoothing"):
         if getattr(ns, attr) is not None:
             given[attr] = (f"--{attr.replace('_', '-')} {getattr(ns, attr)}", getattr(ns, attr))
     if pos is not None:
@@ -155,7 +175,7 @@ def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: D
         if on:
             given[field] = (flag_name, value)
     flag_of = {name: flag_name for name, flag_name, _ in MODEL_FIELD_FLAGS}
-    for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns)}.items():
+    for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns, experts)}.items():
         flag_name = flag_of.get(name, f"--{name.replace('_', '-')}")
         given[name] = (flag_name if isinstance(value, bool) else f"{flag_name} {value}", value)
     given.update(given_mla_fields(ns))
@@ -174,7 +194,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         if key not in PRESETS:
             raise ConfigError(f"unknown --model-preset {ns.model_preset!r}; choose one of {', '.join(PRESETS)}")
         preset = dict(PRESETS[key])
-    where, saved = _from_checkpoint(ns, data, check_files, notes)
+    where, saved, origin = _from_checkpoint(ns, check_files, notes)
     preset.update(saved)
     if ns.num_key_value_heads is not None:
         if ns.num_query_groups is not None and ns.num_query_groups != ns.num_key_value_heads:
@@ -256,13 +276,15 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         if value is not None:
             kw[attr] = value
     kw.update(model_field_kwargs(ns))
-    kw.update(moe_kwargs(ns))
-    kw.update(mla_kwargs(ns, kw["position_embedding_type"], notes))
+    kw.update(moe_kwargs(ns, saved.get("num_experts")))
+    kw.update(mla_kwargs(ns, kw["position_embedding_type"], notes, saved))
     for key in ("kv_channels", eps_field):
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]
     if saved:
-        kw.update(checkpoint_model_kwargs(saved, given_model_fields(ns, pos, eps_field, data), where))
+        given = given_model_fields(ns, pos, eps_field, data, saved.get("num_experts"))
+        kw.update(checkpoint_model_kwargs(saved, given, where))
+        kw.update(checkpoint_training_kwargs(saved, given, where, notes))
     # Megatron's masks at every layout (the fused kernels run); position-keyed masks, the same at every
     # layout, only when asked: their attention dropout runs the explicit formula in tiles.
     kw["dropout_rng"] = ns.dropout_rng or "stream"
@@ -273,9 +295,13 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         _check_flash_attn(prec)
     config = build_gpt_config(kw)
     try:
-        return config.validate(par.tp)
+        config = config.validate(par.tp)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
+    note = hf_export_note(config, origin)
+    if note:
+        notes.append(note)
+    return config
 
 
 def _check_recompute_modules(modules: Any, granularity: Any) -> None:
@@ -305,3 +331,31 @@ def _check_flash_attn(prec: PrecisionConfig) -> None:
     if problems:
         raise ConfigError("--use-flash-attn cannot run here: " + "; ".join(problems)
                           + "; drop the flag to use PyTorch's scaled_dot_product_attention")
+
+
+def hf_export_note(model: GPTConfig, origin: Optional[GPTConfig]) -> Optional[str]:
+    """A start-up warning when the run's ``model`` cannot be exported to the Hugging Face family it came from
+    (tools/convert_to_hf.py would refuse the trained checkpoint): the family the checkpoint it starts from
+    (``origin``) converts to; for a run from flags, DeepSeek-V3 for multi-latent attention, the one family that
+    has it. None when it exports there, or came from no such family."""
+    from megazero.model.interop.hf import HF_ARCHITECTURES, hf_architecture
+
+    if origin is not None:
+        try:
+            family = hf_architecture(origin)
+        except ValueError:
+            return None  # the checkpoint is no Hugging Face model either
+    elif model.multi_latent_attention:
+        family = "deepseek_v3"
+    else:
+        return None
+    try:
+        got = hf_architecture(model)
+        if got == family:
+            return None
+        why = f"it is a {HF_ARCHITECTURES[got]} now"
+    except ValueError as e:
+        why = str(e).rstrip(".")
+    came = "the checkpoint's family" if origin is not None else "the family of multi-latent attention"
+    return (f"warning: tools/convert_to_hf.py cannot export this run's model to {HF_ARCHITECTURES[family]} ({came}): "
+            f"{why}")

@@ -74,7 +74,10 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
     elif hierarchical:
         raise ConfigError("--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p; drop it or "
                           "choose a2a+p2p")
-    ep, etp = _expert_parallel(ns, tp, world_size // (tp * cp * pp), cp)
+    ep = default(ns.expert_model_parallel_size, 1)
+    etp = default(ns.expert_tensor_parallel_size, tp)
+    if ep < 1 or etp < 1:
+        raise ConfigError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
     zero_stage = ns.zero_stage
     fsdp_stage = _fully_sharded_stage(ns)
     if zero_stage is None and fsdp_stage is not None:
@@ -220,40 +223,33 @@ def pipeline_plan_line(config: TrainConfig) -> str:
             + "; ".join(stages))
 
 
-def _expert_parallel(ns, tp: int, dp: int, cp: int) -> tuple[int, int]:
-    """The expert-parallel and expert tensor-parallel sizes, refused at parse time when the experts or the
-    ranks do not allow them."""
-    ep = default(ns.expert_model_parallel_size, 1)
-    etp = default(ns.expert_tensor_parallel_size, tp)
-    experts = ns.num_experts
-    if ep < 1 or etp < 1:
-        raise ConfigError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
+def resolve_expert_parallel(par: ParallelConfig, model: GPTConfig) -> None:
+    """What the expert-parallel and expert tensor-parallel sizes need of the model (its experts come from
+    --num-experts or from the checkpoint the run starts from) and of the ranks, refused with the numbers."""
+    ep, etp, tp, experts = par.ep, par.etp, par.tp, model.num_experts
     if (ep > 1 or etp != tp) and not experts:
         flag = (f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}")
-        raise ConfigError(f"{flag} needs --num-experts (a mixture of experts)")
+        raise ConfigError(f"{flag} needs --num-experts (a mixture of experts): the model has none")
     if not experts:
-        return ep, etp
-    if len(experts) != 1:
-        raise ConfigError(f"--num-experts {' '.join(map(str, experts))}: one number of experts for every MoE "
-                          "layer (a per-layer list is not available); give one value")
-    if experts[0] % ep:
-        raise ConfigError(f"--num-experts {experts[0]} is not divisible by --expert-model-parallel-size {ep}")
-    if (tp * dp * cp) % (ep * etp):
+        return
+    if experts % ep:
+        raise ConfigError(f"the model's {experts} experts (--num-experts) are not divisible by "
+                          f"--expert-model-parallel-size {ep}")
+    stage = par.tp * par.dp * par.cp
+    if stage % (ep * etp):
         raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} must "
-                          f"divide the ranks of a pipeline stage, tp x dp x cp = {tp} x {dp} x {cp} = {tp * dp * cp}")
-    ffn = default(ns.moe_ffn_hidden_size, ns.ffn_hidden_size)
-    if ffn is not None and ffn % etp:
-        raise ConfigError(f"the experts' hidden size {ffn} (--moe-ffn-hidden-size, else --ffn-hidden-size) is not "
-                          f"divisible by --expert-tensor-parallel-size {etp}")
-    if etp not in (1, tp) and not ns.disable_bias_linear:
+                          f"divide the ranks of a pipeline stage, tp x dp x cp = {tp} x {par.dp} x {par.cp} = {stage}")
+    if model.moe_ffn_size % etp:
+        raise ConfigError(f"the experts' hidden size {model.moe_ffn_size} (--moe-ffn-hidden-size, else "
+                          f"--ffn-hidden-size) is not divisible by --expert-tensor-parallel-size {etp}")
+    if etp not in (1, tp) and model.add_bias_linear:
         raise ConfigError(f"expert biases with --expert-tensor-parallel-size {etp} between 1 and --tp {tp}: each "
                           "expert's output bias would be held by etp ranks that the gradient norm does not tell apart; "
                           "add --disable-bias-linear, or use an expert tensor-parallel size of 1 or --tp")
-    if etp != tp and tp > 1 and not ns.sequence_parallel:
+    if etp != tp and tp > 1 and not par.sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tp {tp}: each rank then routes "
                           "tokens of its own, which needs --sequence-parallel (as in Megatron-LM); add it, or set "
                           f"--expert-tensor-parallel-size {tp}")
-    return ep, etp
 
 
 def context_parallel_dropout_note(cp: int, model: GPTConfig) -> str:

@@ -53,10 +53,14 @@ def checkpoint_model(ns: argparse.Namespace, source: str) -> tuple[str, dict[str
         raise ConfigError(f"cannot read the model arguments of {source}: {e}") from None
 
 
-# The model the checkpoint's weights belong to (--use-checkpoint-args, or no model shape flags): taken
-# from it, an explicit flag that disagrees refused. The learned position table is among them
-# (CHECKPOINT_LEARNED_FIELDS); the sequence length and the vocabulary padding fill what the command line
-# leaves unset (the padding is then kept by keep_saved_vocab_padding).
+# The model of the checkpoint a run starts from: every field below the command line does not set is the
+# checkpoint's. CHECKPOINT_MODEL_FIELDS are the network its weights belong to (their shapes and what they
+# compute): a flag that disagrees is refused by both values. The learned position table is among them
+# (CHECKPOINT_LEARNED_FIELDS). CHECKPOINT_TRAINING_FIELDS are how the network trains (dropout, the load
+# balancing, the initialisation it records): a flag sets another value, which the start-up notes name beside the
+# checkpoint's. The sequence length and the vocabulary padding fill what the command line leaves unset (the
+# padding is then kept by keep_saved_vocab_padding). Execution settings (recompute, sequence parallelism, the
+# attention backend, the dtype) are the run's own.
 CHECKPOINT_MODEL_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size", "num_query_groups",
     "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "layernorm_epsilon",
@@ -65,17 +69,28 @@ CHECKPOINT_MODEL_FIELDS = (
     "moe_router_pre_softmax", "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-    "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
-    "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers")
+    "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type", "rotary_scaling_factor",
+    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
+CHECKPOINT_TRAINING_FIELDS = (
+    "hidden_dropout", "attention_dropout", "init_method_std", "init_method", "label_smoothing",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+    "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_min_capacity", "moe_eval_capacity_factor", "mtp_loss_scaling_factor")
 CHECKPOINT_FILL_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
 MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
 
 
+def flags_give_the_shape(ns: argparse.Namespace) -> bool:
+    """Whether the command line sizes the model itself (--num-layers, --hidden-size, --num-attention-heads or
+    --model-preset): a checkpoint it starts from that cannot be read at parse time is then left to the load to
+    report."""
+    return ns.model_preset is not None or any(getattr(ns, a) is not None for a in MODEL_SHAPE_FLAGS)
+
+
 def checkpoint_args_source(ns: argparse.Namespace, check_files: bool) -> Optional[str]:
-    """The checkpoint whose model arguments the run takes: with --use-checkpoint-args the one it starts
-    from; without it the same when the command line gives no model shape (--num-layers, --hidden-size,
-    --num-attention-heads, --model-preset). None: the model comes from the flags."""
+    """The checkpoint whose model the run takes: the one it starts from (:func:`start_checkpoint`), whatever
+    model flags the command line gives; None for a fresh start. --use-checkpoint-args without one is refused."""
     source = start_checkpoint(ns)
     if ns.use_checkpoint_args:
         if ns.load is None and ns.pretrained_checkpoint is None:
@@ -85,10 +100,7 @@ def checkpoint_args_source(ns: argparse.Namespace, check_files: bool) -> Optiona
             raise ConfigError(f"--use-checkpoint-args: {ns.load or ns.pretrained_checkpoint} holds no checkpoint "
                               "('latest', model_full.safetensors or a torch_dist iteration) to take the model "
                               "arguments from")
-        return source
-    if ns.model_preset is None and all(getattr(ns, a) is None for a in MODEL_SHAPE_FLAGS):
-        return source
-    return None
+    return source
 
 
 def _effective(saved, field: str) -> Any:
@@ -121,6 +133,21 @@ def checkpoint_model_kwargs(saved: dict[str, Any], given: dict[str, tuple[str, A
             raise ConfigError(f"{flag} disagrees with the checkpoint's {field}={_effective(ref, field)!r} ({where}): "
                               "drop the flag, the model comes from the checkpoint")
     return {k: saved[k] for k in fields if k in saved}
+
+
+def checkpoint_training_kwargs(saved: dict[str, Any], given: dict[str, tuple[str, Any]], where: str,
+                               notes: list[str]) -> dict[str, Any]:
+    """The CHECKPOINT_TRAINING_FIELDS of ``saved`` (read from ``where``) that no flag of ``given`` sets; each
+    flag that sets another value than the checkpoint's is named in ``notes`` beside it."""
+    out: dict[str, Any] = {}
+    for field in CHECKPOINT_TRAINING_FIELDS:
+        if field not in saved:
+            continue
+        if field not in given:
+            out[field] = tuple(saved[field]) if isinstance(saved[field], list) else saved[field]
+        elif not _same(given[field][1], saved[field]):
+            notes.append(f"{given[field][0]} in place of the checkpoint's {field}={saved[field]!r} ({where})")
+    return out
 
 
 def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool:
