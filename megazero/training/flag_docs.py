@@ -1,9 +1,10 @@
 """docs/flags.md from the flag table (``flags.FLAGS``) and the DeepSpeed key table (``ds_keys.DS_KEYS``): one
-table per group, the refused flags that share a message in one row. ``python -m megazero.training.flags >
-docs/flags.md`` writes it; a test fails while the file and the tables differ."""
+table per group, the refused flags that share a message in one row. ``python -m megazero.training.flag_docs
+> docs/flags.md`` writes it; a test fails while the file and the tables differ."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from megazero.training.flags import FLAGS, Flag, _shown
@@ -33,7 +34,7 @@ def flags_markdown() -> str:
 
     lines = ["# Command-line flags and DeepSpeed JSON keys", "",
              "Generated from `megazero/training/flags.py` and `megazero/training/ds_keys.py` by "
-             "`python -m megazero.training.flags > docs/flags.md`; a test fails when this file and the tables differ.",
+             "`python -m megazero.training.flag_docs > docs/flags.md`; a test fails when this file and the tables differ.",
              "", "**honoured**: Megatron's meaning, implemented. **mapped**: Megatron's intent, met by the megazero "
              "mechanism named. **refused**: the run stops before any process group starts, with the message shown. "
              "Nothing is silently ignored. **default**: the value in force when the flag is not given (blank: "
@@ -73,3 +74,7 @@ def flags_markdown() -> str:
     for k in DS_KEYS:
         lines.append(f"| `{k.path}` | {k.status} | {k.meaning.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(flags_markdown())  # the product (docs/flags.md's text), not a diagnostic

@@ -2,7 +2,7 @@
 
 One row per flag. ``build_parser`` (in ``arguments``) makes argparse from these rows,
 ``refusals`` turns every refused flag (or refused value) found on a command line into
-one message naming the megazero way, and ``flags_markdown`` writes docs/flags.md, so
+one message naming the megazero way, and ``flag_docs.flags_markdown`` writes docs/flags.md, so
 the code and the documentation cannot drift (tests/scripts/test_scripts_parse.py checks the
 file against the table).
 
@@ -29,7 +29,6 @@ optimizer), ``flag_rows_mcore`` (Megatron-core's newer flags in megazero's group
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -38,7 +37,7 @@ from megazero.training.flag_rows import add_mla_rows, add_moe_rows
 from megazero.training.flag_rows_absent import NO_TE, add_absent_groups
 from megazero.training.flag_rows_training import add_optimizer_rows, add_schedule_rows
 
-__all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "HELP_EPILOG", "refusals", "flags_markdown",
+__all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "HELP_EPILOG", "refusals",
            "add_to_parser"]
 
 HONOURED, MAPPED, REFUSED = "honoured", "mapped", "refused"
@@ -486,14 +485,3 @@ def refusals(ns: argparse.Namespace) -> list[str]:
         elif f.only is not None and value not in f.only:
             lines.append(([], f"{f.names[0]} {_shown(value)}: {f.meaning}"))
     return [f"{', '.join(flags)}: {message}" if flags else message for flags, message in lines]
-
-
-def flags_markdown() -> str:
-    """docs/flags.md: the flag table and the DeepSpeed JSON key table (written by ``flag_docs``)."""
-    from megazero.training.flag_docs import flags_markdown as markdown
-
-    return markdown()
-
-
-if __name__ == "__main__":
-    sys.stdout.write(flags_markdown())  # the product (docs/flags.md's text), not a diagnostic

@@ -179,7 +179,7 @@ def test_local_rank_must_match_environment(monkeypatch):
 
 
 def test_docs_flag_table_is_generated_from_the_table():
-    from megazero.training.flags import flags_markdown
+    from megazero.training.flag_docs import flags_markdown
 
     path = os.path.join(HERE, "..", "..", "docs", "flags.md")
-    assert open(path).read() == flags_markdown(), "regenerate: python -m megazero.training.flags > docs/flags.md"
+    assert open(path).read() == flags_markdown(), "regenerate: python -m megazero.training.flag_docs > docs/flags.md"
