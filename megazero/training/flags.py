@@ -347,7 +347,8 @@ g(R, "--no-save-optim", "megazero checkpoints always hold the optimizer partitio
 g(R, "--no-save-rng", "megazero checkpoints always hold every rank's RNG states (exact resume); drop the flag")
 g(H, "--use-checkpoint-args", "the model's shape and architecture from the checkpoint in --load or "
   "--pretrained-checkpoint (Megatron's load_args_from_checkpoint); a model flag that disagrees with it is refused; "
-  "a run from a checkpoint without --num-layers/--hidden-size/--num-attention-heads/--model-preset does this anyway")
+  "every run from a checkpoint takes the settings no flag gives from it; with this flag a run without a "
+  "checkpoint to take them from is refused")
 g(H, ("--ckpt-format", "--dist-ckpt-format"), "checkpoint file format of --save: megazero (its own, reloads at any "
   "tp x pp x dp x ep x ZeRO stage) or torch_dist (Megatron-LM's distributed format, which megatron-core's "
   "dist_checkpointing.load reads at any tp x pp); --load reads either, and Megatron-LM's torch_dist checkpoints",
