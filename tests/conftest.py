@@ -23,6 +23,7 @@ SLOW_MODULES = {
     "tests/training/test_host_syncs.py",
     "tests/training/test_layout_invariance.py",
     "tests/training/test_memory.py",
+    "tests/training/test_megatron_optimizer_resume.py",
     "tests/training/test_moe_training.py",
     "tests/training/test_mtp_training.py",
     "tests/training/test_offload.py",

@@ -1,21 +1,26 @@
-"""megatron-core as a test oracle: it writes Megatron-LM-shaped ``torch_dist`` checkpoints and computes logits.
+"""megatron-core as a test oracle: it writes Megatron-LM-shaped ``torch_dist`` checkpoints, trains, and computes logits.
 
 * :func:`write_mcore_checkpoint` builds megatron-core's ``GPTModel`` for a megazero :class:`GPTConfig` at a
   (tp, pp, ep, dp) layout on CPU gloo ranks and saves it as Megatron-LM's ``save_checkpoint`` does with
-  ``--ckpt-format torch_dist``: ``latest_checkpointed_iteration.txt`` and ``iter_{N:07d}/`` holding
-  ``dist_checkpointing.save`` of ``generate_state_dict``'s dict (args, checkpoint_version, iteration, model,
-  optimizer, opt_param_scheduler, num_floating_point_operations_so_far, rng_state).
+  ``--ckpt-format torch_dist --no-save-optim``: ``latest_checkpointed_iteration.txt`` and ``iter_{N:07d}/``
+  holding ``dist_checkpointing.save`` of ``generate_state_dict``'s dict (args, checkpoint_version, iteration,
+  model, num_floating_point_operations_so_far, rng_state).
+* :func:`train_mcore` trains that model with megatron-core's distributed optimizer (:mod:`tests.mcore_train`),
+  saves it mid-run with the optimizer and its scheduler in the distributed optimizer's sharding types, and
+  returns the losses of the whole run: the continuation a resume must reproduce.
 * :func:`mcore_logits` loads such a directory into megatron-core's model at any layout (megatron-core does
   the resharding) and returns the full-vocabulary logits.
 
-Each call spawns all its ranks once (megatron-core's import is the slow part). Weights are megatron-core's
-CPU initialisation from ``seed``; every norm weight and bias then gets seeded noise, so a loader that maps
-a norm or a bias to the wrong place cannot agree with megatron-core's logits.
+The stored ``args`` are Megatron-LM's (:mod:`tests.megatron_lm_args`: its argument defaults, the
+TransformerConfig the model was built from, the command line's values). Each call spawns all its ranks once
+(megatron-core's import is the slow part). Weights are megatron-core's CPU initialisation from ``seed``; every
+norm weight and bias then gets seeded noise, so a loader that maps a norm or a bias to the wrong place cannot
+agree with megatron-core's logits.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -26,6 +31,11 @@ from typing import Any, Optional
 
 import pytest
 import torch
+
+from tests.mcore_cpu import (MLACoreAttention, cpu_optimizer_shims, cpu_shims, grouped_gemm_shim,
+                             let_grouped_experts_run_fp32)
+from tests.megatron_lm_args import POSITION_EMBEDDING, RUN_FLAGS, megatron_lm_args_on_rank, model_flags
+
 
 def _have_mcore() -> bool:
     """Whether megatron-core is installed, without importing it here (its import takes seconds)."""
@@ -40,8 +50,8 @@ HAVE_MCORE = _have_mcore()
 requires_mcore = pytest.mark.skipif(
     not HAVE_MCORE, reason="megatron-core (the bench extra: pip install -e .[bench]) is not installed")
 
-__all__ = ["HAVE_MCORE", "requires_mcore", "write_mcore_checkpoint", "mcore_logits", "transformer_config",
-           "megatron_args", "data_parallel_size"]
+__all__ = ["HAVE_MCORE", "requires_mcore", "write_mcore_checkpoint", "train_mcore", "mcore_logits",
+           "mcore_parameter_names", "transformer_config", "data_parallel_size"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -115,6 +125,7 @@ def transformer_config(config, tp: int = 1, pp: int = 1, ep: int = 1, *, grouped
         use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        transformer_impl="local",  # the layer specs built here are the local ones
     )
     kw.update(_moe_kwargs(config, grouped_gemm))
     if config.multi_latent_attention:
@@ -128,42 +139,9 @@ def transformer_config(config, tp: int = 1, pp: int = 1, ep: int = 1, *, grouped
     return TransformerConfig(**kw)
 
 
-def _position_embedding_type(config) -> str:
-    return {"learned": "learned_absolute", "rope": "rope", "none": "none"}[config.position_embedding_type]
-
-
 def data_parallel_size(tp: int, ep: int, dp: int) -> int:
     """The data-parallel size a run needs: megatron-core's expert grid (expert tp = tp) takes ep out of dp."""
     return dp * ep // math.gcd(dp, ep)
-
-
-def megatron_args(config, tp: int, pp: int, ep: int, dp: int, *, iteration: int, seed: int, optimizer: bool,
-                  grouped_gemm: bool, optimizer_format: str, **overrides: Any) -> argparse.Namespace:
-    """The ``args`` Namespace Megatron-LM's pretrain_gpt.py would store for this model and layout: the model's
-    fields as megazero writes them (``megatron_model_args``), then this run's layout and training fields."""
-    from megazero.model.interop.megatron_args import megatron_model_args
-
-    args = megatron_model_args(config)
-    args.update(
-        vocab_size=None, tokenizer_type="GPT2BPETokenizer",
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp, context_parallel_size=1, data_parallel_size=dp,
-        world_size=tp * pp * dp, virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
-        rotary_seq_len_interpolation_factor=None, use_rope_scaling=False, moe_grouped_gemm=grouped_gemm,
-        moe_token_dispatcher_type="allgather", seed=seed, fp16=False, bf16=False, params_dtype=torch.float32,
-        consumed_train_samples=iteration * 8, consumed_valid_samples=0, skipped_train_samples=0,
-        train_iters=100, train_samples=None, iteration=iteration,
-        lr=3e-4, min_lr=3e-5, lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=None,
-        weight_decay=0.01, start_weight_decay=0.01, end_weight_decay=0.01, weight_decay_incr_style="constant",
-        clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, optimizer="adam",
-        global_batch_size=8, micro_batch_size=2, rampup_batch_size=None,
-        ckpt_format="torch_dist", use_dist_ckpt=True, use_distributed_optimizer=optimizer,
-        dist_ckpt_optim_fully_reshardable=optimizer_format == "fully_reshardable",
-        ckpt_fully_parallel_save=True, no_save_optim=not optimizer, no_save_rng=False,
-        async_save=False, save=None, load=None, save_interval=iteration,
-    )
-    args.update(overrides)
-    return argparse.Namespace(**args)
 
 
 # ---- ranks ---------------------------------------------------------------------------------------------------
@@ -172,26 +150,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cpu_shims() -> None:
-    """megatron-core's save and load call CUDA helpers that have CPU meanings (in the spawned ranks only)."""
-    import contextlib
-
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    # The tracker's CUDA generators do not exist on CPU; dropout then draws from the CPU generator.
-    mcore_random.CudaRNGStatesTracker.fork = contextlib.contextmanager(lambda self, name=None: (yield))
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # the router's matmul names it whether or not TE imported
-        moe_utils.te_general_gemm = None
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if not isinstance(mla.TELinear, type):  # without TE a placeholder, which MLA's isinstance() refuses
-        mla.TELinear = type("NoTELinear", (), {})
 
 
 def _spawn(job: dict, world: int) -> None:
@@ -206,7 +164,7 @@ def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    _cpu_shims()
+    cpu_shims()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -214,7 +172,8 @@ def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
 
     try:
         ps.initialize_model_parallel(job["tp"], job["pp"], expert_model_parallel_size=job["ep"])
-        {"save": _save_on_rank, "logits": _logits_on_rank}[job["kind"]](job)
+        with cpu_optimizer_shims() if job.get("optimizer") else contextlib.nullcontext():
+            {"save": _save_on_rank, "logits": _logits_on_rank, "names": _names_on_rank}[job["kind"]](job)
         dist.barrier()
     finally:
         ps.destroy_model_parallel()
@@ -222,25 +181,6 @@ def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
 
 
 # ---- on each rank ----------------------------------------------------------------------------------------------
-
-class _MLACoreAttention(torch.nn.Module):
-    """Softmax attention with query/key heads of one width and value heads of another: what MLA's spec asks of
-    its core attention (Transformer Engine's there; the local DotProductAttention has one head width)."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
-                 **unused):
-        super().__init__()  # (the base Attention builds one without the widths; MLA then replaces it)
-        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or 1) ** -0.5
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **unused):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
-        s_q, s_k = scores.shape[-2:]
-        causal = torch.ones(s_q, s_k, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(causal if attention_mask is None else attention_mask | causal, float("-inf"))
-        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [b, n, s, dv]
-        return out.permute(2, 0, 1, 3).reshape(s_q, q.shape[0], -1)
-
 
 def _layer_spec(config, tcfg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -254,7 +194,7 @@ def _layer_spec(config, tcfg):
         layers = [spec]
     if config.multi_latent_attention:
         for layer in layers:
-            layer.submodules.self_attention.submodules.core_attention = _MLACoreAttention
+            layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
     return spec
 
 
@@ -264,7 +204,7 @@ def _build_model(job: dict):
 
     config = job["config"]
     if job["grouped_gemm"]:
-        _grouped_gemm_shim()
+        grouped_gemm_shim()
     tcfg = transformer_config(config, job["tp"], job["pp"], job["ep"], grouped_gemm=job["grouped_gemm"])
     torch.manual_seed(job["seed"])  # use_cpu_initialization draws every full weight from this generator
     model = GPTModel(
@@ -272,23 +212,12 @@ def _build_model(job: dict):
         max_sequence_length=config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=config.tie_embeddings,
-        position_embedding_type=_position_embedding_type(config),  # MLA: its attention makes its own RoPE
+        # MLA: its attention makes its own RoPE
+        position_embedding_type=POSITION_EMBEDDING[config.position_embedding_type],
         rotary_percent=config.rotary_percent, rotary_base=int(config.rotary_base))
     if job["grouped_gemm"]:
-        _let_grouped_experts_run_fp32(model)
+        let_grouped_experts_run_fp32(model)
     return model
-
-
-def _let_grouped_experts_run_fp32(model) -> None:
-    """GroupedMLP's forward asserts bf16 for its CUDA kernel; the torch stand-in runs fp32 weights as they are."""
-    import copy
-
-    from megatron.core.transformer.moe.experts import GroupedMLP
-
-    for module in model.modules():
-        if isinstance(module, GroupedMLP):
-            module.config = copy.copy(module.config)
-            module.config.bf16 = True
 
 
 def _shard_seed(seed: int, name: str, param) -> int:
@@ -345,39 +274,16 @@ def _rng_state():
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _scheduler_state(args) -> dict:
-    """What Megatron-LM's OptimizerParamScheduler.state_dict() holds after ``args.iteration`` steps."""
-    return {"max_lr": args.lr, "lr_warmup_steps": args.lr_warmup_iters * args.global_batch_size,
-            "num_steps": args.iteration * args.global_batch_size, "lr_decay_style": args.lr_decay_style,
-            "lr_decay_steps": args.train_iters * args.global_batch_size, "min_lr": args.min_lr,
-            "start_wd": args.start_weight_decay, "end_wd": args.end_weight_decay,
-            "wd_incr_style": args.weight_decay_incr_style,
-            "wd_incr_steps": args.train_iters * args.global_batch_size}
-
-
-def _save_on_rank(job: dict) -> None:
+def _save(state: dict, directory: str, iteration: int, meta: dict) -> None:
+    """Megatron-LM's save_checkpoint of ``state`` for ``iteration`` into ``directory`` (with its tracker)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    model = _build_model(job)
-    _perturb_norms_and_biases(model, job["seed"])
-    args = job["args"]
-    optimizer_format = job["optimizer_format"] if job["optimizer"] else None
-    meta = _sharded_metadata(optimizer_format)
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": job["iteration"]}
-    if job["optimizer"]:
-        model, optimizer = _train_steps(model, job)
-        state["model"] = model.sharded_state_dict(metadata=meta)
-        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
-    else:
-        state["model"] = model.sharded_state_dict(metadata=meta)
-    state["opt_param_scheduler"] = _scheduler_state(args)
-    state["rng_state"] = _rng_state()
-    state["num_floating_point_operations_so_far"] = float(job["iteration"]) * 1e9
-    iter_dir = os.path.join(job["out"], f"iter_{job['iteration']:07d}")
+    state.update(rng_state=_rng_state(), num_floating_point_operations_so_far=float(iteration) * 1e9)
+    iter_dir = os.path.join(directory, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(iter_dir, exist_ok=True)
     dist.barrier()
@@ -387,8 +293,46 @@ def _save_on_rank(job: dict) -> None:
     dist_checkpointing.save(state, iter_dir, strategy, validate_access_integrity=True, content_metadata=content)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(job["out"], TRACKER), "w") as f:
-            f.write(str(job["iteration"]))
+        with open(os.path.join(directory, TRACKER), "w") as f:
+            f.write(str(iteration))
+
+
+def _save_on_rank(job: dict) -> None:
+    """The model (and with ``optimizer`` its training: ``iters`` iterations, saved after ``save_at`` in each of
+    ``formats``), as Megatron-LM's generate_state_dict and save_checkpoint write it."""
+    import copy
+    import json
+
+    import torch.distributed as dist
+
+    model = _build_model(job)
+    _perturb_norms_and_biases(model, job["seed"])
+    args, at = megatron_lm_args_on_rank(model, job), job["save_at"]
+    if not job["optimizer"]:  # --no-save-optim: neither the optimizer nor its scheduler is saved
+        meta = _sharded_metadata(None)
+        _save({"args": args, "checkpoint_version": 3.0, "iteration": at,
+               "model": model.sharded_state_dict(metadata=meta)}, job["out"], at, meta)
+        return
+    from tests.mcore_train import MegatronCoreRun
+
+    run = MegatronCoreRun(model, args, job["vocab"])
+    metrics = {}
+    for it in range(1, job["iters"] + 1):
+        metrics[it] = run.step(it)
+        if it != at:
+            continue
+        for fmt in job["formats"]:
+            meta = _sharded_metadata(None if fmt == "non_distributed" else fmt)
+            saved = copy.copy(args)
+            saved.dist_ckpt_optim_fully_reshardable = fmt == "fully_reshardable"
+            state = {"args": saved, "checkpoint_version": 3.0, "iteration": at}
+            state["model"] = model.sharded_state_dict(metadata=meta)  # unwrapped, as save_checkpoint does
+            state["optimizer"] = run.optimizer.sharded_state_dict(state, metadata=meta)
+            state["opt_param_scheduler"] = run.scheduler.state_dict()
+            _save(state, os.path.join(job["out"], fmt), at, meta)
+    if dist.get_rank() == 0:
+        with open(job["metrics"], "w") as f:
+            json.dump(metrics, f)
 
 
 def _iter_dir(path: str) -> str:
@@ -453,29 +397,12 @@ def _logits_on_rank(job: dict) -> None:
         torch.save(torch.cat(parts, dim=-1).float(), job["result"])
 
 
-def _train_steps(model, job: dict):
-    raise NotImplementedError("optimizer=True is not built yet")
+def _names_on_rank(job: dict) -> None:
+    names = [[n for n, _ in _build_model({**job, "config": c}).named_parameters()] for c in job["configs"]]
+    torch.save(names, job["result"])
 
 
-def _gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
-    """The grouped_gemm package's ``ops.gmm`` as a loop: rows of ``a`` in groups of ``batch_sizes`` times b[e]."""
-    rows = torch.split(a, [int(n) for n in batch_sizes.tolist()])
-    return torch.cat([r @ (b[e].t() if trans_b else b[e]) for e, r in enumerate(rows)])
-
-
-def _grouped_gemm_shim() -> None:
-    """megatron-core's GroupedMLP (the local spec's grouped experts) wants the grouped_gemm package (CUDA);
-    its one kernel, written in torch, stands in on CPU."""
-    import types
-
-    from megatron.core.transformer.moe import grouped_gemm_util as gg
-
-    gg.grouped_gemm_is_available = lambda: True
-    gg.assert_grouped_gemm_is_available = lambda: None
-    gg.ops = types.SimpleNamespace(gmm=_gmm)
-
-
-# ---- the two entry points ----------------------------------------------------------------------------------
+# ---- the entry points ----------------------------------------------------------------------------------
 
 def _job(config, tp: int, pp: int, ep: int, dp: int, **kw) -> tuple[dict, int]:
     config.validate(tp)
@@ -485,22 +412,43 @@ def _job(config, tp: int, pp: int, ep: int, dp: int, **kw) -> tuple[dict, int]:
 
 
 def write_mcore_checkpoint(out: str, config, tp: int = 1, pp: int = 1, ep: int = 1, *, dp: int = 1,
-                           iteration: int = 10, seed: int = 1234, optimizer: bool = False,
-                           grouped_gemm: bool = False, optimizer_format: str = "fully_reshardable",
-                           **args_overrides: Any) -> None:
+                           iteration: int = 10, seed: int = 1234, grouped_gemm: bool = False, **flags: Any) -> None:
     """megatron-core writes a Megatron-LM ``torch_dist`` checkpoint directory ``out`` of a model with megazero
     GPTConfig ``config`` at tp x pp x ep (x dp: raised to a multiple of ep, as megatron-core's expert grid
-    needs). ``optimizer``: the distributed Adam after two steps, its state as ``optimizer_format``
-    ('fully_reshardable' | 'dp_reshardable'). ``args_overrides`` replace fields of the stored args."""
-    if optimizer_format not in ("fully_reshardable", "dp_reshardable"):
-        raise ValueError(f"optimizer_format must be 'fully_reshardable' or 'dp_reshardable', got {optimizer_format!r}")
+    needs), as a run saved with ``--no-save-optim`` after ``iteration`` iterations of :data:`RUN_FLAGS`
+    writes it: the model, the args, no optimizer and no scheduler. ``flags``: other values of Megatron-LM's
+    arguments (by destination)."""
     os.makedirs(out, exist_ok=True)
-    job, world = _job(config, tp, pp, ep, dp, kind="save", out=os.path.abspath(out), iteration=iteration,
-                      optimizer=optimizer, optimizer_format=optimizer_format)
-    job.update(seed=seed, grouped_gemm=grouped_gemm)
-    job["args"] = megatron_args(config, tp, pp, ep, job["dp"], iteration=iteration, seed=seed, optimizer=optimizer,
-                                grouped_gemm=grouped_gemm, optimizer_format=optimizer_format, **args_overrides)
+    job, world = _job(config, tp, pp, ep, dp, kind="save", out=os.path.abspath(out), save_at=iteration,
+                      optimizer=False)
+    job.update(seed=seed, grouped_gemm=grouped_gemm,
+               flags={**model_flags(config, grouped_gemm), **RUN_FLAGS, "no_save_optim": True, **flags})
     _spawn(job, world)
+
+
+def train_mcore(out: str, config, tp: int = 1, ep: int = 1, *, dp: int = 2, iters: int = 4, save_at: int = 2,
+                formats: tuple[str, ...] = ("fully_reshardable", "dp_reshardable"), init_seed: int = 1234,
+                **flags: Any) -> dict[int, dict]:
+    """megatron-core trains ``config``'s model (its initialisation from ``init_seed``) at tp x ep x dp on
+    megazero's ``--mock-data`` samples with its distributed Adam (:mod:`tests.mcore_train`) for ``iters``
+    iterations, saving after iteration ``save_at`` in each sharding type of the distributed optimizer in
+    ``formats`` (into ``out/<format>``), or with ``('non_distributed',)`` its plain Adam (Megatron-LM without
+    --use-distributed-optimizer) into ``out/non_distributed``. ``flags``: Megatron-LM's training arguments by
+    destination (``lr``, ``micro_batch_size``, ``seed`` (the data's), ...). Returns megatron-core's metrics:
+    {iteration: {lm_loss, grad_norm, lr}}."""
+    import json
+
+    distributed = formats != ("non_distributed",)
+    if distributed and not set(formats) <= {"fully_reshardable", "dp_reshardable"}:
+        raise ValueError(f"formats: 'fully_reshardable' and/or 'dp_reshardable', or ('non_distributed',); {formats}?")
+    os.makedirs(out, exist_ok=True)
+    metrics = os.path.join(os.path.abspath(out), "mcore_metrics.json")
+    job, world = _job(config, tp, 1, ep, dp, kind="save", out=os.path.abspath(out), save_at=save_at, iters=iters,
+                      optimizer=True, formats=tuple(formats), metrics=metrics, vocab=config.vocab_size)
+    job.update(seed=init_seed, flags={**model_flags(config), "use_distributed_optimizer": distributed, **flags})
+    _spawn(job, world)
+    with open(metrics) as f:
+        return {int(k): v for k, v in json.load(f).items()}
 
 
 def mcore_logits(path: str, config, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1, *,
@@ -511,6 +459,16 @@ def mcore_logits(path: str, config, tokens: torch.Tensor, tp: int = 1, pp: int =
         result = os.path.join(tmp, "logits.pt")
         job, world = _job(config, tp, pp, ep, 1, kind="logits", path=os.path.abspath(path),
                           tokens=tokens.long().cpu(), result=result)
+        job["grouped_gemm"] = grouped_gemm
+        _spawn(job, world)
+        return torch.load(result)
+
+
+def mcore_parameter_names(configs: list, *, grouped_gemm: bool = False) -> list[list[str]]:
+    """megatron-core's ``named_parameters()`` names of each config's GPTModel (local spec, one rank), in order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "names.pt")
+        job, world = _job(configs[0], 1, 1, 1, 1, kind="names", configs=list(configs), result=result)
         job["grouped_gemm"] = grouped_gemm
         _spawn(job, world)
         return torch.load(result)

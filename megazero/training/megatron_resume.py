@@ -1,14 +1,18 @@
 """Resuming (or fine-tuning) from a Megatron-LM ``torch_dist`` checkpoint at any megazero layout.
 
 As Megatron-LM's ``load_checkpoint``: the run continues after ``common.pt``'s ``iteration`` with
-``args.consumed_train_samples`` samples consumed (the sampler continues from there) and the LR schedule at
-``opt_param_scheduler``'s position (its keys mapped onto :class:`~megazero.training.lr_schedule.LRScheduler`'s).
-The weights are always read; the optimizer state unless weights only are asked for (``--no-load-optim``,
-``--finetune``): megatron-core's distributed optimizer saved ``fully_reshardable`` (the fp32 master and
-Adam's moments as ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` of the model key's global
-shape, the step in ``common.pt``'s param groups). Another optimizer layout (``dp_reshardable``'s flat
-per-bucket buffers) is refused, naming the way out. Megatron's saved RNG belongs to Megatron's generators:
-the run's fresh seeding stands.
+``args.consumed_train_samples`` samples consumed (0 where the args hold none; the sampler continues from
+there). The weights are always read; the optimizer state unless weights only are asked for
+(``--no-load-optim``, ``--finetune``) or the checkpoint has none (``--no-save-optim``). The LR schedule is read
+with the optimizer state only, as Megatron-LM reads it: then at ``opt_param_scheduler``'s position (its keys
+mapped onto :class:`~megazero.training.lr_schedule.LRScheduler`'s); without it the run's own schedule starts
+at its step 0, and the log says so. megatron-core's distributed optimizer state is read in both its sharding
+types: ``fully_reshardable`` (the fp32 master and Adam's moments as ``optimizer.state.{param,exp_avg,
+exp_avg_sq}.<model key>`` of the model key's global shape, at any layout; the step in ``common.pt``'s param
+groups) and ``dp_reshardable`` (flat per-bucket buffers, :mod:`~megazero.training.torch_dist_buckets`, at the
+layout that saved it; the step in the param groups saved beside them), also under a chained optimizer.
+Another layout is refused, naming the way out. Megatron's saved RNG belongs to Megatron's generators: the
+run's fresh seeding stands.
 
 A torch_dist checkpoint megazero wrote has a ``megazero`` entry in ``common.pt`` (its train state and config):
 the iteration, samples and LR schedule come from there, exactly.
@@ -19,6 +23,7 @@ Each rank reads only the chunks holding its share (``megazero.zero.source_load``
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -53,7 +58,9 @@ def torch_dist_path(load: str, iteration: Optional[int] = None) -> str:
 
 def torch_dist_model_config(load: str, iteration: Optional[int] = None) -> tuple[str, dict[str, Any]]:
     """``(where, GPTConfig dict)`` of a torch_dist checkpoint: megazero's saved config, or the model
-    Megatron-LM's ``args`` describe. Raises CheckpointError naming the file."""
+    Megatron-LM's ``args`` describe, its vocabulary the padded one (Megatron-LM's softmax covers the padding
+    rows; ``args.vocab_size`` is only a NullTokenizer's argument, one less than its vocabulary). Raises
+    CheckpointError naming the file."""
     from ..model.interop.megatron_import import config_from_megatron_args
     from .torch_dist import TorchDistCheckpoint
 
@@ -65,7 +72,7 @@ def torch_dist_model_config(load: str, iteration: Optional[int] = None) -> tuple
     if ckpt.args is None:
         raise CheckpointError(f"{where} has no 'args' (the run's arguments): megazero cannot tell the model's shape")
     try:
-        config = config_from_megatron_args(ckpt.args, getattr(ckpt.args, "vocab_size", None))
+        config = config_from_megatron_args(ckpt.args)
     except (ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where}: the run's arguments do not give a megazero model: {e}") from None
     return where, config.to_dict()
@@ -114,15 +121,17 @@ def _optimizers(common: dict) -> list[dict]:
 
 
 def _optimizer_step(common: dict, fallback: int) -> tuple[int, bool]:
-    """Adam's step count from ``common.pt``'s optimizer param groups (the distributed optimizer) or per-parameter
-    state (the plain one); ``fallback`` when none holds one. Whether it was found."""
+    """Adam's step count from ``common.pt``'s optimizer param groups (the distributed optimizer), or the plain
+    optimizer's state (megatron-core's ``common_step``, or a step per parameter); ``fallback`` when none holds
+    one. Whether it was found."""
     steps = set()
     for o in _optimizers(common):
         inner = o.get("optimizer", o)
         groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
         state = inner.get("state", {}) if isinstance(inner, dict) else {}
-        found = [g.get("step") for g in groups if isinstance(g, dict)]
-        found += [v.get("step") for v in (state.values() if isinstance(state, dict) else []) if isinstance(v, dict)]
+        state = state if isinstance(state, dict) else {}
+        found = [g.get("step") for g in groups if isinstance(g, dict)] + [state.get("common_step")]
+        found += [v.get("step") for v in state.values() if isinstance(v, dict)]
         steps |= {int(x.item() if isinstance(x, torch.Tensor) else x) for x in found if x is not None}
     if len(steps) > 1:
         raise CheckpointError(f"the optimizer's param groups hold different steps {sorted(steps)}")
@@ -131,7 +140,7 @@ def _optimizer_step(common: dict, fallback: int) -> tuple[int, bool]:
 
 def _refuse_layout(ckpt, kind: str) -> None:
     raise CheckpointError(f"{ckpt.directory}: its optimizer state is megatron-core's {kind} layout, which megazero "
-                          "cannot reshard; load the weights only with --no-load-optim, or re-save it in Megatron-LM "
+                          "does not read; load the weights only with --no-load-optim, or re-save it in Megatron-LM "
                           "with --dist-ckpt-optim-fully-reshardable")
 
 
@@ -220,28 +229,62 @@ def _restore_buffers(engine, source) -> None:
             b.copy_(source.get_slice(full)[...].to(b.device, b.dtype))
 
 
-def _train_state(ckpt, own: Optional[dict], finetune: bool) -> dict[str, Any]:
-    """iteration, consumed samples, LR schedule (megazero's format) and where they came from (``own``: the
-    ``megazero`` entry of a megazero save)."""
+def _train_state(ckpt, own: Optional[dict], finetune: bool, with_optimizer: bool) -> dict[str, Any]:
+    """iteration, consumed samples, LR schedule (megazero's format, None: the command line's) and where they came
+    from (``own``: the ``megazero`` entry of a megazero save). As Megatron-LM's load_checkpoint: the samples
+    from ``args.consumed_train_samples`` (0 where absent), the schedule only with the optimizer state."""
     if own is not None and isinstance(own.get("train_state"), dict):
         state = dict(own["train_state"])
         state["source"] = "megazero"
         return state
     iteration = ckpt.common.get("iteration", ckpt.iteration)
-    sched = ckpt.common.get("opt_param_scheduler", ckpt.common.get("lr_scheduler"))
+    if iteration is None and not finetune:
+        raise CheckpointError(f"{ckpt.directory}/common.pt has no iteration (a 'release' checkpoint?): start from its "
+                              "weights with --finetune")
     consumed = getattr(ckpt.args, "consumed_train_samples", None) if ckpt.args is not None else None
-    if not finetune and (iteration is None or consumed is None or not isinstance(sched, dict)):
-        raise CheckpointError(f"{ckpt.directory}/common.pt lacks the iteration, args.consumed_train_samples or "
-                              "opt_param_scheduler (a 'release' checkpoint?): start from its weights with --finetune")
+    sched = ckpt.common.get("opt_param_scheduler", ckpt.common.get("lr_scheduler"))
+    if with_optimizer and not isinstance(sched, dict):
+        raise CheckpointError(f"{ckpt.directory}/common.pt holds optimizer state but no opt_param_scheduler: load "
+                              "the weights only with --no-load-optim (the LR schedule then is the command line's)")
     return {"iteration": int(iteration or 0), "consumed_samples": int(consumed or 0),
-            "lr_scheduler": megatron_scheduler_state(sched) if isinstance(sched, dict) else None,
-            "source": "megatron"}
+            "lr_scheduler": megatron_scheduler_state(sched) if with_optimizer else None, "source": "megatron",
+            "samples_note": None if consumed is not None or finetune else
+            f"{ckpt.directory}/common.pt's args hold no consumed_train_samples: the data starts at sample 0"}
+
+
+def _read_steps(ckpt, kind: str, iteration: int) -> tuple[int, bool]:
+    """Adam's step count: from common.pt's param groups, or (dp_reshardable) from the optimizers' param groups
+    saved beside the buckets; ``iteration`` (and False) when neither holds one."""
+    if kind != "dp_reshardable":
+        return _optimizer_step(ckpt.common, iteration)
+    objects = [k for k in ckpt.objects() if re.fullmatch(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+"
+                                                           r"\.optimizer/shard_.*", k)]
+    parts = []
+    for key in objects:
+        state = ckpt.read_object(key)
+        parts += state if isinstance(state, list) else [state]
+    return _optimizer_step({"optimizer": [{"optimizer": p} for p in parts if isinstance(p, dict)]}, iteration)
+
+
+def _dp_reshardable_sources(ckpt, engine, table: list, weights, wanted: tuple[str, ...]) -> tuple[Any, dict]:
+    """(master source, moment sources) of this rank's parameters from megatron-core's dp_reshardable buckets."""
+    from .. import mpu
+    from .torch_dist_buckets import BucketLayout, BucketSource
+
+    coords = dict(tp=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
+                  pp=mpu.get_pipeline_model_parallel_world_size(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+                  ep=mpu.get_expert_model_parallel_world_size(), ep_rank=mpu.get_expert_model_parallel_rank(),
+                  etp=mpu.get_expert_tensor_parallel_world_size(), etp_rank=mpu.get_expert_tensor_parallel_rank())
+    layout = BucketLayout(ckpt, engine, table, ckpt.args, coords)
+    return (BucketSource(ckpt, layout, "param", weights),
+            {m: BucketSource(ckpt, layout, m, weights) for m in wanted})
 
 
 def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = None, load_optimizer: bool = True,
                     finetune: bool = False) -> dict[str, Any]:
     """Collective-free: fill ``engine`` (its model ``config``) from the torch_dist checkpoint ``load`` and
-    return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format),
+    return its train state: ``iteration``, ``consumed_samples``, ``lr_scheduler`` (megazero's format; None when
+    the optimizer state is not read: the run's own schedule from its start, as Megatron-LM's),
     ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``, and
     ``engine`` (a megazero save's loss scaler and step counters, when the optimizer was loaded; else None)."""
     from ..zero.checkpoint import load_full_weights_file
@@ -250,25 +293,31 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
 
     ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
     own = megazero_entry(ckpt.common)
-    state = _train_state(ckpt, own, finetune)
-    notes: list[str] = []
+    kind = _optimizer_kind(ckpt) if load_optimizer else "none"
+    if kind not in ("none", "fully_reshardable", "dp_reshardable"):
+        _refuse_layout(ckpt, kind)
+    state = _train_state(ckpt, own, finetune, kind != "none")
+    notes: list[str] = [state.pop("samples_note")] if state.get("samples_note") else []
     names = {s.name for g in engine.groups for s in g.slots}
     table = entries_for_checkpoint(ckpt, config)  # built once: a meta model of the whole config
     weights = MegatronDistSource(ckpt, config, entries=table)
     master, moments, step = None, None, None
-    kind = _optimizer_kind(ckpt) if load_optimizer else "none"
     if kind == "fully_reshardable":
         master, moments = _optimizer_sources(ckpt, config, table, names, engine.state_keys(),
                                              engine.config.optimizer.type)
-        step, found = _optimizer_step(ckpt.common, state["iteration"])
+    elif kind == "dp_reshardable":
+        master, moments = _dp_reshardable_sources(ckpt, engine, table, weights, engine.state_keys())
+    if moments is not None:
+        step, found = _read_steps(ckpt, kind, state["iteration"])
         if not found:
-            notes.append(f"the optimizer's step count is not in common.pt: Adam continues at step {step} "
+            notes.append(f"the optimizer's step count is not in the checkpoint: Adam continues at step {step} "
                          "(the iteration)")
-    elif kind != "none":
-        _refuse_layout(ckpt, kind)
     elif load_optimizer:
         notes.append(f"{ckpt.directory} holds no optimizer state (saved with --no-save-optim?): the optimizer "
                      "starts afresh")
+    if state["lr_scheduler"] is None and not finetune:
+        notes.append("the LR schedule is this run's own from its step 0, as Megatron-LM's (it reads "
+                     "opt_param_scheduler only with the optimizer state): a warmup, if any, runs again from here")
     if moments is not None and any(o.get("grad_scaler") for o in _optimizers(ckpt.common)):
         notes.append("Megatron's fp16 loss scale is not carried over: the loss scaler starts from its initial "
                      "scale")

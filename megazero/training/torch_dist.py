@@ -202,7 +202,8 @@ class TorchDistCheckpoint:
 
     ``directory``, ``iteration``, ``common`` (``common.pt``'s dict, ``{}`` where there is none), ``args``
     (its ``args`` Namespace or None), ``keys()`` (the tensors), ``global_shape(key)``, ``dtype(key)``,
-    ``read(key, index)``; ``bytes_read`` counts every byte read from the ``.distcp`` files."""
+    ``read(key, index)``, ``objects()`` and ``read_object(key)`` (the saved objects); ``bytes_read`` counts every
+    byte read from the ``.distcp`` files."""
 
     def __init__(self, path: str) -> None:
         if not os.path.isdir(path):
@@ -240,6 +241,27 @@ class TorchDistCheckpoint:
 
     def keys(self) -> list[str]:
         return sorted(self._tensors)
+
+    def objects(self) -> list[str]:
+        """The keys of the saved objects (DCP's byte entries: megatron-core's ShardedObjects)."""
+        return sorted(k for k, m in self.metadata.state_dict_metadata.items() if not hasattr(m, "chunks"))
+
+    def read_object(self, key: str) -> Any:
+        """The object saved under ``key`` (a torch.save blob), unpickled with ``torch.load(weights_only=True)``:
+        plain Python values and tensors only."""
+        info = self._storage.get((key, None))
+        if info is None:
+            raise CheckpointError(f"{self.directory}/.metadata has no object {key!r}")
+        path = os.path.join(self.directory, info.relative_path)
+        try:
+            with open(path, "rb") as f:
+                blob = _Window(f, info.offset, info.length, self._counter).read()
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+        except Exception as e:  # a garbled or non-plain pickle raises many types
+            raise CheckpointError(f"{path}: the object {key} at byte {info.offset} is not a plain saved value "
+                                  f"({type(e).__name__}: {e})") from None
 
     def _meta(self, key: str) -> Any:
         m = self._tensors.get(key)

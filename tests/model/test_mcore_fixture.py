@@ -45,6 +45,9 @@ def test_llama_written_at_tp2_pp2_loads_at_other_layouts(llama_tp2_pp2):
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.num_query_groups) == (2, 2, 2)
     assert args.swiglu and args.group_query_attention and args.untie_embeddings_and_output_weights
     assert (args.normalization, args.position_embedding_type, args.padded_vocab_size) == ("RMSNorm", "rope", 128)
+    # Megatron-LM's --no-save-optim save of a local-spec run: no optimizer, no scheduler; its argument defaults
+    assert "optimizer" not in common and "opt_param_scheduler" not in common and args.no_save_optim
+    assert (args.transformer_impl, args.consumed_train_samples, args.lr_warmup_init) == ("local", 7 * 8, 0.0)
 
     assert one.shape == (2, 8, 128) and one.dtype == torch.float32
     assert one.std() > 0.1  # random weights, not a constant output

@@ -2,17 +2,16 @@
 
 * The loader of full weights reads any source with safetensors' interface: a fake source gives what the
   safetensors file gives, weights, fp32 master, Adam's moments and step alike, reading only its rows.
-* Megatron's opt_param_scheduler maps onto megazero's LR schedule.
-* A checkpoint megatron-core wrote at tp 2 x pp 2: --finetune at pp 1, tp 2 (--use-checkpoint-args), pp 2 and
-  ZeRO-3 dp 2 gives the first losses of a one-process run from its converted full weights; a resume continues
-  at iteration 11 with 80 samples consumed and Megatron's LR, the same at pp 1 and at tp 2 x pp 2; another LR
-  schedule is refused; each rank of tp 2 x dp 2 ZeRO-3 reads about its share. megatron-core's experts
-  (ep 2) fine-tune alike at ep 1, ep 2 and tp 2 x ep 2.
-* The optimizer (torch's DCP writing megatron-core's names for the state of a megazero run after 2
-  iterations): iterations 3 and 4 resumed from the fully_reshardable layout at pp 1, tp 2, pp 2 and ZeRO-3
-  dp 2, from a chained optimizer's and from the non-distributed optimizer's equal the uninterrupted run, as
-  from megazero's own torch_dist save (its train state in common.pt); with --no-load-optim the weights only
-  (iteration 4 then differs); a dp_reshardable optimizer is refused with the way out.
+* Megatron's opt_param_scheduler maps onto megazero's LR schedule; Megatron-LM's load_checkpoint's train state:
+  the samples default to 0, the schedule is read only with the optimizer state, an iteration is needed.
+* A checkpoint megatron-core wrote at tp 2 x pp 2 as a run with --no-save-optim does (the model and the args,
+  no optimizer, no scheduler): --finetune at pp 1, tp 2 (--use-checkpoint-args), pp 2 and ZeRO-3 dp 2 gives the
+  first losses of a one-process run from its converted full weights; --no-load-optim resumes at iteration 11
+  with 80 samples consumed and the command line's LR schedule from its step 0, the same at pp 1 and at
+  tp 2 x pp 2; each rank of tp 2 x dp 2 ZeRO-3 reads about its share. megatron-core's experts (ep 2) fine-tune
+  alike at ep 1, ep 2 and tp 2 x ep 2.
+
+megatron-core's optimizer state: tests/training/test_megatron_optimizer_resume.py.
 """
 from __future__ import annotations
 
@@ -22,13 +21,13 @@ import os
 import pytest
 import torch
 
-from megazero.model.interop.megatron_dist import mcore_entries
 from megazero.training.megatron_resume import megatron_scheduler_state
 from megazero.zero.shard_io import CheckpointError
 from tests.helpers import VOCAB
 from tests.mcore import requires_mcore
 from tests.training.test_layout_invariance import RTOL, flags, launch, write_corpus
 
+# A Llama-like model's flags (other torch_dist tests share them).
 MODEL = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights"]
 
@@ -148,152 +147,29 @@ def test_megatron_scheduler_state_maps_onto_megazero():
         megatron_scheduler_state({"max_lr": 1.0})
 
 
-# ---- a torch_dist checkpoint of a megazero run's state, written by torch's DCP in megatron-core's names ----
+def test_megatron_train_state_as_megatron_lm_loads_it():
+    import argparse
+    from types import SimpleNamespace
 
-def _write_torch_dist(out: str, iteration: int, tensors: dict[str, torch.Tensor], common: dict) -> None:
-    import torch.distributed.checkpoint as dcp
+    from megazero.training.megatron_resume import _train_state
 
-    directory = os.path.join(out, f"iter_{iteration:07d}")
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
-    torch.save(common, os.path.join(directory, "common.pt"))
-    with open(os.path.join(directory, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, f)
-    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(iteration))
+    sched = {"max_lr": 3e-4, "min_lr": 3e-5, "lr_warmup_steps": 16, "lr_decay_steps": 800, "lr_decay_style": "cosine",
+             "num_steps": 80}
 
+    def ckpt(args, **common):
+        return SimpleNamespace(directory="DIR", iteration=None, args=args, common=common)
 
-def _stacked(config, full: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """megatron-core's global tensors (decoder layers stacked) from megazero's full ones."""
-    out: dict[str, torch.Tensor] = {}
-    for e in mcore_entries(config, per_layer=False):
-        if e.name not in full:
-            continue
-        t = out.setdefault(prefix + e.key, torch.zeros(e.shape))
-        t[e.index] = full[e.name]
-    return out
-
-
-def _to_torch_dist(saved: str, out: str, optimizer: str = "fully_reshardable", megazero: bool = False) -> None:
-    """The megazero checkpoint ``saved`` (iteration 2) as Megatron-LM's torch_dist save of the same state; with
-    ``megazero`` as megazero's own (its train state and config in common.pt, no Megatron args or scheduler).
-    ``optimizer``: the distributed optimizer's 'fully_reshardable' or 'dp_reshardable' layout; 'chained' (two
-    distributed optimizers, the output layer in the second, keys prefixed chained_<i>.); 'plain' (the
-    non-distributed mixed-precision optimizer: master as fp32_param, the step per parameter)."""
-    from megazero.training.checkpoint_reader import open_checkpoint
-    from tests.mcore import megatron_args
-
-    config, reader, _ = open_checkpoint(saved, 2)
-    names = list(reader.names)
-    full = {k: {n: reader.full(n, k) for n in names} for k in ("master", "exp_avg", "exp_avg_sq")}
-    tensors = _stacked(config, full["master"])
-    if optimizer in ("fully_reshardable", "chained", "plain"):
-        master = "fp32_param" if optimizer == "plain" else "param"
-        for key, prefix in (("master", master), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-            if optimizer == "chained":
-                for i, part in enumerate(({n: v for n, v in full[key].items() if not n.startswith("output_layer")},
-                                          {n: v for n, v in full[key].items() if n.startswith("output_layer")})):
-                    tensors.update(_stacked(config, part, f"chained_{i}.optimizer.state.{prefix}."))
-            else:
-                tensors.update(_stacked(config, full[key], f"optimizer.state.{prefix}."))
-    else:  # flat per-bucket buffers
-        flat = torch.cat([full["exp_avg"][n].reshape(-1) for n in names])
-        tensors["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg"] = flat
-    state = json.load(open(os.path.join(saved, "iter_0000002", "train_state.json")))
-    sched = state["lr_scheduler"]
-    step = reader.first_meta["optimizer_step"]
-    args = megatron_args(config, 1, 1, 1, 1, iteration=2, seed=11, optimizer=True, grouped_gemm=False,
-                         optimizer_format=optimizer, consumed_train_samples=state["consumed_samples"])
-    common = {"args": args, "checkpoint_version": 3.0, "iteration": 2,
-              "opt_param_scheduler": {"max_lr": sched["max_lr"], "min_lr": sched["min_lr"],
-                                      "lr_warmup_steps": sched["warmup_steps"], "lr_decay_steps": sched["decay_steps"],
-                                      "lr_decay_style": sched["decay_style"], "num_steps": sched["num_steps"],
-                                      "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant",
-                                      "wd_incr_steps": sched["decay_steps"]},
-              "optimizer": {"optimizer": {"param_groups": [{"lr": 0.0, "step": step}, {"lr": 0.0, "step": step}]},
-                            "param_state_sharding_type": optimizer}}
-    if optimizer == "chained":
-        common["optimizer"] = {i: {"optimizer": {"param_groups": [{"lr": 0.0, "step": step}]},
-                                   "param_state_sharding_type": "fully_reshardable"} for i in range(2)}
-    elif optimizer == "plain":
-        common["optimizer"] = {"optimizer": {"param_groups": [{"lr": 0.0, "params": [0, 1]}],
-                                             "state": {0: {"step": torch.tensor(float(step))},
-                                                       1: {"step": torch.tensor(float(step))}}}}
-    if megazero:
-        common = {"iteration": 2, "optimizer": common["optimizer"],
-                  "megazero": {"train_state": json.dumps(state),
-                               "config": open(os.path.join(saved, "iter_0000002", "config.json")).read()}}
-    _write_torch_dist(out, 2, tensors, common)
-
-
-@pytest.fixture(scope="module")
-def optim_run(tmp_path_factory):
-    """A megazero run of 4 iterations saved every iteration, and its iteration 2 as two torch_dist checkpoints."""
-    runs = tmp_path_factory.mktemp("megatron_resume_optim")
-    prefix = write_corpus(runs)
-    saved = str(runs / "megazero")
-    ref = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--save", saved, "--save-interval", "1"], runs, "ref")
-    _to_torch_dist(saved, str(runs / "tdist"))
-    _to_torch_dist(saved, str(runs / "tdist_flat"), optimizer="dp_reshardable")
-    _to_torch_dist(saved, str(runs / "tdist_megazero"), megazero=True)
-    for layout in ("chained", "plain"):
-        _to_torch_dist(saved, str(runs / f"tdist_{layout}"), optimizer=layout)
-    return runs, prefix, ref
-
-
-def _assert_same(got: dict, ref: dict, what: str, iterations=(3, 4)) -> None:
-    assert sorted(got) == list(iterations), (what, sorted(got))
-    for it in iterations:
-        for key in ("lm_loss", "grad_norm"):
-            a, b = got[it][key], ref[it][key]
-            assert abs(a - b) <= RTOL * abs(b), f"{what}: iteration {it} {key} {a} vs the uninterrupted run's {b}"
-
-
-@pytest.mark.parametrize("world,extra", [(1, []), (2, ["--tp", "2"]), (2, ["--pp", "2"]), (2, ["--zero-stage", "3"])])
-def test_optimizer_state_resumes_as_the_uninterrupted_run(optim_run, world, extra):
-    runs, prefix, ref = optim_run
-    name = f"tdist_{world}_{'_'.join(extra) or 'pp1'}"
-    got = launch(world, flags(prefix, *MODEL, *extra, layers=2, iters=4) + ["--load", str(runs / "tdist")], runs, name)
-    _assert_same(got, ref, name)
-    log = open(runs / f"{name}.log").read()
-    assert "weights and optimizer" in log and "resumed from iteration 2 (16 samples)" in log, log[-2000:]
-
-
-@pytest.mark.parametrize("layout", ["chained", "plain"])
-def test_other_optimizer_layouts_of_model_shaped_state_resume_alike(optim_run, layout):
-    runs, prefix, ref = optim_run
-    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / f"tdist_{layout}")], runs, layout)
-    _assert_same(got, ref, f"the {layout} optimizer")
-    log = open(runs / f"{layout}.log").read()
-    assert "weights and optimizer" in log and "step count is not in common.pt" not in log, log[-2000:]
-
-
-def test_megazero_torch_dist_resumes_from_its_own_train_state(optim_run):
-    runs, prefix, ref = optim_run
-    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / "tdist_megazero"), "--ckpt-step",
-                                                                 "2"], runs, "mz")
-    _assert_same(got, ref, "megazero's torch_dist")
-
-
-def test_no_load_optim_reads_the_weights_only(optim_run):
-    runs, prefix, ref = optim_run
-    got = launch(1, flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / "tdist"), "--no-load-optim"],
-                 runs, "no_optim")
-    assert sorted(got) == [3, 4]
-    assert abs(got[3]["lm_loss"] - ref[3]["lm_loss"]) <= RTOL * ref[3]["lm_loss"]  # the same weights
-    assert abs(got[4]["lm_loss"] - ref[4]["lm_loss"]) > 1e-4 * ref[4]["lm_loss"]  # a fresh Adam moved them otherwise
-
-
-def test_flat_buffer_optimizer_is_refused_with_the_way_out(optim_run):
-    from tests.launch import in_pool
-
-    runs, prefix, _ = optim_run
-    args = flags(prefix, *MODEL, layers=2, iters=4) + ["--load", str(runs / "tdist_flat")]
-    run = in_pool(1, args, cwd=runs)
-    assert run.returncode != 0
-    assert "dp_reshardable" in run.output and "--no-load-optim" in run.output, run.output[-2000:]
-    got = launch(1, args + ["--no-load-optim"], runs, "flat_weights_only")
-    assert sorted(got) == [3, 4]
+    saved = ckpt(argparse.Namespace(consumed_train_samples=80), iteration=10, opt_param_scheduler=sched)
+    assert _train_state(saved, None, False, True)["lr_scheduler"]["num_steps"] == 80
+    weights_only = _train_state(saved, None, False, False)
+    assert (weights_only["iteration"], weights_only["consumed_samples"], weights_only["lr_scheduler"]) == (10, 80, None)
+    no_samples = _train_state(ckpt(argparse.Namespace(), iteration=10), None, False, False)
+    assert no_samples["consumed_samples"] == 0 and "sample 0" in no_samples["samples_note"]
+    with pytest.raises(CheckpointError, match="no opt_param_scheduler.*--no-load-optim"):
+        _train_state(ckpt(argparse.Namespace(consumed_train_samples=80), iteration=10), None, False, True)
+    with pytest.raises(CheckpointError, match="no iteration.*--finetune"):
+        _train_state(ckpt(None), None, False, False)
+    assert _train_state(ckpt(None), None, True, False)["iteration"] == 0
 
 
 # ---- a checkpoint megatron-core wrote at tp 2 x pp 2 ---------------------------------------------------------
@@ -346,27 +222,26 @@ def test_finetune_from_megatron_core_at_any_layout(mcore_run, world, extra):
 
 
 @requires_mcore
-def test_resume_from_megatron_core_continues_its_run(mcore_run):
+def test_no_load_optim_resumes_a_checkpoint_saved_without_optimizer_state(mcore_run):
+    """Megatron-LM's --no-save-optim save: no optimizer, no opt_param_scheduler; --no-load-optim resumes it."""
     import math
 
     runs, prefix, ckpt, _ = mcore_run
     got = {}
     for world, extra in ((1, []), (4, ["--tp", "2", "--pp", "2"])):
         name = f"resume_{world}"
-        got[world] = launch(world, _base(prefix, 12) + [*extra, "--load", ckpt], runs, name)
+        got[world] = launch(world, _base(prefix, 12) + [*extra, "--load", ckpt, "--no-load-optim"], runs, name)
         assert sorted(got[world]) == [11, 12], (name, sorted(got[world]))
         log = open(runs / f"{name}.log").read()
         assert "resumed from iteration 10 (80 samples)" in log and "freshly seeded" in log, log[-2000:]
+        assert "LR schedule is this run's own from its step 0" in log, log[-2000:]
     for it in (11, 12):
         a, b = got[4][it]["lm_loss"], got[1][it]["lm_loss"]
         assert abs(a - b) <= RTOL * abs(b), f"iteration {it}: tp 2 x pp 2 loss {a} vs pp 1 {b}"
-    from tests.launch import in_pool
-
-    changed = in_pool(1, _base(prefix, 12) + ["--load", ckpt, "--lr", "1e-3"], cwd=runs)  # another schedule
-    assert changed.returncode != 0 and "--use-checkpoint-opt_param-scheduler" in changed.output, changed.output[-2000:]
-    # Megatron's schedule at its sample 88: warmup 16, cosine to sample 800
-    expected = 3e-5 + (3e-4 - 3e-5) * 0.5 * (1 + math.cos(math.pi * (88 - 16) / (800 - 16)))
-    assert abs(got[1][11]["lr"] - expected) <= 1e-9, (got[1][11]["lr"], expected)
+    # the command line's schedule from its step 0 (the log gives the lr after the step): sample 8 of a
+    # warmup of 16, then sample 16, its end
+    assert math.isclose(got[1][11]["lr"], 3e-4 * 8 / 16, rel_tol=1e-12), got[1][11]["lr"]
+    assert math.isclose(got[1][12]["lr"], 3e-4, rel_tol=1e-12), got[1][12]["lr"]
 
 
 def _read_share(ckpt: str, tp: int, stage: int) -> dict:

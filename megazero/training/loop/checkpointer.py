@@ -207,9 +207,10 @@ class Checkpointer:
             return 0, 0
         try:
             s = self.config.schedule
-            self.scheduler.load_state_dict(state["lr_scheduler"],
-                                           use_checkpoint_values=s.use_checkpoint_opt_param_scheduler,
-                                           override=s.override_opt_param_scheduler)
+            if state["lr_scheduler"] is not None:  # None: a Megatron-LM checkpoint read without its optimizer
+                self.scheduler.load_state_dict(state["lr_scheduler"],
+                                               use_checkpoint_values=s.use_checkpoint_opt_param_scheduler,
+                                               override=s.override_opt_param_scheduler)
         except ValueError as e:  # a changed schedule on resume: say so instead of a traceback
             raise CheckpointError(str(e)) from None
         log.info(f"> resumed from iteration {state['iteration']} ({state['consumed_samples']} samples)"
