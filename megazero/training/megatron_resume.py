@@ -312,9 +312,10 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
         if not found:
             notes.append(f"the optimizer's step count is not in the checkpoint: Adam continues at step {step} "
                          "(the iteration)")
-    elif load_optimizer:
-        notes.append(f"{ckpt.directory} holds no optimizer state (saved with --no-save-optim?): the optimizer "
-                     "starts afresh")
+    elif load_optimizer:  # Megatron-LM stops here too, rather than restart Adam's moments unasked
+        raise CheckpointError(f"{ckpt.directory} holds no optimizer state (saved with --no-save-optim, or "
+                              "converted): add --no-load-optim to start the optimizer afresh from its weights, or "
+                              "--finetune to start a new run (iteration 0) from them")
     if state["lr_scheduler"] is None and not finetune:
         notes.append("the LR schedule is this run's own from its step 0, as Megatron-LM's (it reads "
                      "opt_param_scheduler only with the optimizer state): a warmup, if any, runs again from here")

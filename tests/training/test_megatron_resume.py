@@ -227,6 +227,9 @@ def test_no_load_optim_resumes_a_checkpoint_saved_without_optimizer_state(mcore_
     import math
 
     runs, prefix, ckpt, _ = mcore_run
+    # without the flag, as Megatron-LM's load: refused, rather than restart Adam's moments unasked
+    with pytest.raises(AssertionError, match="holds no optimizer state.*add --no-load-optim"):
+        launch(1, _base(prefix, 12) + ["--load", ckpt], runs, "resume_without_flag")
     got = {}
     for world, extra in ((1, []), (4, ["--tp", "2", "--pp", "2"])):
         name = f"resume_{world}"
