@@ -27,7 +27,7 @@ import os
 import socket
 import tempfile
 import zlib
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import pytest
 import torch
@@ -385,16 +385,19 @@ def _logits_on_rank(job: dict) -> None:
     from megatron.core import parallel_state as ps
 
     model = _build_model(job)
-    _load_model(model, job["path"])
-    model.eval()
-    out = _forward(model, job["tokens"])
-    if out is None:
-        return
-    group = ps.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, out.contiguous(), group=group)
-    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        torch.save(torch.cat(parts, dim=-1).float(), job["result"])
+    results = []
+    for path in job["paths"]:  # one model, each checkpoint loaded strictly over the last
+        _load_model(model, path)
+        model.eval()
+        out = _forward(model, job["tokens"])
+        if out is None:
+            continue
+        group = ps.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, out.contiguous(), group=group)
+        results.append(torch.cat(parts, dim=-1).float())
+    if results and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save(results, job["result"])
 
 
 def _names_on_rank(job: dict) -> None:
@@ -451,17 +454,20 @@ def train_mcore(out: str, config, tp: int = 1, ep: int = 1, *, dp: int = 2, iter
         return {int(k): v for k, v in json.load(f).items()}
 
 
-def mcore_logits(path: str, config, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1, *,
-                 grouped_gemm: bool = False) -> torch.Tensor:
+def mcore_logits(path: Union[str, list[str]], config, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+                 *, grouped_gemm: bool = False) -> Union[torch.Tensor, list[torch.Tensor]]:
     """megatron-core loads ``path`` (a top dir with the tracker, or an ``iter_`` dir) strictly into its GPTModel
-    at tp x pp x ep and returns the eval logits of ``tokens`` [b, s]: [b, s, padded_vocab] fp32 on CPU."""
+    at tp x pp x ep and returns the eval logits of ``tokens`` [b, s]: [b, s, padded_vocab] fp32 on CPU. A list
+    of paths (checkpoints of one model) is read by the same processes, one after the other: a list of logits."""
+    paths = [path] if isinstance(path, str) else list(path)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "logits.pt")
-        job, world = _job(config, tp, pp, ep, 1, kind="logits", path=os.path.abspath(path),
+        job, world = _job(config, tp, pp, ep, 1, kind="logits", paths=[os.path.abspath(p) for p in paths],
                           tokens=tokens.long().cpu(), result=result)
         job["grouped_gemm"] = grouped_gemm
         _spawn(job, world)
-        return torch.load(result)
+        logits = torch.load(result)
+        return logits[0] if isinstance(path, str) else logits
 
 
 def mcore_parameter_names(configs: list, *, grouped_gemm: bool = False) -> list[list[str]]:

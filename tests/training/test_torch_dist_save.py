@@ -6,7 +6,8 @@
   (``dist_checkpointing.load`` into its ``GPTModel``, strictly) loads the checkpoint at tp 1 and at tp 2 x pp 2
   and computes the logits megazero computes from its own checkpoint of the same run; each rank wrote only its
   share (no element twice). A DeepSeek-V3-shaped model (MLA, MoE with shared experts and expert bias) saved at
-  pp 2 x ep 2 loads in megatron-core alike, its experts as SequentialMLP and as GroupedMLP.
+  pp 2 x ep 2 loads in megatron-core alike (at one process and at tp 2 x ep 2), its experts as SequentialMLP
+  and as GroupedMLP.
 * megazero resumes its torch_dist save at another layout as the uninterrupted run, optimizer included.
 """
 
@@ -117,21 +118,32 @@ def saved(tmp_path_factory):
     return runs, prefix, ref
 
 
+@pytest.fixture(scope="module")
+def mcore_read(saved):
+    """megatron-core's logits of every layout's save, read at tp 1 and at tp 2 x pp 2 (one launch each)."""
+    from tests.mcore import mcore_logits
+
+    runs, _, _ = saved
+    config, _ = _native_logits(str(runs / "native"), 2)
+    paths = [str(runs / layout) for layout in LAYOUTS]
+    return {(tp, pp): dict(zip(LAYOUTS, mcore_logits(paths, config, TOKENS, tp=tp, pp=pp)))
+            for tp, pp in ((1, 1), (2, 2))}
+
+
 @requires_mcore
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_core_loads_the_save_at_any_layout(saved, layout):
-    from tests.mcore import mcore_logits
-
+def test_megatron_core_loads_the_save_at_any_layout(saved, mcore_read, layout):
     runs, _, _ = saved
     config, expect = _native_logits(str(runs / "native"), 2)
     directory = runs / layout / "iter_0000002"
     assert (runs / layout / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(p for p in os.listdir(directory) if not p.startswith("__")) == [
         ".metadata", "common.pt", "metadata.json", "tokenizer"]
-    for tp, pp in ((1, 1), (2, 2)):
-        got = mcore_logits(str(runs / layout), config, TOKENS, tp=tp, pp=pp)
-        torch.testing.assert_close(got[..., :config.vocab_size], expect, rtol=1e-5, atol=1e-5)
+    for (tp, pp), logits in mcore_read.items():
+        got = logits[layout]
+        torch.testing.assert_close(got[..., :config.vocab_size], expect, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{layout} read by megatron-core at tp {tp} x pp {pp}: {m}")
     on_disk, pointed = _distcp_bytes(str(directory))
     assert on_disk == pointed  # every byte a rank wrote is a chunk of the checkpoint: no element twice
 
@@ -192,7 +204,8 @@ def test_deepseek_shape_saved_at_pp2_ep2_loads_in_megatron_core(tmp_path):
     config, source, _ = open_torch_dist(str(save))
     assert any(".mlp.router.expert_bias" in n for n in source.keys())
     one = mcore_logits(str(save), config, TOKENS)
-    torch.testing.assert_close(mcore_logits(str(save), config, TOKENS, tp=2, pp=2, ep=2), one, rtol=1e-5, atol=1e-5)
+    # read at tp 2 x ep 2 (4 ranks; the save's pp 2 is read at pp 1 above and tp 2 x pp 2 in the dense test)
+    torch.testing.assert_close(mcore_logits(str(save), config, TOKENS, tp=2, ep=2), one, rtol=1e-5, atol=1e-5)
     grouped = mcore_logits(str(save), config, TOKENS, ep=2, grouped_gemm=True)  # GroupedMLP reads the same keys
     torch.testing.assert_close(grouped, one, rtol=1e-5, atol=1e-5)
     from megazero.model import GPTModel
