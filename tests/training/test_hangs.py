@@ -1,6 +1,6 @@
 """A rank that hangs or dies ends the run promptly, with the rank, its phase and host named.
 
-Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP (one-minute
+Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP (half-minute
 timeout), a rank whose data read never returns, a rank stuck inside a checkpoint save (whose
 checkpoint must never become ``latest``), a rank killed with SIGKILL. The launches run side by side
 (each waits on a timeout, not on the CPU); the unit tests of the verdict sit below.
@@ -25,7 +25,7 @@ TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data",
         "--vocab-size", "64", "--log-interval", "1", "--eval-iters", "0"]
 DRILL = os.path.join(ROOT, "tests", "training", "fault_drill.py")
-STOP_TIMEOUT_MIN = 1.0  # the SIGSTOP case runs at a one-minute timeout
+STOP_TIMEOUT_MIN = 0.5  # the SIGSTOP case runs at a half-minute timeout
 SHORT_TIMEOUT_MIN = 0.5
 
 
