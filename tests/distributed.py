@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("spawn")
-_POOLS: dict[int, "_Pool"] = {}
+_POOLS: dict[tuple[str, int], "_Pool"] = {}  # (pool name, world size)
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAZERO_TEST_TIMEOUT", "240"))
 
 
@@ -115,13 +115,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 class _Pool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, daemon: bool = True) -> None:
         self.world_size = world_size
         port = _free_port()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
         self.results = _CTX.Queue()
         self.procs = [
-            _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=daemon)
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -153,19 +153,24 @@ class _Pool:
                 p.kill()
 
 
-def run_distributed(world_size: int, fn: Callable, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    pool_name: str = "megazero", **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
 
-    ``fn`` must be a module-level function (it is pickled by name).
+    ``fn`` must be a module-level function (it is pickled by name). Another ``pool_name`` keeps tasks that
+    patch their process (megatron-core's CPU shims) in workers of their own, apart from megazero's; those
+    workers are not daemonic, so their tasks may start processes (megatron-core's checkpoint writers). Every
+    worker dies with this process all the same (``_die_with_parent``).
     """
-    pool = _POOLS.get(world_size)
+    key = (pool_name, world_size)
+    pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = _POOLS[key] = _Pool(world_size, daemon=pool_name == "megazero")
     try:
         return pool.run(fn, args, kwargs, timeout_s)
     except BaseException:
         # Ranks may be stuck in a collective the failed rank never joined: start over.
-        _POOLS.pop(world_size, None)
+        _POOLS.pop(key, None)
         pool.close(graceful=False)
         raise
 

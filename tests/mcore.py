@@ -24,7 +24,6 @@ import contextlib
 import importlib.util
 import math
 import os
-import socket
 import tempfile
 import zlib
 from typing import Any, Optional, Union
@@ -146,28 +145,21 @@ def data_parallel_size(tp: int, ep: int, dp: int) -> int:
 
 # ---- ranks ---------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(job: dict, world: int) -> None:
-    import torch.multiprocessing as mp
+    """``job`` on ``world`` gloo ranks of a pool kept for megatron-core (imported once per worker; its CPU shims
+    stay in those workers)."""
+    from tests.distributed import run_distributed
 
-    mp.spawn(_rank_main, args=(world, _free_port(), job), nprocs=world, join=True)
+    run_distributed(world, _rank_main, job, pool_name="megatron-core", timeout_s=600)
 
 
-def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
+def _rank_main(job: dict) -> None:
     import warnings
 
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     cpu_shims()
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
     try:
@@ -177,7 +169,6 @@ def _rank_main(rank: int, world: int, port: int, job: dict) -> None:
         dist.barrier()
     finally:
         ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 # ---- on each rank ----------------------------------------------------------------------------------------------
