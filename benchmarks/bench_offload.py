@@ -206,7 +206,7 @@ def _pretrain_child(args: argparse.Namespace) -> dict:
 def pretrain_main(args: argparse.Namespace) -> None:
     """The --pretrain figures: peak RSS saved against what the NVMe offload moves, before and after."""
     from megazero.model import GPTModel
-    from megazero.training import parse_args
+    from megazero.config import parse_args
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_offload_") as work:

@@ -36,7 +36,7 @@ from megazero.observe.plan_record import (KORTHIKANTI_2022, MEGATRON_LM_2024, NA
 from megazero.observe.plan_search import describe_layout, layout_args, search  # noqa: E402
 from megazero.observe.plan_time import GEMM_EFFICIENCY  # noqa: E402
 from megazero.observe.planner import GiB, plan_of  # noqa: E402
-from megazero.training.arguments import parse_args  # noqa: E402
+from megazero.config.arguments import parse_args  # noqa: E402
 
 _LLAMA = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
           "--group-query-attention --num-query-groups 8 --position-embedding-type rope --no-position-embedding "

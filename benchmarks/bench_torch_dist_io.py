@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
     import torch.distributed as dist
 
     from megazero import mpu
-    from megazero.training.config import TrainConfig
+    from megazero.config.train_config import TrainConfig
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
         owned = sum(n for g in engine.groups for *_, n in g.counted_slots(engine.tp_rank == 0))
         held = sum(g.shard_numel for g in engine.groups)
         if job["kind"] == "save":
-            from megazero.training.torch_dist_save import stage_torch_dist
+            from megazero.checkpoint.torch_dist_save import stage_torch_dist
 
             cfg = TrainConfig(model=config)
             cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.world_size = tp, world // tp, world
@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
             written = os.path.getsize(os.path.join(job["dir"], "iter_0000001", f"__{rank}_0.distcp"))
             result = {"bytes": written, "share": 16 * owned, "seconds": seconds}
         else:
-            from megazero.training.megatron_resume import read_torch_dist
+            from megazero.checkpoint.megatron_resume import read_torch_dist
 
             t0 = time.perf_counter()
             state = read_torch_dist(job["dir"], engine, config)

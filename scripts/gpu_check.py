@@ -35,7 +35,7 @@ Checks (one GPU suffices; about 10 minutes on an H100/H200, most of it the 1.3B 
    CUDA when apex's optimizers import.
 7. ``throughput_1p3b``: ``pretrain_gpt.py`` with the gpt-1.3b preset, bf16, ZeRO-1 on every visible
    GPU (NCCL), mock data, a few iterations: tokens/s and MFU against the GPU's dense bf16 peak
-   (megazero.training.metrics.PEAK_TFLOPS, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
+   (megazero.training.meters.PEAK_TFLOPS, or ``$GPU_CHECK_PEAK_TFLOPS``) are printed; asserted: it ran and MFU > 0.
 8. ``nccl_watchdog``: NCCL's groups run under ``--distributed-timeout-minutes`` plus
    ``NCCL_GRACE_S`` with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` and the flight recorder's dump on a
    timeout; on 2+ GPUs, a rank stopped with SIGSTOP ends ``pretrain_gpt.py`` within 110 s at a
@@ -491,10 +491,10 @@ def _importable(name: str) -> bool:
 
 def peak_tflops(name: str) -> Optional[float]:
     """The dense bf16 peak of GPU ``name``: ``$GPU_CHECK_PEAK_TFLOPS``, else training's table
-    (megazero.training.metrics.PEAK_TFLOPS, the one the log line's MFU uses)."""
+    (megazero.training.meters.PEAK_TFLOPS, the one the log line's MFU uses)."""
     if os.environ.get("GPU_CHECK_PEAK_TFLOPS"):
         return float(os.environ["GPU_CHECK_PEAK_TFLOPS"])
-    from megazero.training.metrics import peak_tflops as training_peak
+    from megazero.training.meters import peak_tflops as training_peak
 
     return training_peak(name)
 

@@ -153,7 +153,7 @@ def _options(parser: argparse.ArgumentParser) -> frozenset[str]:
 def accepted(program: str) -> frozenset[str]:
     """The option strings ``program`` accepts."""
     if program == "pretrain_gpt":
-        from megazero.training.flags import FLAGS, REFUSED
+        from megazero.config.flags import FLAGS, REFUSED
 
         return frozenset({"-h", "--help"} | {n for f in FLAGS if f.status != REFUSED for n in f.names})
     # 1. megazero.cli.<tool>.build_parser(), where the console scripts live

@@ -2,7 +2,7 @@
 checkpoint, at any tp, pp and ep, as a full megazero checkpoint (``model_full.safetensors`` + ``config.json``).
 
 Files are read with ``torch.load(weights_only=True)`` and an explicit allow-list (see
-megazero/training/megatron_ckpt.py and megazero/training/torch_dist.py); nothing in the checkpoint is
+megazero/checkpoint/megatron_legacy.py and megazero/checkpoint/torch_dist.py); nothing in the checkpoint is
 executed and Megatron need not be installed. A torch_dist checkpoint is streamed one tensor at a time
 (peak memory: the largest tensor), so its size is bounded by the disk, not the memory. Dense, MoE
 (any expert implementation), multi-latent attention and MTP models are read; the optimizer state is not
@@ -23,8 +23,8 @@ import os
 
 from megazero.cli.common import setup_logging, tool_parser
 from megazero.model.state_dict import SafetensorsStreamWriter, save_full
-from megazero.training.megatron_ckpt import import_megatron, load_megatron_file
-from megazero.training.torch_dist import is_torch_dist
+from megazero.checkpoint.megatron_legacy import import_megatron, load_megatron_file
+from megazero.checkpoint.torch_dist import is_torch_dist
 from megazero.utils.progress import Progress
 from megazero.zero.shard_io import CheckpointError
 
@@ -52,7 +52,7 @@ def convert_torch_dist(path: str, output: str, vocab_size: int | None = None) ->
     """Stream a torch_dist checkpoint (read by the loader every program shares, ``checkpoint_reader.open_checkpoint``)
     into ``output``/model_full.safetensors + config.json, one tensor at a time, in its stored dtypes. Returns
     ``(config, info)``; ``info["bytes_read"]`` counts the checkpoint bytes read."""
-    from megazero.training.checkpoint_reader import open_checkpoint
+    from megazero.checkpoint.reader import open_checkpoint
 
     config, reader, saved = open_checkpoint(path, vocab_size=vocab_size)
     names = list(reader.names)

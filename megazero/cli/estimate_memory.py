@@ -23,9 +23,9 @@ from megazero.cli.common import write_output
 from megazero.cli.planning import add_device_memory, plan_config, planning_parser, split_own, tool_args
 from megazero.model.config import GPTConfig
 from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory, plan_of
-from megazero.training.arguments import describe
-from megazero.training.arguments import build_parser as pretrain_parser
-from megazero.training.config import ConfigError, TrainConfig
+from megazero.config.arguments import describe
+from megazero.config.arguments import build_parser as pretrain_parser
+from megazero.config.train_config import ConfigError, TrainConfig
 from megazero.utils.progress import Progress
 
 log = logging.getLogger(__name__)

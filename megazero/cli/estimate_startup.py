@@ -16,8 +16,8 @@ from typing import Callable, Optional, Sequence
 
 from megazero.cli.common import write_output
 from megazero.cli.planning import plan_config, planning_parser, tool_args
-from megazero.training.config import ConfigError
-from megazero.training.startup import estimate_startup, measure_rates
+from megazero.config.train_config import ConfigError
+from megazero.observe.startup import estimate_startup, measure_rates
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from megazero.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megazero.data.tokenizer_files import load_tokenizer_from_dir, recorded_tokenizer_args
 from megazero.model import GPTModel, materialize_
 from megazero.model.sampling import generate_text
-from megazero.training.checkpoint_reader import checkpoint_tokenizer_dir, open_checkpoint
-from megazero.training.checkpointing import CheckpointError
-from megazero.training.config import GenerateConfig
-from megazero.training.failures import agree, report
+from megazero.checkpoint.reader import checkpoint_tokenizer_dir, open_checkpoint
+from megazero.checkpoint.native import CheckpointError
+from megazero.config.train_config import GenerateConfig
+from megazero.utils.phase_agreement import agree, report
 from megazero.utils.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     setup_logging()
-    from megazero.training.resolve.parallel import timeout_problem
+    from megazero.config.resolve.parallel import timeout_problem
 
     problem = timeout_problem(args.distributed_timeout_minutes)
     if problem:

@@ -42,8 +42,8 @@ from megazero.observe.plan_search import (MEMORY_TERMS,  # noqa: E402
                                           family_reason, grown_terms, layout_args, search, slower_because)
 from megazero.observe.plan_time import GEMM_EFFICIENCY, TIME_TERMS  # noqa: E402
 from megazero.observe.planner import GiB, plan_of  # noqa: E402
-from megazero.training.arguments import build_parser as pretrain_parser  # noqa: E402
-from megazero.training.config import ConfigError, TrainConfig  # noqa: E402
+from megazero.config.arguments import build_parser as pretrain_parser  # noqa: E402
+from megazero.config.train_config import ConfigError, TrainConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import sys
 from typing import Callable, NoReturn, Optional, Sequence, Union
 
 from megazero.cli.common import HelpFormatter, setup_logging
-from megazero.training.arguments import build_parser as pretrain_parser
-from megazero.training.arguments import parse_args
-from megazero.training.config import ConfigError, TrainConfig
+from megazero.config.arguments import build_parser as pretrain_parser
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError, TrainConfig
 
 __all__ = ["DEVICE_MEMORY_GIB", "add_device_memory", "planning_parser", "split_own", "plan_config", "tool_args"]
 

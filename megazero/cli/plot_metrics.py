@@ -1,4 +1,4 @@
-"""Plot a training run's metrics JSONL (written by megazero.training.metrics.MetricsWriter).
+"""Plot a training run's metrics JSONL (written by megazero.training.meters.MetricsWriter).
 
     python tools/plot_metrics.py checkpoints/run/metrics.jsonl --output curves.png
 

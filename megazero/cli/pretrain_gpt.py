@@ -12,7 +12,7 @@ hanging a collective.
 
 What the run reports goes through logging (``megazero.training.*`` and this module's logger): for
 the program's duration INFO records reach stdout and warnings and errors stderr, one plain line each
-(``megazero.training.output.console``).
+(``megazero.utils.output.console``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """pretrain_gpt.py's flag set (``megazero.training.arguments.build_parser``)."""
-    from megazero.training.arguments import build_parser as training_parser
+    """pretrain_gpt.py's flag set (``megazero.config.arguments.build_parser``)."""
+    from megazero.config.arguments import build_parser as training_parser
 
     return training_parser()
 
@@ -41,17 +41,17 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence = ()) -> int:
     during the run, 2 (``SystemExit``) a configuration refused before starting. ``callbacks``
     (``megazero.training.loop.Callback``) hear the training loop's events. A failure is one line,
     logged once and left in torchrun's error file (its summary's root cause then shows it)."""
-    from megazero.training.output import console
+    from megazero.utils.output import RUN_LOGGERS, console
 
-    with console("megazero.training", __name__):
+    with console(*RUN_LOGGERS, __name__):
         return _main(argv, callbacks)
 
 
 def _main(argv: list[str] | None, callbacks: Sequence) -> int:
     from megazero import mpu
-    from megazero.training import describe, parse_args_or_exit
-    from megazero.training.failures import report
-    from megazero.training.output import write_error_file
+    from megazero.config import describe, parse_args_or_exit
+    from megazero.utils.phase_agreement import report
+    from megazero.utils.output import write_error_file
     from megazero.training.trainer import TrainingDiverged, pretrain
 
     mpu.export_slurm_env()  # under plain `srun`, the world size the parser checks comes from SLURM

@@ -40,6 +40,8 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D
 class IndexedDatasetError(ValueError):
     """A .bin/.idx pair is missing, truncated, foreign or inconsistent."""
 
+    user_facing = True  # the message says what was wrong and how to fix it: no traceback
+
 
 def best_fitting_dtype(vocab_size: int | None) -> type:
     """uint16 when every id fits (as Megatron: vocab < 65500), else int32."""

@@ -74,7 +74,7 @@ from megazero.observe.planner_stages import with_experts as _with_experts
 from megazero.observe.planner_traffic import traffic_bytes_per_step
 
 if TYPE_CHECKING:
-    from megazero.training.config import TrainConfig
+    from megazero.config.train_config import TrainConfig
 
 __all__ = ["traffic_bytes_per_step", "MemoryEstimate", "estimate_memory", "estimate_memory_for", "model_state_bytes",
            "offloaded_bytes", "offloaded_param_bytes", "plan_of", "TRAFFIC_LABELS",

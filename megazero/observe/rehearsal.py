@@ -64,9 +64,9 @@ from .. import mpu
 from ..utils.memory_tracker import LiveMemoryTracker
 from .step_kinds import StepKinds
 from ..utils.meta_device import MetaDeviceMode, cuda_kernels_on_meta
-from ..training.arguments import parse_args
-from ..training.config import ConfigError, TrainConfig
-from ..training.output import console
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError, TrainConfig
+from megazero.utils.output import RUN_LOGGERS, console
 from .gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
                             nccl_communicators, nccl_line)
 from .planner import GiB
@@ -362,7 +362,7 @@ def rehearse_rank(config: TrainConfig, rank: int, *, log: Optional[io.TextIOBase
     try:
         # The loop logs its lines (rank 0's) through megazero.training's loggers: shown on the
         # redirected stdout with what it prints, so they go to ``log`` and nowhere else.
-        with contextlib.redirect_stdout(out), console("megazero.training"), phases, device_mode, tracker, \
+        with contextlib.redirect_stdout(out), console(*RUN_LOGGERS), phases, device_mode, tracker, \
                 cuda_kernels_on_meta():
             pretrain(config, device=torch.device("meta"), callbacks=[Measure()])
         groups = mpu.get_parallel_groups()

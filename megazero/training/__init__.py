@@ -1,22 +1,15 @@
-"""Training product pieces: typed run config from the command line, LR schedule and
-metrics/logging. The loop itself builds on these. The memory planner and the rehearsal measure
-this layer from above: :mod:`megazero.observe`."""
+"""One training loop for every layout, made of components.
 
-from megazero.training.arguments import build_parser, check_vocab, describe, parse_args, parse_args_or_exit
-from megazero.training.config import (
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    GenerateConfig,
-    LoggingConfig,
-    OptimConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    ScheduleConfig,
-    TrainConfig,
-)
+``trainer.pretrain`` orders the components of :mod:`megazero.training.loop` (checkpointer, evaluator,
+metrics logger, stop policy, failure protocol) around ``step.TrainModel``, this rank's model under one
+ZeRO engine; ``health`` watches for hangs and stragglers; ``meters`` measures and writes what the log
+shows; ``lr_schedule`` is Megatron's learning-rate schedule. The configuration it runs from is
+:mod:`megazero.config`'s; checkpoint formats are :mod:`megazero.checkpoint`'s; the planner and the
+rehearsal measure this layer from above (:mod:`megazero.observe`).
+"""
+
 from megazero.training.lr_schedule import LRScheduler
-from megazero.training.metrics import (
+from megazero.training.meters import (
     IntervalMeter,
     IntervalSummary,
     IterationStats,
@@ -26,15 +19,5 @@ from megazero.training.metrics import (
     memory_mb,
 )
 
-__all__ = [
-    # arguments
-    "build_parser", "check_vocab", "describe", "parse_args", "parse_args_or_exit",
-    # config
-    "CheckpointConfig", "ConfigError", "DataConfig", "GenerateConfig", "LoggingConfig", "OptimConfig",
-    "ParallelConfig", "PrecisionConfig", "ScheduleConfig", "TrainConfig",
-    # lr_schedule
-    "LRScheduler",
-    # metrics
-    "IntervalMeter", "IntervalSummary", "IterationStats", "MetricsWriter", "Throughput", "format_log_line",
-    "memory_mb",
-]
+__all__ = ["IntervalMeter", "IntervalSummary", "IterationStats", "LRScheduler", "MetricsWriter", "Throughput",
+           "format_log_line", "memory_mb"]

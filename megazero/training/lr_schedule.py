@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     import torch
 
-    from megazero.training.config import TrainConfig
+    from megazero.config.train_config import TrainConfig
 
 __all__ = ["LRScheduler", "DECAY_STYLES"]
 

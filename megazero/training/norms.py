@@ -16,8 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu import ParallelGroups
-from ..utils.scopes import scope
+from megazero.mpu import ParallelGroups
+from megazero.utils.scopes import scope
 
 __all__ = ["partition_stats", "params_norm", "optimizer_state_stats", "count_zeros_in_grads"]
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..model.attention.self_attention import CausalAttention
+from megazero.model.attention.self_attention import CausalAttention
 
 __all__ = ["QKClip"]
 

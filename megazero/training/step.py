@@ -21,18 +21,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import zero
-from ..data import GPTBatch, build_batch, masked_mean, to_device
-from ..model.attention.cp_context import ContextParallel
-from ..model.attention.cp_input import context_parallel_context, document_bounds, prepare_context_parallel_input
-from ..model.gpt import finish_step, step_metrics
-from ..model.keyed_dropout import sample_keys
-from ..model.moe.layer import Router, is_expert_parameter
-from ..model.mtp import multi_token_targets
-from ..model.pipeline_split import build_pipeline_model, global_name_fn
-from ..pipeline import PipelineStage
-from .qk_clip import QKClip
-from .config import TrainConfig
+from megazero import zero
+from megazero.data import GPTBatch, build_batch, masked_mean, to_device
+from megazero.model.attention.cp_context import ContextParallel
+from megazero.model.attention.cp_input import context_parallel_context, document_bounds, prepare_context_parallel_input
+from megazero.model.gpt import finish_step, step_metrics
+from megazero.model.keyed_dropout import sample_keys
+from megazero.model.moe.layer import Router, is_expert_parameter
+from megazero.model.mtp import multi_token_targets
+from megazero.model.pipeline_split import build_pipeline_model, global_name_fn
+from megazero.pipeline import PipelineStage
+from megazero.training.qk_clip import QKClip
+from megazero.config.train_config import TrainConfig
 
 __all__ = ["TrainModel", "LossLog", "ModelBatch", "megatron_no_weight_decay"]
 

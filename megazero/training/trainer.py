@@ -19,18 +19,18 @@ from typing import Iterable, Optional
 
 import torch
 
-from .. import mpu
-from .arguments import check_vocab
-from .config import TrainConfig
-from .failures import agree
-from .health import PhaseBoard
-from .health.watchdog import Watchdog, check_timeout_covers_save
-from .loop import (Callback, Callbacks, Checkpointer, Evaluator, FailureProtocol, MetricsLogger,
+from megazero import mpu
+from megazero.config.arguments import check_vocab
+from megazero.config.train_config import TrainConfig
+from megazero.utils.phase_agreement import agree
+from megazero.training.health import PhaseBoard
+from megazero.training.health.watchdog import Watchdog, check_timeout_covers_save
+from megazero.training.loop import (Callback, Callbacks, Checkpointer, Evaluator, FailureProtocol, MetricsLogger,
                    StepResult, StopPolicy, TrainingDiverged, TrainState, build_datasets, describe_model, evaluate,
                    loader)
-from .lr_schedule import LRScheduler
-from .output import rank_zero_logger
-from .step import TrainModel, megatron_no_weight_decay
+from megazero.training.lr_schedule import LRScheduler
+from megazero.utils.output import rank_zero_logger
+from megazero.training.step import TrainModel, megatron_no_weight_decay
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay", "evaluate", "Callback"]
 
@@ -138,7 +138,7 @@ def _sample(config: TrainConfig, run: TrainModel, tokenizer) -> Optional[str]:
     """--prompt: the trained model's continuation, logged and returned."""
     if config.generate.prompt is None or tokenizer is None:
         return None
-    from ..model.sampling import generate_text
+    from megazero.model.sampling import generate_text
 
     sample = generate_text(run.engine.module, tokenizer, config.generate.prompt,
                            max_new_tokens=config.generate.tokens, seed=config.seed)
@@ -151,7 +151,7 @@ def build_tokenizer_agreed(config: TrainConfig):
     any rank stops all of them with its message."""
     if config.data.tokenizer_type is None:
         return None
-    from ..data import build_tokenizer
+    from megazero.data import build_tokenizer
 
     def build():
         tok = build_tokenizer(config.data.tokenizer_type, **config.data.tokenizer_kwargs())

@@ -25,7 +25,7 @@ __all__ = ["ZeroConfigError", "OptimizerConfig", "MuonConfig", "FP16Config", "Of
 # Every DeepSpeed JSON key (dotted path) whose value changes what the engine does. ``load_config``
 # accepts a key only if it is here or in NO_EFFECT_KEYS (or is refused/ignored by name below), so a
 # new knob must be listed to be read at all; tests check that each path changes the parsed config
-# and that megazero.training.ds_keys classifies each as honoured and passes it to the engine.
+# and that megazero.config.ds_keys classifies each as honoured and passes it to the engine.
 HONOURED_KEYS: tuple[str, ...] = (
     "train_batch_size",
     "train_micro_batch_size_per_gpu",

@@ -35,6 +35,8 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, truncated, tampered with, or does not fit the model."""
 
+    user_facing = True  # the message says what was wrong and how to fix it: no traceback
+
 
 class ReadCounter:
     """Bytes and files one rank read from a checkpoint (the per-rank cost of a resume)."""

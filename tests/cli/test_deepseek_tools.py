@@ -88,7 +88,7 @@ def test_multi_token_prediction_layers_stream_both_ways(rope_interleave, tmp_pat
         assert convert_to_hf.main(["--load", str(mz), "--output", str(tmp_path / "back")]) == 0
         same_tensors(str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "back" / "model.safetensors"))
         # fine-tuning it: the flags of multi-latent attention and prediction apply to the checkpoint's
-        from megazero.training.arguments import ConfigError, parse_args
+        from megazero.config.arguments import ConfigError, parse_args
         from tests.cli.test_hf_round_trip import TUNE
 
         start = TUNE + ["--pretrained-checkpoint", str(mz), "--tokenizer-type", "NullTokenizer", "--vocab-size", "89"]
@@ -141,7 +141,7 @@ def test_a_fine_tune_keeps_the_latent_norms_epsilon_and_exports(moonlight_eps, s
     the other norms take 1e-5 (--norm-epsilon sets those only), so the model still exports to DeepSeek-V3; the
     dropout and the routing's training settings are the checkpoint's."""
     from megazero.model.interop.hf import hf_architecture, hf_config_dict
-    from megazero.training.arguments import parse_args
+    from megazero.config.arguments import parse_args
     from tests.cli.test_hf_round_trip import TUNE
 
     hf, mz = moonlight_eps
@@ -158,7 +158,7 @@ def test_expert_parallelism_applies_to_the_checkpoints_experts(moonlight_eps, ex
     """--expert-model-parallel-size splits the checkpoint's 8 experts (no --num-experts needed), whose routers
     balance their loads with the expert bias: no 'no load balancing' note; an impossible split names the model's
     expert count."""
-    from megazero.training.arguments import ConfigError, parse_args
+    from megazero.config.arguments import ConfigError, parse_args
     from tests.cli.test_hf_round_trip import TUNE
 
     _, mz = moonlight_eps
@@ -178,7 +178,7 @@ def test_a_model_that_cannot_export_to_its_family_is_said_at_start_up():
     same run with an exportable routing is not."""
     import shlex
 
-    from megazero.training.arguments import parse_args
+    from megazero.config.arguments import parse_args
     from tests.training.test_mla_mtp_flags import BASE
 
     def notes(*flags: str) -> list[str]:
@@ -203,7 +203,7 @@ def test_a_fine_tune_saved_as_torch_dist_exports_with_its_trained_expert_biases(
     import types
 
     from megazero.cli.generate import load_tp_shard
-    from megazero.training.checkpoint_reader import open_checkpoint
+    from megazero.checkpoint.reader import open_checkpoint
     from tests.cli.test_hf_round_trip import TUNE
 
     hf, mz = moonlight_eps

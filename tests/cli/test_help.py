@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from megazero.training.arguments import ConfigError, parse_args, parse_args_or_exit
-from megazero.training.flags import FLAGS, REFUSED, _shown
+from megazero.config.arguments import ConfigError, parse_args, parse_args_or_exit
+from megazero.config.flags import FLAGS, REFUSED, _shown
 from tests.cli.programs import PROGRAMS, ROOT, parser
 
 TINY = ("--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

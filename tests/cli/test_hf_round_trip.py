@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from megazero.cli import convert_from_hf, convert_to_hf, generate  # noqa: E402
-from megazero.training.arguments import ConfigError, parse_args  # noqa: E402
+from megazero.config.arguments import ConfigError, parse_args  # noqa: E402
 from tests.launch import in_pool  # noqa: E402
 from tests.model.test_hf import _random_hf as random_dense  # noqa: E402
 from tests.model.test_hf_moe import _random_hf as random_moe  # noqa: E402

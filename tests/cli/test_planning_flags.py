@@ -9,8 +9,8 @@ import re
 import pytest
 
 from megazero.observe.planner import estimate_memory_for
-from megazero.training.arguments import build_parser as pretrain_parser
-from megazero.training.arguments import parse_args
+from megazero.config.arguments import build_parser as pretrain_parser
+from megazero.config.arguments import parse_args
 from tests.cli.programs import program
 
 PLAN = ("--model-preset gpt-13b --tp 4 --zero-stage 3 --micro-batch-size 2 --global-batch-size 1024 --bf16 "

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megazero.model import GPTModel
 from megazero.model.state_dict import load_full, load_full_state_dict
-from megazero.training.megatron_ckpt import detect_foreign_checkpoint, load_megatron_file
+from megazero.checkpoint.megatron_legacy import detect_foreign_checkpoint, load_megatron_file
 
 REPO = Path(__file__).resolve().parents[2]
 L, H, HEADS, SEQ, VOCAB = 2, 32, 4, 8, 64  # padded vocab 64 = 8 x tp 2 x ... (divisible_by 8)
@@ -248,7 +248,7 @@ def test_detects_megatron_formats(tmp_path):
     (dist_ckpt / "latest_checkpointed_iteration.txt").write_text("50")
     (dist_ckpt / "iter_0000050" / ".metadata").write_bytes(b"")
     (dist_ckpt / "iter_0000050" / "common.pt").write_bytes(b"")
-    assert detect_foreign_checkpoint(str(dist_ckpt)) is None  # torch_dist is read as it is (training.torch_dist)
+    assert detect_foreign_checkpoint(str(dist_ckpt)) is None  # torch_dist is read as it is (checkpoint.torch_dist)
     own = tmp_path / "own"
     (own / "iter_0000010").mkdir(parents=True)
     (own / "latest").write_text("iter_0000010")

@@ -17,8 +17,8 @@ from megazero.observe.plan_record import (KORTHIKANTI_2022, NARAYANAN_2021, NARA
 from megazero.observe.plan_search import MIN_CP_TOKENS, Restrictions, evaluate, layout_args, search, uneven_split
 from megazero.observe.plan_time import GEMM_EFFICIENCY, TIME_TERMS, Layout
 from megazero.observe.planner import GiB, plan_of
-from megazero.training.arguments import parse_args
-from megazero.training.config import ConfigError
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError
 
 
 def _model(layers: int, heads: int, hidden: int, seq: int, gbs: int, *extra: str):

@@ -9,7 +9,7 @@ from megazero.observe.plan_devices import Cluster, device_preset
 from megazero.observe.plan_search import evaluate
 from megazero.observe.plan_time import Layout, attention_kernel
 from megazero.observe.planner import plan_of
-from megazero.training.arguments import parse_args
+from megazero.config.arguments import parse_args
 
 MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "8192",
          "--max-position-embeddings", "8192", "--vocab-size", "32000", "--bf16", "--global-batch-size", "16"]

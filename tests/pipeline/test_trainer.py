@@ -20,7 +20,7 @@ from tests.training.test_e2e import argv
 
 
 def _pretrain(args, world):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.trainer import pretrain
 
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def test_reshard_continues_with_the_same_losses(dataset, source, world, extra, l
 def test_pipeline_checkpoint_has_pp1_names_and_exports(dataset, source, tmp_path):
     from megazero.model import GPTModel
     from megazero.mpu import NO_GROUP
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
 
     src, _ = source
     cfg, weights, _ = load_full_model(str(src))
@@ -107,7 +107,7 @@ def test_pipeline_checkpoint_has_pp1_names_and_exports(dataset, source, tmp_path
 def test_generate_reads_a_pipeline_checkpoint_at_any_tp(source):
     from megazero.model import GPTModel
     from megazero.mpu import NO_GROUP
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
     from tests.training.test_tools_scale import _generate_losses
 
     src, _ = source

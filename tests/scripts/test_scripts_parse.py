@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from megazero.training import ConfigError, parse_args
+from megazero.config import ConfigError, parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = ("train_gpt3_175b_distributed", "pretrain_gpt_distributed_with_mp", "run_deepspeed_example",
@@ -179,7 +179,7 @@ def test_local_rank_must_match_environment(monkeypatch):
 
 
 def test_docs_flag_table_is_generated_from_the_table():
-    from megazero.training.flag_docs import flags_markdown
+    from megazero.config.flag_docs import flags_markdown
 
     path = os.path.join(HERE, "..", "..", "docs", "flags.md")
-    assert open(path).read() == flags_markdown(), "regenerate: python -m megazero.training.flag_docs > docs/flags.md"
+    assert open(path).read() == flags_markdown(), "regenerate: python -m megazero.config.flag_docs > docs/flags.md"

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from megazero.training import ConfigError, check_vocab, parse_args, parse_args_or_exit
-from megazero.training.arguments import GPT2_VOCAB_SIZE
+from megazero.config import ConfigError, check_vocab, parse_args, parse_args_or_exit
+from megazero.config.arguments import GPT2_VOCAB_SIZE
 from megazero.zero.config import FP16Config, OptimizerConfig, ZeroOptimizationConfig
 
 TINY = "--model-preset gpt-tiny --micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data".split()
@@ -123,7 +123,7 @@ def test_pipeline_layouts_resolve_and_plan():
     assert (cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.virtual_pp) == (2, 2, 2, 1)
     cfg = parse("--pp 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8", world=4)
     assert cfg.parallel.virtual_pp == 2 and cfg.schedule.grad_accum_steps == 2
-    from megazero.training.arguments import describe
+    from megazero.config.arguments import describe
 
     text = describe(cfg)
     assert "interleaved 1F1B, 2 chunks per rank, 2 micro-batches per step, bubble (pp-1)/(v m) = 0.250" in text
@@ -134,7 +134,7 @@ def test_pipeline_layouts_resolve_and_plan():
 
 
 def test_the_start_line_gives_each_optimizers_own_settings():
-    from megazero.training.arguments import describe
+    from megazero.config.arguments import describe
 
     assert "; AdamW betas (0.9, 0.95) eps 1e-08, wd 0.1, clip 1.0" in describe(
         parse("--adam-beta2 0.95 --weight-decay 0.1", world=1))
@@ -439,7 +439,7 @@ def test_model_flags_map_to_gpt_config_fields():
     import dataclasses
 
     from megazero.model import GPTConfig
-    from megazero.training.arguments import MODEL_FIELD_FLAGS
+    from megazero.config.arguments import MODEL_FIELD_FLAGS
 
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     assert {name for name, _, _ in MODEL_FIELD_FLAGS} <= fields
@@ -509,7 +509,7 @@ def spm_model(tmp_path_factory):
 
 def test_megatron_tokenizer_types_and_vocab_extra_ids(spm_model):
     from megazero.data import build_tokenizer
-    from megazero.training.arguments import TOKENIZER_TYPES
+    from megazero.config.arguments import TOKENIZER_TYPES
 
     assert {"GPTSentencePieceTokenizer", "Llama2Tokenizer", "HFTokenizer"} <= set(TOKENIZER_TYPES)
     base = [a for a in TINY if a != "--mock-data"] + ["--mock-data", "--tokenizer-model", spm_model]

@@ -143,9 +143,9 @@ def _iterations(metrics) -> int:
 
 def _staged_then_changed(directory: str) -> bool:
     """A staged save holds the state at staging: the live masters and moments change before its write."""
-    from megazero.training.checkpointing import stage_checkpoint
-    from megazero.training.failures import attempt
-    from megazero.training.async_save import finish_write, writer_group
+    from megazero.checkpoint.native import stage_checkpoint
+    from megazero.utils.phase_agreement import attempt
+    from megazero.checkpoint.async_save import finish_write, writer_group
     from megazero.zero.checkpoint import shard_file
     from safetensors.torch import load_file
     from tests.zero.test_checkpoint_io import _engine, _step

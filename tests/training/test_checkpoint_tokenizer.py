@@ -37,8 +37,8 @@ def argv(*extra):
 
 
 def _pretrain(args, world):
-    from megazero.training import parse_args
-    from megazero.training.failures import RunAborted
+    from megazero.config import parse_args
+    from megazero.utils.phase_agreement import RunAborted
     from megazero.training.trainer import pretrain
 
     try:
@@ -73,7 +73,7 @@ def test_checkpoint_records_the_tokenizer_and_convert_to_hf_exports_it(tmp_path,
     assert {f"tokenizer/{n}" for n in recorded} <= set(manifest)
     assert not any(name.endswith(".partial") for name in os.listdir(save))
 
-    from megazero.training import ConfigError, parse_args
+    from megazero.config import ConfigError, parse_args
 
     resume = argv("--load", str(save)) + ["--data-path", "corpus"]  # file data: the tokenizer is needed
     resume.remove("--mock-data")

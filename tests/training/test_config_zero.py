@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from megazero.training import parse_args
-from megazero.training.ds_keys import strip_ignored
+from megazero.config import parse_args
+from megazero.config.ds_keys import strip_ignored
 from megazero.zero.config import ZeroConfig, ZeroConfigError, load_config
 
 TINY = "--model-preset gpt-tiny --micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data".split()

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from megazero.training.arguments import parse_args
-from megazero.training.config import ConfigError
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError
 from tests.helpers import VOCAB
 from tests.launch import in_pool
 from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401

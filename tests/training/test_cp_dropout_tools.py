@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megazero.model.attention.cp_layout import plan_blocks, zigzag_layout
 from megazero.observe.plan_time import attention_kernel
 from megazero.observe.rehearsal import rehearsal_config, rehearse_rank
-from megazero.training.arguments import parse_args
-from megazero.training.resolve.parallel import context_parallel_dropout_note
+from megazero.config.arguments import parse_args
+from megazero.config.resolve.parallel import context_parallel_dropout_note
 from tests.training.test_memory import load_tool
 
 TINY = ["--model-preset", "gpt-tiny", "--mock-data", "--lr", "1e-3", "--micro-batch-size", "2", "--train-iters", "1"]

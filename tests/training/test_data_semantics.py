@@ -70,7 +70,7 @@ class Reference(Callback):
 
 
 def _run_with_reference(prefix, flags):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.trainer import pretrain
 
     reference = Reference()
@@ -94,8 +94,8 @@ def test_without_flags_the_loss_is_the_plain_mean(short_docs):
 
 
 def _train_expect_abort(prefix):
-    from megazero.training import parse_args
-    from megazero.training.failures import RunAborted
+    from megazero.config import parse_args
+    from megazero.utils.phase_agreement import RunAborted
     from megazero.training.trainer import pretrain
 
     try:

@@ -2,7 +2,7 @@
 
 The engine lists the keys it acts on (``megazero.zero.config.HONOURED_KEYS``). For each one,
 a ``--deepspeed_config`` JSON setting it is parsed by ``parse_args``; the key must be classified
-honoured by ``megazero.training.ds_keys`` and change the engine that ``megazero.zero.initialize``
+honoured by ``megazero.config.ds_keys`` and change the engine that ``megazero.zero.initialize``
 builds from ``TrainConfig.zero_config()``.
 """
 
@@ -14,8 +14,8 @@ import torch
 
 from megazero import zero
 from megazero.model import GPTModel
-from megazero.training import parse_args
-from megazero.training import ds_keys
+from megazero.config import parse_args
+from megazero.config import ds_keys
 from megazero.zero.config import HONOURED_KEYS, NO_EFFECT_KEYS, ZeroOptimizationConfig
 
 BASE = "--model-preset gpt-tiny --train-iters 2 --mock-data --hidden-dropout 0 --attention-dropout 0".split()
@@ -195,4 +195,4 @@ def test_ds_keys_does_not_import_the_config_module():
     tree = ast.parse(inspect.getsource(ds_keys))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m and m.startswith("megazero")} == {"megazero.training.errors"}
+    assert {m for m in imported if m and m.startswith("megazero")} == {"megazero.config.errors"}

@@ -59,7 +59,7 @@ class CrashDuringSave(Callback):
 
 
 def _pretrain(args, world_size, patch_save_failure=False, nan_at_iteration=None):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.trainer import pretrain
 
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def test_impossible_configurations_exit_before_any_collective(dataset, overrides
 
 def test_start_from_imported_hugging_face_weights(dataset, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the HF import test needs transformers (requirements-test.txt)")
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
 
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB + 1, n_positions=16, n_embd=32,

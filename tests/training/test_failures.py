@@ -62,7 +62,7 @@ def test_bad_data_prints_one_line_and_every_rank_exits(dataset, tmp_path, how, m
 
 def _fp16_run(args, world, overflow_at):
     import megazero.zero.engine as engine_mod
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.trainer import pretrain
 
     original, calls = engine_mod.ZeroEngine._sum_squares, [0]
@@ -96,7 +96,7 @@ def test_lr_schedule_counts_only_successful_updates(dataset, tmp_path):
 
 
 def _resume_in_other_precision(src, save, extra):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.loop import Callback
     from megazero.training.trainer import pretrain
 
@@ -125,7 +125,7 @@ def test_precision_change_starts_the_loss_scaler_from_the_configured_scale(datas
 
 
 def _pretrain_plain(args, world):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.trainer import pretrain
 
     pretrain(parse_args(args, world))

@@ -296,8 +296,8 @@ def test_nccl_gets_its_watchdog_settings_unless_the_user_set_them():
                                            ("nan", "must be a positive number of minutes"),
                                            ("0.1", "is 6 s, too short .* give at least 0.17 .10 s.")])
 def test_a_timeout_that_is_not_positive_is_refused_in_one_line(value, message):
-    from megazero.training import parse_args
-    from megazero.training.config import ConfigError
+    from megazero.config import parse_args
+    from megazero.config.train_config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         parse_args([*TINY, "--train-iters", "2", "--distributed-timeout-minutes", value], 1)
@@ -307,7 +307,7 @@ _GROUP_TIMEOUTS = """
 import sys
 from megazero import mpu
 from megazero.mpu.parallel_state import collective_timeout, new_group
-from megazero.training import parse_args
+from megazero.config import parse_args
 
 config = parse_args(sys.argv[1:], 1)
 with mpu.distributed_run("gloo", config.parallel.distributed_timeout_minutes * 60):
@@ -347,9 +347,9 @@ class _Run:
 
 
 def test_a_timeout_below_the_checkpoint_save_is_refused_with_the_value_to_give(monkeypatch):
-    from megazero.training import parse_args
-    from megazero.training.config import ConfigError
-    from megazero.training.failures import RunAborted
+    from megazero.config import parse_args
+    from megazero.config.train_config import ConfigError
+    from megazero.utils.phase_agreement import RunAborted
     from megazero.training.health.watchdog import check_timeout_covers_save
 
     config = parse_args([*TINY, "--train-iters", "2", "--save", "/tmp/unused", "--distributed-timeout-minutes", "1"], 1)
@@ -363,7 +363,7 @@ def test_a_timeout_below_the_checkpoint_save_is_refused_with_the_value_to_give(m
 
 
 def test_a_save_over_half_the_timeout_is_warned_of(caplog):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.health.watchdog import warn_if_save_near_timeout
 
     config = parse_args([*TINY, "--train-iters", "2", "--distributed-timeout-minutes", "2"], 1)

@@ -153,7 +153,7 @@ def test_pp2_flags_match_one_process(data, runs, name, world, extra, rtol):
 def test_pp2_from_pretrained_checkpoint(data, runs, reference):
     """--pretrained-checkpoint at pp 2 starts from the file's weights, as at pp 1."""
     from safetensors.torch import save_file
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
 
     _, weights, _ = load_full_model(str(runs / "ref_tied"), 2)  # a trained model as the "pretrained" one
     pre = runs / "pretrained"
@@ -166,7 +166,7 @@ def test_pp2_from_pretrained_checkpoint(data, runs, reference):
 
 
 def test_initial_weights_bit_identical_across_layouts(runs, reference, layouts):
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
 
     # The first step of the linear warmup from --lr-warmup-init 0 (the default) runs at lr 0 and leaves
     # every weight bit-identical (Adam adds 0, decay multiplies by 1): each run's checkpoint of iteration 1

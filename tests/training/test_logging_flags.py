@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from megazero.training import ConfigError, LoggingConfig, parse_args
-from megazero.training.metrics import megatron_scalars
+from megazero.config import ConfigError, LoggingConfig, parse_args
+from megazero.training.meters import megatron_scalars
 from tests.distributed import run_distributed
 
 # --make-vocab-size-divisible-by 1: 100 rows at tp 1, 2 and 4 alike (Megatron pads to divisible_by x tp),
@@ -129,7 +129,7 @@ def test_wandb_writes_under_save_not_under_tensorboard(tmp_path, monkeypatch):
     import sys
     import types
 
-    from megazero.training.metrics import MetricsWriter
+    from megazero.training.meters import MetricsWriter
 
     started = []
     fake = types.SimpleNamespace(init=lambda **kw: started.append(kw) or types.SimpleNamespace(finish=lambda: None))

@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from megazero.training import parse_args
+from megazero.config import parse_args
 from megazero.training.loop import Callback, Callbacks, Checkpointer, StopPolicy, TrainState
-from megazero.training.output import RankZero, console
+from megazero.utils.output import RankZero, console
 from tests.distributed import run_distributed
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

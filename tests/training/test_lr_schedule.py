@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from megazero.training import LRScheduler, parse_args
+from megazero.config import parse_args
+from megazero.training import LRScheduler
 
 
 def sched(style, **kw):

@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-from megazero.training.arguments import build_parser, parse_args
-from megazero.training.config import ConfigError
-from megazero.training.flags import FLAGS, MAPPED, REFUSED
+from megazero.config.arguments import build_parser, parse_args
+from megazero.config.train_config import ConfigError
+from megazero.config.flags import FLAGS, MAPPED, REFUSED
 from tests.scripts.test_scripts_parse import script_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))

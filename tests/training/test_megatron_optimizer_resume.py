@@ -110,10 +110,10 @@ def _read(path: str, impl=None) -> dict:
     buckets placed as that layer spec's module order would (the errors of each parameter's master read)."""
     from megazero import mpu, zero
     from megazero.model import GPTModel
-    from megazero.training.megatron_resume import read_torch_dist
-    from megazero.training.torch_dist import TorchDistCheckpoint
-    from megazero.training.torch_dist_buckets import BucketLayout, BucketSource
-    from megazero.training.torch_dist_source import MegatronDistSource, entries_for_checkpoint, open_torch_dist
+    from megazero.checkpoint.megatron_resume import read_torch_dist
+    from megazero.checkpoint.torch_dist import TorchDistCheckpoint
+    from megazero.checkpoint.torch_dist_buckets import BucketLayout, BucketSource
+    from megazero.checkpoint.torch_dist_source import MegatronDistSource, entries_for_checkpoint, open_torch_dist
     from megazero.zero.shard_io import CheckpointError
     from tests.zero.common import ds_config
 
@@ -158,7 +158,7 @@ def test_the_buckets_hold_what_megatron_core_canonicalises(dense):
 def test_megatron_core_parameter_order():
     from megazero.model import GPTModel
     from megazero.model.interop.megatron_dist import mcore_entries
-    from megazero.training.torch_dist_buckets import megatron_order, module_path
+    from megazero.checkpoint.torch_dist_buckets import megatron_order, module_path
     from tests.mcore import mcore_parameter_names
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from megazero.training.megatron_resume import megatron_scheduler_state
+from megazero.checkpoint.megatron_resume import megatron_scheduler_state
 from megazero.zero.shard_io import CheckpointError
 from tests.helpers import VOCAB
 from tests.mcore import requires_mcore
@@ -151,7 +151,7 @@ def test_megatron_train_state_as_megatron_lm_loads_it():
     import argparse
     from types import SimpleNamespace
 
-    from megazero.training.megatron_resume import _train_state
+    from megazero.checkpoint.megatron_resume import _train_state
 
     sched = {"max_lr": 3e-4, "min_lr": 3e-5, "lr_warmup_steps": 16, "lr_decay_steps": 800, "lr_decay_style": "cosine",
              "num_steps": 80}
@@ -185,7 +185,7 @@ def _base(prefix: str, iters: int) -> list[str]:
 @pytest.fixture(scope="module")
 def mcore_run(tmp_path_factory):
     from megazero.model.config import GPTConfig
-    from megazero.training.torch_dist_source import open_torch_dist
+    from megazero.checkpoint.torch_dist_source import open_torch_dist
     from tests.mcore import write_mcore_checkpoint
 
     runs = tmp_path_factory.mktemp("megatron_resume_mcore")
@@ -251,8 +251,8 @@ def _read_share(ckpt: str, tp: int, stage: int) -> dict:
     """On each rank of a tp x dp engine: the bytes read from the .distcp files for its weights, and its share."""
     from megazero import mpu, zero
     from megazero.model import GPTModel
-    from megazero.training.torch_dist_source import open_torch_dist
-    from megazero.training.megatron_resume import read_torch_dist
+    from megazero.checkpoint.torch_dist_source import open_torch_dist
+    from megazero.checkpoint.megatron_resume import read_torch_dist
     from tests.zero.common import ds_config
 
     torch.set_num_threads(1)

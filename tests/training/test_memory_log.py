@@ -5,7 +5,7 @@ import io
 import json
 
 from megazero.training.loop import Callback
-from megazero.training.metrics import IterationStats, format_log_line
+from megazero.training.meters import IterationStats, format_log_line
 from tests.distributed import run_distributed
 
 
@@ -36,8 +36,8 @@ class ModelState(Callback):
 def _train(metrics, track):
     import torch.distributed as dist
 
-    from megazero.training import parse_args
-    from megazero.training.output import console
+    from megazero.config import parse_args
+    from megazero.utils.output import console
     from megazero.training.trainer import pretrain
 
     args = ["--tp", "1", "--zero-stage", "3", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",

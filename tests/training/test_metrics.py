@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megazero.model.flops import flops_per_iteration
-from megazero.training import (IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb,
-                               parse_args)
-from megazero.training.metrics import format_log_lines, peak_tflops
+from megazero.config import parse_args
+from megazero.training import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_line, memory_mb
+from megazero.training.meters import format_log_lines, peak_tflops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,7 +174,7 @@ def test_plot_metrics_draws_multi_token_prediction_and_experts_panels(tmp_path):
 
 
 def test_multi_token_prediction_losses_sit_beside_the_lm_loss_and_in_tensorboard():
-    from megazero.training.metrics import IterationStats, format_log_lines, megatron_scalars
+    from megazero.training.meters import IterationStats, format_log_lines, megatron_scalars
 
     stats = IterationStats(iteration=3, train_iters=9, consumed_samples=24, seconds_per_iteration=0.5, lr=1e-3,
                            global_batch_size=8, losses={"lm loss": 5.0, "mtp_1 loss": 5.25, "mtp_2 loss": 5.5,

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from megazero.training import ConfigError, parse_args, parse_args_or_exit
-from megazero.training.arguments import build_parser
-from megazero.training.config import DataConfig
-from megazero.training.flags import FLAGS, _shown
+from megazero.config import ConfigError, parse_args, parse_args_or_exit
+from megazero.config.arguments import build_parser
+from megazero.config.train_config import DataConfig
+from megazero.config.flags import FLAGS, _shown
 from tests.launch import ROOT
 
 # Megatron-MoE-ModelZoo (the model zoo Megatron-LM's MoE README points to) model_configs/benchmarking/DeepSeek-V3.yaml
@@ -288,7 +288,7 @@ def test_pretrain_gpt_program_refuses_before_any_process_group():
 
 
 def test_the_start_up_line_names_the_latents_yarn_and_mtp():
-    from megazero.training import describe
+    from megazero.config import describe
 
     line = describe(parse_args(shlex.split(MLA + " --q-lora-rank 32 --rotary-scaling-factor 40 --mtp-num-layers 1"), 1,
                                check_files=False)).splitlines()[0]
@@ -299,8 +299,8 @@ def test_the_start_up_line_names_the_latents_yarn_and_mtp():
 def test_a_checkpoints_latents_and_mtp_refuse_a_flag_that_disagrees():
     """From a checkpoint (--use-checkpoint-args) the MLA/YaRN/MTP fields are the saved ones; a flag typed with
     another value is refused by both values, one given as the saved one is not."""
-    from megazero.training.resolve.model import given_model_fields
-    from megazero.training.resolve.resume import checkpoint_model_kwargs
+    from megazero.config.resolve.model import given_model_fields
+    from megazero.config.resolve.resume import checkpoint_model_kwargs
 
     saved = parse_args(shlex.split(MLA + " --kv-lora-rank 16 --rotary-scaling-factor 40 --mtp-num-layers 1"), 1,
                        check_files=False).model.to_dict()

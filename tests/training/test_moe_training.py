@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.training.arguments import parse_args
-from megazero.training.config import ConfigError
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError
 from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401
                                                    launch)
 
@@ -274,7 +274,7 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(data, one_process, tmp
 
     from megazero.model import GPTModel
     from megazero.mpu import NO_GROUP
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
     from tests.distributed import run_distributed
     from tests.training.test_tools_scale import _generate_losses
 
@@ -310,7 +310,7 @@ def test_a_mixtral_trained_at_ep2_exports_to_transformers(data, tmp_path):  # no
     transformers = pytest.importorskip("transformers")
     from megazero.model import GPTModel
     from megazero.model.state_dict import load_full_state_dict
-    from megazero.training.checkpoint_reader import open_checkpoint
+    from megazero.checkpoint.reader import open_checkpoint
 
     mixtral = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--swiglu",
                "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--num-query-groups", "2",

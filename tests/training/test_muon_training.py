@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.training.arguments import parse_args
-from megazero.training.config import ConfigError
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError
 from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data, flags,  # noqa: F401
                                                    launch)
 from tests.training.test_deepseek_training import DEEPSEEK, KEYS

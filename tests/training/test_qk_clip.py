@@ -11,8 +11,8 @@ import torch
 import megazero.zero as zero
 from megazero.model import GPTModel
 from megazero.model.attention.self_attention import CausalAttention
-from megazero.training.arguments import parse_args
-from megazero.training.config import ConfigError
+from megazero.config.arguments import parse_args
+from megazero.config.train_config import ConfigError
 from megazero.training.qk_clip import QKClip
 from tests.training.test_layout_invariance import assert_same_run, data, flags, launch  # noqa: F401
 from tests.zero.common import tiny_config

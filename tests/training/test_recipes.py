@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from megazero.training import parse_args
+from megazero.config import parse_args
 from tests.launch import ROOT, in_pool
 
 RECIPES = os.path.join(ROOT, "examples", "recipes")

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from megazero.training.config import ConfigError, rampup_global_batch_size
+from megazero.config.train_config import ConfigError, rampup_global_batch_size
 from megazero.training.loop import Callback
 from tests.distributed import run_distributed
 from tests.training.test_e2e import argv
@@ -42,7 +42,7 @@ class SigtermOneRank(Callback):
 
 
 def _pretrain(args, world, sigterm_at=None):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
     from megazero.training.trainer import pretrain
 
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def test_train_tokens_stops_the_run(dataset):
 
 
 def test_no_load_rng_and_use_checkpoint_args(dataset, tmp_path):
-    from megazero.training import parse_args
+    from megazero.config import parse_args
 
     save = str(tmp_path / "ckpt")
     common = dict(tp=1, stage=1, iters=3, dropout=0.1)

@@ -35,7 +35,7 @@ def test_sgd_momentum_resume_equals_uninterrupted_tp2_dp2_zero1(dataset, tmp_pat
 
 
 def _load_with_adam(args, world):
-    from megazero.training.failures import RunAborted
+    from megazero.utils.phase_agreement import RunAborted
 
     try:
         _pretrain(args, world)

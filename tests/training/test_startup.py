@@ -6,8 +6,8 @@ import subprocess
 import pytest
 
 from megazero.model import gpt_preset, num_parameters
-from megazero.training.startup import replicated_parameters
-from megazero.training.startup import estimate_startup, measure_rates
+from megazero.observe.startup import replicated_parameters
+from megazero.observe.startup import estimate_startup, measure_rates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

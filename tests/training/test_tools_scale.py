@@ -9,8 +9,8 @@ import torch
 
 from megazero import mpu, zero
 from megazero.model import GPTConfig, GPTModel
-from megazero.training.checkpoint_reader import open_checkpoint
-from megazero.training.checkpointing import save_checkpoint
+from megazero.checkpoint.reader import open_checkpoint
+from megazero.checkpoint.native import save_checkpoint
 from tests.distributed import run_distributed
 from tests.zero.common import ds_config, tiny_config
 

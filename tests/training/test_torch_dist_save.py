@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megazero.model.interop.megatron_dist import McoreEntry
-from megazero.training.torch_dist_save import flat_boxes, slot_chunks
+from megazero.checkpoint.torch_dist_save import flat_boxes, slot_chunks
 from tests.mcore import requires_mcore
 from tests.training.test_layout_invariance import RTOL, flags, launch, write_corpus
 from tests.training.test_megatron_resume import MODEL
@@ -77,7 +77,7 @@ def _native_logits(load: str, iteration: int) -> tuple:
     """megazero's logits of ``TOKENS`` from its own checkpoint (full weights, one process)."""
     from megazero.model import GPTModel
     from megazero.mpu.utils import NO_GROUP
-    from megazero.training.checkpointing import load_full_model
+    from megazero.checkpoint.native import load_full_model
 
     config, state, _ = load_full_model(load, iteration)
     model = GPTModel(config, tp_group=NO_GROUP, ep_group=NO_GROUP)
@@ -150,8 +150,8 @@ def test_megatron_core_loads_the_save_at_any_layout(saved, mcore_read, layout):
 
 @pytest.mark.slow
 def test_common_state_is_megatron_lms(saved):
-    from megazero.training.megatron_pickle import load_megatron_file
-    from megazero.training.torch_dist_source import open_torch_dist
+    from megazero.checkpoint.megatron_pickle import load_megatron_file
+    from megazero.checkpoint.torch_dist_source import open_torch_dist
 
     runs, _, _ = saved
     common = load_megatron_file(str(runs / "tp2_pp2" / "iter_0000002" / "common.pt"))
@@ -194,7 +194,7 @@ DEEPSEEK = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-si
 @requires_mcore
 @pytest.mark.slow
 def test_deepseek_shape_saved_at_pp2_ep2_loads_in_megatron_core(tmp_path):
-    from megazero.training.torch_dist_source import open_torch_dist
+    from megazero.checkpoint.torch_dist_source import open_torch_dist
     from tests.mcore import mcore_logits
 
     prefix = write_corpus(tmp_path)
@@ -222,7 +222,7 @@ def test_deepseek_shape_saved_at_pp2_ep2_loads_in_megatron_core(tmp_path):
 @pytest.mark.slow
 def test_multi_token_prediction_saved_at_pp2_resumes_as_the_uninterrupted_run(tmp_path):
     """MTP's depth (megatron-core's ``mtp.layers.0.*`` keys, written by the last stage) survives the format."""
-    from megazero.training.torch_dist import TorchDistCheckpoint
+    from megazero.checkpoint.torch_dist import TorchDistCheckpoint
 
     prefix = write_corpus(tmp_path)
     mtp = [*MODEL, "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]

@@ -4,7 +4,7 @@ megatron-core does (weights None), not equally."""
 import numpy as np
 
 from megazero.data import IndexedDatasetBuilder
-from megazero.training import parse_args
+from megazero.config import parse_args
 from megazero.training.loop import build_datasets
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.training.metrics import memory_mb
+from megazero.training.meters import memory_mb
 from megazero.utils import LiveMemoryTracker, active_tracker, peak_memory_source, step_peak_memory
 
 F32 = 4

@@ -11,8 +11,8 @@ import torch
 
 from megazero import mpu, zero
 from megazero.model import GPTModel
-from megazero.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
-from megazero.training.failures import RunAborted
+from megazero.checkpoint.native import checkpoint_dir, load_checkpoint, save_checkpoint
+from megazero.utils.phase_agreement import RunAborted
 from megazero.zero.checkpoint import CheckpointReader, read_full_parameters
 from tests.distributed import run_distributed
 from tests.zero.common import GLOBAL_MICRO_ROWS, batches, ds_config, tiny_config
@@ -147,7 +147,7 @@ def test_failure_during_load_stops_every_rank(saved, fail_rank):
 
 
 def _load_failing(directory, fail_rank):
-    import megazero.training.checkpointing as ck
+    import megazero.checkpoint.native as ck
 
     original = ck.read_zero_state
 

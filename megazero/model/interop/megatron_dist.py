@@ -1,7 +1,7 @@
 """megazero parameters <-> megatron-core's sharded-state-dict keys (the ``torch_dist`` checkpoint format).
 
 ``mcore_entries(config)`` is the one name table, used to read Megatron-LM's ``torch_dist`` checkpoints
-(``megazero.training.torch_dist_source``) and to write them (``megazero.training.torch_dist_save``):
+(``megazero.checkpoint.torch_dist_source``) and to write them (``megazero.checkpoint.torch_dist_save``):
 each megazero full tensor (a parameter, or a persistent buffer such as the routers'
 ``expert_bias``) is the global tensor ``key`` of megatron-core at the leading integer ``index``.
 

@@ -1,7 +1,7 @@
 """Megatron-LM / Megatron-DeepSpeed GPT weights -> megazero names, shapes and ``GPTConfig``.
 
 The pure tensor mapping; reading the checkpoint files (tracker files, ``mp_rank_XX`` and
-``layer_XX`` layouts, safe unpickling) is ``megazero.training.megatron_ckpt.import_megatron``.
+``layer_XX`` layouts, safe unpickling) is ``megazero.checkpoint.megatron_legacy.import_megatron``.
 
 * ``config_from_megatron_args``: a Megatron ``args`` Namespace -> ``GPTConfig``.
 * ``megatron_names``: one (tp, pp) shard, flattened, Megatron names (legacy ``language_model``

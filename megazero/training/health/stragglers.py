@@ -33,8 +33,8 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...mpu.utils import all_gather_flat
-from .phases import Whereabouts
+from megazero.mpu.utils import all_gather_flat
+from megazero.training.health.phases import Whereabouts
 
 __all__ = ["COLUMNS", "STREAK", "FLOOR_S", "StragglerTimer", "StragglerReport", "StragglerWarnings",
            "Stragglers"]

@@ -41,8 +41,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..output import write_error_file
-from .phases import PhaseBoard, Whereabouts
+from megazero.utils.output import write_error_file
+from megazero.training.health.phases import PhaseBoard, Whereabouts
 
 __all__ = ["Watchdog", "Verdict", "diagnose", "is_collective_timeout", "check_timeout_covers_save",
            "warn_if_save_near_timeout", "rank_list"]
@@ -394,8 +394,8 @@ def check_timeout_covers_save(config, run) -> None:
     """Refuse, on every rank, a ``--distributed-timeout-minutes`` below the time this layout's checkpoint
     save needs: a node writes its ranks' shards at :data:`ASSUMED_SAVE_GB_PER_S_PER_NODE`, and the ranks
     that finish first wait for the slowest inside the save's agreement, under the collective timeout."""
-    from ..config import ConfigError
-    from ..failures import agree
+    from megazero.config.train_config import ConfigError
+    from megazero.utils.phase_agreement import agree
 
     if not config.checkpoint.save:
         return

@@ -10,13 +10,13 @@ runs them in order every iteration:
 They share a :class:`TrainState`; a caller hooks in with :class:`Callback`.
 """
 
-from .checkpointer import Checkpointer
-from .data import MockGPTDataset, build_datasets, loader
-from .evaluator import Evaluator, evaluate
-from .failure_protocol import FailureProtocol, TrainingDiverged
-from .metrics_logger import MetricsLogger, describe_model
-from .state import Callback, Callbacks, StepResult, TrainState
-from .stop_policy import StopPolicy
+from megazero.training.loop.checkpointer import Checkpointer
+from megazero.training.loop.data import MockGPTDataset, build_datasets, loader
+from megazero.training.loop.evaluator import Evaluator, evaluate
+from megazero.training.loop.failure_protocol import FailureProtocol, TrainingDiverged
+from megazero.training.loop.metrics_logger import MetricsLogger, describe_model
+from megazero.training.loop.state import Callback, Callbacks, StepResult, TrainState
+from megazero.training.loop.stop_policy import StopPolicy
 
 __all__ = ["Checkpointer", "Evaluator", "MetricsLogger", "StopPolicy", "FailureProtocol", "TrainingDiverged",
            "TrainState", "StepResult", "Callback", "Callbacks", "MockGPTDataset", "build_datasets",

@@ -8,20 +8,20 @@ from typing import Optional
 
 import torch
 
-from ... import mpu
-from ...model.interop.megatron_dist import mcore_entries
-from ..async_save import BackgroundSave, PendingSave, finish_write, writer_group
-from ..checkpointing import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, stage_checkpoint
-from ..config import TrainConfig
-from ..failures import RunAborted, agree, attempt
-from ..health import PhaseBoard
-from ..health.watchdog import warn_if_save_near_timeout
-from ..lr_schedule import LRScheduler
-from ..megatron_resume import is_torch_dist_load, read_torch_dist
-from ..output import rank_zero_logger
-from ..step import TrainModel
-from ..torch_dist_save import stage_torch_dist
-from .state import Callback, TrainState
+from megazero import mpu
+from megazero.model.interop.megatron_dist import mcore_entries
+from megazero.checkpoint.async_save import BackgroundSave, PendingSave, finish_write, writer_group
+from megazero.checkpoint.native import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, stage_checkpoint
+from megazero.config.train_config import TrainConfig
+from megazero.utils.phase_agreement import RunAborted, agree, attempt
+from megazero.training.health import PhaseBoard
+from megazero.training.health.watchdog import warn_if_save_near_timeout
+from megazero.training.lr_schedule import LRScheduler
+from megazero.checkpoint.megatron_resume import is_torch_dist_load, read_torch_dist
+from megazero.utils.output import rank_zero_logger
+from megazero.training.step import TrainModel
+from megazero.checkpoint.torch_dist_save import stage_torch_dist
+from megazero.training.loop.state import Callback, TrainState
 
 __all__ = ["Checkpointer"]
 
@@ -243,7 +243,7 @@ class Checkpointer:
 def _refuse_foreign_checkpoint(load: str) -> None:
     """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
     instead of finding no megazero checkpoint there and silently starting from scratch."""
-    from ..megatron_ckpt import detect_foreign_checkpoint
+    from megazero.checkpoint.megatron_legacy import detect_foreign_checkpoint
 
     if is_torch_dist_load(load):
         return  # read by megatron_resume
@@ -255,7 +255,7 @@ def _refuse_foreign_checkpoint(load: str) -> None:
 def _init_from_pretrained(engine, directory: str) -> None:
     """Start from full weights (e.g. an imported Hugging Face model); each rank reads only its rows
     (a pipeline stage only its own layers: the engine names them as at pp = 1)."""
-    from ...zero.checkpoint import load_full_weights_file
+    from megazero.zero.checkpoint import load_full_weights_file
 
     path = os.path.join(directory, "model_full.safetensors")
     agree("pretrained weights load", lambda: load_full_weights_file(engine, path))

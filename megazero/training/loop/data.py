@@ -6,8 +6,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..config import TrainConfig
-from ..failures import agree
+from megazero.config.train_config import TrainConfig
+from megazero.utils.phase_agreement import agree
 
 __all__ = ["MockGPTDataset", "build_datasets", "loader", "take", "read_agreed"]
 
@@ -37,7 +37,7 @@ def build_datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
         return (MockGPTDataset(num_samples[0], config.model.seq_length, vocab, config.seed),
                 MockGPTDataset(max(num_samples[1], 1), config.model.seq_length, vocab, config.seed + 1),
                 MockGPTDataset(max(num_samples[2], 1), config.model.seq_length, vocab, config.seed + 2))
-    from ...data import build_train_valid_test_datasets
+    from megazero.data import build_train_valid_test_datasets
 
     d = config.data
     # vocab_size: a token id outside the tokenizer's vocabulary is an error naming the dataset and
@@ -56,7 +56,7 @@ def build_datasets(config: TrainConfig, tokenizer_vocab: Optional[int]):
 
 def loader(dataset, consumed: int, config: TrainConfig, groups, device: torch.device) -> Optional[Iterator]:
     """This data-parallel rank's micro-batches of ``dataset`` from sample ``consumed`` on (None without data)."""
-    from ...data import build_pretraining_data_loader
+    from megazero.data import build_pretraining_data_loader
 
     batches = build_pretraining_data_loader(dataset, consumed, config.schedule.micro_batch_size,
                                             groups.dp_rank, groups.dp_size,

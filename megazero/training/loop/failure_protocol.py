@@ -8,13 +8,13 @@ from typing import Iterator
 
 import torch
 
-from ..config import TrainConfig
-from ..failures import Failure, attempt, conclude, failure_of
-from ..step import TrainModel
-from .checkpointer import Checkpointer
-from .data import take
-from .metrics_logger import MetricsLogger
-from .state import TrainState
+from megazero.config.train_config import TrainConfig
+from megazero.utils.phase_agreement import Failure, attempt, conclude, failure_of
+from megazero.training.step import TrainModel
+from megazero.training.loop.checkpointer import Checkpointer
+from megazero.training.loop.data import take
+from megazero.training.loop.metrics_logger import MetricsLogger
+from megazero.training.loop.state import TrainState
 
 __all__ = ["TrainingDiverged", "FailureProtocol"]
 

@@ -9,18 +9,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ...model import num_parameters
-from ...utils.memory_tracker import step_peak_memory
-from ..config import TrainConfig
-from ..health.phases import PhaseBoard
-from ..health.stragglers import Stragglers
-from ..lr_schedule import LRScheduler
-from ..metrics import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_lines
-from ..norms import count_zeros_in_grads, optimizer_state_stats, params_norm
-from ..output import rank_zero_logger
-from ..run_control import PhaseClock
-from ..step import LossLog, TrainModel
-from .state import StepResult, TrainState
+from megazero.model import num_parameters
+from megazero.utils.memory_tracker import step_peak_memory
+from megazero.config.train_config import TrainConfig
+from megazero.training.health.phases import PhaseBoard
+from megazero.training.health.stragglers import Stragglers
+from megazero.training.lr_schedule import LRScheduler
+from megazero.training.meters import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_lines
+from megazero.training.norms import count_zeros_in_grads, optimizer_state_stats, params_norm
+from megazero.utils.output import rank_zero_logger
+from megazero.training.run_control import PhaseClock
+from megazero.training.step import LossLog, TrainModel
+from megazero.training.loop.state import StepResult, TrainState
 
 __all__ = ["MetricsLogger", "describe_model"]
 
@@ -76,7 +76,7 @@ class MetricsLogger:
         self.stragglers = self._stragglers(board) if opts.log_straggler else None
         self._tracking = contextlib.ExitStack()
         if opts.track_memory and run.device.type == "cpu":
-            from ...utils.memory_tracker import LiveMemoryTracker
+            from megazero.utils.memory_tracker import LiveMemoryTracker
 
             # Entered after the engine exists, so its state is part of the baseline and the peak is absolute.
             self._tracking.enter_context(LiveMemoryTracker("cpu"))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 if TYPE_CHECKING:
-    from ..step import TrainModel
+    from megazero.training.step import TrainModel
 
 __all__ = ["TrainState", "StepResult", "Callback", "Callbacks"]
 

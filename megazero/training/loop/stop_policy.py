@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
-from ..config import TrainConfig
-from ..output import rank_zero_logger
-from ..run_control import SignalFlag, exit_reason
-from .state import TrainState
+from megazero.config.train_config import TrainConfig
+from megazero.utils.output import rank_zero_logger
+from megazero.training.run_control import SignalFlag, exit_reason
+from megazero.training.loop.state import TrainState
 
 __all__ = ["StopPolicy"]
 

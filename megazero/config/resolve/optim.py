@@ -1,0 +1,141 @@
+"""Optimizer: type (Adam/AdamW/SGD/Muon) and Muon's knobs, lr, betas, eps, weight decay and its schedule,
+gradient clipping."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from megazero.config.train_config import ConfigError, OptimConfig
+from megazero.zero.optimizers import MuonConfig, ZeroConfigError, component
+from megazero.config.resolve.common import default, json_get
+
+
+def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> OptimConfig:
+    o = OptimConfig(lr=ns.lr)  # present: parse_args checked the required flags
+    ds_type = json_get(ds or {}, "optimizer.type")
+    if ds_type is not None:
+        try:
+            kind = component(ds_type)
+        except ZeroConfigError as e:
+            raise ConfigError(f"--deepspeed-config {e}") from None
+        if ns.optimizer is not None and component(ns.optimizer) is not kind:
+            raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} disagrees with --optimizer "
+                              f"{ns.optimizer}; set it in one place")
+        o.type = str(ds_type) if kind.name == "AdamW" else kind.name
+    if ns.optimizer in ("sgd", "muon"):
+        o.type = component(ns.optimizer).name
+    _resolve_muon(ns, o)
+    if o.type == "SGD":
+        _check_engine_has_sgd()
+    elif ns.sgd_momentum is not None:
+        raise ConfigError("--sgd-momentum needs --optimizer sgd")
+    for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
+        if getattr(ns, attr) is not None:
+            setattr(o, attr, getattr(ns, attr))
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got --lr {o.lr} --min-lr {o.min_lr}")
+    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1) or o.adam_eps <= 0:
+        raise ConfigError(f"Adam needs betas in [0, 1) and eps > 0, got --adam-beta1 {o.adam_beta1} "
+                          f"--adam-beta2 {o.adam_beta2} --adam-eps {o.adam_eps}")
+    if not 0 <= o.sgd_momentum < 1:
+        raise ConfigError(f"--sgd-momentum must be in [0, 1), got {o.sgd_momentum}")
+    if o.weight_decay < 0 or o.clip_grad < 0:
+        raise ConfigError(f"--weight-decay and --clip-grad must be >= 0, got {o.weight_decay} and {o.clip_grad}")
+    _resolve_qk_clip(ns, o)
+    _resolve_offload(ns, ds, o)
+    style = default(ns.weight_decay_incr_style, "constant")
+    o.weight_decay_incr_style = style
+    if style == "constant":
+        # Megatron: a constant schedule is --weight-decay; start/end belong to the other styles.
+        if ns.start_weight_decay is not None or ns.end_weight_decay is not None:
+            raise ConfigError("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+                              "cosine (with the default 'constant', use --weight-decay)")
+    else:
+        if ns.start_weight_decay is None or ns.end_weight_decay is None:
+            raise ConfigError(f"--weight-decay-incr-style {style} needs both --start-weight-decay and "
+                              f"--end-weight-decay")
+        if ns.start_weight_decay < 0 or ns.end_weight_decay < 0:
+            raise ConfigError(f"weight decays must be >= 0, got --start-weight-decay {ns.start_weight_decay} "
+                              f"--end-weight-decay {ns.end_weight_decay}")
+        o.start_weight_decay, o.end_weight_decay = ns.start_weight_decay, ns.end_weight_decay
+        # The engine puts parameters into the decayed group when its weight decay is > 0; the
+        # schedule then sets the value every step.
+        o.weight_decay = max(o.start_weight_decay, o.end_weight_decay)
+    return o
+
+
+def _resolve_offload(ns: argparse.Namespace, ds: Optional[dict[str, Any]], o: OptimConfig) -> None:
+    """--optimizer-cpu-offload (Megatron-core; Megatron-DeepSpeed's --cpu-optimizer) and
+    --optimizer-offload-fraction, checked against the JSON's zero_optimization.offload_optimizer."""
+    flag = bool(getattr(ns, "optimizer_cpu_offload", False) or getattr(ns, "cpu_optimizer", False))
+    fraction = getattr(ns, "optimizer_offload_fraction", None)
+    block = json_get(ds or {}, "zero_optimization.offload_optimizer") or {}
+    json_device = str(block.get("device", "none")).lower() if isinstance(block, dict) else "none"
+    if fraction is not None:
+        if not flag and json_device == "none":
+            raise ConfigError("--optimizer-offload-fraction needs --optimizer-cpu-offload (or an offload_optimizer "
+                              "block with a device in --deepspeed-config)")
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+        if isinstance(block, dict) and "ratio" in block and float(block["ratio"]) != fraction:
+            raise ConfigError(f"--optimizer-offload-fraction {fraction} disagrees with the DeepSpeed JSON's "
+                              f"zero_optimization.offload_optimizer.ratio {block['ratio']}; set it in one place")
+    if flag:
+        # The JSON may say where (nvme, with its path); the flag alone means the host.
+        o.offload_device = json_device if json_device != "none" else "cpu"
+    elif fraction is not None:
+        o.offload_device = json_device
+    o.offload_fraction = fraction
+    if o.offload_device is not None and not component(o.type).host_step:
+        raise ConfigError(f"optimizer offload steps Adam/AdamW on the host; --optimizer {o.type.lower()} runs on the "
+                          "accelerator (Muon's Newton-Schulz needs each whole matrix there): drop "
+                          "--optimizer-cpu-offload")
+
+
+def _resolve_muon(ns: argparse.Namespace, o: OptimConfig) -> None:
+    """--optimizer muon's knobs (Megatron-LM's --muon-* flags), refused without it."""
+    given = [f"--{k.replace('_', '-')}" for k in _MUON_FLAGS if getattr(ns, k, None) is not None]
+    if o.type != "Muon":
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --optimizer muon")
+        return
+    muon = MuonConfig(
+        momentum=default(ns.muon_momentum, 0.95), nesterov=bool(ns.muon_nesterov),
+        ns_steps=default(ns.muon_num_ns_steps, 5), scale_mode=default(ns.muon_scale_mode, "spectral"),
+        extra_scale_factor=default(ns.muon_extra_scale_factor, 1.0), split_qkv=default(ns.muon_split_qkv, True),
+        tp_mode=default(ns.muon_tp_mode, "duplicated"), ns_dtype=default(ns.muon_ns_dtype, "fp32"),
+        fp32_matmul_precision=default(ns.muon_fp32_matmul_prec, "highest"))
+    try:
+        o.muon = muon.validate()
+    except ZeroConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _resolve_qk_clip(ns: argparse.Namespace, o: OptimConfig) -> None:
+    """--qk-clip and its threshold and alpha, --log-max-attention-logit."""
+    o.qk_clip, o.log_max_attention_logit = bool(ns.qk_clip), bool(ns.log_max_attention_logit)
+    for attr in ("qk_clip_threshold", "qk_clip_alpha"):
+        if getattr(ns, attr) is not None:
+            if not o.qk_clip:
+                raise ConfigError(f"--{attr.replace('_', '-')} needs --qk-clip")
+            setattr(o, attr, getattr(ns, attr))
+    if o.qk_clip_threshold <= 0 or not 0.0 <= o.qk_clip_alpha <= 1.0:
+        raise ConfigError(f"--qk-clip-threshold must be > 0 and --qk-clip-alpha in [0, 1], got "
+                          f"{o.qk_clip_threshold} and {o.qk_clip_alpha}")
+
+
+_MUON_FLAGS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
+               "muon_split_qkv", "muon_tp_mode", "muon_scalar_optimizer", "muon_fp32_matmul_prec", "muon_ns_dtype")
+
+
+def _check_engine_has_sgd() -> None:
+    """SGD needs the ZeRO engine to build torch.optim.SGD over its fp32 partitions; refuse it up
+    front on a build whose engine config does not know the type (rather than train with Adam)."""
+    from megazero.zero.config import ZeroConfigError, load_config
+
+    try:
+        load_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
+    except ZeroConfigError as e:
+        raise ConfigError(f"--optimizer sgd is not available in this build's ZeRO engine ({e}); use --optimizer "
+                          f"adam") from None
