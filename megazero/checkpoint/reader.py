@@ -29,6 +29,7 @@ from megazero.mpu.sharding import shard_ranges
 from megazero.zero.shard_io import CheckpointError
 from megazero.checkpoint.native import (FULL_WEIGHTS, TOKENIZER_DIR, _saved_buffers, _verified, is_full_checkpoint,
                             read_manifest, resolve_checkpoint_dir)
+from megazero.utils.safetensors_dtypes import DTYPE_OF_CODE
 
 __all__ = ["CHECKPOINT_FORMATS", "checkpoint_format", "open_checkpoint", "saved_model_config",
            "checkpoint_tokenizer_dir", "SliceReader", "FullWeightsReader", "WithBuffers"]
@@ -169,7 +170,7 @@ class SliceReader:
         return list(self.source.get_slice(name).get_shape())
 
     def full_dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self.source.get_slice(name).get_dtype()]
+        return DTYPE_OF_CODE[self.source.get_slice(name).get_dtype()]
 
     def full(self, name: str) -> torch.Tensor:
         return self.source.get_tensor(name)
@@ -212,6 +213,3 @@ class FullWeightsReader(SliceReader):
         super().__init__(handle, config, path)
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}

@@ -17,13 +17,11 @@ import torch
 from megazero.model.config import GPTConfig
 from megazero.model.interop.megatron_dist import TRANSFORMER_IMPLS, McoreEntry, mcore_entries
 from megazero.zero.shard_io import CheckpointError
+from megazero.utils.safetensors_dtypes import CODE_OF_DTYPE
 
 __all__ = ["MegatronDistSource", "entries_for_checkpoint", "optimizer_state_kind", "megazero_entry", "open_torch_dist"]
 
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
 
 
 class _Slice:
@@ -37,7 +35,7 @@ class _Slice:
         return list(self.entry.shape[len(self.entry.index):])
 
     def get_dtype(self) -> str:
-        return _ST_DTYPES[self.ckpt.dtype(self.key)]
+        return CODE_OF_DTYPE[self.ckpt.dtype(self.key)]
 
     def __getitem__(self, index) -> torch.Tensor:
         return self.ckpt.read(self.key, self.entry.index + (index if isinstance(index, tuple) else (index,)))

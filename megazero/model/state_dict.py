@@ -27,6 +27,8 @@ from megazero.mpu.mappings import resolve_tp_group
 from megazero.mpu.sharding import full_from_shards, shard_of_full
 from megazero.mpu.utils import group_rank, group_size
 
+from megazero.utils.safetensors_dtypes import CODE_OF_DTYPE
+
 from .config import GPTConfig
 
 __all__ = ["gather_full_tensor", "shard_full_tensor", "gather_full_state_dict", "load_full_state_dict",
@@ -155,7 +157,6 @@ def load_full(path: str, config_path: Optional[str] = None) -> tuple[GPTConfig, 
 # ---- streaming conversion (export/import at 13B without holding the model) ------------------------
 
 _LAYER = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
 
 def layer_of(name: str) -> int:
@@ -196,7 +197,7 @@ class SafetensorsStreamWriter:
         offset = 0
         for name, shape, dtype in layout:
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": CODE_OF_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data region to 8 bytes

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from megazero.utils.safetensors_dtypes import DTYPE_OF_CODE, FLOAT_CODES
+
 __all__ = ["CheckpointError", "digest_file", "ShardFile", "ReadCounter", "fsync_path"]
 
 # Bounds of the verification chunk: 256 chunks per file at most (a small manifest), no chunk
@@ -29,7 +31,6 @@ __all__ = ["CheckpointError", "digest_file", "ShardFile", "ReadCounter", "fsync_
 _MAX_CHUNKS, _MAX_CHUNK, _MIN_CHUNK = 256, 64 << 20, 4096
 
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 class CheckpointError(RuntimeError):
@@ -161,9 +162,9 @@ class ShardFile:
 
     def dtype(self, name: str) -> torch.dtype:
         code = self.tensors[name]["dtype"]
-        if code not in _DTYPES:
+        if code not in FLOAT_CODES:
             raise CheckpointError(f"{self.path}: tensor {name} has dtype {code}, which megazero does not read")
-        return _DTYPES[code]
+        return DTYPE_OF_CODE[code]
 
     def tensor(self, name: str) -> torch.Tensor:
         """A whole tensor, any floating dtype, read with plain reads (no mmap: the pages read do not
