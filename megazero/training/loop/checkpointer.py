@@ -9,19 +9,17 @@ from typing import Optional
 import torch
 
 from megazero import mpu
-from megazero.model.interop.megatron_dist import mcore_entries
 from megazero.checkpoint.async_save import BackgroundSave, PendingSave, finish_write, writer_group
-from megazero.checkpoint.native import CheckpointError, checkpoint_dir, latest_iteration, load_checkpoint, stage_checkpoint
+from megazero.checkpoint.formats import TorchDistFormat, format_to_load, format_to_save
+from megazero.checkpoint.native import CheckpointError, checkpoint_dir, latest_iteration
 from megazero.config.train_config import TrainConfig
-from megazero.utils.phase_agreement import RunAborted, agree, attempt
 from megazero.training.health import PhaseBoard
 from megazero.training.health.watchdog import warn_if_save_near_timeout
-from megazero.training.lr_schedule import LRScheduler
-from megazero.checkpoint.megatron_resume import is_torch_dist_load, read_torch_dist
-from megazero.utils.output import rank_zero_logger
-from megazero.training.step import TrainModel
-from megazero.checkpoint.torch_dist_save import stage_torch_dist
 from megazero.training.loop.state import Callback, TrainState
+from megazero.training.lr_schedule import LRScheduler
+from megazero.training.step import TrainModel
+from megazero.utils.output import rank_zero_logger
+from megazero.utils.phase_agreement import RunAborted, agree, attempt
 
 __all__ = ["Checkpointer"]
 
@@ -55,7 +53,8 @@ class Checkpointer:
         self.last_saved: Optional[int] = None  # the iteration of the latest save into --save
         self.in_flight: Optional[BackgroundSave] = None  # the background save not committed yet
         self._writers: Optional[list] = None  # [the background saves' gloo group], made at the first one
-        self._mcore_entries: Optional[list] = None  # torch_dist's name table, built at the first such save
+        ck = config.checkpoint
+        self.format = format_to_save(ck.ckpt_format, config.model, ck.transformer_impl)  # what saves write
 
     # -- saving
 
@@ -148,15 +147,8 @@ class Checkpointer:
                                "lr_scheduler": self.scheduler.state_dict()},
                   config=self.config.to_dict(), tokenizer=self.tokenizer, pipeline=self.run.stage,
                   group=self._writer_group() if background else None)
-        ck = self.config.checkpoint
-        if ck.ckpt_format == "torch_dist":
-            if self._mcore_entries is None:
-                self._mcore_entries = mcore_entries(self.config.model, transformer_impl=ck.transformer_impl)
-            return stage_torch_dist(save, state.iteration, self.run.engine, **kw, copy=background,
-                                    on_written=self.callbacks.on_save_written if background else self._written,
-                                    transformer_impl=ck.transformer_impl, entries=self._mcore_entries)
-        return stage_checkpoint(save, state.iteration, self.run.engine, **kw, copy=background,
-                                on_written=self.callbacks.on_save_written if background else self._written)
+        return self.format.stage(save, state.iteration, self.run.engine, **kw, copy=background,
+                                 on_written=self.callbacks.on_save_written if background else self._written)
 
     def _writer_group(self):
         """Collective at the first background save: the gloo group the background saves poll and commit on."""
@@ -179,12 +171,11 @@ class Checkpointer:
         fresh_cpu_rng = torch.get_rng_state()
         if ck.load:
             agree("checkpoint load", lambda: _refuse_foreign_checkpoint(ck.load))
-        # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
-        if ck.load and is_torch_dist_load(ck.load):
-            state = self._load_torch_dist()
-        else:
-            state = load_checkpoint(ck.load, engine, ck.ckpt_step, pipeline=self.run.stage,
-                                    load_optimizer=not (ck.finetune or ck.no_load_optim)) if ck.load else None
+        state = None
+        if ck.load:  # --finetune / --no-load-optim read the weights only (any optimizer may have saved them)
+            state = format_to_load(ck.load, self.config.model, ck.transformer_impl).load(
+                ck.load, engine, iteration=ck.ckpt_step, pipeline=self.run.stage,
+                load_optimizer=not (ck.finetune or ck.no_load_optim), finetune=ck.finetune)
         if state is None and ck.pretrained:
             _init_from_pretrained(engine, ck.pretrained)
         if state is None:
@@ -217,36 +208,14 @@ class Checkpointer:
                  + (" with a new layout" if state["resharded"] else ""))
         return state["iteration"], state["consumed_samples"]
 
-    def _load_torch_dist(self) -> dict:
-        """Collective: the weights (and, unless weights only are asked for, the optimizer) from the
-        torch_dist checkpoint in ``--load``, each rank reading its share; its train state."""
-        ck, engine = self.config.checkpoint, self.run.engine
-        state = agree("checkpoint load", lambda: read_torch_dist(
-            ck.load, engine, self.config.model, iteration=ck.ckpt_step,
-            load_optimizer=not (ck.finetune or ck.no_load_optim), finetune=ck.finetune))
-        engine.global_steps, engine.skipped_steps, engine.micro_steps = state["iteration"], 0, 0
-        own = state.get("engine")  # megazero's own torch_dist save: its loss scaler and counters
-        if own is not None and own.get("precision") == str(engine.compute_dtype).replace("torch.", ""):
-            engine.loss_scaler.load_state_dict(own["loss_scaler"])
-            engine.global_steps, engine.skipped_steps = own["global_steps"], own["skipped_steps"]
-        for note in state["notes"]:
-            log.info(f"> {note}")
-        log.info(f"> loaded {state['directory']} (torch_dist: "
-                 + ("weights and optimizer" if state["optimizer_loaded"] else "weights only")
-                 + f", {state['bytes_read'] / 2 ** 20:.2f} MiB read by this rank"
-                 + "); the RNG is freshly seeded (the saved states belong to "
-                 + ("another layout" if state["source"] == "megazero" else "Megatron-LM's generators") + ")")
-        state["resharded"] = True
-        return state
-
 
 def _refuse_foreign_checkpoint(load: str) -> None:
     """A Megatron-LM or Megatron-DeepSpeed directory in --load: say what it is and how to convert it,
     instead of finding no megazero checkpoint there and silently starting from scratch."""
     from megazero.checkpoint.megatron_legacy import detect_foreign_checkpoint
 
-    if is_torch_dist_load(load):
-        return  # read by megatron_resume
+    if TorchDistFormat.holds(load):
+        return  # read as it is
     message = detect_foreign_checkpoint(load)
     if message is not None:
         raise CheckpointError(message)
