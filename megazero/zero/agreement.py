@@ -59,7 +59,9 @@ class Record:
     used_here: set[Unit]           # the units this rank used
     saved: list[bool]              # per window trace entry: autograd saved a gathered weight
     trace: list                    # the window's trace of this forward (ZeRO-3; else empty)
-    outputs: set[int]              # grad_fn ids of the outputs: which backward belongs to it
+    # grad_fn ids of the outputs (which backward belongs to it): ids, not the nodes, for a record
+    # must not keep its forward's autograd graph alive (a forward whose backward never comes)
+    outputs: set[int]
     uniform: bool = True           # every DP rank's record was the same (static: this rank's was the kept one)
 
     def saved_units(self) -> set[Unit]:
@@ -155,18 +157,20 @@ class ForwardAgreement:
     def _owner(self, loss: torch.Tensor) -> Record:
         """The forward ``loss`` was computed from. Pipelines keep several forwards in flight and
         the interleaved schedule runs their backwards out of order: walk a few autograd nodes
-        up from ``loss`` to a recorded output, else take the oldest."""
+        up from ``loss`` to a recorded output, else take the oldest. Nodes are compared by ``id``
+        (see ``Record.outputs``; autograd's nodes take no weak references)."""
         if len(self.pending) > 1 and loss.grad_fn is not None:
             owner = {gid: i for i, rec in enumerate(self.pending) for gid in rec.outputs}
             frontier, seen = [loss.grad_fn], set()
             while frontier and len(seen) < 256:
                 fn = frontier.pop(0)
-                if fn is None or id(fn) in seen:
+                key = id(fn)
+                if fn is None or key in seen:
                     continue
-                seen.add(id(fn))
-                if id(fn) in owner:
-                    rec = self.pending[owner[id(fn)]]
-                    del self.pending[owner[id(fn)]]
+                seen.add(key)
+                if key in owner:
+                    rec = self.pending[owner[key]]
+                    del self.pending[owner[key]]
                     return rec
                 frontier.extend(f for f, _ in fn.next_functions)
         return self.pending.popleft()
@@ -212,8 +216,9 @@ def all_reduce_sum(comm, name: str = "dp") -> Callable[[torch.Tensor], object]:
     return lambda t: comm.all_reduce(t, name, op=dist.ReduceOp.SUM, async_op=True)
 
 
-def install_usage_hooks(model: torch.nn.Module, needs: dict[int, list[Unit]], hooked: list[torch.nn.Module],
-                        unit_of_param: dict[int, Unit], agreement: ForwardAgreement,
+def install_usage_hooks(model: torch.nn.Module, needs: dict[torch.nn.Module, list[Unit]],
+                        hooked: list[torch.nn.Module], unit_of_param: dict[torch.nn.Parameter, Unit],
+                        agreement: ForwardAgreement,
                         in_backward: Callable[[], bool]) -> list:
     """ZeRO-2's forward hooks: note which units each forward used (for the agreed reduction
     order), as ZeRO-3's gather window does while gathering. Returns the hook handles."""

@@ -47,7 +47,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import weakref
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -58,8 +57,8 @@ from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_sum, install_us
 from .comm import CommCounter, gradient_communicator
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, squared_norm
-from . import full_weights
-from .grads import FullGradients, GradientStore, ShardedGradients, grads_channel
+from . import full_weights, materialize
+from .grads import GradientStore, build_gradient_store, grads_channel
 from .loss_scaler import LossScaler
 from .muon import MuonStep
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel, group_info
@@ -132,18 +131,21 @@ class ZeroEngine(torch.nn.Module):
         self.trainable_groups = [g for g in self.groups if g.trainable]
         self._slot_by_name = {s.name: (g, s) for g in self.groups for s in g.slots}
         self.comm = self._build_comm(dp_group, tp_group, mp_group)
-        self._materialize()
+        # A model built on the meta device is initialized partition by partition: each rank draws only
+        # what it keeps, and the values equal a full tp=1 initialization (materialize.py).
+        materialize.materialize_partitions(self.module, self.groups, self.slot_of, self.device)
         self._bind_all()
         # DeepSpeed's prescale_gradients: divide by gradient_predivide_factor before the DP sum
         # (keeps fp16 sums in range), multiply back in the step.
         self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
-        self.grads = self._build_gradient_store()
+        self.grads = build_gradient_store(self.stage, self.hold, config.zero_optimization, self.trainable_groups,
+                                          self.comm, self.units, grad_dtype=self.grad_dtype,
+                                          reduce_dtype=self.reduce_dtype, device=self.device, predivide=self._predivide)
         self.placement = Placement(config, self.groups, self.device, on_failure=self.fail_later)
         self.muon = self._build_muon(tp_group)
         self.loss_scaler = LossScaler(config.fp16)
         self.state = TrainingState.IDLE
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook(s.name))
-                       for g in self.trainable_groups for s in g.slots]
+        self._hooks = [h for g in self.trainable_groups for h in g.register_grad_hooks(self.grads.on_grad)]
         self.agreement, self.window = self._build_forward_tracking(plan, forward_key)
         self.failed_ranks = 0  # ranks that flagged a failure into the last step (flag_failure)
         self.deferred_failure: Optional[tuple[str, BaseException]] = None  # this rank's first (fail_later)
@@ -169,7 +171,8 @@ class ZeroEngine(torch.nn.Module):
             plan, stage=self.stage, no_decay=no_decay, partitioning=partitioning, default=default,
             param_name=self.param_name, compute_dtype=self.compute_dtype, device=self.device, per_matrix=per_matrix)
         groups = [g for u in units for g in u.groups]
-        self.slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {id(s.param): (g, s) for g in groups for s in g.slots}
+        self.slot_of: dict[torch.nn.Parameter, tuple[FlatGroup, ParamSlot]] = {
+            s.param: (g, s) for g in groups for s in g.slots}
         return units, groups, plan
 
     def _build_comm(self, dp_group, tp_group, mp_group) -> CommCounter:
@@ -200,15 +203,6 @@ class ZeroEngine(torch.nn.Module):
         checkpoints save and reshard (``Placement.state_keys``)."""
         return self.placement.state_keys(g)
 
-    def _build_gradient_store(self) -> GradientStore:
-        common = dict(grad_dtype=self.grad_dtype, reduce_dtype=self.reduce_dtype, device=self.device,
-                      predivide=self._predivide)
-        if self.stage <= 1 or self.hold:
-            return FullGradients(self.trainable_groups, self.comm, partition_in_place=self.stage == 1, **common)
-        zc = self.config.zero_optimization
-        return ShardedGradients(self.trainable_groups, self.comm, self.units, bucket_numel=zc.reduce_bucket_size or 1,
-                                max_in_flight=zc.max_reduce_in_flight, overlap=zc.overlap_comm, **common)
-
     def _build_forward_tracking(self, plan: UnitPlan, forward_key) -> tuple[Optional[ForwardAgreement],
                                                                              Optional[GatherWindow]]:
         """ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync;
@@ -216,9 +210,8 @@ class ZeroEngine(torch.nn.Module):
         if self.stage < 2:
             return None, None
         agreement = ForwardAgreement(self.units, all_reduce_sum(self.comm), self.dp_size, self.device, forward_key)
-        unit_by_name = {u.name: u for u in self.units}
-        needs = {m: [unit_by_name[n] for n in names] for m, names in plan.needs.items()}
-        unit_of_param = {id(s.param): g.unit for g in self.groups for s in g.slots}
+        needs = plan.unit_needs(self.units)
+        unit_of_param = {s.param: g.unit for g in self.groups for s in g.slots}
         if self.stage == 2:
             self._usage_hooks = install_usage_hooks(self.module, needs, plan.hooked, unit_of_param, agreement,
                                                     in_backward=self._in_backward)
@@ -243,18 +236,6 @@ class ZeroEngine(torch.nn.Module):
                 raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
                                 "reset_parameters() or compute it lazily in forward")
 
-    @torch.no_grad()
-    def _materialize(self) -> None:
-        """Move parameter values into the flat groups.
-
-        A model built on the meta device is initialized partition by partition: each
-        rank draws only what it keeps, and the values equal a full tp=1 initialization
-        (see :mod:`megazero.zero.materialize`).
-        """
-        from .materialize import materialize_partitions
-
-        materialize_partitions(self.module, self.groups, self.slot_of, self.device)
-
     def _in_backward(self) -> bool:
         return self.state is TrainingState.BACKWARD
 
@@ -264,14 +245,6 @@ class ZeroEngine(torch.nn.Module):
     def reducer(self) -> Optional[GradReducer]:
         """ZeRO-2/3's gradient reducer (None for the full-size stores)."""
         return getattr(self.grads, "reducer", None)
-
-    @property
-    def accumulate_full(self) -> bool:
-        return isinstance(self.grads, FullGradients)
-
-    @property
-    def grad_full(self) -> dict[FlatGroup, torch.Tensor]:
-        return {g: g.grad_full for g in self.trainable_groups if g.grad_full is not None}
 
     @property
     def grad_shard(self) -> dict[FlatGroup, torch.Tensor]:
@@ -324,25 +297,6 @@ class ZeroEngine(torch.nn.Module):
         """Full fp32 weights with the keys of a tp=1 model (collective; rank 0 only unless told)."""
         return full_weights.consolidated_state_dict(self, rank0_only)
 
-    # ------------------------------------------------------------------ hooks
-
-    def _grad_hook(self, name: str):
-        # The hook lives in the parameter's autograd metadata (C++), which Python's garbage
-        # collector cannot traverse: a strong reference there to the engine, or to anything that
-        # leads back to the parameter (its flat group does), is a cycle nobody collects, and every
-        # engine a process ever built would stay alive with its buffers and process groups.
-        # Hence a weak reference and the slot's name.
-        engine_ref = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            engine = engine_ref()
-            if engine is None:  # the engine is gone; the model is used without it
-                return
-            group, slot = engine._slot_by_name[name]
-            engine.grads.on_grad(group, slot, param)
-
-        return hook
-
     # ------------------------------------------------------------------ training API
 
     def forward(self, *args, **kwargs):
@@ -387,7 +341,7 @@ class ZeroEngine(torch.nn.Module):
         :meth:`step`; every DP peer must call it for the same parameters (ZeRO-2/3 reduce
         the parameter's group once more).
         """
-        g, slot = self.slot_of[id(param)]
+        g, slot = self.slot_of[param]
         if not g.trainable:
             raise ValueError(f"{slot.name} is frozen (requires_grad=False): it has no gradient to add to")
         if tuple(grad.shape) != tuple(slot.shape):
@@ -538,14 +492,10 @@ class ZeroEngine(torch.nn.Module):
         """Multiply row ``r`` of ``param`` (this rank's TP shard, 2-D) by ``factors[r]`` in the fp32 master
         partition this rank holds; the weights follow at the next publication (an ``after_update`` hook's
         change is published by the step that called it). The optimizer state is left as it is."""
-        g, slot = self.slot_of[id(param)]
+        g, slot = self.slot_of[param]
         if self.is_offloaded(g):
             raise ValueError(f"{slot.name}: its fp32 master is offloaded; rows cannot be rescaled on the device")
-        p0, s0, n = g.owned_range(slot)
-        if n:
-            cols = slot.numel // slot.shape[0]
-            rows = torch.arange(p0, p0 + n, device=g.master.device) // cols
-            g.master.narrow(0, s0, n).mul_(factors.to(g.master.device, torch.float32)[rows])
+        g.scale_rows(slot, factors)
 
     @torch.no_grad()
     def publish_params(self) -> None:
@@ -564,13 +514,9 @@ class ZeroEngine(torch.nn.Module):
     def _publish_params(self, groups: Optional[list[FlatGroup]] = None, written: frozenset = frozenset()) -> None:
         """Copy the updated fp32 masters into the compute-dtype parameters (except the groups in
         ``written``: the offloaded step already wrote their shards)."""
+        write_shard, all_gather = self.placement.write_shard, self.comm.all_gather
         for g in self.trainable_groups if groups is None else groups:
-            if g.master is not g.shard and g not in written:
-                self.placement.write_shard(g, 0, g.master)
-            if g.resident and g.partitions > 1:
-                # Every rank updated its partition only: collect the others, in place (the partition
-                # is the full buffer's own slice: no temporary).
-                self.comm.all_gather(g.full, g.shard, g.part.name)
+            g.publish(write_shard, all_gather, written=g in written)
 
     def _zero_grads(self) -> None:
         self.grads.zero()

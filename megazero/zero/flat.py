@@ -24,7 +24,8 @@ so the DP partition splits each TP shard again.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+import weakref
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -180,6 +181,56 @@ class FlatGroup:
     def storage_key(self) -> int:
         """The identity of the full buffer's storage (see :func:`storage_key`)."""
         return storage_key(self.full)
+
+    def start_gather(self, all_gather: Callable[[torch.Tensor, torch.Tensor, "FlatGroup"], object],
+                     source: Callable[["FlatGroup"], torch.Tensor]) -> object:
+        """Regrow the full buffer and all-gather every partition into it over the group's partitioning:
+        ``all_gather(full, source(self), self)``, whose work (or None when done) is returned."""
+        self.materialize_storage()
+        return all_gather(self.full, source(self), self)
+
+    def publish(self, write_shard: Callable[["FlatGroup", int, torch.Tensor], None],
+                all_gather: Callable[[torch.Tensor, torch.Tensor, str], object], written: bool = False) -> None:
+        """After the fp32 master changed: copy it into the compute-dtype partition (``write_shard``,
+        wherever that lives; not when already ``written``) and, resident, collect every rank's partition."""
+        if self.master is not self.shard and not written:
+            write_shard(self, 0, self.master)
+        if self.resident and self.partitions > 1:
+            # Every rank updated its partition only: collect the others, in place (the partition
+            # is the full buffer's own slice: no temporary).
+            all_gather(self.full, self.shard, self.part.name)
+
+    # ---- gradients ----------------------------------------------------------------------
+
+    def register_grad_hooks(self, on_grad: Callable[["FlatGroup", ParamSlot, torch.Tensor], None]) -> list:
+        """Call the bound method ``on_grad(group, slot, param)`` once each parameter's gradient is
+        accumulated in a backward. Returns the hook handles.
+
+        The hooks live in the parameters' autograd metadata (C++), which Python's garbage collector
+        cannot traverse: a strong reference there to anything that leads back to the parameter (this
+        group does, and so does ``on_grad``'s owner) is a cycle nobody collects, and every engine a
+        process ever built would stay alive with its buffers and process groups. Hence weak
+        references and the slot's index; once either is gone the hooks do nothing."""
+        group_ref, on_grad_ref = weakref.ref(self), weakref.WeakMethod(on_grad)
+
+        def hook_of(index: int):
+            def hook(param: torch.Tensor) -> None:
+                group, fn = group_ref(), on_grad_ref()
+                if group is not None and fn is not None:
+                    fn(group, group.slots[index], param)
+            return hook
+
+        return [s.param.register_post_accumulate_grad_hook(hook_of(i)) for i, s in enumerate(self.slots)]
+
+    @torch.no_grad()
+    def scale_rows(self, slot: ParamSlot, factors: torch.Tensor) -> None:
+        """Multiply row ``r`` of ``slot``'s parameter (2-D) by ``factors[r]`` in the part of the fp32
+        master this rank holds."""
+        p0, s0, n = self.owned_range(slot)
+        if n:
+            cols = slot.numel // slot.shape[0]
+            rows = torch.arange(p0, p0 + n, device=self.master.device) // cols
+            self.master.narrow(0, s0, n).mul_(factors.to(self.master.device, torch.float32)[rows])
 
     # ---- views --------------------------------------------------------------------------
 

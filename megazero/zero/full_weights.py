@@ -102,10 +102,10 @@ def consolidated_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.
             dist.all_gather(parts, value.contiguous(), group=tp_shard_group_of(p, engine.tp_group))
             value = full_from_shards(parts, p.partition_dim, getattr(p, "partition_stride", 1))
         out[name] = value.cpu()
-    primary = {id(p): n for n, p in engine.module.named_parameters()}
+    primary = {p: n for n, p in engine.module.named_parameters()}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
-        if name != primary[id(p)] and id(p) in engine.slot_of:  # a shared weight under its other names
-            out.setdefault(engine.param_name(name), out[engine.slot_of[id(p)][1].name])
+        if name != primary[p] and p in engine.slot_of:  # a shared weight under its other names
+            out.setdefault(engine.param_name(name), out[engine.slot_of[p][1].name])
     for name, b in engine.module.named_buffers():
         out.setdefault(engine.param_name(name), b.detach().cpu().clone())
     _collect_own_groups(engine, out)

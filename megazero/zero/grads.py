@@ -25,7 +25,7 @@ from .flat import FlatGroup, ParamSlot, fill_range, storage_key
 from .reducer import GradReducer
 from .units import Unit
 
-__all__ = ["GradientStore", "FullGradients", "ShardedGradients"]
+__all__ = ["GradientStore", "FullGradients", "ShardedGradients", "build_gradient_store"]
 
 
 class GradientStore:
@@ -150,6 +150,16 @@ class ShardedGradients(GradientStore):
 
     def end_backward(self) -> None:
         self.reducer.finish()
+
+
+def build_gradient_store(stage: int, hold: bool, zc, groups: list[FlatGroup], comm: CommCounter, units: list[Unit],
+                         **common) -> GradientStore:
+    """The store of a stage: full-size for ZeRO 0-1 and for ZeRO-3 kept gathered in step (``hold``), per-unit
+    reduce-scatters otherwise; ``zc`` is the ``zero_optimization`` config, ``common`` the stores' keywords."""
+    if stage <= 1 or hold:
+        return FullGradients(groups, comm, partition_in_place=stage == 1, **common)
+    return ShardedGradients(groups, comm, units, bucket_numel=zc.reduce_bucket_size or 1,
+                            max_in_flight=zc.max_reduce_in_flight, overlap=zc.overlap_comm, **common)
 
 
 def grads_channel(part) -> str:

@@ -35,9 +35,10 @@ _UNSUPPORTED = object()
 
 
 class _InPlaceRecorder(TorchFunctionMode):
-    """Turns in-place initialization of the watched (meta) parameters into specs."""
+    """Turns in-place initialization of the watched (meta) parameters into specs (keyed by ``id``, as
+    :func:`~megazero.mpu.initializers.recording_init_specs` keys the specs it records)."""
 
-    def __init__(self, watched: dict[int, torch.Tensor], specs: dict) -> None:
+    def __init__(self, watched: set[torch.nn.Parameter], specs: dict) -> None:
         super().__init__()
         self.watched, self.specs = watched, specs
 
@@ -45,19 +46,19 @@ class _InPlaceRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         target = args[0] if args else None
         name = getattr(func, "__name__", "")
-        if isinstance(target, torch.Tensor) and id(target) in self.watched and name.endswith("_") \
+        if isinstance(target, torch.Tensor) and target in self.watched and name.endswith("_") \
                 and not name.startswith("__"):
-            shape = tuple(target.shape)
+            shape, key = tuple(target.shape), id(target)
             if name == "zero_":
-                self.specs[id(target)] = InitSpec("fill", shape, value=0.0)
+                self.specs[key] = InitSpec("fill", shape, value=0.0)
             elif name == "fill_" and len(args) > 1 and not isinstance(args[1], torch.Tensor):
-                self.specs[id(target)] = InitSpec("fill", shape, value=float(args[1]))
+                self.specs[key] = InitSpec("fill", shape, value=float(args[1]))
             elif name == "normal_" and kwargs.get("generator") is None:
                 mean = args[1] if len(args) > 1 else kwargs.get("mean", 0.0)
                 std = args[2] if len(args) > 2 else kwargs.get("std", 1.0)
-                self.specs[id(target)] = InitSpec("normal", shape, std=float(std), mean=float(mean))
+                self.specs[key] = InitSpec("normal", shape, std=float(std), mean=float(mean))
             else:
-                self.specs[id(target)] = _UNSUPPORTED
+                self.specs[key] = _UNSUPPORTED
             return target
         return func(*args, **kwargs)
 
@@ -72,10 +73,11 @@ def _write_owned(g: FlatGroup, s: ParamSlot, values: torch.Tensor) -> None:
 
 @torch.no_grad()
 def materialize_partitions(module: torch.nn.Module, groups: list[FlatGroup],
-                           slot_of: dict[int, tuple[FlatGroup, ParamSlot]], device: torch.device) -> None:
+                           slot_of: dict[torch.nn.Parameter, tuple[FlatGroup, ParamSlot]],
+                           device: torch.device) -> None:
     """Move parameter values into the flat groups (allocated here; the engine binds them after).
 
-    ``slot_of`` maps ``id(param)`` to its group and slot; meta parameters are replaced
+    ``slot_of`` maps each parameter to its group and slot; meta parameters are replaced
     by real ones (keeping Megatron's attributes) and ``slot_of`` is updated.
     """
     for g in groups:
@@ -90,8 +92,9 @@ def materialize_partitions(module: torch.nn.Module, groups: list[FlatGroup],
 
 
 def _initialize_from_meta(module: torch.nn.Module, slot_of: dict, device: torch.device) -> None:
-    names = {pid: s.name for pid, (_, s) in slot_of.items()}
-    replaced: dict[int, torch.nn.Parameter] = {}  # meta parameter -> its real one (tied ones once)
+    # mpu's name-keyed draws (parameter_naming) and its recorded specs key parameters by id
+    names = {id(p): s.name for p, (_, s) in slot_of.items()}
+    replaced: dict[torch.nn.Parameter, torch.nn.Parameter] = {}  # meta parameter -> its real one (tied ones once)
     with parameter_naming(names) as naming:
         for m in modules_with_direct_parameters(module):
             reset = getattr(m, "reset_parameters", None)
@@ -99,33 +102,33 @@ def _initialize_from_meta(module: torch.nn.Module, slot_of: dict, device: torch.
                 raise TypeError(f"{type(m).__name__} was built on the meta device but has no reset_parameters(); "
                                 "give it one so ZeRO can initialize it partition by partition")
             params = list(m.named_parameters(recurse=False))
-            own = {id(p): p for _, p in params if id(p) not in replaced}
+            own = list(dict.fromkeys(p for _, p in params if p not in replaced))
             if not own:
                 for attr, p in params:
-                    setattr(m, attr, replaced[id(p)])
+                    setattr(m, attr, replaced[p])
                 continue
             specs: dict = {}
-            with recording_init_specs(specs), _InPlaceRecorder(own, specs):
+            with recording_init_specs(specs), _InPlaceRecorder(set(own), specs):
                 reset()
-            captured = all(specs.get(pid) not in (None, _UNSUPPORTED) for pid in own)
+            own_specs = [specs.get(id(p)) for p in own]
+            captured = all(spec not in (None, _UNSUPPORTED) for spec in own_specs)
             for attr, p in params:
-                if id(p) not in replaced:
+                if p not in replaced:
                     # A meta tensor cannot take real storage in place: swap in a new Parameter that
                     # keeps the Megatron attributes, and point the flat group at it. Captured ones
                     # need no storage of their own: the group binds views (or releases) later.
                     data = torch.empty(0 if captured else p.shape, dtype=torch.float32, device=device)
                     new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
                     new.__dict__.update(p.__dict__)
-                    g, s = slot_of.pop(id(p))
+                    g, s = slot_of.pop(p)
                     s.param = new
-                    slot_of[id(new)] = (g, s)
+                    slot_of[new] = (g, s)
                     names[id(new)] = s.name
-                    replaced[id(p)] = new
-                setattr(m, attr, replaced[id(p)])
+                    replaced[p] = new
+                setattr(m, attr, replaced[p])
             if captured:
-                for pid, p in own.items():
-                    spec = specs[pid]
-                    g, s = slot_of[id(replaced[pid])]
+                for p, spec in zip(own, own_specs):
+                    g, s = slot_of[replaced[p]]
                     key = naming_key(naming, s.name) if spec.kind == "normal" else None
                     if g.device.type == "meta":
                         continue  # a meta partition holds no values: nothing to draw (a rehearsal)
@@ -137,8 +140,8 @@ def _initialize_from_meta(module: torch.nn.Module, slot_of: dict, device: torch.
                             _write_owned(g, s, spec.draw(key, p0, p0 + n))
             else:
                 reset()  # for real, from the default generator, on full-size tensors of this module
-                for pid in own:
-                    new = replaced[pid]
-                    g, s = slot_of[id(new)]
+                for p in own:
+                    new = replaced[p]
+                    g, s = slot_of[new]
                     g.load_param_values(s, new.data)
                     new.data = torch.empty(0, device=device)

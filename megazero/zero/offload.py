@@ -314,14 +314,14 @@ class OptimizerOffload:
     def step(self, optimizer: torch.optim.Optimizer, grads: dict[FlatGroup, torch.Tensor], coef: float) -> None:
         """Adam on every offloaded group: ``grad = grads[g] * coef`` (the engine's unscale and clip),
         streamed through the ring; on return ``g.shard`` holds the updated compute-dtype weights."""
-        hp = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+        hp = {p: pg for pg in optimizer.param_groups for p in pg["params"]}
         work = []
         for g in self.groups:
             first = "exp_avg" not in optimizer.state.get(g.master, {})
             state = self.init_state(optimizer, g)
             state["step"] += 1
             for lo in range(0, g.shard_numel, self.chunk):
-                work.append((g, state, hp[id(g.master)], lo, min(lo + self.chunk, g.shard_numel), first))
+                work.append((g, state, hp[g.master], lo, min(lo + self.chunk, g.shard_numel), first))
         self._grads = grads
         if self._read_stream is not None:  # the gradients and weights as the step's stream left them
             self._ready = torch.cuda.current_stream(self.device).record_event()

@@ -59,7 +59,7 @@ def ring_bytes(on_nvme: list[int], elem: int, buffer_count: int, buffer_size: Op
 class ParamOffload:
     """The parameter partitions of ``groups`` (ZeRO-3, non-resident) off the accelerator.
 
-    ``masters_on_host``: ids of groups whose fp32 master already lives in host memory (the
+    ``masters_on_host``: the groups whose fp32 master already lives in host memory (the
     optimizer offload's ``cpu`` device); with fp32 compute their partition *is* that master.
     """
 
@@ -68,11 +68,11 @@ class ParamOffload:
                  say: Callable[[str], None] = lambda m: None) -> None:
         self.config, self.device = config, torch.device(device)
         self.groups = [g for g in groups if g.shard_numel and not g.resident]
-        self._owned = {id(g) for g in self.groups}
+        self._owned = set(self.groups)
         real = self.device.type != "meta"  # a rehearsal counts host and file bytes, allocates none
         self.files: dict[FlatGroup, OffloadFiles] = {}
         self.on_nvme: list[FlatGroup] = []  # groups whose partition is a file (or would be, rehearsed)
-        self.aliased: set[int] = set()  # fp32 groups whose host partition is the host master
+        self.aliased: set[FlatGroup] = set()  # fp32 groups whose host partition is the host master
         self._lock_fd: Optional[int] = None
         kept_on_device = 0
         if config.device == "nvme" and real:
@@ -80,9 +80,9 @@ class ParamOffload:
         in_memory = config.max_in_cpu if config.device == "nvme" else float("inf")
         to_host: list[FlatGroup] = []  # groups whose partition moves to the host arena
         for g in self.groups:
-            if g.compute_dtype == torch.float32 and id(g) in masters_on_host:
+            if g.compute_dtype == torch.float32 and g in masters_on_host:
                 g.shard = g.master  # the optimizer's host master is the forward's weights
-                self.aliased.add(id(g))
+                self.aliased.add(g)
                 continue
             if g.master is g.shard:  # fp32: the optimizer steps this master on the accelerator
                 kept_on_device += g.shard_numel
@@ -128,7 +128,7 @@ class ParamOffload:
 
     def owns(self, g: FlatGroup) -> bool:
         """Whether ``g``'s partition lives off the accelerator (its gathers go through :meth:`source`)."""
-        return id(g) in self._owned
+        return g in self._owned
 
     # ------------------------------------------------------------------ the gather
 
@@ -166,7 +166,7 @@ class ParamOffload:
     def write(self, g: FlatGroup, lo: int, src: torch.Tensor) -> None:
         """Updated weights ``src`` (any dtype, any device) for elements ``[lo, lo + n)`` of ``g``'s
         partition: into the host copy, or through the ring into the file."""
-        if id(g) in self.aliased and src.data_ptr() == g.shard[lo:].data_ptr():
+        if g in self.aliased and src.data_ptr() == g.shard[lo:].data_ptr():
             return  # the host master was updated in place: it is the partition
         files = self.files.get(g)
         if files is None:

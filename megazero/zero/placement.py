@@ -88,7 +88,7 @@ class Placement:
         cfg = self.config.zero_optimization.offload_param
         if not cfg.enabled or self.config.stage != 3:
             return None
-        host_masters = frozenset(id(g) for g in self.offloaded) \
+        host_masters = self.offloaded \
             if self.offload is not None and not self.offload.nvme else frozenset()
         offload = ParamOffload(self.groups, cfg, self.device, rank=_rank(), masters_on_host=host_masters,
                                say=say_once)

@@ -64,6 +64,37 @@ class Unit:
     def numel(self) -> int:
         return sum(g.numel for g in self.groups)
 
+    # ---- gather / release (ZeRO-3's window decides when) ---------------------------------
+
+    def start_gather(self, all_gather: Callable, source: Callable[[FlatGroup], torch.Tensor]) -> None:
+        """All-gather every released group (:meth:`FlatGroup.start_gather`); works in flight go to ``pending``."""
+        for g in self.groups:
+            if not g.resident:
+                work = g.start_gather(all_gather, source)
+                if work is not None:
+                    self.pending.append(work)
+
+    def finish_gather(self) -> list[FlatGroup]:
+        """Wait for the all-gathers in flight and mark the groups whole; returns the groups gathered."""
+        self._wait_pending()
+        groups = [g for g in self.groups if not g.resident]
+        for g in groups:
+            g.gathered = True
+        return groups
+
+    def release(self) -> list[FlatGroup]:
+        """Free the gathered groups' storage (after any all-gather in flight); returns them."""
+        self._wait_pending()
+        groups = [g for g in self.groups if not g.resident]
+        for g in groups:
+            g.release()
+        return groups
+
+    def _wait_pending(self) -> None:
+        for w in self.pending:
+            w.wait()
+        self.pending = []
+
     def full_bytes(self) -> int:
         return sum(g.full_bytes for g in self.groups if not g.resident)
 
@@ -102,62 +133,54 @@ class UnitPlan:
 
     units: list[PlannedUnit]  # in static order
     # module -> names of the units whose parameters it owns (what its forward needs gathered)
-    needs: dict[int, list[str]]
+    needs: dict[torch.nn.Module, list[str]]
     hooked: list[torch.nn.Module]  # modules that get gather hooks: layers and every module outside them
-    in_layer: frozenset[int] = frozenset()  # ids of the parameters inside a layer module
+    in_layer: frozenset[torch.nn.Parameter] = frozenset()  # the parameters inside a layer module
+
+    def unit_needs(self, units: list["Unit"]) -> dict[torch.nn.Module, list["Unit"]]:
+        """``needs`` with the built units in place of their names."""
+        by_name = {u.name: u for u in units}
+        return {m: [by_name[n] for n in names] for m, names in self.needs.items()}
 
 
 def plan_units(model: torch.nn.Module, layer_modules: list[torch.nn.Module], persistence_threshold: int) -> UnitPlan:
     """Assign every parameter to a unit (see the module docstring)."""
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    layer_ids = {id(m) for m in layer_modules}
-    inside_layer: set[int] = set()
+    order = {m: i for i, m in enumerate(model.modules())}
+    layers = set(layer_modules)
+    inside_layer = {m for layer in layer_modules for m in layer.modules()}
+    owners: dict[torch.nn.Parameter, set[torch.nn.Module]] = {}  # layers, or direct owners outside layers
     for layer in layer_modules:
-        inside_layer.update(id(m) for m in layer.modules())
-
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
-    owners: dict[int, set[int]] = {}  # param -> ids of owning modules (layers, or direct owners outside layers)
-    params: dict[int, torch.nn.Parameter] = {}
-    modules_by_id: dict[int, torch.nn.Module] = {}
-    for layer in layer_modules:
-        modules_by_id[id(layer)] = layer
         for p in layer.parameters():
-            owners.setdefault(id(p), set()).add(id(layer))
-            params[id(p)] = p
-    in_layer = frozenset(params)  # the parameters inside a layer module
-    outside = [m for m in model.modules() if id(m) not in inside_layer]
-    for m in outside:
-        modules_by_id[id(m)] = m
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), set()).add(id(m))
-            params[id(p)] = p
+            owners.setdefault(p, set()).add(layer)
+    in_layer = frozenset(owners)  # the parameters inside a layer module
+    for m in model.modules():
+        if m not in inside_layer:
+            for p in m.parameters(recurse=False):
+                owners.setdefault(p, set()).add(m)
 
     persistent: list[tuple[str, torch.nn.Parameter]] = []
-    by_owner_set: dict[frozenset[int], list[tuple[str, torch.nn.Parameter]]] = {}
+    by_owner_set: dict[frozenset[torch.nn.Module], list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in model.named_parameters():  # named_parameters() yields each shared parameter once
         if persistence_threshold >= 0 and p.numel() <= persistence_threshold:
             persistent.append((name, p))
         else:
-            by_owner_set.setdefault(frozenset(owners[id(p)]), []).append((name, p))
+            by_owner_set.setdefault(frozenset(owners[p]), []).append((name, p))
 
     units = []
-    needs: dict[int, list[str]] = {}
+    needs: dict[torch.nn.Module, list[str]] = {}
     for owner_set, members in by_owner_set.items():
-        position = min(order[o] for o in owner_set)
-        first = modules_by_id[min(owner_set, key=lambda o: order[o])]
-        if len(owner_set) == 1 and id(first) in layer_ids:
+        first = min(owner_set, key=order.__getitem__)
+        if len(owner_set) == 1 and first in layers:
             name = f"layer{layer_modules.index(first)}"
         else:
-            name = "+".join(_module_name(model, modules_by_id[o]) for o in sorted(owner_set, key=lambda o: order[o]))
-        units.append(PlannedUnit(name, position, members, False))
+            name = "+".join(_module_name(model, o) for o in sorted(owner_set, key=order.__getitem__))
+        units.append(PlannedUnit(name, order[first], members, False))
         for o in owner_set:
             needs.setdefault(o, []).append(name)
     units.sort(key=lambda u: u.position)
     if persistent:
         units.append(PlannedUnit("persistent", len(order), persistent, True))
-    hooked = [m for m in model.modules() if id(m) in layer_ids or id(m) not in inside_layer]
+    hooked = [m for m in model.modules() if m in layers or m not in inside_layer]
     return UnitPlan(units, needs, hooked, in_layer)
 
 
@@ -185,14 +208,14 @@ def build_units(plan: UnitPlan, *, stage: int, no_decay: Callable[[str, torch.nn
                 raise ValueError(f"two partitionings are named {part.name!r}; give each process group its own name")
             by_part.setdefault(part.name, []).append((n, p))
         groups = []
-        matrix = {id(p) for n, p in planned.params
-                  if p.requires_grad and per_matrix is not None and per_matrix(n, p, id(p) in plan.in_layer)}
+        matrix = {p for n, p in planned.params
+                  if p.requires_grad and per_matrix is not None and per_matrix(n, p, p in plan.in_layer)}
         for name, params in by_part.items():
             for trainable, decay, whole in ((True, True, True), (True, True, False), (True, False, True),
                                             (True, False, False), (False, False, False)):
                 chosen = [(param_name(n), p) for n, p in params
                           if p.requires_grad == trainable and (not trainable or no_decay(n, p) != decay)
-                          and (id(p) in matrix) == whole]
+                          and (p in matrix) == whole]
                 if chosen:
                     groups.append(FlatGroup(chosen, part=parts[name], partitioned=stage > 0,
                                             compute_dtype=compute_dtype, device=device,
@@ -210,14 +233,14 @@ def _module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
     return type(module).__name__
 
 
-def units_for_call(needs: dict[int, list[Unit]], unit_of_param: dict[int, Unit], module: torch.nn.Module,
-                   args: tuple, kwargs: dict) -> list[Unit]:
+def units_for_call(needs: dict[torch.nn.Module, list[Unit]], unit_of_param: dict[torch.nn.Parameter, Unit],
+                   module: torch.nn.Module, args: tuple, kwargs: dict) -> list[Unit]:
     """The units a call of ``module`` needs: those owning its parameters, and those of any
     ZeRO parameter passed to it (a tied output layer receives the embedding's weight)."""
-    units = list(needs.get(id(module), ()))
+    units = list(needs.get(module, ()))
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.nn.Parameter):
-            u = unit_of_param.get(id(a))
+            u = unit_of_param.get(a)
             if u is not None and u not in units:
                 units.append(u)
     return units

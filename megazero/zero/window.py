@@ -92,9 +92,9 @@ class GatherWindow:
         self,
         model: torch.nn.Module,
         units: list[Unit],
-        needs: dict[int, list[Unit]],
+        needs: dict[torch.nn.Module, list[Unit]],
         hooked: list[torch.nn.Module],
-        unit_of_param: dict[int, Unit],
+        unit_of_param: dict[torch.nn.Parameter, Unit],
         *,
         all_gather: Callable[[torch.Tensor, torch.Tensor, FlatGroup], object],
         in_backward: Callable[[], bool],
@@ -123,7 +123,7 @@ class GatherWindow:
         self.live_numel = 0
         self.depth = 0  # nesting of the model's own forward
         self._reset_pass()
-        self._root_units = list(needs.get(id(model), ()))
+        self._root_units = list(needs.get(model, ()))
         self.handles = []
         for m in hooked:
             if m is model:
@@ -133,9 +133,9 @@ class GatherWindow:
         self.handles.append(model.register_forward_pre_hook(self._model_pre_forward, with_kwargs=True))
         self.handles.append(model.register_forward_hook(self._model_post_forward, always_call=True))
         self._saved_hooks = None
-        self._module_units: dict[int, list[Unit]] = {}
-        self.running: list[int] = []  # hooked modules whose forward is in progress (innermost last)
-        self._model_id = id(model)
+        self._module_units: dict[torch.nn.Module, list[Unit]] = {}  # units each running module holds
+        self.running: list[torch.nn.Module] = []  # hooked modules whose forward is in progress (innermost last)
+        self._model = model
         for m in model.modules():
             if m._parameters and not isinstance(m._parameters, _GatheringDict):
                 m._parameters = _GatheringDict(m._parameters, self._on_access)
@@ -155,12 +155,7 @@ class GatherWindow:
         if unit.gathered or unit.pending:
             return
         with scope("zero.gather"):
-            for g in unit.groups:
-                if not g.resident:
-                    g.materialize_storage()
-                    work = self.all_gather(g.full, self.source(g), g)  # over g's own partitioning
-                    if work is not None:
-                        unit.pending.append(work)
+            unit.start_gather(self.all_gather, self.source)  # each group over its own partitioning
         self.live_numel += unit.numel()
         if not unit.pending:
             self._complete(unit)
@@ -169,27 +164,17 @@ class GatherWindow:
         if not (unit.gathered or unit.pending):
             self.issue(unit)
         if unit.pending:
-            for w in unit.pending:
-                w.wait()
-            unit.pending = []
             self._complete(unit)
 
     def _complete(self, unit: Unit) -> None:
-        for g in unit.groups:
-            if not g.resident:
-                g.gathered = True
-                self.by_storage[g.storage_key()] = unit
+        for g in unit.finish_gather():
+            self.by_storage[g.storage_key()] = unit
 
     def release(self, unit: Unit, force: bool = False) -> None:
         if unit.resident or not (unit.gathered or unit.pending) or (self.hold and not force):
             return
-        for w in unit.pending:
-            w.wait()
-        unit.pending = []
-        for g in unit.groups:
-            if not g.resident:
-                self.by_storage.pop(g.storage_key(), None)
-                g.release()
+        for g in unit.release():
+            self.by_storage.pop(g.storage_key(), None)  # (a storage's key survives its release)
         self.live_numel -= unit.numel()
 
     def release_all(self, force: bool = False) -> None:
@@ -245,7 +230,7 @@ class GatherWindow:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
         self._prefetch(self.units, 0)
-        self._module_units[self._model_id] = []
+        self._module_units[self._model] = []
         for u in self._root_units:  # parameters owned by the model object itself
             self.mark_used(u)
             if not u.resident:
@@ -261,7 +246,7 @@ class GatherWindow:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        for u in self._module_units.pop(self._model_id, []) + [u for u in self._root_units if not u.resident]:
+        for u in self._module_units.pop(self._model, []) + [u for u in self._root_units if not u.resident]:
             u.active -= 1
         self._catch_up(len(self.units))
         for u in self.units:
@@ -272,8 +257,8 @@ class GatherWindow:
     def _pre_forward(self, module, args, kwargs):
         units = units_for_call(self.needs, self.unit_of_param, module, args, kwargs)
         if not units:
-            self._module_units[id(module)] = []
-            self.running.append(id(module))
+            self._module_units[module] = []
+            self.running.append(module)
             return None
         for u in units:
             self.mark_used(u)
@@ -285,16 +270,16 @@ class GatherWindow:
             else:
                 self._request_forward(u, saved=not torch.is_grad_enabled())
             u.active += 1
-        self._module_units[id(module)] = pending
-        self.running.append(id(module))
+        self._module_units[module] = pending
+        self.running.append(module)
         if pending and torch.is_grad_enabled():
             return self._wrap_inputs(args, kwargs, pending)
         return None
 
     def _post_forward(self, module, args, out):
-        if self.running and self.running[-1] == id(module):
+        if self.running and self.running[-1] is module:
             self.running.pop()
-        pending = self._module_units.pop(id(module), [])
+        pending = self._module_units.pop(module, [])
         for u in pending:
             u.active -= 1
             if not u.active and not self.in_backward():
@@ -306,12 +291,12 @@ class GatherWindow:
         """A parameter read during forward or backward: make sure its unit is whole."""
         if self.depth <= 0 and not self.in_backward():
             return
-        unit = self.unit_of_param.get(id(param))
+        unit = self.unit_of_param.get(param)
         if unit is None or unit.resident:
             return
         if unit.gathered and not unit.pending:
             return
-        owner = self.running[-1] if self.running else self._model_id
+        owner = self.running[-1] if self.running else self._model
         if self.in_backward():
             self._request_backward(unit)
         else:
