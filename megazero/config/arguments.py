@@ -42,6 +42,7 @@ from megazero.config.train_config import (  # noqa: F401  (the config classes ar
 from megazero.config.flag_names import with_flags
 from megazero.config.flags import HELP_EPILOG, add_to_parser, refusals
 from megazero.utils.output import console, write_error_file
+from megazero.zero.optimizers import component
 from megazero.config.resolve.common import default
 from megazero.config.resolve.data import (DEFAULT_TOKENIZER, TOKENIZER_TYPES, missing_data_flags,
                                             read_data_args_files, resolve_data)
@@ -269,16 +270,8 @@ def _latents(m: GPTConfig) -> str:
 
 
 def _optimizer(o: OptimConfig) -> str:
-    """The optimizer and its own settings, as the start-up line shows them: Muon's momentum and iterations on the
-    layers' matrices, and the AdamW betas of what it leaves to AdamW (embeddings, output layer, norms, biases)."""
-    adam = f"betas ({o.adam_beta1}, {o.adam_beta2}) eps {o.adam_eps:g}"
-    if o.type == "SGD":
-        return f"SGD momentum {o.sgd_momentum}"
-    if o.type == "Muon" and o.muon is not None:
-        m = o.muon
-        return (f"Muon momentum {m.momentum}{' (Nesterov)' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps "
-                f"on the layers' matrices, AdamW {adam} on the rest")
-    return f"{o.type} {adam}"
+    """The optimizer and its own settings, as the start-up line shows them (its component says)."""
+    return component(o.type).describe(o)
 
 
 def describe(config: TrainConfig) -> str:

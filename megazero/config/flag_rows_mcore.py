@@ -300,8 +300,6 @@ def add_precision_rows(g: G) -> None:
            "copy) and pinned host buffers (the DeepSpeed JSON's offload_optimizer.pin_memory): what megazero's "
            "--optimizer-cpu-offload does; accepted", "--use-torch-optimizer-for-cpu-offload "
            "--overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params")
-    refuse(g, "the Lion optimizer does not exist in megazero (--optimizer adam, adamw, sgd or muon); drop the flag",
-           values="--lion-beta1 --lion-beta2")
     refuse(g, "megazero applies no weight decay to norms and biases (Megatron's default rule); decaying the query "
            "and key norms does not exist; drop the flag", "--apply-wd-to-qk-layernorm",
            "--no-weight-decay-cond-type")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from megazero.zero.optimizers import cli_names, registered
+
 __all__ = ["add_schedule_rows", "add_optimizer_rows"]
 
 H, M, R = "honoured", "mapped", "refused"
@@ -51,40 +53,17 @@ def add_schedule_rows(g: Callable[..., Any]) -> None:
 
 def add_optimizer_rows(g: Callable[..., Any]) -> None:
     """Group "optimizer and precision": the optimizers, weight decay and clipping, the precision and loss scaling."""
-    g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, sgd, or muon (the 2-D "
-      "weights inside the transformer layers; embeddings, output layer, norms and biases take AdamW with the --adam-* flags)",
-      _lower, choices=("adam", "adamw", "sgd", "muon", "dist_muon", "adaptive_muon", "lion", "soap"), default="adam",
+    names = cli_names()  # the registered optimizers' (megazero/zero/optimizers/)
+    absent = (("adaptive_muon", "adaptive Muon"), ("soap", "SOAP"))
+    g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, sgd, muon (the 2-D "
+      "weights inside the transformer layers; embeddings, output layer, norms and biases take AdamW with the --adam-* "
+      "flags) or lion (--lion-beta1/2)", _lower, choices=(*names, "dist_muon", *(v for v, _ in absent)), default="adam",
       refuse_values=(("dist_muon", "--optimizer dist_muon: use --optimizer muon, which megazero runs distributed under "
                                    "every ZeRO stage (--muon-tp-mode for tensor-parallel matrices)"),
-                     *((v, f"--optimizer {v}: {name} does not exist in megazero; use adam, adamw, sgd or muon")
-                       for v, name in (("adaptive_muon", "adaptive Muon"), ("lion", "Lion"), ("soap", "SOAP")))))
-    g(H, "--sgd-momentum", "momentum of --optimizer sgd", float, default=0.9)
-    g(H, "--muon-momentum", "Muon's momentum (an average: m = b m + (1 - b) g)", float, default=0.95)
-    g(H, ("--muon-nesterov", "--muon-use-nesterov"), "Muon: Nesterov momentum (orthogonalise (1 - b) g + b m)",
-      dest="muon_nesterov")
-    g(H, "--muon-num-ns-steps", "Muon: Newton-Schulz iterations (quintic, coefficients 3.4445, -4.775, 2.0315)", int,
-      default=5)
-    g(H, "--muon-scale-mode", "Muon's update scale for an out x in matrix: spectral sqrt(max(out, in)), "
-      "unit_rms_norm sqrt(out/in), shape_scaling sqrt(max(1, out/in))", _lower,
-      choices=("spectral", "unit_rms_norm", "shape_scaling"), default="spectral")
-    g(H, "--muon-extra-scale-factor", "Muon: a further factor on the update (Moonlight's 0.2 matches AdamW's RMS "
-      "with spectral)", float, default=1.0)
-    g(H, "--muon-split-qkv", "Muon: orthogonalise the fused QKV weight as its Q, K and V matrices apart (the "
-      "default)", dest="muon_split_qkv")
-    g(H, "--muon-no-split-qkv", "Muon: orthogonalise the fused QKV weight as one matrix", dest="muon_split_qkv",
-      store_false=True)
-    g(H, "--muon-tp-mode", "Muon on TP-sharded matrices: duplicated (each owner gathers the whole matrix), distributed "
-      "(the owners run Newton-Schulz on their TP blocks together, summing Gram matrices over TP: nothing gathered, "
-      "no TP rank repeats the others' work); both equal one process; blockwise (Newton-Schulz on each TP block: "
-      "the update depends on the TP size)", _lower, choices=("duplicated", "blockwise", "distributed"),
-      default="duplicated")
-    g(H, "--muon-scalar-optimizer", "the optimizer of the parameters Muon does not take: adam (AdamW)", _lower,
-      choices=("adam", "lion"), default="adam",
-      refuse_values=(("lion", "--muon-scalar-optimizer lion: Lion does not exist in megazero; use adam"),))
-    g(H, "--muon-fp32-matmul-prec", "torch's float32 matmul precision inside Newton-Schulz (medium/high allow "
-      "TF32/bf16 passes on GPUs)", _lower, choices=("highest", "high", "medium", "low"), default="highest",
-      refuse_values=(("low", "--muon-fp32-matmul-prec low: torch's float32 matmul precision is highest, high or "
-                             "medium; pass one of them"),))
+                     *((v, f"--optimizer {v}: {name} does not exist in megazero; use {', '.join(names)}")
+                       for v, name in absent)))
+    for c in registered():  # each optimizer's own flags (megazero/zero/optimizers/)
+        c.add_flags(g)
     g(H, "--qk-clip", "QK-clip (Kimi K2's MuonClip): after each update, heads whose largest attention logit over "
       "the step exceeded --qk-clip-threshold get their query and key weights scaled down to it (any optimizer; "
       "context parallel size 1)")
@@ -93,8 +72,6 @@ def add_optimizer_rows(g: Callable[..., Any]) -> None:
       default=0.5)
     g(H, "--log-max-attention-logit", "log the model's largest attention logit (max_attention_logit) at each log "
       "interval (one extra QK^T per attention, without gradient)")
-    g(H, "--muon-ns-dtype", "Muon: the dtype Newton-Schulz runs in (bf16 is torch.optim.Muon's)", _lower,
-      choices=("fp32", "bf16"), default="fp32")
     g(H, "--optimizer-cpu-offload", "Megatron-core: the fp32 masters and Adam moments of this rank's ZeRO partition "
       "live on the host and step there (zero_optimization.offload_optimizer device cpu; ZeRO stage >= 1)")
     g(H, "--optimizer-offload-fraction", "fraction of the optimizer state offloaded by --optimizer-cpu-offload, by "

@@ -20,8 +20,9 @@ import torch
 from megazero.model.config import GPTConfig
 from megazero.config.ds_keys import strip_ignored
 from megazero.config.errors import ConfigError  # re-exported: `from megazero.config.train_config import ConfigError`
-from megazero.zero.config import (FP16Config, MuonConfig, OptimizerConfig, ZeroConfig, parse_communication_data_type,
-                                  parse_fp16, parse_grad_accum_dtype, parse_optimizer, parse_zero_optimization)
+from megazero.zero.config import (FP16Config, ZeroConfig, parse_communication_data_type, parse_fp16,
+                                  parse_grad_accum_dtype, parse_zero_optimization)
+from megazero.zero.optimizers import component
 
 __all__ = [
     "ConfigError",
@@ -102,9 +103,8 @@ class PrecisionConfig:
 class OptimConfig:
     """Optimizer hyper-parameters. ``lr`` is the peak LR the schedule warms up to."""
 
-    type: str = "AdamW"  # Megatron's 'adam' is decoupled-weight-decay Adam, i.e. AdamW; 'SGD'; 'Muon'
-    sgd_momentum: float = 0.9
-    muon: Optional[MuonConfig] = None  # type 'Muon': its knobs (the --muon-* flags)
+    type: str = "AdamW"  # a registered optimizer (megazero/zero/optimizers/); Megatron's 'adam' is AdamW
+    settings: Any = None  # the optimizer's own, from its flags (its component's settings(); None: its defaults)
     # QK-clip (Kimi K2's MuonClip): after each update, scale the query/key weights of every head whose
     # largest attention logit exceeded the threshold (Megatron's --qk-clip*, --log-max-attention-logit).
     qk_clip: bool = False
@@ -308,13 +308,7 @@ class TrainConfig:
         """
         ds = strip_ignored(self.deepspeed_json) if self.deepspeed_json else {}
         s, o, p = self.schedule, self.optim, self.precision
-        if o.type == "SGD":  # the JSON's Adam-only params do not apply
-            optimizer = OptimizerConfig(type="SGD", lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
-        else:  # Adam, or Muon with its auxiliary AdamW (the JSON may add muon_lr / adam_lr)
-            optimizer = dataclasses.replace(
-                parse_optimizer(o.type, ds.get("optimizer", {}).get("params", {})),
-                lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
-                momentum=None, muon=o.muon)
+        optimizer = component(o.type).engine_config(o, ds.get("optimizer", {}).get("params", {}))
         zero = parse_zero_optimization(ds.get("zero_optimization", {}))
         offload = zero.offload_optimizer
         if o.offload_device is not None:

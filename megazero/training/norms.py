@@ -60,14 +60,13 @@ def params_norm(engine, groups: ParallelGroups) -> float:
 
 
 def optimizer_state_stats(engine, groups: ParallelGroups) -> dict[str, float]:
-    """Megatron-DeepSpeed's --log-optimizer-states-to-tensorboard scalars (Adam's moments and weights)."""
+    """Megatron-DeepSpeed's --log-optimizer-states-to-tensorboard scalars: the state the optimizer's
+    component names (Adam's momentum, variance and variance_sqrt) and the weights."""
     out: dict[str, float] = {}
     state = engine.optimizer.state
-    for name, of in (("momentum", lambda g: state.get(g.master, {}).get("exp_avg")),
-                     ("variance", lambda g: state.get(g.master, {}).get("exp_avg_sq")),
-                     ("variance_sqrt", lambda g: state[g.master]["exp_avg_sq"].sqrt()
-                      if "exp_avg_sq" in state.get(g.master, {}) else None),
-                     ("weight", lambda g: g.master)):
+    named = [(name, lambda g, pick=pick: pick(state.get(g.master, {})))
+             for name, pick in engine.config.optimizer.component.state_stats()]
+    for name, of in (*named, ("weight", lambda g: g.master)):
         l2, l1, peak = partition_stats(engine, of, groups)
         out.update({f"optimizer/{name}_l2": l2, f"optimizer/{name}_l1": l1, f"optimizer/{name}_abs_max": peak})
     return out
@@ -75,17 +74,16 @@ def optimizer_state_stats(engine, groups: ParallelGroups) -> dict[str, float]:
 
 class count_zeros_in_grads:
     """--log-num-zeros-in-grad: count the zeros of the (reduced, unscaled) gradient when the
-    optimizer steps. The engine sets ``master.grad`` just before ``optimizer.step()`` and drops
-    it after, so the count is taken by wrapping that one call; an offloaded group's gradient
-    never becomes a ``master.grad`` (it streams to the host from the engine's partition), so its
-    zeros are counted there (scaling does not change which elements are zero)."""
+    optimizer steps (the engine's ``before_update`` hook: each elementwise group's gradient is its
+    ``master.grad`` then); an offloaded group's gradient never becomes a ``master.grad`` (it streams
+    to the host from the engine's partition), so its zeros are counted there (scaling does not change
+    which elements are zero)."""
 
     def __init__(self, engine, groups: ParallelGroups) -> None:
         self.engine, self.groups, self.zeros = engine, groups, None
-        self._step = engine.optimizer.step
-        engine.optimizer.step = self._counting_step
+        engine.before_update.append(self._count)
 
-    def _counting_step(self, *args, **kwargs):
+    def _count(self, engine) -> None:
         local = torch.zeros(1, dtype=torch.float64, device=self.engine.device)
         for g in self.engine.groups:
             grad = self.engine.grad_shard.get(g) if self.engine.is_offloaded(g) else g.master.grad
@@ -95,4 +93,3 @@ class count_zeros_in_grads:
         for group in _complete(self.groups):
             dist.all_reduce(local, group=group)
         self.zeros = local  # on the device: read (float) when the log line is written
-        return self._step(*args, **kwargs)

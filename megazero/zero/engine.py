@@ -60,7 +60,7 @@ from .flat import FlatGroup, ParamSlot, squared_norm
 from . import full_weights, materialize
 from .grads import GradientStore, build_gradient_store, grads_channel
 from .loss_scaler import LossScaler
-from .muon import MuonStep
+from .optimizers import MatrixStep
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel, group_info
 from .placement import Placement
 from .reducer import GradReducer
@@ -142,7 +142,7 @@ class ZeroEngine(torch.nn.Module):
                                           self.comm, self.units, grad_dtype=self.grad_dtype,
                                           reduce_dtype=self.reduce_dtype, device=self.device, predivide=self._predivide)
         self.placement = Placement(config, self.groups, self.device, on_failure=self.fail_later)
-        self.muon = self._build_muon(tp_group)
+        self.matrix_step = self._build_matrix_step(tp_group)
         self.loss_scaler = LossScaler(config.fp16)
         self.state = TrainingState.IDLE
         self._hooks = [h for g in self.trainable_groups for h in g.register_grad_hooks(self.grads.on_grad)]
@@ -153,6 +153,10 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.last_overflow = False
         self._global_grad_norm: Optional[float] = None
+        # Called with the engine when the optimizer is about to step: the elementwise groups' unscaled,
+        # clipped gradients are their masters' .grad, an offloaded group's is its grad_shard
+        # (--log-num-zeros-in-grad counts them there: megazero/training/norms.py).
+        self.before_update: list[Callable[["ZeroEngine"], None]] = []
         # Called with the engine after each update of the fp32 masters, before the weights are published
         # from them (QK-clip rescales rows there: megazero/training/qk_clip.py).
         self.after_update: list[Callable[["ZeroEngine"], None]] = []
@@ -188,15 +192,14 @@ class ZeroEngine(torch.nn.Module):
                 part.shard, self.stage, part.size, keep_gathered, separate=comm.emulated(part.name))
         return comm
 
-    def _build_muon(self, tp_group) -> Optional[MuonStep]:
-        """The per-matrix step of a per-matrix optimizer (Muon: ``muon.py``), when any group needs it."""
+    def _build_matrix_step(self, tp_group) -> Optional[MatrixStep]:
+        """The optimizer component's per-matrix update (Muon's: ``muon.py``) of the groups it updates as
+        whole matrices; None when there are none (an elementwise optimizer)."""
         groups = [g for g in self.trainable_groups if g.per_matrix]
         if not groups:
             return None
-        muon = MuonStep(groups, self.config.optimizer.muon_config, self.comm, tp_group, self.tp_rank, self.tp_size)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.info("Muon: %s", muon.describe())
-        return muon
+        oc = self.config.optimizer
+        return oc.component.matrix_step(groups, oc, self.comm, tp_group, self.tp_rank, self.tp_size)
 
     def state_keys(self, g: Optional[FlatGroup] = None) -> tuple[str, ...]:
         """The optimizer state tensors beside ``g``'s master (any master's when None): what
@@ -411,11 +414,13 @@ class ZeroEngine(torch.nn.Module):
             on_device = [g for g in self.trainable_groups if not self.placement.is_offloaded(g) and not g.per_matrix]
             for g in on_device:
                 g.master.grad = grads[g].float().mul_(coef)
+            for hook in self.before_update:
+                hook(self)
             self.optimizer.step()  # elementwise groups (per-matrix ones carry no .grad: the kernel skips them)
             for g in on_device:
                 g.master.grad = None
-            if self.muon is not None:  # whole matrices, each updated once by its owner
-                self.muon.step(grads, coef, self.optimizer)
+            if self.matrix_step is not None:  # whole matrices, each updated once by its owner
+                self.matrix_step.step(grads, coef, self.optimizer)
             if self.offload is not None:  # the host's part, streamed (its return writes each shard)
                 self.placement.offloaded_step(grads, coef)
             for hook in self.after_update:

@@ -1,6 +1,6 @@
 """Muon's per-matrix step inside the ZeRO engine, at every layout.
 
-The update (:class:`megazero.zero.optimizers.MuonConfig` states it) splits into an elementwise
+The update (:class:`megazero.zero.optimizers.muon.MuonConfig` states it) splits into an elementwise
 part, run by each rank on the partition of the flat groups it holds as ZeRO keeps them, and one
 that needs the whole matrix:
 
@@ -34,7 +34,6 @@ from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full, tp_sh
 from .comm import CommCounter
 from .flat import FlatGroup
 from .matrix_exchange import Matrix, MatrixExchange, assign_owners, ns_cost
-from .optimizers import MuonConfig
 
 __all__ = ["newton_schulz", "scale_factor", "MuonStep"]
 logger = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class MuonStep:
     engine's TP coordinates (a parameter with its own ``tp_shard_group`` uses that). ``comm`` counts
     the exchanges under each partitioning's name and the TP exchanges under ``muon.tp<i>``."""
 
-    def __init__(self, groups: list[FlatGroup], config: MuonConfig, comm: CommCounter,
+    def __init__(self, groups: list[FlatGroup], config: "MuonConfig", comm: CommCounter,
                  tp_group: Optional[dist.ProcessGroup], tp_rank: int, tp_size: int) -> None:
         self.groups, self.config, self.comm = groups, config, comm
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size

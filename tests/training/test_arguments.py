@@ -409,7 +409,7 @@ def test_weight_decay_schedule_and_sgd_flags():
             parse("--optimizer sgd")
     else:
         o = parse("--optimizer sgd --sgd-momentum 0.8").optim
-        assert o.type == "SGD" and o.sgd_momentum == 0.8
+        assert o.type == "SGD" and o.settings.momentum == 0.8
 
 
 def test_run_control_flags():

@@ -30,7 +30,7 @@ def deepspeed_dict(cfg) -> dict:
     opt = ds.setdefault("optimizer", {})
     opt["type"] = o.type
     if o.type == "SGD":
-        opt["params"] = dict(lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
+        opt["params"] = dict(lr=o.lr, momentum=o.settings.momentum, weight_decay=o.weight_decay)
     else:
         opt.setdefault("params", {}).update(
             lr=o.lr, betas=[o.adam_beta1, o.adam_beta2], eps=o.adam_eps, weight_decay=o.weight_decay)

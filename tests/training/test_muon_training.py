@@ -133,7 +133,7 @@ def test_switching_from_adamw_to_muon_takes_no_load_optim(data, tmp_path):  # no
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--muon-momentum", "0.9"], "--muon-momentum need --optimizer muon"),
+    (["--muon-momentum", "0.9"], "--muon-momentum needs --optimizer muon"),
     (["--optimizer", "muon", "--optimizer-cpu-offload", "--zero-stage", "1"], "drop --optimizer-cpu-offload"),
     (["--optimizer", "muon", "--muon-momentum", "1.2"], "momentum must be in"),
     (["--optimizer", "muon", "--muon-tp-mode", "sideways"], "invalid choice: 'sideways'"),

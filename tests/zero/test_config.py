@@ -71,7 +71,7 @@ def test_listed_keys_are_the_parsed_fields():
     def names(cls):
         return [f.name for f in dataclasses.fields(cls)]
 
-    params = [f"optimizer.params.{n}" for n in names(OptimizerConfig) if n not in ("type", "muon")]
+    params = [f"optimizer.params.{n}" for n in names(OptimizerConfig) if n not in ("type", "settings")]
     blocks = {"optimizer": ["optimizer.type"] + params,
               "zero_optimization": [f"zero_optimization.{n}" for n in names(ZeroOptimizationConfig)
                                     if n not in ("offload_optimizer", "offload_param")]

@@ -61,10 +61,10 @@ def _run(stage, fp32):
     extra = dict(MUON)
     if fp32:
         cfg = load_config(ds_config(stage, ACCUM, CLIP, 0, GLOBAL_MICRO_ROWS // 2, **MUON))
-        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, muon=MuonConfig(ns_dtype="fp32")))
+        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, settings=MuonConfig(ns_dtype="fp32")))
         extra = None
     losses, _, weights, runs = zero_run(2, stage, steps=STEPS, accum=ACCUM, clip=CLIP, extra=extra,
-                                        after=lambda e: e.muon.ns_runs, config=cfg if fp32 else None)
+                                        after=lambda e: e.matrix_step.ns_runs, config=cfg if fp32 else None)
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, runs)
     return losses, weights if dist.get_rank() == 0 else None, counts
@@ -112,7 +112,7 @@ def test_one_process_equals_torch_muon_bit_for_bit(accum):
             engine.step()
     weights = model.state_dict()
     assert [k for k, v in ref_weights.items() if not torch.equal(weights[k], v)] == []
-    assert engine.muon.ns_runs == STEPS * matrices
+    assert engine.matrix_step.ns_runs == STEPS * matrices
 
 
 def test_newton_schulz_is_torch_muons():

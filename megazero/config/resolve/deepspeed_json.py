@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 from megazero.config.train_config import ConfigError
 from megazero.config.ds_keys import classify as classify_ds_keys
 from megazero.config.resolve.common import json_get, same_value
+from megazero.zero.optimizers import ZeroConfigError, component
 
 # (JSON key path, namespace attribute, flag as the user spells it, JSON value -> flag value)
 _DS_KEYS: list[tuple[str, str, str, Callable[[Any], Any]]] = [
@@ -24,7 +25,6 @@ _DS_KEYS: list[tuple[str, str, str, Callable[[Any], Any]]] = [
     ("bf16.enabled", "bf16", "--bf16", bool),
     ("bfloat16.enabled", "bf16", "--bf16", bool),  # DeepSpeed's older spelling
     ("fp16.enabled", "fp16", "--fp16", bool),
-    ("optimizer.params.momentum", "sgd_momentum", "--sgd-momentum", float),
     # DeepSpeed-Ulysses: the sequence split over this many ranks, attention by all-to-all over heads
     ("sequence_parallel_size", "context_parallel_size", "--context-parallel-size", int),
     # The fp16 loss-scaler keys are resolved in resolve_precision: there the JSON's block governs.
@@ -50,13 +50,12 @@ def merge_deepspeed_json(ns: argparse.Namespace, ds: dict[str, Any], path: str) 
     """Fill flags the command line left unset from the JSON; refuse disagreements."""
     if json_get(ds, "sequence_parallel_size") not in (None, 1) and ns.cp_comm_type is None:
         ns.cp_comm_type = ["a2a"]  # Ulysses is context parallelism by all-to-all over heads
-    muon = str(json_get(ds, "optimizer.type") or "").lower() == "muon"
-    for key, attr, flag_name, convert in _DS_KEYS:
+    own = _optimizer_keys(ds, ns)  # these go to the optimizer's own flags rather than the generic ones
+    rows = [r for r in _DS_KEYS if r[0] not in own] + [(k, a, f, float) for k, (a, f) in own.items()]
+    for key, attr, flag_name, convert in rows:
         raw = json_get(ds, key)
         if raw is None:
             continue
-        if muon and attr == "sgd_momentum":  # Muon's params.momentum is its own
-            attr, flag_name = "muon_momentum", "--muon-momentum"
         value = convert(raw)
         given = getattr(ns, attr)
         if isinstance(value, bool):
@@ -75,6 +74,15 @@ def merge_deepspeed_json(ns: argparse.Namespace, ds: dict[str, Any], path: str) 
         elif not same_value(given, value):
             raise ConfigError(f"--deepspeed-config {path} has {key}={json.dumps(raw)} but the command line has "
                               f"{flag_name} {given}; make them agree or set it in one place only")
+
+
+def _optimizer_keys(ds: dict[str, Any], ns: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """The JSON's optimizer.params keys that the named optimizer's own flags take (its component's ``json_flags``)."""
+    try:
+        kind = component(json_get(ds, "optimizer.type") or ns.optimizer or "adam")
+    except ZeroConfigError:
+        return {}  # resolve_optim names the unknown type
+    return {f"optimizer.params.{k}": v for k, v in kind.json_flags.items()}
 
 
 _DS_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}

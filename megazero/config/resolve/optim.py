@@ -1,4 +1,4 @@
-"""Optimizer: type (Adam/AdamW/SGD/Muon) and Muon's knobs, lr, betas, eps, weight decay and its schedule,
+"""Optimizer: type (a registered component) and its own settings, lr, betas, eps, weight decay and its schedule,
 gradient clipping."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 from typing import Any, Optional
 
 from megazero.config.train_config import ConfigError, OptimConfig
-from megazero.zero.optimizers import MuonConfig, ZeroConfigError, component
+from megazero.zero.optimizers import ZeroConfigError, component, registered
 from megazero.config.resolve.common import default, json_get
 
 
@@ -23,14 +23,10 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
             raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} disagrees with --optimizer "
                               f"{ns.optimizer}; set it in one place")
         o.type = str(ds_type) if kind.name == "AdamW" else kind.name
-    if ns.optimizer in ("sgd", "muon"):
+    if ns.optimizer is not None and ns.optimizer not in ("adam", "adamw"):  # Megatron's adam is AdamW
         o.type = component(ns.optimizer).name
-    _resolve_muon(ns, o)
-    if o.type == "SGD":
-        _check_engine_has_sgd()
-    elif ns.sgd_momentum is not None:
-        raise ConfigError("--sgd-momentum needs --optimizer sgd")
-    for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "sgd_momentum"):
+    _resolve_settings(ns, o)
+    for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
         if getattr(ns, attr) is not None:
             setattr(o, attr, getattr(ns, attr))
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
@@ -38,8 +34,6 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1) or o.adam_eps <= 0:
         raise ConfigError(f"Adam needs betas in [0, 1) and eps > 0, got --adam-beta1 {o.adam_beta1} "
                           f"--adam-beta2 {o.adam_beta2} --adam-eps {o.adam_eps}")
-    if not 0 <= o.sgd_momentum < 1:
-        raise ConfigError(f"--sgd-momentum must be in [0, 1), got {o.sgd_momentum}")
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError(f"--weight-decay and --clip-grad must be >= 0, got {o.weight_decay} and {o.clip_grad}")
     _resolve_qk_clip(ns, o)
@@ -88,26 +82,23 @@ def _resolve_offload(ns: argparse.Namespace, ds: Optional[dict[str, Any]], o: Op
         o.offload_device = json_device
     o.offload_fraction = fraction
     if o.offload_device is not None and not component(o.type).host_step:
-        raise ConfigError(f"optimizer offload steps Adam/AdamW on the host; --optimizer {o.type.lower()} runs on the "
-                          "accelerator (Muon's Newton-Schulz needs each whole matrix there): drop "
-                          "--optimizer-cpu-offload")
+        raise ConfigError(f"optimizer offload steps the optimizer on the host; --optimizer {o.type.lower()} has no "
+                          "host step (it runs on the accelerator): drop --optimizer-cpu-offload")
 
 
-def _resolve_muon(ns: argparse.Namespace, o: OptimConfig) -> None:
-    """--optimizer muon's knobs (Megatron-LM's --muon-* flags), refused without it."""
-    given = [f"--{k.replace('_', '-')}" for k in _MUON_FLAGS if getattr(ns, k, None) is not None]
-    if o.type != "Muon":
+def _resolve_settings(ns: argparse.Namespace, o: OptimConfig) -> None:
+    """The optimizer's own flags as its settings (its component parses them); another optimizer's flags are
+    refused."""
+    kind = component(o.type)
+    for other in registered():
+        if other is kind:
+            continue
+        given = [f"--{k.replace('_', '-')}" for k in other.flag_dests() if getattr(ns, k, None) is not None]
         if given:
-            raise ConfigError(f"{', '.join(given)} need --optimizer muon")
-        return
-    muon = MuonConfig(
-        momentum=default(ns.muon_momentum, 0.95), nesterov=bool(ns.muon_nesterov),
-        ns_steps=default(ns.muon_num_ns_steps, 5), scale_mode=default(ns.muon_scale_mode, "spectral"),
-        extra_scale_factor=default(ns.muon_extra_scale_factor, 1.0), split_qkv=default(ns.muon_split_qkv, True),
-        tp_mode=default(ns.muon_tp_mode, "duplicated"), ns_dtype=default(ns.muon_ns_dtype, "fp32"),
-        fp32_matmul_precision=default(ns.muon_fp32_matmul_prec, "highest"))
+            raise ConfigError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --optimizer "
+                              f"{other.cli_names[0]}")
     try:
-        o.muon = muon.validate()
+        o.settings = kind.settings(ns)
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
 
@@ -123,19 +114,3 @@ def _resolve_qk_clip(ns: argparse.Namespace, o: OptimConfig) -> None:
     if o.qk_clip_threshold <= 0 or not 0.0 <= o.qk_clip_alpha <= 1.0:
         raise ConfigError(f"--qk-clip-threshold must be > 0 and --qk-clip-alpha in [0, 1], got "
                           f"{o.qk_clip_threshold} and {o.qk_clip_alpha}")
-
-
-_MUON_FLAGS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
-               "muon_split_qkv", "muon_tp_mode", "muon_scalar_optimizer", "muon_fp32_matmul_prec", "muon_ns_dtype")
-
-
-def _check_engine_has_sgd() -> None:
-    """SGD needs the ZeRO engine to build torch.optim.SGD over its fp32 partitions; refuse it up
-    front on a build whose engine config does not know the type (rather than train with Adam)."""
-    from megazero.zero.config import ZeroConfigError, load_config
-
-    try:
-        load_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
-    except ZeroConfigError as e:
-        raise ConfigError(f"--optimizer sgd is not available in this build's ZeRO engine ({e}); use --optimizer "
-                          f"adam") from None
