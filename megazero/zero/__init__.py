@@ -4,6 +4,19 @@
     loss = engine(tokens, labels=labels).mean()
     engine.backward(loss)
     engine.step()
+
+What each stage keeps per rank (Ψ = parameters of this rank's TP shard, N = the size of the
+parameter's partitioning, ``partitioning.py``: the data-parallel group by default; for an expert,
+the expert-data-parallel group):
+
+=====  ===========================  ==============================  ==========================
+stage  compute-dtype parameters     gradients                       fp32 master + Adam moments
+=====  ===========================  ==============================  ==========================
+0      full (Ψ)                     full, all-reduced               full
+1      full (Ψ)                     full, reduce-scattered at step  1/N
+2      full (Ψ)                     1/N, reduce-scattered per unit  1/N
+3      1/N, gathered per unit       1/N, reduce-scattered per unit  1/N
+=====  ===========================  ==============================  ==========================
 """
 
 from __future__ import annotations

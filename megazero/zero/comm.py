@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..mpu.parallel_state import new_group
 from ..mpu.utils import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["CommCounter", "gradient_communicator", "COLLECTIVES_ENV", "COLLECTIVES"]
+__all__ = ["CommCounter", "build_comm", "gradient_communicator", "grads_channel", "COLLECTIVES_ENV", "COLLECTIVES"]
 
 COLLECTIVES_ENV = "MEGAZERO_ZERO_COLLECTIVES"
 COLLECTIVES = ("auto", "native", "emulated")
@@ -202,3 +202,22 @@ def gradient_communicator(dp_group: Optional[dist.ProcessGroup], stage: int, dp_
     except AttributeError:  # torch's private registry moved: create one per engine
         existing = None
     return existing or new_group(ranks, use_local_synchronization=True, group_desc=_GRADS_DESC)
+
+
+def grads_channel(part) -> str:
+    """The name of the communicator ``part``'s gradient reduce-scatters are issued on."""
+    return f"{part.name}_grads"
+
+
+def build_comm(groups: dict[str, Optional[dist.ProcessGroup]], partitionings: list, *, stage: int,
+               keep_gathered: bool) -> CommCounter:
+    """An engine's counted collectives: the named ``groups`` (dp, tp, mp), and for each partitioning its
+    own group, its replicas' group and the communicator its gradient reduce-scatters take
+    (:func:`gradient_communicator`, named by :func:`grads_channel`)."""
+    comm = CommCounter(groups)
+    for part in partitionings:
+        comm.groups[part.name] = part.shard
+        comm.groups[part.replicate_name] = part.replicate
+        comm.groups[grads_channel(part)] = gradient_communicator(
+            part.shard, stage, part.size, keep_gathered, separate=comm.emulated(part.name))
+    return comm

@@ -1,15 +1,4 @@
-"""The ZeRO engine: stages 0-3, each parameter over its own data-parallel group, composed with TP.
-
-What each stage keeps per rank (Ψ = parameters of this rank's TP shard, N = DP size):
-
-=====  ===========================  ==============================  ==========================
-stage  compute-dtype parameters     gradients                       fp32 master + Adam moments
-=====  ===========================  ==============================  ==========================
-0      full (Ψ)                     full, all-reduced               full
-1      full (Ψ)                     full, reduce-scattered at step  1/N
-2      full (Ψ)                     1/N, reduce-scattered per unit  1/N
-3      1/N, gathered per unit       1/N, reduce-scattered per unit  1/N
-=====  ===========================  ==============================  ==========================
+"""The ZeRO engine: stages 0-3 (what each keeps: ``megazero/zero/__init__.py``), composed with TP.
 
 The engine mirrors DeepSpeed's: ``loss = engine(batch); engine.backward(loss);
 engine.step()`` on every micro-batch; the optimizer steps on the last
@@ -17,15 +6,14 @@ micro-batch of each gradient-accumulation window. It never looks inside the
 model beyond Megatron's parameter attributes (``tensor_model_parallel``), so
 it trains any ``nn.Module`` built from mpu layers or plain torch layers.
 
-N is the size of the parameter's partitioning (``partitioning.py``): the
-data-parallel group by default; for an expert, the expert-data-parallel group.
-
 The stage is a choice of strategies made once, in the constructor: a gradient
 store (``grads.py``: full-size accumulation for 0-1, per-unit reduce-scatter for
 2-3) and a parameter policy (resident for 0-2; ZeRO-3's gather window,
-``window.py``). The pieces each live in their own file: ``flat.py`` (the flat,
-partitioned storage of a group of parameters and its gradient buffers),
-``units.py`` (which parameters go together), ``reducer.py`` (gradient buckets
+``window.py``). The pieces each live in their own file and own their state:
+``flat.py`` (the flat, partitioned storage of a group of parameters and its
+gradient buffers; a group gathers, releases and publishes itself and registers
+its gradient hooks), ``units.py`` (which parameters go together; a unit gathers
+and releases its groups), ``reducer.py`` (gradient buckets
 reduce-scattered in a DP-agreed order), ``agreement.py`` (what each forward
 used), ``optim.py`` (which optimizer kernel runs). This file wires them to the
 optimizer step, loss scaling and the gradient norm.
@@ -53,19 +41,19 @@ import torch
 import torch.distributed as dist
 
 from ..utils.scopes import scope
-from .agreement import STEP_VALUES, ForwardAgreement, all_reduce_sum, install_usage_hooks
-from .comm import CommCounter, gradient_communicator
+from .agreement import STEP_VALUES
+from .comm import build_comm
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, squared_norm
 from . import full_weights, materialize
-from .grads import GradientStore, build_gradient_store, grads_channel
+from .grads import build_gradient_store
 from .loss_scaler import LossScaler
 from .optimizers import MatrixStep
 from .partitioning import PartitionFn, Partitioning, check_within, data_parallel, group_info
-from .placement import Placement
+from .placement import Placement, pick_device
 from .reducer import GradReducer
 from .units import Unit, UnitPlan, build_units, find_unit_modules, plan_units
-from .window import GatherWindow
+from .window import refuse_differing_forwards, track_forwards
 
 __all__ = ["ZeroEngine", "TrainingState"]
 
@@ -121,7 +109,7 @@ class ZeroEngine(torch.nn.Module):
         self.grad_dtype = config.grad_dtype  # accumulated gradient partitions
         self.reduce_dtype = config.reduce_dtype  # what the DP collectives carry
         self.accum = config.gradient_accumulation_steps
-        self.device = _pick_device(model, device)
+        self.device = pick_device(model, device)
         self.unit_modules = find_unit_modules(model) if unit_modules is None else list(unit_modules)
         # ZeRO-3 "keep gathered in step": gradients accumulate full-size, as in ZeRO-1, and are
         # reduce-scattered once at the accumulation boundary; gathered units live until the step.
@@ -130,11 +118,14 @@ class ZeroEngine(torch.nn.Module):
                                                           partitioning, data_parallel(dp_group))
         self.trainable_groups = [g for g in self.groups if g.trainable]
         self._slot_by_name = {s.name: (g, s) for g in self.groups for s in g.slots}
-        self.comm = self._build_comm(dp_group, tp_group, mp_group)
+        for part in self.partitionings:
+            check_within(part, dp_group, tp_group)
+        self.comm = build_comm({"dp": dp_group, "tp": tp_group, "mp": mp_group}, self.partitionings,
+                               stage=self.stage, keep_gathered=config.zero_optimization.stage3_keep_gathered_in_step)
         # A model built on the meta device is initialized partition by partition: each rank draws only
         # what it keeps, and the values equal a full tp=1 initialization (materialize.py).
         materialize.materialize_partitions(self.module, self.groups, self.slot_of, self.device)
-        self._bind_all()
+        materialize.bind_parameters(self.module, self.groups, self.device)
         # DeepSpeed's prescale_gradients: divide by gradient_predivide_factor before the DP sum
         # (keeps fp16 sums in range), multiply back in the step.
         self._predivide = config.gradient_predivide_factor if config.prescale_gradients else 1.0
@@ -146,7 +137,10 @@ class ZeroEngine(torch.nn.Module):
         self.loss_scaler = LossScaler(config.fp16)
         self.state = TrainingState.IDLE
         self._hooks = [h for g in self.trainable_groups for h in g.register_grad_hooks(self.grads.on_grad)]
-        self.agreement, self.window = self._build_forward_tracking(plan, forward_key)
+        self.agreement, self.window, self._usage_hooks = track_forwards(
+            self.module, self.units, plan, self.comm, stage=self.stage, dp_size=self.dp_size, device=self.device,
+            forward_key=forward_key, in_backward=self._in_backward, hold=self.hold, zc=config.zero_optimization,
+            source=self.placement.gather_source if self.param_offload is not None else None)
         self.failed_ranks = 0  # ranks that flagged a failure into the last step (flag_failure)
         self.deferred_failure: Optional[tuple[str, BaseException]] = None  # this rank's first (fail_later)
         self._failed_here = False
@@ -179,19 +173,6 @@ class ZeroEngine(torch.nn.Module):
             s.param: (g, s) for g in groups for s in g.slots}
         return units, groups, plan
 
-    def _build_comm(self, dp_group, tp_group, mp_group) -> CommCounter:
-        """Named groups for the counted collectives: dp, tp, mp and each partitioning's own, and the
-        communicator each partitioning's gradient reduce-scatters take (``comm.gradient_communicator``)."""
-        comm = CommCounter({"dp": dp_group, "tp": tp_group, "mp": mp_group})
-        keep_gathered = self.config.zero_optimization.stage3_keep_gathered_in_step
-        for part in self.partitionings:
-            check_within(part, dp_group, tp_group)
-            comm.groups[part.name] = part.shard
-            comm.groups[part.replicate_name] = part.replicate
-            comm.groups[grads_channel(part)] = gradient_communicator(
-                part.shard, self.stage, part.size, keep_gathered, separate=comm.emulated(part.name))
-        return comm
-
     def _build_matrix_step(self, tp_group) -> Optional[MatrixStep]:
         """The optimizer component's per-matrix update (Muon's: ``muon.py``) of the groups it updates as
         whole matrices; None when there are none (an elementwise optimizer)."""
@@ -205,39 +186,6 @@ class ZeroEngine(torch.nn.Module):
         """The optimizer state tensors beside ``g``'s master (any master's when None): what
         checkpoints save and reshard (``Placement.state_keys``)."""
         return self.placement.state_keys(g)
-
-    def _build_forward_tracking(self, plan: UnitPlan, forward_key) -> tuple[Optional[ForwardAgreement],
-                                                                             Optional[GatherWindow]]:
-        """ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync;
-        ZeRO-3: the window that gathers units while they are used."""
-        if self.stage < 2:
-            return None, None
-        agreement = ForwardAgreement(self.units, all_reduce_sum(self.comm), self.dp_size, self.device, forward_key)
-        needs = plan.unit_needs(self.units)
-        unit_of_param = {s.param: g.unit for g in self.groups for s in g.slots}
-        if self.stage == 2:
-            self._usage_hooks = install_usage_hooks(self.module, needs, plan.hooked, unit_of_param, agreement,
-                                                    in_backward=self._in_backward)
-            return agreement, None
-        zc = self.config.zero_optimization
-        window = GatherWindow(
-            self.module, self.units, needs, plan.hooked, unit_of_param,
-            all_gather=lambda out, shard, g: self.comm.all_gather(out, shard, g.part.name, async_op=True),
-            source=self.placement.gather_source if self.param_offload is not None else None,
-            in_backward=self._in_backward,
-            on_forward_begin=agreement.begin, on_forward_end=agreement.end, mark_used=agreement.mark_used,
-            prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters,
-            hold=self.hold)
-        return agreement, window
-
-    def _bind_all(self) -> None:
-        """Point every parameter at its group's full buffer; ZeRO-3 groups start released."""
-        for g in self.groups:
-            g.bind()
-        for name, b in self.module.named_buffers():
-            if b.is_meta and self.device.type != "meta":  # (a rehearsal on the meta device holds meta buffers)
-                raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
-                                "reset_parameters() or compute it lazily in forward")
 
     def _in_backward(self) -> bool:
         return self.state is TrainingState.BACKWARD
@@ -318,8 +266,8 @@ class ZeroEngine(torch.nn.Module):
         """
         if self.agreement is not None:
             rec = self.agreement.for_backward(loss)
-            if not rec.uniform:
-                self._check_differing_forwards()
+            if not rec.uniform and self.window is not None and self.reducer is not None:
+                refuse_differing_forwards(self.comm, self.partitionings)
             self.grads.begin_backward(rec)
             if self.window is not None:
                 self.window.begin_backward(rec.trace, rec.saved)
@@ -437,23 +385,6 @@ class ZeroEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ step internals
 
-    def _check_differing_forwards(self) -> None:
-        """The DP ranks' forwards used different units: agreeing, every rank learns it from the same
-        sum; static, the rank whose forward left the kept record does (the launcher then stops the
-        others, waiting in their first collective). ZeRO-3 interleaves its backward gathers and
-        per-unit reduce-scatters differently on such ranks; on a shared communicator (NCCL) they
-        would pair the wrong collectives and hang, so refuse before the first of them."""
-        if self.window is None or self.reducer is None:
-            return
-        shared = [p.name for p in self.partitionings if self.comm.groups[grads_channel(p)] is self.comm.groups[p.name]]
-        if shared:
-            raise RuntimeError(
-                "ZeRO-3: the data-parallel ranks ran different layers in this forward (control flow that depends "
-                "on the data); their backward gathers and gradient reduce-scatters share one communicator "
-                f"({', '.join(shared)}) and cannot be ordered alike on every rank. Use ZeRO-2, or keep the units "
-                'gathered through the step ("stage3_keep_gathered_in_step": true), or make every rank run '
-                "every layer (as GPT layers do)")
-
     def _local_grads(self) -> dict[FlatGroup, torch.Tensor]:
         """Each trainable group's reduced gradient on this rank (its partition, or the whole at ZeRO-0)."""
         return {g: self.grads.local(g) for g in self.trainable_groups}
@@ -545,16 +476,3 @@ class ZeroEngine(torch.nn.Module):
     def num_local_parameters(self) -> int:
         """Ψ of the ZeRO formulas: parameters of this rank's TP shard."""
         return sum(g.numel for g in self.groups)
-
-
-def _pick_device(model: torch.nn.Module, device: Optional[torch.device]) -> torch.device:
-    """``device``, else where the model's parameters are, else the current accelerator or the CPU."""
-    if device is None:
-        first = next(model.parameters(), None)
-        if first is not None and not first.is_meta:
-            device = first.device
-        elif torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
-    return torch.device(device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import CommCounter
+from .comm import CommCounter, grads_channel
 from .flat import FlatGroup, ParamSlot, fill_range, storage_key
 from .reducer import GradReducer
 from .units import Unit
@@ -160,10 +160,5 @@ def build_gradient_store(stage: int, hold: bool, zc, groups: list[FlatGroup], co
         return FullGradients(groups, comm, partition_in_place=stage == 1, **common)
     return ShardedGradients(groups, comm, units, bucket_numel=zc.reduce_bucket_size or 1,
                             max_in_flight=zc.max_reduce_in_flight, overlap=zc.overlap_comm, **common)
-
-
-def grads_channel(part) -> str:
-    """The name of the communicator ``part``'s gradient reduce-scatters are issued on."""
-    return f"{part.name}_grads"
 
 

@@ -29,7 +29,7 @@ from ..mpu.initializers import (InitSpec, modules_with_direct_parameters, naming
                                 recording_init_specs)
 from .flat import FlatGroup, ParamSlot
 
-__all__ = ["materialize_partitions"]
+__all__ = ["materialize_partitions", "bind_parameters"]
 
 _UNSUPPORTED = object()
 
@@ -145,3 +145,14 @@ def _initialize_from_meta(module: torch.nn.Module, slot_of: dict, device: torch.
                     g, s = slot_of[new]
                     g.load_param_values(s, new.data)
                     new.data = torch.empty(0, device=device)
+
+
+def bind_parameters(module: torch.nn.Module, groups: list[FlatGroup], device: torch.device) -> None:
+    """Point every parameter at its group's full buffer (ZeRO-3 groups start released); refuse buffers
+    still on the meta device (except in a rehearsal on the meta device, which holds meta buffers)."""
+    for g in groups:
+        g.bind()
+    for name, b in module.named_buffers():
+        if b.is_meta and device.type != "meta":
+            raise TypeError(f"buffer {name} is still on the meta device; create it in the module's "
+                            "reset_parameters() or compute it lazily in forward")

@@ -20,7 +20,7 @@ from .offload import OptimizerOffload, offloaded_groups
 from .optim import build_optimizer, say_once
 from .param_offload import ParamOffload
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "pick_device"]
 
 
 class Placement:
@@ -179,3 +179,16 @@ class Placement:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def pick_device(model: torch.nn.Module, device: Optional[torch.device]) -> torch.device:
+    """``device``, else where the model's parameters are, else the current accelerator or the CPU."""
+    if device is None:
+        first = next(model.parameters(), None)
+        if first is not None and not first.is_meta:
+            device = first.device
+        elif torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+    return torch.device(device)

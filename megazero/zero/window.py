@@ -35,10 +35,12 @@ from typing import Callable, Optional
 import torch
 
 from ..utils.scopes import scope
+from .agreement import ForwardAgreement, all_reduce_sum, install_usage_hooks
+from .comm import grads_channel
 from .flat import FlatGroup, storage_key
-from .units import Unit, units_for_call
+from .units import Unit, UnitPlan, units_for_call
 
-__all__ = ["GatherWindow"]
+__all__ = ["GatherWindow", "track_forwards", "refuse_differing_forwards"]
 
 
 class _Saved:
@@ -417,3 +419,43 @@ class GatherWindow:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def track_forwards(module: torch.nn.Module, units: list[Unit], plan: UnitPlan, comm, *, stage: int, dp_size: int,
+                   device: torch.device, forward_key, in_backward: Callable[[], bool],
+                   source: Optional[Callable[[FlatGroup], torch.Tensor]], zc, hold: bool
+                   ) -> tuple[Optional[ForwardAgreement], Optional[GatherWindow], list]:
+    """ZeRO-2/3: which units each forward used, agreed over DP without a per-step host sync
+    (``agreement.py``); ZeRO-3: the window that gathers units while they are used (``zc``: the
+    ``zero_optimization`` config). Returns ``(agreement, window, ZeRO-2's usage hook handles)``."""
+    if stage < 2:
+        return None, None, []
+    agreement = ForwardAgreement(units, all_reduce_sum(comm), dp_size, device, forward_key)
+    needs = plan.unit_needs(units)
+    unit_of_param = {s.param: g.unit for u in units for g in u.groups for s in g.slots}
+    if stage == 2:
+        hooks = install_usage_hooks(module, needs, plan.hooked, unit_of_param, agreement, in_backward=in_backward)
+        return agreement, None, hooks
+    window = GatherWindow(
+        module, units, needs, plan.hooked, unit_of_param,
+        all_gather=lambda out, shard, g: comm.all_gather(out, shard, g.part.name, async_op=True),
+        source=source, in_backward=in_backward,
+        on_forward_begin=agreement.begin, on_forward_end=agreement.end, mark_used=agreement.mark_used,
+        prefetch_numel=zc.stage3_prefetch_bucket_size, max_live_numel=zc.stage3_max_live_parameters, hold=hold)
+    return agreement, window, []
+
+
+def refuse_differing_forwards(comm, partitionings: list) -> None:
+    """ZeRO-3 with per-unit reduce-scatters, after the DP ranks' forwards used different units (agreeing,
+    every rank learns it from the same sum; static, the rank whose forward left the kept record does, and
+    the launcher then stops the others, waiting in their first collective). Such ranks interleave their
+    backward gathers and reduce-scatters differently; on a shared communicator (NCCL) they would pair the
+    wrong collectives and hang, so refuse before the first of them."""
+    shared = [p.name for p in partitionings if comm.groups[grads_channel(p)] is comm.groups[p.name]]
+    if shared:
+        raise RuntimeError(
+            "ZeRO-3: the data-parallel ranks ran different layers in this forward (control flow that depends "
+            "on the data); their backward gathers and gradient reduce-scatters share one communicator "
+            f"({', '.join(shared)}) and cannot be ordered alike on every rank. Use ZeRO-2, or keep the units "
+            'gathered through the step ("stage3_keep_gathered_in_step": true), or make every rank run '
+            "every layer (as GPT layers do)")
