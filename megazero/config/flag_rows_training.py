@@ -55,9 +55,8 @@ def add_optimizer_rows(g: Callable[..., Any]) -> None:
     """Group "optimizer and precision": the optimizers, weight decay and clipping, the precision and loss scaling."""
     names = cli_names()  # the registered optimizers' (megazero/zero/optimizers/)
     absent = (("adaptive_muon", "adaptive Muon"), ("soap", "SOAP"))
-    g(H, "--optimizer", "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw, sgd, muon (the 2-D "
-      "weights inside the transformer layers; embeddings, output layer, norms and biases take AdamW with the --adam-* "
-      "flags) or lion (--lion-beta1/2)", _lower, choices=(*names, "dist_muon", *(v for v, _ in absent)), default="adam",
+    summaries = [c.summary for c in registered()]
+    g(H, "--optimizer", f"{', '.join(summaries[:-1])} or {summaries[-1]}", _lower, choices=(*names, "dist_muon", *(v for v, _ in absent)), default="adam",
       refuse_values=(("dist_muon", "--optimizer dist_muon: use --optimizer muon, which megazero runs distributed under "
                                    "every ZeRO stage (--muon-tp-mode for tensor-parallel matrices)"),
                      *((v, f"--optimizer {v}: {name} does not exist in megazero; use {', '.join(names)}")

@@ -20,6 +20,7 @@ from megazero.model.flops import attention_square_flops_per_token, flops_per_ite
 from megazero.observe.plan_devices import Cluster
 from megazero.observe.plan_time import TIME_TERMS, Layout, StepTime, step_time
 from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory
+from megazero.zero.optimizers import component
 
 __all__ = ["Restrictions", "Plan", "Family", "SearchResult", "search", "evaluate", "layout_args", "MIN_CP_TOKENS",
            "MEMORY_TERMS"]
@@ -304,7 +305,8 @@ def search(config: GPTConfig, cluster: Cluster, base: dict, *, global_batch_size
             for lay in seq:
                 plan = evaluate(config, lay, cluster, base, **kw)
                 evaluated += 1
-                if plan.shortfall > 0 and r.offload and lay.zero_stage and optimizer != "muon":
+                if plan.shortfall > 0 and r.offload and lay.zero_stage \
+                        and not component(optimizer).per_matrix:
                     offloaded = evaluate(config, replace(lay, offload_optimizer=True), cluster, base, **kw)
                     evaluated += 1
                     plan = offloaded if offloaded.shortfall < plan.shortfall else plan

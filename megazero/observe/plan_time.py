@@ -222,6 +222,7 @@ def _optimizer(c: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstimate,
     """(optimizer seconds, Muon exchange seconds) of a rank of ``stage``: its partition of the stage's
     dense parameters (over data x context) and routed experts (over expert data parallel)."""
     from megazero.zero.matrix_exchange import ns_cost
+    from megazero.zero.optimizers import component
 
     experts = stage["expert_params"]
     dense = stage["params"] - experts
@@ -231,7 +232,7 @@ def _optimizer(c: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstimate,
     if lay.offload_optimizer:  # fp32 gradients down, weights up, the step on the host
         seconds = local * (4 + DTYPE_BYTES[precision]) / (cluster.device.pcie_gbps * 1e9) \
             + local / HOST_ADAM_PARAMS_PER_S
-    if optimizer != "muon":
+    if not component(optimizer).per_matrix:
         return seconds, 0.0
     # Newton-Schulz once per whole matrix, the owners spread over the partitioning's ranks (ZeRO-0: every
     # rank runs all of them); each holder sends its fp32 part to the owner and gets the update back.

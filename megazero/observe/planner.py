@@ -276,8 +276,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     ``offload_param`` (ZeRO-3, ``cpu`` / ``nvme`` with ``max_in_cpu`` and the read buffers) does the
     same for the weight partition (``host_params``, ``host_param_ring``, ``nvme_params``).
 
-    ``optimizer`` (``adam``, ``sgd``, ``muon``): the state bytes per parameter its component keeps
-    (``megazero/zero/optimizers.py``): Muon one momentum on the layers' matrices (every routed expert
+    ``optimizer`` (any registered --optimizer value): the state bytes per parameter its component keeps
+    (``megazero/zero/optimizers/``): Muon one momentum on the layers' matrices (every routed expert
     weight) and Adam's two moments on the embeddings, output layer, norms and biases (the dense parameters'
     average is used on every stage).
     ``async_save``: ``host_checkpoint`` is the staged copy a background save holds, the rank's partition of
@@ -436,7 +436,7 @@ def optimizer_bytes(optimizer: str, precision: str, matrix_share: float) -> tupl
     from megazero.zero.optimizers import OptimizerConfig, component
 
     kind = component(optimizer)
-    oc = OptimizerConfig(type=kind.name, momentum=0.9 if kind.name == "SGD" else None)
+    oc = kind.default_config()
     adam = component("adam")
     master = _STATE_BYTES[precision][2] - adam.state_bytes(OptimizerConfig())  # the table's K: master + Adam's
     matrix = kind.state_bytes(oc, matrix=kind.per_matrix)

@@ -15,9 +15,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .optimizers import MuonConfig, OptimizerConfig, ZeroConfigError, parse_optimizer
+from .optimizers import OptimizerConfig, ZeroConfigError, parse_optimizer
 
-__all__ = ["ZeroConfigError", "OptimizerConfig", "MuonConfig", "FP16Config", "OffloadOptimizerConfig",
+__all__ = ["ZeroConfigError", "OptimizerConfig", "FP16Config", "OffloadOptimizerConfig",
            "OffloadParamConfig", "ZeroOptimizationConfig", "ZeroConfig", "load_config", "parse_optimizer",
            "parse_zero_optimization", "parse_fp16", "parse_grad_accum_dtype", "parse_communication_data_type",
            "HONOURED_KEYS", "NO_EFFECT_KEYS"]
@@ -298,9 +298,9 @@ class ZeroConfig:
                                   "(offload_optimizer)")
         opt.component.check(opt)
         if offload.enabled and not opt.component.host_step:
-            raise ZeroConfigError(f"zero_optimization.offload_optimizer steps Adam/AdamW on the host; optimizer.type "
-                                  f"{opt.type} runs on the accelerator (Muon's Newton-Schulz needs each whole matrix "
-                                  "there): set offload_optimizer.device none")
+            raise ZeroConfigError(f"zero_optimization.offload_optimizer steps the optimizer on the host; optimizer.type "
+                                  f"{opt.type} has no host step (it runs on the accelerator): set "
+                                  "offload_optimizer.device none")
         if self.bf16 and self.fp16 is not None:
             raise ZeroConfigError("bf16.enabled and fp16.enabled are both true; choose one precision")
         if self.gradient_accumulation_steps < 1:

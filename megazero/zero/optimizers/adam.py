@@ -34,6 +34,7 @@ __all__ = ["Adam"]
 class Adam(Optimizer):
     name, aliases, cli_names = "AdamW", ("adamw", "adam", "fusedadam"), ("adam", "adamw")
     params = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
+    summary = "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw"
     host_step = True
 
     def type_name(self, spelled):

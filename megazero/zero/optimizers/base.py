@@ -66,11 +66,16 @@ class Optimizer:
     name = ""
     aliases: tuple[str, ...] = ()
     cli_names: tuple[str, ...] = ()  # its --optimizer values
+    summary = ""  # its --optimizer values as the flag's help describes them
     params: tuple[str, ...] = ("lr", "weight_decay")
     param_defaults: dict[str, Any] = {}  # optimizer.params values other than OptimizerConfig's defaults
     json_flags: dict[str, tuple[str, str]] = {}  # optimizer.params key -> (namespace attribute, flag) it merges into
     per_matrix = False  # updates some parameters as whole matrices (takes_matrix decides which)
     host_step = False  # zero_optimization.offload_optimizer can step it on the host
+
+    def default_config(self) -> OptimizerConfig:
+        """Its configuration with every value at its default (what the planner sizes)."""
+        return parse_optimizer(self.name, {})
 
     def type_name(self, spelled: str) -> str:
         """The ``OptimizerConfig.type`` of a block spelled ``spelled``."""

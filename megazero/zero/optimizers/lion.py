@@ -51,6 +51,7 @@ class LionSettings:
 class Lion(Optimizer):
     name, aliases, cli_names = "Lion", ("lion",), ("lion",)
     params = ("lr", "betas", "weight_decay")
+    summary = "lion (the sign of an interpolated momentum; --lion-beta1/--lion-beta2)"
     param_defaults = {"betas": (0.9, 0.99)}
     json_flags = {"betas.0": ("lion_beta1", "--lion-beta1"), "betas.1": ("lion_beta2", "--lion-beta2")}
 
@@ -68,8 +69,8 @@ class Lion(Optimizer):
         return LionKernel(param_groups, lr=oc.lr, betas=oc.betas)
 
     def add_flags(self, g):
-        g("honoured", "--lion-beta1", "Lion's beta1 (the update's interpolation; default 0.9)", float)
-        g("honoured", "--lion-beta2", "Lion's beta2 (the momentum's decay; default 0.99)", float)
+        g("honoured", "--lion-beta1", "Lion's beta1 (the update's interpolation)", float, default=0.9)
+        g("honoured", "--lion-beta2", "Lion's beta2 (the momentum's decay)", float, default=0.99)
 
     def flag_dests(self):
         return ("lion_beta1", "lion_beta2")

@@ -79,6 +79,8 @@ class Muon(Adam):
     name, aliases, cli_names = "Muon", ("muon",), ("muon",)
     params = ("lr", "muon_lr", "adam_lr", "momentum", "betas", "eps", "weight_decay")
     json_flags = {"momentum": ("muon_momentum", "--muon-momentum")}  # Muon's params.momentum is its own
+    summary = ("muon (the 2-D weights inside the transformer layers; embeddings, output layer, norms and biases take "
+               "AdamW with the --adam-* flags)")
     per_matrix = True
     host_step = False
 

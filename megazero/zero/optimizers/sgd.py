@@ -27,6 +27,7 @@ class SGDSettings:
 class SGD(Optimizer):
     name, aliases, cli_names = "SGD", ("sgd",), ("sgd",)
     params = ("lr", "weight_decay", "momentum")
+    summary = "sgd (--sgd-momentum)"
     json_flags = {"momentum": ("sgd_momentum", "--sgd-momentum")}
 
     def state_keys(self, oc, matrix=False):
@@ -34,6 +35,9 @@ class SGD(Optimizer):
 
     def state_stats(self):
         return (("momentum", lambda s: s.get("momentum_buffer")),)
+
+    def default_config(self):
+        return OptimizerConfig(type="SGD", momentum=SGDSettings().momentum)
 
     def check(self, oc):
         if not 0.0 <= float(oc.momentum or 0.0) < 1.0:
