@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,17 +38,19 @@ from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
 from .config import GPTConfig
-from .attention.cp_context import ContextParallel
 from .keyed_dropout import DropoutKey
 from .norms import build_norm
 from .attention.rope import rotary_embedding
-from .moe.layer import AuxLossScale, Router
+from .moe.layer import AuxLossScale
 from .init import init_methods
 from .layer_spec import ExpertParallel
 from .mtp import MTPScale, MultiTokenPrediction, multi_token_targets
 from .transformer import TransformerLayer, dropout
 
-__all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement", "step_metrics", "finish_step"]
+if TYPE_CHECKING:  # handed in with a micro-batch and passed to the layers; only its positions are read here
+    from .attention.cp_context import ContextParallel
+
+__all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement"]
 
 
 class PositionEmbedding(torch.nn.Module):
@@ -102,6 +104,10 @@ def expert_placement(groups) -> ExpertParallel:
         placement = dataclasses.replace(placement, tensor_group=groups.etp_group, tensor_size=groups.etp_size,
                                         tensor_rank=groups.etp_rank, exchange_group=groups.expert_group)
     return placement
+
+
+# What a micro-batch may add to a forward's inputs, passed by name when set.
+_STAGE_EXTRAS = ("context_parallel", "dropout_keys", "mtp_targets", "mtp_mask")
 
 
 class GPTModel(torch.nn.Module):
@@ -200,6 +206,45 @@ class GPTModel(torch.nn.Module):
                 scale = MTPScale(log=log, grad=(log * (factor * loss_scale)).float())
             self.mtp.set_scale(scale, aux)
 
+    # ---- as a pipeline stage (megazero.pipeline's StageModel) --------------------------------
+
+    def stage_activation(self, micro_batch_size: int, seq_length: int, groups,
+                         compute_dtype: Optional[torch.dtype] = None) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the hidden states sent between stages for ``micro_batch_size`` sequences of
+        ``seq_length`` tokens under ``groups``: ``[s(/cp)(/tp under SP), b, h]``, the residual stream's dtype
+        (fp32 under ``fp32_residual_connection``, else ``compute_dtype``, default the parameters')."""
+        c = self.config
+        sp = c.sequence_parallel and groups.tp_size > 1
+        local = seq_length // getattr(groups, "cp_size", 1)  # context parallelism: this rank's tokens
+        shape = (local // groups.tp_size if sp else local, micro_batch_size, c.hidden_size)
+        dtype = torch.float32 if c.fp32_residual_connection else \
+            compute_dtype if compute_dtype is not None else c.params_dtype
+        return shape, dtype
+
+    def shared_embedding(self) -> Optional[torch.nn.Parameter]:
+        """The word embedding this stage shares with the other end of the pipeline (the tied head's, or
+        multi-token prediction's inputs): the first stage's own or the last stage's copy; None without."""
+        c = self.config
+        if not (c.tie_embeddings or c.mtp_num_layers) or self.embedding is None:
+            return None
+        return self.embedding.weight
+
+    def stage_inputs(self, micro_batch: Any, *, first: bool, last: bool) -> tuple[tuple, dict[str, Any]]:
+        """The arguments of :meth:`forward` for ``micro_batch`` (``(input_ids, labels)`` or a
+        :class:`~megazero.model.face.ModelBatch`): the tokens on the ``first`` stage, the labels on the
+        ``last``, positions and masks everywhere; context parallelism, keyed dropout and multi-token targets
+        only when set, so a micro-batch without them runs a model that takes none."""
+        if isinstance(micro_batch, (tuple, list)):
+            tokens, labels, position_ids, attention_mask = micro_batch[0], micro_batch[1], None, None
+        else:
+            tokens, labels = micro_batch.tokens, micro_batch.labels
+            position_ids = getattr(micro_batch, "position_ids", None)
+            attention_mask = getattr(micro_batch, "attention_mask", None)
+        extra = {name: getattr(micro_batch, name) for name in _STAGE_EXTRAS
+                 if getattr(micro_batch, name, None) is not None}
+        return (tokens if first else None,), dict(position_ids=position_ids, attention_mask=attention_mask,
+                                                   labels=labels if last else None, **extra)
+
     # ---- forward ---------------------------------------------------------------------------
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
@@ -234,7 +279,7 @@ class GPTModel(torch.nn.Module):
         multi-token prediction's targets (:func:`~megazero.model.mtp.multi_token_targets` of the whole
         sequence, then this rank's tokens); in training without them they are made from ``labels`` (one
         document, one process). The MTP loss reaches the gradients in backward and the log through
-        :func:`step_metrics`; the output stays the per-token LM loss.
+        :func:`~megazero.model.metrics.step_metrics`; the output stays the per-token LM loss.
         """
         mtp = (mtp_targets, mtp_mask)
         if context_parallel is not None:
@@ -360,53 +405,6 @@ class GPTModel(torch.nn.Module):
         return logits
 
 
-
-def step_metrics(models: Sequence[GPTModel], micro_batches: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The figures of a step's forwards through one stage's ``models`` (its chunks), on ``device``, to be
-    summed over the stages and averaged over data-parallel ranks: a mixture's 'moe aux loss' (per
-    micro-batch), 'expert load sum' (each layer's busiest expert over the mean), 'moe layers' and
-    'moe dropped sum'; multi-token prediction's 'mtp_k loss' (each depth's cross-entropy over its targets)."""
-    out: dict[str, torch.Tensor] = {}
-    c = models[0].config
-    if c.num_experts:
-        aux, loads, dropped = [], [], []
-        for m in models:
-            a, l_, d = m.moe_aux.take()
-            aux, loads, dropped = aux + a, loads + l_, dropped + d
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        total = (torch.stack(aux).sum().double() / micro_batches).to(device) if aux else zero
-        if aux and models[0].sequence_parallel:  # each TP rank routed its own tokens: shares, one all-reduce
-            dist.all_reduce(total, group=models[0].tp_group)
-        out["moe aux loss"] = total
-        out["expert load sum"] = torch.stack(loads).sum().double().to(device) if loads else zero
-        out["moe layers"] = torch.full((), float(len(loads)), dtype=torch.float64, device=device)
-        out["moe dropped sum"] = torch.stack(dropped).sum().double().to(device) if dropped else zero
-    for m in models:
-        records = m.mtp.take() if m.mtp is not None else []
-        if records:
-            for k, value in enumerate(torch.stack(records).sum(0)):
-                out[f"mtp_{k + 1} loss"] = value.double().to(device)
-    return out
-
-
-def finish_step(models: Sequence[GPTModel], updated: bool, group: Optional[dist.ProcessGroup]) -> None:
-    """After a step of one stage's ``models``: every router's expert bias (DeepSeek-V3's auxiliary-loss-free
-    balancing) moves by its experts' token copies over the whole global batch (summed over ``group``, the
-    data x context ranks, in one all-reduce for all the chunks; TP ranks counted the same gathered tokens).
-    A skipped step (``updated`` False) leaves the biases."""
-    c = models[0].config
-    if not c.moe_router_enable_expert_bias:
-        return
-    routers = [r for m in models for r in m.modules() if isinstance(r, Router)]
-    if not routers:
-        return
-    counts = torch.stack([r.tokens_per_expert for r in routers])
-    if group is not None:
-        dist.all_reduce(counts, group=group)
-    for router, n in zip(routers, counts):
-        if updated:
-            router.update_expert_bias(n, c.moe_router_bias_update_rate)
-        router.tokens_per_expert.zero_()
 
 def _check_context_parallel(position_ids: Optional[torch.Tensor]) -> None:
     """Refuse what a context-parallel forward cannot do, saying how to run instead. Dropout of any kind

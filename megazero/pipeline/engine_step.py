@@ -29,20 +29,13 @@ import torch.distributed as dist
 
 from .p2p import PipeP2P
 from .runner import ScheduleRunner
+from .stage_model import StageModel
 
 __all__ = ["backward_step", "TiedEmbeddingGradSync", "PipelineStage", "shared_copy_parameters", "MicroBatch"]
 
-# A micro-batch: ``(input_ids, labels)`` or any object with ``tokens``, ``labels`` and optional
-# ``position_ids`` / ``attention_mask`` (megazero.data's GPTBatch): every stage gets the positions
-# and masks (rotary and per-document attention need them on every layer), the first stage the
-# tokens, the last the labels.
+# A micro-batch: whatever the chunks' ``stage_inputs`` take (e.g. ``(input_ids, labels)`` or the model's
+# batch object); every stage gets it, and the last stage's ``loss_fn`` reads it too.
 MicroBatch = Union[tuple[torch.Tensor, torch.Tensor], Any]
-
-
-def _fields(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    if isinstance(mb, (tuple, list)):
-        return mb[0], mb[1], None, None
-    return mb.tokens, mb.labels, getattr(mb, "position_ids", None), getattr(mb, "attention_mask", None)
 
 
 def _engine_takes_output_grad(engine) -> bool:
@@ -134,6 +127,7 @@ class TiedEmbeddingGradSync:
 class PipelineStage:
     """One pipeline rank's share of training: its chunks under a ZeRO engine, its schedule, its p2p.
 
+    ``chunks`` are this rank's model chunks (:class:`~megazero.pipeline.stage_model.StageModel` each);
     ``engine`` wraps ``chunks[0]`` when ``v == 1`` or a module holding every chunk otherwise
     (``forward(chunk, *args)``). ``groups`` is the :class:`megazero.mpu.ParallelGroups`;
     ``micro_batch_size`` and ``seq_length`` fix the shape of the activations crossing stage
@@ -142,25 +136,22 @@ class PipelineStage:
     trivial schedule.
     """
 
-    def __init__(self, engine, chunks: Sequence[torch.nn.Module], groups, *, micro_batch_size: int, seq_length: int,
+    def __init__(self, engine, chunks: Sequence[StageModel], groups, *, micro_batch_size: int, seq_length: int,
                  loss_fn: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None) -> None:
         self.engine, self.chunks, self.groups = engine, list(chunks), groups
         self.v = len(self.chunks)
-        c = self.chunks[0].config
-        sp = c.sequence_parallel and groups.tp_size > 1
-        local = seq_length // getattr(groups, "cp_size", 1)  # context parallelism: this rank's tokens
-        shape = (local // groups.tp_size if sp else local, micro_batch_size, c.hidden_size)
-        # What crosses a stage boundary is the residual stream: fp32 under --fp32-residual-connection.
-        dtype = torch.float32 if getattr(c, "fp32_residual_connection", False) else \
-            getattr(engine, "compute_dtype", c.params_dtype)
+        shape, dtype = self.chunks[0].stage_activation(micro_batch_size, seq_length, groups,
+                                                       getattr(engine, "compute_dtype", None))
         self.p2p = PipeP2P(groups.pp_group, groups.pp_ranks, device=getattr(engine, "device", "cpu"))
         self.runner = ScheduleRunner(self.p2p, groups.pp_size, groups.pp_rank, self.v, shape, dtype)
         self.loss_fn = loss_fn or (lambda per_token, mb: per_token.mean())
         self.tied: Optional[TiedEmbeddingGradSync] = None
-        # The last stage's copy of the word embedding: the tied head's, or multi-token prediction's inputs.
-        if (c.tie_embeddings or getattr(c, "mtp_num_layers", 0)) and groups.pp_size > 1 and groups.in_embedding_group:
+        # A weight shared by the first and last stage (a tied head's embedding): completed over their group.
+        if groups.pp_size > 1 and groups.in_embedding_group:
             end = self.chunks[0] if groups.pp_rank == 0 else self.chunks[-1]
-            self.tied = TiedEmbeddingGradSync(end.embedding.weight, groups.embedding_group)
+            shared = end.shared_embedding()
+            if shared is not None:
+                self.tied = TiedEmbeddingGradSync(shared, groups.embedding_group)
 
     @property
     def is_last_stage(self) -> bool:
@@ -170,15 +161,11 @@ class PipelineStage:
         return self.engine(*args, **kwargs) if self.v == 1 else self.engine(chunk, *args, **kwargs)
 
     def _chunk_forward(self, mb: MicroBatch, chunk: int, x: Optional[torch.Tensor]) -> torch.Tensor:
-        tokens, labels, position_ids, attention_mask = _fields(mb)
         last = self.runner.is_last(chunk)
         if x is not None:
             self.chunks[chunk].set_input_tensor(x)
-        # Passed only when set: a model without context parallelism or keyed dropout need not take them.
-        extra = {name: getattr(mb, name) for name in ("context_parallel", "dropout_keys", "mtp_targets", "mtp_mask")
-                 if getattr(mb, name, None) is not None}
-        out = self._forward(chunk, tokens if x is None else None, position_ids=position_ids,
-                            attention_mask=attention_mask, labels=labels if last else None, **extra)
+        args, kwargs = self.chunks[chunk].stage_inputs(mb, first=x is None, last=last)
+        out = self._forward(chunk, *args, **kwargs)
         return self.loss_fn(out, mb) if last else out
 
     def _set_accumulation(self, m: int) -> None:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
+from megazero.model import LM_LOSS, MOE_AUX_LOSS, is_mtp_loss
 from megazero.utils.memory_tracker import step_peak_memory
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ __all__ = ["Throughput", "IterationStats", "IntervalMeter", "IntervalSummary", "
            "format_log_line", "format_log_lines", "memory_mb", "metric_key", "megatron_scalars", "peak_tflops",
            "PEAK_TFLOPS", "TRAIN_LOSS_KEY", "EVAL_LOSS_KEY"]
 
-TRAIN_LOSS_KEY = "lm_loss"
+TRAIN_LOSS_KEY = "lm_loss"  # metric_key(LM_LOSS)
 EVAL_LOSS_KEY = "eval_lm_loss"
 
 _log = logging.getLogger(__name__)
@@ -270,19 +271,14 @@ def _tflops(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def _is_mtp(name: str) -> bool:
-    """'mtp_k loss': multi-token prediction's loss at depth k."""
-    return re.fullmatch(r"mtp_\d+ loss", name) is not None
-
-
 def format_log_lines(stats: IterationStats) -> list[str]:
     """The training log: one short line (step, loss, lr, grad norm, time, throughput, MFU, memory) and, when
     there is any, a second with the rest (see the module docstring). Fields that are None are left out."""
     head = f" iteration {stats.iteration:8d}/{stats.train_iters:8d}"  # Megatron's, which scripts parse
     main = [head]
-    if "lm loss" in stats.losses:
-        main.append(f"lm loss: {stats.losses['lm loss']:.4f}")
-    main += [f"{name}: {value:.4f}" for name, value in stats.losses.items() if _is_mtp(name)]  # Megatron's place
+    if LM_LOSS in stats.losses:
+        main.append(f"{LM_LOSS}: {stats.losses[LM_LOSS]:.4f}")
+    main += [f"{name}: {value:.4f}" for name, value in stats.losses.items() if is_mtp_loss(name)]  # Megatron's place
     main.append(f"lr: {stats.lr:.3E}")
     if stats.grad_norm is not None:
         main.append(f"grad norm: {stats.grad_norm:.3f}")
@@ -305,7 +301,7 @@ def format_log_lines(stats: IterationStats) -> list[str]:
         if count:
             rest.append(f"number of {what} iterations: {count:3d}")
     for name, value in stats.losses.items():
-        if name != "lm loss" and not _is_mtp(name):
+        if name != LM_LOSS and not is_mtp_loss(name):
             rest.append(f"{name}: {value:.2f}" if name == "expert load max over mean" else f"{name}: {value:.4E}")
     if "params_norm" in stats.extra:
         rest.append(f"params norm: {stats.extra['params_norm']:.3f}")
@@ -331,7 +327,7 @@ def format_log_line(stats: IterationStats) -> str:
 # 'moe aux loss' is their sum); --log-throughput adds tokens/s and MFU beside Megatron's 'throughput'.
 _TB_TAGS: dict[str, tuple[str, Optional[str]]] = {
     "lr": ("learning-rate", None),
-    "lm_loss": ("lm loss", None),
+    "lm_loss": (LM_LOSS, None),
     "loss_scale": ("loss-scale", None),
     "grad_norm": ("grad-norm", None),
     "global_batch_size": ("batch-size", "log_batch_size_to_tensorboard"),
@@ -342,7 +338,7 @@ _TB_TAGS: dict[str, tuple[str, Optional[str]]] = {
     "tflops_per_rank": ("throughput", "log_throughput"),
     "tokens_per_s": ("tokens-per-second", "log_throughput"),
     "mfu": ("mfu", "log_throughput"),
-    "moe_aux_loss": ("moe aux loss", None),
+    "moe_aux_loss": (MOE_AUX_LOSS, None),
     "expert_load_max_over_mean": ("expert load max over mean", None),
     "moe_dropped_fraction": ("moe dropped fraction", None),
     "max_attention_logit": ("max_attention_logit", None),  # in the record with --log-max-attention-logit only

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.model import GPTConfig, GPTModel
-from megazero.model.gpt import step_metrics
+from megazero.model.metrics import step_metrics
 from megazero.model.mtp import multi_token_targets
 
 V = 64

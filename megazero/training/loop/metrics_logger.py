@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.model import num_parameters
+from megazero.model import (EXPERT_LOAD_SUM, LM_LOSS, MOE_AUX_LOSS, MOE_DROPPED_SUM, MOE_LAYERS, is_mtp_loss,
+                            num_parameters)
 from megazero.utils.memory_tracker import step_peak_memory
 from megazero.config.train_config import TrainConfig
 from megazero.training.health.phases import PhaseBoard
@@ -108,7 +109,7 @@ class MetricsLogger:
         """The pending losses to the host, checked and counted in the interval."""
         for it, figures in self.drain().items():
             values = self._logged(figures)
-            loss = values["lm loss"]
+            loss = values[LM_LOSS]
             self.losses[it] = loss
             if self.check is not None:
                 self.check(state, it, loss)
@@ -118,14 +119,14 @@ class MetricsLogger:
         """The step's reduced figures (:attr:`TrainModel.metric_names`) as the log shows them: the LM loss,
         multi-token prediction's per depth, a mixture's auxiliary loss, its experts' load (the busiest over
         the mean, averaged over the layers) and, with a capacity, the share of token copies dropped."""
-        values = {name: v for name, v in figures.items() if name == "lm loss" or name.startswith("mtp_")}
-        if "moe aux loss" in figures:
-            values["moe aux loss"] = figures["moe aux loss"]
-            layers = figures["moe layers"]
+        values = {name: v for name, v in figures.items() if name == LM_LOSS or is_mtp_loss(name)}
+        if MOE_AUX_LOSS in figures:
+            values[MOE_AUX_LOSS] = figures[MOE_AUX_LOSS]
+            layers = figures[MOE_LAYERS]
             if layers:
-                values["expert load max over mean"] = figures["expert load sum"] / layers
+                values["expert load max over mean"] = figures[EXPERT_LOAD_SUM] / layers
                 if self.config.model.moe_expert_capacity_factor is not None:
-                    values["moe dropped fraction"] = figures["moe dropped sum"] / layers
+                    values["moe dropped fraction"] = figures[MOE_DROPPED_SUM] / layers
         return values
 
     def after_step(self, state: TrainState) -> None:
