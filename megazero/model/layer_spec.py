@@ -5,8 +5,9 @@ each called as ``build(config, number=, tp_group=, tp_size=, device=, experts=)`
 
 * attention: ``forward(x, rotary, attention_mask, cp, dropout_key) -> [s(/tp), b, h]``; standard
   attention (:class:`~megazero.model.attention.self_attention.SelfAttention`) or multi-latent attention;
-* MLP: ``forward(x, cp) -> [s(/tp), b, h]``; the dense :class:`~megazero.model.mlp.MLP` or a
-  :class:`~megazero.model.moe.layer.MoELayer`.
+* MLP: ``forward(x) -> [s(/tp), b, h]``, the dense :class:`~megazero.model.mlp.MLP`; or, with
+  ``mlp_context_parallel``, ``forward(x, cp)``: a :class:`~megazero.model.moe.layer.MoELayer`, whose
+  routing counts the tokens of the whole sequence under context parallelism.
 
 :func:`layer_spec` picks them for layer ``number`` of a config; a new kind of layer is one more builder.
 """
@@ -88,10 +89,12 @@ ATTENTION_BUILDERS: dict[str, Builder] = {"standard": _standard_attention, "mla"
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """The builders of one transformer layer's attention and MLP."""
+    """The builders of one transformer layer's attention and MLP; ``mlp_context_parallel``: the MLP's
+    forward takes the context-parallel context as its second argument."""
 
     attention: Builder
     mlp: Builder
+    mlp_context_parallel: bool = False
 
 
 def layer_spec(config: GPTConfig, number: int) -> LayerSpec:
@@ -99,5 +102,6 @@ def layer_spec(config: GPTConfig, number: int) -> LayerSpec:
     kind = "mla" if config.multi_latent_attention else "standard"
     if kind not in ATTENTION_BUILDERS:
         raise ValueError(f"no attention builder for {kind!r} (known: {sorted(ATTENTION_BUILDERS)})")
-    return LayerSpec(attention=ATTENTION_BUILDERS[kind],
-                     mlp=_mixture_of_experts if config.is_moe_layer(number) else _dense_mlp)
+    moe = config.is_moe_layer(number)
+    return LayerSpec(attention=ATTENTION_BUILDERS[kind], mlp=_mixture_of_experts if moe else _dense_mlp,
+                     mlp_context_parallel=moe)

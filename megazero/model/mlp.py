@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from megazero import mpu
 from megazero.mpu.initializers import initialize_sharded_
 
-from .attention.cp_context import ContextParallel
 from .config import GPTConfig
 from .init import init_methods
 
@@ -70,8 +69,8 @@ class MLP(torch.nn.Module):
             return torch.square(F.relu(h))
         return F.gelu(h, approximate="tanh")
 
-    def forward(self, x: torch.Tensor, cp: Optional[ContextParallel] = None) -> torch.Tensor:
-        """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``cp`` is unused (a mixture of experts' forward takes it)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``."""
         h, _ = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
         out, _ = self.linear_fc2(self._act(h))
         return out

@@ -29,7 +29,7 @@ Names (Megatron-core's): ``mtp.layers.{k}.enorm``, ``.hnorm``, ``.eh_proj``, ``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ import torch.distributed as dist
 from megazero import mpu
 
 from .attached_loss import attach_loss
-from .attention.cp_context import ContextParallel
 from .config import GPTConfig
 from .init import init_methods
 from .keyed_dropout import DropoutKey
@@ -45,6 +44,9 @@ from .layer_spec import ExpertParallel, layer_spec
 from .moe.router import AuxLossScale
 from .norms import build_norm
 from .transformer import TransformerLayer
+
+if TYPE_CHECKING:  # passed through to the transformer layers, never read here
+    from .attention.cp_context import ContextParallel
 
 __all__ = ["MultiTokenPrediction", "MTPLayer", "multi_token_targets"]
 

@@ -8,7 +8,7 @@ communication is inside the mpu linears (and a mixture of experts' token exchang
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,12 +16,14 @@ import torch.nn.functional as F
 
 from megazero import mpu
 
-from .attention.cp_context import ContextParallel
 from .attention.self_attention import Rotary
 from .config import GPTConfig
 from .keyed_dropout import DropoutKey, keyed_dropout
 from .layer_spec import ExpertParallel, LayerSpec, layer_spec
 from .norms import build_norm
+
+if TYPE_CHECKING:  # passed through to the attention (and a mixture's routing), never read here
+    from .attention.cp_context import ContextParallel
 
 __all__ = ["TransformerLayer", "dropout"]
 
@@ -58,6 +60,7 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = spec.attention(config, number=number, experts=experts, **kw)
         self.pre_mlp_layernorm = build_norm(config, **kw)
         self.mlp = spec.mlp(config, number=number, experts=experts, **kw)
+        self.mlp_context_parallel = spec.mlp_context_parallel
 
     def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
                 cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
@@ -66,4 +69,5 @@ class TransformerLayer(torch.nn.Module):
 
         x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp, dropout_key),
                      2 * self.number + 1)
-        return x + drop(self.mlp(self.pre_mlp_layernorm(x), cp), 2 * self.number + 2)
+        h = self.pre_mlp_layernorm(x)
+        return x + drop(self.mlp(h, cp) if self.mlp_context_parallel else self.mlp(h), 2 * self.number + 2)
