@@ -38,6 +38,7 @@ class Unit:
             g.unit = self
         self.position = position  # static order (see the module docstring)
         self.pending: list = []  # async all-gather works in flight
+        self.released_groups = [g for g in groups if not g.resident]  # what ZeRO-3 gathers and releases
         self.grads_expected = sum(1 for g in groups if g.trainable for s in g.slots)
         self.grads_seen = 0  # gradients complete in this backward (reducer.py)
         # ZeRO-3's gather window (window.py): position among the gathered units; modules running
@@ -68,35 +69,33 @@ class Unit:
 
     def start_gather(self, all_gather: Callable, source: Callable[[FlatGroup], torch.Tensor]) -> None:
         """All-gather every released group (:meth:`FlatGroup.start_gather`); works in flight go to ``pending``."""
-        for g in self.groups:
-            if not g.resident:
-                work = g.start_gather(all_gather, source)
-                if work is not None:
-                    self.pending.append(work)
+        for g in self.released_groups:
+            work = g.start_gather(all_gather, source)
+            if work is not None:
+                self.pending.append(work)
 
     def finish_gather(self) -> list[FlatGroup]:
         """Wait for the all-gathers in flight and mark the groups whole; returns the groups gathered."""
         self._wait_pending()
-        groups = [g for g in self.groups if not g.resident]
-        for g in groups:
+        for g in self.released_groups:
             g.gathered = True
-        return groups
+        return self.released_groups
 
     def release(self) -> list[FlatGroup]:
         """Free the gathered groups' storage (after any all-gather in flight); returns them."""
         self._wait_pending()
-        groups = [g for g in self.groups if not g.resident]
-        for g in groups:
+        for g in self.released_groups:
             g.release()
-        return groups
+        return self.released_groups
 
     def _wait_pending(self) -> None:
-        for w in self.pending:
-            w.wait()
-        self.pending = []
+        if self.pending:
+            for w in self.pending:
+                w.wait()
+            self.pending = []
 
     def full_bytes(self) -> int:
-        return sum(g.full_bytes for g in self.groups if not g.resident)
+        return sum(g.full_bytes for g in self.released_groups)
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {self.numel()} elements)"
