@@ -1,6 +1,6 @@
 """The flag table's rows of the groups "batch and schedule" and "optimizer and precision" (Megatron-LM's flags and
-megazero's own, Muon and QK-clip among them). ``flags`` calls each ``add_*`` inside its group; each
-``g(status, names, meaning, type, **kw)`` adds one row (see ``flags.Flag``)."""
+megazero's own, QK-clip among them; each optimizer adds its own, ``megazero/zero/optimizers/``). ``flags`` calls
+each ``add_*`` inside its group; each ``g(status, names, meaning, type, **kw)`` adds one row (see ``flags.Flag``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Callable, Optional
 
-from megazero.config.train_config import ConfigError
+from megazero.config.train_config import ConfigError, OptimConfig
 from megazero.config.ds_keys import classify as classify_ds_keys
 from megazero.config.resolve.common import json_get, same_value
 from megazero.zero.optimizers import ZeroConfigError, component
@@ -79,7 +79,7 @@ def merge_deepspeed_json(ns: argparse.Namespace, ds: dict[str, Any], path: str) 
 def _optimizer_keys(ds: dict[str, Any], ns: argparse.Namespace) -> dict[str, tuple[str, str]]:
     """The JSON's optimizer.params keys that the named optimizer's own flags take (its component's ``json_flags``)."""
     try:
-        kind = component(json_get(ds, "optimizer.type") or ns.optimizer or "adam")
+        kind = component(json_get(ds, "optimizer.type") or ns.optimizer or OptimConfig.type)
     except ZeroConfigError:
         return {}  # resolve_optim names the unknown type
     return {f"optimizer.params.{k}": v for k, v in kind.json_flags.items()}

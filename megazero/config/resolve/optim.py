@@ -22,8 +22,8 @@ def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> Optim
         if ns.optimizer is not None and component(ns.optimizer) is not kind:
             raise ConfigError(f"--deepspeed-config optimizer.type {ds_type!r} disagrees with --optimizer "
                               f"{ns.optimizer}; set it in one place")
-        o.type = str(ds_type) if kind.name == "AdamW" else kind.name
-    if ns.optimizer is not None and ns.optimizer not in ("adam", "adamw"):  # Megatron's adam is AdamW
+        o.type = kind.type_name(ds_type)
+    elif ns.optimizer is not None:
         o.type = component(ns.optimizer).name
     _resolve_settings(ns, o)
     for attr in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
