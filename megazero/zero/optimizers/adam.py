@@ -37,6 +37,12 @@ class Adam(Optimizer):
     summary = "adam (decoupled weight decay, i.e. AdamW, as Megatron's), adamw"
     host_step = True
 
+    param_hints = {"momentum": "; Adam's momentum is betas[0]"}
+
+    def spelled_params(self, spelled):
+        # DeepSpeed: "Adam" is AdamW unless adam_w_mode is false; "AdamW" is always decoupled
+        return {"adam_w_mode": True} if str(spelled).lower() == "adamw" else {}
+
     def type_name(self, spelled):
         return str(spelled)  # Adam keeps the file's spelling
 

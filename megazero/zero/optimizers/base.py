@@ -43,7 +43,7 @@ class OptimizerConfig:
     # DeepSpeed's "Adam" is decoupled (AdamW) unless adam_w_mode is false.
     adam_w_mode: bool = True
     torch_adam: bool = False
-    momentum: Optional[float] = None  # SGD's (default 0) and Muon's (default MuonConfig.momentum)
+    momentum: Optional[float] = None  # a momentum parameter's (None: the component's default)
     muon_lr: Optional[float] = None  # Muon: its matrices' lr (None: lr)
     adam_lr: Optional[float] = None  # Muon: the auxiliary AdamW's lr (None: lr)
     settings: Any = None  # the component's own (Optimizer.settings), None: its defaults
@@ -69,6 +69,7 @@ class Optimizer:
     summary = ""  # its --optimizer values as the flag's help describes them
     params: tuple[str, ...] = ("lr", "weight_decay")
     param_defaults: dict[str, Any] = {}  # optimizer.params values other than OptimizerConfig's defaults
+    param_hints: dict[str, str] = {}  # a key of other optimizers' params -> where this one keeps that value
     json_flags: dict[str, tuple[str, str]] = {}  # optimizer.params key -> (namespace attribute, flag) it merges into
     per_matrix = False  # updates some parameters as whole matrices (takes_matrix decides which)
     host_step = False  # zero_optimization.offload_optimizer can step it on the host
@@ -76,6 +77,10 @@ class Optimizer:
     def default_config(self) -> OptimizerConfig:
         """Its configuration with every value at its default (what the planner sizes)."""
         return parse_optimizer(self.name, {})
+
+    def spelled_params(self, spelled: str) -> dict[str, Any]:
+        """``optimizer.params`` values that the type's spelling ``spelled`` implies."""
+        return {}
 
     def type_name(self, spelled: str) -> str:
         """The ``OptimizerConfig.type`` of a block spelled ``spelled``."""
@@ -172,15 +177,15 @@ def parse_optimizer(opt_type: str, params: dict[str, Any]) -> OptimizerConfig:
     fields = dict(params)
     for key in fields:
         if key not in c.params:
-            hint = " (it is SGD's and Muon's; Adam's momentum is betas[0])" if key == "momentum" else ""
+            owners = " and ".join(f"{o.name}'s" for o in _REGISTRY if key in o.params)
+            hint = f" (it is {owners}{c.param_hints.get(key, '')})" if owners else ""
             raise ZeroConfigError(f"unknown key optimizer.params.{key} for optimizer.type {opt_type!r}{hint}; "
                                   f"{c.name} takes {', '.join(c.params)}")
     fields = {**c.param_defaults, **fields}
     if "betas" in fields:
         fields["betas"] = tuple(float(b) for b in fields["betas"])
     type_name = c.type_name(opt_type)
-    if str(opt_type).lower() == "adamw":  # DeepSpeed: "Adam" is AdamW unless adam_w_mode is false
-        fields["adam_w_mode"] = True
+    fields.update(c.spelled_params(opt_type))
     oc = OptimizerConfig(type=type_name, **fields)
     c.check(oc)
     return oc
