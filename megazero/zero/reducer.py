@@ -104,7 +104,7 @@ class GradReducer:
         """End of a backward: send what is left (missing gradients as zeros) and wait for everything."""
         self.advance(final=True)
         for u in self.dropped:  # gradients that arrived after their unit was dropped (an uncovered forward)
-            self._clear(u)
+            u.drop_grads()
         self._flush()
         while self.in_flight:
             self._complete_oldest()
@@ -115,12 +115,7 @@ class GradReducer:
 
     def _drop(self, unit: Unit) -> None:
         self.dropped.append(unit)
-        self._clear(unit)
-
-    def _clear(self, unit: Unit) -> None:
-        for g in unit.trainable_groups:
-            for s in g.slots:
-                s.param.grad = None
+        unit.drop_grads()
 
     def _add(self, unit: Unit) -> None:
         full = set()

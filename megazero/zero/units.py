@@ -65,6 +65,12 @@ class Unit:
     def numel(self) -> int:
         return sum(g.numel for g in self.groups)
 
+    def drop_grads(self) -> None:
+        """Forget the gradients autograd left on the unit's parameters (a unit no rank reduces)."""
+        for g in self.trainable_groups:
+            for s in g.slots:
+                s.param.grad = None
+
     # ---- gather / release (ZeRO-3's window decides when) ---------------------------------
 
     def start_gather(self, all_gather: Callable, source: Callable[[FlatGroup], torch.Tensor]) -> None:
