@@ -54,12 +54,12 @@ class FlatGroup:
     """Parameters of one unit, one partitioning and one optimizer class, flattened and partitioned.
 
     ``part`` is the :class:`Partitioning` the group is reduced over; ``partitioned`` False
-    keeps the whole group on every rank (ZeRO-0), so ``partitions`` is ``part.size`` or 1. ``resident`` groups keep the full compute-dtype buffer allocated for
-    the whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
+    keeps the whole group on every rank (ZeRO-0), so ``partitions`` is ``part.size`` or 1. ``resident``
+    groups keep the full compute-dtype buffer allocated for the whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
     ``trainable`` is False for frozen parameters (``requires_grad=False``): they
     are partitioned and gathered like the others but get no gradient buffer and
     never enter the optimizer, so weight decay cannot touch them. ``per_matrix`` groups hold
-    parameters a per-matrix optimizer (Muon) updates whole (``megazero/zero/muon.py``).
+    parameters a per-matrix optimizer (Muon) updates whole (``megazero/zero/optimizers/muon_step.py``).
     """
 
     def __init__(
@@ -89,7 +89,7 @@ class FlatGroup:
         self.shard_start = self.rank * self.shard_numel
         self.compute_dtype, self.device = compute_dtype, device
         self.resident, self.weight_decay, self.trainable = resident, weight_decay, trainable
-        self.per_matrix = per_matrix  # stepped matrix by matrix (Muon: megazero/zero/muon.py), not elementwise
+        self.per_matrix = per_matrix  # stepped matrix by matrix (Muon: zero/optimizers/muon_step.py), not elementwise
         self.full: Optional[torch.Tensor] = None  # [padded_numel] compute dtype; storage empty while released
         self.shard: torch.Tensor  # [shard_numel] compute dtype (a view of `full` when resident)
         self.master: torch.Tensor  # [shard_numel] fp32 (aliases `shard` when compute is fp32)

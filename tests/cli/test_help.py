@@ -10,6 +10,7 @@ import pytest
 
 from megazero.config.arguments import ConfigError, parse_args, parse_args_or_exit
 from megazero.config.flags import FLAGS, REFUSED, _shown
+from megazero.zero.optimizers import registered
 from tests.cli.programs import PROGRAMS, ROOT, parser
 
 TINY = ("--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -85,8 +86,9 @@ CONTEXT = {
     "--recompute-num-layers": (["--recompute-granularity", "full"], ()),
     "--lr-wsd-decay-style": (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], ()),
     "--lr-warmup-samples": (["--train-samples", "10"], ("--train-iters",)),
-    "--sgd-momentum": (["--optimizer", "sgd"], ()),
-    **{f.names[0]: (["--optimizer", "muon"], ()) for f in FLAGS if f.names[0].startswith("--muon-")},
+    # an optimizer's own flags beside that optimizer (each component says which flags are its own)
+    **{f"--{dest.replace('_', '-')}": (["--optimizer", kind.cli_names[0]], ()) for kind in registered()
+       for dest in kind.flag_dests()},
     "--qk-clip-threshold": (["--qk-clip"], ()),
     "--qk-clip-alpha": (["--qk-clip"], ()),
     "--optimizer-offload-fraction": (["--optimizer-cpu-offload"], ()),

@@ -10,7 +10,7 @@ import torch
 from megazero.model import GPTModel
 from megazero.zero.config import ZeroConfigError, load_config
 from megazero.zero.optimizers import MuonConfig
-from megazero.zero.muon import newton_schulz
+from megazero.zero.optimizers.muon_step import newton_schulz
 from tests.distributed import run_distributed
 from tests.zero.common import (GLOBAL_MICRO_ROWS, SEED, WD, batches, ds_config, reference_run, tiny_config,
                                zero_run)

@@ -54,7 +54,7 @@ class OptimizerConfig:
 
 
 class MatrixStep(Protocol):
-    """A per-matrix update over the engine's ``per_matrix`` flat groups (Muon's: ``zero/muon.py``)."""
+    """A per-matrix update over the engine's ``per_matrix`` flat groups (Muon's: ``zero/optimizers/muon_step.py``)."""
 
     def step(self, grads: dict, coef: float, optimizer: torch.optim.Optimizer) -> None:
         """Update the masters from ``grads`` (each group's reduced partition) scaled by ``coef``."""

@@ -69,8 +69,11 @@ class Lion(Optimizer):
         return LionKernel(param_groups, lr=oc.lr, betas=oc.betas)
 
     def add_flags(self, g):
-        g("honoured", "--lion-beta1", "Lion's beta1 (the update's interpolation)", float, default=0.9)
-        g("honoured", "--lion-beta2", "Lion's beta2 (the momentum's decay)", float, default=0.99)
+        # No default in the flag: unset, the DeepSpeed JSON's betas apply, else (0.9, 0.99).
+        g("honoured", "--lion-beta1", "Lion's beta1, the update's interpolation (unset: the DeepSpeed JSON's "
+          "betas[0], else 0.9)", float)
+        g("honoured", "--lion-beta2", "Lion's beta2, the momentum's decay (unset: the DeepSpeed JSON's betas[1], "
+          "else 0.99)", float)
 
     def flag_dests(self):
         return ("lion_beta1", "lion_beta2")

@@ -1,6 +1,6 @@
 """Muon (Megatron-LM's ``--optimizer muon``): Newton-Schulz-orthogonalised momentum on the 2-D weights
 inside the transformer layers (or those tagged ``use_muon``), the auxiliary AdamW on every other
-parameter. Its per-matrix step is :class:`megazero.zero.muon.MuonStep`."""
+parameter. Its per-matrix step is :class:`megazero.zero.optimizers.muon_step.MuonStep`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 
 import torch.distributed as dist
 
-from ..muon import MuonStep
+from .muon_step import MuonStep
 from .adam import Adam
 from .base import ZeroConfigError, register
 

@@ -30,10 +30,10 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full, tp_shard_group_of, tp_shard_of
-from .comm import CommCounter
-from .flat import FlatGroup
-from .matrix_exchange import Matrix, MatrixExchange, assign_owners, ns_cost
+from megazero.mpu.sharding import full_from_shards, is_tp_sharded, shard_of_full, tp_shard_group_of, tp_shard_of
+from megazero.zero.comm import CommCounter
+from megazero.zero.flat import FlatGroup
+from megazero.zero.matrix_exchange import Matrix, MatrixExchange, assign_owners, ns_cost
 
 __all__ = ["newton_schulz", "scale_factor", "MuonStep"]
 logger = logging.getLogger(__name__)
