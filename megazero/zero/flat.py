@@ -55,7 +55,8 @@ class FlatGroup:
 
     ``part`` is the :class:`Partitioning` the group is reduced over; ``partitioned`` False
     keeps the whole group on every rank (ZeRO-0), so ``partitions`` is ``part.size`` or 1. ``resident``
-    groups keep the full compute-dtype buffer allocated for the whole run (ZeRO 0-2, and ZeRO-3's small persistent parameters).
+    groups keep the full compute-dtype buffer allocated for the whole run (ZeRO 0-2, and ZeRO-3's small
+    persistent parameters).
     ``trainable`` is False for frozen parameters (``requires_grad=False``): they
     are partitioned and gathered like the others but get no gradient buffer and
     never enter the optimizer, so weight decay cannot touch them. ``per_matrix`` groups hold
