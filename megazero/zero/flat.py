@@ -212,13 +212,14 @@ class FlatGroup:
         group does, and so does ``on_grad``'s owner) is a cycle nobody collects, and every engine a
         process ever built would stay alive with its buffers and process groups. Hence weak
         references and the slot's index; once either is gone the hooks do nothing."""
-        group_ref, on_grad_ref = weakref.ref(self), weakref.WeakMethod(on_grad)
+        # weakref.ref, not WeakMethod: dereferencing it is C, the hook runs for every parameter in every backward
+        group_ref, owner_ref, func = weakref.ref(self), weakref.ref(on_grad.__self__), on_grad.__func__
 
         def hook_of(index: int):
             def hook(param: torch.Tensor) -> None:
-                group, fn = group_ref(), on_grad_ref()
-                if group is not None and fn is not None:
-                    fn(group, group.slots[index], param)
+                group, owner = group_ref(), owner_ref()
+                if group is not None and owner is not None:
+                    func(owner, group, group.slots[index], param)
             return hook
 
         return [s.param.register_post_accumulate_grad_hook(hook_of(i)) for i, s in enumerate(self.slots)]

@@ -67,16 +67,19 @@ class _AfterBackward(torch.autograd.Function):
 
 
 class _GatheringDict(dict):
-    """A module's ``_parameters`` that tells the window whenever a parameter is read."""
+    """A module's ``_parameters`` that tells the window whenever a ZeRO parameter is read: the unit
+    holding it, found by the parameter's name in this module (a lookup by the tensor would run
+    ``Tensor.__hash__``, Python, at every read of every parameter in forward and backward)."""
 
-    def __init__(self, params: dict, on_access: Callable[[torch.nn.Parameter], None]) -> None:
+    def __init__(self, params: dict, units: dict[str, Unit], on_access: Callable[[Unit], None]) -> None:
         super().__init__(params)
-        self.on_access = on_access
+        self.units, self.on_access = units, on_access
 
     def __getitem__(self, key):
         p = super().__getitem__(key)
-        if p is not None:
-            self.on_access(p)
+        unit = self.units.get(key)
+        if unit is not None:
+            self.on_access(unit)
         return p
 
 
@@ -140,7 +143,8 @@ class GatherWindow:
         self._model = model
         for m in model.modules():
             if m._parameters and not isinstance(m._parameters, _GatheringDict):
-                m._parameters = _GatheringDict(m._parameters, self._on_access)
+                units = {name: unit_of_param[p] for name, p in m._parameters.items() if p in unit_of_param}
+                m._parameters = _GatheringDict(m._parameters, units, self._on_access)
 
     def _reset_pass(self) -> None:
         self.cursor = -1  # forward: position in self.units of the last unit passed
@@ -289,12 +293,11 @@ class GatherWindow:
                 self.release(u)
         return None
 
-    def _on_access(self, param: torch.nn.Parameter) -> None:
-        """A parameter read during forward or backward: make sure its unit is whole."""
+    def _on_access(self, unit: Unit) -> None:
+        """A parameter of ``unit`` read during forward or backward: make sure the unit is whole."""
         if self.depth <= 0 and not self.in_backward():
             return
-        unit = self.unit_of_param.get(param)
-        if unit is None or unit.resident:
+        if unit.resident:
             return
         if unit.gathered and not unit.pending:
             return

@@ -120,7 +120,7 @@ class MuonStep:
             part = matrices[0].group.part
             self.loads[name] = assign_owners(matrices, part.size, config.ns_steps)
             self.exchanges.append(MatrixExchange(matrices, comm, name, part.rank, part.size))
-        self._tp_names: dict[int, str] = {}
+        self._tp_names: dict[Optional[dist.ProcessGroup], str] = {}
         # Each group's matrices with the range of this rank's partition they cover, and each matrix's
         # update scale (1 where the owner scales the parts of a fused matrix itself).
         self.held: dict[FlatGroup, list[tuple[Matrix, tuple[int, int]]]] = {g: [] for g in groups}
@@ -152,12 +152,11 @@ class MuonStep:
         return rows, cols
 
     def _tp_name(self, group: Optional[dist.ProcessGroup]) -> str:
-        key = id(group)
-        if key not in self._tp_names:
+        if group not in self._tp_names:
             name = f"muon.tp{len(self._tp_names)}"
             self.comm.groups[name] = group
-            self._tp_names[key] = name
-        return self._tp_names[key]
+            self._tp_names[group] = name
+        return self._tp_names[group]
 
     # ------------------------------------------------------------------ step
 
@@ -187,9 +186,9 @@ class MuonStep:
             for g in {m.group for m in exchange.matrices}:
                 scratch[g].zero_()
             exchange.scatter(updates, scratch)
-        hp = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+        hp = {p: pg for pg in optimizer.param_groups for p in pg["params"]}
         for g in self.groups:
-            group = hp[id(g.master)]
+            group = hp[g.master]
             lr, wd = group["lr"], group["weight_decay"]
             if wd:
                 g.master.mul_(1 - lr * wd)
