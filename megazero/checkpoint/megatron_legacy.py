@@ -31,10 +31,10 @@ from typing import Any, Optional
 
 import torch
 
-from megazero.model.config import GPTConfig
-from megazero.model.interop.megatron_import import deepspeed_layer_names, flatten, megatron_names, megatron_to_megazero
 from megazero.checkpoint.megatron_pickle import load_megatron_file
 from megazero.checkpoint.torch_dist import is_torch_dist
+from megazero.model.config import GPTConfig
+from megazero.model.interop.megatron_import import deepspeed_layer_names, flatten, megatron_names, megatron_to_megazero
 
 __all__ = ["detect_foreign_checkpoint", "load_megatron_file", "import_megatron", "CONVERT_HINT"]
 

@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from megazero.zero.shard_io import CheckpointError
 from megazero.checkpoint.torch_dist_source import megazero_entry
+from megazero.zero.shard_io import CheckpointError
 
 __all__ = ["is_torch_dist_load", "torch_dist_path", "torch_dist_model_config", "torch_dist_tokenizer_dir",
            "megatron_scheduler_state", "read_torch_dist"]
@@ -61,8 +61,8 @@ def torch_dist_model_config(load: str, iteration: Optional[int] = None) -> tuple
     Megatron-LM's ``args`` describe, its vocabulary the padded one (Megatron-LM's softmax covers the padding
     rows; ``args.vocab_size`` is only a NullTokenizer's argument, one less than its vocabulary). Raises
     CheckpointError naming the file."""
-    from megazero.model.interop.megatron_import import config_from_megatron_args
     from megazero.checkpoint.torch_dist import TorchDistCheckpoint
+    from megazero.model.interop.megatron_import import config_from_megatron_args
 
     ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
     where = os.path.join(ckpt.directory, "common.pt")
@@ -287,9 +287,9 @@ def read_torch_dist(load: str, engine, config, *, iteration: Optional[int] = Non
     the optimizer state is not read: the run's own schedule from its start, as Megatron-LM's),
     ``optimizer_loaded``, ``bytes_read`` (this rank's, of the ``.distcp`` files), ``directory``, ``notes``, and
     ``engine`` (a megazero save's loss scaler and step counters, when the optimizer was loaded; else None)."""
-    from megazero.zero.checkpoint import load_full_weights_file
-    from megazero.checkpoint.torch_dist_source import MegatronDistSource, entries_for_checkpoint
     from megazero.checkpoint.torch_dist import TorchDistCheckpoint
+    from megazero.checkpoint.torch_dist_source import MegatronDistSource, entries_for_checkpoint
+    from megazero.zero.checkpoint import load_full_weights_file
 
     ckpt = TorchDistCheckpoint(torch_dist_path(load, iteration))
     own = megazero_entry(ckpt.common)

@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 
 from megazero import mpu
+from megazero.checkpoint.async_save import HostCopier, PendingSave, finish_write, gather_on_rank0
+from megazero.utils.phase_agreement import agree, attempt
 from megazero.zero.checkpoint import CheckpointError, publish_loaded_state, read_zero_state
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.shard_io import digest_file, fsync_path, sha256_file
-from megazero.checkpoint.async_save import HostCopier, PendingSave, finish_write, gather_on_rank0
-from megazero.utils.phase_agreement import agree, attempt
 
 __all__ = ["CheckpointError", "save_checkpoint", "stage_checkpoint", "PendingSave", "MegazeroSave", "load_checkpoint",
            "latest_iteration", "checkpoint_dir", "clear_partial", "publish_directory",

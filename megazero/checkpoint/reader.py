@@ -25,11 +25,18 @@ from typing import Any, Optional
 
 import torch
 
+from megazero.checkpoint.native import (
+    FULL_WEIGHTS,
+    TOKENIZER_DIR,
+    _saved_buffers,
+    _verified,
+    is_full_checkpoint,
+    read_manifest,
+    resolve_checkpoint_dir,
+)
 from megazero.mpu.sharding import shard_ranges
-from megazero.zero.shard_io import CheckpointError
-from megazero.checkpoint.native import (FULL_WEIGHTS, TOKENIZER_DIR, _saved_buffers, _verified, is_full_checkpoint,
-                            read_manifest, resolve_checkpoint_dir)
 from megazero.utils.safetensors_dtypes import DTYPE_OF_CODE
+from megazero.zero.shard_io import CheckpointError
 
 __all__ = ["CHECKPOINT_FORMATS", "checkpoint_format", "open_checkpoint", "saved_model_config",
            "checkpoint_tokenizer_dir", "SliceReader", "FullWeightsReader", "WithBuffers"]

@@ -33,12 +33,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.mpu.sharding import is_tp_sharded, tp_shard_of
-from megazero.zero.optim import optimizer_step
-from megazero.zero.shard_io import CheckpointError, fsync_path
 from megazero.checkpoint.async_save import HostCopier, PendingSave, gather_on_rank0
 from megazero.checkpoint.native import _named_persistent_buffers, checkpoint_dir, clear_partial, publish_directory
+from megazero.mpu.sharding import is_tp_sharded, tp_shard_of
 from megazero.utils.phase_agreement import agree
+from megazero.zero.optim import optimizer_step
+from megazero.zero.shard_io import CheckpointError, fsync_path
 
 __all__ = ["stage_torch_dist", "TorchDistSave", "flat_boxes", "global_pieces", "TRACKER"]
 
@@ -268,8 +268,14 @@ def _dcp_metadata(records: list[tuple], extra_keys: list[str], extra_file: str, 
     """torch.distributed.checkpoint's ``Metadata`` of every rank's chunks. A chunk written by two ranks (a
     copy both hold) is kept once; two chunks that overlap otherwise are an error of the writer."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     tensors: dict[str, TensorStorageMetadata] = {}
     storage, seen = {}, {}

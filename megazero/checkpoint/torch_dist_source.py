@@ -16,8 +16,8 @@ import torch
 
 from megazero.model.config import GPTConfig
 from megazero.model.interop.megatron_dist import TRANSFORMER_IMPLS, McoreEntry, mcore_entries
-from megazero.zero.shard_io import CheckpointError
 from megazero.utils.safetensors_dtypes import CODE_OF_DTYPE
+from megazero.zero.shard_io import CheckpointError
 
 __all__ = ["MegatronDistSource", "entries_for_checkpoint", "optimizer_state_kind", "megazero_entry", "open_torch_dist"]
 
@@ -124,8 +124,8 @@ def open_torch_dist(path: str, vocab_size: Optional[int] = None) -> tuple[GPTCon
     iteration dir). The config comes from ``common.pt``'s args (megazero's own config where megazero saved it);
     ``info``: format, iteration, the run's tp/pp/ep,
     ``optimizer`` (``optimizer_state_kind``), ``bytes_read``. A model key megazero cannot map is refused."""
-    from megazero.model.interop.megatron_import import config_from_megatron_args
     from megazero.checkpoint.torch_dist import TorchDistCheckpoint
+    from megazero.model.interop.megatron_import import config_from_megatron_args
 
     ckpt = TorchDistCheckpoint(path)
     own = megazero_entry(ckpt.common)

@@ -27,14 +27,14 @@ import shutil
 
 import torch
 
+from megazero.checkpoint.native import TOKENIZER_DIR
 from megazero.cli.common import setup_logging, tool_parser
 from megazero.cli.streaming import LayerProgress
-from megazero.model import GPTConfig
 from megazero.data.hf_tokenizer import import_tokenizer_from_hf
+from megazero.model import GPTConfig
 from megazero.model.interop.hf import HF_IMPORT_FAMILIES, config_from_hf, from_hf_state_dict, import_from_hf
 from megazero.model.interop.hf_deepseek import streaming_group
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, save_full
-from megazero.checkpoint.native import TOKENIZER_DIR
 from megazero.zero.shard_io import CheckpointError, ReadCounter, ShardFile
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ import json
 import logging
 import os
 
-from megazero.cli.common import setup_logging, tool_parser
-from megazero.model.state_dict import SafetensorsStreamWriter, save_full
 from megazero.checkpoint.megatron_legacy import import_megatron, load_megatron_file
 from megazero.checkpoint.torch_dist import is_torch_dist
+from megazero.cli.common import setup_logging, tool_parser
+from megazero.model.state_dict import SafetensorsStreamWriter, save_full
 from megazero.utils.progress import Progress
 from megazero.zero.shard_io import CheckpointError
 

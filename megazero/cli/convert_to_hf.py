@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from megazero.checkpoint.native import TOKENIZER_DIR, CheckpointError
+from megazero.checkpoint.reader import FullWeightsReader, checkpoint_tokenizer_dir, open_checkpoint
 from megazero.cli.common import setup_logging, tool_parser
 from megazero.cli.streaming import LayerProgress
 from megazero.data.hf_tokenizer import export_tokenizer_to_hf
@@ -35,8 +37,6 @@ from megazero.model import GPTConfig
 from megazero.model.interop.hf import build_hf_config, export_to_hf, set_token_ids, to_hf_state_dict
 from megazero.model.interop.hf_deepseek import streaming_group
 from megazero.model.state_dict import CONFIG_NAME, FULL_WEIGHTS_NAME, convert_streaming, load_full
-from megazero.checkpoint.reader import FullWeightsReader, checkpoint_tokenizer_dir, open_checkpoint
-from megazero.checkpoint.native import TOKENIZER_DIR, CheckpointError
 from megazero.utils.optional_deps import require_packages
 
 TOOL = "convert_to_hf"

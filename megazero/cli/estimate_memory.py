@@ -21,11 +21,11 @@ from typing import Callable, Optional, Sequence
 
 from megazero.cli.common import write_output
 from megazero.cli.planning import add_device_memory, plan_config, planning_parser, split_own, tool_args
+from megazero.config.arguments import build_parser as pretrain_parser
+from megazero.config.arguments import describe
+from megazero.config.train_config import ConfigError, TrainConfig
 from megazero.model.config import GPTConfig
 from megazero.observe.planner import GiB, MemoryEstimate, estimate_memory, plan_of
-from megazero.config.arguments import describe
-from megazero.config.arguments import build_parser as pretrain_parser
-from megazero.config.train_config import ConfigError, TrainConfig
 from megazero.utils.progress import Progress
 
 log = logging.getLogger(__name__)

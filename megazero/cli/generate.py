@@ -24,14 +24,14 @@ import os
 import torch
 
 from megazero import mpu
+from megazero.checkpoint.native import CheckpointError
+from megazero.checkpoint.reader import checkpoint_tokenizer_dir, open_checkpoint
 from megazero.cli.common import setup_logging, tool_parser, write_output
+from megazero.config.train_config import GenerateConfig
 from megazero.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megazero.data.tokenizer_files import load_tokenizer_from_dir, recorded_tokenizer_args
 from megazero.model import GPTModel, materialize_
 from megazero.model.sampling import generate_text
-from megazero.checkpoint.reader import checkpoint_tokenizer_dir, open_checkpoint
-from megazero.checkpoint.native import CheckpointError
-from megazero.config.train_config import GenerateConfig
 from megazero.utils.phase_agreement import agree, report
 from megazero.utils.progress import Progress
 

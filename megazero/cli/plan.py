@@ -36,14 +36,24 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from megazero.cli.common import write_output  # noqa: E402
 from megazero.cli.planning import plan_config, planning_parser, tool_args  # noqa: E402
-from megazero.observe.plan_devices import DEVICES, Cluster, device_preset  # noqa: E402
-from megazero.observe.plan_search import (MEMORY_TERMS,  # noqa: E402
-                                          Family, Plan, Restrictions, SearchResult, describe_layout,
-                                          family_reason, grown_terms, layout_args, search, slower_because)
-from megazero.observe.plan_time import GEMM_EFFICIENCY, TIME_TERMS  # noqa: E402
-from megazero.observe.planner import GiB, plan_of  # noqa: E402
 from megazero.config.arguments import build_parser as pretrain_parser  # noqa: E402
 from megazero.config.train_config import ConfigError, TrainConfig  # noqa: E402
+from megazero.observe.plan_devices import DEVICES, Cluster, device_preset  # noqa: E402
+from megazero.observe.plan_search import (  # noqa: E402
+    MEMORY_TERMS,
+    Family,
+    Plan,
+    Restrictions,
+    SearchResult,
+    describe_layout,
+    family_reason,
+    grown_terms,
+    layout_args,
+    search,
+    slower_because,
+)
+from megazero.observe.plan_time import GEMM_EFFICIENCY, TIME_TERMS  # noqa: E402
+from megazero.observe.planner import GiB, plan_of  # noqa: E402
 
 log = logging.getLogger(__name__)
 

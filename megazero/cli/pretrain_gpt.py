@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence = ()) -> int:
 def _main(argv: list[str] | None, callbacks: Sequence) -> int:
     from megazero import mpu
     from megazero.config import describe, parse_args_or_exit
-    from megazero.utils.phase_agreement import report
-    from megazero.utils.output import write_error_file
     from megazero.training.trainer import TrainingDiverged, pretrain
+    from megazero.utils.output import write_error_file
+    from megazero.utils.phase_agreement import report
 
     mpu.export_slurm_env()  # under plain `srun`, the world size the parser checks comes from SLURM
     config = parse_args_or_exit(argv)

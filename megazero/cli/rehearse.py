@@ -30,10 +30,9 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from megazero.cli.common import setup_logging, write_output  # noqa: E402
 from megazero.cli.planning import add_device_memory, planning_parser, split_own  # noqa: E402
-from megazero.observe.planner import GiB  # noqa: E402
-from megazero.observe.rehearsal import (default_ranks, format_report, launch_line, rehearsal_config,  # noqa: E402
-                                        rehearse, write_json)
 from megazero.config.train_config import ConfigError  # noqa: E402
+from megazero.observe.planner import GiB  # noqa: E402
+from megazero.observe.rehearsal import default_ranks, format_report, launch_line, rehearsal_config, rehearse, write_json  # noqa: E402
 from megazero.utils.progress import Progress  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,39 @@ import sys
 import time
 from typing import NoReturn, Optional, Sequence
 
-from megazero.model.config import PRESETS, GPTConfig  # noqa: F401  (re-exported)
+from megazero.config.flag_names import with_flags
+from megazero.config.flags import HELP_EPILOG, add_to_parser, refusals
+from megazero.config.resolve.common import default
+from megazero.config.resolve.data import (
+    DEFAULT_TOKENIZER,
+    TOKENIZER_TYPES,
+    missing_data_flags,
+    read_data_args_files,
+    resolve_data,
+)
+from megazero.config.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
+from megazero.config.resolve.deepspeed_moe import balancing_notes, merge_deepspeed_moe
+from megazero.config.resolve.logs import resolve_logging
+from megazero.config.resolve.model import (
+    GPT2_VOCAB_SIZE,
+    MODEL_FIELD_FLAGS,
+    build_gpt_config,
+    model_field_kwargs,
+    resolve_model,
+)
+from megazero.config.resolve.optim import resolve_optim
+from megazero.config.resolve.parallel import (
+    check_local_rank,
+    pipeline_plan_line,
+    resolve_context_parallel,
+    resolve_expert_parallel,
+    resolve_parallel,
+    resolve_pipeline,
+)
+from megazero.config.resolve.planning import PLANNING_NOTE, fill_for_planning
+from megazero.config.resolve.precision import resolve_precision
+from megazero.config.resolve.resume import check_pretrained, checkpoint_tokenizer_flags, resolve_checkpoint
+from megazero.config.resolve.schedule import resolve_schedule
 from megazero.config.train_config import (  # noqa: F401  (the config classes are re-exported)
     CheckpointConfig,
     ConfigError,
@@ -39,25 +71,9 @@ from megazero.config.train_config import (  # noqa: F401  (the config classes ar
     TrainConfig,
     rampup_global_batch_size,
 )
-from megazero.config.flag_names import with_flags
-from megazero.config.flags import HELP_EPILOG, add_to_parser, refusals
+from megazero.model.config import PRESETS, GPTConfig  # noqa: F401  (re-exported)
 from megazero.utils.output import console, write_error_file
 from megazero.zero.optimizers import component
-from megazero.config.resolve.common import default
-from megazero.config.resolve.data import (DEFAULT_TOKENIZER, TOKENIZER_TYPES, missing_data_flags,
-                                            read_data_args_files, resolve_data)
-from megazero.config.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
-from megazero.config.resolve.deepspeed_moe import balancing_notes, merge_deepspeed_moe
-from megazero.config.resolve.logs import resolve_logging
-from megazero.config.resolve.model import (GPT2_VOCAB_SIZE, MODEL_FIELD_FLAGS, build_gpt_config, model_field_kwargs,
-                                             resolve_model)
-from megazero.config.resolve.optim import resolve_optim
-from megazero.config.resolve.planning import PLANNING_NOTE, fill_for_planning
-from megazero.config.resolve.parallel import (check_local_rank, pipeline_plan_line, resolve_context_parallel,
-                                                resolve_expert_parallel, resolve_parallel, resolve_pipeline)
-from megazero.config.resolve.precision import resolve_precision
-from megazero.config.resolve.resume import check_pretrained, checkpoint_tokenizer_flags, resolve_checkpoint
-from megazero.config.resolve.schedule import resolve_schedule
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "parse_args_or_exit", "check_vocab", "describe",
            "pipeline_plan_line", "build_gpt_config", "model_field_kwargs", "MODEL_FIELD_FLAGS", "TOKENIZER_TYPES",

@@ -17,11 +17,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megazero.model.config import GPTConfig
 from megazero.config.ds_keys import strip_ignored
 from megazero.config.errors import ConfigError  # re-exported: `from megazero.config.train_config import ConfigError`
-from megazero.zero.config import (FP16Config, ZeroConfig, parse_communication_data_type, parse_fp16,
-                                  parse_grad_accum_dtype, parse_zero_optimization)
+from megazero.model.config import GPTConfig
+from megazero.zero.config import (
+    FP16Config,
+    ZeroConfig,
+    parse_communication_data_type,
+    parse_fp16,
+    parse_grad_accum_dtype,
+    parse_zero_optimization,
+)
 from megazero.zero.optimizers import component
 
 __all__ = [

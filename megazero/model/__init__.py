@@ -6,23 +6,33 @@ A training loop holds it by its face (:class:`ModelFace`: this rank's chunks, th
 from a batch, the step's hooks) and reads its figures by the names of ``metrics``.
 """
 
+from .attention.self_attention import SelfAttention
 from .config import PRESETS, GPTConfig, gpt_preset
+from .face import ModelBatch, ModelFace
 from .flops import flops_per_iteration, flops_per_token, layer_forward_flops_per_token, num_parameters
 from .gpt import GPTModel, PositionEmbedding, materialize_
-from .face import ModelBatch, ModelFace
-from .metrics import (EXPERT_LOAD_SUM, LM_LOSS, MOE_AUX_LOSS, MOE_DROPPED_SUM, MOE_LAYERS, MOE_METRICS, is_mtp_loss,
-                      metric_names, mtp_loss_name, step_metrics)
 from .interop.hf import export_to_hf, hf_architecture, import_from_hf
-from .state_dict import (
-    gather_full_state_dict,
-    gather_full_tensor,
-    load_full,
-    load_full_state_dict,
-    save_full,
-    shard_full_tensor,
+from .metrics import (
+                      EXPERT_LOAD_SUM,
+                      LM_LOSS,
+                      MOE_AUX_LOSS,
+                      MOE_DROPPED_SUM,
+                      MOE_LAYERS,
+                      MOE_METRICS,
+                      is_mtp_loss,
+                      metric_names,
+                      mtp_loss_name,
+                      step_metrics,
 )
-from .attention.self_attention import SelfAttention
 from .mlp import MLP, GatedColumnParallelLinear
+from .state_dict import (
+                      gather_full_state_dict,
+                      gather_full_tensor,
+                      load_full,
+                      load_full_state_dict,
+                      save_full,
+                      shard_full_tensor,
+)
 from .transformer import TransformerLayer
 
 __all__ = [

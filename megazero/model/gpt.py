@@ -27,7 +27,6 @@ site) and attention-dropout masks by (sample, global head, query index, key inde
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -37,14 +36,14 @@ import torch.nn.functional as F
 from megazero import mpu
 from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
-from .config import GPTConfig
-from .keyed_dropout import DropoutKey
-from .norms import build_norm
 from .attention.rope import rotary_embedding
-from .moe.layer import AuxLossScale
+from .config import GPTConfig
 from .init import init_methods
+from .keyed_dropout import DropoutKey
 from .layer_spec import ExpertParallel
+from .moe.layer import AuxLossScale
 from .mtp import MTPScale, MultiTokenPrediction, multi_token_targets
+from .norms import build_norm
 from .transformer import TransformerLayer, dropout
 
 if TYPE_CHECKING:  # handed in with a micro-batch and passed to the layers; only its positions are read here

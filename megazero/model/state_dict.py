@@ -26,7 +26,6 @@ import torch.distributed as dist
 from megazero.mpu.mappings import resolve_tp_group
 from megazero.mpu.sharding import full_from_shards, shard_of_full
 from megazero.mpu.utils import group_rank, group_size
-
 from megazero.utils.safetensors_dtypes import CODE_OF_DTYPE
 
 from .config import GPTConfig

@@ -198,8 +198,8 @@ def row_flags(row: RecordRow) -> list[str]:
 
 
 def _setup(row: RecordRow):
-    from megazero.observe.planner import plan_of
     from megazero.config.arguments import parse_args
+    from megazero.observe.planner import plan_of
 
     config = parse_args(row_flags(row), 1, check_files=False, planning=True)
     return config, plan_of(config), Cluster(row.gpus, 8, device_preset(row.setting.gpu))

@@ -40,8 +40,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import (_mtp_flops_per_token, attention_matrices, attention_square_flops_per_token,
-                                  expert_parameters, moe_layers)
+from megazero.model.flops import (
+    _mtp_flops_per_token,
+    attention_matrices,
+    attention_square_flops_per_token,
+    expert_parameters,
+    moe_layers,
+)
 from megazero.observe.plan_devices import Cluster
 from megazero.observe.planner import MemoryEstimate
 from megazero.observe.planner_activations import activation_bytes_per_layer

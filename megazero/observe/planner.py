@@ -60,12 +60,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import (expert_parameters, flops_per_iteration, moe_layers, mtp_parameters, num_parameters,
-                                  replicated_parameters)
-from megazero.observe.gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
-                                            loader_pinned_bytes, nccl_communicators, nccl_line)
-from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
+from megazero.model.flops import (
+    expert_parameters,
+    flops_per_iteration,
+    moe_layers,
+    mtp_parameters,
+    num_parameters,
+    replicated_parameters,
+)
+from megazero.observe.gpu_overheads import (
+    HOST_MEMORY_NOTE,
+    NCCL_COMMUNICATOR_BYTES,
+    gradient_communicator_note,
+    loader_pinned_bytes,
+    nccl_communicators,
+    nccl_line,
+)
 from megazero.observe.planner_activations import _activations, _gathered_kv, activation_bytes_per_layer
+from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
 from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
 from megazero.observe.planner_stages import STATE_BYTES as _STATE_BYTES
 from megazero.observe.planner_stages import embedding_params as _embedding_params

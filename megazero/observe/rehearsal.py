@@ -60,16 +60,22 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import mpu
-from ..utils.memory_tracker import LiveMemoryTracker
-from .step_kinds import StepKinds
-from ..utils.meta_device import MetaDeviceMode, cuda_kernels_on_meta
 from megazero.config.arguments import parse_args
 from megazero.config.train_config import ConfigError, TrainConfig
 from megazero.utils.output import RUN_LOGGERS, console
-from .gpu_overheads import (HOST_MEMORY_NOTE, NCCL_COMMUNICATOR_BYTES, gradient_communicator_note,
-                            nccl_communicators, nccl_line)
+
+from .. import mpu
+from ..utils.memory_tracker import LiveMemoryTracker
+from ..utils.meta_device import MetaDeviceMode, cuda_kernels_on_meta
+from .gpu_overheads import (
+    HOST_MEMORY_NOTE,
+    NCCL_COMMUNICATOR_BYTES,
+    gradient_communicator_note,
+    nccl_communicators,
+    nccl_line,
+)
 from .planner import GiB
+from .step_kinds import StepKinds
 
 __all__ = ["RankReport", "rehearsal_config", "launch_line", "default_ranks", "sent_by_plan_group", "PLAN_GROUPS", "rehearse_rank", "rehearse", "format_report",
            "write_json", "REHEARSAL_ITERATIONS"]

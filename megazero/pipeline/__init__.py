@@ -28,9 +28,17 @@ Wiring for a trainer (one rank)::
 from .engine_step import MicroBatch, PipelineStage, TiedEmbeddingGradSync, backward_step, shared_copy_parameters
 from .p2p import PipeP2P
 from .runner import ScheduleRunner
+from .schedules import (
+                        Compute,
+                        Exchange,
+                        ScheduleError,
+                        Transfer,
+                        build_schedule,
+                        check_schedule_args,
+                        num_warmup_microbatches,
+                        simulate,
+)
 from .stage_model import StageModel
-from .schedules import (Compute, Exchange, ScheduleError, Transfer, build_schedule, check_schedule_args,
-                        num_warmup_microbatches, simulate)
 
 __all__ = ["Compute", "Exchange", "Transfer", "ScheduleError", "build_schedule", "check_schedule_args",
            "num_warmup_microbatches", "simulate", "PipeP2P", "ScheduleRunner", "PipelineStage", "MicroBatch",

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megazero import zero
+from megazero.config.train_config import TrainConfig
 from megazero.data import build_batch, masked_mean, to_device
 from megazero.model import LM_LOSS, ModelBatch, ModelFace
 from megazero.pipeline import PipelineStage
 from megazero.training.qk_clip import QKClip
-from megazero.config.train_config import TrainConfig
 
 __all__ = ["TrainModel", "LossLog", "ModelBatch", "megatron_no_weight_decay"]
 

@@ -22,15 +22,28 @@ import torch
 from megazero import mpu
 from megazero.config.arguments import check_vocab
 from megazero.config.train_config import TrainConfig
-from megazero.utils.phase_agreement import agree
 from megazero.training.health import PhaseBoard
 from megazero.training.health.watchdog import Watchdog, check_timeout_covers_save
-from megazero.training.loop import (Callback, Callbacks, Checkpointer, Evaluator, FailureProtocol, MetricsLogger,
-                   StepResult, StopPolicy, TrainingDiverged, TrainState, build_datasets, describe_model, evaluate,
-                   loader)
+from megazero.training.loop import (
+    Callback,
+    Callbacks,
+    Checkpointer,
+    Evaluator,
+    FailureProtocol,
+    MetricsLogger,
+    StepResult,
+    StopPolicy,
+    TrainingDiverged,
+    TrainState,
+    build_datasets,
+    describe_model,
+    evaluate,
+    loader,
+)
 from megazero.training.lr_schedule import LRScheduler
-from megazero.utils.output import rank_zero_logger
 from megazero.training.step import TrainModel, megatron_no_weight_decay
+from megazero.utils.output import rank_zero_logger
+from megazero.utils.phase_agreement import agree
 
 __all__ = ["TrainingDiverged", "TrainResult", "pretrain", "megatron_no_weight_decay", "evaluate", "Callback"]
 

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from ..utils.scopes import scope
+from . import full_weights, materialize
 from .agreement import STEP_VALUES
 from .comm import build_comm
 from .config import ZeroConfig
 from .flat import FlatGroup, ParamSlot, squared_norm
-from . import full_weights, materialize
 from .grads import build_gradient_store
 from .loss_scaler import LossScaler
 from .optimizers import MatrixStep

@@ -21,12 +21,16 @@ the partitions have shapes and no memory.
 
 from __future__ import annotations
 
-
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..mpu.initializers import (InitSpec, modules_with_direct_parameters, naming_key, parameter_naming,
-                                recording_init_specs)
+from ..mpu.initializers import (
+    InitSpec,
+    modules_with_direct_parameters,
+    naming_key,
+    parameter_naming,
+    recording_init_specs,
+)
 from .flat import FlatGroup, ParamSlot
 
 __all__ = ["materialize_partitions", "bind_parameters"]

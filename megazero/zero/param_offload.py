@@ -33,7 +33,7 @@ import torch
 
 from .config import OffloadParamConfig
 from .flat import FlatGroup
-from .offload import ALIGN, DEFAULT_CHUNK, RING_SHARE, OffloadFiles, close_all, claim_directory, file_name
+from .offload import ALIGN, DEFAULT_CHUNK, RING_SHARE, OffloadFiles, claim_directory, close_all, file_name
 from .pinned import HostArena
 
 __all__ = ["DEEPSPEED_BUFFER_SIZE", "ParamOffload", "ring_bytes"]

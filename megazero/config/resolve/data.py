@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import Optional
 
-from megazero.config.train_config import ConfigError, DataConfig
 from megazero.config.resolve.common import default
+from megazero.config.train_config import ConfigError, DataConfig
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
                    "HuggingFaceTokenizer", "HFTokenizer", "NullTokenizer")

@@ -6,9 +6,9 @@ import argparse
 import json
 from typing import Any, Callable, Optional
 
-from megazero.config.train_config import ConfigError, OptimConfig
 from megazero.config.ds_keys import classify as classify_ds_keys
 from megazero.config.resolve.common import json_get, same_value
+from megazero.config.train_config import ConfigError, OptimConfig
 from megazero.zero.optimizers import ZeroConfigError, component
 
 # (JSON key path, namespace attribute, flag as the user spells it, JSON value -> flag value)

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from megazero.model.config import GPTConfig
-
 from megazero.config.train_config import ConfigError
+from megazero.model.config import GPTConfig
 
 __all__ = ["merge_deepspeed_moe", "balancing_notes"]
 

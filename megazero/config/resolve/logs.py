@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import Any, Optional
 
-from megazero.config.train_config import ConfigError, LoggingConfig
 from megazero.config.resolve.common import default, json_get
+from megazero.config.train_config import ConfigError, LoggingConfig
 
 
 def resolve_logging(ns: argparse.Namespace, ds: Optional[dict[str, Any]], notes: list[str],

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from megazero.config.train_config import ConfigError
 from megazero.config.resolve.common import default, same_value
+from megazero.config.train_config import ConfigError
 
 __all__ = ["mla_kwargs", "given_mla_fields", "MLA_FLAG_DEFAULTS"]
 

@@ -8,15 +8,22 @@ from typing import Any, Optional
 
 import torch
 
-from megazero.model.config import PRESETS, GPTConfig
-from megazero.config.train_config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
 from megazero.config.resolve.common import default
 from megazero.config.resolve.mla import given_mla_fields, mla_kwargs
-from megazero.config.resolve.resume import (CHECKPOINT_FILL_FIELDS, CHECKPOINT_LEARNED_FIELDS,
-                                              CHECKPOINT_MODEL_FIELDS, CHECKPOINT_TRAINING_FIELDS,
-                                              checkpoint_args_source, checkpoint_model, checkpoint_model_kwargs,
-                                              checkpoint_training_kwargs, flags_give_the_shape,
-                                              keep_saved_vocab_padding)
+from megazero.config.resolve.resume import (
+    CHECKPOINT_FILL_FIELDS,
+    CHECKPOINT_LEARNED_FIELDS,
+    CHECKPOINT_MODEL_FIELDS,
+    CHECKPOINT_TRAINING_FIELDS,
+    checkpoint_args_source,
+    checkpoint_model,
+    checkpoint_model_kwargs,
+    checkpoint_training_kwargs,
+    flags_give_the_shape,
+    keep_saved_vocab_padding,
+)
+from megazero.config.train_config import ConfigError, DataConfig, ParallelConfig, PrecisionConfig
+from megazero.model.config import PRESETS, GPTConfig
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE (50,000 merges + 256 bytes + <|endoftext|>)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from megazero.config.resolve.common import default, json_get
 from megazero.config.train_config import ConfigError, OptimConfig
 from megazero.zero.optimizers import ZeroConfigError, component, registered
-from megazero.config.resolve.common import default, json_get
 
 
 def resolve_optim(ns: argparse.Namespace, ds: Optional[dict[str, Any]]) -> OptimConfig:

@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
-from megazero.model.config import GPTConfig
-from megazero.config.train_config import ConfigError, ParallelConfig, ScheduleConfig, TrainConfig
 from megazero.config.resolve.common import default
+from megazero.config.train_config import ConfigError, ParallelConfig, ScheduleConfig, TrainConfig
+from megazero.model.config import GPTConfig
 
 MIN_TIMEOUT_S = 10.0  # --distributed-timeout-minutes' floor
 
@@ -117,7 +117,11 @@ def resolve_parallel(ns: argparse.Namespace, world_size: int, notes: list[str], 
 
 def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConfig, schedule: ScheduleConfig) -> None:
     """Virtual stages and the layer split, checked against the layers and micro-batches before any collective."""
-    from megazero.model.pipeline_split import PipelineSplitError, layers_per_chunk_table, virtual_stages_from_layers_per_stage
+    from megazero.model.pipeline_split import (
+        PipelineSplitError,
+        layers_per_chunk_table,
+        virtual_stages_from_layers_per_stage,
+    )
 
     if par.pp == 1:
         return

@@ -8,9 +8,8 @@ import json
 import math
 from typing import Any, Callable, Optional
 
-from megazero.config.train_config import ConfigError, PrecisionConfig
 from megazero.config.resolve.common import same_value
-
+from megazero.config.train_config import ConfigError, PrecisionConfig
 
 # DeepSpeed's fp16 block: (JSON key, DeepSpeed's default, namespace attribute, flag, JSON -> PrecisionConfig value)
 _FP16_KEYS: list[tuple[str, Any, str, str, Callable[[Any], Any]]] = [

@@ -14,8 +14,8 @@ def start_checkpoint(ns: argparse.Namespace) -> Optional[str]:
     """The checkpoint the run's weights come from: --load when it holds a megazero checkpoint ('latest'),
     full weights (a converter's output) or a torch_dist checkpoint (Megatron-LM's or megazero's), else
     --pretrained-checkpoint; None for a fresh start."""
-    from megazero.checkpoint.native import FULL_WEIGHTS, latest_iteration
     from megazero.checkpoint.megatron_resume import is_torch_dist_load
+    from megazero.checkpoint.native import FULL_WEIGHTS, latest_iteration
 
     if ns.load is not None and os.path.isdir(ns.load):
         if is_torch_dist_load(ns.load):
@@ -44,8 +44,8 @@ def _iteration(ns: argparse.Namespace, source: str) -> Optional[int]:
 
 def checkpoint_model(ns: argparse.Namespace, source: str) -> tuple[str, dict[str, Any]]:
     """``(where, saved GPTConfig dict)`` of the checkpoint ``source`` (any format the run can start from)."""
-    from megazero.checkpoint.reader import saved_model_config
     from megazero.checkpoint.native import CheckpointError
+    from megazero.checkpoint.reader import saved_model_config
 
     try:
         return saved_model_config(source, _iteration(ns, source))
@@ -160,9 +160,9 @@ def checkpoint_tokenizer_flags(ns: argparse.Namespace, notes: list[str]) -> bool
     source = start_checkpoint(ns)
     if source is None:
         return False
-    from megazero.data.tokenizer_files import recorded_tokenizer_args
-    from megazero.checkpoint.reader import checkpoint_tokenizer_dir
     from megazero.checkpoint.native import CheckpointError
+    from megazero.checkpoint.reader import checkpoint_tokenizer_dir
+    from megazero.data.tokenizer_files import recorded_tokenizer_args
 
     try:
         directory = checkpoint_tokenizer_dir(source, _iteration(ns, source))

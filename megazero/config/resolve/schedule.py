@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from megazero.config.train_config import ConfigError, ParallelConfig, ScheduleConfig, rampup_global_batch_size
 from megazero.config.resolve.common import default, json_get
+from megazero.config.train_config import ConfigError, ParallelConfig, ScheduleConfig, rampup_global_batch_size
 
 
 def _rampup_iterations(rampup: tuple[int, int, int], gbs: int, train_samples: int) -> int:

@@ -41,8 +41,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megazero.utils.output import write_error_file
 from megazero.training.health.phases import PhaseBoard, Whereabouts
+from megazero.utils.output import write_error_file
 
 __all__ = ["Watchdog", "Verdict", "diagnose", "is_collective_timeout", "check_timeout_covers_save",
            "warn_if_save_near_timeout", "rank_list"]

@@ -9,14 +9,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.utils.progress import Progress
 from megazero.config.train_config import TrainConfig
 from megazero.training.health import PhaseBoard
-from megazero.training.meters import EVAL_LOSS_KEY, MetricsWriter
-from megazero.utils.output import rank_zero_logger
-from megazero.training.step import LossLog, TrainModel
 from megazero.training.loop.data import loader, read_agreed
 from megazero.training.loop.state import TrainState
+from megazero.training.meters import EVAL_LOSS_KEY, MetricsWriter
+from megazero.training.step import LossLog, TrainModel
+from megazero.utils.output import rank_zero_logger
+from megazero.utils.progress import Progress
 
 __all__ = ["Evaluator", "evaluate"]
 

@@ -9,12 +9,12 @@ from typing import Iterator
 import torch
 
 from megazero.config.train_config import TrainConfig
-from megazero.utils.phase_agreement import Failure, attempt, conclude, failure_of
-from megazero.training.step import TrainModel
 from megazero.training.loop.checkpointer import Checkpointer
 from megazero.training.loop.data import take
 from megazero.training.loop.metrics_logger import MetricsLogger
 from megazero.training.loop.state import TrainState
+from megazero.training.step import TrainModel
+from megazero.utils.phase_agreement import Failure, attempt, conclude, failure_of
 
 __all__ = ["TrainingDiverged", "FailureProtocol"]
 

@@ -9,19 +9,26 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.model import (EXPERT_LOAD_SUM, LM_LOSS, MOE_AUX_LOSS, MOE_DROPPED_SUM, MOE_LAYERS, is_mtp_loss,
-                            num_parameters)
-from megazero.utils.memory_tracker import step_peak_memory
 from megazero.config.train_config import TrainConfig
+from megazero.model import (
+    EXPERT_LOAD_SUM,
+    LM_LOSS,
+    MOE_AUX_LOSS,
+    MOE_DROPPED_SUM,
+    MOE_LAYERS,
+    is_mtp_loss,
+    num_parameters,
+)
 from megazero.training.health.phases import PhaseBoard
 from megazero.training.health.stragglers import Stragglers
+from megazero.training.loop.state import StepResult, TrainState
 from megazero.training.lr_schedule import LRScheduler
 from megazero.training.meters import IntervalMeter, IterationStats, MetricsWriter, Throughput, format_log_lines
 from megazero.training.norms import count_zeros_in_grads, optimizer_state_stats, params_norm
-from megazero.utils.output import rank_zero_logger
 from megazero.training.run_control import PhaseClock
 from megazero.training.step import LossLog, TrainModel
-from megazero.training.loop.state import StepResult, TrainState
+from megazero.utils.memory_tracker import step_peak_memory
+from megazero.utils.output import rank_zero_logger
 
 __all__ = ["MetricsLogger", "describe_model"]
 

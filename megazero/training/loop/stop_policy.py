@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 
 from megazero.config.train_config import TrainConfig
-from megazero.utils.output import rank_zero_logger
-from megazero.training.run_control import SignalFlag, exit_reason
 from megazero.training.loop.state import TrainState
+from megazero.training.run_control import SignalFlag, exit_reason
+from megazero.utils.output import rank_zero_logger
 
 __all__ = ["StopPolicy"]
 

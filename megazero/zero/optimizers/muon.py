@@ -9,9 +9,9 @@ import logging
 
 import torch.distributed as dist
 
-from .muon_step import MuonStep
 from .adam import Adam
 from .base import ZeroConfigError, register
+from .muon_step import MuonStep
 
 __all__ = ["Muon", "MuonConfig", "SCALE_MODES", "TP_MODES"]
 logger = logging.getLogger(__name__)
