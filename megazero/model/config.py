@@ -71,6 +71,9 @@ class GPTConfig:
     add_bias_linear: bool = True  # biases on every linear layer (QKV, proj, MLP)
     add_qkv_bias: bool = False  # a bias on the QKV projection alone (Megatron's --add-qkv-bias, Qwen2's)
     tie_embeddings: bool = True  # output layer reuses the input embedding matrix
+    # The Hugging Face model_type an export writes where two describe this network alike ('mistral' beside
+    # 'llama'); None: the one the architecture picks (interop/hf.py). The HF import records it.
+    hf_model_type: Optional[str] = None
     # --- mixture of experts (Megatron-core's names; moe.py) -----------------------------------
     num_experts: Optional[int] = None  # None: dense MLPs
     moe_router_topk: int = 2
@@ -129,9 +132,14 @@ class GPTConfig:
     # context by rotary_scaling_factor, keeps those above beta_fast, and scales the tables by
     # mscale(factor, mscale) / mscale(factor, mscale_all_dim); the softmax scale is multiplied by
     # mscale(factor, mscale_all_dim)^2, with mscale(f, m) = 0.1 m ln f + 1 (1 for f <= 1).
+    # 'llama3' (Llama 3.1's, transformers' _compute_llama3_parameters and Megatron's --use-rope-scaling): the
+    # frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by
+    # rotary_scaling_factor, those shorter than original / high_freq_factor kept, the ones between blended.
     rope_type: Optional[str] = None
     rotary_scaling_factor: float = 1.0
     original_max_position_embeddings: int = 4096
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
@@ -215,7 +223,7 @@ class GPTConfig:
 
     @property
     def resolved_rope_type(self) -> str:
-        """'rope' or 'yarn' (``rope_type``, or its default: 'yarn' under multi-latent attention)."""
+        """'rope', 'yarn' or 'llama3' (``rope_type``, or its default: 'yarn' under multi-latent attention)."""
         if self.rope_type is not None:
             return self.rope_type
         return "yarn" if self.multi_latent_attention else "rope"
@@ -314,8 +322,10 @@ class GPTConfig:
 
     def _validate_rope_scaling(self) -> None:
         kind = self.resolved_rope_type
-        if kind not in ("rope", "yarn"):
-            raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
+        if kind not in ("rope", "yarn", "llama3"):
+            raise ValueError(f"rope_type must be 'rope', 'yarn' or 'llama3', got {self.rope_type!r}")
+        if kind == "llama3":
+            self._validate_llama3_rope()
         if kind == "yarn":
             if self.position_embedding_type != "rope":
                 raise ValueError("rope_type='yarn' needs position_embedding_type='rope'")
@@ -327,6 +337,16 @@ class GPTConfig:
                                  f"{self.original_max_position_embeddings}")
             if not 0 < self.beta_slow <= self.beta_fast:
                 raise ValueError(f"YaRN needs 0 < beta_slow <= beta_fast, got {self.beta_slow}, {self.beta_fast}")
+
+    def _validate_llama3_rope(self) -> None:
+        if self.position_embedding_type != "rope" or self.multi_latent_attention:
+            raise ValueError("rope_type='llama3' needs position_embedding_type='rope' without multi-latent attention")
+        if not self.rotary_scaling_factor > 0 or self.original_max_position_embeddings < 1:
+            raise ValueError(f"rope_type='llama3' needs rotary_scaling_factor > 0 and original_max_position_embeddings "
+                             f">= 1, got {self.rotary_scaling_factor}, {self.original_max_position_embeddings}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"rope_type='llama3' needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor}, {self.high_freq_factor}")
 
     def _validate_mtp(self) -> None:
         if self.mtp_num_layers < 0:

@@ -133,7 +133,7 @@ def test_unrepresentable_configs_are_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("arch, changes, field", [
     ("gpt", dict(qk_layernorm=True), "qk_layernorm=True"),
-    ("llama", dict(qk_layernorm=True), "qk_layernorm=True"),
+    ("llama", dict(qk_layernorm=True, add_bias_linear=True), "qk_layernorm=True"),  # without biases: Qwen3
     ("llama", dict(rotary_percent=0.5), "rotary_percent=0.5"),
     ("gpt", dict(activation="squared_relu"), "activation='squared_relu'"),
     ("gpt", dict(position_embedding_type="none"), "position_embedding_type='none'"),

@@ -15,6 +15,11 @@ make ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embe
 outwards), and the tables are multiplied by an attention factor. Both follow transformers'
 ``_compute_yarn_parameters`` (the DeepSeek-V3 parity target); see :func:`yarn_attention_factor` for
 where Megatron-core's factor differs.
+
+Llama 3 (``rope_type='llama3'``, Llama-3.1/3.2/3.3 and Megatron's ``--use-rope-scaling``): frequencies whose
+wavelength exceeds ``original / low_freq_factor`` are divided by ``factor``, those shorter than
+``original / high_freq_factor`` kept, and the ones between blended smoothly; the tables are not rescaled.
+The operations are transformers' ``_compute_llama3_parameters`` (= Megatron-core's ``_apply_scaling``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from ..config import GPTConfig
 
-__all__ = ["RotaryEmbedding", "YarnScaling", "apply_rotary", "deinterleave", "rotary_embedding",
+__all__ = ["RotaryEmbedding", "YarnScaling", "Llama3Scaling", "apply_rotary", "deinterleave", "rotary_embedding",
            "yarn_get_mscale", "yarn_attention_factor", "softmax_mscale"]
 
 
@@ -56,6 +61,37 @@ class YarnScaling:
             return None
         return cls(config.rotary_scaling_factor, config.original_max_position_embeddings, config.beta_fast,
                    config.beta_slow, config.mscale, config.mscale_all_dim)
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3's frequency scaling (GPTConfig's names: rotary_scaling_factor is ``factor``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def of(cls, config: GPTConfig) -> Optional["Llama3Scaling"]:
+        """The config's Llama 3 scaling, or None when its RoPE is not 'llama3'."""
+        if config.resolved_rope_type != "llama3":
+            return None
+        return cls(config.rotary_scaling_factor, config.low_freq_factor, config.high_freq_factor,
+                   config.original_max_position_embeddings)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
+    """Llama 3's rescaled inverse frequencies (transformers' operations, in its order)."""
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor
+                                                                                   - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, scaled)
 
 
 def yarn_attention_factor(y: YarnScaling) -> float:
@@ -97,14 +133,18 @@ def _yarn_inv_freq(dim: int, base: float, y: YarnScaling, device=None) -> torch.
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Computes ``(cos, sin)`` tables for given positions, plain or YaRN-scaled (``yarn``). Owns no
-    parameters or buffers, so meta construction and partitioned materialization need nothing special."""
+    """Computes ``(cos, sin)`` tables for given positions, plain, YaRN-scaled (``yarn``) or Llama-3-scaled
+    (``llama3``). Owns no parameters or buffers, so meta construction and partitioned materialization need
+    nothing special."""
 
-    def __init__(self, dim: int, base: float = 10000.0, yarn: Optional[YarnScaling] = None) -> None:
+    def __init__(self, dim: int, base: float = 10000.0, yarn: Optional[YarnScaling] = None,
+                 llama3: Optional[Llama3Scaling] = None) -> None:
         super().__init__()
         if dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {dim}")
-        self.dim, self.base, self.yarn = dim, base, yarn
+        if yarn is not None and llama3 is not None:
+            raise ValueError("RoPE takes YaRN or Llama 3 scaling, not both")
+        self.dim, self.base, self.yarn, self.llama3 = dim, base, yarn, llama3
         self.attention_factor = yarn_attention_factor(yarn) if yarn is not None else 1.0
 
     def inv_freq(self, device=None) -> torch.Tensor:
@@ -112,7 +152,8 @@ class RotaryEmbedding(torch.nn.Module):
         if self.yarn is not None:
             return _yarn_inv_freq(self.dim, self.base, self.yarn, device)
         exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
-        return 1.0 / (self.base ** exponents)  # computed as HF Llama does
+        inv_freq = 1.0 / (self.base ** exponents)  # computed as HF Llama does
+        return inv_freq if self.llama3 is None else _llama3_inv_freq(inv_freq, self.llama3)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` ``[s]`` or ``[b, s]`` -> ``cos, sin`` of shape ``[s, 1, 1, d]`` or ``[s, b, 1, d]`` (fp32)."""
@@ -129,7 +170,8 @@ class RotaryEmbedding(torch.nn.Module):
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}" + (f", yarn={self.yarn}" if self.yarn is not None else "")
+        return (f"dim={self.dim}, base={self.base}" + (f", yarn={self.yarn}" if self.yarn is not None else "")
+                + (f", llama3={self.llama3}" if self.llama3 is not None else ""))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +199,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotary_embedding(config: GPTConfig) -> RotaryEmbedding:
     """The model's RoPE tables for ``config``: over ``rotary_dim`` dimensions of each head, or over the
     decoupled RoPE part (``qk_pos_emb_head_dim``) under multi-latent attention; YaRN-scaled when
-    ``config.resolved_rope_type`` is 'yarn'."""
+    ``config.resolved_rope_type`` is 'yarn', Llama-3-scaled when it is 'llama3'."""
     dim = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.rotary_dim
-    return RotaryEmbedding(dim, config.rotary_base, YarnScaling.of(config))
+    return RotaryEmbedding(dim, config.rotary_base, YarnScaling.of(config), Llama3Scaling.of(config))

@@ -1,5 +1,5 @@
-"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints, the Llama-shaped
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps) and
+"""Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints, the dense Llama-shaped
+Qwen2, Qwen3 and Mistral (``hf_dense.py``, with Llama 3's RoPE scaling), the Llama-shaped mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps) and
 DeepSeek-V3 (multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports
 as one): the families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
 
@@ -18,9 +18,10 @@ by GPTModel (their logits are -inf), so logits and losses agree exactly with HF.
 
 Megatron options: ``kv_channels`` maps to Llama's ``head_dim``; ``apply_layernorm_1p`` is
 converted (HF stores gamma, megazero gamma - 1); training-only options (init method, fp32
-residual, query-key layer scaling, recompute, ...) do not change the network. Options HF
-GPT-2/Llama cannot express (``qk_layernorm``, ``rotary_percent`` < 1, ``squared_relu``, no
-position embedding, ``kv_channels`` != hidden/heads for GPT-2) are refused by field name.
+residual, query-key layer scaling, recompute, ...) do not change the network. ``qk_layernorm`` makes a
+Llama a Qwen3, ``add_qkv_bias`` a Qwen2 (``hf_dense.py``). Options no family expresses (``rotary_percent``
+< 1, ``squared_relu``, no position embedding, ``kv_channels`` != hidden/heads for GPT-2) are refused by
+field name.
 
 Any other combination is refused with the list of what does not fit.
 """
@@ -34,6 +35,8 @@ from typing import Any
 import torch
 
 from ..config import GPTConfig
+from .hf_dense import DENSE_ARCHITECTURES, DENSE_FAMILIES, dense_config_kwargs, dense_family, \
+    dense_hf_config_dict, dense_mismatches, hf_rope_scaling, qk_norm_from_hf, qk_norm_to_hf, rope_config_kwargs
 from .hf_deepseek import DEEPSEEK_ARCHITECTURES, DEEPSEEK_FAMILIES, DEEPSEEK_IMPORT_FAMILIES, deepseek_config_kwargs, \
     deepseek_hf_config_dict, deepseek_layer_from_hf, deepseek_layer_to_hf, deepseek_mismatches, deepseek_mtp_from_hf, \
     deepseek_mtp_to_hf, mtp_layers_present
@@ -44,9 +47,9 @@ __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architec
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
 
 
-HF_FAMILIES = ("gpt2", "llama") + MOE_FAMILIES + DEEPSEEK_FAMILIES  # HF model_type values converted both ways
+HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + DEEPSEEK_FAMILIES  # HF model_type values converted both ways
 HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES if f not in HF_FAMILIES)  # read
-HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **MOE_ARCHITECTURES,
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **DENSE_ARCHITECTURES, **MOE_ARCHITECTURES,
                     **DEEPSEEK_ARCHITECTURES}
 
 
@@ -68,7 +71,7 @@ def _gpt2_mismatches(c: GPTConfig) -> list[str]:
 def _llama_mismatches(c: GPTConfig) -> list[str]:
     need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu"),
             ("rotary_percent", 1.0)]
-    return [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v] + _common_mismatches(c)
+    return [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in need if getattr(c, k) != v] + dense_mismatches(c)
 
 
 def _common_mismatches(c: GPTConfig) -> list[str]:
@@ -109,8 +112,8 @@ def hf_architecture(config: GPTConfig) -> str:
     if not gpt2:
         return "gpt2"
     if not llama:
-        return "llama"
-    raise ValueError("config is not representable in HF GPT-2 or Llama. GPT-2 mismatches: " + ", ".join(gpt2)
+        return dense_family(config)
+    raise ValueError("config is not representable in HF GPT-2 or Llama (nor Qwen2, Qwen3, Mistral). GPT-2 mismatches: " + ", ".join(gpt2)
                      + ". Llama mismatches: " + ", ".join(llama) + ".")
 
 
@@ -186,6 +189,8 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
             if c.add_qkv_bias and not c.add_bias_linear:  # Qwen2's biases on q, k and v alone
                 for name, t in zip(names, _split_qkv(sd[p + "self_attention.linear_qkv.bias"], c)):
                     out[f"{h}{name}.bias"] = t
+            if c.qk_layernorm and not c.num_experts:  # Qwen3's (the mixtures map theirs)
+                out.update(qk_norm_to_hf(sd, p, h))
             if c.num_experts:
                 out.update(moe_layer_to_hf(sd, c, i))
     if arch == "gpt2":
@@ -264,6 +269,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
             if c.add_qkv_bias and not c.add_bias_linear:
                 out[p + "self_attention.linear_qkv.bias"] = _merge_qkv(*(take(f"{h}self_attn.{n}_proj.bias") for n in "qkv"),
                                                                        c)
+            if c.qk_layernorm and not c.num_experts:
+                out.update(qk_norm_from_hf(take, p, h))
             if c.num_experts:
                 out.update(moe_layer_from_hf(take, c, i))
     if arch == "gpt2":
@@ -320,7 +327,9 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
                  rope_theta=c.rotary_base, attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear,
                  tie_word_embeddings=c.tie_embeddings, attention_dropout=c.attention_dropout, hidden_act="silu",
                  initializer_range=c.init_method_std)
-    return moe_hf_config_dict(c, llama) if c.num_experts else llama
+    if hf_rope_scaling(c) is not None:
+        llama["rope_scaling"] = hf_rope_scaling(c)
+    return moe_hf_config_dict(c, llama) if c.num_experts else dense_hf_config_dict(c, llama)
 
 
 def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> GPTConfig:
@@ -349,22 +358,15 @@ def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> G
                   max_position_embeddings=hf.get("n_positions", 1024), seq_length=hf.get("n_positions", 1024),
                   hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
                   layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02))
-    elif mt == "llama" or mt in MOE_FAMILIES:
+    elif mt == "llama" or mt in DENSE_FAMILIES or mt in MOE_FAMILIES:
         h, n = hf["hidden_size"], hf["num_attention_heads"]
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling")
-        if rope:  # transformers >= 5
-            rope_type = rope.get("rope_type", "default")
-        else:  # 4.x: rope_scaling (None = plain RoPE)
-            rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        problems = []
-        if rope_type != "default":
-            problems.append(f"rope type {rope_type!r} (only plain RoPE is supported)")
+        rope, problems = rope_config_kwargs(hf, mt)
         if hf.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={hf['hidden_act']!r} (needs 'silu')")
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
             problems.append("attention_bias != mlp_bias (megazero has one add_bias_linear)")
-        moe, more = moe_config_kwargs(hf) if mt in MOE_FAMILIES else ({}, [])
+        moe, more = moe_config_kwargs(hf) if mt in MOE_FAMILIES else dense_config_kwargs(hf, mt) if \
+            mt in DENSE_FAMILIES else ({}, [])
         problems += more
         if problems:
             raise ValueError(f"HF {mt} config not representable in megazero: " + ", ".join(problems))
@@ -373,11 +375,12 @@ def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> G
                   ffn_hidden_size=hf["intermediate_size"], num_query_groups=hf.get("num_key_value_heads") or n,
                   kv_channels=None if hf.get("head_dim") in (None, h // n) else hf["head_dim"],
                   max_position_embeddings=max_pos, seq_length=max_pos, position_embedding_type="rope",
-                  rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), normalization="rmsnorm",
+                  normalization="rmsnorm",
                   activation="swiglu", add_bias_linear=hf.get("attention_bias", False),
                   tie_embeddings=hf.get("tie_word_embeddings", False), hidden_dropout=0.0,
                   attention_dropout=hf.get("attention_dropout", 0.0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-                  init_method_std=hf.get("initializer_range", 0.02), **moe)
+                  init_method_std=hf.get("initializer_range", 0.02), **rope)
+        kw.update(moe)
     else:
         raise ValueError(f"HF model_type {mt!r} is not supported; megazero converts {', '.join(HF_IMPORT_FAMILIES)}")
     return GPTConfig(**{**kw, **overrides}).validate()
@@ -424,13 +427,15 @@ def build_hf_config(config: GPTConfig):
         hf_config = transformers.GPT2Config(**{k: v for k, v in kw.items() if k != "model_type"})
     else:
         kw = {k: v for k, v in kw.items() if k != "model_type"}
-        theta = kw.pop("rope_theta")
-        cls = {"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}.get(
+        theta, scaling = kw.pop("rope_theta"), kw.pop("rope_scaling", None)
+        cls = {"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+               "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}.get(
             hf_architecture(config), "LlamaConfig")
-        # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta.
-        hf_config = getattr(transformers, cls)(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
+        # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta and rope_scaling.
+        rope = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
+        hf_config = getattr(transformers, cls)(**kw, rope_parameters=rope)
         if getattr(hf_config, "rope_theta", None) is not None:
-            hf_config.rope_theta = theta
+            hf_config.rope_theta, hf_config.rope_scaling = theta, scaling
     return hf_config
 
 
