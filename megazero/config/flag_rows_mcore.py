@@ -187,9 +187,13 @@ def add_model_rows(g: G) -> None:
            "--mup-attn-scale-power")
     refuse(g, "a deterministic-kernels mode (deterministic NCCL algorithms and attention backward) does not exist in "
            "megazero; drop the flag", "--deterministic-mode")
-    refuse(g, "Llama 3's RoPE frequency scaling, position interpolation and RoPE-free layers do not exist in megazero "
-           "(YaRN does: --position-embedding-type yarn); drop the flag", "--use-rope-scaling",
-           "--rope-scaling-factor --rotary-seq-len-interpolation-factor --no-rope-freq --mrope-section")
+    g(H, "--use-rope-scaling", "Llama 3.1's RoPE frequency scaling (rope_type llama3): wavelengths beyond the "
+      "original context of 8192 are stretched by --rope-scaling-factor, those under 8192/4 kept, the ones between "
+      "blended (Megatron-core's low and high frequency factors 1 and 4)")
+    g(H, "--rope-scaling-factor", "the context extension of --use-rope-scaling", float, default=8.0)
+    refuse(g, "RoPE position interpolation and RoPE-free layers do not exist in megazero (Llama 3's scaling does: "
+           "--use-rope-scaling; YaRN: --position-embedding-type yarn); drop the flag",
+           values="--rotary-seq-len-interpolation-factor --no-rope-freq --mrope-section")
     refuse(g, "sliding-window attention does not exist in megazero yet: every layer attends over the whole causal "
            "context; drop the flag", values="--window-size --window-attn-skip-freq")
     refuse(g, "megazero's GELU is the exact one (Megatron's default) and its gated MLP is SwiGLU (--swiglu); "

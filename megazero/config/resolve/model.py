@@ -89,6 +89,25 @@ def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+# Megatron-core's RotaryEmbedding._apply_scaling under --use-rope-scaling: Llama 3.1's values but the factor.
+MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_scaling_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """GPTConfig keyword arguments of --use-rope-scaling (Llama 3's RoPE scaling, factor --rope-scaling-factor);
+    none without it. Refuses the factor alone and the flag beside another RoPE scaling."""
+    if not ns.use_rope_scaling:
+        if ns.rope_scaling_factor is not None and ns.rope_scaling_factor != 8.0:
+            raise ConfigError(f"--rope-scaling-factor {ns.rope_scaling_factor:g} without --use-rope-scaling has no "
+                              "effect; add --use-rope-scaling or drop it")
+        return {}
+    if ns.position_embedding_type == "yarn" or ns.multi_latent_attention or ns.rope_type not in (None, "rope"):
+        raise ConfigError("--use-rope-scaling (Llama 3's RoPE scaling) beside --position-embedding-type yarn, "
+                          "--multi-latent-attention or --rope-type: one RoPE scaling per model; drop one")
+    return dict(rope_type="llama3", rotary_scaling_factor=default(ns.rope_scaling_factor, 8.0),
+                **MEGATRON_ROPE_SCALING)
+
+
 def moe_kwargs(ns: argparse.Namespace, experts: Any = None) -> dict[str, Any]:
     """GPTConfig keyword arguments of the mixture-of-experts flags the command line set, for a model of
     --num-experts experts, else of ``experts`` (the checkpoint's, which then sets num_experts itself); none for
@@ -186,6 +205,9 @@ def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: D
         flag_name = flag_of.get(name, f"--{name.replace('_', '-')}")
         given[name] = (flag_name if isinstance(value, bool) else f"{flag_name} {value}", value)
     given.update(given_mla_fields(ns))
+    for name, value in rope_scaling_kwargs(ns).items():
+        typed = f"--rope-scaling-factor {value:g}" if name == "rotary_scaling_factor" else "--use-rope-scaling"
+        given[name] = (typed, value)
     return given
 
 
@@ -285,6 +307,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
     kw.update(model_field_kwargs(ns))
     kw.update(moe_kwargs(ns, saved.get("num_experts")))
     kw.update(mla_kwargs(ns, kw["position_embedding_type"], notes, saved))
+    kw.update(rope_scaling_kwargs(ns))
     for key in ("kv_channels", eps_field):
         if key in preset and key not in kw and key in fields:
             kw[key] = preset[key]

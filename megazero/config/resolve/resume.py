@@ -70,7 +70,8 @@ CHECKPOINT_MODEL_FIELDS = (
     "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
     "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type", "rotary_scaling_factor",
-    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers")
+    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers",
+    "low_freq_factor", "high_freq_factor", "hf_model_type")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_TRAINING_FIELDS = (
     "hidden_dropout", "attention_dropout", "init_method_std", "init_method", "label_smoothing",
