@@ -64,7 +64,14 @@ def megatron_model_args(config: GPTConfig) -> dict[str, Any]:
         args.update(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
                     qk_head_dim=config.qk_head_dim, qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
                     v_head_dim=config.v_head_dim)
-    if config.position_embedding_type == "rope":
+    if config.position_embedding_type == "rope" and config.resolved_rope_type == "llama3":
+        # Megatron-LM's --use-rope-scaling: Llama 3.1's scaling with its factor, low 1, high 4 and original 8192
+        # fixed; megazero's own factors ride beside it under names Megatron-LM does not use.
+        args.update(rope_type="rope", use_rope_scaling=True, rope_scaling_factor=config.rotary_scaling_factor,
+                    rope_scaling_low_freq_factor=config.low_freq_factor,
+                    rope_scaling_high_freq_factor=config.high_freq_factor,
+                    rope_scaling_original_max_position_embeddings=config.original_max_position_embeddings)
+    elif config.position_embedding_type == "rope":
         args["rope_type"] = config.resolved_rope_type
         if config.resolved_rope_type == "yarn":
             args.update(rotary_scaling_factor=config.rotary_scaling_factor,

@@ -153,6 +153,12 @@ def _mla_fields(args: Any) -> dict:
                        ("beta_fast", float), ("beta_slow", float), ("mscale", float), ("mscale_all_dim", float)):
         if _get(args, name) is not None:
             out[name] = kind(_get(args, name))
+    if _get(args, "use_rope_scaling", default=False):  # Megatron-LM's Llama 3.1 scaling: low 1, high 4, 8192 fixed
+        out.update(rope_type="llama3", rotary_scaling_factor=float(_get(args, "rope_scaling_factor", default=8.0)),
+                   low_freq_factor=float(_get(args, "rope_scaling_low_freq_factor", default=1.0)),
+                   high_freq_factor=float(_get(args, "rope_scaling_high_freq_factor", default=4.0)),
+                   original_max_position_embeddings=int(_get(args, "rope_scaling_original_max_position_embeddings",
+                                                             default=8192)))
     return out
 
 
