@@ -301,6 +301,8 @@ def describe(config: TrainConfig) -> str:
         + f", ffn {m.ffn_size}, seq {m.seq_length}, vocab {m.vocab_size} "
         f"(padded {m.padded_vocab_size}), {m.position_embedding_type}/{m.normalization}/{m.activation}"
         + (f" (YaRN x{m.rotary_scaling_factor:g})" if m.resolved_rope_type == "yarn" else "")
+        + (f" (Llama 3 scaling x{m.rotary_scaling_factor:g}, low {m.low_freq_factor:g}, high {m.high_freq_factor:g}, "
+           f"original {m.original_max_position_embeddings})" if m.resolved_rope_type == "llama3" else "")
         + (f"; {sum(m.is_moe_layer(i) for i in range(m.num_layers))} of {m.num_layers} layers mixtures of "
            f"{m.num_experts} experts, top-{m.moe_router_topk}" if m.num_experts else "")
         + (f"; {m.mtp_num_layers} multi-token prediction module{'s' if m.mtp_num_layers > 1 else ''} "
