@@ -90,8 +90,10 @@ class Lion(Optimizer):
         return oc
 
     def describe(self, o):
-        s = o.settings or LionSettings()
-        return f"Lion betas ({0.9 if s.beta1 is None else s.beta1}, {0.99 if s.beta2 is None else s.beta2})"
+        s, defaults = o.settings or LionSettings(), self.param_defaults["betas"]
+        shown = [f"{d:g} unless the DeepSpeed JSON sets it" if v is None else f"{v:g}"
+                 for v, d in zip((s.beta1, s.beta2), defaults)]
+        return f"Lion betas ({shown[0]}, {shown[1]})"
 
 
 register(Lion())
