@@ -10,9 +10,10 @@ megazero lacks (a memory saving, an overlap, a different loss or model) is refus
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Callable
 
-from megazero.config.flag_rows import accept, refuse
+from megazero.config.flag_rows import _layer_freq, accept, refuse
 
 __all__ = ["add_parallel_rows", "add_model_rows", "add_moe_rows_newer", "add_recompute_rows", "add_schedule_rows",
            "add_precision_rows", "add_data_rows", "add_checkpoint_rows", "add_logging_rows",
@@ -148,12 +149,23 @@ def _process_group_rows(g: G) -> None:
            "any world size on fake groups and the meta device; drop the flag", "--fake-process-group")
 
 
+def _window_size(s: str) -> tuple[int, ...]:
+    """``--window-size``: Megatron's tuple, ``LEFT,RIGHT`` (parentheses allowed)."""
+    parts = s.strip().strip("()").split(",")
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: give the window as LEFT,RIGHT, e.g. 127,0") from None
+
+
 def add_model_rows(g: G) -> None:
     """Group "model": the layers' newer options."""
     g(M, "--no-initialization", "skip initializing the weights (they come from --load): megazero initializes every "
       "run (on the meta device, each rank its partition) and --load overwrites them; accepted")
-    g(H, "--softmax-type", "the attention softmax: vanilla (megazero's); off-by-one and learnable (attention sinks) "
-      "do not exist in megazero yet", str, choices=("vanilla", "off-by-one", "learnable"), only=("vanilla",))
+    g(H, "--softmax-type", "the attention softmax: vanilla; off-by-one (a zero logit joins every softmax) or learnable "
+      "(attention sinks: one learned logit per head joins every softmax, gpt-oss's; megatron-core's "
+      "core_attention.softmax_offset). Exact under every --context-parallel-size and --cp-comm-type", str,
+      choices=("vanilla", "off-by-one", "learnable"))
     g(H, "--glu-linear-offset", "an offset in gated linear units, act(x1) * (x2 + offset): megazero's (--swiglu) "
       "have none, Megatron's default", float, only=(0.0,))
     accept(g, "a fused or Transformer Engine kernel (weighted squared ReLU, residual + RMSNorm, TE's op fuser and "
@@ -194,8 +206,12 @@ def add_model_rows(g: G) -> None:
     refuse(g, "RoPE position interpolation and RoPE-free layers do not exist in megazero (Llama 3's scaling does: "
            "--use-rope-scaling; YaRN: --position-embedding-type yarn); drop the flag",
            values="--rotary-seq-len-interpolation-factor --no-rope-freq --mrope-section")
-    refuse(g, "sliding-window attention does not exist in megazero yet: every layer attends over the whole causal "
-           "context; drop the flag", values="--window-size --window-attn-skip-freq")
+    g(H, "--window-size", "sliding-window attention as LEFT,RIGHT (Transformer Engine's convention): a query at i sees "
+      "the keys i-LEFT .. i; a GPT is causal, so RIGHT is 0 (HF's sliding_window W is W-1,0). Only the blocks the "
+      "window reaches are computed, in every attention backend and --cp-comm-type", _window_size)
+    g(H, "--window-attn-skip-freq", "which layers slide under --window-size: N, every layer but each N-th (1-based) "
+      "one, which attends over its whole context (gpt-oss: 2); or a pattern of one 1 (sliding) or 0 (global) per "
+      "layer such as \"([1]*3+[0])*4\". Default: every layer slides", _layer_freq)
     refuse(g, "megazero's GELU is the exact one (Megatron's default) and its gated MLP is SwiGLU (--swiglu); "
            "OpenAI's GELU and quick GEGLU do not exist; drop the flag", "--openai-gelu --quick-geglu")
     refuse(g, "megazero trains GPTs (decoder only): encoder-decoder and BERT settings do not exist; a GPT's depth "

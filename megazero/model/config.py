@@ -21,6 +21,8 @@ import torch
 
 from megazero.mpu.utils import pad_vocab_size
 
+from .attention.pattern import check_pattern, layer_window
+
 __all__ = ["GPTConfig", "PRESETS", "gpt_preset"]
 
 _ENUMS = {
@@ -74,6 +76,14 @@ class GPTConfig:
     # The Hugging Face model_type an export writes where two describe this network alike ('mistral' beside
     # 'llama'); None: the one the architecture picks (interop/hf.py). The HF import records it.
     hf_model_type: Optional[str] = None
+    # --- which keys attention sees (attention/pattern.py; Megatron-core's names) -------------------------
+    # A sliding window (left, right), Transformer Engine's convention: a query at i sees the keys i-left ..
+    # i+right (a GPT: right 0; HF's sliding_window W is (W-1, 0)). None: every layer sees its whole context.
+    window_size: Optional[tuple[int, int]] = None
+    # Which layers slide: None, all; N, every layer but the N-th ones (1-based); or one 1/0 per layer.
+    window_attn_skip_freq: Union[None, int, tuple[int, ...]] = None
+    # 'vanilla' | 'off-by-one' (a zero logit in every softmax) | 'learnable' (a learned sink logit per head)
+    softmax_type: str = "vanilla"
     # --- mixture of experts (Megatron-core's names; moe.py) -----------------------------------
     num_experts: Optional[int] = None  # None: dense MLPs
     moe_router_topk: int = 2
@@ -415,6 +425,7 @@ class GPTConfig:
             self._validate_mla()
         self._validate_rope_scaling()
         self._validate_mtp()
+        check_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers, self.softmax_type)
         if self.dropout_rng not in ("stream", "position"):
             raise ValueError(f"dropout_rng must be 'stream' or 'position', got {self.dropout_rng!r}")
         if self.init_method_std <= 0:
@@ -424,6 +435,14 @@ class GPTConfig:
         if self.recompute_granularity == "full" and self.recompute_num_layers > self.num_layers:
             raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) exceeds num_layers ({self.num_layers})")
         return self
+
+    def layer_window(self, number: int) -> Optional[int]:
+        """How many keys before it a query of layer ``number`` (its index in the whole model) sees; None: all."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, number)
+
+    def attention_kind(self, number: int) -> str:
+        """The attention builder's name for layer ``number`` (layer_spec.ATTENTION_BUILDERS)."""
+        return "mla" if self.multi_latent_attention else "standard"
 
     def is_moe_layer(self, number: int) -> bool:
         """Layer ``number`` (its index in the whole model) is a mixture of experts."""
@@ -452,8 +471,9 @@ class GPTConfig:
         d = dict(d)
         if isinstance(d.get("params_dtype"), str):
             d["params_dtype"] = getattr(torch, d["params_dtype"].replace("torch.", ""))
-        if isinstance(d.get("moe_layer_freq"), list):  # JSON keeps a pattern as a list
-            d["moe_layer_freq"] = tuple(d["moe_layer_freq"])
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+            if isinstance(d.get(name), list):  # JSON keeps a tuple as a list
+                d[name] = tuple(d[name])
         return cls(**d)
 
 

@@ -99,7 +99,7 @@ class LayerSpec:
 
 def layer_spec(config: GPTConfig, number: int) -> LayerSpec:
     """The parts of layer ``number`` (its index in the whole model) of ``config``."""
-    kind = "mla" if config.multi_latent_attention else "standard"
+    kind = config.attention_kind(number)
     if kind not in ATTENTION_BUILDERS:
         raise ValueError(f"no attention builder for {kind!r} (known: {sorted(ATTENTION_BUILDERS)})")
     moe = config.is_moe_layer(number)

@@ -69,6 +69,9 @@ MODEL_FIELD_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("init_method", "--init-method-xavier-uniform", "normal"),
     ("fp32_residual_connection", "--fp32-residual-connection", False),
     ("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling", False),
+    ("window_size", "--window-size", None),
+    ("window_attn_skip_freq", "--window-attn-skip-freq", None),
+    ("softmax_type", "--softmax-type", "vanilla"),
 )
 
 
@@ -86,6 +89,9 @@ def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         kw["init_method"] = "xavier_uniform"
     if ns.apply_query_key_layer_scaling is not None:
         kw["apply_query_key_layer_scaling"] = bool(ns.apply_query_key_layer_scaling)
+    for attr in ("window_size", "window_attn_skip_freq", "softmax_type"):
+        if getattr(ns, attr) is not None:
+            kw[attr] = getattr(ns, attr)
     return kw
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "scatter_heads",
     "a2a_head_split",
     "a2a_dropout",
+    "a2a_sinks",
     "a2a_attention",
     "allgather_attention",
     "a2a_elements",
@@ -164,7 +165,8 @@ def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opti
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
                   group: Optional[dist.ProcessGroup], *, backend: str = "auto",
                   attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
-                  dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
+                  dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0, window: Optional[int] = None,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ulysses attention over ``group``: q/k ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b, groups,
     dv]`` -> ``[s_local, b, heads * dv]``.
 
@@ -174,7 +176,8 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
     ``dropout``: keyed attention dropout of this rank's heads (``dropout.heads`` before the split; rank
     j keeps heads/P of them, as the exchange does), the whole sequence's masks. ``dropout_p``: the
     backend's own masks instead (``core_attention``'s, from the model-parallel stream), which depend on
-    the layout.
+    the layout. ``window`` and ``sinks`` (``[heads]``, this rank's heads before the split): as
+    ``core_attention``'s, the sinks of the heads the exchange leaves this rank.
     """
     _check(q, k, v, shard, attention_mask)
     cp, heads, d = group_size(group), q.size(2), v.size(3)
@@ -183,7 +186,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Sequ
     if reorder:  # rank-major -> global order, so that causality and document masks read true positions
         q_h, k_h, v_h = (t.index_select(0, shard.order) for t in (q_h, k_h, v_h))
     out = core_attention(q_h, k_h, v_h, backend=backend, attention_mask=attention_mask, dropout_p=dropout_p,
-                         dropout=a2a_dropout(dropout, group))
+                         dropout=a2a_dropout(dropout, group), window=window, sinks=a2a_sinks(sinks, group))
     total, b = out.size(0), out.size(1)
     out = out.view(total, b, heads // cp, d)
     if reorder:
@@ -200,10 +203,21 @@ def a2a_dropout(dropout: Optional[AttentionDropout], group: Optional[dist.Proces
     return dropout.select(heads=slice(j * n // cp, (j + 1) * n // cp))
 
 
-def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+def a2a_sinks(sinks: Optional[torch.Tensor], group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
+    """The sinks of the heads the all-to-all over ``group`` leaves this rank (rank j: the j-th of P slices)."""
+    if sinks is None or group_size(group) == 1:
+        return sinks
+    n, cp, j = sinks.numel(), group_size(group), dist.get_rank(group)
+    return sinks[j * n // cp:(j + 1) * n // cp]
+
+
+def _allowed(shard: SequenceShard, total: int, attention_mask: Optional[torch.Tensor],
+             window: Optional[int] = None) -> torch.Tensor:
     """Boolean "may attend" for this rank's queries against all keys in global order."""
     keys = torch.arange(total, device=shard.positions.device)
     allowed = shard.positions[:, None] >= keys[None, :]  # [s_local, S]
+    if window is not None:
+        allowed &= shard.positions[:, None] - keys[None, :] <= window
     if attention_mask is None:
         return allowed
     rows = attention_mask.to(torch.bool).index_select(-2, shard.positions.to(attention_mask.device))
@@ -214,7 +228,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
                         group: Optional[dist.ProcessGroup], *, backend: str = "auto",
                         attention_mask: Optional[torch.Tensor] = None, counter: Optional[CommCounter] = None,
                         layout: Optional[CPLayout] = None, dropout: Optional[AttentionDropout] = None,
-                        dropout_p: float = 0.0) -> torch.Tensor:
+                        dropout_p: float = 0.0, window: Optional[int] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All-gather-KV attention over ``group``: q/k ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b,
     groups, dv]`` -> ``[s_local, b, heads * dv]``.
 
@@ -225,6 +240,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     ``sdpa`` or ``math`` with an explicit mask from the global positions (``flash`` is refused).
     ``dropout``: keyed attention dropout (the math kernel's tiles, masks of the global positions).
     ``dropout_p``: the kernels' own masks (the block kernels', or sdpa's), from the model-parallel stream.
+    ``window`` (the blocks or the mask) and ``sinks`` ``[heads]``: as ``core_attention``'s.
     """
     _check(q, k, v, shard, attention_mask)
     if dropout is not None and dropout_p > 0.0:
@@ -236,12 +252,13 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         k_runs = sorted((run for runs in layout.runs for run in runs), key=lambda run: run[1])  # global order
         return block_attention(q, k_all, v_all, layout.runs[rank], k_runs,
-                               kernel="math" if backend == "math" else "auto", dropout=dropout, dropout_p=dropout_p)
-    if dropout is not None:  # the keyed masks' tiles, the documents' mask sliced per tile
-        allowed = _allowed(shard, k_all.size(0), attention_mask)
+                               kernel="math" if backend == "math" else "auto", dropout=dropout, dropout_p=dropout_p,
+                               window=window, sinks=sinks)
+    if dropout is not None or sinks is not None:  # the math kernel's tiles, the mask sliced per tile
+        allowed = _allowed(shard, k_all.size(0), attention_mask, window)
         keys = torch.arange(k_all.size(0), device=q.device)
         return dense_attention(q, k_all, v_all, dropout, positions=(shard.positions, keys), causal=False,
-                               mask=~allowed)
+                               mask=~allowed, sinks=sinks, dropout_p=dropout_p)
     if backend == "flash":
         raise ValueError("allgather context-parallel attention with an attention mask needs a kernel that takes "
                          "one (queries at scattered positions); use backend 'auto', 'sdpa' or 'math'")
@@ -251,7 +268,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard
     dv = v.size(3)
     k_all, v_all = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k_all, v_all))
     qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k_all, v_all))  # [b, n, s, d]
-    allowed = _allowed(shard, k_all.size(0), attention_mask)
+    allowed = _allowed(shard, k_all.size(0), attention_mask, window)
     with get_rng_tracker().fork(device=q.device) if dropout_p > 0.0 else contextlib.nullcontext():
         if chosen == "sdpa":
             out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, dropout_p=dropout_p)

@@ -109,7 +109,8 @@ class ContextParallel:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
                                layer: int = 0, backend: str = "auto", attention_mask: Optional[torch.Tensor] = None,
-                               dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
+                               dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0,
+                               window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``core_attention`` of this rank's queries over the whole sequence, by the exchange of ``layer``: q/k
     ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b, heads * dv]``.
     The ring (and the ring of ``a2a+p2p``) takes packed documents from its layouts, not from a mask, and
@@ -118,20 +119,22 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     masks of the whole sequence whichever exchange runs; every exchange then computes by the explicit
     formula's tiles. ``dropout_p``: the kernels' own masks instead (the fused kernels run: sdpa or
     flash in ``a2a``, the block kernels in the others), drawn from the model-parallel stream, which
-    depend on the layout (Megatron's behaviour)."""
+    depend on the layout (Megatron's behaviour). ``window`` (a query at i sees keys i - window .. i) and
+    ``sinks`` (``[heads]``, this rank's heads): every exchange computes them exactly."""
     kind = cp.comm_type_of(layer)
     if kind == "a2a":
         return a2a_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
-                             counter=cp.counter, dropout=dropout, dropout_p=dropout_p)
+                             counter=cp.counter, dropout=dropout, dropout_p=dropout_p, window=window, sinks=sinks)
     if kind == "allgather":
         return allgather_attention(q, k, v, cp.shard, cp.group, backend=backend, attention_mask=attention_mask,
-                                   counter=cp.counter, layout=cp.layout, dropout=dropout, dropout_p=dropout_p)
+                                   counter=cp.counter, layout=cp.layout, dropout=dropout, dropout_p=dropout_p,
+                                   window=window, sinks=sinks)
     if attention_mask is not None and not cp.documents:
         raise ValueError(f"the {kind} exchange takes packed documents from its layouts "
                          "(ContextParallel.with_documents), not from an attention mask; pass no mask")
     kernel = "math" if backend == "math" else "auto"
     if kind == "a2a+p2p":
         return hierarchical_attention(q, k, v, cp.hierarchy, counter=cp.counter, kernel=kernel, dropout=dropout,
-                                      dropout_p=dropout_p)
+                                      dropout_p=dropout_p, window=window, sinks=sinks)
     return ring_attention(q, k, v, cp.sample_layouts or cp.layout, cp.group, stats=cp.counter, kernel=kernel,
-                          dropout=dropout, dropout_p=dropout_p)
+                          dropout=dropout, dropout_p=dropout_p, window=window, sinks=sinks)

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.model.attention.cp_attention import a2a_dropout, a2a_head_split, scatter_heads
+from megazero.model.attention.cp_attention import a2a_dropout, a2a_head_split, a2a_sinks, scatter_heads
 from megazero.model.attention.cp_layout import CPLayout, zigzag_document_layout, zigzag_layout
 from megazero.model.keyed_dropout import AttentionDropout
 from megazero.model.attention.ring_attention import ring_attention
@@ -71,18 +71,20 @@ class Hierarchy:
 def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hierarchy: Hierarchy, *,
                            counter: Optional[CommCounter] = None, ring_stats=None,
                            kernel: str = "auto", dropout: Optional[AttentionDropout] = None,
-                           dropout_p: float = 0.0) -> torch.Tensor:
+                           dropout_p: float = 0.0, window: Optional[int] = None,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (per-document) attention of the whole sequence for this rank's tokens: q ``[s_local, b,
     heads, dqk]``, k ``[s_local, b, groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b,
     heads * dv]``. Heads must divide by the all-to-all size, and KV groups divide by it or it by them
     (:func:`a2a_head_split`). ``dropout``: keyed attention dropout of this rank's heads, applied by the
-    ring to the heads the all-to-all leaves; ``dropout_p``: the ring's kernels' own masks instead."""
+    ring to the heads the all-to-all leaves; ``dropout_p``: the ring's kernels' own masks instead.
+    ``window`` and ``sinks`` ``[heads]`` (this rank's heads): as the ring's, for the heads left here."""
     h = hierarchy
     s, b, heads, d = *q.shape[:3], v.size(3)
     a2a_head_split(heads, k.size(2), h.a2a_size)
     q_h, k_h, v_h = (t.index_select(0, h.order) for t in scatter_heads(q, k, v, h.a2a_group, counter))
     out = ring_attention(q_h, k_h, v_h, h.ring_layouts if len(h.ring_layouts) > 1 else h.ring_layouts[0],
                          h.p2p_group, stats=ring_stats, kernel=kernel, dropout=a2a_dropout(dropout, h.a2a_group),
-                         dropout_p=dropout_p)
+                         dropout_p=dropout_p, window=window, sinks=a2a_sinks(sinks, h.a2a_group))
     out = out.view(q_h.size(0), b, heads // h.a2a_size, d).index_select(0, h.inverse)
     return heads_to_seq_all_to_all(out, h.a2a_group, counter).reshape(s, b, heads * d)

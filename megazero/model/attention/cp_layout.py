@@ -16,6 +16,7 @@ work; :func:`work_per_rank` counts the query-key pairs those blocks compute.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,7 +25,7 @@ import torch
 __all__ = ["CPLayout", "Block", "zigzag_layout", "document_layout", "balanced_document_layout", "zigzag_document_layout",
            "contiguous_layout",
            "cu_seqlens_from_document_ids", "split_for_rank", "gather_from_ranks", "plan_blocks",
-           "work_per_rank"]
+           "windowed_blocks", "work_per_rank"]
 
 Run = tuple[int, int, int]  # (document, global start, length)
 
@@ -33,18 +34,22 @@ Run = tuple[int, int, int]  # (document, global start, length)
 class Block:
     """One dense block: local query rows ``[q_lo, q_hi)`` x local key columns ``[k_lo, k_hi)``.
     ``causal``: rows and columns are the same tokens in increasing global order (mask j > i);
-    otherwise every pair is allowed."""
+    otherwise every pair is allowed. ``band`` (a sliding window's edge): column j of the block is
+    also masked for row i when j < i + band (block-local indices)."""
     q_lo: int
     q_hi: int
     k_lo: int
     k_hi: int
     causal: bool
+    band: Optional[int] = None
 
     @property
     def pairs(self) -> int:
-        """The unmasked query-key pairs of the block (what a causal kernel computes)."""
+        """The unmasked query-key pairs of the block (what a kernel skipping masked tiles computes)."""
         n, m = self.q_hi - self.q_lo, self.k_hi - self.k_lo
-        return n * (n + 1) // 2 if self.causal else n * m
+        if self.band is None:
+            return n * (n + 1) // 2 if self.causal else n * m
+        return sum(max(0, (r + 1 if self.causal else m) - max(0, r + self.band)) for r in range(n))
 
 
 @dataclass(frozen=True)
@@ -214,10 +219,13 @@ def _visible(qrun: Run, krun: Run) -> bool:
     raise ValueError(f"key run {krun} partly overlaps query run {qrun}: layouts must be cut on one chunk grid")
 
 
-def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run]) -> list[Block]:
+def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], window: Optional[int] = None) -> Sequence[Block]:
     """The dense blocks a rank holding ``q_runs`` computes against a key/value block holding ``k_runs``
     under the causal (per-document) mask: nothing fully masked, neighbouring blocks merged; a run on
-    both sides (keys gathered from every rank) is a causal block."""
+    both sides (keys gathered from every rank) is a causal block. ``window``: a query at position i
+    also sees no key before i - window (sliding-window attention, :func:`windowed_blocks`)."""
+    if window is not None:
+        return windowed_blocks(tuple(q_runs), tuple(k_runs), window)
     if tuple(q_runs) == tuple(k_runs):
         return _diagonal_blocks(q_runs)
     q_off, k_off = _offsets(q_runs), _offsets(k_runs)
@@ -242,7 +250,50 @@ def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run]) -> list[Block]:
     return [Block(q_lo, q_hi, k_lo, k_hi, False) for q_lo, q_hi, ranges in rows for k_lo, k_hi in ranges] + diagonal
 
 
-def work_per_rank(layout: CPLayout) -> list[int]:
+def _on_grid(runs: Sequence[Run], cell: int) -> list[tuple[int, int, int, int]]:
+    """``runs`` cut at the global multiples of ``cell``: (document, global start, length, storage offset)."""
+    out = []
+    for (doc, start, n), off in zip(runs, _offsets(runs)):
+        at = start
+        while at < start + n:
+            end = min(start + n, (at // cell + 1) * cell)
+            out.append((doc, at, end - at, off + at - start))
+            at = end
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def windowed_blocks(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], window: int) -> tuple[Block, ...]:
+    """:func:`plan_blocks` under a sliding window: a query at i sees the keys i - window .. i of its document.
+    Both sides are cut on a grid of ``window + 1`` positions, so a cell against itself is a causal block
+    inside the window, a cell against an earlier one is visible whole, cut by the window's edge (``band``)
+    or not at all; only the cells the window reaches are computed, so the work grows with the window,
+    not with the sequence. Fully visible blocks adjacent in storage are merged."""
+    if window < 0:
+        raise ValueError(f"a sliding window reaches back {window} keys; it must be >= 0")
+    blocks: list[Block] = []
+    for qd, q0, qn, qo in _on_grid(q_runs, window + 1):
+        for kd, k0, kn, ko in _on_grid(k_runs, window + 1):
+            if qd != kd or k0 >= q0 + qn or q0 - (k0 + kn - 1) > window:
+                continue  # another document, keys after the queries, or every key beyond the window
+            if (k0, kn) == (q0, qn):
+                blocks.append(Block(qo, qo + qn, ko, ko + kn, True))
+                continue
+            if k0 + kn > q0:
+                raise ValueError(f"key cells ({k0}, {kn}) and query cells ({q0}, {qn}) partly overlap: "
+                                 "layouts must be cut on one chunk grid")
+            band = None if q0 + qn - 1 - k0 <= window else q0 - k0 - window
+            last = blocks[-1] if blocks else None
+            if (band is None and last is not None and not last.causal and last.band is None
+                    and (last.q_lo, last.q_hi, last.k_hi) == (qo, qo + qn, ko)):
+                blocks[-1] = Block(qo, qo + qn, last.k_lo, ko + kn, False)
+            else:
+                blocks.append(Block(qo, qo + qn, ko, ko + kn, False, band))
+    return tuple(blocks)
+
+
+def work_per_rank(layout: CPLayout, window: Optional[int] = None) -> list[int]:
     """Query-key pairs each rank computes over the whole ring (the blocks of :func:`plan_blocks`)."""
     p = layout.cp_size
-    return [sum(b.pairs for j in range(p) for b in plan_blocks(layout.runs[r], layout.runs[j])) for r in range(p)]
+    return [sum(b.pairs for j in range(p) for b in plan_blocks(layout.runs[r], layout.runs[j], window))
+            for r in range(p)]

@@ -19,11 +19,12 @@ TILE_ELEMENTS = 1 << 24  # scores per tile: 64 MiB in fp32
 
 
 @torch.no_grad()
-def max_attention_logit(q: torch.Tensor, k: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
-                        ) -> torch.Tensor:
+def max_attention_logit(q: torch.Tensor, k: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                        window: Optional[int] = None) -> torch.Tensor:
     """Per query head, the largest logit over the batch: q ``[s, b, heads, d]``, k ``[s, b, groups, d]``
     (each group serves heads/groups consecutive heads), ``attention_mask`` True where attention is
-    forbidden (as core attention takes it). Returns ``[heads]`` fp32."""
+    forbidden (as core attention takes it), ``window``: the keys a sliding window leaves (None: all
+    before the query). Returns ``[heads]`` fp32."""
     s, b, n, d = q.shape
     groups = k.size(2)
     qh = q.permute(1, 2, 0, 3).float().reshape(b, groups, n // groups, s, d)  # [b, g, heads/g, s, d]
@@ -35,6 +36,8 @@ def max_attention_logit(q: torch.Tensor, k: torch.Tensor, attention_mask: Option
         hi = min(s, lo + rows)
         scores = torch.matmul(qh[..., lo:hi, :], kh) * (1.0 / math.sqrt(d))  # [b, g, heads/g, rows, s]
         forbidden = keys.view(1, -1) > torch.arange(lo, hi, device=q.device).view(-1, 1)
+        if window is not None:
+            forbidden |= keys.view(1, -1) < torch.arange(lo, hi, device=q.device).view(-1, 1) - window
         if attention_mask is not None:  # [b or 1, 1, s, s]: one more axis for the groups
             forbidden = (forbidden | attention_mask.to(torch.bool)[..., lo:hi, :]).unsqueeze(1)
         scores = scores.masked_fill(forbidden, float("-inf"))

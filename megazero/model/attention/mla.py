@@ -120,6 +120,7 @@ class MultiLatentAttention(CausalAttention):
                                                  bias=c.add_bias_linear, sequence_parallel=c.sequence_parallel)
         # core attention scales by 1/sqrt(qk+rope); YaRN's extra factor goes onto q
         self.q_scale = softmax_mscale(c)
+        self.init_softmax(n, tp_rank=self.linear_proj.tp_rank, tp_size=tp_size, device=device)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, heads/tp, qk+rope]`` (the whole sequence under SP)."""

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megazero.model.attention.cp_layout import Block, CPLayout, Run, plan_blocks
 from megazero.model.keyed_dropout import AttentionDropout
 from megazero.model.attention.ring_kernels import acc_dtype, block_kernel
+from megazero.model.attention.sinks import add_sinks, sinks_grad
 from megazero.mpu.random import get_rng_tracker
 
 __all__ = ["ring_attention", "block_attention", "dense_attention", "RingStats"]
@@ -91,16 +92,31 @@ def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk: Block, out: torch.
     """Fold one block's (out, lse) into the running rows: weights exp(lse_i - lse_new) <= 1, so nothing overflows."""
     rows = slice(blk.q_lo, blk.q_hi)
     old = acc_lse[:, :, rows]
-    new = torch.logaddexp(old, lse.to(acc_lse.dtype))  # every computed row has a key, so new is finite
-    acc_out[:, :, rows] = (acc_out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
-                           + out.to(acc_out.dtype) * torch.exp(lse - new).unsqueeze(-1))
+    new = torch.logaddexp(old, lse.to(acc_lse.dtype))
+    w_old, w_new = torch.exp(old - new), torch.exp(lse - new)
+    if blk.band is not None:  # a window's edge may leave a row no key yet (new = -inf): weigh it 0, not NaN
+        w_old, w_new = (torch.where(torch.isinf(new), torch.zeros_like(w), w) for w in (w_old, w_new))
+    acc_out[:, :, rows] = acc_out[:, :, rows] * w_old.unsqueeze(-1) + out.to(acc_out.dtype) * w_new.unsqueeze(-1)
     acc_lse[:, :, rows] = new
+
+
+def _for_block(kernel, blk: Block) -> tuple[object, dict]:
+    """The kernel that computes ``blk`` and its extra arguments: a block cut by a window's edge
+    (``band``) runs in the math kernel, the one that masks it; any other in ``kernel``."""
+    if blk.band is None:
+        return kernel, {}
+    return block_kernel("math", torch.empty(0)), {"band": blk.band}
+
+
+def _finish(acc_out: torch.Tensor, acc_lse: torch.Tensor, sinks: Optional[torch.Tensor]):
+    """The merged rows with the sinks' rescale (:mod:`~megazero.model.attention.sinks`), if any."""
+    return (acc_out, acc_lse) if sinks is None else add_sinks(acc_out, acc_lse, sinks)
 
 
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats, dropout, dropout_p):
+    def forward(ctx, q, k, v, group, rank, layouts, scale, kernel, stats, dropout, dropout_p, window, sinks):
         size = layouts[0].cp_size
         ctx.positions = _positions(layouts, q.device) if dropout is not None else None
         ctx.dropout, ctx.dropout_p, ctx.rngs = dropout, dropout_p, {}
@@ -117,25 +133,28 @@ class _RingAttention(torch.autograd.Function):
             kt, vt = _bhsd(cur[0]), _bhsd(cur[1])
             src = (rank - step) % size
             for i, (bs, layout) in enumerate(_by_sample(layouts)):
-                for j, blk in enumerate(plan_blocks(layout.runs[rank], layout.runs[src])):
+                for j, blk in enumerate(plan_blocks(layout.runs[rank], layout.runs[src], window)):
+                    kern, extra = _for_block(kernel, blk)
                     with _drawing(dropout_p, q.device):
-                        o, lse, ctx.rngs[src, i, j] = kernel.forward(
+                        o, lse, ctx.rngs[src, i, j] = kern.forward(
                             qt[bs, :, blk.q_lo:blk.q_hi], kt[bs, :, blk.k_lo:blk.k_hi], vt[bs, :, blk.k_lo:blk.k_hi],
-                            blk.causal, scale, dropout_p, **_keyed(ctx, i, bs, rank, src, blk))
+                            blk.causal, scale, dropout_p, **_keyed(ctx, i, bs, rank, src, blk), **extra)
                     _merge(acc_out[bs], acc_lse[bs], blk, o, lse)
                     _count(stats, forward_pairs=blk.pairs)
             if step < size - 1:
                 _wait(works)
                 cur = nxt
+        acc_out, acc_lse = _finish(acc_out, acc_lse, sinks)
         out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * dv)
         lse = acc_lse if acc == torch.float64 else acc_lse.float()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.ring, ctx.rank, ctx.layouts, ctx.scale, ctx.kernel, ctx.stats = ring, rank, layouts, scale, kernel, stats
+        ctx.window = window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         ring, rank, stats, size = ctx.ring, ctx.rank, ctx.stats, ctx.layouts[0].cp_size
         s, b, h, d = q.shape
         dv = v.size(3)
@@ -162,7 +181,8 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_works)
             dkv = dkv_in
         dq = dq.to(q.dtype).permute(2, 0, 1, 3)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None
+        d_sinks = sinks_grad(dot, ot, lse, sinks[0]) if sinks else None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None, None, d_sinks
 
 
 def _drawing(dropout_p: float, device):
@@ -201,11 +221,12 @@ def _block_grads(ctx, src: int, kv, qt, dot, ot, lse, dq) -> tuple[torch.Tensor,
     dk, dv = (torch.zeros(t.shape, dtype=dq.dtype, device=dq.device) for t in kv)
     kt, vt, dkt, dvt = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dk), _bhsd(dv)
     for i, (bs, layout) in enumerate(_by_sample(ctx.layouts)):
-        for j, blk in enumerate(plan_blocks(layout.runs[ctx.rank], layout.runs[src])):
+        for j, blk in enumerate(plan_blocks(layout.runs[ctx.rank], layout.runs[src], ctx.window)):
             rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
-            g = ctx.kernel.backward(dot[bs, :, rows], qt[bs, :, rows], kt[bs, :, cols], vt[bs, :, cols],
-                                    ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale, ctx.dropout_p,
-                                    ctx.rngs[src, i, j], **_keyed(ctx, i, bs, ctx.rank, src, blk))
+            kern, extra = _for_block(ctx.kernel, blk)
+            g = kern.backward(dot[bs, :, rows], qt[bs, :, rows], kt[bs, :, cols], vt[bs, :, cols],
+                              ot[bs, :, rows], lse[bs, :, rows], blk.causal, ctx.scale, ctx.dropout_p,
+                              ctx.rngs[src, i, j], **_keyed(ctx, i, bs, ctx.rank, src, blk), **extra)
             dq[bs, :, rows] += g[0]
             dkt[bs, :, cols] += g[1]
             dvt[bs, :, cols] += g[2]
@@ -223,10 +244,10 @@ def _by_sample(layouts: tuple[CPLayout, ...]):
 class _BlockAttention(torch.autograd.Function):
     """Attention of local queries against key/values already at hand (gathered), block by block;
     ``positions`` (query, key) and ``dropout`` for keyed dropout, ``mask`` ``[b | 1, 1, n, m]``,
-    ``dropout_p`` for the kernel's own masks."""
+    ``dropout_p`` for the kernel's own masks, ``sinks`` ``[heads]`` (or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale, kernel, positions, dropout, mask, dropout_p):
+    def forward(ctx, q, k, v, blocks, scale, kernel, positions, dropout, mask, dropout_p, sinks):
         s, b, h, dv = *q.shape[:3], v.size(3)
         acc = acc_dtype(q.dtype)
         acc_out = torch.zeros(b, h, s, dv, dtype=acc, device=q.device)
@@ -236,19 +257,22 @@ class _BlockAttention(torch.autograd.Function):
                                                                                   dropout, mask)
         ctx.dropout_p, ctx.rngs = dropout_p, []
         for blk in blocks:
+            kern, extra = _for_block(kernel, blk)
             with _drawing(dropout_p, q.device):
-                o, lse, rng = kernel.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
-                                             vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale, dropout_p,
-                                             **_extras(ctx, blk))
+                o, lse, rng = kern.forward(qt[:, :, blk.q_lo:blk.q_hi], kt[:, :, blk.k_lo:blk.k_hi],
+                                           vt[:, :, blk.k_lo:blk.k_hi], blk.causal, scale, dropout_p,
+                                           **_extras(ctx, blk), **extra)
             ctx.rngs.append(rng)
             _merge(acc_out, acc_lse, blk, o, lse)
+        acc_out, acc_lse = _finish(acc_out, acc_lse, sinks)
         out = acc_out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, h * dv)
-        ctx.save_for_backward(q, k, v, out, acc_lse if acc == torch.float64 else acc_lse.float())
+        ctx.save_for_backward(q, k, v, out, acc_lse if acc == torch.float64 else acc_lse.float(),
+                              *(() if sinks is None else (sinks,)))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         s, b, h, d = q.shape
         v_dim = v.size(3)
         acc = acc_dtype(q.dtype)
@@ -259,13 +283,15 @@ class _BlockAttention(torch.autograd.Function):
         dkt, dvt = _bhsd(dk), _bhsd(dv)
         for blk, rng in zip(ctx.blocks, ctx.rngs):
             rows, cols = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
-            g = ctx.kernel.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols], ot[:, :, rows],
-                                    lse[:, :, rows], blk.causal, ctx.scale, ctx.dropout_p, rng, **_extras(ctx, blk))
+            kern, extra = _for_block(ctx.kernel, blk)
+            g = kern.backward(dot[:, :, rows], qt[:, :, rows], kt[:, :, cols], vt[:, :, cols], ot[:, :, rows],
+                              lse[:, :, rows], blk.causal, ctx.scale, ctx.dropout_p, rng, **_extras(ctx, blk), **extra)
             dq[:, :, rows] += g[0]
             dkt[:, :, cols] += g[1]
             dvt[:, :, cols] += g[2]
+        d_sinks = sinks_grad(dot, ot, lse, sinks[0]) if sinks else None
         return (dq.to(q.dtype).permute(2, 0, 1, 3), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
-                None, None)
+                None, None, d_sinks)
 
 
 def _extras(ctx, blk: Block) -> dict:
@@ -286,32 +312,42 @@ def _run_positions(runs: Sequence[Run]) -> torch.Tensor:
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run],
                     k_runs: Sequence[Run], *, softmax_scale: Optional[float] = None,
                     kernel: str = "auto", dropout: Optional[AttentionDropout] = None,
-                    dropout_p: float = 0.0) -> torch.Tensor:
+                    dropout_p: float = 0.0, window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (per-document) attention of queries q ``[n, b, heads, dqk]`` holding the tokens ``q_runs``
     against k ``[m, b, groups, dqk]`` and v ``[m, b, groups, dv]`` holding ``k_runs`` (e.g. every rank's,
     gathered), computed by the ring's block kernels and merged by log-sum-exp: no ``[n, m]`` mask or
     scores. ``dropout``: keyed attention dropout (the math kernel, masks from the runs' positions);
-    ``dropout_p``: the kernels' own masks, from the model-parallel stream. Returns ``[n, b, heads * dv]``."""
+    ``dropout_p``: the kernels' own masks, from the model-parallel stream. ``window``: each query sees
+    the ``window`` keys before it and itself (only the blocks the window reaches are computed);
+    ``sinks`` ``[heads]``: a sink logit per head; ``mask`` ``[b | 1, 1, n, m]`` (True = masked, the math
+    kernel applies it). Returns ``[n, b, heads * dv]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
     positions = (tuple(_on_device([_run_positions(q_runs), _run_positions(k_runs)], q.device))
                  if dropout is not None else None)
-    return _BlockAttention.apply(q, k, v, tuple(plan_blocks(tuple(q_runs), tuple(k_runs))), scale,
-                                 _kernel(kernel, q, v, dropout, dropout_p), positions, dropout, None, dropout_p)
+    if mask is not None:
+        mask = mask.to(torch.bool).reshape(-1, 1, *mask.shape[-2:]) if mask.dim() != 4 else mask.to(torch.bool)
+    return _BlockAttention.apply(q, k, v, tuple(plan_blocks(tuple(q_runs), tuple(k_runs), window)), scale,
+                                 _kernel("math" if mask is not None else kernel, q, v, dropout, dropout_p), positions,
+                                 dropout, mask, dropout_p, sinks)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: AttentionDropout, *,
-                    positions: tuple[torch.Tensor, torch.Tensor], causal: bool = True,
-                    mask: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout], *,
+                    positions: Optional[tuple[torch.Tensor, torch.Tensor]] = None, causal: bool = True,
+                    mask: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention of q ``[n, b, heads, dqk]`` against k ``[m, b, groups, dqk]`` and v ``[m, b, groups, dv]``
-    with keyed ``dropout``, by the math kernel's tiles (no ``[n, m]`` scores held): ``causal`` (n == m, the
-    same tokens in increasing order) and/or ``mask`` (``[b | 1, 1, n, m]`` or ``[n, m]``, True = masked).
-    ``positions``: the queries' and keys' indices in the whole sequence. Returns ``[n, b, heads * dv]``."""
+    by the math kernel's tiles (no ``[n, m]`` scores held), with keyed ``dropout``, drawn masks
+    (``dropout_p``, from the model-parallel stream) or none: ``causal``
+    (n == m, the same tokens in increasing order) and/or ``mask`` (``[b | 1, 1, n, m]`` or ``[n, m]``,
+    True = masked), ``sinks`` ``[heads]``. ``positions``: the queries' and keys' indices in the whole
+    sequence (for dropout's masks). Returns ``[n, b, heads * dv]``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
     if mask is not None:
         mask = mask.to(torch.bool).reshape(-1, 1, *mask.shape[-2:]) if mask.dim() != 4 else mask.to(torch.bool)
     blocks = (Block(0, q.size(0), 0, k.size(0), causal),)
-    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, v, dropout, 0.0), positions, dropout, mask,
-                                 0.0)
+    return _BlockAttention.apply(q, k, v, blocks, scale, _kernel("math", q, v, dropout, dropout_p), positions, dropout,
+                                 mask, dropout_p, sinks)
 
 
 def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout], dropout_p: float):
@@ -330,7 +366,8 @@ def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, dropout: Optional[Atten
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout | Sequence[CPLayout],
                    group: Optional[dist.ProcessGroup] = None, *, softmax_scale: Optional[float] = None,
                    kernel: str = "auto", stats: Optional[RingStats] = None,
-                   dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0) -> torch.Tensor:
+                   dropout: Optional[AttentionDropout] = None, dropout_p: float = 0.0,
+                   window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (per-document, as ``layout`` says) attention of the whole sequence, computed on this rank's tokens.
 
     q ``[s_local, b, heads, dqk]``, k ``[s_local, b, groups, dqk]`` and v ``[s_local, b, groups, dv]`` hold
@@ -343,6 +380,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     masks from the layouts' positions and the global heads ``dropout.heads``), the same masks at any layout.
     ``dropout_p``: attention dropout with the block kernels' own masks instead, drawn from the
     model-parallel stream (``mpu.model_parallel_manual_seed``), which depend on the layout (Megatron's).
+    ``window``: sliding-window attention, a query at i sees the keys i - window .. i (a rank computes only
+    the blocks the window reaches; every block still travels the ring). ``sinks`` ``[heads]``: one sink
+    logit per head, applied once after the last merge (:mod:`~megazero.model.attention.sinks`).
     """
     layouts = (layout,) if isinstance(layout, CPLayout) else tuple(layout)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -365,5 +405,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
         raise ValueError(f"this rank holds {q.size(0)} tokens but the layout gives each rank {layout.local_len} "
                          f"(of {layout.seq_len}); split the sequence with split_for_rank and the same layout")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
+    if window is not None and window >= layout.seq_len - 1:
+        window = None  # the window holds the whole sequence: plain causal attention
     return _RingAttention.apply(q, k, v, group, rank, layouts, scale, _kernel(kernel, q, v, dropout, dropout_p),
-                                stats, dropout, dropout_p)
+                                stats, dropout, dropout_p, window, sinks)

@@ -81,14 +81,16 @@ def _generator_at(device: torch.device, state: Optional[torch.Tensor]) -> Option
     return g
 
 
-def _tiles(n: int, m: int, causal: bool, t: int, device: torch.device):
+def _tiles(n: int, m: int, causal: bool, t: int, device: torch.device, band: Optional[int] = None):
     """(rows, columns, diagonal) of the tiles of an ``[n, m]`` block; a causal block keeps the tiles on
-    and below the diagonal (``diagonal``: the tile holds masked pairs j > i). On meta (a rehearsal:
-    shapes, no values) only the first tile, the largest: no other tile's temporaries exceed its, so the
-    peak memory is the same for a fraction of the operators (a rehearsal's time)."""
+    and below the diagonal (``diagonal``: the tile holds masked pairs j > i), a ``band`` the tiles with
+    a column j >= i + band. On meta (a rehearsal: shapes, no values) only the first tile, the largest:
+    no other tile's temporaries exceed its, so the peak memory is the same for a fraction of the
+    operators (a rehearsal's time)."""
     for r0 in range(0, n, t):
         r1 = min(n, r0 + t)
-        for c0 in range(0, r1 if causal else m, t):
+        first = 0 if band is None else max(0, r0 + band) // t * t  # tiles left of the band are all masked
+        for c0 in range(first, r1 if causal else m, t):
             c1 = min(r1 if causal else m, c0 + t)
             yield slice(r0, r1), slice(c0, c1), causal and c1 > r0 + 1
             if device.type == "meta":
@@ -116,7 +118,7 @@ class _MathKernel:
         return max(1, math.isqrt(max(1, self.tile_elements // (b * h))))
 
     @staticmethod
-    def _scores(q, k, scale, rows, cols, diagonal, mask, acc):
+    def _scores(q, k, scale, rows, cols, diagonal, mask, acc, band=None):
         b, h, _, d = q.shape
         g = k.size(1)
         qg = q[:, :, rows].to(acc).reshape(b, g, h // g, -1, d)
@@ -124,6 +126,10 @@ class _MathKernel:
         if diagonal:
             i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
             scores = scores.masked_fill(torch.arange(cols.start, cols.stop, device=q.device)[None, :] > i,
+                                        float("-inf"))
+        if band is not None and cols.start < rows.stop - 1 + band:  # the window's edge crosses the tile
+            i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(cols.start, cols.stop, device=q.device)[None, :] < i + band,
                                         float("-inf"))
         if mask is not None:
             scores = scores.masked_fill(mask[..., rows, cols].unsqueeze(1), float("-inf"))
@@ -148,7 +154,7 @@ class _MathKernel:
         if dropout is not None and dropout_p > 0.0:
             raise ValueError("give attention dropout once: dropout_p (drawn masks) or dropout (keyed by position)")
 
-    def forward(self, q, k, v, causal, scale, dropout_p=0.0, dropout=None, positions=None, mask=None):
+    def forward(self, q, k, v, causal, scale, dropout_p=0.0, dropout=None, positions=None, mask=None, band=None):
         self._check(dropout, dropout_p)
         b, h, n, _ = q.shape
         g, dv, acc = k.size(1), v.size(-1), acc_dtype(q.dtype)
@@ -156,8 +162,8 @@ class _MathKernel:
         out = torch.zeros(b, g, h // g, n, dv, dtype=acc, device=q.device)
         lse = torch.full((b, g, h // g, n), float("-inf"), dtype=acc, device=q.device)
         vg = v.to(acc).unsqueeze(2)
-        for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h), q.device):
-            scores = self._scores(q, k, scale, rows, cols, diagonal, mask, acc)
+        for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h), q.device, band):
+            scores = self._scores(q, k, scale, rows, cols, diagonal, mask, acc, band)
             t_lse = torch.logsumexp(scores, dim=-1)
             finite = torch.where(torch.isinf(t_lse), torch.zeros_like(t_lse), t_lse)  # rows with no key here
             probs = torch.exp(scores - finite.unsqueeze(-1))
@@ -173,7 +179,7 @@ class _MathKernel:
         return out.reshape(b, h, n, dv).to(q.dtype), lse.reshape(b, h, n), rng
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng=None, dropout=None, positions=None,
-                 mask=None):
+                 mask=None, band=None):
         self._check(dropout, dropout_p)
         b, h, n, d = q.shape
         g, dv, acc = k.size(1), v.size(-1), acc_dtype(q.dtype)
@@ -183,8 +189,8 @@ class _MathKernel:
         lse = lse.to(acc).reshape(b, g, h // g, n, 1)
         delta = (do * out.to(acc).reshape(b, g, h // g, n, dv)).sum(-1, keepdim=True)  # rowsum(dO * O), global O
         dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-        for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h), q.device):
-            probs = torch.exp(self._scores(q, k, scale, rows, cols, diagonal, mask, acc) - lse[..., rows, :])
+        for rows, cols, diagonal in _tiles(n, k.size(2), causal, self._tile(b, h), q.device, band):
+            probs = torch.exp(self._scores(q, k, scale, rows, cols, diagonal, mask, acc, band) - lse[..., rows, :])
             factor = self._scale(dropout, positions, rows, cols, probs, dropout_p, draw)  # M regenerated
             kept = probs if factor is None else probs * factor
             dv[:, :, cols] += torch.matmul(kept.transpose(-1, -2), do[..., rows, :]).sum(2)

@@ -30,6 +30,7 @@ from .core import core_attention
 from .cp_context import ContextParallel, context_parallel_attention
 from .max_logit import max_attention_logit
 from .rope import apply_rotary
+from .sinks import LearnableSinks
 
 __all__ = ["CausalAttention", "SelfAttention", "Rotary", "row_factors"]
 
@@ -46,6 +47,25 @@ class CausalAttention(torch.nn.Module):
     number: int
     # [heads/tp]: the largest logit of each of this rank's heads since it was last taken (track_max_attention_logit)
     max_logit: Optional[torch.Tensor] = None
+    window: Optional[int] = None  # a query sees this many keys before it (None: all); the layer's pattern
+
+    def init_softmax(self, heads: int, *, tp_rank: int, tp_size: int, device=None) -> None:
+        """The layer's window (``config.layer_window``) and, with ``softmax_type`` 'learnable', its sink
+        logits (``core_attention.softmax_offset``, ``heads / tp_size`` of them); call at the end of ``__init__``."""
+        c = self.config
+        self.window = c.layer_window(self.number)
+        if c.softmax_type == "learnable":
+            self.core_attention = LearnableSinks(heads, tp_rank=tp_rank, tp_size=tp_size,
+                                                 init_method=init_methods(c)[0], params_dtype=c.params_dtype,
+                                                 device=device)
+
+    def sinks(self, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's heads' sink logits ``[heads/tp]`` for queries ``q`` (None: a plain softmax)."""
+        if self.config.softmax_type == "learnable":
+            return self.core_attention.softmax_offset
+        if self.config.softmax_type == "off-by-one":
+            return q.new_zeros(q.size(2))
+        return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
                cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
@@ -55,7 +75,7 @@ class CausalAttention(torch.nn.Module):
             if cp is not None:
                 raise ValueError("the largest attention logit (QK-clip) needs each query's whole sequence of keys; "
                                  "with context parallelism a rank holds a part of it: use context parallel size 1")
-            m = max_attention_logit(q, k, attention_mask)
+            m = max_attention_logit(q, k, attention_mask, self.window)
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
             return mpu.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask, cp, key), q, k, v)
@@ -65,12 +85,13 @@ class CausalAttention(torch.nn.Module):
               cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
         p = self.config.attention_dropout if self.training else 0.0
         keyed = self._keyed_dropout(p, q, key)
+        mask = dict(window=self.window, sinks=self.sinks(q))
         if cp is not None:
             return context_parallel_attention(q, k, v, cp, layer=self.number, backend=self.config.attention_backend,
                                               attention_mask=attention_mask, dropout=keyed,
-                                              dropout_p=0.0 if keyed else p)
+                                              dropout_p=0.0 if keyed else p, **mask)
         return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=0.0 if keyed else p,
-                              attention_mask=attention_mask, dropout=keyed)
+                              attention_mask=attention_mask, dropout=keyed, **mask)
 
     def _keyed_dropout(self, p: float, q: torch.Tensor, key: Optional[DropoutKey]) -> Optional[AttentionDropout]:
         """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position by the
@@ -123,6 +144,7 @@ class SelfAttention(CausalAttention):
             self.q_layernorm, self.k_layernorm = build_norm(c, **kw), build_norm(c, **kw)
         else:
             self.q_layernorm = self.k_layernorm = None
+        self.init_softmax(c.num_attention_heads, tp_rank=self.linear_proj.tp_rank, tp_size=tp_size, device=device)
 
     def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """A query group's keys serve all its heads: the group takes its smallest ``eta`` (Megatron's GQA
