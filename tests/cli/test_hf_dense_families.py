@@ -58,3 +58,28 @@ def test_megatron_rope_scaling_flags_reach_the_model():
     with pytest.raises(ConfigError, match="one RoPE scaling per model"):
         parse_args(base + ["--use-rope-scaling", "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"], 1)
 
+
+
+@pytest.mark.slow
+def test_a_converted_qwen2_with_a_sliding_layer_fine_tunes_alike_at_cp2_and_pp2(tmp_path):
+    """Its second layer slides over 5 keys (shorter than a cp 2 zigzag chunk of 8 tokens); the run keeps the
+    pattern from the checkpoint and converts back with the same layer_types."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=5,
+                                                                max_window_layers=1))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    mz = tmp_path / "mz"
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output", str(mz)]) == 0
+    config, _ = load_full(str(mz))
+    assert [config.layer_window(i) for i in range(2)] == [None, 4]
+
+    one = losses(1, ["--pretrained-checkpoint", str(mz)], tmp_path / "one.jsonl")
+    cp2 = losses(2, ["--pretrained-checkpoint", str(mz), "--context-parallel-size", "2"], tmp_path / "cp2.jsonl")
+    pp2 = losses(2, ["--pretrained-checkpoint", str(mz), "--pp", "2"], tmp_path / "pp2.jsonl")
+    assert sorted(one) == sorted(cp2) == sorted(pp2) == [1, 2, 3]
+    for i in one:
+        assert cp2[i] == pytest.approx(one[i], abs=2e-5) and pp2[i] == pytest.approx(one[i], abs=2e-5), (one, cp2, pp2)
+
+    assert convert_to_hf.main(["--load", str(mz), "--output", str(tmp_path / "back")]) == 0
+    back = transformers.AutoConfig.from_pretrained(str(tmp_path / "back"))
+    assert (back.sliding_window, back.layer_types) == (5, ["full_attention", "sliding_attention"])

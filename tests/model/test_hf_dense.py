@@ -1,5 +1,6 @@
 """The dense Hugging Face families beside Llama: Llama 3.1's RoPE scaling, Qwen2 (q/k/v biases), Qwen3 (per-head
-q/k RMSNorm, head_dim != hidden/heads), Mistral (no sliding window). Each imports with transformers' logits,
+q/k RMSNorm, head_dim != hidden/heads), Mistral; with sliding windows shorter than the sequence (Mistral's in every
+layer, Qwen's in the layers its max_window_layers or layer_types name). Each imports with transformers' logits,
 exports back bit for bit, and generates greedily as transformers does; what megazero cannot run is refused."""
 
 import json
@@ -26,7 +27,14 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7, tie_word_embeddings=False)),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=5,
+                                                             max_window_layers=1, tie_word_embeddings=True)),
+    "qwen3_window": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, use_sliding_window=True, sliding_window=9,
+                                                             layer_types=["sliding_attention", "full_attention"],
+                                                             tie_word_embeddings=False)),
 }
+FAMILY = {"llama3": "llama", "mistral_window": "mistral", "qwen2_window": "qwen2", "qwen3_window": "qwen3"}
 
 
 def random_hf(name: str, hf_dir=None):
@@ -58,7 +66,7 @@ def _ours(hf_dir):
 def test_import_matches_transformers_and_exports_back_bit_for_bit(name, tmp_path):
     hf = random_hf(name, tmp_path / "hf")
     config, model = _ours(tmp_path / "hf")
-    family = "llama" if name == "llama3" else name
+    family = FAMILY.get(name, name)
     assert hf_architecture(config) == family
     ids = _ids()
     with torch.no_grad():
@@ -122,10 +130,9 @@ def test_llama3_rope_scaling_of_transformers_4():
     ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
      "rope type 'llama3' without low_freq_factor"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
-     "sliding_window=16 < max_position_embeddings=32: sliding windows are not supported yet"),
-    ({"model_type": "mistral", "sliding_window": 16},
-     "sliding-window attention is not supported yet; sliding_window=16 is shorter than max_position_embeddings=32"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+      "layer_types": ["chunked_attention", "full_attention"]}, "layer_types ['chunked_attention']"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 (a query sees at least itself"),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
 ])
 def test_what_megazero_cannot_run_is_refused_in_one_line(hf, message):
@@ -134,7 +141,24 @@ def test_what_megazero_cannot_run_is_refused_in_one_line(hf, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_windows_that_never_bite_are_accepted():
-    assert config_from_hf({**SHAPE, "model_type": "mistral", "sliding_window": SEQ}).hf_model_type == "mistral"
-    assert config_from_hf({**SHAPE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
-                           "max_window_layers": 2}).add_qkv_bias  # no layer beyond max_window_layers slides
+def test_hf_windows_read_as_transformers_applies_them():
+    """HF's window W is W - 1 keys before the query; Qwen slides only with use_sliding_window, from
+    max_window_layers on (or where layer_types says)."""
+    mistral = config_from_hf({**SHAPE, "model_type": "mistral", "sliding_window": 4096})
+    assert (mistral.window_size, mistral.window_attn_skip_freq) == ((4095, 0), None)
+    qwen = dict(SHAPE, model_type="qwen2", sliding_window=16)
+    assert config_from_hf({**qwen, "use_sliding_window": False, "max_window_layers": 0}).window_size is None
+    assert config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 2}).window_size is None
+    both = config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 0})
+    assert (both.window_size, both.window_attn_skip_freq) == ((15, 0), None)
+    last = config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert [last.layer_window(i) for i in range(2)] == [None, 15]
+
+
+def test_exports_that_would_lose_the_window_or_the_sinks_are_refused():
+    base = config_from_hf({**SHAPE, "model_type": "llama"})
+    for changed, message in ((dict(softmax_type="learnable"), "attention sinks"),
+                             (dict(window_size=(7, 0), window_attn_skip_freq=2), "in some layers only"),
+                             (dict(window_size=(7, 0), add_bias_linear=True), "with biases")):
+        with pytest.raises(ValueError, match=message):
+            hf_architecture(base.replace(**changed))

@@ -65,7 +65,7 @@ def _gpt2_mismatches(c: GPTConfig) -> list[str]:
     if c.head_dim * c.num_attention_heads != c.hidden_size:
         out.append(f"kv_channels={c.kv_channels} (GPT-2's head size is hidden_size/heads="
                    f"{c.hidden_size // c.num_attention_heads})")
-    return out + _common_mismatches(c)
+    return out + _common_mismatches(c) + _attention_mismatches(c, "GPT-2")
 
 
 def _llama_mismatches(c: GPTConfig) -> list[str]:
@@ -76,6 +76,14 @@ def _llama_mismatches(c: GPTConfig) -> list[str]:
 
 def _common_mismatches(c: GPTConfig) -> list[str]:
     return ["qk_layernorm=True (HF GPT-2/Llama have no query/key norm)"] if c.qk_layernorm else []
+
+
+def _attention_mismatches(c: GPTConfig, family: str) -> list[str]:
+    """Sliding windows and sinks, for a family that has neither."""
+    out = [f"window_size={c.window_size} (HF {family} has no sliding window)"] if c.window_size is not None else []
+    if c.softmax_type != "vanilla":
+        out.append(f"softmax_type={c.softmax_type!r} (HF {family} has no attention sinks)")
+    return out
 
 
 def _is_norm_weight(key: str) -> bool:
@@ -92,7 +100,7 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
     if config.multi_latent_attention:
-        bad = deepseek_mismatches(config)
+        bad = deepseek_mismatches(config) + _attention_mismatches(config, "DeepSeek-V3")
         if bad:
             raise ValueError("config is not representable in HF DeepSeek-V3: " + ", ".join(bad) + ".")
         return "deepseek_v3"
@@ -103,7 +111,7 @@ def hf_architecture(config: GPTConfig) -> str:
         need = [("position_embedding_type", "rope"), ("normalization", "rmsnorm"), ("activation", "swiglu"),
                 ("rotary_percent", 1.0)]
         bad = [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in need if getattr(config, k) != v]
-        bad += moe_mismatches(config)
+        bad += moe_mismatches(config) + _attention_mismatches(config, "Mixtral/Qwen-MoE")
         if bad:
             raise ValueError("config is not representable in HF Mixtral, Qwen2-MoE or Qwen3-MoE: " + ", ".join(bad)
                              + ".")

@@ -5,14 +5,15 @@ RoPE scaling any Llama-shaped family may carry.
   (``add_qkv_bias`` without ``add_bias_linear``).
 * ``qwen3`` <-> ``Qwen3ForCausalLM``: a Llama with an RMSNorm over ``head_dim`` on every query and key head
   before RoPE (``qk_layernorm``; ``self_attn.q_norm`` / ``k_norm``), no biases.
-* ``mistral`` <-> ``MistralForCausalLM``: a Llama (v0.3 and later: no sliding window). Nothing in the network
-  tells it from Llama, so the import records ``hf_model_type='mistral'`` for the export.
+* ``mistral`` <-> ``MistralForCausalLM``: a Llama whose every layer may slide (v0.1's ``sliding_window``). Nothing
+  else in the network tells it from Llama, so the import records ``hf_model_type='mistral'`` for the export.
 * ``rope_type: llama3`` (Llama 3.1 and later): ``rope_type='llama3'`` with ``rotary_scaling_factor`` (``factor``),
   ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``; read from transformers 5's
   ``rope_parameters`` or 4.x's ``rope_scaling``, written back as both understand.
 
-Sliding-window attention (Mistral v0.1, Qwen's ``use_sliding_window``) does not exist in megazero: a window
-shorter than the model's context is refused.
+Sliding windows: HF's ``sliding_window = W`` (a query sees W keys, itself included) is megazero's
+``window_size = (W - 1, 0)``; which layers slide comes from ``layer_types`` (Qwen's default: the layers from
+``max_window_layers`` on, and only with ``use_sliding_window``), written as ``window_attn_skip_freq``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from ..config import GPTConfig
 
 __all__ = ["DENSE_FAMILIES", "DENSE_ARCHITECTURES", "dense_family", "dense_mismatches", "dense_config_kwargs",
+           "window_kwargs",
            "rope_config_kwargs", "hf_rope_scaling", "dense_hf_config_dict", "qk_norm_to_hf", "qk_norm_from_hf"]
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "mistral")
@@ -33,12 +35,16 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 def dense_family(c: GPTConfig) -> str:
     """The family of a dense Llama-shaped ``c`` (``dense_mismatches`` empty): 'qwen3' (q/k norms), 'qwen2'
-    (q/k/v biases alone), 'mistral' (recorded by the import) or 'llama'."""
+    (q/k/v biases alone), 'mistral' (recorded by the import, or a window in every layer) or 'llama'."""
     if c.qk_layernorm:
         return "qwen3"
     if c.add_qkv_bias and not c.add_bias_linear:
         return "qwen2"
-    return "mistral" if c.hf_model_type == "mistral" else "llama"
+    return "mistral" if c.hf_model_type == "mistral" or c.window_size is not None else "llama"
+
+
+def _sliding(c: GPTConfig) -> list[bool]:
+    return [c.layer_window(i) is not None for i in range(c.num_layers)]
 
 
 def dense_mismatches(c: GPTConfig) -> list[str]:
@@ -49,38 +55,55 @@ def dense_mismatches(c: GPTConfig) -> list[str]:
                    "layout: its attention_bias spares the MLP)")
     if c.hf_model_type == "mistral" and (c.add_bias_linear or c.add_qkv_bias or c.qk_layernorm):
         out.append("hf_model_type='mistral' with biases or q/k norms (Mistral has neither)")
+    if c.softmax_type != "vanilla":
+        out.append(f"softmax_type={c.softmax_type!r} (attention sinks: HF's Llama, Qwen and Mistral have none; "
+                   "gpt-oss has them)")
+    if c.window_size is not None and dense_family(c) == "mistral" and not all(_sliding(c)):
+        out.append("a sliding window in some layers only (HF Mistral slides in every layer; Qwen2/Qwen3, whose "
+                   "layer_types say which slide, need their q/k biases or norms)")
+    if c.window_size is not None and dense_family(c) == "mistral" and (c.add_bias_linear or c.add_qkv_bias):
+        out.append("a sliding window with biases (HF Mistral, the Llama that slides, has none)")
     return out
 
 
-def _sliding_window_problem(hf: dict[str, Any], mt: str) -> Optional[str]:
-    """The refusal of a sliding window shorter than the context (None: no window bites)."""
-    window, max_pos = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
+def window_kwargs(hf: dict[str, Any], mt: str) -> tuple[dict[str, Any], list[str]]:
+    """``window_size`` and ``window_attn_skip_freq`` of an HF config's sliding window, as transformers applies
+    it (Mistral: every layer; Qwen: the ``layer_types`` that slide, with ``use_sliding_window``)."""
+    window = hf.get("sliding_window")
+    if mt in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None  # transformers drops the window without use_sliding_window
+    if window is None:
+        return {}, []
+    if window < 1:
+        return {}, [f"sliding_window={window} (a query sees at least itself: needs >= 1)"]
+    layers = hf["num_hidden_layers"]
     if mt == "mistral":
-        if window is not None and window < max_pos:
-            return (f"sliding-window attention is not supported yet; sliding_window={window} is shorter than "
-                    f"max_position_embeddings={max_pos} (megazero attends over the whole causal context)")
-        return None
-    sliding_layers = any(t == "sliding_attention" for t in hf.get("layer_types") or ()) or (
-        hf.get("use_sliding_window", False) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"])
-    if hf.get("use_sliding_window", False) and window is not None and window < max_pos and sliding_layers:
-        return (f"use_sliding_window=True with sliding_window={window} < max_position_embeddings={max_pos}: "
-                "sliding windows are not supported yet (megazero attends over the whole causal context)")
-    return None
+        return dict(window_size=(window - 1, 0)), []
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", layers) else
+                                      "full_attention" for i in range(layers)]
+    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        return {}, [f"layer_types {unknown or types} (megazero reads sliding_attention and full_attention, one per "
+                    "layer)"]
+    pattern = tuple(int(t == "sliding_attention") for t in types)
+    if not any(pattern):
+        return {}, []
+    return dict(window_size=(window - 1, 0), window_attn_skip_freq=None if all(pattern) else pattern), []
 
 
 def dense_config_kwargs(hf: dict[str, Any], mt: str) -> tuple[dict[str, Any], list[str]]:
     """The GPTConfig fields of an HF Qwen2 / Qwen3 / Mistral config beyond Llama's, and what megazero cannot
     represent of it."""
-    problems = [p for p in (_sliding_window_problem(hf, mt),) if p]
+    kw, problems = window_kwargs(hf, mt)
     if mt == "qwen2":
-        return dict(add_qkv_bias=True), problems
+        return dict(add_qkv_bias=True, **kw), problems
     if mt == "qwen3":
         if hf.get("attention_bias", False):
             problems.append("attention_bias=True (Qwen3's biases on the attention alone do not exist in megazero)")
         head_dim = hf.get("head_dim") or 128  # Qwen3Config's default, unlike Llama's hidden / heads
         same = head_dim * hf["num_attention_heads"] == hf["hidden_size"]
-        return dict(qk_layernorm=True, kv_channels=None if same else head_dim), problems
-    return dict(hf_model_type="mistral"), problems
+        return dict(qk_layernorm=True, kv_channels=None if same else head_dim, **kw), problems
+    return dict(hf_model_type="mistral", **kw), problems
 
 
 def rope_config_kwargs(hf: dict[str, Any], mt: str) -> tuple[dict[str, Any], list[str]]:
@@ -123,10 +146,14 @@ def dense_hf_config_dict(c: GPTConfig, llama: dict[str, Any]) -> dict[str, Any]:
         return llama
     kw = {k: v for k, v in llama.items() if k not in ("mlp_bias", "attention_bias")}
     kw.update(model_type=family, architectures=[DENSE_ARCHITECTURES[family]])
+    window = None if c.window_size is None else c.window_size[0] + 1  # HF counts the query itself
     if family == "mistral":
-        kw.update(sliding_window=None)
-    else:  # Qwen: full attention in every layer
-        kw.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
+        kw.update(sliding_window=window)
+    else:  # Qwen: layer_types say which layers slide
+        sliding = _sliding(c)
+        first = next((i for i, s in enumerate(sliding) if s), c.num_layers)
+        kw.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
+                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
         if family == "qwen3":
             kw.update(attention_bias=False)
     return kw
