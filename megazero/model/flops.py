@@ -195,10 +195,21 @@ def attention_matrices(c: GPTConfig) -> list[tuple[int, int]]:
                       (n * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), out]
 
 
+def _square_keys(window: Optional[int], s: int) -> float:
+    """The keys per query of the square convention (twice what a causal query sees on average): s without a
+    window; a window of w keys before the query sees w + 1 - w (w + 1) / 2s on average."""
+    if window is None or window + 1 >= s:
+        return float(s)
+    return 2.0 * (window + 1 - window * (window + 1) / (2.0 * s))
+
+
 def attention_square_flops_per_token(c: GPTConfig, seq_length: Optional[int] = None) -> int:
     """Forward FLOPs of the attention's scores at ``qk_dim`` and context at ``v_dim`` for one token over the
-    whole s x s square (a causal kernel computes half of it)."""
-    return 2 * (seq_length or c.seq_length) * c.num_attention_heads * (c.qk_dim + c.v_dim)
+    whole s x s square (a causal kernel computes half of it), averaged over the layers: a sliding layer's
+    square is as wide as twice the keys its window shows a query on average."""
+    s = seq_length or c.seq_length
+    keys = sum(_square_keys(c.layer_window(i), s) for i in range(c.num_layers)) / c.num_layers
+    return round(2 * keys * c.num_attention_heads * (c.qk_dim + c.v_dim))
 
 
 def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None) -> int:

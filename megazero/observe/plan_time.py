@@ -131,9 +131,11 @@ def attention_kernel(c: GPTConfig, flash_attn: bool) -> str:
 def _attention_core(c: GPTConfig, kernel: str, *, tokens: int, seq: int, t: int, peak: float, fp32: float,
                     hbm: float, act_bytes: int) -> float:
     """Forward seconds of the attention core of ``tokens`` queries over sequences ``seq`` long on ``t`` TP ranks:
-    q k^T and p v per head over the s x s square (flash and keyed: the causal half) and the kernel's passes."""
-    square = tokens * attention_square_flops_per_token(c, seq) / t
-    scores = c.num_attention_heads * tokens * seq / t  # elements of the whole square
+    q k^T and p v per head over the s x s square (flash and keyed: the causal half, a sliding layer's window
+    only; the explicit formula masks the window, computing the whole square) and the kernel's passes."""
+    full = c.replace(window_size=None, window_attn_skip_freq=None)
+    square = tokens * attention_square_flops_per_token(c if kernel != "math" else full, seq) / t
+    scores = square / (2 * (c.qk_dim + c.v_dim))  # elements of the square the kernel computes
     d = min(c.qk_dim, c.v_dim)
     if kernel == "keyed":
         return _gemm(square / 2, seq, seq, d, fp32 * MATH_FP32_SHARE) + KEYED_BYTES_PER_SCORE * scores / 2 / hbm

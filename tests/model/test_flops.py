@@ -87,3 +87,21 @@ def test_flops_generalize_to_gqa_and_swiglu():
     expected = qkv + 4 * s * h + 2 * h * h + 2 * h * 2 * f + 2 * f * h
     assert layer_forward_flops_per_token(c) == expected
     assert layer_forward_flops_per_token(c.replace(num_query_groups=None)) - expected == 2 * h * 8 * d
+
+
+def test_a_sliding_window_counts_the_pairs_it_computes():
+    """The square convention counts twice a causal layer's pairs: a sliding layer counts twice its window's
+    (sum over queries of min(i, w) + 1), so gpt-oss's pattern (every second layer global) is their mean."""
+    from megazero.model.config import GPTConfig
+    from megazero.model.flops import attention_square_flops_per_token
+
+    s, w = 4096, 127
+    c = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=s, max_position_embeddings=s,
+                  vocab_size=64)
+    per_key = 2 * c.num_attention_heads * (c.qk_dim + c.v_dim)
+    pairs = sum(min(i, w) + 1 for i in range(s))
+    windowed = c.replace(window_size=(w, 0))
+    assert attention_square_flops_per_token(windowed) == round(per_key * 2 * pairs / s)
+    assert attention_square_flops_per_token(c) == per_key * s
+    mixed = c.replace(window_size=(w, 0), window_attn_skip_freq=2)
+    assert attention_square_flops_per_token(mixed) == round(per_key * (s + 2 * pairs / s) / 2)
