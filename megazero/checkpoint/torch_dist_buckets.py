@@ -33,13 +33,14 @@ _BUCKET = re.compile(r"(?P<chain>chained_\d+\.)?optimizer\.distributed\.dp_group
 # TransformerBlock, MTP layer, TransformerLayer, (MLA) self-attention, MLP, MoE layer, SequentialMLP).
 _MODULES = ("embedding", "word_embeddings", "position_embeddings", "decoder", "mtp", "output_layer", "layers",
             "enorm", "hnorm", "eh_proj", "transformer_layer", "final_layernorm", "input_layernorm", "self_attention",
-            "pre_cross_attn_layernorm", "cross_attention", "pre_mlp_layernorm", "mlp", "linear_proj", "linear_qkv",
+            "pre_cross_attn_layernorm", "cross_attention", "pre_mlp_layernorm", "mlp", "core_attention", "linear_proj",
+            "linear_qkv",
             "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
             "q_layernorm", "k_layernorm", "kv_layernorm", "router", "experts", "local_experts", "shared_experts",
             "linear_fc1", "linear_fc2")
 _FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "etp": "--expert-tensor-parallel-size"}
 # A module's own parameters, in registration order; they come before its children's.
-_PARAMS = ("layer_norm_weight", "layer_norm_bias", "weight", "bias", "gate_weight")
+_PARAMS = ("layer_norm_weight", "layer_norm_bias", "weight", "bias", "gate_weight", "softmax_offset")
 
 
 def bucket_parts(ckpt) -> dict[tuple[str, int], list[tuple[str, int]]]:

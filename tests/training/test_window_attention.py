@@ -3,13 +3,14 @@
 run of the same command: per-iteration loss and grad norm within 2e-5 (fp32) under context parallelism
 (every exchange, windows shorter and longer than a zigzag chunk), tensor + sequence parallelism,
 pipeline stages and ZeRO-3; the window and the sinks change the losses (they are applied); a
-checkpoint keeps the pattern and the sinks."""
+torch_dist checkpoint keeps the sinks across layouts."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.training.test_layout_invariance import assert_same_run, data, flags, launch  # noqa: F401
+from tests.training.test_layout_invariance import (assert_resumes_elsewhere, assert_same_run, data,  # noqa: F401
+                                                   flags, launch)
 
 # seq 16: a zigzag chunk is 4 tokens at cp 2; a window of 2 keys is shorter than it, 6 longer
 SHORT = ("--window-size", "2,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable")
@@ -44,3 +45,11 @@ def test_windows_and_sinks_equal_one_process(data, one_process, tmp_path, patter
     args = flags(data, *MODEL, *(SHORT if pattern == "short" else LONG), *extra)
     got = launch(world, args, tmp_path, f"window_{pattern}_{world}")
     assert_same_run(got, one_process[pattern], what=f"{pattern} window, world {world} {extra}")
+
+
+def test_a_torch_dist_checkpoint_keeps_the_sinks_across_layouts(data, one_process, tmp_path):  # noqa: F811
+    """Saved at tp 2 in Megatron's torch_dist (the sinks as megatron-core's core_attention.softmax_offset, sharded
+    by head), resumed in one process and at pp 2 x cp 2: the run goes on as the uninterrupted one."""
+    assert_resumes_elsewhere(data, [*MODEL, *SHORT, "--ckpt-format", "torch_dist"], (2, ["--tp", "2"]),
+                             [(1, []), (4, ["--pp", "2", "--context-parallel-size", "2"])], one_process["short"],
+                             tmp_path, "window_torch_dist")

@@ -58,6 +58,7 @@ def mcore_per_layer_keys(config: GPTConfig) -> bool:
 
 # Within a layer: megazero name -> megatron-core name, for names both layer specs write alike.
 _SAME = ("self_attention.linear_qkv.", "self_attention.linear_proj.", "self_attention.linear_q_proj.",
+         "self_attention.core_attention.",
          "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
          "self_attention.linear_kv_down_proj.", "self_attention.linear_kv_up_proj.",
          "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.shared_experts.linear_fc")
