@@ -56,14 +56,14 @@ class Shape:
 
 
 def _layout(variant: str, seq: int, cp: int):
-    from megazero.model.attention.cp_layout import contiguous_layout, zigzag_layout
+    from megazero.model.attention.cp.layout import contiguous_layout, zigzag_layout
 
     return contiguous_layout(seq, cp) if variant == "ring contiguous" else zigzag_layout(seq, cp)
 
 
 def _inputs(seq: int, shape: Shape, rank: int, cp: int, layout) -> list[torch.Tensor]:
     """This rank's q, k, v (the same full sequence on every rank, split by the layout)."""
-    from megazero.model.attention.cp_layout import split_for_rank
+    from megazero.model.attention.cp.layout import split_for_rank
 
     g = torch.Generator().manual_seed(seq)
     widths = ((shape.heads, shape.head_dim), (shape.groups, shape.head_dim), (shape.groups, shape.v_head_dim))
@@ -73,9 +73,9 @@ def _inputs(seq: int, shape: Shape, rank: int, cp: int, layout) -> list[torch.Te
 
 def _step(variant: str, layout, rank: int, q, k, v) -> dict[str, int]:
     """Forward and backward once; returns the counters of the exchange."""
-    from megazero.model.attention.cp_attention import a2a_attention
-    from megazero.model.attention.cp_context import ContextParallel
-    from megazero.model.attention.ring_attention import RingStats, ring_attention
+    from megazero.model.attention.cp.exchanges import a2a_attention
+    from megazero.model.attention.cp.context import ContextParallel
+    from megazero.model.attention.cp.ring import RingStats, ring_attention
     from megazero.mpu.cp_exchange import CommCounter
 
     if variant == "a2a":
@@ -136,7 +136,7 @@ def run_cp(cp: int, configs: list, shape: Shape) -> list[list[dict]]:
 
 
 def _variants(cp: int, shape: Shape) -> list[str]:
-    from megazero.model.attention.cp_attention import a2a_head_split
+    from megazero.model.attention.cp.exchanges import a2a_head_split
 
     if cp == 1:
         return ["ring zigzag"]
@@ -149,7 +149,7 @@ def _variants(cp: int, shape: Shape) -> list[str]:
 
 def _formula(variant: str, seq: int, cp: int, shape: Shape) -> int:
     """Bytes one rank sends forward: the ring passes K/V on cp-1 times; a2a moves q, k, v and the output."""
-    from megazero.model.attention.cp_attention import a2a_elements
+    from megazero.model.attention.cp.exchanges import a2a_elements
 
     if variant == "a2a":
         return a2a_elements(seq, shape.heads, shape.groups, shape.head_dim, cp, v_head_dim=shape.v_head_dim) * ELEM

@@ -360,7 +360,7 @@ def _blockwise_attention(q, k, v, kernel, chunks: int):
 
 
 def check_ring_kernels() -> str:
-    from megazero.model.attention.ring_kernels import block_kernel
+    from megazero.model.attention.block_kernels import block_kernel
 
     dev = device()
     cases = [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)] if dev.type == "cuda" \
@@ -386,7 +386,7 @@ def check_ring_kernels() -> str:
 def check_ring_kernels_dropout() -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megazero.model.attention.ring_kernels import block_kernel
+    from megazero.model.attention.block_kernels import block_kernel
 
     dev = device()
     if dev.type != "cuda":

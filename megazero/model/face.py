@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .attention.cp_input import context_parallel_context, document_bounds, prepare_context_parallel_input
+from .attention.cp.input import context_parallel_context, document_bounds, prepare_context_parallel_input
 from .config import GPTConfig
 from .keyed_dropout import sample_keys
 from .metrics import LM_LOSS, metric_names, step_metrics
@@ -24,8 +24,8 @@ from .moe.layer import Router, is_expert_parameter
 from .mtp import multi_token_targets
 from .pipeline_split import build_pipeline_model, global_name_fn
 
-if TYPE_CHECKING:  # made by cp_input, held and handed on
-    from .attention.cp_context import ContextParallel
+if TYPE_CHECKING:  # made by cp/input.py, held and handed on
+    from .attention.cp.context import ContextParallel
 
 __all__ = ["ModelFace", "ModelBatch", "split_for_context_parallel"]
 
@@ -54,7 +54,7 @@ class ModelBatch:
 def split_for_context_parallel(b: ModelBatch, ctx: ContextParallel,
                                documents: Optional[list[list[int]]] = None) -> ModelBatch:
     """This rank's share of ``b`` under ``ctx``
-    (:func:`~megazero.model.attention.cp_input.prepare_context_parallel_input`)."""
+    (:func:`~megazero.model.attention.cp.input.prepare_context_parallel_input`)."""
     names = ("tokens", "labels", "loss_mask", "mtp_targets", "mtp_mask")
     ctx, local, positions, mask = prepare_context_parallel_input(
         ctx, {n: getattr(b, n) for n in names}, b.position_ids, b.attention_mask, documents)

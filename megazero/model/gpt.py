@@ -47,7 +47,7 @@ from .norms import build_norm
 from .transformer import TransformerLayer, dropout
 
 if TYPE_CHECKING:  # handed in with a micro-batch and passed to the layers; only its positions are read here
-    from .attention.cp_context import ContextParallel
+    from .attention.cp.context import ContextParallel
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement"]
 
@@ -272,7 +272,7 @@ class GPTModel(torch.nn.Module):
         boolean ``[b, 1, s, s]`` or ``[s, s]``, True = masked out, on top of the causal mask.
         ``context_parallel``: this rank holds some tokens of each sequence (``input_ids``, ``labels``
         and ``position_ids``, which must then be given: the tokens' global positions) and attention
-        runs over the whole sequence (``cp_attention.py``); ``attention_mask`` is then the whole
+        runs over the whole sequence (``cp/exchanges.py``); ``attention_mask`` is then the whole
         sequence's, in global order. ``dropout_keys``: the samples' keys (``dropout_rng='position'``), which key
         the hidden and attention dropout masks by position. ``mtp_targets`` / ``mtp_mask`` ``[D, b, s]``:
         multi-token prediction's targets (:func:`~megazero.model.mtp.multi_token_targets` of the whole

@@ -46,7 +46,7 @@ from .norms import build_norm
 from .transformer import TransformerLayer
 
 if TYPE_CHECKING:  # passed through to the transformer layers, never read here
-    from .attention.cp_context import ContextParallel
+    from .attention.cp.context import ContextParallel
 
 __all__ = ["MultiTokenPrediction", "MTPLayer", "multi_token_targets"]
 

@@ -23,7 +23,7 @@ from .layer_spec import ExpertParallel, LayerSpec, layer_spec
 from .norms import build_norm
 
 if TYPE_CHECKING:  # passed through to the attention (and a mixture's routing), never read here
-    from .attention.cp_context import ContextParallel
+    from .attention.cp.context import ContextParallel
 
 __all__ = ["TransformerLayer", "dropout"]
 

@@ -8,7 +8,7 @@ its bytes: the volumes tools/rehearse.py counts from the collectives the run iss
   expert-data-parallel group for the routed experts (same stage formula, their own sizes).
 - ``tp``: Megatron's all-reduces (or SP's all-gather + reduce-scatter) of [s, b, h] per layer.
 - ``cp``: the context-parallel attention exchange of every layer (ring, all-to-all, all-gather or
-  hierarchical), as :mod:`megazero.model.attention.ring_attention` and :mod:`megazero.mpu.cp_exchange` send it.
+  hierarchical), as :mod:`megazero.model.attention.cp.ring` and :mod:`megazero.mpu.cp_exchange` send it.
 - ``ep``: the token dispatcher's all-to-alls of every mixture layer (Megatron-core's alltoall
   dispatcher, :mod:`megazero.model.moe.dispatch`), for tokens routed evenly over the experts, as the
   balancing losses aim for (the rehearsal routes them so).
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from megazero.model.config import GPTConfig
-from megazero.model.attention.cp_attention import a2a_elements, a2a_head_split, allgather_elements
+from megazero.model.attention.cp.exchanges import a2a_elements, a2a_head_split, allgather_elements
 from megazero.model.moe.routing import capacity_of
 from megazero.observe.planner_offload import DTYPE_BYTES
 
@@ -92,7 +92,7 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
 
 
 def _ring(tokens: int, kv_heads: int, qk_dim: int, v_dim: int, ranks: int, e: int, acc: int) -> tuple[float, float]:
-    """(forward, backward) bytes of ring attention (:class:`~megazero.model.attention.ring_attention.RingStats`):
+    """(forward, backward) bytes of ring attention (:class:`~megazero.model.attention.cp.ring.RingStats`):
     the K (``qk_dim`` wide) and V (``v_dim``) blocks passed on P - 1 times; backward again, and the dK/dV
     accumulators once around."""
     block = tokens * kv_heads * (qk_dim + v_dim)

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from megazero.model.attention import core
 from megazero.model.attention.core import core_attention
-from megazero.model.attention.cp_attention import a2a_elements, allgather_elements
-from megazero.model.attention.cp_context import ContextParallel, context_parallel_attention
-from megazero.model.attention.cp_hierarchical import Hierarchy
-from megazero.model.attention.cp_layout import split_for_rank, zigzag_layout
-from megazero.model.attention.ring_attention import RingStats, ring_attention
-from megazero.model.attention.ring_kernels import _KERNELS, _OneWidth, block_kernel
+from megazero.model.attention.cp.exchanges import a2a_elements, allgather_elements
+from megazero.model.attention.cp.context import ContextParallel, context_parallel_attention
+from megazero.model.attention.cp.hierarchical import Hierarchy
+from megazero.model.attention.cp.layout import split_for_rank, zigzag_layout
+from megazero.model.attention.cp.ring import RingStats, ring_attention
+from megazero.model.attention.block_kernels import _KERNELS, _OneWidth, block_kernel
 from megazero.model.config import GPTConfig
 from megazero.model.keyed_dropout import AttentionDropout, sample_keys
 from megazero.mpu.cp_exchange import CommCounter

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megazero.model.attention.core import core_attention
-from megazero.model.attention.cp_attention import (SequenceShard, a2a_attention, a2a_elements, a2a_head_split,
+from megazero.model.attention.cp.exchanges import (SequenceShard, a2a_attention, a2a_elements, a2a_head_split,
                                          allgather_attention, allgather_elements)
 from megazero.mpu.cp_exchange import CommCounter
 from tests.distributed import run_distributed
@@ -175,7 +175,7 @@ def _exact_reference(q, k, v, go):
 
 def _allgather_block_cases(cp: int):
     """The causal case given the layout: the ring's block kernels, no mask (contiguous and zigzag)."""
-    from megazero.model.attention.cp_layout import contiguous_layout, zigzag_layout
+    from megazero.model.attention.cp.layout import contiguous_layout, zigzag_layout
 
     rank, worst = torch.distributed.get_rank(), 0.0
     for groups in (4, 2, 1):

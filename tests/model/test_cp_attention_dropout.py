@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from megazero.model.attention.core import core_attention
-from megazero.model.attention.cp_attention import SequenceShard, a2a_attention, allgather_attention
-from megazero.model.attention.cp_hierarchical import Hierarchy, hierarchical_attention
-from megazero.model.attention.cp_layout import balanced_document_layout, split_for_rank, zigzag_layout
+from megazero.model.attention.cp.exchanges import SequenceShard, a2a_attention, allgather_attention
+from megazero.model.attention.cp.hierarchical import Hierarchy, hierarchical_attention
+from megazero.model.attention.cp.layout import balanced_document_layout, split_for_rank, zigzag_layout
 from megazero.model.keyed_dropout import AttentionDropout, sample_keys
-from megazero.model.attention.ring_attention import ring_attention
-from megazero.model.attention.ring_kernels import _MathKernel
+from megazero.model.attention.cp.ring import ring_attention
+from megazero.model.attention.block_kernels import _MathKernel
 from tests.distributed import run_distributed
 from tests.model.test_cp_hierarchical import _groups
 
@@ -195,8 +195,8 @@ def _seeded(fn):
 
 def test_math_kernel_draws_masks_that_scale_the_probabilities():
     # One-hot values make the output the dropped probabilities themselves: out[i, j] = P_ij M_ij / (1 - p).
-    from megazero.model.attention.ring_attention import block_attention
-    from megazero.model.attention.ring_kernels import _MathKernel, register_block_kernel
+    from megazero.model.attention.tiled import block_attention
+    from megazero.model.attention.block_kernels import _MathKernel, register_block_kernel
 
     register_block_kernel("math_7x7_tiles", _MathKernel(tile_elements=7 * 7 * HEADS))  # ragged tiles, several blocks
     seq, layout = 48, zigzag_layout(48, 2)
@@ -223,7 +223,7 @@ def _directional_derivative(kind: str):
     direction, from the gradients and from central differences of forwards drawn from the same stream
     (relative difference); they agree only if backward applies forward's masks in every block of every
     ring step and every tile."""
-    from megazero.model.attention.ring_kernels import _MathKernel, register_block_kernel
+    from megazero.model.attention.block_kernels import _MathKernel, register_block_kernel
 
     register_block_kernel("math_5x5_tiles", _MathKernel(tile_elements=5 * 5 * B * HEADS))
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -265,7 +265,7 @@ def test_exchanges_with_the_kernels_own_masks_backpropagate_through_the_masks_th
 def test_cuda_kernels_draw_their_own_masks_and_replay_them_in_backward_on_meta(name, dtype):
     """torch's CUDA ops with dropout, on meta tensors: the Philox state forward returns is what backward
     takes (the values by scripts/gpu_check.sh)."""
-    from megazero.model.attention.ring_kernels import block_kernel
+    from megazero.model.attention.block_kernels import block_kernel
 
     q = torch.empty(2, 8, 40, 64, device="meta", dtype=dtype)
     k = torch.empty(2, 2, 40, 64, device="meta", dtype=dtype)
@@ -277,7 +277,7 @@ def test_cuda_kernels_draw_their_own_masks_and_replay_them_in_backward_on_meta(n
 
 
 def test_auto_picks_a_kernel_that_draws_dropout():
-    from megazero.model.attention.ring_kernels import _KERNELS, block_kernel
+    from megazero.model.attention.block_kernels import _KERNELS, block_kernel
 
     gpu = torch.empty(1, 4, 16, 64, device="meta", dtype=torch.bfloat16)  # the rehearsal's stand-in for CUDA
     assert block_kernel("auto", gpu, dropout=True) is _KERNELS["cuda_flash"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.model.attention.cp_hierarchical import Hierarchy, hierarchical_attention
-from megazero.model.attention.cp_layout import split_for_rank, zigzag_layout
+from megazero.model.attention.cp.hierarchical import Hierarchy, hierarchical_attention
+from megazero.model.attention.cp.layout import split_for_rank, zigzag_layout
 from megazero.mpu import group_ranks
 from megazero.mpu.cp_exchange import CommCounter
 from tests.distributed import run_distributed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.model.attention.cp_layout import (contiguous_layout, cu_seqlens_from_document_ids, document_layout,
+from megazero.model.attention.cp.layout import (contiguous_layout, cu_seqlens_from_document_ids, document_layout,
                                       gather_from_ranks, plan_blocks, split_for_rank, work_per_rank, zigzag_layout)
 
 

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from megazero.model import GPTConfig, GPTModel
-from megazero.model.attention.cp_attention import SequenceShard
-from megazero.model.attention.cp_context import ContextParallel
-from megazero.model.attention.cp_layout import document_layout, zigzag_layout
+from megazero.model.attention.cp.exchanges import SequenceShard
+from megazero.model.attention.cp.context import ContextParallel
+from megazero.model.attention.cp.layout import document_layout, zigzag_layout
 from tests.distributed import run_distributed
 
 S, B, V = 32, 2, 96

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.model.attention.cp_layout import zigzag_layout
+from megazero.model.attention.cp.layout import zigzag_layout
 from megazero.model.keyed_dropout import DropoutKey, keyed_dropout, keyed_mask, sample_keys
 
 P = 0.1

@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 from megazero import mpu
 from megazero.model import GPTModel
-from megazero.model.attention.cp_attention import SequenceShard
-from megazero.model.attention.cp_context import ContextParallel
-from megazero.model.attention.cp_layout import zigzag_layout
+from megazero.model.attention.cp.exchanges import SequenceShard
+from megazero.model.attention.cp.context import ContextParallel
+from megazero.model.attention.cp.layout import zigzag_layout
 from megazero.model.attention.mla import MultiLatentAttention
 from megazero.model.attention.rope import rotary_embedding
 from megazero.model.keyed_dropout import sample_keys

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero.model.attention.cp_layout import (balanced_document_layout, contiguous_layout, document_layout, split_for_rank,
+from megazero.model.attention.cp.layout import (balanced_document_layout, contiguous_layout, document_layout, split_for_rank,
                                       work_per_rank, zigzag_document_layout, zigzag_layout)
-from megazero.model.attention.ring_attention import RingStats, ring_attention
+from megazero.model.attention.cp.ring import RingStats, ring_attention
 from tests.distributed import run_distributed
 from tests.helpers import assert_close, randn
 
@@ -316,7 +316,7 @@ class _CountingKernel:
     """A registered kernel wrapping the math one: shows the hook reaches forward and backward."""
 
     def __init__(self):
-        from megazero.model.attention.ring_kernels import block_kernel
+        from megazero.model.attention.block_kernels import block_kernel
         self.inner, self.calls = block_kernel("math", torch.zeros(1, dtype=torch.float64)), []
 
     def forward(self, *args):
@@ -330,7 +330,7 @@ class _CountingKernel:
 
 def test_one_rank_strided_inputs_and_a_registered_kernel():
     """Without a process group the ring is one block: plain causal attention, here on views of a wider tensor."""
-    from megazero.model.attention.ring_kernels import register_block_kernel
+    from megazero.model.attention.block_kernels import register_block_kernel
 
     kernel = _CountingKernel()
     register_block_kernel("counting", kernel)
@@ -367,7 +367,7 @@ def test_mismatched_inputs_are_refused():
 def test_auto_kernel_by_device_and_dtype(device, dtype, head_dim, want):
     import types
 
-    from megazero.model.attention.ring_kernels import _KERNELS, block_kernel
+    from megazero.model.attention.block_kernels import _KERNELS, block_kernel
 
     q = types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 4, 16, head_dim))
     assert block_kernel("auto", q) is _KERNELS[want]
@@ -378,7 +378,7 @@ def test_auto_kernel_by_device_and_dtype(device, dtype, head_dim, want):
 def test_cuda_kernels_keep_the_block_contract_on_meta_tensors(name, dtype, causal):
     """torch's CUDA ops have meta implementations: the kernels' argument lists, GQA folding and the
     efficient op's padded LSE are checked here for shapes and dtypes (the numbers by scripts/gpu_check.sh)."""
-    from megazero.model.attention.ring_kernels import block_kernel
+    from megazero.model.attention.block_kernels import block_kernel
 
     b, h, g, n, d = 2, 8, 2, 40, 64
     wide = torch.empty(n, b, h + 2 * g, d, device="meta", dtype=dtype)  # [s, b, heads, d] views, as the ring passes

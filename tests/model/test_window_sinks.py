@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from megazero.model.attention.core import core_attention
-from megazero.model.attention.cp_context import ContextParallel, context_parallel_attention
-from megazero.model.attention.cp_hierarchical import Hierarchy
-from megazero.model.attention.cp_layout import (plan_blocks, split_for_rank, work_per_rank, zigzag_document_layout,
+from megazero.model.attention.cp.context import ContextParallel, context_parallel_attention
+from megazero.model.attention.cp.hierarchical import Hierarchy
+from megazero.model.attention.cp.layout import (plan_blocks, split_for_rank, work_per_rank, zigzag_document_layout,
                                                 zigzag_layout)
 from megazero.mpu import group_ranks
 from tests.distributed import run_distributed

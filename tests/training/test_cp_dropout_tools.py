@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.model.attention.cp_layout import plan_blocks, zigzag_layout
+from megazero.model.attention.cp.layout import plan_blocks, zigzag_layout
 from megazero.observe.plan_time import attention_kernel
 from megazero.observe.rehearsal import rehearsal_config, rehearse_rank
 from megazero.config.arguments import parse_args

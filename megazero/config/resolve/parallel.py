@@ -293,7 +293,7 @@ def resolve_context_parallel(par: ParallelConfig, model: GPTConfig, notes: list[
     for kind in par.cp_comm_types:
         if kind not in ("a2a", "a2a+p2p"):
             continue
-        from megazero.model.attention.cp_attention import a2a_head_split
+        from megazero.model.attention.cp.exchanges import a2a_head_split
 
         over = cp if kind == "a2a" else par.hierarchical_cp[0]
         try:

@@ -10,7 +10,7 @@ A sliding ``window`` (a query at i sees the keys i - window .. i) and attention 
 head in every softmax, :mod:`~megazero.model.attention.sinks`) are part of the function: ``math``
 masks and appends them; ``flash`` takes the window as flash-attn's ``window_size``; ``sdpa`` (and
 ``auto`` off flash) computes them with the ring's block kernels on one rank
-(:func:`~megazero.model.attention.ring_attention.block_attention`), only the blocks the window
+(:func:`~megazero.model.attention.tiled.block_attention`), only the blocks the window
 reaches, so time and memory grow with the window, not the sequence.
 
 ``auto`` picks flash when it can run and sdpa otherwise. Heads are partitioned
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.attention.ring_attention import block_attention
+from megazero.model.attention.tiled import block_attention
 from megazero.model.attention.sinks import softmax_with_sinks
 from megazero.mpu.random import get_rng_tracker
 

@@ -40,7 +40,7 @@ from ..config import GPTConfig
 from ..init import init_methods
 from ..keyed_dropout import DropoutKey
 from ..norms import build_norm
-from .cp_context import ContextParallel
+from .cp.context import ContextParallel
 from .rope import apply_rotary, deinterleave, softmax_mscale
 from .self_attention import CausalAttention, Rotary, row_factors
 

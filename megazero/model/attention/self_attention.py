@@ -27,7 +27,7 @@ from ..init import init_methods
 from ..keyed_dropout import AttentionDropout, DropoutKey
 from ..norms import build_norm
 from .core import core_attention
-from .cp_context import ContextParallel, context_parallel_attention
+from .cp.context import ContextParallel, context_parallel_attention
 from .max_logit import max_attention_logit
 from .rope import apply_rotary
 from .sinks import LearnableSinks

@@ -37,7 +37,7 @@ from megazero import mpu
 from megazero.mpu.initializers import initialize_sharded_
 from megazero.mpu.mappings import all_gather_first_dim
 
-from ..attention.cp_context import ContextParallel
+from ..attention.cp.context import ContextParallel
 from ..config import GPTConfig
 from .dispatch import Permutation, TokenDispatcher, padded_slots, permute, unpermute
 from .experts import Experts, is_expert_parameter

@@ -25,7 +25,7 @@ from megazero import mpu
 from megazero.mpu.initializers import initialize_sharded_
 from megazero.mpu.mappings import all_gather_first_dim
 
-from ..attention.cp_context import ContextParallel
+from ..attention.cp.context import ContextParallel
 from ..attached_loss import attach_loss
 from ..config import GPTConfig
 from .routing import capacity_of, expert_counts, over_capacity, route

@@ -21,10 +21,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.model.attention.cp_attention import a2a_dropout, a2a_head_split, a2a_sinks, scatter_heads
-from megazero.model.attention.cp_layout import CPLayout, zigzag_document_layout, zigzag_layout
+from megazero.model.attention.cp.exchanges import a2a_dropout, a2a_head_split, a2a_sinks, scatter_heads
+from megazero.model.attention.cp.layout import CPLayout, zigzag_document_layout, zigzag_layout
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.attention.ring_attention import ring_attention
+from megazero.model.attention.cp.ring import ring_attention
 from megazero.mpu.cp_exchange import CommCounter, heads_to_seq_all_to_all
 
 __all__ = ["Hierarchy", "hierarchical_attention"]

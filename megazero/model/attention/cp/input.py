@@ -3,7 +3,7 @@
 Every context-parallel rank reads the whole sample; :func:`prepare_context_parallel_input` keeps this
 rank's tokens of every per-token tensor (inputs, labels, masks, multi-token targets: anything whose
 last dimension is the sequence), their global positions, and the attention's context
-(:class:`~megazero.model.attention.cp_context.ContextParallel`), with packed documents placed as the
+(:class:`~megazero.model.attention.cp.context.ContextParallel`), with packed documents placed as the
 ring balances them (torchtitan's ``prepare_context_parallel_input``).
 """
 
@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from .cp_context import ContextParallel
-from .cp_hierarchical import Hierarchy
-from .cp_layout import zigzag_layout
+from .context import ContextParallel
+from .hierarchical import Hierarchy
+from .layout import zigzag_layout
 
 __all__ = ["context_parallel_context", "prepare_context_parallel_input", "document_bounds"]
 

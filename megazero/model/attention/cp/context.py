@@ -2,8 +2,8 @@
 
 One :class:`ContextParallel` is built per sequence length (the layout depends on nothing else) and
 handed to every layer; a layer runs the exchange its number is given (one for all layers, or one per
-layer as Megatron's ``--cp-comm-type`` accepts): ``p2p`` (ring_attention.py), ``a2a`` and
-``allgather`` (cp_attention.py), ``a2a+p2p`` (cp_hierarchical.py).
+layer as Megatron's ``--cp-comm-type`` accepts): ``p2p`` (ring.py), ``a2a`` and
+``allgather`` (exchanges.py), ``a2a+p2p`` (hierarchical.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megazero.model.attention.cp_attention import SequenceShard, a2a_attention, allgather_attention
-from megazero.model.attention.cp_hierarchical import Hierarchy, hierarchical_attention
-from megazero.model.attention.cp_layout import CPLayout, balanced_document_layout, zigzag_document_layout
+from megazero.model.attention.cp.exchanges import SequenceShard, a2a_attention, allgather_attention
+from megazero.model.attention.cp.hierarchical import Hierarchy, hierarchical_attention
+from megazero.model.attention.cp.layout import CPLayout, balanced_document_layout, zigzag_document_layout
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.attention.ring_attention import ring_attention
+from megazero.model.attention.cp.ring import ring_attention
 
 __all__ = ["ContextParallel", "context_parallel_attention", "COMM_TYPES"]
 
@@ -84,7 +84,7 @@ class ContextParallel:
                        device: Optional[torch.device] = None) -> "ContextParallel":
         """This context for a batch of packed documents, ``cu_seqlens`` per sample ([0, end of doc 0, ...,
         S]). ``balanced`` (every layer a ring): each sample's documents are split evenly over the ranks
-        (:func:`~megazero.model.cp_layout.balanced_document_layout`), so the tokens a rank holds differ
+        (:func:`~megazero.model.attention.cp.layout.balanced_document_layout`), so the tokens a rank holds differ
         between samples: ``sample_positions`` says which (on ``device``). Otherwise the zigzag placement
         is kept and the rings' blocks are cut at the document boundaries; the all-to-all and all-gather
         exchanges take the mask instead."""
@@ -114,7 +114,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``core_attention`` of this rank's queries over the whole sequence, by the exchange of ``layer``: q/k
     ``[s_local, b, heads | groups, dqk]``, v ``[s_local, b, groups, dv]`` -> ``[s_local, b, heads * dv]``.
     The ring (and the ring of ``a2a+p2p``) takes packed documents from its layouts, not from a mask, and
-    its block kernel from ``ring_kernels`` (the explicit formula when ``backend`` is 'math').
+    its block kernel from ``block_kernels`` (the explicit formula when ``backend`` is 'math').
     ``dropout``: attention dropout keyed by position (``dropout.heads``: this rank's global heads), the
     masks of the whole sequence whichever exchange runs; every exchange then computes by the explicit
     formula's tiles. ``dropout_p``: the kernels' own masks instead (the fused kernels run: sdpa or

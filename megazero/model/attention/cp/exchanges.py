@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.model.attention.core import core_attention, resolve_backend
-from megazero.model.attention.cp_layout import CPLayout
+from megazero.model.attention.cp.layout import CPLayout
 from megazero.model.keyed_dropout import AttentionDropout
-from megazero.model.attention.ring_attention import block_attention, dense_attention
+from megazero.model.attention.tiled import block_attention, dense_attention
 from megazero.mpu.cp_exchange import (CommCounter, all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
                                       replicated_kv_all_to_all, seq_to_heads_all_to_all)
 from megazero.mpu.random import get_rng_tracker
