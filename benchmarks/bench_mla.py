@@ -54,6 +54,7 @@ from megazero.model.config import GPTConfig  # noqa: E402
 from megazero.model.flops import layer_forward_flops_per_token  # noqa: E402
 from megazero.model.transformer import TransformerLayer  # noqa: E402
 from megazero.utils.memory_tracker import LiveMemoryTracker  # noqa: E402
+from megazero.model.forward_context import ForwardContext  # noqa: E402
 
 log = logging.getLogger("bench_mla")
 MIB = 2 ** 20
@@ -154,7 +155,7 @@ def layer_step(c: GPTConfig, seq: int) -> Step:
     rotary = rotary_embedding(c)(torch.arange(seq).unsqueeze(0))
 
     def step() -> None:
-        layer(x, rotary).float().sum().backward()
+        layer(x, ForwardContext(rotary)).float().sum().backward()
         for p in (x, *layer.parameters()):
             p.grad = None
     return step

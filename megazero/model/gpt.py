@@ -38,6 +38,7 @@ from megazero.mpu.initializers import init_method_normal, initialize_sharded_
 
 from .attention.rope import rotary_embedding
 from .config import GPTConfig
+from .forward_context import ForwardContext
 from .init import init_methods
 from .keyed_dropout import DropoutKey
 from .layer_spec import ExpertParallel
@@ -306,10 +307,11 @@ class GPTModel(torch.nn.Module):
         x = dropout(x, c.hidden_dropout, self.training, self.sequence_parallel, key, site=0)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
 
-        x = self._run_layers(x, rotary, attention_mask, context_parallel, key)
+        context = ForwardContext(rotary, attention_mask, context_parallel, key)
+        x = self._run_layers(x, context)
         if not self.post_process:
             return x  # [s(/tp), b, h] for the next pipeline stage
-        return self._head(x, labels, (rotary, attention_mask, context_parallel, key), mtp)
+        return self._head(x, labels, context, mtp)
 
     def _dropout_key(self, x: torch.Tensor, keys: Optional[torch.Tensor],
                      cp: Optional[ContextParallel]) -> Optional[DropoutKey]:
@@ -340,20 +342,21 @@ class GPTModel(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=x.device)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        key = self._dropout_key(x, dropout_keys, cp)
-        x = self._run_layers(x, rotary, attention_mask, cp, key)
-        return self._head(x, labels, (rotary, attention_mask, cp, key), mtp) if self.post_process else x
+        context = ForwardContext(rotary, attention_mask, cp, self._dropout_key(x, dropout_keys, cp))
+        x = self._run_layers(x, context)
+        return self._head(x, labels, context, mtp) if self.post_process else x
 
-    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], context: tuple, mtp: tuple) -> torch.Tensor:
+    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], context: ForwardContext,
+              mtp: tuple) -> torch.Tensor:
         """The last stage's end: multi-token prediction (training, with labels), final norm, logits and loss.
-        ``context``: ``(rotary, attention_mask, cp, dropout key)`` of the layers."""
+        ``context``: what the layers were given."""
         x = self.final_norm(x)
         if self.mtp is not None and labels is not None and self.training:
             targets, mask = mtp
             if targets is None:
                 targets, mask = multi_token_targets(labels, torch.ones_like(labels, dtype=torch.float32),
                                                     self.config.mtp_num_layers)
-            x = self.mtp(x, labels, targets, mask, self._embed, self._token_loss, *context)
+            x = self.mtp(x, labels, targets, mask, self._embed, self._token_loss, context)
         if labels is None:
             return self._logits(x).transpose(0, 1).contiguous()
         return self._token_loss(x, labels)
@@ -375,12 +378,12 @@ class GPTModel(torch.nn.Module):
             x = mpu.scatter_to_sequence_parallel_region(x, self.tp_group)
         return x
 
-    def _run_layers(self, x: torch.Tensor, rotary, attention_mask, cp=None, key=None) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         c = self.config
 
         def run(layers, h):
             for layer in layers:
-                h = layer(h, rotary, attention_mask, cp, key)
+                h = layer(h, context)
             return h
 
         if not (c.recompute_granularity == "full" and self.training and torch.is_grad_enabled()):

@@ -3,7 +3,8 @@
 A :class:`LayerSpec` holds two builders (Megatron-core's ModuleSpec, torchtitan's ``Config.build()``),
 each called as ``build(config, number=, tp_group=, tp_size=, device=, experts=)`` and returning a module:
 
-* attention: ``forward(x, rotary, attention_mask, cp, dropout_key) -> [s(/tp), b, h]``; standard
+* attention: ``forward(x, context) -> [s(/tp), b, h]`` (a :class:`~megazero.model.forward_context.ForwardContext`:
+  rotary, explicit mask, CP and dropout key); its window and sinks come from the config's pattern; standard
   attention (:class:`~megazero.model.attention.self_attention.SelfAttention`) or multi-latent attention;
 * MLP: ``forward(x) -> [s(/tp), b, h]``, the dense :class:`~megazero.model.mlp.MLP`; or, with
   ``mlp_context_parallel``, ``forward(x, cp)``: a :class:`~megazero.model.moe.layer.MoELayer`, whose

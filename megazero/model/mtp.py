@@ -29,7 +29,7 @@ Names (Megatron-core's): ``mtp.layers.{k}.enorm``, ``.hnorm``, ``.eh_proj``, ``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,15 +38,13 @@ from megazero import mpu
 
 from .attached_loss import attach_loss
 from .config import GPTConfig
+from .forward_context import ForwardContext
 from .init import init_methods
-from .keyed_dropout import DropoutKey
 from .layer_spec import ExpertParallel, layer_spec
 from .moe.router import AuxLossScale
 from .norms import build_norm
 from .transformer import TransformerLayer
 
-if TYPE_CHECKING:  # passed through to the transformer layers, never read here
-    from .attention.cp.context import ContextParallel
 
 __all__ = ["MultiTokenPrediction", "MTPLayer", "multi_token_targets"]
 
@@ -93,8 +91,7 @@ class MTPLayer(torch.nn.Module):
                                                   spec=layer_spec(c, c.num_layers - 1), **kw)
         self.final_layernorm = build_norm(c, **kw)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary, attention_mask,
-                cp: Optional[ContextParallel], key: Optional[DropoutKey]) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """``hidden`` and ``embedded`` ``[s(/tp), b, h]`` -> this depth's hidden states, same shape."""
         x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
         x, _ = self.eh_proj(x)  # [s, b, h/tp]
@@ -102,7 +99,7 @@ class MTPLayer(torch.nn.Module):
             x = mpu.gather_from_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h]
             if self.sequence_parallel:
                 x = mpu.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-        return self.transformer_layer(x, rotary, attention_mask, cp, key)
+        return self.transformer_layer(x, context)
 
 
 @dataclasses.dataclass
@@ -153,8 +150,7 @@ class MultiTokenPrediction(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor],
-                head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                rotary, attention_mask, cp: Optional[ContextParallel], key: Optional[DropoutKey]) -> torch.Tensor:
+                head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], context: ForwardContext) -> torch.Tensor:
         """``hidden`` ``[s(/tp), b, h]`` (the main model's last hidden states, normed), ``labels`` ``[b, s]``,
         ``targets`` and ``mask`` ``[D, b, s]`` (:func:`multi_token_targets`, this rank's tokens); ``embed(ids
         [b, s])`` gives ``[s(/tp), b, h]``, ``head(h, targets [b, s])`` the per-token loss ``[b, s]`` of normed
@@ -162,7 +158,7 @@ class MultiTokenPrediction(torch.nn.Module):
         losses = []
         h, inputs = hidden, labels
         for k, layer in enumerate(self.layers):
-            h = layer.final_layernorm(layer(h, embed(inputs), rotary, attention_mask, cp, key))
+            h = layer.final_layernorm(layer(h, embed(inputs), context))
             per_token = head(h, targets[k])  # [b, s] fp32
             losses.append((per_token * mask[k]).sum())
             inputs = targets[k]

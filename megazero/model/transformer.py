@@ -8,7 +8,7 @@ communication is inside the mpu linears (and a mixture of experts' token exchang
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,14 +16,11 @@ import torch.nn.functional as F
 
 from megazero import mpu
 
-from .attention.self_attention import Rotary
 from .config import GPTConfig
+from .forward_context import ForwardContext
 from .keyed_dropout import DropoutKey, keyed_dropout
 from .layer_spec import ExpertParallel, LayerSpec, layer_spec
 from .norms import build_norm
-
-if TYPE_CHECKING:  # passed through to the attention (and a mixture's routing), never read here
-    from .attention.cp.context import ContextParallel
 
 __all__ = ["TransformerLayer", "dropout"]
 
@@ -62,12 +59,11 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = spec.mlp(config, number=number, experts=experts, **kw)
         self.mlp_context_parallel = spec.mlp_context_parallel
 
-    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
-                cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
+        """``x`` ``[s(/tp), b, h]`` -> the same shape; ``context``: what the forward's layers share."""
         def drop(t: torch.Tensor, site: int) -> torch.Tensor:
-            return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel, dropout_key, site)
+            return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel, context.dropout_key, site)
 
-        x = x + drop(self.self_attention(self.input_layernorm(x), rotary, attention_mask, cp, dropout_key),
-                     2 * self.number + 1)
+        x = x + drop(self.self_attention(self.input_layernorm(x), context), 2 * self.number + 1)
         h = self.pre_mlp_layernorm(x)
-        return x + drop(self.mlp(h, cp) if self.mlp_context_parallel else self.mlp(h), 2 * self.number + 2)
+        return x + drop(self.mlp(h, context.cp) if self.mlp_context_parallel else self.mlp(h), 2 * self.number + 2)

@@ -12,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import bench_mla
+from megazero.model.forward_context import ForwardContext
 from megazero import mpu
 from megazero.model.attention.rope import rotary_embedding
 from megazero.model.transformer import TransformerLayer
@@ -28,7 +29,7 @@ def _counted_forward_flops(config, seq: int) -> int:
     x = torch.randn(seq, 1, config.hidden_size)
     rotary = rotary_embedding(config)(torch.arange(seq).unsqueeze(0))
     with FlopCounterMode(display=False) as counter:
-        layer(x, rotary)
+        layer(x, ForwardContext(rotary))
     return counter.get_total_flops()
 
 

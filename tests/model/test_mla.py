@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megazero.model.forward_context import ForwardContext
 from megazero import mpu
 from megazero.model import GPTModel
 from megazero.model.attention.cp.exchanges import SequenceShard
@@ -73,7 +74,7 @@ def test_one_layer_equals_transformers_deepseek_v3_attention(q_lora, yarn):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SEQ, 2, H, generator=g, requires_grad=True)
     positions = torch.stack([torch.arange(SEQ), torch.arange(SEQ) + 5])  # [b, s]: a second sample offset
-    out = ours(x, rotary_embedding(config)(positions))  # [s, b, h]
+    out = ours(x, ForwardContext(rotary_embedding(config)(positions)))  # [s, b, h]
     xb = x.detach().transpose(0, 1).clone().requires_grad_(True)
     ref, _ = hf(xb, hf_rotary(xb, positions), attention_mask=None)  # [b, s, h]
     torch.testing.assert_close(out.transpose(0, 1), ref, rtol=1e-5, atol=1e-5)

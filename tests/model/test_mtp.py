@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megazero.model.forward_context import ForwardContext
 from megazero.model import GPTConfig, GPTModel
 from megazero.model.metrics import step_metrics
 from megazero.model.mtp import multi_token_targets
@@ -33,7 +34,7 @@ def _reference_mtp(model: GPTModel, hidden: torch.Tensor, labels: torch.Tensor, 
     for k, layer in enumerate(model.mtp.layers):
         emb = F.embedding(inputs, model.embedding.weight).transpose(0, 1)  # [s, b, h]
         x = torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1) @ layer.eh_proj.weight.t()
-        h = layer.final_layernorm(layer.transformer_layer(x, rotary))
+        h = layer.final_layernorm(layer.transformer_layer(x, ForwardContext(rotary)))
         logits = F.linear(h, model.output_layer.weight)[..., :c.vocab_size]  # [s, b, V]
         ce = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets[k].t().reshape(-1),
                              reduction="none").view(logits.shape[:2]).t()  # [b, s]
@@ -89,7 +90,7 @@ def test_equals_hand_written_reference_with_global_normalisation(q_mla):
         x = model.embedding(ids).transpose(0, 1)
         rotary = model.rotary(torch.arange(ids.size(1)))
         for layer in model.layers:
-            x = layer(x, rotary)
+            x = layer(x, ForwardContext(rotary))
         x = model.final_norm(x)
         per_token = model._token_loss(x, labels)
         lm = (per_token * loss_mask).sum() / loss_mask.sum()

@@ -37,12 +37,11 @@ from megazero import mpu
 from megazero.mpu.initializers import initialize_sharded_
 
 from ..config import GPTConfig
+from ..forward_context import ForwardContext
 from ..init import init_methods
-from ..keyed_dropout import DropoutKey
 from ..norms import build_norm
-from .cp.context import ContextParallel
 from .rope import apply_rotary, deinterleave, softmax_mscale
-from .self_attention import CausalAttention, Rotary, row_factors
+from .self_attention import CausalAttention, row_factors
 
 __all__ = ["MultiLatentAttention", "ReplicatedLinear", "multi_latent_attention"]
 
@@ -150,8 +149,9 @@ class MultiLatentAttention(CausalAttention):
         return [(q.weight, row_factors((eta.pow(alpha), self.qk), (eta, self.rope))),
                 (self.linear_kv_up_proj.weight, row_factors((eta.pow(1 - alpha), self.qk), (ones, self.v)))]
 
-    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
-                cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
+        """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: the forward's rotary, mask, CP and dropout key."""
+        rotary = context.rotary
         if rotary is None:
             raise ValueError("multi-latent attention needs RoPE tables (position_embedding_type='rope')")
         q_nope, q_pe = torch.split(self._queries(x), [self.qk, self.rope], dim=-1)
@@ -161,7 +161,7 @@ class MultiLatentAttention(CausalAttention):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        ctx = self.attend(q, k, v, attention_mask, cp, dropout_key)  # [s, b, heads/tp * v]
+        ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key)  # [s, b, heads/tp * v]
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out
 

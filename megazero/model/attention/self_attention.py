@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megazero import mpu
 
 from ..config import GPTConfig
+from ..forward_context import ForwardContext
 from ..init import init_methods
 from ..keyed_dropout import AttentionDropout, DropoutKey
 from ..norms import build_norm
@@ -32,9 +33,8 @@ from .max_logit import max_attention_logit
 from .rope import apply_rotary
 from .sinks import LearnableSinks
 
-__all__ = ["CausalAttention", "SelfAttention", "Rotary", "row_factors"]
+__all__ = ["CausalAttention", "SelfAttention", "row_factors"]
 
-Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
 
 class CausalAttention(torch.nn.Module):
@@ -154,8 +154,8 @@ class SelfAttention(CausalAttention):
         return [(self.linear_qkv.weight, row_factors((g.pow(alpha), self.heads_per_group * d), (g.pow(1 - alpha), d),
                                                (torch.ones_like(g), d)))]
 
-    def forward(self, x: torch.Tensor, rotary: Rotary = None, attention_mask: Optional[torch.Tensor] = None,
-                cp: Optional[ContextParallel] = None, dropout_key: Optional[DropoutKey] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
+        """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: the forward's rotary, mask, CP and dropout key."""
         qkv, _ = self.linear_qkv(x)  # [s, b, (heads + 2*groups)/tp * d], full s even under SP
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
@@ -167,8 +167,8 @@ class SelfAttention(CausalAttention):
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups/tp, d]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        ctx = self.attend(q, k, v, attention_mask, cp, dropout_key)  # [s, b, heads/tp * d]
+        if context.rotary is not None:
+            q, k = apply_rotary(q, *context.rotary), apply_rotary(k, *context.rotary)
+        ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key)  # [s, b, heads/tp * d]
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out
