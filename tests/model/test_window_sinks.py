@@ -69,6 +69,20 @@ def test_core_attention_equals_transformers(dtype, backend):
                 assert (a - b).abs().max() <= 5 * tol, (window, with_sinks)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_long_windows_split_into_fast_blocks_equal_transformers(dtype, tol):
+    """300 tokens, windows of 150 and 200 keys: the window's edge is cut into fully visible blocks (in fp32
+    torch's flash op) and 64-wide edge blocks (the math kernel)."""
+    q, k, v, sinks, grad = _inputs(300, 2, dtype)
+    for window in (150, 200):
+        want = _hf(q, k, v, window, sinks)
+        got = core_attention(q, k, v, backend="sdpa", window=window, sinks=sinks)
+        assert (got - want).abs().max() <= tol
+        for a, b in zip(torch.autograd.grad(got, (q, k, v, sinks), grad),
+                        torch.autograd.grad(want, (q, k, v, sinks), grad)):
+            assert (a - b).abs().max() <= 10 * tol
+
+
 def _covered(layout, window):
     """[S, S] how many planned blocks compute each (query, key) pair over every rank's ring."""
     seen = torch.zeros(layout.seq_len, layout.seq_len, dtype=torch.long)
@@ -89,14 +103,17 @@ def _covered(layout, window):
     return seen
 
 
-@pytest.mark.parametrize("cp,cu", [(2, None), (4, None), (2, [0, 9, 30, 31, 64]), (4, [0, 50, 64])])
-def test_windowed_blocks_cover_the_window_once(cp, cu):
-    seq = 64
+@pytest.mark.parametrize("cp,cu,seq,windows", [
+    (2, None, 64, (0, 1, 5, 7, 8, 20, 63)), (4, None, 64, (0, 1, 5, 7, 8, 20, 63)),
+    (2, [0, 9, 30, 31, 64], 64, (0, 1, 5, 7, 8, 20, 63)), (4, [0, 50, 64], 64, (0, 1, 5, 7, 8, 20, 63)),
+    (1, None, 600, (100, 257, 598)), (2, [0, 200, 600], 600, (150, 333)),  # edges split into fast blocks
+])
+def test_windowed_blocks_cover_the_window_once(cp, cu, seq, windows):
     layout = zigzag_layout(seq, cp) if cu is None else zigzag_document_layout(cu, cp)
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     doc = torch.zeros(seq, dtype=torch.long) if cu is None else torch.repeat_interleave(
         torch.arange(len(cu) - 1), torch.tensor(cu).diff())
-    for window in (0, 1, 5, 7, 8, 20, 63):
+    for window in windows:
         want = (j <= i) & (i - j <= window) & (doc[:, None] == doc[None, :])
         assert torch.equal(_covered(layout, window), want.long()), window
         assert sum(work_per_rank(layout, window)) == int(want.sum())  # the window's pairs, no more

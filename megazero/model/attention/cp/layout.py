@@ -282,14 +282,38 @@ def windowed_blocks(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], window: in
             if k0 + kn > q0:
                 raise ValueError(f"key cells ({k0}, {kn}) and query cells ({q0}, {qn}) partly overlap: "
                                  "layouts must be cut on one chunk grid")
-            band = None if q0 + qn - 1 - k0 <= window else q0 - k0 - window
+            if q0 + qn - 1 - k0 > window:  # the window's edge crosses the block
+                blocks += _split_band(Block(qo, qo + qn, ko, ko + kn, False, q0 - k0 - window))
+                continue
             last = blocks[-1] if blocks else None
-            if (band is None and last is not None and not last.causal and last.band is None
+            if (last is not None and not last.causal and last.band is None
                     and (last.q_lo, last.q_hi, last.k_hi) == (qo, qo + qn, ko)):
                 blocks[-1] = Block(qo, qo + qn, last.k_lo, ko + kn, False)
             else:
-                blocks.append(Block(qo, qo + qn, ko, ko + kn, False, band))
+                blocks.append(Block(qo, qo + qn, ko, ko + kn, False))
     return tuple(blocks)
+
+
+BAND_LEAF = 64  # rows and columns at which a block cut by a window's edge goes to the math kernel whole
+
+
+def _split_band(blk: Block) -> list[Block]:
+    """``blk`` (a window's edge: column j masked for row i when j < i + band) as the fully visible blocks the
+    fast kernels compute and small edge blocks along the edge line: halves of the longer side, recursively."""
+    n, m, band = blk.q_hi - blk.q_lo, blk.k_hi - blk.k_lo, blk.band
+    if m - 1 < band:
+        return []  # every column left of the edge
+    if band <= -(n - 1):
+        return [Block(blk.q_lo, blk.q_hi, blk.k_lo, blk.k_hi, False)]  # every column right of it
+    if max(n, m) <= BAND_LEAF:
+        return [blk]
+    if n >= m:
+        half = n // 2
+        return (_split_band(Block(blk.q_lo, blk.q_lo + half, blk.k_lo, blk.k_hi, False, band))
+                + _split_band(Block(blk.q_lo + half, blk.q_hi, blk.k_lo, blk.k_hi, False, band + half)))
+    half = m // 2
+    return (_split_band(Block(blk.q_lo, blk.q_hi, blk.k_lo, blk.k_lo + half, False, band))
+            + _split_band(Block(blk.q_lo, blk.q_hi, blk.k_lo + half, blk.k_hi, False, band - half)))
 
 
 def work_per_rank(layout: CPLayout, window: Optional[int] = None) -> list[int]:
