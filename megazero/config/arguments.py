@@ -285,6 +285,14 @@ def _latents(m: GPTConfig) -> str:
             f"v {m.v_head_dim})")
 
 
+def _attention_pattern(m) -> str:
+    """The windows and sinks as the start-up line shows them (empty for full causal attention)."""
+    sliding = sum(m.layer_window(i) is not None for i in range(m.num_layers))
+    out = (f"; {sliding} of {m.num_layers} layers slide over {m.window_size[0] + 1} keys"
+           if m.window_size is not None else "")
+    return out + (f"; attention sinks ({m.softmax_type})" if m.softmax_type != "vanilla" else "")
+
+
 def _optimizer(o: OptimConfig) -> str:
     """The optimizer and its own settings, as the start-up line shows them (its component says)."""
     return component(o.type).describe(o)
@@ -303,6 +311,7 @@ def describe(config: TrainConfig) -> str:
         + (f" (YaRN x{m.rotary_scaling_factor:g})" if m.resolved_rope_type == "yarn" else "")
         + (f" (Llama 3 scaling x{m.rotary_scaling_factor:g}, low {m.low_freq_factor:g}, high {m.high_freq_factor:g}, "
            f"original {m.original_max_position_embeddings})" if m.resolved_rope_type == "llama3" else "")
+        + _attention_pattern(m)
         + (f"; {sum(m.is_moe_layer(i) for i in range(m.num_layers))} of {m.num_layers} layers mixtures of "
            f"{m.num_experts} experts, top-{m.moe_router_topk}" if m.num_experts else "")
         + (f"; {m.mtp_num_layers} multi-token prediction module{'s' if m.mtp_num_layers > 1 else ''} "

@@ -53,3 +53,32 @@ def test_a_torch_dist_checkpoint_keeps_the_sinks_across_layouts(data, one_proces
     assert_resumes_elsewhere(data, [*MODEL, *SHORT, "--ckpt-format", "torch_dist"], (2, ["--tp", "2"]),
                              [(1, []), (4, ["--pp", "2", "--context-parallel-size", "2"])], one_process["short"],
                              tmp_path, "window_torch_dist")
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
+        "--train-iters", "1", "--mock-data", "--vocab-size", "64"]
+
+
+def test_the_start_up_line_names_the_pattern():
+    from megazero.config.arguments import describe, parse_args
+
+    line = describe(parse_args(BASE + list(SHORT), check_files=False)).split("\\n")[0]
+    assert "; 2 of 4 layers slide over 3 keys; attention sinks (learnable)" in line, line
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--window-size", "3,2"], "--window-size 3,0"),  # a causal model sees no key after the query
+    (["--window-size", "3,0", "--window-attn-skip-freq", "[1,0,1]"], "one 1 (sliding) or 0 (global) per layer, 4"),
+    (["--window-attn-skip-freq", "2"], "without --window-size"),
+    (["--window-size=-1,0"], "-1 (unbounded) is no window"),
+    (["--softmax-type", "learnable", "--attention-backend", "flash"], None),  # accepted: sdpa runs sinks off CUDA
+])
+def test_bad_windows_are_refused_before_any_process_group(argv, message):
+    from megazero.config.arguments import ConfigError, parse_args
+
+    if message is None:
+        parse_args(BASE + argv, check_files=False)
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(BASE + argv, check_files=False)
