@@ -185,10 +185,10 @@ def add_mla_rows(g: Callable[..., Any]) -> None:
       + _YARN, float, dest="beta_fast", default=32.0)
     g(H, "--yarn-beta-slow", "YaRN: frequencies below this many rotations are interpolated" + _YARN, float,
       dest="beta_slow", default=1.0)
-    g(M, "--yarn-correction-range-round-to-int", "YaRN's correction range rounded to whole dimensions: megazero's YaRN "
-      "(DeepSeek's form) always rounds; accepted")
-    g(R, "--no-yarn-correction-range-round-to-int", "megazero's YaRN (DeepSeek's form) rounds its correction range to "
-      "whole dimensions, Megatron's default; drop the flag")
+    g(H, "--yarn-correction-range-round-to-int", "YaRN's correction range rounded to whole dimensions (DeepSeek's "
+      "form, Megatron's default)")
+    g(H, "--no-yarn-correction-range-round-to-int", "YaRN's correction range left fractional (gpt-oss's, HF's "
+      "truncate: false)", dest="yarn_correction_range_round_to_int", store_false=True)
     g(M, "--mla-down-proj-fusion", "the query and key/value down projections as one matmul: megazero computes them apart "
       "(the same function); accepted")
     g(R, "--cache-mla-latents", "caching the latents for flash-MLA decoding is an inference feature megazero's training "

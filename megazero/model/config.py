@@ -154,6 +154,8 @@ class GPTConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # YaRN's correction range rounded to whole dimensions (DeepSeek's); False: fractional (gpt-oss, HF truncate)
+    yarn_correction_range_round_to_int: bool = True
     # --- multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers) ------------------------------
     # D extra modules after the last layer; module k predicts token t+k+1 from module k-1's hidden states
     # and the embedding of token t+k, sharing the embedding and the output head. Their mean cross-entropy

@@ -96,3 +96,35 @@ def test_megatron_core_frequencies_agree_and_its_factor_where_both_mscales_are_s
     concentration = megatron_yarn._yarn_get_concentration_factor(factor, mscale, mscale_all_dim)
     if mscale and mscale_all_dim:
         assert yarn_attention_factor(ours.yarn) == pytest.approx(concentration, rel=1e-12)
+
+
+def test_gpt_oss_yarn_without_rounding_equals_transformers():
+    """gpt-oss's YaRN (factor 32, original 4096, truncate false: the correction range stays fractional), as
+    megazero's standard attention takes it with --no-yarn-correction-range-round-to-int: transformers'
+    GptOssRotaryEmbedding's frequencies and tables, bit for bit; rounding would change them."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    params = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                  truncate=False, original_max_position_embeddings=4096)
+    cfg = transformers.GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    rope_parameters=params, max_position_embeddings=131072)
+    theirs = GptOssRotaryEmbedding(cfg)
+    config = tiny_config("llama", kv_channels=16, rope_type="yarn", rotary_base=150000.0, rotary_scaling_factor=32.0,
+                         original_max_position_embeddings=4096, yarn_correction_range_round_to_int=False)
+    ours = rotary_embedding(config)
+    torch.testing.assert_close(ours.inv_freq(), theirs.inv_freq, rtol=0, atol=0)
+    assert ours.attention_factor == theirs.attention_scaling
+    pos = torch.tensor([[0, 1, 4095, 4096, 100000]])
+    cos, sin = ours(pos)
+    hf_cos, hf_sin = theirs(torch.zeros(1, dtype=torch.float32), pos)
+    for ours_t, hf_t in ((cos, hf_cos), (sin, hf_sin)):  # gpt-oss keeps one half: each half of ours is it
+        half = ours_t[:, :, 0].transpose(0, 1)
+        torch.testing.assert_close(half[..., :8], hf_t, rtol=0, atol=0)
+        torch.testing.assert_close(half[..., 8:], hf_t, rtol=0, atol=0)
+    rounded = rotary_embedding(config.replace(yarn_correction_range_round_to_int=True))
+    assert not torch.equal(rounded.inv_freq(), theirs.inv_freq)
+    low, high = megatron_yarn._yarn_find_correction_range(32.0, 1.0, 16, 150000.0, 4096, round_to_int=False)
+    keep = 1.0 - megatron_yarn._yarn_linear_ramp_mask(low, high, 8, device="cpu")
+    exponents = torch.arange(0, 16, 2, dtype=torch.float32) / 16
+    megatron = (1.0 / (32.0 * 150000.0 ** exponents)) * (1 - keep) + (1.0 / 150000.0 ** exponents) * keep
+    torch.testing.assert_close(ours.inv_freq(), megatron, rtol=0, atol=1e-12)

@@ -88,7 +88,12 @@ def _rope(ns: argparse.Namespace, mla: bool) -> dict[str, Any]:
         kw["rope_type"] = "yarn" if by_position else ns.rope_type
     if yarn:
         kw.update({name: default(getattr(ns, name), value) for name, value in YARN_FLAG_DEFAULTS.items()})
+        if ns.yarn_correction_range_round_to_int is False:
+            kw["yarn_correction_range_round_to_int"] = False
         return kw
+    if ns.yarn_correction_range_round_to_int is False:
+        raise ConfigError("--no-yarn-correction-range-round-to-int needs YaRN (--position-embedding-type yarn, or "
+                          "--multi-latent-attention); drop it")
     _refuse_unused(ns, YARN_FLAG_DEFAULTS, "needs YaRN (--multi-latent-attention, whose RoPE is YaRN unless "
                                            "--rope-type rope, or --position-embedding-type yarn);")
     return kw

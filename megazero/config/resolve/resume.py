@@ -71,6 +71,7 @@ CHECKPOINT_MODEL_FIELDS = (
     "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
     "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type", "rotary_scaling_factor",
     "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers",
+    "yarn_correction_range_round_to_int",
     "low_freq_factor", "high_freq_factor", "hf_model_type", "window_size", "window_attn_skip_freq", "softmax_type")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_TRAINING_FIELDS = (

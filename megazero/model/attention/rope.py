@@ -53,6 +53,7 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True  # the correction range rounded to whole dimensions (HF's truncate)
 
     @classmethod
     def of(cls, config: GPTConfig) -> Optional["YarnScaling"]:
@@ -60,7 +61,7 @@ class YarnScaling:
         if config.resolved_rope_type != "yarn":
             return None
         return cls(config.rotary_scaling_factor, config.original_max_position_embeddings, config.beta_fast,
-                   config.beta_slow, config.mscale, config.mscale_all_dim)
+                   config.beta_slow, config.mscale, config.mscale_all_dim, config.yarn_correction_range_round_to_int)
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,10 @@ def _yarn_inv_freq(dim: int, base: float, y: YarnScaling, device=None) -> torch.
     """YaRN's blended inverse frequencies ``[dim/2]`` (transformers' operations, in its order)."""
     pos_freqs = base ** (torch.arange(0, dim, 2, device=device).to(dtype=torch.float) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (y.factor * pos_freqs)
-    low = math.floor(_yarn_correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings))
-    high = math.ceil(_yarn_correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings))
+    low = _yarn_correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings)
+    high = _yarn_correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a ramp of width 0 would divide by zero
