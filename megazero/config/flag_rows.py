@@ -98,8 +98,9 @@ def add_moe_rows(g: Callable[..., Any]) -> None:
       "experts)", _lower, choices=("alltoall", "allgather", "flex"), default="alltoall",
       refuse_values=(("flex", "--moe-token-dispatcher-type flex (DeepEP) is not available; use alltoall"),))
     g(H, "--moe-grouped-gemm", "the experts' matmuls as grouped matmuls (torch._grouped_mm over a rank's experts: "
-      "bf16 on Hopper/Blackwell GPUs, any float dtype on the CPU; 16-byte aligned widths, no biases), the same bits as "
-      "the per-expert loop used otherwise")
+      "bf16 on Hopper/Blackwell GPUs, any float dtype on the CPU; 16-byte aligned widths), the same bits as the "
+      "per-expert loop used otherwise; the experts' biases (without --disable-bias-linear) added to their rows "
+      "after each")
     g(M, "--disable-moe-token-dropping", _DS_MOE + "dropless (without it DeepSpeed-MoE drops by capacity)",
       dest="ds_disable_moe_token_dropping")
     g(H, "--moe-expert-capacity-factor", "token dropping: each expert takes at most ceil(k T / E x factor) of the "

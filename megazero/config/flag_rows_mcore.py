@@ -166,8 +166,13 @@ def add_model_rows(g: G) -> None:
       "(attention sinks: one learned logit per head joins every softmax, gpt-oss's; megatron-core's "
       "core_attention.softmax_offset). Exact under every --context-parallel-size and --cp-comm-type", str,
       choices=("vanilla", "off-by-one", "learnable"))
-    g(H, "--glu-linear-offset", "an offset in gated linear units, act(x1) * (x2 + offset): megazero's (--swiglu) "
-      "have none, Megatron's default", float, only=(0.0,))
+    g(H, "--quick-geglu", "quick GEGLU MLP (gpt-oss's): x1 * sigmoid(1.702 x1) * x2, fc1 [x1; x2] as --swiglu's; "
+      "the FFN size stays 4h without --ffn-hidden-size, as Megatron")
+    g(H, "--glu-linear-offset", "an offset in a gated MLP (--swiglu or --quick-geglu), act(x1) * (x2 + offset) "
+      "(gpt-oss: 1)", float, default=0.0)
+    g(H, "--activation-func-clamp-value", "clamp a gated MLP's fc1 output (--swiglu or --quick-geglu) before its "
+      "activation: x1 to at most the value, x2 to within +- the value (gpt-oss: 7), in the dense MLPs, routed and "
+      "shared experts alike", float)
     accept(g, "a fused or Transformer Engine kernel (weighted squared ReLU, residual + RMSNorm, TE's op fuser and "
            "activations, grouped GEMMs for the dense and shared-expert MLPs): megazero computes these steps with "
            "PyTorch ops, the same function; accepted", "--use-fused-weighted-squared-relu --fused-residual-rmsnorm "
@@ -185,8 +190,6 @@ def add_model_rows(g: G) -> None:
     refuse(g, "Llama 4's L2 normalization of queries and keys does not exist in megazero (--qk-layernorm normalizes "
            "them with --normalization); drop the flag", "--qk-l2-norm")
     refuse(g, "a gate on the attention output does not exist in megazero yet; drop the flag", "--attention-output-gate")
-    refuse(g, "clamping the first MLP projection's output does not exist in megazero yet; drop the flag",
-           values="--activation-func-clamp-value")
     refuse(g, "megazero's loss is Megatron's default: the mean over each micro-batch's loss-mask tokens, averaged "
            "over micro-batches and data-parallel ranks; dividing the global batch's summed loss by its number of "
            "tokens does not exist yet (the two agree when every micro-batch has as many loss tokens, i.e. without "
@@ -212,8 +215,8 @@ def add_model_rows(g: G) -> None:
     g(H, "--window-attn-skip-freq", "which layers slide under --window-size: N, every layer but each N-th (1-based) "
       "one, which attends over its whole context (gpt-oss: 2); or a pattern of one 1 (sliding) or 0 (global) per "
       "layer such as \"([1]*3+[0])*4\". Default: every layer slides", _layer_freq)
-    refuse(g, "megazero's GELU is the exact one (Megatron's default) and its gated MLP is SwiGLU (--swiglu); "
-           "OpenAI's GELU and quick GEGLU do not exist; drop the flag", "--openai-gelu --quick-geglu")
+    refuse(g, "megazero's GELU is the exact one (Megatron's default); OpenAI's GELU does not exist; drop the flag",
+           "--openai-gelu")
     refuse(g, "megazero trains GPTs (decoder only): encoder-decoder and BERT settings do not exist; a GPT's depth "
            "is --num-layers and its context --seq-length", "--bert-no-binary-head",
            "--encoder-num-layers --decoder-num-layers --decoder-seq-length --relative-attention-num-buckets "

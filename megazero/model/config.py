@@ -28,7 +28,7 @@ __all__ = ["GPTConfig", "PRESETS", "gpt_preset"]
 _ENUMS = {
     "position_embedding_type": ("learned", "rope", "none"),
     "normalization": ("layernorm", "rmsnorm"),
-    "activation": ("gelu", "swiglu", "squared_relu"),
+    "activation": ("gelu", "swiglu", "squared_relu", "quick_geglu"),
     "init_method": ("normal", "xavier_uniform"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": ("uniform", "block"),
@@ -62,8 +62,13 @@ class GPTConfig:
     # pass through unrotated (Megatron's --rotary-percent, GPT-NeoX's rotary_pct).
     rotary_percent: float = 1.0
     normalization: str = "layernorm"  # 'layernorm' | 'rmsnorm'
-    # 'gelu' (tanh approximation, = HF gelu_new) | 'swiglu' | 'squared_relu' (relu(x)^2, Primer)
+    # 'gelu' (tanh approximation, = HF gelu_new) | 'swiglu' | 'squared_relu' (relu(x)^2, Primer) | 'quick_geglu'
+    # (gpt-oss's: quick_gelu(gate) * up, quick_gelu(x) = x * sigmoid(1.702 x)). The gated two take fc1 as [gate; up].
     activation: str = "gelu"
+    # Gated units only (Megatron-core's glu_linear_offset and activation_func_clamp_value): act(gate) * (up +
+    # offset), after clamping gate to <= clamp and up to [-clamp, clamp] (gpt-oss: offset 1, clamp 7).
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     # A norm (of kind ``normalization``, over the head dimension) on every query and key head
     # before RoPE (Megatron's --qk-layernorm).
     qk_layernorm: bool = False
@@ -109,6 +114,9 @@ class GPTConfig:
     # experts (not to the weights), moved by this rate against each expert's load once per step.
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    # A learned bias on the router's logits, x W_r^T + b (gpt-oss's; megatron-core's TopKRouter has one when
+    # add_bias_linear), initialised as the router's weight.
+    moe_router_bias: bool = False
     # The experts' matmuls as torch._grouped_mm over the stacked weights of a rank's experts (fp32/bf16/fp16
     # where the build has it and the widths are 16-byte aligned), else an exact per-expert loop.
     moe_grouped_gemm: bool = False
@@ -224,6 +232,11 @@ class GPTConfig:
         return 4 * self.hidden_size
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLP is gated, act(gate) * up, its fc1 ``[gate; up]`` (Megatron-core's name)."""
+        return self.activation in ("swiglu", "quick_geglu")
+
+    @property
     def head_dim(self) -> int:
         """Resolved per-head dimension (``kv_channels``, default hidden // heads)."""
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
@@ -265,6 +278,14 @@ class GPTConfig:
     @property
     def moe_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
+
+    def _validate_glu(self) -> None:
+        clamp = self.activation_func_clamp_value
+        if (self.glu_linear_offset or clamp is not None) and not self.gated_linear_unit:
+            raise ValueError(f"glu_linear_offset and activation_func_clamp_value apply to a gated MLP (activation "
+                             f"'swiglu' or 'quick_geglu'), got activation={self.activation!r}")
+        if clamp is not None and not clamp > 0:
+            raise ValueError(f"activation_func_clamp_value must be > 0 (or None), got {clamp}")
 
     def _validate_moe(self, tp_size: int) -> None:
         e, k = self.num_experts, self.moe_router_topk
@@ -421,8 +442,11 @@ class GPTConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
+        self._validate_glu()
         if self.num_experts is not None:
             self._validate_moe(tp_size)
+        elif self.moe_router_bias:
+            raise ValueError("moe_router_bias is the router's: it needs num_experts (a mixture of experts)")
         if self.multi_latent_attention:
             self._validate_mla()
         self._validate_rope_scaling()

@@ -51,7 +51,7 @@ def _norm(c: GPTConfig, size: Optional[int] = None) -> int:
 def _expert(c: GPTConfig, width: Optional[int] = None) -> int:
     """One routed expert's parameters (with biases where the model has them); ``width``: another MLP width
     (a shared expert)."""
-    gate = 2 if c.activation == "swiglu" else 1
+    gate = 2 if c.gated_linear_unit else 1
     f = width or c.moe_ffn_size
     bias = gate * f + c.hidden_size if c.add_bias_linear else 0
     return c.hidden_size * gate * f + f * c.hidden_size + bias
@@ -94,9 +94,14 @@ def attention_parameters(c: GPTConfig) -> tuple[int, int]:
 def mlp_parameters(c: GPTConfig) -> tuple[int, int]:
     """(a dense layer's MLP, a mixture layer's MLP without its routed experts: the router and the shared
     expert), the parameters by which the two kinds of layer differ outside the experts."""
-    h, f, gate = c.hidden_size, c.ffn_size, 2 if c.activation == "swiglu" else 1
+    h, f, gate = c.hidden_size, c.ffn_size, 2 if c.gated_linear_unit else 1
     bias = 1 if c.add_bias_linear else 0
-    return h * gate * f + bias * gate * f + f * h + bias * h, (h * c.num_experts + _shared(c)) if c.num_experts else 0
+    return h * gate * f + bias * gate * f + f * h + bias * h, (_router(c) + _shared(c)) if c.num_experts else 0
+
+
+def _router(c: GPTConfig) -> int:
+    """A mixture layer's router: its weight ``[E, h]`` and, with ``moe_router_bias``, its bias ``[E]``."""
+    return (c.hidden_size + (1 if c.moe_router_bias else 0)) * c.num_experts
 
 
 def _layer_parameters(c: GPTConfig, number: int) -> int:
@@ -115,7 +120,7 @@ def mtp_parameters(c: GPTConfig) -> tuple[int, int, int]:
         return 0, 0, 0
     last = c.num_layers - 1
     moe = c.is_moe_layer(last)
-    router = c.hidden_size * (c.num_experts + (1 if c.moe_shared_expert_gate else 0)) if moe else 0
+    router = _router(c) + (c.hidden_size if c.moe_shared_expert_gate else 0) if moe else 0
     fc2_bias = c.hidden_size if c.add_bias_linear else 0  # row-parallel, as the projection's (in the attention's)
     # the two input norms, the layer's two and the final one
     replicated = 5 * _norm(c) + attention_parameters(c)[1] + fc2_bias + router
@@ -136,7 +141,7 @@ def replicated_parameters(config: GPTConfig) -> int:
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if c.num_experts:
-        total += moe_layers(c) * h * (c.num_experts + (1 if c.moe_shared_expert_gate else 0))
+        total += moe_layers(c) * (_router(c) + (h if c.moe_shared_expert_gate else 0))
     return total + mtp_parameters(c)[1]
 
 
@@ -218,7 +223,7 @@ def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] =
     whole s x s square, and the dense MLP."""
     c = config
     h, f = c.hidden_size, c.ffn_size
-    gate = 2 if c.activation == "swiglu" else 1
+    gate = 2 if c.gated_linear_unit else 1
     attention = 2 * sum(r * k for r, k in attention_matrices(c)) + attention_square_flops_per_token(c, seq_length)
     return attention + 2 * h * gate * f + 2 * f * h
 
@@ -226,7 +231,7 @@ def layer_forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] =
 def _moe_flops_delta(c: GPTConfig) -> int:
     """What one mixture layer adds to :func:`layer_forward_flops_per_token`: the k experts' MLPs, the shared
     expert and the router (2hE) in place of the dense MLP."""
-    gate = 2 if c.activation == "swiglu" else 1
+    gate = 2 if c.gated_linear_unit else 1
     dense = 2 * c.hidden_size * gate * c.ffn_size + 2 * c.ffn_size * c.hidden_size
     return c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts + 2 * _shared(c) - dense
 

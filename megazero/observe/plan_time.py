@@ -150,7 +150,7 @@ def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: boo
     sequences ``seq`` long (the whole sequence: CP splits the tokens, not the keys); ``kernel``: the
     attention core's (:func:`attention_kernel`)."""
     h, t = c.hidden_size, lay.tp
-    gate = 2 if c.activation == "swiglu" else 1
+    gate = 2 if c.gated_linear_unit else 1
     proj = sum(r * k for r, k in attention_matrices(c))
     time = _gemm(2 * tokens * proj / t, tokens, proj / h / t, h, peak)
     core = _attention_core(c, kernel, tokens=tokens, seq=seq, t=t, peak=peak, fp32=fp32, hbm=hbm,
@@ -218,7 +218,7 @@ def _stage(c: GPTConfig, lay: Layout, cluster: Cluster, st: dict, layer: dict, *
 def _matrices(c: GPTConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(a layer's attention and dense MLP matrices, one routed expert's), whole (before TP), as Muon
     orthogonalizes them (Q, K and V apart)."""
-    h, gate = c.hidden_size, 2 if c.activation == "swiglu" else 1
+    h, gate = c.hidden_size, 2 if c.gated_linear_unit else 1
     mlp = [(gate * c.ffn_size, h), (h, c.ffn_size)]
     expert = [(gate * c.moe_ffn_size, h), (h, c.moe_ffn_size)] if c.num_experts else []
     return attention_matrices(c) + mlp, expert

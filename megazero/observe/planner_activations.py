@@ -42,7 +42,7 @@ def activation_bytes_per_layer(config: GPTConfig, *, micro_batch_size: int, seq_
     """
     c, s, b, e, t = config, seq_length, micro_batch_size, act_bytes, tp
     h, n, g, d, f = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim, c.ffn_size
-    gate = 2 if c.activation == "swiglu" else 1
+    gate = 2 if c.gated_linear_unit else 1
     # Dropout masks (1 byte) and dropout outputs exist only with dropout > 0 (the paper assumes it).
     hidden_masks = 2 if c.hidden_dropout > 0 else 0
     norm_extra = 4 if c.normalization == "rmsnorm" else 0  # torch's RMSNorm: fp32 input and normalized output

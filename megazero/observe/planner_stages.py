@@ -131,7 +131,7 @@ def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, r
     dense_mlp, mixture = mlp_parameters(c)
     # TP-local: the router (and the shared expert's gate) whole on every rank, the rest sharded
     gate = bool(c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size)
-    router = c.hidden_size * ((c.num_experts or 0) + gate)
+    router = (c.hidden_size + (1 if c.moe_router_bias else 0)) * (c.num_experts or 0) + c.hidden_size * gate
     dense_mlp, mixture = dense_mlp / tp, (mixture - router) / tp + router if mixture else 0.0
     moe_total = moe_layers(c)
     stages, worst = [], None

@@ -18,6 +18,10 @@ from megazero.model.mlp import MLP
 from tests.distributed import run_distributed
 
 H, E, S, B = 32, 8, 24, 2
+# gpt-oss's MLP and router: quick GEGLU with an offset and a clamp that bites at these weights, biases on
+# every linear (the experts' fc2 bias once per expert whatever the TP, expert TP and EP) and on the router
+GPT_OSS = dict(activation="quick_geglu", glu_linear_offset=1.0, activation_func_clamp_value=1.0,
+               add_bias_linear=True, moe_router_bias=True)
 
 
 def _config(**kw) -> GPTConfig:
@@ -36,7 +40,7 @@ def _layer(config, group=None, size=1, rank=0, scale=None) -> MoELayer:
     for p in layer.router.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g))
     for e in range(E):
-        shapes = [(96, H), (H, 48)]
+        shapes = [(96, H), (96,), (H, 48), (H,)] if config.add_bias_linear else [(96, H), (H, 48)]
         values = [torch.randn(s, generator=g) * 0.2 for s in shapes]
         if str(e) in layer.experts:
             for p, v in zip(layer.experts[str(e)].parameters(), values):
@@ -250,23 +254,22 @@ def test_grouped_matmuls_keep_no_copy_of_the_weights_for_backward():
     assert saved[1] - saved[0] <= 4 * E, (saved, expert_bytes)  # the grouped matmuls' int32 row offsets
 
 
-def _etp_case(tp: int, etp: int, ep: int):
+def _etp_case(tp: int, etp: int, ep: int, extra: dict):
     """Expert TP other than TP: each rank routes its own (sequence-parallel) tokens and sends them to
     every etp rank of their experts. Against one process on all ranks' tokens in rank order."""
     from megazero import mpu
-    from megazero.mpu.sharding import shard_of_full
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(9)
     x_all = torch.randn(S * world // tp, B, H, generator=g)
     grad_all = torch.randn(x_all.shape, generator=g)
-    one = _layer(_config())  # built before the groups: one process, no TP
+    one = _layer(_config(**extra))  # built before the groups: one process, no TP
     xo = x_all.clone().requires_grad_()
     y_all = one(xo)
     y_all.backward(grad_all)
     groups = mpu.initialize_model_parallel(tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    c = _config(sequence_parallel=tp > 1)
+    c = _config(sequence_parallel=tp > 1, **extra)
     torch.manual_seed(3)
     mine = MoELayer(c, lambda: MLP(c, tp_group=groups.etp_group if etp > 1 else mpu.NO_GROUP, tp_size=etp, expert=True),
                     tp_group=groups.tp_group, tp_size=tp, ep_group=groups.ep_group, ep_size=ep, ep_rank=groups.ep_rank,
@@ -274,10 +277,11 @@ def _etp_case(tp: int, etp: int, ep: int):
                     etp_size=etp, etp_rank=groups.etp_rank, exchange_group=groups.expert_group)
     assert mine.own_tokens
     with torch.no_grad():  # the one process's weights, this rank's shard of each of its experts
-        mine.router.weight.copy_(one.router.weight)
+        for p, q in zip(mine.router.parameters(), one.router.parameters()):
+            p.copy_(q)
         for e, expert in mine.experts.items():
             for p, q in zip(expert.parameters(), one.experts[e].parameters()):
-                p.copy_(shard_of_full(q, p.partition_dim, p.partition_stride, groups.etp_rank, etp))
+                p.copy_(_shard(q, p, groups.etp_rank, etp))
                 assert p.tp_shard == (groups.etp_rank, etp)
     rows = slice(rank * S // tp, (rank + 1) * S // tp)  # global rank = dp rank x tp + tp rank: rank order
     x = x_all[rows].clone().requires_grad_()
@@ -289,20 +293,31 @@ def _etp_case(tp: int, etp: int, ep: int):
     torch.testing.assert_close(y, y_all[rows].detach(), rtol=0, atol=atol)
     torch.testing.assert_close(x.grad, xo.grad[rows], rtol=0, atol=atol)
     for e, expert in mine.experts.items():
-        for p, q in zip(expert.parameters(), one.experts[e].parameters()):
-            want = shard_of_full(q.grad, p.partition_dim, p.partition_stride, groups.etp_rank, etp)
+        for (name, p), q in zip(expert.named_parameters(), one.experts[e].parameters()):
+            want = _shard(q.grad, p, groups.etp_rank, etp)
             if ep * etp < world:  # the expert's rows are spread over its expert-data-parallel ranks
                 dist.all_reduce(p.grad, group=groups.edp_group)
-            torch.testing.assert_close(p.grad, want, rtol=0, atol=atol)
-    router = mine.router.weight.grad.clone()  # summed over TP by the layer; over data parallel here
-    dist.all_reduce(router, group=groups.dp_group)
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=atol, msg=lambda m: f"expert {e} {name}: {m}")
     tol = 1e-5 if etp > 1 else 1e-6  # the partial sums over etp round differently
-    torch.testing.assert_close(router, one.router.weight.grad, rtol=tol, atol=tol)
+    for (name, p), q in zip(mine.router.named_parameters(), one.router.parameters()):
+        router = p.grad.clone()  # summed over TP by the layer; over data parallel here
+        dist.all_reduce(router, group=groups.dp_group)
+        torch.testing.assert_close(router, q.grad, rtol=tol, atol=tol, msg=lambda m: f"router {name}: {m}")
 
 
+def _shard(full: torch.Tensor, p: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This etp rank's part of an expert's ``full`` tensor as ``p`` holds it (fc2's bias: whole on every rank)."""
+    from megazero.mpu.sharding import shard_of_full
+
+    if not getattr(p, "tensor_model_parallel", False):
+        return full
+    return shard_of_full(full, p.partition_dim, p.partition_stride, rank, size)
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("world,tp,etp,ep", [(2, 2, 1, 2), (4, 2, 1, 4), (4, 1, 2, 2), (2, 2, 1, 1)])
-def test_expert_tensor_parallelism_other_than_tp_equals_one_process(world, tp, etp, ep):
-    run_distributed(world, _etp_case, tp, etp, ep)
+def test_expert_tensor_parallelism_other_than_tp_equals_one_process(world, tp, etp, ep, gpt_oss):
+    run_distributed(world, _etp_case, tp, etp, ep, GPT_OSS if gpt_oss else {})
 
 
 def _padded_case(size: int):
@@ -355,7 +370,7 @@ def test_evaluation_takes_its_own_capacity_and_a_minimum_holds():
     torch.testing.assert_close(layer.eval()(x), dropless, rtol=0, atol=0)
 
 
-def _tp_case(sequence_parallel: bool):
+def _tp_case(sequence_parallel: bool, gpt_oss: dict):
     """Expert TP = TP 2 (the tokens gathered over TP), with and without sequence parallelism, a gated
     shared expert beside the routed ones: against one process on the same tokens, every gradient."""
     from megazero import mpu
@@ -363,13 +378,17 @@ def _tp_case(sequence_parallel: bool):
 
     torch.set_num_threads(1)
     tp, rank = 2, dist.get_rank()
-    extra = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    extra = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, **gpt_oss)
     g = torch.Generator().manual_seed(9)
     x_all, grad_all = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
     one = MoELayer(_config(**extra), lambda: MLP(_config(**extra), tp_group=None, tp_size=1, expert=True),
                    tp_group=None, tp_size=1, ep_group=None, ep_size=1, ep_rank=0, aux_scale=AuxLossScale(),
                    init_method=init_methods(_config())[0],
                    shared=lambda: MLP(_config(**extra), tp_group=None, tp_size=1, expert=True, ffn_size=32))
+    if gpt_oss:  # every bias nonzero and fc1's outputs past the clamp
+        with torch.no_grad():
+            for p in one.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     xo = x_all.clone().requires_grad_()
     one(xo).backward(grad_all)
     groups = mpu.initialize_model_parallel(tp)
@@ -390,15 +409,18 @@ def _tp_case(sequence_parallel: bool):
     x = x_all[rows].clone().requires_grad_()
     y = mine(x)
     y.backward(grad_all[rows])
-    torch.testing.assert_close(y, one(x_all)[rows].detach(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(x.grad, xo.grad[rows], rtol=0, atol=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if gpt_oss else dict(rtol=0, atol=1e-6)  # its weights are 15x larger
+    torch.testing.assert_close(y, one(x_all)[rows].detach(), **tol)
+    torch.testing.assert_close(x.grad, xo.grad[rows], **tol)
     for name, p in mine.named_parameters():  # the replicated ones (router, gate) whole on every TP rank
         full = params[name].grad
         want = (shard_of_full(full, p.partition_dim, p.partition_stride, groups.tp_rank, tp)
                 if getattr(p, "tensor_model_parallel", False) else full)
-        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5 if gpt_oss else 1e-6,
+                                   msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_experts_equal_one_process(sequence_parallel):
-    run_distributed(2, _tp_case, sequence_parallel)
+def test_tensor_parallel_experts_equal_one_process(sequence_parallel, gpt_oss):
+    run_distributed(2, _tp_case, sequence_parallel, GPT_OSS if gpt_oss else {})

@@ -128,9 +128,9 @@ def test_only_megatrons_default_of_a_flag_megazero_has_one_value_of():
     assert parse(["--softmax-type", "vanilla", "--rerun-mode", "disabled", "--exp-avg-dtype", "fp32",
                   "--cuda-graph-impl", "none", "--exit-signal", "SIGTERM"]) == parse([])
     with pytest.raises(ConfigError) as e:
-        parse(["--softmax-type", "learnable", "--rerun-mode", "validate_results", "--exp-avg-dtype", "bf16"])
+        parse(["--rerun-mode", "validate_results", "--exp-avg-dtype", "bf16"])
     assert [line.split(":")[0].strip() for line in str(e.value).splitlines()[1:]] == [
-        "--softmax-type learnable", "--exp-avg-dtype bf16", "--rerun-mode validate_results"]
+        "--exp-avg-dtype bf16", "--rerun-mode validate_results"]
 
 
 def test_refused_flags_with_one_message_share_its_line():

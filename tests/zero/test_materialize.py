@@ -11,7 +11,10 @@ from tests.zero.common import ds_config, tiny_config
 
 ARCHS = {"gpt": dict(vocab_size=117), "llama": dict(vocab_size=117, activation="swiglu", normalization="rmsnorm",
                                                    position_embedding_type="rope", add_bias_linear=False,
-                                                   tie_embeddings=False)}
+                                                   tie_embeddings=False),
+         # gpt-oss's MLP and router: biases everywhere, the router's drawn like its weight
+         "gpt_oss": dict(vocab_size=117, activation="quick_geglu", glu_linear_offset=1.0,
+                         activation_func_clamp_value=7.0, num_experts=4, moe_ffn_hidden_size=32, moe_router_bias=True)}
 
 
 def _init(tp, stage, arch):
@@ -34,7 +37,7 @@ def _init(tp, stage, arch):
     return engine.consolidated_state_dict(), drawn[0]
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt_oss"])
 def test_tp2_dp2_zero3_weights_equal_the_tp1_model(arch):
     torch.manual_seed(31)
     ref = GPTModel(tiny_config(**ARCHS[arch]))
@@ -44,9 +47,9 @@ def test_tp2_dp2_zero3_weights_equal_the_tp1_model(arch):
         torch.testing.assert_close(sd[n], p.detach(), atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
     # Each normal-initialized element was drawn exactly once per TP rank that holds it (TP-replicated
     # ones, the learned positions, by both): nobody drew the whole model.
-    normal = sum(p.numel() for p in ref.parameters() if p.dim() == 2)
-    held = sum(p.numel() * (1 if getattr(p, "tensor_model_parallel", False) else 2) for p in ref.parameters()
-               if p.dim() == 2)
+    drawn = [(n, p) for n, p in ref.named_parameters() if p.dim() == 2 or n.endswith("router.bias")]
+    normal = sum(p.numel() for _, p in drawn)
+    held = sum(p.numel() * (1 if getattr(p, "tensor_model_parallel", False) else 2) for _, p in drawn)
     assert sum(d for _, d in out) == held
     assert max(d for _, d in out) < 0.4 * normal
 

@@ -95,6 +95,35 @@ def model_field_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def activation_kwargs(ns: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig's ``activation`` (--swiglu, --squared-relu, --quick-geglu, else the preset's or checkpoint's,
+    else gelu) and the gated unit's --glu-linear-offset and --activation-func-clamp-value where given. Refuses
+    two activations, and the offset or the clamp without a gated unit (Megatron would ignore them)."""
+    chosen = [f for f, on in (("--swiglu", ns.swiglu), ("--squared-relu", ns.squared_relu),
+                              ("--quick-geglu", ns.quick_geglu)) if on]
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)} are different MLP activations; pass one")
+    activation = ("swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else "quick_geglu" if ns.quick_geglu
+                  else preset.get("activation", "gelu"))
+    kw: dict[str, Any] = {"activation": activation}
+    offset, clamp = ns.glu_linear_offset, ns.activation_func_clamp_value
+    given = [f"{flag} {value:g}" for flag, value, off in (("--glu-linear-offset", offset, 0.0),
+                                                           ("--activation-func-clamp-value", clamp, None))
+             if value is not None and value != off]
+    if given and activation not in ("swiglu", "quick_geglu"):
+        verb, them = ("apply", "them") if len(given) > 1 else ("applies", "it")
+        raise ConfigError(f"{' and '.join(given)} {verb} to a gated MLP, not to {activation}: add --quick-geglu "
+                          f"(gpt-oss's) or --swiglu, or drop {them}")
+    if clamp is not None and not clamp > 0:
+        raise ConfigError(f"--activation-func-clamp-value {clamp:g} must be > 0 (x1 is clamped to at most the value, "
+                          "x2 to within +- the value)")
+    if offset is not None:
+        kw["glu_linear_offset"] = offset
+    if clamp is not None:
+        kw["activation_func_clamp_value"] = clamp
+    return kw
+
+
 # Megatron-core's RotaryEmbedding._apply_scaling under --use-rope-scaling: Llama 3.1's values but the factor.
 MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -201,11 +230,15 @@ def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: D
         given["vocab_size"] = (f"--vocab-size {ns.vocab_size}", ns.vocab_size)
     for on, field, flag_name, value in ((ns.swiglu, "activation", "--swiglu", "swiglu"),
                                         (ns.squared_relu, "activation", "--squared-relu", "squared_relu"),
+                                        (ns.quick_geglu, "activation", "--quick-geglu", "quick_geglu"),
                                         (ns.disable_bias_linear, "add_bias_linear", "--disable-bias-linear", False),
                                         (ns.untie_embeddings_and_output_weights, "tie_embeddings",
                                          "--untie-embeddings-and-output-weights", False)):
         if on:
             given[field] = (flag_name, value)
+    for name in ("glu_linear_offset", "activation_func_clamp_value"):
+        if getattr(ns, name) is not None:
+            given[name] = (f"--{name.replace('_', '-')} {getattr(ns, name):g}", getattr(ns, name))
     flag_of = {name: flag_name for name, flag_name, _ in MODEL_FIELD_FLAGS}
     for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns, experts)}.items():
         flag_name = flag_of.get(name, f"--{name.replace('_', '-')}")
@@ -280,18 +313,15 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
     if granularity != "full" and ns.recompute_num_layers is not None and not ns.checkpoint_num_layers:
         raise ConfigError("--recompute-num-layers needs --recompute-granularity full")
     _check_recompute_modules(ns.recompute_modules, granularity)
-    if ns.squared_relu and ns.swiglu:
-        raise ConfigError("--squared-relu and --swiglu are two different MLP activations; pass one")
     backend = _ATTENTION_BACKENDS[default(ns.attention_backend, "auto")]
     if ns.use_flash_attn:
         if backend not in ("auto", "flash"):
             raise ConfigError(f"--use-flash-attn contradicts --attention-backend {ns.attention_backend}")
         backend = "flash"
-    activation = "swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else preset.get("activation", "gelu")
+    kw.update(activation_kwargs(ns, preset))
     kw.update(
         vocab_size=saved["vocab_size"] if "vocab_size" in saved else _model_vocab_size(ns, data, preset, check_files),
         normalization=default(ns.normalization, preset.get("normalization", "layernorm")),
-        activation=activation,
         add_bias_linear=not ns.disable_bias_linear and preset.get("add_bias_linear", True),
         tie_embeddings=not ns.untie_embeddings_and_output_weights and preset.get("tie_embeddings", True),
         sequence_parallel=par.sequence_parallel,

@@ -64,15 +64,16 @@ def checkpoint_model(ns: argparse.Namespace, source: str) -> tuple[str, dict[str
 CHECKPOINT_MODEL_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size", "num_query_groups",
     "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "layernorm_epsilon",
-    "activation", "qk_layernorm", "apply_layernorm_1p", "add_bias_linear", "add_qkv_bias", "tie_embeddings",
+    "activation", "glu_linear_offset", "activation_func_clamp_value", "qk_layernorm", "apply_layernorm_1p",
+    "add_bias_linear", "add_qkv_bias", "tie_embeddings",
     "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_router_pre_softmax", "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-    "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type", "rotary_scaling_factor",
-    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers",
-    "yarn_correction_range_round_to_int",
-    "low_freq_factor", "high_freq_factor", "hf_model_type", "window_size", "window_attn_skip_freq", "softmax_type")
+    "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type",
+    "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+    "yarn_correction_range_round_to_int", "mtp_num_layers", "low_freq_factor", "high_freq_factor", "hf_model_type",
+    "window_size", "window_attn_skip_freq", "softmax_type")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_TRAINING_FIELDS = (
     "hidden_dropout", "attention_dropout", "init_method_std", "init_method", "label_smoothing",

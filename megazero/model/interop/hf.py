@@ -97,8 +97,20 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
     return {k: (v + delta if _is_norm_weight(k) else v) for k, v in sd.items()}
 
 
+def _gpt_oss_parts(c: GPTConfig) -> list[str]:
+    """The settings of ``c`` that only gpt-oss among HF's families has (none of the families converted here)."""
+    out = ["activation='quick_geglu'"] if c.activation == "quick_geglu" else []
+    out += [f"glu_linear_offset={c.glu_linear_offset}"] if c.glu_linear_offset else []
+    out += [f"activation_func_clamp_value={c.activation_func_clamp_value}"] if c.activation_func_clamp_value else []
+    return out + (["moe_router_bias=True"] if c.moe_router_bias else [])
+
+
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
+    gptoss = _gpt_oss_parts(config)
+    if gptoss:
+        raise ValueError(f"config is not representable in the HF families megazero converts: {', '.join(gptoss)} "
+                         "(gpt-oss's MLP and router; HF's gpt_oss is not among them yet).")
     if config.multi_latent_attention:
         bad = deepseek_mismatches(config) + _attention_mismatches(config, "DeepSeek-V3")
         if bad:

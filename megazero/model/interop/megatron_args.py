@@ -29,6 +29,8 @@ def megatron_model_args(config: GPTConfig) -> dict[str, Any]:
         max_position_embeddings=config.max_position_embeddings, padded_vocab_size=config.padded_vocab_size,
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         swiglu=config.activation == "swiglu", squared_relu=config.activation == "squared_relu",
+        quick_geglu=config.activation == "quick_geglu", glu_linear_offset=config.glu_linear_offset,
+        activation_func_clamp_value=config.activation_func_clamp_value,
         normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=config.layernorm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,

@@ -74,7 +74,7 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
         pos = "rope"
     pos = {"learned_absolute": "learned", "yarn": "rope"}.get(pos, pos)
     norm = str(_get(args, "normalization", default="LayerNorm")).lower()
-    act = "swiglu" if _get(args, "swiglu", default=False) else "squared_relu" if _get(args, "squared_relu", default=False) else "gelu"
+    act = next((a for a in ("swiglu", "squared_relu", "quick_geglu") if _get(args, a, default=False)), "gelu")
     groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", default=False) else None
     groups = groups or _get(args, "num_key_value_heads")
     heads = args.num_attention_heads
@@ -90,6 +90,8 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
         rotary_base=float(_get(args, "rotary_base", "rope_theta", default=10000.0)),
         rotary_percent=float(_get(args, "rotary_percent", default=1.0)) if pos == "rope" else 1.0,
         normalization="rmsnorm" if norm == "rmsnorm" else "layernorm", activation=act,
+        glu_linear_offset=float(_get(args, "glu_linear_offset", default=0.0)),
+        activation_func_clamp_value=_get(args, "activation_func_clamp_value"),
         qk_layernorm=bool(_get(args, "qk_layernorm", default=False)),
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
         add_bias_linear=bool(_get(args, "add_bias_linear", default=True)),
@@ -242,7 +244,7 @@ def merge_tp_shards(shards: list[dict[str, torch.Tensor]], config: GPTConfig) ->
         if len(parts) == 1:
             full[k] = parts[0]
         elif local in _COLUMN:
-            stride = 2 if local.startswith("mlp.linear_fc1") and config.activation == "swiglu" else 1
+            stride = 2 if local.startswith("mlp.linear_fc1") and config.gated_linear_unit else 1
             full[k] = full_from_shards(parts, 0, stride)
         elif local in _ROW:
             full[k] = torch.cat(parts, dim=1)

@@ -5,7 +5,8 @@ Each expert is an MLP sharded over the expert tensor-parallel (ETP) group whose 
 its reduction, so the outputs are partial sums over ETP. The experts are children named by their
 global index (``experts.<e>.linear_fc1.weight``), so initial weights, checkpoints and the converters
 do not depend on expert parallelism. With ``moe_grouped_gemm`` (where the dtype, device and widths
-allow, no biases) they run as two grouped matmuls over all of them, the same bits as the loop.
+allow) they run as two grouped matmuls over all of them, the same bits as the loop without biases; each
+expert's biases are then added to its own rows, fc2's once per expert (:meth:`MLP.partial_output_bias`).
 
 Every parameter of an expert is marked ``is_expert = True`` and ``allreduce = False`` (Megatron's
 marker: its gradient is not summed over the whole data-parallel group, only over the ranks holding the
@@ -62,15 +63,24 @@ class Experts(torch.nn.ModuleDict):
         """Whether the experts run as grouped matmuls (asked, available, the dtype and widths allow)."""
         if not self.config.moe_grouped_gemm or not grouped_matmul_available(rows.dtype, rows.device):
             return False
-        if self.config.add_bias_linear:  # the grouped matmuls carry no biases: the loop adds them
-            return False
         fc2 = self[str(self.local.start)].linear_fc2.weight
         size = rows.element_size()
         return (rows.size(-1) * size) % 16 == 0 and (fc2.size(1) * size) % 16 == 0
 
     def _grouped_mlp(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
-        """Every local expert's MLP over its rows in two grouped matmuls (the same bits as the loop)."""
+        """Every local expert's MLP over its rows in two grouped matmuls (the same bits as the loop without
+        biases), each expert's biases added to its rows."""
         experts = [self[str(e)] for e in self.local]
         offs = group_offsets(per_expert, rows.device)
-        h = experts[0]._act(grouped_linear(rows, offs, [m.linear_fc1.weight for m in experts]))
-        return grouped_linear(h, offs, [m.linear_fc2.weight for m in experts])
+        h = grouped_linear(rows, offs, [m.linear_fc1.weight for m in experts])
+        if self.config.add_bias_linear:
+            h = h + _rows_of(per_expert, [m.linear_fc1.bias for m in experts])
+        out = grouped_linear(experts[0]._act(h), offs, [m.linear_fc2.weight for m in experts])
+        if self.config.add_bias_linear:
+            out = out + _rows_of(per_expert, [m.partial_output_bias() for m in experts])
+        return out
+
+
+def _rows_of(per_expert: list, biases: list) -> torch.Tensor:
+    """``[N, out]``: each expert's bias repeated over its ``per_expert`` rows (its gradient: their sum)."""
+    return torch.cat([b.expand(n, -1) for b, n in zip(biases, per_expert)])

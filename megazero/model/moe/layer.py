@@ -10,8 +10,9 @@ Per layer, on this rank's tokens ``[s(/tp), b, h]`` (no norm: the transformer la
    expert (experts ``r*E/ep ..`` on EP rank ``r``) by one uneven all-to-all; the rows an expert receives
    are ordered by (source rank, token), one process's token order, so the expert's matmuls see the same
    rows at any EP.
-3. **Experts** (:class:`~.experts.Experts`): SwiGLU/GeLU MLPs named by their global index, each sharded
-   over the expert tensor-parallel (ETP) group, TP by default; their outputs are partial sums over ETP.
+3. **Experts** (:class:`~.experts.Experts`): ``mlp.py``'s MLPs (biases and all) named by their global index,
+   each sharded over the expert tensor-parallel (ETP) group, TP by default; their outputs are partial sums
+   over ETP.
 4. **Combine**: the reverse all-to-all, then each token's k outputs weighted and summed; the shared
    expert (every token, gated when asked) added.
 

@@ -1,7 +1,7 @@
 """The router of a mixture of experts (Megatron-core's TopKRouter): which experts each token goes to,
 with what weights, which copies exceed capacity, and the auxiliary losses and statistics of routing.
 
-On this rank's tokens ``[T, h]``, in fp32 (fp64 when asked): logits ``x W_r^T`` ``[T, E]``, then
+On this rank's tokens ``[T, h]``, in fp32 (fp64 when asked): logits ``x W_r^T (+ b_r)`` ``[T, E]``, then
 :func:`~.routing.route` (softmax or sigmoid scores, group-limited routing, the expert bias). The
 load-balancing loss (Switch: E / (k T^2) sum_e P_e n_e, P_e the summed probabilities, n_e the copies
 routed to e; per sequence with ``seq_aux_loss``) and the z-loss (mean logsumexp^2) are this rank's
@@ -67,11 +67,11 @@ class Routing:
 
 
 class Router(torch.nn.Module):
-    """``[E, h]`` router weight, replicated over TP and EP, computed in fp32; the expert bias (fp32
-    buffers) when ``moe_router_enable_expert_bias``. ``tp_group``/``tp_size``: the layer's TP group (under
-    sequence parallelism each rank routes its own tokens); ``own_tokens``: the experts take this rank's
-    own tokens (expert TP other than TP), else the TP group's gathered ones; ``aux_scale``: where the
-    losses' gradient scale is read and the statistics go."""
+    """``[E, h]`` router weight (and ``[E]`` learned bias with ``moe_router_bias``), replicated over TP and EP,
+    computed in fp32; the expert bias (fp32 buffers) when ``moe_router_enable_expert_bias``.
+    ``tp_group``/``tp_size``: the layer's TP group (under sequence parallelism each rank routes its own
+    tokens); ``own_tokens``: the experts take this rank's own tokens (expert TP other than TP), else the TP
+    group's gathered ones; ``aux_scale``: where the losses' gradient scale is read and the statistics go."""
 
     def __init__(self, config: GPTConfig, init_method, device=None, *, tp_group: Optional[dist.ProcessGroup] = None,
                  tp_size: int = 1, own_tokens: bool = False, aux_scale: Optional[AuxLossScale] = None) -> None:
@@ -84,6 +84,8 @@ class Router(torch.nn.Module):
         self.aux_scale = aux_scale if aux_scale is not None else AuxLossScale()
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype, device=device))
+        self.bias = (torch.nn.Parameter(torch.empty(config.num_experts, dtype=config.params_dtype, device=device))
+                     if config.moe_router_bias else None)
         if config.moe_router_enable_expert_bias:  # fp32 whatever the model's dtype; the bias is checkpointed
             self.register_buffer("expert_bias", torch.empty(config.num_experts, device=device))
             self.register_buffer("tokens_per_expert", torch.empty(config.num_experts, device=device), persistent=False)
@@ -92,6 +94,8 @@ class Router(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         initialize_sharded_(self.weight, (self.num_experts, self.hidden_size), 0, 0, 1, self.init_method)
+        if self.bias is not None:  # megatron-core's: the weight's init method
+            initialize_sharded_(self.bias, (self.num_experts,), 0, 0, 1, self.init_method)
         if hasattr(self, "expert_bias") and not self.weight.is_meta:
             self.place_buffers(self.weight.device)
 
@@ -112,11 +116,12 @@ class Router(torch.nn.Module):
         """Route ``tokens`` ``[T, h]`` (``[s, b]`` flattened, ``batch`` = b); ``cp``: context parallelism over
         more than one rank, or None (the losses and capacity then count every part of the sequences)."""
         c = self.config
-        w = self.weight
+        w, b = self.weight, self.bias
         if self.sequence_parallel:  # each rank routes its own tokens: the weight's gradient is partial
             w = mpu.copy_to_tensor_model_parallel_region(w, self.tp_group)
+            b = b if b is None else mpu.copy_to_tensor_model_parallel_region(b, self.tp_group)
         dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
-        logits = F.linear(tokens.to(dtype), w.to(dtype))
+        logits = F.linear(tokens.to(dtype), w.to(dtype), b if b is None else b.to(dtype))
         bias = self.expert_bias if c.moe_router_enable_expert_bias else None
         top, weights, probs = route(logits, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_router_score_function,
                                     c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
