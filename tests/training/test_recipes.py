@@ -120,6 +120,31 @@ def test_deepseek_v3_moe_parses_on_1024_gpus(tmp_path):
     assert (config.model.qk_dim, config.model.v_dim) == (192, 128)
 
 
+GPT_OSS = dict(hidden_size=2880, ffn_hidden_size=2880, moe_ffn_hidden_size=2880, num_attention_heads=64,
+               num_query_groups=8, kv_channels=64, vocab_size=201088, seq_length=131072, window_size=(127, 0),
+               window_attn_skip_freq=2, softmax_type="learnable", activation="quick_geglu", glu_linear_offset=1.0,
+               activation_func_clamp_value=7.0, add_bias_linear=True, normalization="rmsnorm", tie_embeddings=False,
+               resolved_rope_type="yarn", rotary_base=150000.0, rotary_scaling_factor=32.0,
+               original_max_position_embeddings=4096, yarn_correction_range_round_to_int=False, moe_router_topk=4)
+
+
+@pytest.mark.parametrize("name, layers, experts, layout", [
+    ("gpt_oss_20b", 24, 32, dict(tp=2, cp=8, dp=4, ep=8, zero_stage=1)),
+    ("gpt_oss_120b", 36, 128, dict(tp=2, cp=4, dp=8, ep=8, zero_stage=3)),
+])
+def test_gpt_oss_parses_on_64_gpus_with_hfs_window_pattern(name, layers, experts, layout, tmp_path):
+    """The first layer slides, as HF's layer_types begin with sliding_attention: Megatron's
+    --window-attn-skip-freq 2 makes the 1-based even layers global."""
+    launcher, argv = recipe_command(name, tmp_path)
+    assert world_size(launcher) == 64
+    config = parse_args(argv, world_size=64, check_files=False)
+    _check(config, **GPT_OSS, num_layers=layers, num_experts=experts, pp=1, etp=1, sequence_parallel=True,
+           moe_grouped_gemm=True, recompute_granularity="full", **layout)
+    m = config.model
+    assert [m.layer_window(i) for i in range(4)] == [127, None, 127, None]
+    assert all(m.is_moe_layer(i) for i in range(layers)) and m.head_dim * m.num_attention_heads == 4096
+
+
 def test_deepseek_v3_moe_dry_run_plans_its_uneven_stages():
     """DRY_RUN=1 through the script: tools/estimate_memory.py plans the 1024-GPU launch (exit 0 fits, 1
     does not; 2 would be a plan refused) with the first stage's 3 dense layers and the last stage's 2,
@@ -186,6 +211,12 @@ TINY_RUNS = {
                          "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "2",
                          "--decoder-first-pipeline-num-layers": "2", "--decoder-last-pipeline-num-layers": "2",
                          "--expert-model-parallel-size": "2"}, (), "tp 1 x pp 2 x dp 2"),
+    # windows of 16 keys over 64 tokens, sinks, the clamped experts, YaRN; ZeRO-3 for the 120b's
+    **{name: ({"--num-layers": "2", "--seq-length": "64", "--max-position-embeddings": "64", "--kv-channels": "16",
+               "--window-size": "15,0", "--num-experts": "4", "--moe-ffn-hidden-size": "64", "--moe-router-topk": "2",
+               "--tensor-model-parallel-size": "1", "--context-parallel-size": "2",
+               "--expert-model-parallel-size": "2"}, (), "tp 1 x cp 2 (p2p) x pp 1 x dp 2")
+       for name in ("gpt_oss_20b", "gpt_oss_120b")},
 }
 
 
