@@ -13,7 +13,9 @@
 #   CHECKPOINT_DIR [checkpoints/RECIPE]  checkpoints and metrics.jsonl; resumes from it when it holds one
 #   TENSORBOARD_DIR [CHECKPOINT_DIR/tensorboard]
 #   TORCHRUN [torchrun on PATH, else .venv/bin/torchrun]   the launcher
-#   DRY_RUN [0]   1: plan memory and traffic per GPU for this world size (tools/estimate_memory.py), no launch
+#   DRY_RUN [0]   1: plan memory and traffic per GPU for this world size (tools/estimate_memory.py), no launch;
+#                 rehearse: run ranks of this launch through pretrain_gpt.py's loop on one CPU, on meta tensors
+#                 (tools/rehearse.py; its --ranks and --micro-batches go after the script's name), no launch
 #   PLAN [0]      1: the fastest layout that fits this world size (tools/plan.py), the recipe's own layout and
 #                 micro-batch left out; GPU [h100-80gb] is the preset it plans for; no launch
 
@@ -59,6 +61,10 @@ if [[ "${PLAN:-0}" == 1 ]]; then
     exec "$PYTHON" tools/plan.py --world-size $((NNODES * GPUS_PER_NODE)) --gpus-per-node "$GPUS_PER_NODE" \
         --gpu "${GPU:-h100-80gb}" "${MODEL_ARGS[@]}" ${MOE_ARGS[@]+"${MOE_ARGS[@]}"} --bf16 "${PLAN_ARGS[@]}" \
         "${DATA_ARGS[@]}" "$@"
+fi
+if [[ "${DRY_RUN:-0}" == rehearse ]]; then
+    PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
+    exec "$PYTHON" tools/rehearse.py --world-size $((NNODES * GPUS_PER_NODE)) "${ARGS[@]}"
 fi
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"

@@ -30,6 +30,9 @@
 #   NNODES=8 PLAN=1 bash examples/recipes/gpt_oss_20b.sh      # tools/plan.py (49314 layouts, 25 s): this layout
 #     without recompute is the fastest, 19.0 s a step (42 % MFU) at a peak of 75.7 GiB; with full recompute, as
 #     here, 24.9 s (32 %) at 36.5 GiB. Keep the headroom, or delete the --recompute-* flags below for the speed.
+#   NNODES=8 DRY_RUN=rehearse bash examples/recipes/gpt_oss_20b.sh --ranks 0 --micro-batches 1
+#     tools/rehearse.py, rank 0 at 131072 tokens (3.5 min on two busy CPU cores): state 22.0 GiB, peak 32.6 GiB
+#     (34.9 with NCCL), 0.95 of the plan's peak; the state and the bytes sent per group are the plan's within 1 %
 #
 # TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). EP must divide the 32 experts and
 # the tp x cp x dp ranks. Overrides (defaults in brackets): TP [2] CP [8] EP [8] SEQ_LENGTH [131072]

@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -162,6 +163,24 @@ def test_deepseek_v3_moe_dry_run_plans_its_uneven_stages():
     largest = re.search(r"largest stage: (\d+) \((\d+) layers", out)
     assert largest and largest.groups() == ("15", "2"), out[-3000:]
     assert re.search(r"GPU memory 80 GiB: (fits|does NOT fit)", out)
+
+
+@pytest.mark.slow
+def test_a_recipe_rehearses_its_launch():
+    """DRY_RUN=rehearse through the script: tools/rehearse.py runs rank 0 of the launch (the recipe's flags, tiny
+    shapes given after them win) and reports it beside the plan; no launch."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    tiny = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "64",
+            "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16", "--window-size", "15,0",
+            "--num-experts", "4", "--moe-router-topk", "2", "--tp", "1", "--cp", "2", "--ep", "2", "--vocab-size", "512",
+            "--global-batch-size", "4", "--ranks", "0", "--micro-batches", "1"]
+    proc = subprocess.run(["bash", os.path.join(RECIPES, "gpt_oss_20b.sh"), *tiny],
+                          env={**env, "DRY_RUN": "rehearse", "NNODES": "1", "GPUS_PER_NODE": "4", "SEQ_LENGTH": "64",
+                               "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr  # the progress line on stderr
+    assert "rehearsal of 4 ranks = tp 1 x cp 2 x pp 1 x dp 2" in out and "rehearsed 1/1 ranks" in out, out[-3000:]
+    assert "the plan (tools/estimate_memory.py): state" in out and "sent, ep" in out
 
 
 def test_plan_picks_a_layout_for_a_recipe_model(tmp_path):
