@@ -352,8 +352,9 @@ class GPTConfig:
         return self
 
     def layer_window(self, number: int) -> Optional[int]:
-        """How many keys before it a query of layer ``number`` (its index in the whole model) sees; None: all."""
-        return layer_window(self.window_size, self.window_attn_skip_freq, number)
+        """How many keys before it a query of layer ``number`` (its index in the whole model) sees; None: all.
+        A multi-token prediction depth (``number >= num_layers``) is built as the last layer: its window too."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, min(number, self.num_layers - 1))
 
     def attention_kind(self, number: int) -> str:
         """The attention builder's name for layer ``number`` (layer_spec.ATTENTION_BUILDERS)."""

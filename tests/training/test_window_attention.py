@@ -40,6 +40,9 @@ def test_windows_and_sinks_change_the_run(one_process):
     ("short", 4, ["--tp", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                   "--recompute-granularity", "selective"]),
     ("short", 4, ["--context-parallel-size", "2", "--zero-stage", "3"]),  # dp 2 x cp 2
+    ("long", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",  # cp 4: chunks of 2 tokens
+                 "--hierarchical-context-parallel-sizes", "2", "2"]),
+    ("short", 4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p", "--recompute-granularity", "full"]),
 ])
 def test_windows_and_sinks_equal_one_process(data, one_process, tmp_path, pattern, world, extra):  # noqa: F811
     args = flags(data, *MODEL, *(SHORT if pattern == "short" else LONG), *extra)
@@ -82,3 +85,17 @@ def test_bad_windows_are_refused_before_any_process_group(argv, message):
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(BASE + argv, check_files=False)
+
+
+DOCUMENTS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+
+
+def test_windows_with_packed_documents_and_multi_token_prediction_equal_one_process(data, tmp_path):  # noqa: F811
+    """The pattern with packed documents (the ring cuts its blocks at them, all-to-all takes the mask) and
+    an MTP depth, which slides as the last layer does."""
+    args = flags(data, *MODEL, *LONG, *DOCUMENTS, "--mtp-num-layers", "1")
+    one = launch(1, args, tmp_path, "window_docs_1")
+    for world, extra in ((2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+                         (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--pp", "2"])):
+        got = launch(world, args + extra, tmp_path, f"window_docs_{world}")
+        assert_same_run(got, one, what=f"documents + MTP, world {world} {extra}")
