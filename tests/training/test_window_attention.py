@@ -99,3 +99,16 @@ def test_windows_with_packed_documents_and_multi_token_prediction_equal_one_proc
                          (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--pp", "2"])):
         got = launch(world, args + extra, tmp_path, f"window_docs_{world}")
         assert_same_run(got, one, what=f"documents + MTP, world {world} {extra}")
+
+
+KEYED = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--dropout-rng", "position")
+
+
+def test_keyed_dropout_with_windows_equals_one_process_through_the_halo_exchange(data, tmp_path):  # noqa: F811
+    """Attention dropout keyed by position on the window's blocks: the halo exchange (cp 2, a window of 2 keys)
+    and all-to-all apply the one-process run's masks."""
+    args = flags(data, *MODEL, *SHORT, *KEYED)
+    one = launch(1, args, tmp_path, "window_keyed_1")
+    for comm in ("p2p", "a2a"):
+        got = launch(2, args + ["--context-parallel-size", "2", "--cp-comm-type", comm], tmp_path, f"window_keyed_{comm}")
+        assert_same_run(got, one, what=f"keyed dropout with windows, cp 2 {comm}")
