@@ -197,3 +197,35 @@ def test_a_short_window_exchanges_halos_and_a_long_one_the_ring():
     assert halo.send == ((0, 12, 16), (2, 4, 8))  # chunk 6's tail to rank 0, chunk 1's to rank 2
     assert halo_of(layout, 0, 3).recv == ((1, 12, 16),)  # chunk 0 starts the sequence; chunk 7 reads chunk 6
     assert halo_of(layout, 1, 40) is None
+
+
+def _halo_bytes(window: int):
+    from megazero.model.attention.cp.ring import RingStats, ring_attention
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, _, grad = _inputs(64, 2, torch.float32)
+    local = [split_for_rank(t.detach(), rank, cp).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    out = ring_attention(*local, zigzag_layout(64, cp), None, stats=stats, window=window)
+    out.backward(split_for_rank(grad, rank, cp))
+    return stats.forward_bytes_sent, stats.backward_bytes_sent
+
+
+def test_the_planner_counts_the_halo_a_middle_rank_sends():
+    """cp 4, a window of 3 keys: a middle rank sends one cell of 4 keys to each neighbour and receives their
+    gradients' worth back, what planner_traffic charges a layer; the ring would send 3 shards of 16."""
+    from megazero.model.config import GPTConfig
+    from megazero.observe.planner_traffic import cp_bytes_per_layer
+
+    sent = run_distributed(4, _halo_bytes, 3)
+    per_token = B * 2 * (D + D) * 4  # two KV groups, K and V, fp32
+    assert sent[1] == sent[2] == (8 * per_token, 8 * per_token)
+    assert sent[0][0] == sent[3][0] == 4 * per_token  # the sequence's ends have one neighbour to feed
+    config = GPTConfig(num_layers=1, hidden_size=HEADS * D, num_attention_heads=HEADS, num_query_groups=2,
+                       seq_length=64, max_position_embeddings=64, vocab_size=64, window_size=(3, 0))
+    planned = cp_bytes_per_layer(config, tp=1, cp=4, seq_length=64, micro_batch_size=B, precision="fp32",
+                                 recompute=None, kind="p2p", window=3)
+    assert planned == sum(sent[1])
+    ring = cp_bytes_per_layer(config, tp=1, cp=4, seq_length=64, micro_batch_size=B, precision="fp32",
+                              recompute=None, kind="p2p")
+    assert ring > 5 * planned
