@@ -340,7 +340,8 @@ class GPTConfig:
             check_mla(self)
         check_rope_scaling(self)
         check_mtp(self)
-        check_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers, self.softmax_type)
+        check_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers, self.softmax_type,
+                      self.attention_backend)
         if self.dropout_rng not in ("stream", "position"):
             raise ValueError(f"dropout_rng must be 'stream' or 'position', got {self.dropout_rng!r}")
         if self.init_method_std <= 0:

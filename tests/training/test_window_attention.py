@@ -75,7 +75,8 @@ def test_the_start_up_line_names_the_pattern():
     (["--window-size", "3,0", "--window-attn-skip-freq", "[1,0,1]"], "one 1 (sliding) or 0 (global) per layer, 4"),
     (["--window-attn-skip-freq", "2"], "without --window-size"),
     (["--window-size=-1,0"], "-1 (unbounded) is no window"),
-    (["--softmax-type", "learnable", "--attention-backend", "flash"], None),  # accepted: sdpa runs sinks off CUDA
+    (["--softmax-type", "learnable", "--attention-backend", "flash"], "flash-attn's kernels take no sinks"),
+    (["--softmax-type", "learnable", "--window-size", "3,0", "--attention-backend", "fused"], None),
 ])
 def test_bad_windows_are_refused_before_any_process_group(argv, message):
     from megazero.config.arguments import ConfigError, parse_args
