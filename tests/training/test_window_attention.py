@@ -113,3 +113,24 @@ def test_keyed_dropout_with_windows_equals_one_process_through_the_halo_exchange
     for comm in ("p2p", "a2a"):
         got = launch(2, args + ["--context-parallel-size", "2", "--cp-comm-type", comm], tmp_path, f"window_keyed_{comm}")
         assert_same_run(got, one, what=f"keyed dropout with windows, cp 2 {comm}")
+
+
+def test_megatron_lm_arguments_carry_the_window_and_the_sinks_both_ways():
+    """A torch_dist save writes Megatron-LM's window_size, window_attn_skip_freq and softmax_type (and YaRN's
+    rounding); reading them gives the same model; Megatron's window of -1 (unbounded) is none."""
+    import argparse
+
+    from megazero.config.arguments import parse_args
+    from megazero.model.interop.megatron_args import megatron_model_args
+    from megazero.model.interop.megatron_import import config_from_megatron_args
+
+    model = parse_args(BASE + list(LONG) + ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                                           "--no-yarn-correction-range-round-to-int"], check_files=False).model
+    args = megatron_model_args(model)
+    assert (args["window_size"], args["window_attn_skip_freq"], args["softmax_type"]) == ((6, 0), [1, 1, 1, 0],
+                                                                                          "learnable")
+    back = config_from_megatron_args(argparse.Namespace(**args))
+    assert (back.window_size, back.window_attn_skip_freq, back.softmax_type, back.yarn_correction_range_round_to_int) \
+        == ((6, 0), (1, 1, 1, 0), "learnable", False)
+    unbounded = config_from_megatron_args(argparse.Namespace(**{**args, "window_size": (-1, -1)}))
+    assert unbounded.window_size is None and unbounded.window_attn_skip_freq is None
