@@ -7,8 +7,8 @@ tokens instead of P-1 blocks of ``S/P``. Every rank computes the whole pattern f
 (:func:`halo_of`, no communication): for each pair of ranks, the range of the source's storage that any
 block of the destination's plan reads. One ``batch_isend_irecv`` sends the slices, the rank's own blocks
 are computed meanwhile, then the received ones; backward sends each slice's dK/dV back to its owner.
-The ring stays where a rank would receive more than two shards' worth of keys (a window as long as the
-ring's blocks): the two hold the same peak memory there and the ring overlaps more.
+The ring stays where a rank could need more than two shards' worth of keys (a window as long as a shard,
+or many short documents): the two hold the same peak memory there and the ring overlaps more.
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ def _reach(layouts: tuple[CPLayout, ...], dst: int, src: int, window: int) -> Op
 
 @functools.lru_cache(maxsize=256)
 def halo_of(layouts: tuple[CPLayout, ...], rank: int, window: int) -> Optional[Halo]:
-    """Rank ``rank``'s halo exchange for ``window``, or None where some rank would receive more than two
-    shards' worth of keys (the ring then)."""
+    """Rank ``rank``'s halo exchange for ``window``, or None (the ring) where a rank could need more than two
+    shards' worth of the others' keys: each of a rank's runs reaches back at most ``window + 1`` keys, so
+    the bound is its runs times that, the same decision on every rank without planning theirs."""
     p, local = layouts[0].cp_size, layouts[0].local_len
-    reach = {(d, s): _reach(layouts, d, s, window) for d in range(p) for s in range(p) if d != s}
-    for d in range(p):
-        if sum(r[1] - r[0] for (dd, _), r in reach.items() if dd == d and r) > 2 * local:
-            return None
-    return Halo(tuple((s, *reach[rank, s]) for s in range(p) if s != rank and reach[rank, s]),
-                tuple((d, *reach[d, rank]) for d in range(p) if d != rank and reach[d, rank]))
+    if max(len(x.runs[r]) for x in layouts for r in range(p)) * (window + 1) > 2 * local:
+        return None
+    recv = tuple((s, *r) for s in range(p) if s != rank for r in [_reach(layouts, rank, s, window)] if r)
+    send = tuple((d, *r) for d in range(p) if d != rank for r in [_reach(layouts, d, rank, window)] if r)
+    return Halo(recv, send)
 
 
 def _exchange(group, pairs, tensors, buffers, tag: int) -> tuple[list, int]:
