@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megazero.utils.safetensors_dtypes import DTYPE_OF_CODE, FLOAT_CODES
+from megazero.utils.safetensors_dtypes import DTYPE_OF_CODE
 
 __all__ = ["CheckpointError", "digest_file", "ShardFile", "ReadCounter", "fsync_path"]
 
@@ -162,12 +162,12 @@ class ShardFile:
 
     def dtype(self, name: str) -> torch.dtype:
         code = self.tensors[name]["dtype"]
-        if code not in FLOAT_CODES:
+        if code not in DTYPE_OF_CODE:  # integers too: an HF import reads MXFP4's packed uint8 experts
             raise CheckpointError(f"{self.path}: tensor {name} has dtype {code}, which megazero does not read")
         return DTYPE_OF_CODE[code]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """A whole tensor, any floating dtype, read with plain reads (no mmap: the pages read do not
+        """A whole tensor, any dtype of ``DTYPE_OF_CODE``, read with plain reads (no mmap: the pages read do not
         stay resident in this process)."""
         info = self.tensors.get(name)
         if info is None:

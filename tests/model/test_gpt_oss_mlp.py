@@ -243,15 +243,16 @@ def test_megatron_lm_arguments_carry_the_activation_both_ways():
     assert (plain.activation, plain.glu_linear_offset, plain.activation_func_clamp_value) == ("gelu", 0.0, None)
 
 
-def test_no_hf_family_is_claimed_for_gpt_oss_parts():
-    """A Llama-shaped config with any of gpt-oss's MLP or router settings is no Llama: the export refuses it."""
+def test_gpt_oss_parts_export_as_gpt_oss_only():
+    """A Llama-shaped config with any of gpt-oss's MLP or router settings is no Llama: only HF's gpt-oss has them,
+    and the export names what keeps it from being one."""
     from megazero.model.interop.hf import hf_architecture
 
     llama = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", glu_linear_offset=0.0,
                  activation_func_clamp_value=None, add_bias_linear=False)
     assert hf_architecture(_config(**llama)) == "llama"
     for change in (dict(glu_linear_offset=1.0), dict(activation_func_clamp_value=7.0), dict(activation="quick_geglu")):
-        with pytest.raises(ValueError, match="not representable in the HF families"):
+        with pytest.raises(ValueError, match=r"only gpt-oss \(GptOssForCausalLM\) has, and is not representable"):
             hf_architecture(_config(**{**llama, **change}))
-    with pytest.raises(ValueError, match="moe_router_bias=True"):
+    with pytest.raises(ValueError, match="moe_router_bias=True.*activation='swiglu' \\(gpt-oss needs 'quick_geglu'\\)"):
         hf_architecture(_config(**llama, num_experts=E, moe_ffn_hidden_size=F, moe_router_bias=True))

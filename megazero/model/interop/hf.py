@@ -1,7 +1,9 @@
 """Hugging Face interop: full megazero state dicts <-> HF GPT-2 / Llama checkpoints, the dense Llama-shaped
-Qwen2, Qwen3 and Mistral (``hf_dense.py``, with Llama 3's RoPE scaling), the Llama-shaped mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps) and
-DeepSeek-V3 (multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports
-as one): the families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
+Qwen2, Qwen3 and Mistral (``hf_dense.py``, with Llama 3's RoPE scaling), the Llama-shaped mixtures of experts
+Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps), gpt-oss (``hf_gpt_oss.py``:
+sinks, windows, YaRN, a router bias, clamped quick-GEGLU experts, MXFP4 on import) and DeepSeek-V3
+(multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports as one): the
+families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
 
 * default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
   <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
@@ -38,8 +40,10 @@ from ..config import GPTConfig
 from .hf_dense import DENSE_ARCHITECTURES, DENSE_FAMILIES, dense_config_kwargs, dense_family, \
     dense_hf_config_dict, dense_mismatches, hf_rope_scaling, qk_norm_from_hf, qk_norm_to_hf, rope_config_kwargs
 from .hf_deepseek import DEEPSEEK_ARCHITECTURES, DEEPSEEK_FAMILIES, DEEPSEEK_IMPORT_FAMILIES, deepseek_config_kwargs, \
-    deepseek_hf_config_dict, deepseek_layer_from_hf, deepseek_layer_to_hf, deepseek_mismatches, deepseek_mtp_from_hf, \
-    deepseek_mtp_to_hf, mtp_layers_present
+    deepseek_hf_config_dict, deepseek_ignored_key, deepseek_layer_from_hf, deepseek_layer_to_hf, deepseek_mismatches, \
+    deepseek_mtp_from_hf, deepseek_mtp_to_hf, mtp_layers_present
+from .hf_gpt_oss import GPT_OSS_ARCHITECTURES, GPT_OSS_FAMILIES, gpt_oss_config_kwargs, gpt_oss_hf_config_dict, \
+    gpt_oss_layer_from_hf, gpt_oss_layer_to_hf, gpt_oss_mismatches, gpt_oss_parts
 from .hf_moe import MOE_ARCHITECTURES, MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, \
     moe_layer_from_hf, moe_layer_to_hf, moe_mismatches
 
@@ -47,10 +51,11 @@ __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architec
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
 
 
-HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + DEEPSEEK_FAMILIES  # HF model_type values converted both ways
+# HF model_type values converted both ways
+HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + GPT_OSS_FAMILIES + DEEPSEEK_FAMILIES
 HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES if f not in HF_FAMILIES)  # read
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **DENSE_ARCHITECTURES, **MOE_ARCHITECTURES,
-                    **DEEPSEEK_ARCHITECTURES}
+                    **GPT_OSS_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -97,20 +102,14 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
     return {k: (v + delta if _is_norm_weight(k) else v) for k, v in sd.items()}
 
 
-def _gpt_oss_parts(c: GPTConfig) -> list[str]:
-    """The settings of ``c`` that only gpt-oss among HF's families has (none of the families converted here)."""
-    out = ["activation='quick_geglu'"] if c.activation == "quick_geglu" else []
-    out += [f"glu_linear_offset={c.glu_linear_offset}"] if c.glu_linear_offset else []
-    out += [f"activation_func_clamp_value={c.activation_func_clamp_value}"] if c.activation_func_clamp_value else []
-    return out + (["moe_router_bias=True"] if c.moe_router_bias else [])
-
-
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
-    gptoss = _gpt_oss_parts(config)
-    if gptoss:
-        raise ValueError(f"config is not representable in the HF families megazero converts: {', '.join(gptoss)} "
-                         "(gpt-oss's MLP and router; HF's gpt_oss is not among them yet).")
+    if gpt_oss_parts(config):  # quick GEGLU, its offset and clamp, a router bias: only gpt-oss has them
+        bad = gpt_oss_mismatches(config)
+        if bad:
+            raise ValueError(f"config has {', '.join(gpt_oss_parts(config))}, which among the HF families only "
+                             "gpt-oss (GptOssForCausalLM) has, and is not representable in it: " + ", ".join(bad) + ".")
+        return "gpt_oss"
     if config.multi_latent_attention:
         bad = deepseek_mismatches(config) + _attention_mismatches(config, "DeepSeek-V3")
         if bad:
@@ -212,7 +211,7 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
             if c.qk_layernorm and not c.num_experts:  # Qwen3's (the mixtures map theirs)
                 out.update(qk_norm_to_hf(sd, p, h))
             if c.num_experts:
-                out.update(moe_layer_to_hf(sd, c, i))
+                out.update(gpt_oss_layer_to_hf(sd, c, i) if arch == "gpt_oss" else moe_layer_to_hf(sd, c, i))
     if arch == "gpt2":
         out["transformer.wte.weight"] = _unpad(sd["embedding.weight"], c)
         out["transformer.wpe.weight"] = sd["position_embeddings.weight"]
@@ -292,7 +291,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
             if c.qk_layernorm and not c.num_experts:
                 out.update(qk_norm_from_hf(take, p, h))
             if c.num_experts:
-                out.update(moe_layer_from_hf(take, c, i))
+                out.update(gpt_oss_layer_from_hf(take, sd.__contains__, c, i) if arch == "gpt_oss" else
+                           moe_layer_from_hf(take, c, i))
     if arch == "gpt2":
         out["embedding.weight"] = _pad(take("transformer.wte.weight"), c)
         out["position_embeddings.weight"] = take("transformer.wpe.weight")
@@ -304,22 +304,12 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
             out["output_layer.weight"] = _pad(take("lm_head.weight"), c)
     if arch == "deepseek_v3":
         out.update(deepseek_mtp_from_hf(take, sd.__contains__, c, interleave))
-        used.update(k for k in sd if _ignored_deepseek_key(k, c))
+        used.update(k for k in sd if deepseek_ignored_key(k, c))
     unexpected = sorted(k for k in set(sd) - used if not k.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         raise KeyError(f"HF checkpoint has weights this {arch} config does not use: {unexpected[:8]}"
                        + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
     return {k: v.contiguous() for k, v in _shift_norms(out, c, -1.0).items()}
-
-
-def _ignored_deepseek_key(key: str, c: GPTConfig) -> bool:
-    """DeepSeek's multi-token prediction modules' copies of the embedding and output layer, and the modules
-    beyond ``mtp_num_layers`` (an import without them, as transformers loads the model)."""
-    parts = key.split(".")
-    if parts[:2] != ["model", "layers"] or int(parts[2]) < c.num_layers:
-        return False
-    return int(parts[2]) >= c.num_layers + c.mtp_num_layers or parts[3] == "embed_tokens" or \
-        parts[3:5] == ["shared_head", "head"]
 
 
 # ---- configs ---------------------------------------------------------------------------------------
@@ -331,6 +321,8 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
     c = config
     if hf_architecture(c) == "deepseek_v3":
         return deepseek_hf_config_dict(c)
+    if hf_architecture(c) == "gpt_oss":
+        return gpt_oss_hf_config_dict(c)
     if hf_architecture(c) == "gpt2":
         gpt2_tokens = c.vocab_size == 50257
         return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
@@ -362,6 +354,8 @@ def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> G
         mtp = (mtp_layers_present(hf, weight_names) if weight_names is not None else
                hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0)
         kw = deepseek_config_kwargs(hf, mtp)
+    elif mt in GPT_OSS_FAMILIES:
+        kw = gpt_oss_config_kwargs(hf)
     elif mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         problems = []
@@ -435,14 +429,15 @@ def build_hf_config(config: GPTConfig):
     import transformers
 
     kw = hf_config_dict(config)
-    if kw["model_type"] == "deepseek_v3":
+    if kw["model_type"] in ("deepseek_v3", "gpt_oss"):
+        cls = getattr(transformers, {"deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}[kw["model_type"]])
         kw = {k: v for k, v in kw.items() if k != "model_type"}
         rope = kw.pop("rope_parameters")
         if int(transformers.__version__.split(".")[0]) >= 5:
-            return transformers.DeepseekV3Config(**kw, rope_parameters=rope)
+            return cls(**kw, rope_parameters=rope)
         theta = rope.pop("rope_theta")  # 4.x: the base apart, rope_scaling None for plain RoPE
         scaling = None if rope["rope_type"] == "default" else {"type": rope.pop("rope_type"), **rope}
-        return transformers.DeepseekV3Config(**kw, rope_theta=theta, rope_scaling=scaling)
+        return cls(**kw, rope_theta=theta, rope_scaling=scaling)
     if kw["model_type"] == "gpt2":
         hf_config = transformers.GPT2Config(**{k: v for k, v in kw.items() if k != "model_type"})
     else:

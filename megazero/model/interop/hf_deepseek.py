@@ -44,8 +44,8 @@ from ..config import GPTConfig
 
 __all__ = ["DEEPSEEK_FAMILIES", "DEEPSEEK_IMPORT_FAMILIES", "DEEPSEEK_ARCHITECTURES", "deepseek_mismatches",
            "deepseek_layer_to_hf", "deepseek_layer_from_hf", "deepseek_mtp_to_hf", "deepseek_mtp_from_hf",
-           "deepseek_config_kwargs", "deepseek_hf_config_dict", "deepseek_rope_parameters", "mtp_layers_present",
-           "streaming_group"]
+           "deepseek_config_kwargs", "deepseek_hf_config_dict", "deepseek_ignored_key", "deepseek_rope_parameters",
+           "mtp_layers_present", "streaming_group"]
 
 DEEPSEEK_FAMILIES = ("deepseek_v3",)  # written on export
 _LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm eps, whatever rms_norm_eps says
@@ -240,6 +240,16 @@ def streaming_group(name: str, c: GPTConfig) -> int:
     if parts[0] == "layers" and len(parts) > 1:
         return int(parts[1])
     return -1
+
+
+def deepseek_ignored_key(key: str, c: GPTConfig) -> bool:
+    """DeepSeek's multi-token prediction modules' copies of the embedding and output layer, and the modules
+    beyond ``mtp_num_layers`` (an import without them, as transformers loads the model)."""
+    parts = key.split(".")
+    if parts[:2] != ["model", "layers"] or int(parts[2]) < c.num_layers:
+        return False
+    return int(parts[2]) >= c.num_layers + c.mtp_num_layers or parts[3] == "embed_tokens" or \
+        parts[3:5] == ["shared_head", "head"]
 
 
 # ---- configs ------------------------------------------------------------------------------------------
