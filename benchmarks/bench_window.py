@@ -7,10 +7,10 @@
   (full, w1, w2, ..., then again) ``--repeats`` times; the table gives the medians of the thread CPU time,
   the median of the per-round ratios full / window, and the peak of the live tensors one step allocated
   (``LiveMemoryTracker``; the inputs excluded).
-* **ring**: the query-key pairs a rank computes over the whole ring at cp 4 (zigzag), with and without
-  the window (:func:`~megazero.model.attention.cp.layout.work_per_rank`: the planned blocks, which the
-  ring's counters match in the tests), and the bytes a rank sends, which the window leaves unchanged
-  (every key/value block still travels the ring).
+* **ring**: the query-key pairs a rank computes at cp 4 (zigzag), with and without the window
+  (:func:`~megazero.model.attention.cp.layout.work_per_rank`: the planned blocks, which the ring's counters
+  match in the tests), and the key/value bytes a rank sends forward: the halo exchange's (only the keys
+  other ranks' windows reach, :mod:`~megazero.model.attention.cp.halo`) or the ring's (P - 1 whole shards).
 
     python benchmarks/bench_window.py            # ~3 min on 2 shared cores
     python benchmarks/bench_window.py --tiny     # seconds
@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from megazero.model.attention.core import core_attention  # noqa: E402
+from megazero.model.attention.cp.halo import halo_of  # noqa: E402
 from megazero.model.attention.cp.layout import work_per_rank, zigzag_layout  # noqa: E402
 from megazero.utils.memory_tracker import LiveMemoryTracker  # noqa: E402
 
@@ -85,15 +86,20 @@ def core_table(seqs, windows, heads: int, groups: int, dim: int, repeats: int) -
 
 
 def ring_table(seqs, windows, cp: int, heads: int, groups: int, dim: int) -> list[str]:
-    rows = ["| tokens | window | pairs per rank (max) | full's | fraction | bytes sent per rank, fwd |",
-            "|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| tokens | window | pairs per rank (max) | full's | fraction | exchange | K/V sent per rank, fwd | "
+            "the ring's |", "|---:|---:|---:|---:|---:|---|---:|---:|"]
+    per_token = groups * 2 * dim * 4  # K and V of one token, fp32
     for seq in seqs:
         layout = zigzag_layout(seq, cp)
         full = max(work_per_rank(layout))
-        sent = (seq // cp) * groups * 2 * dim * 4 * (cp - 1)  # K and V blocks, fp32, P - 1 hops
+        ring = (seq // cp) * per_token * (cp - 1)  # P - 1 hops of a whole shard
         for w in windows:
             pairs = max(work_per_rank(layout, w))
-            rows.append(f"| {seq} | {w} | {pairs:,} | {full:,} | {pairs / full:.3f} | {sent / MIB:.1f} MiB |")
+            halos = [halo_of((layout,), r, w) for r in range(cp)]
+            kind = "halo" if halos[0] is not None else "ring"
+            sent = ring if kind == "ring" else max(sum(hi - lo for _, lo, hi in h.send) for h in halos) * per_token
+            rows.append(f"| {seq} | {w} | {pairs:,} | {full:,} | {pairs / full:.3f} | {kind} | "
+                        f"{sent / MIB:.2f} MiB | {ring / MIB:.1f} MiB |")
     return rows
 
 

@@ -22,6 +22,7 @@ import torch
 from megazero.mpu.utils import pad_vocab_size
 
 from .attention.pattern import check_pattern, layer_window
+from .config_checks import check_glu, check_mla, check_moe, check_mtp, check_rope_scaling
 
 __all__ = ["GPTConfig", "PRESETS", "gpt_preset"]
 
@@ -279,118 +280,6 @@ class GPTConfig:
     def moe_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
 
-    def _validate_glu(self) -> None:
-        clamp = self.activation_func_clamp_value
-        if (self.glu_linear_offset or clamp is not None) and not self.gated_linear_unit:
-            raise ValueError(f"glu_linear_offset and activation_func_clamp_value apply to a gated MLP (activation "
-                             f"'swiglu' or 'quick_geglu'), got activation={self.activation!r}")
-        if clamp is not None and not clamp > 0:
-            raise ValueError(f"activation_func_clamp_value must be > 0 (or None), got {clamp}")
-
-    def _validate_moe(self, tp_size: int) -> None:
-        e, k = self.num_experts, self.moe_router_topk
-        if e < 1 or not 1 <= k <= e:
-            raise ValueError(f"num_experts must be >= 1 and moe_router_topk in 1..num_experts, got {e} experts, "
-                             f"top-{k}")
-        f = self.moe_layer_freq
-        if isinstance(f, (tuple, list)):
-            if len(f) != self.num_layers or set(f) - {0, 1}:
-                raise ValueError(f"moe_layer_freq pattern {list(f)} must give 0 (dense) or 1 (experts) for each of the "
-                                 f"{self.num_layers} layers")
-        elif f < 1:
-            raise ValueError(f"moe_layer_freq must be >= 1, got {f}")
-        if self.moe_ffn_size % tp_size:
-            raise ValueError(f"moe ffn size ({self.moe_ffn_size}) must be divisible by the tensor parallel size "
-                             f"({tp_size})")
-        shared = self.moe_shared_expert_intermediate_size
-        if shared is not None and (shared < 1 or shared % tp_size):
-            raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be >= 1 and divisible by the "
-                             f"tensor parallel size ({tp_size})")
-        if self.moe_shared_expert_gate and shared is None:
-            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size (a shared expert)")
-        if self.moe_router_score_function not in ("softmax", "sigmoid"):
-            raise ValueError(f"moe_router_score_function must be 'softmax' or 'sigmoid', got "
-                             f"{self.moe_router_score_function!r}")
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (DeepSeek-V3's "
-                             "routing; the bias is added to the sigmoid scores that choose the experts)")
-        if self.moe_router_dtype not in ("fp32", "fp64"):
-            raise ValueError(f"moe_router_dtype must be 'fp32' or 'fp64', got {self.moe_router_dtype!r}")
-        g, gk = self.moe_router_num_groups, self.moe_router_group_topk
-        if (g is None) != (gk is None):
-            raise ValueError("moe_router_num_groups and moe_router_group_topk go together")
-        if g is not None and (e % g or not 1 <= gk <= g or k % gk or (e // g) < k // gk):
-            raise ValueError(f"group-limited routing: {e} experts in {g} groups (must divide), {gk} groups per "
-                             f"token (1..{g}, dividing top-{k}), each group holding at least {k} // {gk} experts")
-        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
-            raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
-        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
-            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (the capacity to pad to)")
-        if self.moe_token_drop_policy not in ("probs", "position"):
-            raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {self.moe_token_drop_policy!r}")
-        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
-            raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r}: 'aux_loss', "
-                             "'seq_aux_loss' or 'none' (sinkhorn is not available)")
-
-    def _validate_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"multi-latent attention: {name} must be >= 1, got {getattr(self, name)}")
-        if self.latent_layernorm_epsilon is not None and not self.latent_layernorm_epsilon > 0:
-            raise ValueError(f"latent_layernorm_epsilon must be > 0 or None, got {self.latent_layernorm_epsilon}")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"q_lora_rank must be >= 1 or None (no query LoRA), got {self.q_lora_rank}")
-        d = self.qk_pos_emb_head_dim
-        if d < 2 or d % 2:
-            raise ValueError(f"qk_pos_emb_head_dim ({d}) must be even and >= 2: RoPE rotates pairs")
-        if self.position_embedding_type != "rope":
-            raise ValueError(f"multi-latent attention rotates its decoupled query/key parts: it needs "
-                             f"position_embedding_type='rope', got {self.position_embedding_type!r}")
-        if self.rotary_percent != 1.0:
-            raise ValueError(f"multi-latent attention rotates the whole qk_pos_emb_head_dim; rotary_percent must "
-                             f"be 1.0, got {self.rotary_percent}")
-        if self.num_query_groups is not None and self.num_query_groups != self.num_attention_heads:
-            raise ValueError(f"multi-latent attention has no query groups (num_query_groups={self.num_query_groups}):"
-                             f" leave it unset")
-
-    def _validate_rope_scaling(self) -> None:
-        kind = self.resolved_rope_type
-        if kind not in ("rope", "yarn", "llama3"):
-            raise ValueError(f"rope_type must be 'rope', 'yarn' or 'llama3', got {self.rope_type!r}")
-        if kind == "llama3":
-            self._validate_llama3_rope()
-        if kind == "yarn":
-            if self.position_embedding_type != "rope":
-                raise ValueError("rope_type='yarn' needs position_embedding_type='rope'")
-            if not self.rotary_scaling_factor > 0:
-                raise ValueError(f"YaRN needs rotary_scaling_factor > 0 (the context extension), got "
-                                 f"{self.rotary_scaling_factor}")
-            if self.original_max_position_embeddings < 1:
-                raise ValueError(f"original_max_position_embeddings must be >= 1, got "
-                                 f"{self.original_max_position_embeddings}")
-            if not 0 < self.beta_slow <= self.beta_fast:
-                raise ValueError(f"YaRN needs 0 < beta_slow <= beta_fast, got {self.beta_slow}, {self.beta_fast}")
-
-    def _validate_llama3_rope(self) -> None:
-        if self.position_embedding_type != "rope" or self.multi_latent_attention:
-            raise ValueError("rope_type='llama3' needs position_embedding_type='rope' without multi-latent attention")
-        if not self.rotary_scaling_factor > 0 or self.original_max_position_embeddings < 1:
-            raise ValueError(f"rope_type='llama3' needs rotary_scaling_factor > 0 and original_max_position_embeddings "
-                             f">= 1, got {self.rotary_scaling_factor}, {self.original_max_position_embeddings}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(f"rope_type='llama3' needs 0 < low_freq_factor < high_freq_factor, got "
-                             f"{self.low_freq_factor}, {self.high_freq_factor}")
-
-    def _validate_mtp(self) -> None:
-        if self.mtp_num_layers < 0:
-            raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
-        if self.mtp_num_layers and self.seq_length < self.mtp_num_layers + 1:
-            raise ValueError(f"multi-token prediction with {self.mtp_num_layers} layers predicts "
-                             f"{self.mtp_num_layers + 1} tokens ahead: seq_length ({self.seq_length}) must be >= "
-                             f"{self.mtp_num_layers + 1}")
-        if not self.mtp_loss_scaling_factor >= 0:
-            raise ValueError(f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor}")
-
     def validate(self, tp_size: int = 1) -> "GPTConfig":
         """Raise ValueError (naming the clashing numbers) if this config cannot run at ``tp_size``."""
         for name, allowed in _ENUMS.items():
@@ -442,16 +331,17 @@ class GPTConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
-        self._validate_glu()
+        check_glu(self)
         if self.num_experts is not None:
-            self._validate_moe(tp_size)
+            check_moe(self, tp_size)
         elif self.moe_router_bias:
             raise ValueError("moe_router_bias is the router's: it needs num_experts (a mixture of experts)")
         if self.multi_latent_attention:
-            self._validate_mla()
-        self._validate_rope_scaling()
-        self._validate_mtp()
-        check_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers, self.softmax_type)
+            check_mla(self)
+        check_rope_scaling(self)
+        check_mtp(self)
+        check_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers, self.softmax_type,
+                      self.attention_backend)
         if self.dropout_rng not in ("stream", "position"):
             raise ValueError(f"dropout_rng must be 'stream' or 'position', got {self.dropout_rng!r}")
         if self.init_method_std <= 0:
@@ -463,8 +353,9 @@ class GPTConfig:
         return self
 
     def layer_window(self, number: int) -> Optional[int]:
-        """How many keys before it a query of layer ``number`` (its index in the whole model) sees; None: all."""
-        return layer_window(self.window_size, self.window_attn_skip_freq, number)
+        """How many keys before it a query of layer ``number`` (its index in the whole model) sees; None: all.
+        A multi-token prediction depth (``number >= num_layers``) is built as the last layer: its window too."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, min(number, self.num_layers - 1))
 
     def attention_kind(self, number: int) -> str:
         """The attention builder's name for layer ``number`` (layer_spec.ATTENTION_BUILDERS)."""

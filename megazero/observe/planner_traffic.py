@@ -91,21 +91,27 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
     return microbatches * 2 * (units * act + loss) * (tp - 1) / tp
 
 
-def _ring(tokens: int, kv_heads: int, qk_dim: int, v_dim: int, ranks: int, e: int, acc: int) -> tuple[float, float]:
+def _ring(tokens: int, kv_heads: int, qk_dim: int, v_dim: int, ranks: int, e: int, acc: int,
+          window: Optional[int] = None, batch: int = 1) -> tuple[float, float]:
     """(forward, backward) bytes of ring attention (:class:`~megazero.model.attention.cp.ring.RingStats`):
     the K (``qk_dim`` wide) and V (``v_dim``) blocks passed on P - 1 times; backward again, and the dK/dV
-    accumulators once around."""
+    accumulators once around. A sliding ``window`` whose reach into the two neighbouring zigzag shards fits
+    in two shards takes the halo exchange (:mod:`~megazero.model.attention.cp.halo`): about window + 1 keys
+    from each neighbour, and their dK/dV back."""
     block = tokens * kv_heads * (qk_dim + v_dim)
+    if window is not None and 2 * (window + 1) * batch <= 2 * tokens:
+        halo = 2 * (window + 1) * batch * kv_heads * (qk_dim + v_dim)
+        return halo * e, halo * acc
     return block * (ranks - 1) * e, block * (ranks - 1) * e + block * ranks * acc
 
 
 def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, micro_batch_size: int,
                        precision: str, recompute: Optional[str], kind: str,
-                       hierarchical_cp: Sequence[int] = ()) -> float:
+                       hierarchical_cp: Sequence[int] = (), window: Optional[int] = None) -> float:
     """Bytes one rank sends in one layer's context-parallel exchange per micro-batch, forward and
     backward (the forward twice under recomputation, which re-runs the core attention). ``seq_length``
     is the whole sequence; heads and KV groups are the rank's (/ tp); q/k heads are ``config.qk_dim``
-    wide, v heads ``config.v_dim``."""
+    wide, v heads ``config.v_dim``; ``window``: the layer's sliding window (the ring's halo exchange)."""
     if cp <= 1:
         return 0.0
     e = DTYPE_BYTES[precision]
@@ -114,7 +120,7 @@ def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, 
     d, dv = config.qk_dim, config.v_dim
     forwards = 2 if recompute in ("full", "selective") else 1
     if kind == "p2p":
-        fwd, bwd = _ring(seq_length // cp * b, groups, d, dv, cp, e, acc)
+        fwd, bwd = _ring(seq_length // cp * b, groups, d, dv, cp, e, acc, window, b)
     elif kind == "a2a":
         fwd = a2a_elements(seq_length, heads, groups, d, cp, b, "forward", v_head_dim=dv) * e
         bwd = a2a_elements(seq_length, heads, groups, d, cp, b, "backward", v_head_dim=dv) * e
@@ -125,7 +131,7 @@ def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, 
         fwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "forward", v_head_dim=dv) * e
         bwd = a2a_elements(seq_length // r, heads, groups, d, a, b, "backward", v_head_dim=dv) * e
         ring_heads = groups // a if a2a_head_split(heads, groups, a) == "split" else heads // a
-        ring_fwd, ring_bwd = _ring(seq_length // r * b, ring_heads, d, dv, r, e, acc)
+        ring_fwd, ring_bwd = _ring(seq_length // r * b, ring_heads, d, dv, r, e, acc, window, b)
         fwd, bwd = fwd + ring_fwd, bwd + ring_bwd
     else:
         raise ValueError(f"unknown context-parallel exchange {kind!r}")
@@ -135,9 +141,11 @@ def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, 
 def cp_bytes(config: GPTConfig, *, kinds: Union[str, Sequence[str]], layers: float, microbatches: int,
              **kw) -> float:
     """:func:`cp_bytes_per_layer` over ``layers`` layers of ``microbatches`` micro-batches; per-layer
-    exchanges (``kinds`` a sequence) are averaged over the model's layers."""
+    exchanges (``kinds`` a sequence) and sliding windows are averaged over the model's layers."""
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-    per_layer = sum(cp_bytes_per_layer(config, kind=k, **kw) for k in kinds) / len(kinds)
+    n = config.num_layers
+    per_layer = sum(cp_bytes_per_layer(config, kind=kinds[i % len(kinds)], window=config.layer_window(i), **kw)
+                    for i in range(n)) / n
     return per_layer * layers * microbatches
 
 

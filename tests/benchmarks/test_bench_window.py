@@ -8,4 +8,4 @@ def test_tiny_run_prints_the_tables(caplog):
     assert bench_window.main(["--tiny"]) == 0
     text = caplog.text
     assert "| 256 | 15 |" in text and "| 256 | full |" in text
-    assert "| 1024 | 15 | 4,096 | 131,200 | 0.031 |" in text  # cp 4: 256 tokens a rank, 16 keys each at most
+    assert "| 1024 | 15 | 4,096 | 131,200 | 0.031 | halo |" in text  # cp 4: 256 tokens a rank, 16 keys at most

@@ -172,9 +172,10 @@ def _cp_case(kind: str, cases, cu):
 @pytest.mark.parametrize("world,kind", [(2, "p2p"), (4, "p2p"), (2, "a2a"), (4, "a2a"), (2, "allgather"),
                                         (4, "allgather"), (4, "a2a+p2p")])
 def test_context_parallel_windows_and_sinks_equal_one_process(world, kind):
-    """Windows of 3 and 5 keys (shorter than a zigzag chunk: 8 tokens at cp 4, 16 at cp 2), 20 (longer
-    than a chunk), and the whole sequence; with and without sinks; GQA."""
-    windows = (3, 5, 20, None)
+    """Windows of 3 keys (shorter than a zigzag chunk: 8 tokens at cp 4, 16 at cp 2; the ring's ranks
+    exchange halos), 20 (longer than a chunk), 40 (the ring itself at cp 4) and the whole sequence; with and
+    without sinks; GQA."""
+    windows = (3, 20, 40, None)
     for groups in (2, 4):
         worst = run_distributed(world, _cp_case, kind, _references(groups, windows, None, torch.float32), None)
         assert max(worst) < 2e-5, worst
@@ -182,3 +183,49 @@ def test_context_parallel_windows_and_sinks_equal_one_process(world, kind):
         cu = [0, 9, 30, 31, 64]
         worst = run_distributed(world, _cp_case, kind, _references(2, (3, 20), cu, torch.float32), cu)
         assert max(worst) < 2e-5, worst
+
+
+def test_a_short_window_exchanges_halos_and_a_long_one_the_ring():
+    """Zigzag at cp 4, 64 tokens (chunks of 8): with a window of 3 keys rank r reads the last cell (window + 1
+    = 4 keys) of chunk r-1 (rank r-1's first run) and of chunk 6-r (rank r+1's second run), nothing else; a
+    window of 40 would have each rank read more than two shards, so the ring runs."""
+    from megazero.model.attention.cp.halo import halo_of
+
+    layout = (zigzag_layout(64, 4),)
+    halo = halo_of(layout, 1, 3)
+    assert halo.recv == ((0, 4, 8), (2, 12, 16))  # chunk 0's tail; chunk 5 (rank 2's second run)'s tail
+    assert halo.send == ((0, 12, 16), (2, 4, 8))  # chunk 6's tail to rank 0, chunk 1's to rank 2
+    assert halo_of(layout, 0, 3).recv == ((1, 12, 16),)  # chunk 0 starts the sequence; chunk 7 reads chunk 6
+    assert halo_of(layout, 1, 40) is None
+
+
+def _halo_bytes(window: int):
+    from megazero.model.attention.cp.ring import RingStats, ring_attention
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, _, grad = _inputs(64, 2, torch.float32)
+    local = [split_for_rank(t.detach(), rank, cp).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    out = ring_attention(*local, zigzag_layout(64, cp), None, stats=stats, window=window)
+    out.backward(split_for_rank(grad, rank, cp))
+    return stats.forward_bytes_sent, stats.backward_bytes_sent
+
+
+def test_the_planner_counts_the_halo_a_middle_rank_sends():
+    """cp 4, a window of 3 keys: a middle rank sends one cell of 4 keys to each neighbour and receives their
+    gradients' worth back, what planner_traffic charges a layer; the ring would send 3 shards of 16."""
+    from megazero.model.config import GPTConfig
+    from megazero.observe.planner_traffic import cp_bytes_per_layer
+
+    sent = run_distributed(4, _halo_bytes, 3)
+    per_token = B * 2 * (D + D) * 4  # two KV groups, K and V, fp32
+    assert sent[1] == sent[2] == (8 * per_token, 8 * per_token)
+    assert sent[0][0] == sent[3][0] == 4 * per_token  # the sequence's ends have one neighbour to feed
+    config = GPTConfig(num_layers=1, hidden_size=HEADS * D, num_attention_heads=HEADS, num_query_groups=2,
+                       seq_length=64, max_position_embeddings=64, vocab_size=64, window_size=(3, 0))
+    planned = cp_bytes_per_layer(config, tp=1, cp=4, seq_length=64, micro_batch_size=B, precision="fp32",
+                                 recompute=None, kind="p2p", window=3)
+    assert planned == sum(sent[1])
+    ring = cp_bytes_per_layer(config, tp=1, cp=4, seq_length=64, micro_batch_size=B, precision="fp32",
+                              recompute=None, kind="p2p")
+    assert ring > 5 * planned

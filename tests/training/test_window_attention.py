@@ -40,6 +40,9 @@ def test_windows_and_sinks_change_the_run(one_process):
     ("short", 4, ["--tp", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                   "--recompute-granularity", "selective"]),
     ("short", 4, ["--context-parallel-size", "2", "--zero-stage", "3"]),  # dp 2 x cp 2
+    ("long", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",  # cp 4: chunks of 2 tokens
+                 "--hierarchical-context-parallel-sizes", "2", "2"]),
+    ("short", 4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p", "--recompute-granularity", "full"]),
 ])
 def test_windows_and_sinks_equal_one_process(data, one_process, tmp_path, pattern, world, extra):  # noqa: F811
     args = flags(data, *MODEL, *(SHORT if pattern == "short" else LONG), *extra)
@@ -72,7 +75,8 @@ def test_the_start_up_line_names_the_pattern():
     (["--window-size", "3,0", "--window-attn-skip-freq", "[1,0,1]"], "one 1 (sliding) or 0 (global) per layer, 4"),
     (["--window-attn-skip-freq", "2"], "without --window-size"),
     (["--window-size=-1,0"], "-1 (unbounded) is no window"),
-    (["--softmax-type", "learnable", "--attention-backend", "flash"], None),  # accepted: sdpa runs sinks off CUDA
+    (["--softmax-type", "learnable", "--attention-backend", "flash"], "flash-attn's kernels take no sinks"),
+    (["--softmax-type", "learnable", "--window-size", "3,0", "--attention-backend", "fused"], None),
 ])
 def test_bad_windows_are_refused_before_any_process_group(argv, message):
     from megazero.config.arguments import ConfigError, parse_args
@@ -82,3 +86,51 @@ def test_bad_windows_are_refused_before_any_process_group(argv, message):
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(BASE + argv, check_files=False)
+
+
+DOCUMENTS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+
+
+def test_windows_with_packed_documents_and_multi_token_prediction_equal_one_process(data, tmp_path):  # noqa: F811
+    """The pattern with packed documents (the ring cuts its blocks at them, all-to-all takes the mask) and
+    an MTP depth, which slides as the last layer does."""
+    args = flags(data, *MODEL, *LONG, *DOCUMENTS, "--mtp-num-layers", "1")
+    one = launch(1, args, tmp_path, "window_docs_1")
+    for world, extra in ((2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+                         (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--pp", "2"])):
+        got = launch(world, args + extra, tmp_path, f"window_docs_{world}")
+        assert_same_run(got, one, what=f"documents + MTP, world {world} {extra}")
+
+
+KEYED = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--dropout-rng", "position")
+
+
+def test_keyed_dropout_with_windows_equals_one_process_through_the_halo_exchange(data, tmp_path):  # noqa: F811
+    """Attention dropout keyed by position on the window's blocks: the halo exchange (cp 2, a window of 2 keys)
+    and all-to-all apply the one-process run's masks."""
+    args = flags(data, *MODEL, *SHORT, *KEYED)
+    one = launch(1, args, tmp_path, "window_keyed_1")
+    for comm in ("p2p", "a2a"):
+        got = launch(2, args + ["--context-parallel-size", "2", "--cp-comm-type", comm], tmp_path, f"window_keyed_{comm}")
+        assert_same_run(got, one, what=f"keyed dropout with windows, cp 2 {comm}")
+
+
+def test_megatron_lm_arguments_carry_the_window_and_the_sinks_both_ways():
+    """A torch_dist save writes Megatron-LM's window_size, window_attn_skip_freq and softmax_type (and YaRN's
+    rounding); reading them gives the same model; Megatron's window of -1 (unbounded) is none."""
+    import argparse
+
+    from megazero.config.arguments import parse_args
+    from megazero.model.interop.megatron_args import megatron_model_args
+    from megazero.model.interop.megatron_import import config_from_megatron_args
+
+    model = parse_args(BASE + list(LONG) + ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                                           "--no-yarn-correction-range-round-to-int"], check_files=False).model
+    args = megatron_model_args(model)
+    assert (args["window_size"], args["window_attn_skip_freq"], args["softmax_type"]) == ((6, 0), [1, 1, 1, 0],
+                                                                                          "learnable")
+    back = config_from_megatron_args(argparse.Namespace(**args))
+    assert (back.window_size, back.window_attn_skip_freq, back.softmax_type, back.yarn_correction_range_round_to_int) \
+        == ((6, 0), (1, 1, 1, 0), "learnable", False)
+    unbounded = config_from_megatron_args(argparse.Namespace(**{**args, "window_size": (-1, -1)}))
+    assert unbounded.window_size is None and unbounded.window_attn_skip_freq is None

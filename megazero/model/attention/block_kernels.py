@@ -6,7 +6,8 @@ and log-sum-exp of the whole attention, which makes the block gradients those of
 
 - ``math``: the explicit formula in fp32 (fp64 for fp64 inputs); any device and dtype; in square tiles
   of at most 4M score elements merged by log-sum-exp (a Python loop: slower than the fused ops); the
-  one kernel that applies attention dropout keyed by position (and an explicit mask).
+  one kernel that applies attention dropout keyed by position, an explicit mask and a sliding window's
+  edge (``band``: column j masked for row i when j < i + band; the tiles wholly left of it skipped).
 - ``cpu_flash``: torch's CPU flash-attention op and its backward op (no dropout: torch's CPU op has none).
 - ``cuda_flash``: torch's CUDA flash-attention op (fp16/bf16, head dims multiples of 8 up to 256).
 - ``cuda_efficient``: torch's CUDA memory-efficient op (fp32 as well).
@@ -35,7 +36,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BlockKernel", "register_block_kernel", "block_kernel"]
+__all__ = ["BlockKernel", "register_block_kernel", "block_kernel", "MATH_KERNEL"]
 
 
 class BlockKernel(Protocol):
@@ -324,7 +325,8 @@ class _CudaEfficientKernel:
         return dq, _fold(dk, g), _fold(dv, g)
 
 
-_KERNELS: dict[str, BlockKernel] = {"math": _MathKernel(), "cpu_flash": _OneWidth(_CpuFlashKernel()),
+MATH_KERNEL = _MathKernel()  # the explicit formula: the one kernel that masks a window's edge (``band``)
+_KERNELS: dict[str, BlockKernel] = {"math": MATH_KERNEL, "cpu_flash": _OneWidth(_CpuFlashKernel()),
                                     "cuda_flash": _OneWidth(_CudaFlashKernel()),
                                     "cuda_efficient": _CudaEfficientKernel()}
 

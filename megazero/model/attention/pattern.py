@@ -32,10 +32,15 @@ def layer_window(window_size: Optional[Sequence[int]], skip_freq: SkipFreq, numb
 
 
 def check_pattern(window_size: Optional[Sequence[int]], skip_freq: SkipFreq, num_layers: int,
-                  softmax_type: str) -> None:
-    """Raise ValueError naming the value and the fix when the pattern cannot describe ``num_layers`` layers."""
+                  softmax_type: str, attention_backend: str = "auto") -> None:
+    """Raise ValueError naming the value and the fix when the pattern cannot describe ``num_layers`` layers
+    or the attention backend cannot compute it."""
     if softmax_type not in SOFTMAX_TYPES:
         raise ValueError(f"softmax_type {softmax_type!r} is not one of {SOFTMAX_TYPES}")
+    if softmax_type != "vanilla" and attention_backend == "flash":
+        raise ValueError(f"softmax_type={softmax_type!r} (attention sinks) with attention_backend='flash': flash-attn's "
+                         "kernels take no sinks; use attention_backend 'auto' or 'sdpa' (--attention-backend fused), "
+                         "which compute them with torch's fused blocks")
     if window_size is None:
         if skip_freq is not None:
             raise ValueError(f"window_attn_skip_freq={skip_freq!r} without window_size: say how far the sliding "

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megazero.model.attention.block_kernels import acc_dtype, block_kernel
+from megazero.model.attention.block_kernels import MATH_KERNEL, acc_dtype, block_kernel
 from megazero.model.attention.cp.layout import Block, Run, plan_blocks
 from megazero.model.attention.sinks import add_sinks, sinks_grad
 from megazero.model.keyed_dropout import AttentionDropout
@@ -49,7 +49,7 @@ def kernel_for_block(kernel, blk: Block) -> tuple[object, dict]:
     (``band``) runs in the math kernel, the one that masks it; any other in ``kernel``."""
     if blk.band is None:
         return kernel, {}
-    return block_kernel("math", torch.empty(0)), {"band": blk.band}
+    return MATH_KERNEL, {"band": blk.band}
 
 
 def with_sinks(acc_out: torch.Tensor, acc_lse: torch.Tensor, sinks: Optional[torch.Tensor]):

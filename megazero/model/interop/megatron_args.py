@@ -42,6 +42,10 @@ def megatron_model_args(config: GPTConfig) -> dict[str, Any]:
         attention_dropout=config.attention_dropout, init_method_std=config.init_method_std,
         mtp_num_layers=config.mtp_num_layers or None, mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,
         multi_latent_attention=mla, num_experts=config.num_experts,
+        window_size=None if config.window_size is None else tuple(config.window_size),
+        window_attn_skip_freq=(list(config.window_attn_skip_freq) if isinstance(config.window_attn_skip_freq, tuple)
+                               else config.window_attn_skip_freq),
+        softmax_type=config.softmax_type,
     )
     if config.num_experts:
         freq = config.moe_layer_freq
@@ -79,5 +83,6 @@ def megatron_model_args(config: GPTConfig) -> dict[str, Any]:
             args.update(rotary_scaling_factor=config.rotary_scaling_factor,
                         original_max_position_embeddings=config.original_max_position_embeddings,
                         beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
-                        mscale_all_dim=config.mscale_all_dim)
+                        mscale_all_dim=config.mscale_all_dim,
+                        yarn_correction_range_round_to_int=config.yarn_correction_range_round_to_int)
     return args

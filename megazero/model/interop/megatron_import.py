@@ -104,8 +104,21 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
         vocab_padding_tp=tp, add_qkv_bias=bool(_get(args, "add_qkv_bias", default=False)),
         mtp_num_layers=int(_get(args, "mtp_num_layers", default=0)),
         mtp_loss_scaling_factor=float(_get(args, "mtp_loss_scaling_factor", default=0.1)),
+        **_attention_fields(args),
     )
     return GPTConfig(**{**fields, **_moe_fields(args), **_mla_fields(args)})
+
+
+def _attention_fields(args: Any) -> dict:
+    """The sliding windows and sinks of Megatron's ``--window-size``, ``--window-attn-skip-freq`` and
+    ``--softmax-type`` (a window of -1, unbounded, is none)."""
+    window = _get(args, "window_size")
+    freq = _get(args, "window_attn_skip_freq")
+    out = dict(softmax_type=_get(args, "softmax_type", default="vanilla"))
+    if window is not None and int(window[0]) >= 0:
+        out.update(window_size=(int(window[0]), int(window[1])),
+                   window_attn_skip_freq=tuple(int(f) for f in freq) if isinstance(freq, (list, tuple)) else freq)
+    return out
 
 
 def _moe_fields(args: Any) -> dict:
@@ -152,7 +165,8 @@ def _mla_fields(args: Any) -> dict:
     if rope_type is not None:
         out["rope_type"] = rope_type
     for name, kind in (("rotary_scaling_factor", float), ("original_max_position_embeddings", int),
-                       ("beta_fast", float), ("beta_slow", float), ("mscale", float), ("mscale_all_dim", float)):
+                       ("beta_fast", float), ("beta_slow", float), ("mscale", float), ("mscale_all_dim", float),
+                       ("yarn_correction_range_round_to_int", bool)):
         if _get(args, name) is not None:
             out[name] = kind(_get(args, name))
     if _get(args, "use_rope_scaling", default=False):  # Megatron-LM's Llama 3.1 scaling: low 1, high 4, 8192 fixed

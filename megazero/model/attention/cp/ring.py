@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.model.attention.block_kernels import acc_dtype
+from megazero.model.attention.cp.halo import halo_attention, halo_of
 from megazero.model.attention.cp.layout import Block, CPLayout, plan_blocks
 from megazero.model.attention.sinks import sinks_grad
 from megazero.model.attention.tiled import (bhsd, choose_kernel, drawing, kernel_for_block, merge_block, on_device,
@@ -214,9 +215,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     masks from the layouts' positions and the global heads ``dropout.heads``), the same masks at any layout.
     ``dropout_p``: attention dropout with the block kernels' own masks instead, drawn from the
     model-parallel stream (``mpu.model_parallel_manual_seed``), which depend on the layout (Megatron's).
-    ``window``: sliding-window attention, a query at i sees the keys i - window .. i (a rank computes only
-    the blocks the window reaches; every block still travels the ring). ``sinks`` ``[heads]``: one sink
-    logit per head, applied once after the last merge (:mod:`~megazero.model.attention.sinks`).
+    ``window``: sliding-window attention, a query at i sees the keys i - window .. i: a rank computes only
+    the blocks the window reaches and, where each rank reads at most two shards' worth of the others' keys,
+    receives only those (:mod:`~megazero.model.attention.cp.halo`) instead of the whole ring. ``sinks``
+    ``[heads]``: one sink logit per head, applied once after the last merge (:mod:`~megazero.model.attention.sinks`).
     """
     layouts = (layout,) if isinstance(layout, CPLayout) else tuple(layout)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -241,5 +243,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(3))
     if window is not None and window >= layout.seq_len - 1:
         window = None  # the window holds the whole sequence: plain causal attention
-    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, choose_kernel(kernel, q, v, dropout, dropout_p),
-                                stats, dropout, dropout_p, window, sinks)
+    kern = choose_kernel(kernel, q, v, dropout, dropout_p)
+    halo = halo_of(layouts, rank, window) if window is not None and size > 1 else None
+    if halo is not None:
+        positions = _positions(layouts, q.device) if dropout is not None else None
+        return halo_attention(q, k, v, group, rank, layouts, halo, scale, kern, stats, dropout, dropout_p, window, sinks,
+                              positions)
+    return _RingAttention.apply(q, k, v, group, rank, layouts, scale, kern, stats, dropout, dropout_p, window, sinks)
