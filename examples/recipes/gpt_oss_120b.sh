@@ -28,13 +28,13 @@
 #   NNODES=8 DRY_RUN=1 bash examples/recipes/gpt_oss_120b.sh   # tools/estimate_memory.py on this layout: 71.3 GiB
 #     per GPU with NCCL (weights 3.4, gradients 6.8, optimizer 20.4, activations 25.5, ZeRO-3 gather buffers
 #     6.0, gradients in flight 7.0), 1,634 PFLOP a step
-#   NNODES=8 PLAN=1 bash examples/recipes/gpt_oss_120b.sh      # tools/plan.py (40487 layouts, 51 s): this layout
-#     takes 37.3 s a step (31.6 % MFU), as fast as the best without optimizer offload (tp 2 x cp 16 x dp 2, ep 64,
-#     ZeRO-1, no recompute: 37.2 s at 74.7 GiB); the fastest of all offloads the optimizer to the host at
-#     tp 4 x pp 2 x cp 8, ep 8, no recompute: 32.8 s at 75.8 GiB (--optimizer-cpu-offload).
+#   NNODES=8 PLAN=1 bash examples/recipes/gpt_oss_120b.sh      # tools/plan.py (40487 layouts): this layout takes
+#     37.3 s a step (31.6 % MFU), 2 % behind the fastest without optimizer offload (tp 2 x cp 16 x dp 2, ep 64,
+#     ZeRO-1, no recompute: 36.6 s at 74.7 GiB); the fastest of all offloads the optimizer to the host at
+#     tp 4 x pp 2 x cp 8, ep 8, no recompute: 32.5 s at 75.8 GiB (--optimizer-cpu-offload).
 #   NNODES=8 DRY_RUN=rehearse bash examples/recipes/gpt_oss_120b.sh --ranks 0 --micro-batches 1
-#     tools/rehearse.py, rank 0 at 131072 tokens (11 min on two busy CPU cores): state 30.6 GiB, peak 52.8 GiB
-#     (55.1 with NCCL), 0.76 of the plan's peak; the state is the plan's, the bytes sent per group within 7 % of its
+#     tools/rehearse.py, rank 0 at 131072 tokens (10.5 min on two busy CPU cores): state 30.6 GiB, peak 52.8 GiB
+#     (55.0 with NCCL), 0.76 of the plan's peak; the state is the plan's, the bytes sent per group within 7 % of its
 #
 # TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). EP must divide the 128 experts and
 # the tp x cp x dp ranks. Overrides (defaults in brackets): TP [2] CP [4] EP [8] ZERO_STAGE [3] SEQ_LENGTH [131072]

@@ -27,11 +27,11 @@
 # Planned on a CPU for 64 x h100-80gb:
 #   NNODES=8 DRY_RUN=1 bash examples/recipes/gpt_oss_20b.sh   # tools/estimate_memory.py on this layout: 36.5 GiB
 #     per GPU with NCCL (weights 6.1, gradients 12.3, optimizer 3.7, activations 12.2), 1,099 PFLOP a step
-#   NNODES=8 PLAN=1 bash examples/recipes/gpt_oss_20b.sh      # tools/plan.py (49314 layouts, 25 s): this layout
-#     without recompute is the fastest, 19.0 s a step (42 % MFU) at a peak of 75.7 GiB; with full recompute, as
-#     here, 24.9 s (32 %) at 36.5 GiB. Keep the headroom, or delete the --recompute-* flags below for the speed.
+#   NNODES=8 PLAN=1 bash examples/recipes/gpt_oss_20b.sh      # tools/plan.py (49314 layouts): this layout without
+#     recompute is the fastest, 18.7 s a step (43 % MFU) at a peak of 75.7 GiB; with full recompute, as here,
+#     24.7 s (32 %) at 36.5 GiB. Keep the headroom, or delete the --recompute-* flags below for the speed.
 #   NNODES=8 DRY_RUN=rehearse bash examples/recipes/gpt_oss_20b.sh --ranks 0 --micro-batches 1
-#     tools/rehearse.py, rank 0 at 131072 tokens (3.5 min on two busy CPU cores): state 22.0 GiB, peak 32.6 GiB
+#     tools/rehearse.py, rank 0 at 131072 tokens (3 min on two busy CPU cores): state 22.0 GiB, peak 32.6 GiB
 #     (34.9 with NCCL), 0.95 of the plan's peak; the state and the bytes sent per group are the plan's within 1 %
 #
 # TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). EP must divide the 32 experts and
