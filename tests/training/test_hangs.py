@@ -1,9 +1,9 @@
 """A rank that hangs or dies ends the run promptly, with the rank, its phase and host named.
 
-Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP (half-minute
-timeout), a rank whose data read never returns, a rank stuck inside a checkpoint save (whose
-checkpoint must never become ``latest``), a rank killed with SIGKILL. The launches run side by side
-(each waits on a timeout, not on the CPU); the unit tests of the verdict sit below.
+Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP, a rank whose
+data read never returns, a rank stuck inside a checkpoint save (whose checkpoint must never become
+``latest``), a rank killed with SIGKILL. The launches run side by side (each waits on a timeout, not on
+the CPU); the unit tests of the verdict sit below.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data",
         "--vocab-size", "64", "--log-interval", "1", "--eval-iters", "0"]
 DRILL = os.path.join(ROOT, "tests", "training", "fault_drill.py")
-STOP_TIMEOUT_MIN = 0.5  # the SIGSTOP case runs at a half-minute timeout
-SHORT_TIMEOUT_MIN = 0.5
+# 15 s timeouts: above the 10 s floor of the configuration, and the ranks of a run start alike, so no
+# collective before the hang waits that long for a peer.
+STOP_TIMEOUT_MIN = 0.25
+SHORT_TIMEOUT_MIN = 0.25
 
 
 class Launch:
