@@ -46,6 +46,9 @@ SLOW_TESTS = {
     "tests/mpu/test_parallel_state.py::test_embedding_groups_8_ranks_tp2_pp2_dp2",
     "tests/mpu/test_parallel_state.py::test_layout_8_ranks_tp2_pp2_rank_by_rank",
     "tests/pipeline/test_training.py::test_tp2_pp2_dp2_matches_pp1",
+    # the CUDA check's CPU dry run: a script starting two ranks and training nine times; the quick tier
+    # keeps its checks' asserts and verdicts (same module) and their behaviours (tests/zero)
+    "tests/scripts/test_gpu_check.py::test_dry_run_on_the_cpu_passes_what_runs_there",
     "tests/test_package.py::test_the_import_check_reads_torch_version_without_importing_torch",
     "tests/training/test_rehearse.py::test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit",
     "tests/training/test_rehearse.py::test_zero3_two_ranks_against_the_formulas",

@@ -1,7 +1,8 @@
 """Run a test function on N ranks (CPU, gloo) with a clean model-parallel state per test.
 
-Spawning processes and importing torch costs seconds, so each world size gets
-one pool of long-lived worker processes for the whole session. A test sends
+Starting processes and importing torch costs seconds, so each world size gets
+one pool of long-lived worker processes for the whole session, forked from one
+server process that imported torch and megazero's training path once. A test sends
 ``(fn, args)``; every rank runs ``fn(*args)`` (after resetting megazero's
 parallel state and seeds) and sends back its return value or its traceback.
 When any rank fails or the pool stops answering, the pool is torn down and the
@@ -21,9 +22,25 @@ from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 
-_CTX = mp.get_context("spawn")
+# Workers start from multiprocessing's fork server, which imports these once: a fresh interpreter per
+# worker spent about 2 s of CPU importing torch and 2 s more on the first run's own imports (the
+# optimizer's first step imports torch._dynamo). The server starts with the first pool, from this process.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megazero.mpu", "megazero.training.trainer"]
+if "forkserver" in mp.get_all_start_methods():
+    _CTX = mp.get_context("forkserver")
+    _CTX.set_forkserver_preload(PRELOAD)
+else:
+    _CTX = mp.get_context("spawn")
+_SERVER_ENVIRON: dict[str, str] = {}  # this process's environment when the fork server started
 _POOLS: dict[tuple[str, int], "_Pool"] = {}  # (pool name, world size)
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAZERO_TEST_TIMEOUT", "240"))
+
+
+def _server_environ() -> dict[str, str]:
+    """The environment the fork server starts in (it starts with the first worker): this process's, then."""
+    if not _SERVER_ENVIRON:
+        _SERVER_ENVIRON.update(os.environ)
+    return _SERVER_ENVIRON
 
 
 def _free_port() -> int:
@@ -84,9 +101,13 @@ def _collect_if_threads_pile_up(limit: int = 64) -> None:
         gc.collect()
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, environ: dict, server_environ: dict) -> None:
     _die_with_parent()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    # The environment of the pool's creator now, as a spawned process gets it, where the fork server holds
+    # the one it started in (plus what its imports set, which a spawned worker's imports would set too).
+    for name in server_environ.keys() - environ.keys():
+        os.environ.pop(name, None)
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -121,7 +142,8 @@ class _Pool:
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
         self.results = _CTX.Queue()
         self.procs = [
-            _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=daemon)
+            _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, dict(os.environ),
+                                               _server_environ()), daemon=daemon)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -34,7 +34,8 @@
 #     tp 4 x pp 2 x cp 8, ep 8, no recompute: 32.5 s at 75.8 GiB (--optimizer-cpu-offload).
 #   NNODES=8 DRY_RUN=rehearse bash examples/recipes/gpt_oss_120b.sh --ranks 0 --micro-batches 1
 #     tools/rehearse.py, rank 0 at 131072 tokens (10.5 min on two busy CPU cores): state 30.6 GiB, peak 52.8 GiB
-#     (55.0 with NCCL), 0.76 of the plan's peak; the state is the plan's, the bytes sent per group within 7 % of its
+#     (55.0 with NCCL), 0.76 of the plan's peak; the state is the plan's, the bytes sent per group within 7 % of
+#     the plan's
 #
 # TOKENIZER_MODEL is a Hugging Face tokenizer directory (HuggingFaceTokenizer). EP must divide the 128 experts and
 # the tp x cp x dp ranks. Overrides (defaults in brackets): TP [2] CP [4] EP [8] ZERO_STAGE [3] SEQ_LENGTH [131072]

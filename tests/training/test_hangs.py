@@ -1,9 +1,9 @@
 """A rank that hangs or dies ends the run promptly, with the rank, its phase and host named.
 
-Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP (half-minute
-timeout), a rank whose data read never returns, a rank stuck inside a checkpoint save (whose
-checkpoint must never become ``latest``), a rank killed with SIGKILL. The launches run side by side
-(each waits on a timeout, not on the CPU); the unit tests of the verdict sit below.
+Through ``torchrun pretrain_gpt.py`` on four gloo ranks: a rank stopped with SIGSTOP, a rank whose
+data read never returns, a rank stuck inside a checkpoint save (whose checkpoint must never become
+``latest``), a rank killed with SIGKILL. The launches run side by side (each waits on a timeout, not on
+the CPU); the unit tests of the verdict sit below.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data",
         "--vocab-size", "64", "--log-interval", "1", "--eval-iters", "0"]
 DRILL = os.path.join(ROOT, "tests", "training", "fault_drill.py")
-STOP_TIMEOUT_MIN = 0.5  # the SIGSTOP case runs at a half-minute timeout
-SHORT_TIMEOUT_MIN = 0.5
+# 15 s timeouts: above the 10 s floor of the configuration, and the ranks of a run start alike, so no
+# collective before the hang waits that long for a peer.
+STOP_TIMEOUT_MIN = 0.25
+SHORT_TIMEOUT_MIN = 0.25
 
 
 class Launch:
@@ -322,15 +324,26 @@ def test_the_timeout_reaches_every_group():
     """The default group and every group megazero makes run under --distributed-timeout-minutes."""
     import socket
 
-    with socket.socket() as s:
+    cases = (([], 600.0), (["--distributed-timeout-minutes", "3"], 180.0))
+    sockets = [socket.socket() for _ in cases]  # held together: two distinct ports
+    for s in sockets:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_PORT=str(port), PYTHONPATH=ROOT)
-    for flags, seconds in (([], 600.0), (["--distributed-timeout-minutes", "3"], 180.0)):
-        out = subprocess.run([sys.executable, "-c", _GROUP_TIMEOUTS, *TINY, "--train-iters", "2", *flags], env=env,
-                             capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.strip().splitlines()[-1] == str([seconds] * 5)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    # the two processes side by side (each a single rank)
+    procs = [subprocess.Popen([sys.executable, "-c", _GROUP_TIMEOUTS, *TINY, "--train-iters", "2", *flags],
+                              env=dict(os.environ, MASTER_PORT=str(port), PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for (flags, _), port in zip(cases, ports)]
+    try:
+        for proc, (_, seconds) in zip(procs, cases):
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            assert out.strip().splitlines()[-1] == str([seconds] * 5)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
 
 
 class _Engine:

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,16 +127,70 @@ def test_cli_exit_codes(capsys):
     assert tool.main("--model-preset 13b --tp 3 --dp 1".split()) == 2  # 40 heads % 3
 
 
-def run_dry(gpu_gb=None):
-    env = {**os.environ, "DRY_RUN": "1", "NNODES": "2", "REHEARSE": "0"}  # the plan (the rehearsal: below)
-    env.pop("GPU_MEMORY_GB", None)
-    if gpu_gb is not None:
-        env["GPU_MEMORY_GB"] = str(gpu_gb)
-    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+def _doc_rows(doc: str, first_cell: str) -> list[list[str]]:
+    """The cells of the markdown table rows of ``doc`` whose first cell starts with ``first_cell``."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in (ROOT / "docs" / doc).read_text(encoding="utf-8").splitlines() if line.startswith("|")]
+    return [r for r in rows if r[0].startswith(first_cell)]
 
 
-def test_13b_script_dry_run_fits_and_counts_parameters():
-    r = run_dry()
+def _offload_rows() -> list[list[str]]:
+    """docs/memory.md's offload table: a row per setting, its first cell the variables it sets (or none)."""
+    return _doc_rows("memory.md", "`OFFLOAD") + _doc_rows("memory.md", "none")
+
+
+def _row_env(first_cell: str) -> dict:
+    return dict(kv.split("=") for kv in first_cell.strip("`").split()) if first_cell != "none" else {}
+
+
+REHEARSALS = [("tp4pp8z1", "0,28"), ("tp4z3", "0")]
+DRY_16 = {"DRY_RUN": "1", "NNODES": "2", "REHEARSE": "0", "GPU_MEMORY_GB": None}  # the plan (the rehearsal: below)
+DRY_64 = {"DRY_RUN": "1", "NNODES": "8", "REHEARSE": "0"}
+
+
+def _script_jobs(tests: set[str]) -> dict[str, tuple[dict, int]]:
+    """The runs of the script that the named tests of this module check: name -> (the environment's changes,
+    None removing a variable; timeout in s)."""
+    jobs = {}
+    if "test_13b_script_dry_run_fits_and_counts_parameters" in tests:
+        jobs["dry_16"] = (DRY_16, 120)
+    if "test_13b_script_dry_run_refuses_small_gpu" in tests:
+        jobs["dry_16_gpu_8"] = ({**DRY_16, "GPU_MEMORY_GB": "8"}, 120)
+    if "test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote" in tests:
+        jobs["dry_64"] = (DRY_64, 300)
+        for first, *_ in _offload_rows():
+            if _row_env(first):  # the row without offload reads the plain run's plan
+                jobs[f"dry_64 {first}"] = ({**DRY_64, **_row_env(first)}, 300)
+    if "test_13b_script_rehearsal_agrees_with_the_plan" in tests:
+        for layout, ranks in REHEARSALS:
+            jobs[f"rehearse {layout}"] = ({"DRY_RUN": "rehearse", "NNODES": "4", "LAYOUT": layout,
+                                           "REHEARSE_MICRO_BATCHES": "8", "REHEARSE_RANKS": ranks}, 300)
+    return jobs
+
+
+def _run_script(changes: dict, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, **changes}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def script_runs(request):
+    """The script's runs that this session's tests of this module check, all started at once (name -> future
+    of the finished process): each is a chain of single-threaded python processes, so side by side they use
+    the cores that one leaves idle."""
+    tests = {getattr(item, "originalname", "") for item in request.session.items
+             if getattr(item, "module", None) is request.module}
+    jobs = _script_jobs(tests)
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = {name: pool.submit(_run_script, env, timeout) for name, (env, timeout) in jobs.items()}
+        yield futures
+        for f in futures.values():
+            f.cancel()
+
+
+def test_13b_script_dry_run_fits_and_counts_parameters(script_runs):
+    r = script_runs["dry_16"].result()
     assert r.returncode == 0, r.stdout + r.stderr
     printed = int(re.search(r"parameters: ([\d,]+)", r.stdout).group(1).replace(",", ""))
     l, h, s = 40, 5120, 2048
@@ -150,14 +205,13 @@ def test_13b_script_dry_run_fits_and_counts_parameters():
         assert row in r.stdout
 
 
-def test_13b_script_dry_run_refuses_small_gpu():
-    r = run_dry(gpu_gb=8)
+def test_13b_script_dry_run_refuses_small_gpu(script_runs):
+    r = script_runs["dry_16_gpu_8"].result()
     assert r.returncode != 0 and "GiB more than the 8 GiB available" in r.stderr
 
 
-def _dry_run_64(**env_vars: str) -> str:
-    env = {**os.environ, "DRY_RUN": "1", "NNODES": "8", "REHEARSE": "0", **env_vars}
-    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+def _dry_run_64(script_runs, first_cell: str = "") -> str:
+    r = script_runs[f"dry_64 {first_cell}" if first_cell else "dry_64"].result()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -166,18 +220,11 @@ def _gib(text: str, row: str) -> str:
     return re.search(rf"^  {row} +([\d.]+)$", text, re.M).group(1)
 
 
-def _doc_rows(doc: str, first_cell: str) -> list[list[str]]:
-    """The cells of the markdown table rows of ``doc`` whose first cell starts with ``first_cell``."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in (ROOT / "docs" / doc).read_text(encoding="utf-8").splitlines() if line.startswith("|")]
-    return [r for r in rows if r[0].startswith(first_cell)]
-
-
-def test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote():
+def test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote(script_runs):
     """NNODES=8 DRY_RUN=1 REHEARSE=0 (64 GPUs): the plan's table and the layouts' comparison total the
     same for the chosen layout, and docs/parallelism.md's 13B table and docs/memory.md's offload table
     quote what the dry run prints (each offload row: the variables its first cell names)."""
-    out = _dry_run_64()
+    out = _dry_run_64(script_runs)
     plan, compare = out[:out.index("layouts compared")], out[out.index("layouts compared"):]
     cols = {line[:34].strip(): line[34:].split() for line in compare.splitlines() if line.startswith("  ")}
     assert cols["total memory (GiB)"][0] == _gib(plan, "total")
@@ -187,11 +234,11 @@ def test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote():
     (sent,) = _doc_rows("parallelism.md", "sent per step: total")
     assert [float(c.split()[0].replace(",", "")) for c in sent[1:]] == [
         round(float(v)) for v in cols["sent per step (GiB)"]]
-    rows = _doc_rows("memory.md", "`OFFLOAD") + _doc_rows("memory.md", "none")
+    rows = _offload_rows()
     assert len(rows) == 4
     for first, per_gpu, host, nvme in rows:
-        env = dict(kv.split("=") for kv in first.strip("`").split()) if first != "none" else {}
-        text = _dry_run_64(**env) if env else plan
+        env = _row_env(first)
+        text = _dry_run_64(script_runs, first) if env else plan
         planned = text[:text.index("layouts compared")] if "layouts compared" in text else text
         assert per_gpu == f"{_gib(planned, 'total')} GiB", first
         assert host.split(" (")[0] == (f"{_gib(planned, 'host total')} GiB" if "host total" in planned else "—"), first
@@ -199,15 +246,13 @@ def test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote():
         assert nvme == (f"{files:.2f} GiB" if files else "—"), first
 
 
-@pytest.mark.parametrize("layout,ranks", [("tp4pp8z1", "0,28"), ("tp4z3", "0")])
-def test_13b_script_rehearsal_agrees_with_the_plan(layout, ranks):
+@pytest.mark.parametrize("layout,ranks", REHEARSALS)
+def test_13b_script_rehearsal_agrees_with_the_plan(script_runs, layout, ranks):
     """The dry run's rehearsal mode runs tools/rehearse.py on the script's own 13B arguments (8
     micro-batches per iteration: the same peak as 512, at pp 8 a stage holds at most 8): the first
     and last pipeline stage (tp4pp8z1 on 32 GPUs, dp 1) and a DP rank of tp4z3 (all alike), each
     beside the plan, which agrees within 10% on the peak and 2% on the state."""
-    env = {**os.environ, "DRY_RUN": "rehearse", "NNODES": "4", "LAYOUT": layout, "REHEARSE_MICRO_BATCHES": "8",
-           "REHEARSE_RANKS": ranks}
-    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    r = script_runs[f"rehearse {layout}"].result()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert re.findall(r"^rank (\d+) ", r.stdout, re.M) == ranks.split(","), r.stdout
     ratios = re.findall(r"rehearsed / plan: state ([\d.]+)x, peak ([\d.]+)x", r.stdout)
