@@ -2,7 +2,6 @@
 the 13B launch script's dry run."""
 
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from megazero.model.config import GPTConfig, gpt_preset
 from megazero.model.flops import flops_per_iteration, num_parameters
 from megazero.observe.planner import (activation_bytes_per_layer, estimate_memory, model_state_bytes,
                                       replicated_parameters)
-from tests.background import run_script
+from tests import background
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "azure" / "run_gpt_13b.sh"
@@ -173,7 +172,7 @@ def script_runs(request):
     (tests/background.py; name -> future of the finished process)."""
     tests = {getattr(item, "originalname", "") for item in request.session.items
              if getattr(item, "module", None) is request.module}
-    return {name: run_script([str(SCRIPT), *argv], changes, timeout)
+    return {name: background.run(["bash", str(SCRIPT), *argv], changes, timeout)
             for name, (argv, changes, timeout) in _script_jobs(tests).items()}
 
 
