@@ -36,28 +36,40 @@ REHEARSALS = {
 }
 
 
+def _start(out: Path, flags: list[str], tool_flags: list[str]):
+    """tools/rehearse.py writing ``out``, in the background (tests/background.py): the future of its process."""
+    return background.run([sys.executable, str(ROOT / "tools" / "rehearse.py"), "--world-size", str(WORLD),
+                           "--json", str(out), *tool_flags, "--", *MODEL, *flags],
+                          {"PYTHONPATH": str(ROOT)}, timeout=300, cwd=str(ROOT))
+
+
+def _finished(future, out: Path) -> tuple[int, dict, str]:
+    proc = future.result()
+    assert out.exists(), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+def _rehearse(tmp_path, name: str, flags: list[str], *tool_flags: str) -> tuple[int, dict, str]:
+    out = tmp_path / f"{name}.json"
+    return _finished(_start(out, flags, list(tool_flags)), out)
+
+
 @pytest.fixture(scope="module")
 def rehearsals(request, tmp_path_factory):
-    """The rehearsals of this session's tests of this module, started together in the background (each one
-    single-threaded process; tests/background.py): test -> (future of the process, its JSON file)."""
+    """The rehearsals of this session's tests of this module, started together (each is one single-threaded
+    process): test -> (future of the process, its JSON file)."""
     tmp = tmp_path_factory.mktemp("rehearsals")
     tests = {getattr(item, "originalname", "") for item in request.session.items
              if getattr(item, "module", None) is request.module}
     started = {}
     for name in sorted(tests & REHEARSALS.keys()):
         flags, tool_flags = REHEARSALS[name]
-        out = tmp / f"{name}.json"
-        started[name] = (background.run([sys.executable, str(ROOT / "tools" / "rehearse.py"), "--world-size",
-                                         str(WORLD), "--json", str(out), *tool_flags, "--", *MODEL, *flags],
-                                        {"PYTHONPATH": str(ROOT)}, timeout=300, cwd=str(ROOT)), out)
+        started[name] = (_start(tmp / f"{name}.json", flags, tool_flags), tmp / f"{name}.json")
     return started
 
 
 def _rehearsed(rehearsals, name: str) -> tuple[int, dict, str]:
-    future, out = rehearsals[name]
-    proc = future.result()
-    assert out.exists(), proc.stdout + proc.stderr
-    return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
+    return _finished(*rehearsals[name])
 
 
 def _formula_state(config, pp_rank: int) -> float:
