@@ -20,9 +20,7 @@ _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_
 _RUNS: dict[tuple, Future] = {}
 
 
-def _run(argv: tuple[str, ...], changes: dict[str, Optional[str]], timeout: float,
-         cwd: Optional[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in {**os.environ, **changes}.items() if v is not None}
+def _run(argv: tuple[str, ...], env: dict[str, str], timeout: float, cwd: Optional[str]) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
@@ -32,7 +30,8 @@ def run(argv: list[str], changes: dict[str, Optional[str]], timeout: float, cwd:
     the future of its finished process (stdout and stderr as text). ``timeout``: seconds it may run."""
     key = (tuple(argv), tuple(sorted(changes.items())), cwd)
     if key not in _RUNS:
-        _RUNS[key] = _POOL.submit(_run, tuple(argv), dict(changes), timeout, cwd)
+        env = {k: v for k, v in {**os.environ, **changes}.items() if v is not None}  # the environment now
+        _RUNS[key] = _POOL.submit(_run, tuple(argv), env, timeout, cwd)
     return _RUNS[key]
 
 
