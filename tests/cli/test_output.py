@@ -4,6 +4,7 @@ launch lines."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import pytest
@@ -71,23 +72,28 @@ def _last_words(output: str) -> str:
 
 @pytest.mark.slow
 def test_a_failure_under_torchrun_ends_the_output_with_its_one_line(tmp_path):
-    from tests.launch import launch
+    from tests import background
+    from tests.launch import command
 
     tiny = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2"]
-    alone = launch(1, [*tiny, "--mock-data", "--tp", "3"])
+    (tmp_path / "bad.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "bad.idx").write_bytes(b"not an index")
+    # the three launches side by side (tests/launch.py's launch(), in the background)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    launches = ((1, [*tiny, "--mock-data", "--tp", "3"]), (2, [*tiny, "--mock-data", "--tp", "3"]),
+                (2, [*tiny, "--data-path", str(tmp_path / "bad"), "--tokenizer-type", "NullTokenizer",
+                     "--vocab-size", "64"]))
+    alone, refused, failed = [background.run(command(world) + argv, env, timeout=300, cwd=str(ROOT))
+                              for world, argv in launches]
+    alone, refused, failed = alone.result(), refused.result(), failed.result()
     message = "world size 1 is not divisible by --tp 3 x --pp 1 = 3"
     assert alone.returncode == 2 and message in _last_words(alone.stdout + alone.stderr), alone.stderr
-    refused = launch(2, [*tiny, "--mock-data", "--tp", "3"])
     # torchrun exits 1 whenever a worker fails; its summary's root cause is rank 0's 2 and our line
     root = refused.stderr.split("Root Cause")[-1]
     assert refused.returncode == 1 and "exitcode  : 2 " in root, refused.stderr
     assert _last_words(refused.stdout + refused.stderr).endswith(
         "traceback : error: world size 2 is not divisible by --tp 3 x --pp 1 = 3; launch a multiple of 3 processes "
         "or change --tp"), refused.stderr
-    (tmp_path / "bad.bin").write_bytes(b"\0" * 64)
-    (tmp_path / "bad.idx").write_bytes(b"not an index")
-    failed = launch(2, [*tiny, "--data-path", str(tmp_path / "bad"), "--tokenizer-type", "NullTokenizer",
-                        "--vocab-size", "64"])
     last = _last_words(failed.stdout + failed.stderr)
     assert failed.returncode == 1 and "exitcode  : 1 " in failed.stderr.split("Root Cause")[-1], failed.stderr
     assert "traceback : pretrain_gpt.py: data set-up failed on rank 0:" in last and "bad.idx" in last, failed.stderr

@@ -203,16 +203,25 @@ def test_attention_dropout_keyed_by_position_equals_one_process(data, one_proces
                for it in one_process_dropout), "attention dropout 0.1 left the gradients unchanged"
 
 
+DOCUMENTS_ALL_DROPOUT = ["--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS, *ALL_DROPOUT]
+
+
+@pytest.fixture(scope="module")
+def one_process_documents_all_dropout(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *DOCUMENTS_ALL_DROPOUT), tmp_path_factory.mktemp("cp1_documents_all_dropout"),
+                  "cp1_documents_all_dropout")
+
+
 @pytest.mark.parametrize("world,extra", [
     (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),  # each sample's documents balanced over the ranks
     # the mask in the all-to-all and all-gather layers, the documents' cut points in the rings
     (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "a2a", "p2p", "allgather",
          "--hierarchical-context-parallel-sizes", "2", "2"]),
 ])
-def test_packed_documents_with_keyed_attention_dropout_equal_one_process(data, tmp_path, world, extra):  # noqa: F811
-    model = ["--num-query-groups", "2", "--position-embedding-type", "rope", *DOCUMENTS, *ALL_DROPOUT]
-    one = launch(1, flags(data, *model), tmp_path, "cp1_documents_all_dropout")
-    got = launch(world, flags(data, *model, *extra), tmp_path, "cp_documents_all_dropout")
+def test_packed_documents_with_keyed_attention_dropout_equal_one_process(  # noqa: F811
+        data, one_process_documents_all_dropout, tmp_path, world, extra):
+    one = one_process_documents_all_dropout
+    got = launch(world, flags(data, *DOCUMENTS_ALL_DROPOUT, *extra), tmp_path, "cp_documents_all_dropout")
     assert_same_run(got, one, what=f"packed documents with keyed attention dropout, world {world} {extra}")
 
 

@@ -69,6 +69,11 @@ def test_mtp_factor_zero_reaches_nothing_of_the_main_model(data, tmp_path):  # n
 PACKED = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
 
 
+@pytest.fixture(scope="module")
+def one_process_packed(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *DEEPSEEK, *PACKED), tmp_path_factory.mktemp("dsv3_packed1"), "dsv3_packed1")
+
+
 @pytest.mark.parametrize("world,extra", [
     # packed documents over the ring (the MTP shifts stop at each document), the optimizer state on the host
     (4, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--expert-model-parallel-size", "2",
@@ -76,8 +81,9 @@ PACKED = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
     (4, ["--pipeline-model-parallel-size", "2", "--tp", "2", "--sequence-parallel",
          "--recompute-granularity", "selective"]),
 ])
-def test_deepseek_shape_packed_documents_equal_one_process(data, tmp_path, world, extra):  # noqa: F811
-    ref = launch(1, flags(data, *DEEPSEEK, *PACKED), tmp_path, "dsv3_packed1")
+def test_deepseek_shape_packed_documents_equal_one_process(data, one_process_packed, tmp_path, world,  # noqa: F811
+                                                           extra):
+    ref = one_process_packed
     got = launch(world, flags(data, *DEEPSEEK, *PACKED, *extra), tmp_path, "dsv3_packed")
     for it, r in ref.items():
         for key in KEYS:

@@ -2,10 +2,7 @@
 the 13B launch script's dry run."""
 
 import importlib.util
-import os
 import re
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ from megazero.model.config import GPTConfig, gpt_preset
 from megazero.model.flops import flops_per_iteration, num_parameters
 from megazero.observe.planner import (activation_bytes_per_layer, estimate_memory, model_state_bytes,
                                       replicated_parameters)
+from tests import background
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "azure" / "run_gpt_13b.sh"
@@ -145,48 +143,37 @@ def _row_env(first_cell: str) -> dict:
 
 REHEARSALS = [("tp4pp8z1", "0,28"), ("tp4z3", "0")]
 DRY_16 = {"DRY_RUN": "1", "NNODES": "2", "REHEARSE": "0", "GPU_MEMORY_GB": None}  # the plan (the rehearsal: below)
-DRY_64 = {"DRY_RUN": "1", "NNODES": "8", "REHEARSE": "0"}
+DRY_64 = {"NNODES": "8", "REHEARSE": "0"}  # with --dry-run (tests/training/test_startup.py reads the same run)
 
 
-def _script_jobs(tests: set[str]) -> dict[str, tuple[dict, int]]:
-    """The runs of the script that the named tests of this module check: name -> (the environment's changes,
-    None removing a variable; timeout in s)."""
+def _script_jobs(tests: set[str]) -> dict[str, tuple[list[str], dict, int]]:
+    """The runs of the script that the named tests of this module check: name -> (arguments, the environment's
+    changes (None removes a variable), timeout in s)."""
     jobs = {}
     if "test_13b_script_dry_run_fits_and_counts_parameters" in tests:
-        jobs["dry_16"] = (DRY_16, 120)
+        jobs["dry_16"] = ([], DRY_16, 120)
     if "test_13b_script_dry_run_refuses_small_gpu" in tests:
-        jobs["dry_16_gpu_8"] = ({**DRY_16, "GPU_MEMORY_GB": "8"}, 120)
+        jobs["dry_16_gpu_8"] = ([], {**DRY_16, "GPU_MEMORY_GB": "8"}, 120)
     if "test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote" in tests:
-        jobs["dry_64"] = (DRY_64, 300)
+        jobs["dry_64"] = (["--dry-run"], DRY_64, 300)
         for first, *_ in _offload_rows():
             if _row_env(first):  # the row without offload reads the plain run's plan
-                jobs[f"dry_64 {first}"] = ({**DRY_64, **_row_env(first)}, 300)
+                jobs[f"dry_64 {first}"] = ([], {"DRY_RUN": "1", **DRY_64, **_row_env(first)}, 300)
     if "test_13b_script_rehearsal_agrees_with_the_plan" in tests:
         for layout, ranks in REHEARSALS:
-            jobs[f"rehearse {layout}"] = ({"DRY_RUN": "rehearse", "NNODES": "4", "LAYOUT": layout,
-                                           "REHEARSE_MICRO_BATCHES": "8", "REHEARSE_RANKS": ranks}, 300)
+            jobs[f"rehearse {layout}"] = ([], {"DRY_RUN": "rehearse", "NNODES": "4", "LAYOUT": layout,
+                                               "REHEARSE_MICRO_BATCHES": "8", "REHEARSE_RANKS": ranks}, 300)
     return jobs
-
-
-def _run_script(changes: dict, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, **changes}
-    env = {k: v for k, v in env.items() if v is not None}
-    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def script_runs(request):
-    """The script's runs that this session's tests of this module check, all started at once (name -> future
-    of the finished process): each is a chain of single-threaded python processes, so side by side they use
-    the cores that one leaves idle."""
+    """The script's runs that this session's tests of this module check, all started at once in the background
+    (tests/background.py; name -> future of the finished process)."""
     tests = {getattr(item, "originalname", "") for item in request.session.items
              if getattr(item, "module", None) is request.module}
-    jobs = _script_jobs(tests)
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = {name: pool.submit(_run_script, env, timeout) for name, (env, timeout) in jobs.items()}
-        yield futures
-        for f in futures.values():
-            f.cancel()
+    return {name: background.run(["bash", str(SCRIPT), *argv], changes, timeout)
+            for name, (argv, changes, timeout) in _script_jobs(tests).items()}
 
 
 def test_13b_script_dry_run_fits_and_counts_parameters(script_runs):
@@ -221,7 +208,7 @@ def _gib(text: str, row: str) -> str:
 
 
 def test_the_13b_dry_run_is_one_plan_with_the_figures_the_docs_quote(script_runs):
-    """NNODES=8 DRY_RUN=1 REHEARSE=0 (64 GPUs): the plan's table and the layouts' comparison total the
+    """NNODES=8 REHEARSE=0 --dry-run (64 GPUs): the plan's table and the layouts' comparison total the
     same for the chosen layout, and docs/parallelism.md's 13B table and docs/memory.md's offload table
     quote what the dry run prints (each offload row: the variables its first cell names)."""
     out = _dry_run_64(script_runs)

@@ -44,10 +44,15 @@ def test_muon_equals_one_process(data, one_process, tmp_path, world, extra):  # 
     assert losses[0] - losses[-1] > 0.05, losses  # it trains
 
 
+@pytest.fixture(scope="module")
+def one_process_swiglu(data, tmp_path_factory):  # noqa: F811
+    return launch(1, flags(data, *MUON, "--swiglu"), tmp_path_factory.mktemp("swiglu_ref"), "swiglu_ref")
+
+
 @pytest.mark.parametrize("mode", ["duplicated", "distributed"])
-def test_swiglu_blocks_over_tp_equal_one_process(data, tmp_path, mode):  # noqa: F811
+def test_swiglu_blocks_over_tp_equal_one_process(data, one_process_swiglu, tmp_path, mode):  # noqa: F811
     """SwiGLU's fc1 holds [gate; up] blocks on each TP rank (partition stride 2)."""
-    ref = launch(1, flags(data, *MUON, "--swiglu"), tmp_path, "swiglu_ref")
+    ref = one_process_swiglu
     got = launch(2, flags(data, *MUON, "--swiglu", "--tp", "2", "--muon-tp-mode", mode), tmp_path, "swiglu_tp2")
     assert_same_run(got, ref, what=f"swiglu at tp 2, {mode}")
 

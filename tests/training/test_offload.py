@@ -176,21 +176,23 @@ def test_rehearsal_and_plan_report_host_bytes_apart(tmp_path):
     """tools/rehearse.py at 16 ranks of a 1.3B GPT, ZeRO-2 with --optimizer-cpu-offload: the device
     holds no optimizer state (the ZeRO formulas minus 12 B per partition element), the host the
     12 B and the ring, as the planner says; the estimate tool prints both."""
-    import subprocess
     import sys
 
+    from tests import background
     from tests.training.test_rehearse import MODEL, ROOT, WORLD
 
     flags = ["--tp", "2", "--zero-stage", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
              "--optimizer-cpu-offload"]
+    # the estimate tool's process beside the rehearsal's (each single-threaded)
+    estimate = background.run([sys.executable, str(ROOT / "tools" / "estimate_memory.py"), "--world-size", str(WORLD),
+                               "--train-args", *MODEL, *flags, "--mock-data", "--train-iters", "2"],
+                              {"PYTHONPATH": str(ROOT)}, timeout=300, cwd=str(ROOT))
     r, est, (weights, grads, optim), out = _rehearsed_with_plan(tmp_path, "offload", flags, 2)
     assert est.optimizer == 0 and est.host_optimizer == pytest.approx(optim)  # 12 B per partition element
     assert r["state_bytes"] == pytest.approx(weights + grads, rel=0.05)
     assert r["host_bytes"] == pytest.approx(est.host_total, rel=0.05)
     assert "host memory (offload)" in out
-    text = subprocess.run([sys.executable, str(ROOT / "tools" / "estimate_memory.py"), "--world-size", str(WORLD),
-                           "--train-args", *MODEL, *flags, "--mock-data", "--train-iters", "2"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    text = estimate.result().stdout
     assert "per-rank host memory" in text and "offloaded optimizer" in text, text
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 
 from megazero.observe.planner import estimate_memory_for, model_state_bytes, traffic_bytes_per_step
 from megazero.observe.rehearsal import default_ranks, rehearsal_config, rehearse_rank
+from tests import background
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 16
@@ -25,14 +24,52 @@ MODEL = ["--model-preset", "gpt-1.3b", "--vocab-size", "50257", "--bf16", "--lr"
          "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
-def _rehearse(tmp_path, name: str, flags: list[str], *tool_flags: str) -> tuple[int, dict, str]:
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "rehearse.py"), "--world-size", str(WORLD),
+# The rehearsals tools/rehearse.py runs for the tests named: test -> (its flags, the tool's flags).
+REHEARSALS = {
+    # tp 2 x pp 2 x dp 4, two micro-batches per iteration; rank 0 (first stage) and 15 (last stage, tp 1, dp 3).
+    "test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit": (
+        ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "8"],
+        ["--ranks", "0,15", "--device-memory-gb", "1"]),
+    # tp 2 x dp 8, ZeRO-3, one micro-batch; default ranks: dp 0 and dp 7 at tp 0.
+    "test_zero3_two_ranks_against_the_formulas": (
+        ["--tp", "2", "--zero-stage", "3", "--micro-batch-size", "1", "--global-batch-size", "8"], []),
+}
+
+
+def _start(out: Path, flags: list[str], tool_flags: list[str]):
+    """tools/rehearse.py writing ``out``, in the background (tests/background.py): the future of its process."""
+    return background.run([sys.executable, str(ROOT / "tools" / "rehearse.py"), "--world-size", str(WORLD),
                            "--json", str(out), *tool_flags, "--", *MODEL, *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          {"PYTHONPATH": str(ROOT)}, timeout=300, cwd=str(ROOT))
+
+
+def _finished(future, out: Path) -> tuple[int, dict, str]:
+    proc = future.result()
     assert out.exists(), proc.stdout + proc.stderr
     return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+def _rehearse(tmp_path, name: str, flags: list[str], *tool_flags: str) -> tuple[int, dict, str]:
+    out = tmp_path / f"{name}.json"
+    return _finished(_start(out, flags, list(tool_flags)), out)
+
+
+@pytest.fixture(scope="module")
+def rehearsals(request, tmp_path_factory):
+    """The rehearsals of this session's tests of this module, started together (each is one single-threaded
+    process): test -> (future of the process, its JSON file)."""
+    tmp = tmp_path_factory.mktemp("rehearsals")
+    tests = {getattr(item, "originalname", "") for item in request.session.items
+             if getattr(item, "module", None) is request.module}
+    started = {}
+    for name in sorted(tests & REHEARSALS.keys()):
+        flags, tool_flags = REHEARSALS[name]
+        started[name] = (_start(tmp / f"{name}.json", flags, tool_flags), tmp / f"{name}.json")
+    return started
+
+
+def _rehearsed(rehearsals, name: str) -> tuple[int, dict, str]:
+    return _finished(*rehearsals[name])
 
 
 def _formula_state(config, pp_rank: int) -> float:
@@ -55,10 +92,9 @@ def _check_rank(r: dict, config) -> float:
     return psi
 
 
-def test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit(tmp_path):
-    # tp 2 x pp 2 x dp 4, two micro-batches per iteration; rank 0 (first stage) and 15 (last stage, tp 1, dp 3).
-    flags = ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "8"]
-    code, doc, out = _rehearse(tmp_path, "z1", flags, "--ranks", "0,15", "--device-memory-gb", "1")
+def test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit(rehearsals):
+    flags, _ = REHEARSALS["test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit"]
+    code, doc, out = _rehearsed(rehearsals, "test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit")
     assert code == 1 and "exceeds --device-memory-gb 1" in out, out  # every rank holds ~3 GiB
     config, _ = rehearsal_config(MODEL + flags, WORLD)
     assert [r["rank"] for r in doc["ranks"]] == [0, 15]
@@ -78,10 +114,9 @@ def test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit(tmp_pa
         assert sum(r["host_reads"].values()) == 1, r["host_reads"]  # the gradient norm
 
 
-def test_zero3_two_ranks_against_the_formulas(tmp_path):
-    # tp 2 x dp 8, ZeRO-3, one micro-batch; default ranks: dp 0 and dp 7 at tp 0.
-    flags = ["--tp", "2", "--zero-stage", "3", "--micro-batch-size", "1", "--global-batch-size", "8"]
-    code, doc, out = _rehearse(tmp_path, "z3", flags)
+def test_zero3_two_ranks_against_the_formulas(rehearsals):
+    flags, _ = REHEARSALS["test_zero3_two_ranks_against_the_formulas"]
+    code, doc, out = _rehearsed(rehearsals, "test_zero3_two_ranks_against_the_formulas")
     assert code == 0, out
     config, _ = rehearsal_config(MODEL + flags, WORLD)
     assert [r["rank"] for r in doc["ranks"]] == default_ranks(config) == [0, 14]

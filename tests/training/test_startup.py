@@ -1,15 +1,15 @@
 """The 13B dry run's start-up figures follow from what each rank owns."""
 
-import os
-import subprocess
+from pathlib import Path
 
 import pytest
 
 from megazero.model import gpt_preset, num_parameters
 from megazero.observe.startup import replicated_parameters
 from megazero.observe.startup import estimate_startup, measure_rates
+from tests import background
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "azure" / "run_gpt_13b.sh"
 
 
 def test_per_rank_bytes_and_values_for_13b_on_64_gpus():
@@ -34,8 +34,8 @@ def test_measured_rates_are_plausible():
 
 
 def test_dry_run_reports_startup():
-    proc = subprocess.run(["bash", os.path.join(ROOT, "examples/azure/run_gpt_13b.sh"), "--dry-run"],
-                          env=dict(os.environ, NNODES="8", REHEARSE="0"), capture_output=True, text=True, timeout=120)
+    # the same run as tests/training/test_memory.py's 64-GPU plan (tests/background.py: one run per session)
+    proc = background.run(["bash", str(SCRIPT), "--dry-run"], {"NNODES": "8", "REHEARSE": "0"}, timeout=120).result()
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout + proc.stderr
     assert "start-up per rank (64 ranks)" in text and "resume: reads 2.42 GB" in text and "fresh start: draws" in text
