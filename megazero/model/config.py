@@ -22,7 +22,9 @@ import torch
 from megazero.mpu.utils import pad_vocab_size
 
 from .attention.pattern import check_pattern, layer_window
-from .config_checks import check_glu, check_mla, check_moe, check_mtp, check_rope_scaling
+from .layer_pattern import (HYBRID_SYMBOLS, LayerKinds, check_layer_pattern, hybrid_segments, hybrid_symbols,
+                            linear_attention_layer)
+from .config_checks import check_glu, check_mla, check_moe, check_mtp, check_recurrent, check_rope_scaling
 
 __all__ = ["GPTConfig", "PRESETS", "gpt_preset"]
 
@@ -145,6 +147,27 @@ class GPTConfig:
     # The epsilon of the two latent norms (q_layernorm, kv_layernorm). None: layernorm_epsilon (Megatron's);
     # DeepSeek's checkpoints keep 1e-6 there whatever their other norms take.
     latent_layernorm_epsilon: Optional[float] = None
+    # --- linear attention and state-space layers (Megatron-core's names; layer_pattern.py) --------------------
+    # One symbol per layer (Nemotron-H's): M Mamba-2, G Gated DeltaNet, * attention, - MLP, E mixture of experts,
+    # | a pipeline cut. None: every layer is attention (or Gated DeltaNet, below) and an MLP.
+    hybrid_layer_pattern: Optional[str] = None
+    # 'gated_delta_net': the layers linear_attention_freq picks mix tokens by Gated DeltaNet (Qwen3-Next)
+    experimental_attention_variant: Optional[str] = None
+    # N: every layer but each N-th (1-based) is Gated DeltaNet (Qwen3-Next: 4); or one 1 (GDN) / 0 per layer
+    linear_attention_freq: Union[None, int, tuple[int, ...]] = None
+    linear_conv_kernel_dim: int = 4  # the short causal convolution of GDN and Mamba-2 (width)
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # Mamba-2: heads of mamba_head_dim channels (None: 2 * hidden_size / mamba_head_dim, Megatron's expand 2), a
+    # state of mamba_state_dim per channel, B and C shared by the heads of each of mamba_num_groups groups.
+    mamba_num_heads: Optional[int] = None
+    mamba_head_dim: int = 64
+    mamba_state_dim: int = 128
+    mamba_num_groups: int = 8
+    # Attention output times sigmoid of a per-head gate projected with the queries (Qwen3-Next's gated attention)
+    attention_output_gate: bool = False
     # --- RoPE scaling ----------------------------------------------------------------------------------
     # 'rope' | 'yarn' (Peng et al. 2023, DeepSeek's form). None: 'yarn' with multi-latent attention (as
     # Megatron), else 'rope'. YaRN stretches the frequencies below beta_slow rotations over the original
@@ -260,6 +283,11 @@ class GPTConfig:
         return self.layernorm_epsilon if self.latent_layernorm_epsilon is None else self.latent_layernorm_epsilon
 
     @property
+    def mamba_heads(self) -> int:
+        """Resolved Mamba-2 head count (``mamba_num_heads``, default 2 * hidden_size / mamba_head_dim)."""
+        return self.mamba_num_heads if self.mamba_num_heads is not None else 2 * self.hidden_size // self.mamba_head_dim
+
+    @property
     def qk_dim(self) -> int:
         """Width of one query/key head in the attention's dot product (MLA: no-position + RoPE parts)."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
@@ -340,6 +368,9 @@ class GPTConfig:
             check_mla(self)
         check_rope_scaling(self)
         check_mtp(self)
+        check_layer_pattern(self.hybrid_layer_pattern, self.num_layers, self.experimental_attention_variant,
+                            self.linear_attention_freq)
+        check_recurrent(self, tp_size)
         check_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers, self.softmax_type,
                       self.attention_backend)
         if self.dropout_rng not in ("stream", "position"):
@@ -358,11 +389,35 @@ class GPTConfig:
         return layer_window(self.window_size, self.window_attn_skip_freq, min(number, self.num_layers - 1))
 
     def attention_kind(self, number: int) -> str:
-        """The attention builder's name for layer ``number`` (layer_spec.ATTENTION_BUILDERS)."""
+        """The attention builder's name of an attention layer (layer_spec.MIXER_BUILDERS): 'mla' or 'standard'."""
         return "mla" if self.multi_latent_attention else "standard"
+
+    def layer_kinds(self, number: int) -> LayerKinds:
+        """Layer ``number``'s mixer and MLP (layer_pattern.py). A multi-token prediction depth (``number >=
+        num_layers``) is an attention layer with the model's MLP (a mixture when any layer has one)."""
+        if number >= self.num_layers:
+            return LayerKinds(self.attention_kind(number), "moe" if self.num_experts else "dense")
+        if self.hybrid_layer_pattern is not None:
+            mixer, mlp = HYBRID_SYMBOLS[hybrid_symbols(self.hybrid_layer_pattern)[number]]
+            return LayerKinds(self.attention_kind(number) if mixer == "attention" else mixer, mlp)
+        mixer = "gdn" if linear_attention_layer(self.linear_attention_freq, number) else self.attention_kind(number)
+        return LayerKinds(mixer, "moe" if self.is_moe_layer(number) else "dense")
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer carries a state along the sequence (Gated DeltaNet or Mamba-2)."""
+        return any(self.layer_kinds(i).recurrent for i in range(self.num_layers))
+
+    @property
+    def pipeline_segments(self) -> Optional[list[int]]:
+        """Layers per pipeline segment cut by the hybrid pattern's ``|`` (None: no cut, the even split)."""
+        p = self.hybrid_layer_pattern
+        return hybrid_segments(p) if p is not None and "|" in p else None
 
     def is_moe_layer(self, number: int) -> bool:
         """Layer ``number`` (its index in the whole model) is a mixture of experts."""
+        if self.hybrid_layer_pattern is not None and number < self.num_layers:
+            return self.layer_kinds(number).mlp == "moe"
         f = self.moe_layer_freq
         return bool(self.num_experts) and bool(f[number] if isinstance(f, (tuple, list)) else number % f == 0)
 
@@ -388,7 +443,7 @@ class GPTConfig:
         d = dict(d)
         if isinstance(d.get("params_dtype"), str):
             d["params_dtype"] = getattr(torch, d["params_dtype"].replace("torch.", ""))
-        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq", "linear_attention_freq"):
             if isinstance(d.get(name), list):  # JSON keeps a tuple as a list
                 d[name] = tuple(d[name])
         return cls(**d)

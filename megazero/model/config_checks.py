@@ -127,3 +127,43 @@ def check_mtp(c: GPTConfig) -> None:
                          f"{c.mtp_num_layers + 1}")
     if not c.mtp_loss_scaling_factor >= 0:
         raise ValueError(f"mtp_loss_scaling_factor must be >= 0, got {c.mtp_loss_scaling_factor}")
+
+
+def check_recurrent(c: GPTConfig, tp_size: int) -> None:
+    """Gated DeltaNet's and Mamba-2's sizes against each other and the tensor-parallel size (heads and groups are
+    never split by TP), and the hybrid pattern's mixtures of experts against ``num_experts``."""
+    kinds = [c.layer_kinds(i) for i in range(c.num_layers)]
+    mixers = {k.mixer for k in kinds}
+    if c.hybrid_layer_pattern is not None and not all(k.mixer or k.mlp for k in kinds):
+        raise ValueError("every hybrid layer needs a mixer or an MLP")  # unreachable with valid symbols
+    if c.hybrid_layer_pattern is not None and ("E" in c.hybrid_layer_pattern) != bool(c.num_experts):
+        raise ValueError(f"hybrid layer pattern {c.hybrid_layer_pattern!r} " + (
+            "has mixture-of-experts layers (E): set --num-experts" if c.num_experts is None else
+            f"has no mixture-of-experts layer (E) but num_experts is {c.num_experts}: add E layers or drop it"))
+    if "gdn" in mixers:
+        nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+        if min(nk, nv, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim) < 1:
+            raise ValueError("Gated DeltaNet's head counts, head dimensions and convolution width must be >= 1")
+        if nv % nk:
+            raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk}): each "
+                             "key head serves the same number of value heads")
+        if nk % tp_size:
+            raise ValueError(f"linear_num_key_heads ({nk}) must be divisible by the tensor parallel size ({tp_size}): "
+                             "TP splits Gated DeltaNet by key heads; lower tp")
+    if "mamba" in mixers:
+        heads, groups = c.mamba_heads, c.mamba_num_groups
+        if min(heads, groups, c.mamba_head_dim, c.mamba_state_dim, c.linear_conv_kernel_dim) < 1:
+            raise ValueError(f"Mamba-2 needs heads, groups, head and state dimensions >= 1, got {heads} heads "
+                             f"(mamba_num_heads={c.mamba_num_heads}, 2 x hidden / mamba_head_dim when None), "
+                             f"{groups} groups, head dim {c.mamba_head_dim}, state dim {c.mamba_state_dim}")
+        if c.mamba_num_heads is None and (2 * c.hidden_size) % c.mamba_head_dim:
+            raise ValueError(f"Mamba-2's heads default to 2 x hidden_size / mamba_head_dim = {2 * c.hidden_size} / "
+                             f"{c.mamba_head_dim}, which does not divide: set mamba_num_heads (--mamba-num-heads)")
+        if heads % groups:
+            raise ValueError(f"mamba heads ({heads}) must be a multiple of mamba_num_groups ({groups})")
+        if groups % tp_size:
+            raise ValueError(f"mamba_num_groups ({groups}) must be divisible by the tensor parallel size ({tp_size}): "
+                             "TP splits Mamba-2 by whole groups (its grouped norm never spans two ranks); lower tp "
+                             "or raise --mamba-num-groups")
+    if c.attention_output_gate and c.multi_latent_attention:
+        raise ValueError("attention_output_gate is for standard attention (Qwen3-Next's), not multi-latent attention")

@@ -51,13 +51,13 @@ class ModelBatch:
     mtp_tokens: Optional[torch.Tensor] = None
 
 
-def split_for_context_parallel(b: ModelBatch, ctx: ContextParallel,
-                               documents: Optional[list[list[int]]] = None) -> ModelBatch:
+def split_for_context_parallel(b: ModelBatch, ctx: ContextParallel, documents: Optional[list[list[int]]] = None,
+                               balance_documents: bool = True) -> ModelBatch:
     """This rank's share of ``b`` under ``ctx``
     (:func:`~megazero.model.attention.cp.input.prepare_context_parallel_input`)."""
     names = ("tokens", "labels", "loss_mask", "mtp_targets", "mtp_mask")
     ctx, local, positions, mask = prepare_context_parallel_input(
-        ctx, {n: getattr(b, n) for n in names}, b.position_ids, b.attention_mask, documents)
+        ctx, {n: getattr(b, n) for n in names}, b.position_ids, b.attention_mask, documents, balance_documents)
     return dataclasses.replace(b, **local, position_ids=positions, attention_mask=mask, context_parallel=ctx,
                                loss_tokens=b.loss_mask.float().sum())
 
@@ -91,6 +91,7 @@ class ModelFace:
         for router in (m for m in self.module.modules() if isinstance(m, Router) and hasattr(m, "expert_bias")):
             router.place_buffers(device)
         self._cp_contexts: dict[int, ContextParallel] = {}  # sequence length -> this rank's CP context
+        self._recurrent = config.recurrent  # state passing needs one placement of the tokens for every sample
 
     @property
     def param_names(self) -> Callable[[str], str]:
@@ -137,7 +138,7 @@ class ModelFace:
                 self._cp_contexts[s] = context_parallel_context(s, self.groups, self.cp_comm_type, self.device,
                                                                 hierarchical=self.hierarchical_cp)
             documents = document_bounds(text, eod) if self.reset_attention_mask else None  # host tokens: no sync
-            return split_for_context_parallel(b, self._cp_contexts[s], documents)
+            return split_for_context_parallel(b, self._cp_contexts[s], documents, not self._recurrent)
         return b
 
     def _with_mtp_targets(self, b: ModelBatch, eod: Optional[int]) -> ModelBatch:

@@ -166,6 +166,7 @@ class GPTModel(torch.nn.Module):
                                     if c.position_embedding_type == "learned" and pre_process else None)
         self.rotary = rotary_embedding(c) if c.position_embedding_type == "rope" else None
         self.moe_aux = AuxLossScale()
+        self._recurrent = c.recurrent  # some layer carries a state along the sequence: it needs document starts
         experts = self._expert_placement(ep_group, expert_groups)
         self.layers = torch.nn.ModuleList(TransformerLayer(c, number=i, experts=experts, **kw) for i in layers)
         self.final_norm = build_norm(c, **kw) if post_process else None
@@ -307,11 +308,32 @@ class GPTModel(torch.nn.Module):
         x = dropout(x, c.hidden_dropout, self.training, self.sequence_parallel, key, site=0)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
 
-        context = ForwardContext(rotary, attention_mask, context_parallel, key)
+        starts = self._document_starts(attention_mask, context_parallel, b, s)
+        context = ForwardContext(rotary, attention_mask, context_parallel, key, starts)
         x = self._run_layers(x, context)
         if not self.post_process:
             return x  # [s(/tp), b, h] for the next pipeline stage
         return self._head(x, labels, context, mtp)
+
+    def _document_starts(self, mask: Optional[torch.Tensor], cp: Optional[ContextParallel], b: int,
+                         s: int) -> Optional[torch.Tensor]:
+        """``[b, s_local]`` bool, where this rank's tokens begin a packed document, for the recurrent layers (None
+        without them or without documents): the context-parallel context's, else read off the explicit mask
+        (token t begins one when it may not see token t - 1)."""
+        if not self._recurrent:
+            return None
+        if cp is not None:
+            if mask is not None and cp.starts is None:
+                raise ValueError("recurrent layers under context parallelism take packed documents from the batch's "
+                                 "cu_seqlens (ModelFace.inputs with reset_attention_mask), not from an attention mask")
+            return cp.starts
+        if mask is None:
+            return None
+        mask = mask.reshape(-1, mask.size(-2), mask.size(-1))  # [b or 1, s, s]
+        t = torch.arange(1, mask.size(-1), device=mask.device)
+        starts = torch.ones(mask.size(0), mask.size(-1), dtype=torch.bool, device=mask.device)
+        starts[:, 1:] = mask[:, t, t - 1]
+        return starts.expand(b, -1)
 
     def _dropout_key(self, x: torch.Tensor, keys: Optional[torch.Tensor],
                      cp: Optional[ContextParallel]) -> Optional[DropoutKey]:
@@ -342,7 +364,8 @@ class GPTModel(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=x.device)
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        context = ForwardContext(rotary, attention_mask, cp, self._dropout_key(x, dropout_keys, cp))
+        context = ForwardContext(rotary, attention_mask, cp, self._dropout_key(x, dropout_keys, cp),
+                                 self._document_starts(attention_mask, cp, x.size(1), s))
         x = self._run_layers(x, context)
         return self._head(x, labels, context, mtp) if self.post_process else x
 

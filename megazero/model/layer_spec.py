@@ -1,16 +1,18 @@
-"""What a transformer layer is made of: its attention and its MLP, each chosen from the config.
+"""What a layer is made of: its token mixer and its MLP, each chosen from the config (either may be absent).
 
 A :class:`LayerSpec` holds two builders (Megatron-core's ModuleSpec, torchtitan's ``Config.build()``),
 each called as ``build(config, number=, tp_group=, tp_size=, device=, experts=)`` and returning a module:
 
-* attention: ``forward(x, context) -> [s(/tp), b, h]`` (a :class:`~megazero.model.forward_context.ForwardContext`:
-  rotary, explicit mask, CP and dropout key); its window and sinks come from the config's pattern; standard
-  attention (:class:`~megazero.model.attention.self_attention.SelfAttention`) or multi-latent attention;
+* mixer: ``forward(x, context) -> [s(/tp), b, h]`` (a :class:`~megazero.model.forward_context.ForwardContext`:
+  rotary, explicit mask, CP, dropout key and document starts); standard attention
+  (:class:`~megazero.model.attention.self_attention.SelfAttention`, its window and sinks from the config's
+  pattern), multi-latent attention, Gated DeltaNet or Mamba-2 (``recurrent/``);
 * MLP: ``forward(x) -> [s(/tp), b, h]``, the dense :class:`~megazero.model.mlp.MLP`; or, with
   ``mlp_context_parallel``, ``forward(x, cp)``: a :class:`~megazero.model.moe.layer.MoELayer`, whose
   routing counts the tokens of the whole sequence under context parallelism.
 
-:func:`layer_spec` picks them for layer ``number`` of a config; a new kind of layer is one more builder.
+:func:`layer_spec` picks them for layer ``number`` of a config (``config.layer_kinds``); a new kind of layer
+is one more builder.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .init import init_methods
 from .mlp import MLP
 from .moe.layer import AuxLossScale, MoELayer
 
-__all__ = ["LayerSpec", "ExpertParallel", "layer_spec", "ATTENTION_BUILDERS"]
+__all__ = ["LayerSpec", "ExpertParallel", "layer_spec", "MIXER_BUILDERS", "ATTENTION_BUILDERS", "MLP_BUILDERS"]
 
 Builder = Callable[..., torch.nn.Module]
 
@@ -84,25 +86,45 @@ def _mixture_of_experts(config: GPTConfig, *, number: int, tp_group, tp_size: in
                     exchange_group=ep.exchange_group)
 
 
-# The attention builders by kind: "standard", and "mla" for multi_latent_attention.
-ATTENTION_BUILDERS: dict[str, Builder] = {"standard": _standard_attention, "mla": multi_latent_attention}
+def _recurrent(kind: str) -> Builder:
+    """The builder of a recurrent mixer, imported when first built (a model without one never loads them)."""
+    def build(config: GPTConfig, *, number: int, tp_group, tp_size: int, device=None,
+              experts: Optional[ExpertParallel] = None) -> torch.nn.Module:
+        if kind == "gdn":
+            from .recurrent.gated_delta_net import GatedDeltaNet as cls
+        else:
+            from .recurrent.mamba import MambaMixer as cls
+        return cls(config, number=number, tp_group=tp_group, tp_size=tp_size, device=device)
+    return build
+
+
+# The token mixers by kind: attention ("standard"; "mla", multi-latent), Gated DeltaNet ("gdn"), Mamba-2 ("mamba").
+MIXER_BUILDERS: dict[str, Builder] = {"standard": _standard_attention, "mla": multi_latent_attention,
+                                      "gdn": _recurrent("gdn"), "mamba": _recurrent("mamba")}
+ATTENTION_BUILDERS = MIXER_BUILDERS  # the name the attention-only layers had
+MLP_BUILDERS: dict[str, Builder] = {"dense": _dense_mlp, "moe": _mixture_of_experts}
+# A mixer's module name and its norm's in a layer (Megatron-core's: a Mamba layer's are ``norm`` and ``mixer``)
+MIXER_NAMES = {"mamba": ("norm", "mixer")}
+DEFAULT_MIXER_NAMES = ("input_layernorm", "self_attention")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """The builders of one transformer layer's attention and MLP; ``mlp_context_parallel``: the MLP's
-    forward takes the context-parallel context as its second argument."""
+    """The builders of one layer's mixer and MLP (either may be None: a hybrid stack's one-part layers);
+    ``mlp_context_parallel``: the MLP's forward takes the context-parallel context as its second argument;
+    ``names``: the attribute names of the mixer's norm and of the mixer."""
 
-    attention: Builder
-    mlp: Builder
+    attention: Optional[Builder]
+    mlp: Optional[Builder]
     mlp_context_parallel: bool = False
+    names: tuple[str, str] = DEFAULT_MIXER_NAMES
 
 
 def layer_spec(config: GPTConfig, number: int) -> LayerSpec:
     """The parts of layer ``number`` (its index in the whole model) of ``config``."""
-    kind = config.attention_kind(number)
-    if kind not in ATTENTION_BUILDERS:
-        raise ValueError(f"no attention builder for {kind!r} (known: {sorted(ATTENTION_BUILDERS)})")
-    moe = config.is_moe_layer(number)
-    return LayerSpec(attention=ATTENTION_BUILDERS[kind], mlp=_mixture_of_experts if moe else _dense_mlp,
-                     mlp_context_parallel=moe)
+    kinds = config.layer_kinds(number)
+    if kinds.mixer is not None and kinds.mixer not in MIXER_BUILDERS:
+        raise ValueError(f"no mixer builder for {kinds.mixer!r} (known: {sorted(MIXER_BUILDERS)})")
+    return LayerSpec(attention=MIXER_BUILDERS[kinds.mixer] if kinds.mixer else None,
+                     mlp=MLP_BUILDERS[kinds.mlp] if kinds.mlp else None, mlp_context_parallel=kinds.mlp == "moe",
+                     names=MIXER_NAMES.get(kinds.mixer, DEFAULT_MIXER_NAMES))

@@ -60,10 +60,13 @@ def stage_num_layers(num_layers: int, pp: int, first: Optional[int] = None, last
 
 
 def layers_per_chunk_table(num_layers: int, pp: int, v: int = 1, first: Optional[int] = None,
-                           last: Optional[int] = None) -> list[list[range]]:
-    """``table[chunk][rank]`` = global layer indices of that model chunk."""
+                           last: Optional[int] = None, segments: Optional[Sequence[int]] = None) -> list[list[range]]:
+    """``table[chunk][rank]`` = global layer indices of that model chunk. ``segments``: the layers of each
+    segment a hybrid pattern's ``|`` cuts (``pp x v`` of them, virtual stage i holding segment i; ignored at pp 1)."""
     if v < 1:
         raise PipelineSplitError(f"virtual pipeline size must be >= 1, got {v}")
+    if segments is not None and pp > 1:
+        return _segment_table(list(segments), num_layers, pp, v, first, last)
     counts = stage_num_layers(num_layers, pp, first, last)
     for r, n in enumerate(counts):
         if n % v:
@@ -80,6 +83,21 @@ def layers_per_chunk_table(num_layers: int, pp: int, v: int = 1, first: Optional
             start += n
         table.append(row)
     return table
+
+
+def _segment_table(segments: list[int], num_layers: int, pp: int, v: int, first: Optional[int],
+                   last: Optional[int]) -> list[list[range]]:
+    """The table of a pattern cut by ``|``: virtual stage ``c * pp + r`` holds segment ``c * pp + r``."""
+    if first is not None or last is not None:
+        raise PipelineSplitError("the hybrid layer pattern's '|' cuts place every stage's layers: drop "
+                                 "decoder_first/last_pipeline_num_layers")
+    if sum(segments) != num_layers or len(segments) != pp * v:
+        raise PipelineSplitError(
+            f"the hybrid layer pattern's '|' cuts it into {len(segments)} segments, which must be pipeline size "
+            f"({pp}) x virtual stages per rank ({v}) = {pp * v}: one segment per (virtual) stage; cut it into a "
+            f"multiple of {pp} segments and set the virtual pipeline size to that multiple")
+    bounds = [sum(segments[:i]) for i in range(len(segments) + 1)]
+    return [[range(bounds[c * pp + r], bounds[c * pp + r + 1]) for r in range(pp)] for c in range(v)]
 
 
 def chunk_layer_range(num_layers: int, pp: int, pp_rank: int, v: int = 1, chunk: int = 0,
@@ -170,7 +188,7 @@ def build_stage_chunks(config, *, pp: int, pp_rank: int, v: int = 1, first: Opti
     """
     from .gpt import GPTModel  # the split itself stays importable without torch modules
 
-    table = layers_per_chunk_table(config.num_layers, pp, v, first, last)
+    table = layers_per_chunk_table(config.num_layers, pp, v, first, last, config.pipeline_segments)
     chunks = []
     for c in range(v):
         vs = c * pp + pp_rank

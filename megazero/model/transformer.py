@@ -1,4 +1,4 @@
-"""One pre-norm transformer layer: attention and MLP from the parts its :class:`LayerSpec` names.
+"""One pre-norm layer: a token mixer (attention, Gated DeltaNet, Mamba-2) and an MLP, from its :class:`LayerSpec`.
 
 Activations are ``[s, b, h]`` (``[s/tp, b, h]`` between the parallel linears under sequence
 parallelism). Each rank owns ``heads/tp`` attention heads and ``ffn/tp`` MLP columns; the only
@@ -40,8 +40,9 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
 
 
 class TransformerLayer(torch.nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))), its attention and MLP
-    built from ``spec`` (default: :func:`~megazero.model.layer_spec.layer_spec` of the config)."""
+    """Pre-norm block: x + drop(mixer(norm(x))), then x + drop(mlp(norm(x))), its mixer and MLP built from
+    ``spec`` (default: :func:`~megazero.model.layer_spec.layer_spec` of the config). A hybrid stack's layer has
+    one of the two (and only its norm); a Mamba layer names them ``norm`` and ``mixer`` (Megatron-core's)."""
 
     def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
                  number: int = 0, experts: Optional[ExpertParallel] = None, spec: Optional[LayerSpec] = None) -> None:
@@ -53,10 +54,14 @@ class TransformerLayer(torch.nn.Module):
         self.number = number
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
-        self.input_layernorm = build_norm(config, **kw)
-        self.self_attention = spec.attention(config, number=number, experts=experts, **kw)
-        self.pre_mlp_layernorm = build_norm(config, **kw)
-        self.mlp = spec.mlp(config, number=number, experts=experts, **kw)
+        self._norm_name, self._mixer_name = spec.names
+        if spec.attention is not None:
+            setattr(self, self._norm_name, build_norm(config, **kw))
+            setattr(self, self._mixer_name, spec.attention(config, number=number, experts=experts, **kw))
+        if spec.mlp is not None:
+            self.pre_mlp_layernorm = build_norm(config, **kw)
+            self.mlp = spec.mlp(config, number=number, experts=experts, **kw)
+        self.has_mixer, self.has_mlp = spec.attention is not None, spec.mlp is not None
         self.mlp_context_parallel = spec.mlp_context_parallel
 
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
@@ -64,6 +69,10 @@ class TransformerLayer(torch.nn.Module):
         def drop(t: torch.Tensor, site: int) -> torch.Tensor:
             return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel, context.dropout_key, site)
 
-        x = x + drop(self.self_attention(self.input_layernorm(x), context), 2 * self.number + 1)
+        if self.has_mixer:
+            norm, mixer = getattr(self, self._norm_name), getattr(self, self._mixer_name)
+            x = x + drop(mixer(norm(x), context), 2 * self.number + 1)
+        if not self.has_mlp:
+            return x
         h = self.pre_mlp_layernorm(x)
         return x + drop(self.mlp(h, context.cp) if self.mlp_context_parallel else self.mlp(h), 2 * self.number + 2)

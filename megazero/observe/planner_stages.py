@@ -71,7 +71,7 @@ def stage_layers(config: GPTConfig, pp: int, v: int = 1, first: Optional[int] = 
     """``out[stage][chunk]``: the global layer indices each pipeline stage's chunks build, as training
     splits them (:func:`~megazero.model.pipeline_split.layers_per_chunk_table`; its errors name the
     numbers that clash)."""
-    table = layers_per_chunk_table(config.num_layers, pp, v, first, last)
+    table = layers_per_chunk_table(config.num_layers, pp, v, first, last, config.pipeline_segments)
     return [[table[c][r] for c in range(v)] for r in range(pp)]
 
 

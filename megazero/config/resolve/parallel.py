@@ -127,7 +127,10 @@ def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConf
         return
     v_given, per_chunk = ns.virtual_pipeline_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage
     try:
+        segments = model.pipeline_segments
         v = 1 if v_given is None else v_given
+        if segments is not None and v_given is None and per_chunk is None and len(segments) % par.pp == 0:
+            v = len(segments) // par.pp  # the pattern's cuts give each rank its chunks (Megatron's)
         if per_chunk is not None:
             if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
                 raise ConfigError("--num-layers-per-virtual-pipeline-stage assumes an even split; with "
@@ -139,9 +142,10 @@ def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConf
                                   f"--virtual-pipeline-model-parallel-size is {v_given}; give one of them")
         if v < 1:
             raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}")
-        _account_for_ends(ns, par, model.num_layers, v)
+        if segments is None:
+            _account_for_ends(ns, par, model.num_layers, v)
         layers_per_chunk_table(model.num_layers, par.pp, v, par.decoder_first_pipeline_num_layers,
-                               par.decoder_last_pipeline_num_layers)
+                               par.decoder_last_pipeline_num_layers, segments)
     except PipelineSplitError as e:
         raise ConfigError(f"pipeline layout: {e}") from None
     group = ns.microbatch_group_size_per_virtual_pipeline_stage
@@ -212,7 +216,7 @@ def pipeline_plan_line(config: TrainConfig) -> str:
 
     p, m = config.parallel, config.schedule.grad_accum_steps
     table = layers_per_chunk_table(config.model.num_layers, p.pp, p.virtual_pp, p.decoder_first_pipeline_num_layers,
-                                   p.decoder_last_pipeline_num_layers)
+                                   p.decoder_last_pipeline_num_layers, config.model.pipeline_segments)
 
     def span(r: range) -> str:
         return f"{r.start}-{r.stop - 1}" if len(r) > 1 else (str(r.start) if len(r) else "none")

@@ -45,6 +45,9 @@ class ContextParallel:
     # sample (they differ between samples); None: ``shard.positions`` for every sample.
     sample_positions: Optional[torch.Tensor] = None
     rank: int = 0  # this rank's index in the CP group
+    # With packed documents: [b, s_local] bool, True where this rank's token begins a document (the recurrent
+    # layers' resets); None: one document per sample.
+    starts: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         for t in self.comm_types:

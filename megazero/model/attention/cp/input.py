@@ -9,13 +9,14 @@ ring balances them (torchtitan's ``prepare_context_parallel_input``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from .context import ContextParallel
 from .hierarchical import Hierarchy
-from .layout import zigzag_layout
+from .layout import CPLayout, zigzag_layout
 
 __all__ = ["context_parallel_context", "prepare_context_parallel_input", "document_bounds"]
 
@@ -35,18 +36,24 @@ def context_parallel_context(seq_length: int, groups, comm_type, device: torch.d
 def prepare_context_parallel_input(ctx: ContextParallel, sequences: dict[str, Optional[torch.Tensor]],
                                    position_ids: Optional[torch.Tensor] = None,
                                    attention_mask: Optional[torch.Tensor] = None,
-                                   documents: Optional[list[list[int]]] = None):
+                                   documents: Optional[list[list[int]]] = None, balance_documents: bool = True):
     """This rank's share of a whole micro-batch under ``ctx`` (:func:`context_parallel_context`):
     ``(ctx, {name: this rank's tokens of each tensor}, global positions [b, s_local] or [s_local],
     attention mask)``. ``sequences`` maps names to tensors ``[..., b, s]`` (None passes through);
     ``documents``: each sample's packed documents as cu_seqlens, which the ring takes in place of the
-    attention mask (the mask is then dropped unless an a2a or all-gather layer still needs it)."""
+    attention mask (the mask is then dropped unless an a2a or all-gather layer still needs it), and whose
+    starts the context carries for the recurrent layers. ``balance_documents``: with rings in every layer, place
+    each sample's documents evenly over the ranks (False: keep the zigzag placement, which the recurrent
+    layers' state passing needs: one placement for every sample)."""
     mask = attention_mask
+    device = next(t for t in sequences.values() if t is not None).device
     if documents is not None and {"p2p", "a2a+p2p"} & set(ctx.comm_types):
         # Rings in every layer: each sample's documents balanced over the ranks (its own placement).
-        device = next(t for t in sequences.values() if t is not None).device
-        ctx = ctx.with_documents(documents, balanced=set(ctx.comm_types) == {"p2p"}, device=device)
+        ctx = ctx.with_documents(documents, balanced=balance_documents and set(ctx.comm_types) == {"p2p"},
+                                 device=device)
         mask = mask if {"a2a", "allgather"} & set(ctx.comm_types) else None
+    if documents is not None and ctx.sample_positions is None:
+        ctx = dataclasses.replace(ctx, starts=_document_starts(documents, ctx.layout, ctx.rank, device))
     if ctx.sample_positions is not None:
         pos = ctx.sample_positions  # [b, s_local]
 
@@ -72,3 +79,17 @@ def document_bounds(text: torch.Tensor, eod: int) -> list[list[int]]:
     for sample, i in ends:
         cuts[sample].append(i + 1)
     return [c + [s] for c in cuts]
+
+
+def _document_starts(documents: list[list[int]], layout: Optional[CPLayout], rank: int,
+                     device: torch.device) -> torch.Tensor:
+    """``[b, s_local]`` bool: which of rank ``rank``'s tokens (under ``layout``) begin a document, built on the
+    host from the cu_seqlens and copied without waiting."""
+    positions = layout.positions(rank)
+    starts = torch.zeros(len(documents), int(documents[0][-1]), dtype=torch.bool)
+    for sample, cu in enumerate(documents):
+        starts[sample, torch.tensor(cu[:-1], dtype=torch.long)] = True
+    local = starts[:, positions]
+    if device.type == "cuda":
+        local = local.pin_memory()
+    return local.to(device, non_blocking=True)
