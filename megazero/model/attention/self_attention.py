@@ -131,12 +131,16 @@ class SelfAttention(CausalAttention):
         common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device, sequence_parallel=sp,
                       bias=c.add_bias_linear)
         init, output_init = init_methods(c)
-        qkv_size = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
+        # With an output gate (Qwen3-Next's), each query head has a gate head projected beside it.
+        self.gated = c.attention_output_gate
+        per_group = self.heads_per_group * (2 if self.gated else 1)
+        qkv_size = (per_group + 2) * c.query_groups * c.head_dim
         self.linear_qkv = mpu.ColumnParallelLinear(c.hidden_size, qkv_size, gather_output=False, init_method=init,
                                                    **{**common, "bias": c.add_bias_linear or c.add_qkv_bias})
-        # The weight's rows repeat per query group as (its queries, a key, a value): three matrices
+        # The weight's rows repeat per query group as (its queries[, their gates], a key, a value): matrices
         # fused into one, as an optimizer that works per matrix (Muon's QKV split) must know.
-        self.linear_qkv.weight.fused_matrices = (self.heads_per_group * c.head_dim, c.head_dim, c.head_dim)
+        queries = (self.heads_per_group * c.head_dim,) * (2 if self.gated else 1)
+        self.linear_qkv.weight.fused_matrices = (*queries, c.head_dim, c.head_dim)
         self.linear_proj = mpu.RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
                                                  input_is_parallel=True, init_method=output_init, **common)
         if c.qk_layernorm:
@@ -150,19 +154,24 @@ class SelfAttention(CausalAttention):
         """A query group's keys serve all its heads: the group takes its smallest ``eta`` (Megatron's GQA
         rule); its queries' rows scale by ``eta^alpha``, its key's by ``eta^(1 - alpha)``, V's stay."""
         g = eta.view(self.groups_per_rank, self.heads_per_group).amin(dim=1)
-        d = self.kv_channels
-        return [(self.linear_qkv.weight, row_factors((g.pow(alpha), self.heads_per_group * d), (g.pow(1 - alpha), d),
-                                               (torch.ones_like(g), d)))]
+        d, one = self.kv_channels, torch.ones_like(g)
+        gates = ((one, self.heads_per_group * d),) if self.gated else ()
+        return [(self.linear_qkv.weight, row_factors((g.pow(alpha), self.heads_per_group * d), *gates,
+                                                     (g.pow(1 - alpha), d), (one, d)))]
 
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
         """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: the forward's rotary, mask, CP and dropout key."""
         qkv, _ = self.linear_qkv(x)  # [s, b, (heads + 2*groups)/tp * d], full s even under SP
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
+        hpg = self.heads_per_group
+        qkv = qkv.view(s, b, self.groups_per_rank, hpg * (2 if self.gated else 1) + 2, self.kv_channels)
         # One split, as Megatron-core does: its backward writes the three gradients into one fresh
         # buffer. A slice and two selects would each allocate a zero-filled qkv-sized gradient in
         # backward, and autograd would then add the three (3 fills, 3 copies, 2 adds per layer).
-        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        if self.gated:
+            q, gate, k, v = torch.split(qkv, [hpg, hpg, 1, 1], dim=3)
+        else:
+            (q, k, v), gate = torch.split(qkv, [hpg, 1, 1], dim=3), None
         q = q.reshape(s, b, -1, self.kv_channels)  # [s, b, heads/tp, d]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups/tp, d]
         if self.q_layernorm is not None:
@@ -170,5 +179,7 @@ class SelfAttention(CausalAttention):
         if context.rotary is not None:
             q, k = apply_rotary(q, *context.rotary), apply_rotary(k, *context.rotary)
         ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key)  # [s, b, heads/tp * d]
+        if gate is not None:
+            ctx = ctx * torch.sigmoid(gate.reshape(ctx.shape))
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out

@@ -1,0 +1,134 @@
+"""Gated DeltaNet (Yang et al. 2024) as Qwen3-Next and Qwen3.5 mix tokens, over this rank's key heads.
+
+q, k and v are projected, pass a short causal convolution and SiLU; q and k are normalised
+(``x * rsqrt(sum x^2 + 1e-6)``, scaled by dk^-1/2 in the rule) and repeated to the value heads; the gates are
+``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the chunked gated delta rule
+(``delta_rule.py``) runs with its state in fp32; the output is normalised per head and multiplied by silu(z)
+(the gated RMSNorm), then projected back.
+
+Tensor parallelism splits the key heads (and with them their value heads): ``in_proj_qk``, ``in_proj_vz`` and
+``in_proj_ba`` are column-parallel with two equal parts each (rank r holds ``[q_r; k_r]``, ``[v_r; z_r]``,
+``[b_r; a_r]``), ``out_proj`` row-parallel. The small weights (the convolution over the ``[q; k; v]`` channels,
+``A_log``, ``dt_bias``, the norm's weight) are whole on every rank, each rank using its heads' slice, their
+gradients summed over TP. Packed documents and context parallelism are the driver's (``sequence.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero import mpu
+
+from ..config import GPTConfig
+from ..forward_context import ForwardContext
+from ..init import init_methods
+from ..mlp import GatedColumnParallelLinear
+from .delta_rule import chunk_gated_delta_rule, gated_delta_transition
+from .gated_norm import gated_rms_norm
+from .init import uniform_
+from .sequence import Scan, recurrent_scan, short_convolution
+
+__all__ = ["GatedDeltaNet", "GATED_DELTA_SCAN", "l2norm"]
+
+A_INIT_RANGE = (1.0, 16.0)  # Megatron-core's: A = exp(A_log) drawn from U(1, 16)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dimension, in fp32 (FLA's and transformers' form)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _run(q, k, v, g, beta, *, initial_state, starts):
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
+
+
+def _transition(q, k, v, g, beta, *, starts):
+    return gated_delta_transition(k, g, beta, starts=starts)
+
+
+# The state [dk, dv] of each head leaves a run as M @ S_in + S_ext, M [dk, dk]
+GATED_DELTA_SCAN = Scan(run=_run, transition=_transition, carry=torch.matmul)
+
+
+def _replicated(t: torch.Tensor, tp_size: int) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(t)
+    p.sequence_parallel = tp_size > 1  # each rank uses its heads' slice: the gradient is summed over TP
+    return p
+
+
+class GatedDeltaNet(torch.nn.Module):
+    """Gated DeltaNet over ``linear_num_key_heads / tp`` key heads and their value heads of this rank."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Optional[dist.ProcessGroup], tp_size: int, device=None,
+                 number: int = 0) -> None:
+        super().__init__()
+        c = config
+        self.number, self.tp_size = number, tp_size
+        self.nk, self.nv = c.linear_num_key_heads // tp_size, c.linear_num_value_heads // tp_size
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.eps = c.layernorm_epsilon
+        init, output_init = init_methods(c)
+        common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device,
+                      sequence_parallel=c.sequence_parallel, bias=c.add_bias_linear)
+        key_dim, value_dim = c.linear_num_key_heads * self.dk, c.linear_num_value_heads * self.dv
+        self.in_proj_qk = GatedColumnParallelLinear(c.hidden_size, key_dim, init_method=init, **common)
+        self.in_proj_vz = GatedColumnParallelLinear(c.hidden_size, value_dim, init_method=init, **common)
+        self.in_proj_ba = GatedColumnParallelLinear(c.hidden_size, c.linear_num_value_heads, init_method=init, **common)
+        self.out_proj = mpu.RowParallelLinear(value_dim, c.hidden_size, input_is_parallel=True,
+                                              init_method=output_init, **common)
+        self.tp_rank = self.out_proj.tp_rank
+        kw = dict(dtype=c.params_dtype, device=device)
+        self.conv1d_weight = _replicated(torch.empty(2 * key_dim + value_dim, c.linear_conv_kernel_dim, **kw), tp_size)
+        self.A_log = _replicated(torch.empty(c.linear_num_value_heads, **kw), tp_size)
+        self.dt_bias = _replicated(torch.empty(c.linear_num_value_heads, **kw), tp_size)
+        self.norm_weight = _replicated(torch.empty(self.dv, **kw), tp_size)
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.reset_parameters()
+
+    def _conv_weight(self) -> torch.Tensor:
+        """This rank's rows of the convolution: its q, k and v channels of the full ``[q; k; v]``."""
+        r, qk, v = self.tp_rank, self.nk * self.dk, self.nv * self.dv
+        key_dim, w = qk * self.tp_size, self.conv1d_weight
+        return torch.cat([w[r * qk:(r + 1) * qk], w[key_dim + r * qk:key_dim + (r + 1) * qk],
+                          w[2 * key_dim + r * v:2 * key_dim + (r + 1) * v]])
+
+    def reset_parameters(self) -> None:
+        """The layer's own small weights (the projections initialise themselves): the convolution as
+        ``nn.Conv1d``'s default (U(+-1/sqrt(K))), A from U(1, 16), dt_bias and the norm's weight ones."""
+        bound = 1.0 / self.conv1d_weight.size(1) ** 0.5
+        uniform_(self.conv1d_weight, -bound, bound)
+        uniform_(self.A_log, *A_INIT_RANGE)
+        with torch.no_grad():
+            self.A_log.log_()
+            self.dt_bias.fill_(1.0)
+            self.norm_weight.fill_(1.0)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a per-value-head vector."""
+        return t[self.tp_rank * self.nv:(self.tp_rank + 1) * self.nv]
+
+    def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
+        """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: document starts and context parallelism."""
+        (qk, _), (vz, _), (ba, _) = self.in_proj_qk(x), self.in_proj_vz(x), self.in_proj_ba(x)  # [s, b, 2 * ...]
+        qk, vz, ba = (t.transpose(0, 1) for t in (qk, vz, ba))  # batch first: [b, s, ...]
+        b, s = qk.shape[:2]
+        v, z = vz.chunk(2, dim=-1)
+        mixed = short_convolution(torch.cat([qk, v], dim=-1), self._conv_weight(), None, context)
+        q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        repeat = self.nv // self.nk
+        q = l2norm(q.reshape(b, s, self.nk, self.dk)).repeat_interleave(repeat, dim=2)
+        k = l2norm(k.reshape(b, s, self.nk, self.dk)).repeat_interleave(repeat, dim=2)
+        v = v.reshape(b, s, self.nv, self.dv)
+        beta_in, a = ba.chunk(2, dim=-1)
+        beta = torch.sigmoid(beta_in.float())
+        g = -self._heads(self.A_log).float().exp() * F.softplus(a.float() + self._heads(self.dt_bias).float())
+        o = recurrent_scan(GATED_DELTA_SCAN, [q, k, v, g, beta], context)  # [b, s, nv, dv]
+        y = gated_rms_norm(o, z.reshape(b, s, self.nv, self.dv), self.norm_weight, eps=self.eps,
+                           norm_before_gate=True)
+        out, _ = self.out_proj(y.reshape(b, s, -1).transpose(0, 1))
+        return out
