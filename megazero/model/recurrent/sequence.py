@@ -46,16 +46,27 @@ class Scan:
 class Runs:
     """This rank's tokens as runs: ``local[i] = (offset, length)`` in storage order, ``starts[i]`` the run's
     first global position; ``order`` every rank's runs ``(rank, index on that rank, global start, length)``
-    sorted by global start (identical on every rank); ``rank`` this rank's index in the CP group."""
+    sorted by global start (identical on every rank); ``rank`` this rank's index in the CP group; ``slots`` the
+    most runs any rank holds (what each rank contributes to a gather, padded with zeros)."""
 
     local: tuple[tuple[int, int], ...]
     starts: tuple[int, ...]
     order: tuple[tuple[int, int, int, int], ...]
     rank: int
+    slots: int = 1
 
     @property
     def per_rank(self) -> int:
         return len(self.local)
+
+    def row(self, rank: int, index: int) -> int:
+        """Where run ``index`` of ``rank`` sits in a gather of every rank's ``slots`` rows."""
+        return rank * self.slots + index
+
+    def padded(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's ``rows`` stacked and padded with zeros to ``slots`` (for a gather of equal shares)."""
+        pad = [torch.zeros_like(rows[0])] * (self.slots - len(rows))
+        return torch.stack(rows + pad)
 
 
 def local_runs(context: ForwardContext, length: int) -> Runs:
@@ -76,10 +87,6 @@ def local_runs(context: ForwardContext, length: int) -> Runs:
             else:
                 merged.append([start, n])
         per_rank.append(merged)
-    counts = {len(r) for r in per_rank}
-    if len(counts) != 1:
-        raise ValueError(f"recurrent layers need the same number of runs on every context-parallel rank, got "
-                         f"{[len(r) for r in per_rank]}")
     mine = per_rank[cp.rank]
     offsets, at = [], 0
     for start, n in mine:
@@ -87,7 +94,7 @@ def local_runs(context: ForwardContext, length: int) -> Runs:
         at += n
     order = sorted(((r, i, s, n) for r, runs in enumerate(per_rank) for i, (s, n) in enumerate(runs)),
                    key=lambda t: t[2])
-    return Runs(tuple(offsets), tuple(s for s, _ in mine), tuple(order), cp.rank)
+    return Runs(tuple(offsets), tuple(s for s, _ in mine), tuple(order), cp.rank, max(len(r) for r in per_rank))
 
 
 def _predecessors(runs: Runs) -> dict[tuple[int, int], Optional[tuple[int, int]]]:
@@ -147,12 +154,12 @@ def _halos(x: torch.Tensor, context: ForwardContext, runs: Runs, width: int):
         if n < width:
             raise ValueError(f"a context-parallel run of {n} tokens is shorter than the convolution's reach "
                              f"({width}): use a longer sequence or a smaller context-parallel size")
-    tails = torch.stack([x[:, off + n - width:off + n] for off, n in runs.local])  # [runs, b, width, C]
+    tails = runs.padded([x[:, off + n - width:off + n] for off, n in runs.local])  # [slots, b, width, C]
     cp = context.cp
-    gathered = gather_sequence(tails, cp.group)  # [P * runs, b, width, C], rank-major
+    gathered = gather_sequence(tails, cp.group)  # [P * slots, b, width, C], rank-major
     tail_starts = None
     if context.starts is not None:
-        st = torch.stack([context.starts[:, off + n - width:off + n] for off, n in runs.local]).to(torch.uint8)
+        st = runs.padded([context.starts[:, off + n - width:off + n].to(torch.uint8) for off, n in runs.local])
         tail_starts = all_gather_tensor(st, cp.group).bool()
     before = _predecessors(runs)
     halos, halo_starts = [], []
@@ -163,7 +170,7 @@ def _halos(x: torch.Tensor, context: ForwardContext, runs: Runs, width: int):
             halo_starts.append(None if tail_starts is None else torch.zeros(b, width, dtype=torch.bool,
                                                                              device=x.device))
             continue
-        row = prev[0] * runs.per_rank + prev[1]
+        row = runs.row(*prev)
         halos.append(gathered[row])
         halo_starts.append(None if tail_starts is None else tail_starts[row])
     return halos, halo_starts
@@ -192,9 +199,14 @@ def recurrent_scan(scan: Scan, inputs: Sequence[torch.Tensor], context: ForwardC
         first_outs.append(out)
         finals.append(final)
         transitions.append(scan.transition(*ins, starts=starts))
-    group = context.cp.group
-    all_finals = gather_sequence(torch.stack(finals), group)  # [P * runs, ...] rank-major
-    all_transitions = gather_sequence(torch.stack(transitions), group)
+    # One gather of (S_ext, M) per run, so every rank runs the same collectives in backward: its reduce-scatter
+    # is reached on every rank (all of a rank's summaries feed it), and before the halo's (upstream of it).
+    f_shape, t_shape = finals[0].shape, transitions[0].shape
+    rows = [torch.cat([f.reshape(-1), t.reshape(-1).to(f.dtype)]) for f, t in zip(finals, transitions)]
+    summaries = gather_sequence(runs.padded(rows), context.cp.group)  # [P * slots, |S| + |M|] rank-major
+    n = finals[0].numel()
+    all_finals = summaries[:, :n].reshape(-1, *f_shape)
+    all_transitions = summaries[:, n:].reshape(-1, *t_shape).to(transitions[0].dtype)
     entering = _fold(scan, runs, all_finals, all_transitions)
     outs = []
     for j in range(runs.per_rank):
@@ -215,6 +227,6 @@ def _fold(scan: Scan, runs: Runs, finals: torch.Tensor, transitions: torch.Tenso
     for r, i, _, _ in runs.order:
         if r == runs.rank:
             entering[i] = state
-        row = r * runs.per_rank + i
+        row = runs.row(r, i)
         state = finals[row] if state is None else scan.carry(transitions[row], state) + finals[row]
     return [entering[j] for j in range(runs.per_rank)]
