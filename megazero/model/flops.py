@@ -14,6 +14,10 @@ in place of QKV, scores at ``qk_dim`` and context at ``v_dim`` (``4 s heads d`` 
 ``2 s heads (qk_dim + v_dim)``). Each multi-token prediction depth adds its ``eh_proj`` ``4h^2``, a
 layer and the logits ``2hV``. Backward costs twice the forward; full recomputation adds one more
 forward of the decoder layers (not of the logit layer nor the prediction depths).
+Hybrid stacks (``GPTConfig.layer_kinds``): each layer counts its own parts, a norm for each of its mixer and
+MLP; a recurrent mixer (Gated DeltaNet, Mamba-2: :mod:`megazero.model.recurrent.counts`) counts its projections,
+its convolution and its chunked scan, which grow with no power of s; attention layers keep their square. A
+multi-token prediction depth is built as the last layer (``mtp.py``) and counted as it.
 For the default architecture with full recompute this is exactly Eq. 3 of the paper,
 ``F = 96 B s l h^2 (1 + s/(6h) + V/(16lh))``; without recompute it is
 ``72 B s l h^2 (1 + s/(6h) + V/(12lh))`` (Megatron-DeepSpeed's code reuses V/(16lh) there,
@@ -27,9 +31,11 @@ from typing import Optional, Union
 import torch
 
 from .config import GPTConfig
+from .layer_pattern import RECURRENT_MIXERS, LayerKinds
+from .recurrent.counts import recurrent_flops_per_token, recurrent_parameters
 
 __all__ = ["num_parameters", "expert_parameters", "mlp_parameters", "attention_parameters", "mtp_parameters",
-           "replicated_parameters",
+           "replicated_parameters", "mixer_parameters", "layer_parameters", "layer_flops_per_token", "uniform_layers",
            "active_parameters", "moe_layers", "flops_per_iteration", "flops_per_token", "layer_forward_flops_per_token",
            "attention_matrices", "attention_square_flops_per_token"]
 
@@ -67,18 +73,20 @@ def attention_parameters(c: GPTConfig) -> tuple[int, int]:
     """(one layer's attention parameters, those of them tensor parallelism replicates).
 
     Standard: the fused QKV (``(heads + 2 groups) d`` rows), the per-head query/key norms and the
-    projection; replicated: the projection's bias. Multi-latent attention (:mod:`~megazero.model.attention.mla`):
-    the query projection ``[n (qk + rope), h]`` or its down-projection ``[q_lora, h]``, norm and
+    projection; replicated: the query/key norms and the projection's bias;
+    with ``attention_output_gate`` the QKV also projects a gate per query head (``n d`` more rows). Multi-latent
+    attention: the query projection ``[n (qk + rope), h]`` or its down-projection ``[q_lora, h]``, norm and
     up-projection ``[n (qk + rope), q_lora]``; the key/value down-projection ``[kv_lora + rope, h]`` (the
     latent and the shared RoPE key), its norm and up-projection ``[n (qk + v), kv_lora]``; the projection
     ``[h, n v]``; replicated: the down-projections, their norms and the projection's bias."""
     h, n, b = c.hidden_size, c.num_attention_heads, 1 if c.add_bias_linear else 0
     proj_bias = b * h
-    if not c.multi_latent_attention:
-        d, qkv = c.head_dim, (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
+    if not c.multi_latent_attention:  # an output gate (Qwen3-Next's) projects one gate head per query head
+        gates = n if c.attention_output_gate else 0
+        d, qkv = c.head_dim, (c.num_attention_heads + gates + 2 * c.query_groups) * c.head_dim
         qk_norm = 2 * _norm(c, d) if c.qk_layernorm else 0
         qkv_bias = (1 if c.add_bias_linear or c.add_qkv_bias else 0) * qkv
-        return h * qkv + qkv_bias + qk_norm + n * d * h + proj_bias, proj_bias
+        return h * qkv + qkv_bias + qk_norm + n * d * h + proj_bias, qk_norm + proj_bias
     qk, rope, v, kv_lora = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_lora_rank
     q_out = n * (qk + rope)
     replicated = (h + b) * (kv_lora + rope) + _norm(c, kv_lora) + proj_bias
@@ -104,44 +112,71 @@ def _router(c: GPTConfig) -> int:
     return (c.hidden_size + (1 if c.moe_router_bias else 0)) * c.num_experts
 
 
-def _layer_parameters(c: GPTConfig, number: int) -> int:
-    """Transformer layer ``number``'s parameters: two norms, the attention and its MLP (a mixture's with
-    every routed expert)."""
+def uniform_layers(c: GPTConfig) -> bool:
+    """Every decoder layer is attention and an MLP (a GPT without recurrent or one-part layers), the model the
+    closed forms averaged over layers describe."""
+    return all(k.mixer in ("standard", "mla") and k.mlp for k in map(c.layer_kinds, range(c.num_layers)))
+
+
+def mixer_parameters(c: GPTConfig, kind: str) -> tuple[int, int]:
+    """(one ``kind`` mixer's parameters, those of them tensor parallelism replicates): attention's
+    (:func:`attention_parameters`) or a recurrent mixer's (:func:`~megazero.model.recurrent.counts.recurrent_parameters`)."""
+    return recurrent_parameters(c, kind) if kind in RECURRENT_MIXERS else attention_parameters(c)
+
+
+def _mlp_part(c: GPTConfig, kind: str) -> tuple[int, int, int]:
+    """(an MLP's parameters, routed experts included; those TP replicates; its routed experts'). Replicated: the
+    dense fc2's bias; a mixture's router, its shared expert's gate and fc2 bias (the routed experts' are theirs)."""
+    bias = c.hidden_size if c.add_bias_linear else 0
     dense, mixture = mlp_parameters(c)
-    mlp = mixture + c.num_experts * _expert(c) if c.is_moe_layer(number) else dense
-    return 2 * _norm(c) + attention_parameters(c)[0] + mlp
+    if kind == "dense":
+        return dense, bias, 0
+    shared = c.moe_shared_expert_intermediate_size
+    experts = c.num_experts * _expert(c)
+    replicated = _router(c) + (c.hidden_size if c.moe_shared_expert_gate and shared else 0) + (bias if shared else 0)
+    return mixture + experts, replicated, experts
+
+
+def _kinds(c: GPTConfig, number: int) -> LayerKinds:
+    """Layer ``number``'s parts; a multi-token prediction depth (``number >= num_layers``) is built as the last
+    layer (``mtp.py``)."""
+    return c.layer_kinds(min(number, c.num_layers - 1))
+
+
+def layer_parameters(c: GPTConfig, number: int) -> tuple[int, int, int]:
+    """(layer ``number``'s parameters, those TP replicates, its routed experts'): a norm and the mixer, a norm and
+    the MLP (a mixture's with every routed expert), for the parts the layer has."""
+    kinds = _kinds(c, number)
+    total = replicated = experts = 0
+    if kinds.mixer is not None:
+        mixer, mixer_replicated = mixer_parameters(c, kinds.mixer)
+        total, replicated = _norm(c) + mixer, _norm(c) + mixer_replicated
+    if kinds.mlp is not None:
+        mlp, mlp_replicated, experts = _mlp_part(c, kinds.mlp)
+        total, replicated = total + _norm(c) + mlp, replicated + _norm(c) + mlp_replicated
+    return total, replicated, experts
 
 
 def mtp_parameters(c: GPTConfig) -> tuple[int, int, int]:
     """(the D multi-token prediction depths' parameters, those tensor parallelism replicates, their routed
-    experts'). Each depth: two input norms, ``eh_proj`` ``[h, 2h]``, a transformer layer of the last layer's
-    kind and a final norm; the embedding and the head are the main model's (not counted here)."""
+    experts'). Each depth: two input norms, ``eh_proj`` ``[h, 2h]``, a layer of the last layer's kinds and a
+    final norm; the embedding and the head are the main model's (not counted here)."""
     if not c.mtp_num_layers:
         return 0, 0, 0
-    last = c.num_layers - 1
-    moe = c.is_moe_layer(last)
-    router = _router(c) + (c.hidden_size if c.moe_shared_expert_gate else 0) if moe else 0
-    fc2_bias = c.hidden_size if c.add_bias_linear else 0  # row-parallel, as the projection's (in the attention's)
-    # the two input norms, the layer's two and the final one
-    replicated = 5 * _norm(c) + attention_parameters(c)[1] + fc2_bias + router
-    depth = 3 * _norm(c) + 2 * c.hidden_size * c.hidden_size + _layer_parameters(c, last)
-    experts = c.num_experts * _expert(c) if moe else 0
-    return c.mtp_num_layers * depth, c.mtp_num_layers * replicated, c.mtp_num_layers * experts
+    layer, replicated, experts = layer_parameters(c, c.num_layers)
+    depth = 3 * _norm(c) + 2 * c.hidden_size * c.hidden_size + layer
+    return c.mtp_num_layers * depth, c.mtp_num_layers * (3 * _norm(c) + replicated), c.mtp_num_layers * experts
 
 
 def replicated_parameters(config: GPTConfig) -> int:
     """Parameters that tensor parallelism does not shard, in the whole model: norms, row-parallel biases
     (attention projection, second MLP linear), the learned position table, the routers (and shared-expert
-    gates) of a mixture of experts, multi-latent attention's down-projections and their norms, and the
-    multi-token prediction depths' own."""
+    gates) of a mixture of experts, multi-latent attention's down-projections and their norms, the recurrent
+    mixers' small weights (convolution, decays, norm), and the multi-token prediction depths' own."""
     c = config
-    h = c.hidden_size
-    attention_extra = attention_parameters(c)[1] - (h if c.add_bias_linear else 0)  # beyond the projection's bias
-    total = c.num_layers * (2 * _norm(c) + (2 * h if c.add_bias_linear else 0) + attention_extra) + _norm(c)
+    total = sum(layer_parameters(c, i)[1] for i in range(c.num_layers)) + _norm(c)
     if c.position_embedding_type == "learned":
-        total += c.max_position_embeddings * h
-    if c.num_experts:
-        total += moe_layers(c) * (_router(c) + (h if c.moe_shared_expert_gate else 0))
+        total += c.max_position_embeddings * c.hidden_size
     return total + mtp_parameters(c)[1]
 
 
@@ -160,7 +195,7 @@ def active_parameters(c: GPTConfig) -> int:
 
 def _config_parameters(c: GPTConfig) -> int:
     h, v = c.hidden_size, c.padded_vocab_size
-    total = v * h + sum(_layer_parameters(c, i) for i in range(c.num_layers)) + _norm(c)
+    total = v * h + sum(layer_parameters(c, i)[0] for i in range(c.num_layers)) + _norm(c)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if not c.tie_embeddings:
@@ -184,7 +219,8 @@ def num_parameters(model_or_config: Union[torch.nn.Module, GPTConfig], *, local:
 
 def attention_matrices(c: GPTConfig) -> list[tuple[int, int]]:
     """The weight matrices of one layer's attention as ``(rows, columns)``, whole (before TP), Q, K and V
-    apart: standard ``[n d, h]``, ``[g d, h]`` twice and the projection ``[h, n v]``; multi-latent
+    apart: standard ``[n d, h]`` (and the output gate's ``[n d, h]``), ``[g d, h]`` twice and the projection
+    ``[h, n v]``; multi-latent
     attention the query projection ``[n (qk + rope), h]`` (or its up-projection from ``q_lora`` and the
     down-projection ``[q_lora, h]``), the key/value down-projection ``[kv_lora + rope, h]``, its
     up-projection ``[n (qk + v), kv_lora]`` and the projection ``[h, n v]``. Their sizes are the
@@ -193,7 +229,8 @@ def attention_matrices(c: GPTConfig) -> list[tuple[int, int]]:
     out = (h, n * c.v_dim)
     if not c.multi_latent_attention:
         d, g = c.head_dim, c.query_groups
-        return [(n * d, h), (g * d, h), (g * d, h), out]
+        gate = [(n * d, h)] if c.attention_output_gate else []  # Qwen3-Next's output gate, projected beside Q
+        return [(n * d, h)] + gate + [(g * d, h), (g * d, h), out]
     q_out = n * (c.qk_head_dim + c.qk_pos_emb_head_dim)
     queries = [(q_out, h)] if c.q_lora_rank is None else [(q_out, c.q_lora_rank), (c.q_lora_rank, h)]
     return queries + [(c.kv_lora_rank + c.qk_pos_emb_head_dim, h),
@@ -211,9 +248,11 @@ def _square_keys(window: Optional[int], s: int) -> float:
 def attention_square_flops_per_token(c: GPTConfig, seq_length: Optional[int] = None) -> int:
     """Forward FLOPs of the attention's scores at ``qk_dim`` and context at ``v_dim`` for one token over the
     whole s x s square (a causal kernel computes half of it), averaged over the layers: a sliding layer's
-    square is as wide as twice the keys its window shows a query on average."""
+    square is as wide as twice the keys its window shows a query on average; a layer without attention (a
+    recurrent or MLP-only layer of a hybrid stack) has none, so ``num_layers`` times this is the model's."""
     s = seq_length or c.seq_length
-    keys = sum(_square_keys(c.layer_window(i), s) for i in range(c.num_layers)) / c.num_layers
+    keys = sum(_square_keys(c.layer_window(i), s) for i in range(c.num_layers)
+               if c.layer_kinds(i).mixer in ("standard", "mla")) / c.num_layers
     return round(2 * keys * c.num_attention_heads * (c.qk_dim + c.v_dim))
 
 
@@ -236,12 +275,52 @@ def _moe_flops_delta(c: GPTConfig) -> int:
     return c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts + 2 * _shared(c) - dense
 
 
+def _mlp_flops_per_token(c: GPTConfig, kind: Optional[str]) -> int:
+    """Forward FLOPs of an MLP for one token: the dense one's two linears, or a mixture's k routed experts,
+    shared expert and router (2hE)."""
+    if kind is None:
+        return 0
+    if kind == "moe":
+        return c.moe_router_topk * 2 * _expert(c) + 2 * c.hidden_size * c.num_experts + 2 * _shared(c)
+    gate = 2 if c.gated_linear_unit else 1
+    return 2 * c.hidden_size * gate * c.ffn_size + 2 * c.ffn_size * c.hidden_size
+
+
+def layer_flops_per_token(c: GPTConfig, number: int, seq_length: Optional[int] = None) -> int:
+    """Forward matmul FLOPs of layer ``number`` for one token of a length-``seq_length`` sequence, by its parts:
+    attention's matrices and its square (the layer's window), or a recurrent mixer's projections, convolution
+    and scan (no term in s); and the MLP. A multi-token prediction depth's layer is the last layer's."""
+    s = seq_length or c.seq_length
+    kinds = _kinds(c, number)
+    if kinds.mixer is None:
+        mixer = 0
+    elif kinds.mixer in RECURRENT_MIXERS:
+        mixer = recurrent_flops_per_token(c, kinds.mixer)
+    else:
+        square = round(2 * _square_keys(c.layer_window(number), s) * c.num_attention_heads * (c.qk_dim + c.v_dim))
+        mixer = 2 * sum(r * k for r, k in attention_matrices(c)) + square
+    return mixer + _mlp_flops_per_token(c, kinds.mlp)
+
+
+def _layers_flops_per_token(c: GPTConfig, s: int) -> int:
+    """Forward FLOPs of the decoder layers for one token: a uniform model's as Narayanan et al. count them
+    (layers x one layer, the square averaged over the layers, the mixtures' difference added), else layer by
+    layer."""
+    if not uniform_layers(c):
+        return sum(layer_flops_per_token(c, i, s) for i in range(c.num_layers))
+    layers = c.num_layers * layer_forward_flops_per_token(c, s)
+    return layers + moe_layers(c) * _moe_flops_delta(c) if c.num_experts else layers
+
+
 def _mtp_flops_per_token(c: GPTConfig, s: int) -> int:
     """Forward FLOPs of the multi-token prediction depths per token: each one's ``eh_proj``, its layer (of
     the last layer's kind) and the head's logits."""
     if not c.mtp_num_layers:
         return 0
-    layer = layer_forward_flops_per_token(c, s) + (_moe_flops_delta(c) if c.is_moe_layer(c.num_layers - 1) else 0)
+    if uniform_layers(c):
+        layer = layer_forward_flops_per_token(c, s) + (_moe_flops_delta(c) if c.is_moe_layer(c.num_layers - 1) else 0)
+    else:
+        layer = layer_flops_per_token(c, c.num_layers, s)
     return c.mtp_num_layers * (2 * 2 * c.hidden_size * c.hidden_size + layer + 2 * c.hidden_size * c.padded_vocab_size)
 
 
@@ -252,9 +331,7 @@ def flops_per_iteration(config: GPTConfig, global_batch_size: int, seq_length: O
     c = config
     s = seq_length or c.seq_length
     f = 4 if recompute_full else 3
-    layers = c.num_layers * layer_forward_flops_per_token(c, s)
-    if c.num_experts:
-        layers += moe_layers(c) * _moe_flops_delta(c)
+    layers = _layers_flops_per_token(c, s)
     logits = 2 * c.hidden_size * c.padded_vocab_size
     return float(global_batch_size * s * (f * layers + 3 * logits + 3 * _mtp_flops_per_token(c, s)))
 
