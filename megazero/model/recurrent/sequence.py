@@ -60,7 +60,8 @@ class Runs:
 
 def local_runs(context: ForwardContext, length: int) -> Runs:
     """The runs of this rank's ``length`` tokens: one (the whole sequence) without context parallelism, else
-    the context's layout with consecutive runs of a rank merged."""
+    the context's layout with consecutive runs of a rank merged where that leaves every rank as many runs (the
+    gathered summaries are stacked per rank), else the layout's runs as they are."""
     cp = context.cp
     if cp is None or cp.layout is None or cp.layout.cp_size == 1:
         return Runs(((0, length),), (0,), ((0, 0, 0, length),), 0)
@@ -76,6 +77,8 @@ def local_runs(context: ForwardContext, length: int) -> Runs:
             else:
                 merged.append([start, n])
         per_rank.append(merged)
+    if len({len(r) for r in per_rank}) != 1:  # zigzag: rank P-1's chunks P-1 and P are adjacent, the others' not
+        per_rank = [[[start, n] for _, start, n in rank_runs] for rank_runs in cp.layout.runs]
     counts = {len(r) for r in per_rank}
     if len(counts) != 1:
         raise ValueError(f"recurrent layers need the same number of runs on every context-parallel rank, got "
