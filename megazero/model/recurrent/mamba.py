@@ -115,6 +115,18 @@ class MambaMixer(torch.nn.Module):
                  for off, n in blocks]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def _scan(self, A: torch.Tensor, D: torch.Tensor) -> Scan:
+        """The SSD scan of inputs ``(x, Δ, B, C)`` with this rank's ``A`` and skip ``D`` (inside the scan, as
+        transformers adds it); a state passes a run as ``M[b, H] * S``."""
+        def run(x, delta, B, C, *, initial_state, starts):
+            return chunk_ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
+                                  chunk_size=self.chunk_size)
+
+        def transition(x, delta, B, C, *, starts):
+            return ssd_transition(delta, A, starts=starts)
+
+        return Scan(run=run, transition=transition, carry=lambda M, S: M[..., None, None] * S)
+
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
         """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: the document starts and context parallelism."""
         zx, _ = self.in_proj_zx(x)  # [s, b, 2d/tp] = [z_r, x_r], the whole (CP-local) sequence under SP
@@ -132,12 +144,9 @@ class MambaMixer(torch.nn.Module):
         delta = F.softplus(dt.transpose(0, 1).float() + self._mine(self.dt_bias, *heads).float())
         A = -torch.exp(self._mine(self.A_log, *heads).float())
         D = self._mine(self.D, *heads)
-        scan = Scan(run=lambda x_, dt_, B_, C_, *, initial_state, starts: chunk_ssd_scan(
-                        x_, dt_, A, B_, C_, D=D, initial_state=initial_state, starts=starts, chunk_size=self.chunk_size),
-                    transition=lambda x_, dt_, B_, C_, *, starts: ssd_transition(dt_, A, starts=starts),
-                    carry=lambda M, S: M[..., None, None] * S)
-        y = recurrent_scan(scan, [xs.unflatten(-1, (-1, self.head_dim)), delta, B.unflatten(-1, (-1, self.state)),
-                                  C.unflatten(-1, (-1, self.state))], context, runs)  # [b, s, heads/tp, P]
+        inputs = [xs.unflatten(-1, (-1, self.head_dim)), delta, B.unflatten(-1, (-1, self.state)),
+                  C.unflatten(-1, (-1, self.state))]
+        y = recurrent_scan(self._scan(A, D), inputs, context, runs)  # [b, s, heads/tp, P]
         y = gated_rms_norm(y.flatten(2), z, self._mine(self.norm_weight, (0, self.d_inner)), eps=self.eps,
                            group_size=self.d_inner // self.groups, norm_before_gate=False)
         out, _ = self.out_proj(y.transpose(0, 1).contiguous())  # [s(/tp), b, h]
