@@ -15,9 +15,14 @@ __all__ = ["init_methods", "keyed_uniform"]
 
 def init_methods(config: GPTConfig):
     """``(init, output_init)``: for ordinary weights and for the residual-output projections
-    (linear_proj, linear_fc2). Both draw from the full weight's shape (TP-invariant)."""
+    (linear_proj, linear_fc2, the recurrent layers' out_proj): N(0, std / sqrt(2L)), or std / sqrt(L) in a hybrid
+    stack, whose layers have one residual branch each (Megatron-core's). Both draw from the full weight's shape
+    (TP-invariant)."""
     if config.init_method == "xavier_uniform":
         return torch.nn.init.xavier_uniform_, torch.nn.init.xavier_uniform_
+    if config.hybrid_layer_pattern is not None:  # one residual branch per layer: Megatron's std / sqrt(L)
+        return (init_method_normal(config.init_method_std),
+                init_method_normal(config.init_method_std / math.sqrt(config.num_layers)))
     return (init_method_normal(config.init_method_std),
             scaled_init_method_normal(config.init_method_std, config.num_layers))
 
