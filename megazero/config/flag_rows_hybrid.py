@@ -61,6 +61,10 @@ def add_hybrid_rows(g: Callable[..., Any]) -> None:
         g(H, flag, what, int, default=default)
     g(H, "--mamba-num-heads", _MAMBA_SIZE + "heads (default 2 x --hidden-size / --mamba-head-dim, Megatron's expand "
       "2); a multiple of --mamba-num-groups", int)
+    g(H, "--linear-cp-comm-type", "how Gated DeltaNet and Mamba-2 layers run under --context-parallel-size: "
+      "state_passing (default: each rank runs its tokens; the ranks all-gather per-layer state summaries whose size "
+      "does not grow with the sequence; any number of heads) or a2a (Megatron's: an all-to-all gives each rank the "
+      "whole sequence for 1/cp of the heads, which must divide)", str, choices=("state_passing", "a2a"))
     g(H, "--attention-output-gate", "the attention output times the sigmoid of a gate as wide as the queries, "
       "projected with them (Qwen3-Next's gated attention); not with --multi-latent-attention")
     g(H, "--mamba-training-ssm-states-dtype", "the dtype of Mamba-2's states between chunks: megazero keeps them in "

@@ -99,6 +99,8 @@ def hybrid_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         kw["experimental_attention_variant"] = "gated_delta_net"
     if ns.attention_output_gate:
         kw["attention_output_gate"] = True
+    if ns.linear_cp_comm_type is not None:
+        kw["linear_cp_comm_type"] = ns.linear_cp_comm_type
     return kw
 
 
