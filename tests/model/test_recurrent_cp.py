@@ -1,5 +1,5 @@
 """Gated DeltaNet layers run context-parallel (each rank two zigzag chunks of every sequence; the ranks all-gather
-each run's state summary and the convolution's halo) against the same GPT in one process: per-token losses and
+each run's state summary and the convolution's halo; or Megatron's heads all-to-all) against the same GPT in one process: per-token losses and
 parameter gradients (summed over the CP ranks), with and without packed documents, whose ends fall inside
 chunks and on the shards' cuts."""
 
@@ -15,8 +15,8 @@ S, B, V = 32, 2, 96
 CU = [0, 5, 8, 21, 32]  # document ends inside chunks (5, 21) and on a cut (8 at cp 2 and 4)
 
 
-def _config() -> GPTConfig:
-    return GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=V,
+def _config(linear_cp: str = "state_passing") -> GPTConfig:
+    return GPTConfig(linear_cp_comm_type=linear_cp, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=V,
                      seq_length=S, max_position_embeddings=S, hidden_dropout=0.0, attention_dropout=0.0,
                      position_embedding_type="rope", make_vocab_size_divisible_by=32, attention_backend="sdpa",
                      experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
@@ -48,10 +48,10 @@ class _Groups:
         self.cp_size, self.cp_rank, self.cp_group = cp, rank, None
 
 
-def _context_parallel(comm_type: str, documents: bool):
+def _context_parallel(comm_type: str, documents: bool, linear_cp: str):
     rank, cp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPTModel(_config())
+    model = GPTModel(_config(linear_cp))
     ids, labels = _data()
     ctx = context_parallel_context(S, _Groups(cp, rank), comm_type, torch.device("cpu"))
     ctx, local, pos, mask = prepare_context_parallel_input(
@@ -66,11 +66,14 @@ def _context_parallel(comm_type: str, documents: bool):
     return pos, loss.detach(), grads
 
 
-@pytest.mark.parametrize("cp,comm_type,documents", [(2, "p2p", False), (2, "a2a", True), (4, "p2p", True),
-                                                     (4, "allgather", False)])
-def test_gated_delta_net_context_parallel_equals_one_process(cp, comm_type, documents):
+@pytest.mark.parametrize("cp,comm_type,documents,linear_cp", [
+    (2, "p2p", False, "state_passing"), (2, "a2a", True, "state_passing"), (4, "p2p", True, "state_passing"),
+    (4, "allgather", False, "state_passing"),
+    (2, "p2p", True, "a2a"),  # Megatron's: the whole sequence for half the heads on each rank
+])
+def test_gated_delta_net_context_parallel_equals_one_process(cp, comm_type, documents, linear_cp):
     ref_loss, ref_grads = _one_process(documents)
-    for pos, loss, grads in run_distributed(cp, _context_parallel, comm_type, documents):
+    for pos, loss, grads in run_distributed(cp, _context_parallel, comm_type, documents, linear_cp):
         torch.testing.assert_close(loss, ref_loss[:, pos], rtol=1e-5, atol=1e-6)
         for n, g in grads.items():
             assert (g - ref_grads[n]).abs().max() <= 2e-6 + 1e-5 * ref_grads[n].abs().max(), (n, (g - ref_grads[n]).abs().max(), ref_grads[n].abs().max())

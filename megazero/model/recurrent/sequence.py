@@ -14,6 +14,10 @@ under the balanced zigzag layout, chunks r and 2P-1-r). Both parts work run by r
   sequence length), every rank folds the ones before each of its runs in global order in fp32, and runs its
   runs again from the states so found. Backward flows through the gather (a reduce-scatter).
 
+Megatron's scheme is the alternative (:class:`HeadsExchange`, ``linear_cp_comm_type='a2a'``): an all-to-all gives
+each rank the whole sequence for 1/P of the heads, which run as without context parallelism, and another takes
+the output back; it moves activations that grow with the sequence and needs the heads divisible by P.
+
 A scan is described by a :class:`Scan`: the chunked kernel, its transition and how a transition acts on a
 state; ``recurrent/delta_rule.py`` (Gated DeltaNet) and ``recurrent/ssd.py`` (Mamba-2) provide them.
 """
@@ -25,11 +29,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megazero.mpu.cp_exchange import all_gather_tensor, gather_sequence
+import dataclasses
+
+from megazero.mpu.cp_exchange import (all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
+                                      seq_to_heads_all_to_all)
 
 from ..forward_context import ForwardContext
 
-__all__ = ["Scan", "Runs", "local_runs", "short_convolution", "recurrent_scan"]
+__all__ = ["Scan", "Runs", "local_runs", "short_convolution", "recurrent_scan", "HeadsExchange"]
 
 
 @dataclass(frozen=True)
@@ -230,3 +237,39 @@ def _fold(scan: Scan, runs: Runs, finals: torch.Tensor, transitions: torch.Tenso
         row = runs.row(r, i)
         state = finals[row] if state is None else scan.carry(transitions[row], state) + finals[row]
     return [entering[j] for j in range(runs.per_rank)]
+
+
+@dataclass(frozen=True)
+class HeadsExchange:
+    """Megatron's context parallelism for these layers: :meth:`to_heads` gives this rank the whole sequence (in
+    global order) for its 1/P of the heads, :attr:`context` is that view's (no CP; the documents' starts of the
+    whole sequence), :meth:`to_sequence` takes an output back to this rank's tokens and every head."""
+
+    cp: object
+    context: ForwardContext
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, context: ForwardContext) -> "HeadsExchange":
+        cp = context.cp
+        starts = context.starts
+        if starts is not None:  # every token's, in global order
+            every = all_gather_tensor(starts.t().contiguous().to(torch.uint8), cp.group)  # [S, b] rank-major
+            starts = every[cp.shard.order].t().bool()
+        size = cp.shard.all_positions.numel() // cp.shard.positions.numel()
+        whole = dataclasses.replace(context, cp=None, starts=starts, attention_mask=None)
+        return cls(cp, whole, size, cp.rank)
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, s_local, n, d]`` -> ``[b, S, n / P, d]``: heads ``[rank n/P, (rank+1) n/P)`` in global order."""
+        if t.size(2) % self.size:
+            raise ValueError(f"the heads all-to-all splits {t.size(2)} heads over {self.size} context-parallel ranks: "
+                             "they must divide; use linear_cp_comm_type='state_passing' (any number of heads)")
+        x = seq_to_heads_all_to_all(t.transpose(0, 1), self.cp.group)  # [S, b, n/P, d] rank-major
+        return x[self.cp.shard.order].transpose(0, 1)
+
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, S, n / P, d]`` (global order) -> ``[b, s_local, n, d]``: the inverse of :meth:`to_heads`."""
+        x = t.transpose(0, 1)[self.cp.shard.all_positions]  # rank-major
+        return heads_to_seq_all_to_all(x, self.cp.group).transpose(0, 1)
