@@ -50,6 +50,7 @@ SLOW_TESTS = {
     # keeps its checks' asserts and verdicts (same module) and their behaviours (tests/zero)
     "tests/scripts/test_gpu_check.py::test_dry_run_on_the_cpu_passes_what_runs_there",
     "tests/test_package.py::test_the_import_check_reads_torch_version_without_importing_torch",
+    "tests/observe/test_planner_hybrid.py::test_the_rehearsal_sends_as_much_at_1m_tokens_as_at_128k",
     "tests/training/test_rehearse.py::test_zero1_pipeline_two_ranks_against_the_formulas_and_a_device_limit",
     "tests/training/test_rehearse.py::test_zero3_two_ranks_against_the_formulas",
     "tests/training/test_rehearse.py::test_a_mixtral_8x7b_launch_on_64_ranks_is_rehearsed_against_the_formula",

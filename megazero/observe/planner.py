@@ -67,6 +67,7 @@ from megazero.model.flops import (
     mtp_parameters,
     num_parameters,
     replicated_parameters,
+    uniform_layers,
 )
 from megazero.observe.gpu_overheads import (
     HOST_MEMORY_NOTE,
@@ -81,7 +82,7 @@ from megazero.observe.planner_offload import DTYPE_BYTES as _DTYPE_BYTES
 from megazero.observe.planner_offload import offloaded_bytes, offloaded_param_bytes
 from megazero.observe.planner_stages import STATE_BYTES as _STATE_BYTES
 from megazero.observe.planner_stages import embedding_params as _embedding_params
-from megazero.observe.planner_stages import model_state_bytes, pipeline_plan, stage_layers
+from megazero.observe.planner_stages import largest_layer, model_state_bytes, pipeline_plan, stage_layers
 from megazero.observe.planner_stages import with_experts as _with_experts
 from megazero.observe.planner_traffic import traffic_bytes_per_step
 
@@ -220,6 +221,9 @@ class MemoryEstimate:
                     if key in ("dp", "tp", "pp") or t.get(key)]
             lines.append(f"sent per GPU per step{' (the largest stage)' if pl else ''}: {', '.join(sent)} "
                          f"(total {t['total'] / GiB:.2f} GiB)")
+        if self.activation_detail.get("recurrent_state"):  # a hybrid stack's recurrent layers
+            lines.append(f"recurrent layers' states kept for backward: "
+                         f"{self.activation_detail['recurrent_state'] / GiB:.2f} GiB per micro-batch (in the activations)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         lines.append("  " + nccl_line(self.nccl_communicators, self.nccl_note))
@@ -330,7 +334,10 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
 
     # The largest flat group's partition (a layer's weights, or the word embedding): what one
     # offload buffer needs at most.
-    largest = max((layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp,
+    hybrid = not uniform_layers(config)  # one-part or recurrent layers: counted layer by layer
+    big = largest_layer(config, tp) if hybrid else None  # in place of the average layer
+    largest = max(big[0] if hybrid else (layers_total - layers_replicated - _embedding_params(config))
+                  / config.num_layers / tp,
                   config.padded_vocab_size * config.hidden_size / tp) / (zdp if zero_stage else 1)
 
     def param_host(n: float) -> dict[str, float]:
@@ -350,20 +357,24 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
     act_kw = dict(micro_batch_size=micro_batch_size, seq_length=s_rank, tp=tp, recompute=recompute,
                   sequence_parallel=sequence_parallel and tp > 1, flash_attn=flash_attn,
                   act_bytes=_DTYPE_BYTES[precision], expert_tp=etp)
-    act = _activations(config, **act_kw)
-    if 0 < moe_layers(config) < config.num_layers:  # a dense and a mixture layer's, for stages holding other shares
+    act = _activations(config, cp=context_parallel, **act_kw)
+    if not hybrid and 0 < moe_layers(config) < config.num_layers:  # a dense and a mixture layer's, for stages
         act["saved_by_kind"] = tuple(_activations(c, **act_kw)["saved_per_layer"] for c in (
             config.replace(num_experts=None), config.replace(moe_layer_freq=1)))
     kinds = [cp_comm_type] * config.num_layers if isinstance(cp_comm_type, str) else list(cp_comm_type)
-    if context_parallel > 1 and "allgather" in kinds:
+    # the attention layers whose exchange is the all-gather (every layer is attention but in a hybrid stack)
+    gathered = [i for i, k in enumerate(kinds) if k == "allgather" and config.layer_kinds(i).mixer in ("standard", "mla")]
+    if context_parallel > 1 and gathered:
         act = _gathered_kv(act, config, seq_length=s, micro_batch_size=micro_batch_size, tp=tp, cp=context_parallel,
-                           recompute=recompute, act_bytes=_DTYPE_BYTES[precision], layers=kinds.count("allgather"))
+                           recompute=recompute, act_bytes=_DTYPE_BYTES[precision], layers=len(gathered),
+                           numbers=gathered)
     buffers = 0.0
     if zero_stage == 3:
         # The layer being computed plus the one being prefetched, gathered to full (TP-local) size.
         layer = (layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp
         layer += (layers_replicated - (config.max_position_embeddings * config.hidden_size
                                 if config.position_embedding_type == "learned" else 0)) / config.num_layers
+        layer = big[1] if hybrid else layer
         emb = config.padded_vocab_size * config.hidden_size / tp
         if prefetch_bucket_size is None:
             ahead = min(1, config.num_layers - 1)
@@ -374,7 +385,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         buffers = (max(layer, emb) + ahead * layer) * _STATE_BYTES[precision][0]
     grad_buckets = 0.0
     if zero_stage >= 2:
-        layer_local = (layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp
+        layer_local = big[0] if hybrid else \
+            (layers_total - layers_replicated - _embedding_params(config)) / config.num_layers / tp
         unit = max(layer_local, config.padded_vocab_size * config.hidden_size / tp)
         reduce_bytes = _DTYPE_BYTES[grad_accum_dtype] if grad_accum_dtype else _STATE_BYTES[precision][1]
         # At the step's peak (backward's start, all activations alive) one unit's autograd
@@ -405,7 +417,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
                 config, psi=st["params"] - st["expert_params"], psi_experts=st["expert_params"],
                 layers=st["layers"], moe_layers=st["moe_layers"], mtp_layers=st["mtp_layers"],
                 mtp_moe_layers=st["mtp_layers"] if mtp_moe else 0, pp_bytes=sends * m_steps * pipeline["boundary_bytes"],
-                first_stage=r == 0, last_stage=r == pp - 1, **common)
+                first_stage=r == 0, last_stage=r == pp - 1,
+                layer_numbers=[i for a, b in st["layer_ranges"] for i in range(a, b)] if hybrid else None, **common)
         psi_experts = stage["expert_params"]  # the largest stage's
         psi, (weights, grads, optim) = stage["params"] - psi_experts, stage["states"]
         act = dict(act, total=stage["activations"], in_flight=stage["in_flight"])
@@ -415,6 +428,7 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
         embedding = {}
         traffic = traffic_bytes_per_step(config, psi=psi, psi_experts=psi_experts,
                                          layers=config.num_layers, moe_layers=moe_layers(config),
+                                         layer_numbers=range(config.num_layers) if hybrid else None,
                                          mtp_layers=config.mtp_num_layers,
                                          mtp_moe_layers=config.mtp_num_layers if mtp_moe else 0, **common)
     host = offloaded_bytes(psi, dp=zdp, ratio=ratio, device=offload_optimizer, buffer_count=offload_buffer_count,

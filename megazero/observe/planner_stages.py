@@ -5,7 +5,9 @@ for mixed-precision Adam, partitioned over the data-parallel ranks by stage. A p
 holds the layers :func:`megazero.model.pipeline_split.layers_per_chunk_table` gives it, the split
 training builds (even, or Megatron's ``--decoder-first-pipeline-num-layers`` /
 ``--decoder-last-pipeline-num-layers``), with its own dense and mixture layers
-(``--moe-layer-freq``); the first stage also the embedding, the last the final norm and the head.
+(``--moe-layer-freq``); the first stage also the embedding, the last the final norm and the head. In a hybrid
+stack (one-part and recurrent layers, ``GPTConfig.layer_kinds``) a stage holds its layers' own parameters and
+activations, layer by layer.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 from typing import Optional
 
 from megazero.model.config import GPTConfig
-from megazero.model.flops import mlp_parameters, moe_layers, mtp_parameters
+from megazero.model.flops import layer_parameters, mlp_parameters, moe_layers, mtp_parameters, uniform_layers
 from megazero.model.pipeline_split import layers_per_chunk_table
 from megazero.observe.planner_offload import DTYPE_BYTES
 
-__all__ = ["STATE_BYTES", "model_state_bytes", "stage_layers", "pipeline_plan", "embedding_params"]
+__all__ = ["STATE_BYTES", "model_state_bytes", "stage_layers", "pipeline_plan", "embedding_params",
+           "layer_local_parameters", "largest_layer"]
 
 # bytes per parameter: (weights, gradients, optimizer states) — ZeRO paper's 2 + 2 + K with K = 12
 # (fp32 master copy 4 + Adam m 4 + v 4); in fp32 the master copy is the weight itself.
@@ -76,13 +79,15 @@ def stage_layers(config: GPTConfig, pp: int, v: int = 1, first: Optional[int] = 
 
 
 def _stage_activations(act: dict, *, n: int, moe: int, moe_share: float, r: int, pp: int, v: int,
-                       m: int) -> tuple[float, int]:
+                       m: int, numbers: Optional[list[int]] = None) -> tuple[float, int]:
     """(activation bytes, micro-batches in flight) of stage ``r`` holding ``n`` layers, ``moe`` of them
-    mixtures (the model's share ``moe_share``)."""
+    mixtures (the model's share ``moe_share``); ``numbers``: which (a hybrid stack's layers keep their own)."""
     saved, live = act["saved_per_layer"], act["recompute_live"]
     if "saved_by_kind" in act and n:  # the stage's own mix of dense and mixture layers
         dense, mixed = act["saved_by_kind"]
         saved = act["saved_per_layer"] + (moe / n - moe_share) * (mixed - dense)
+    if "saved_by_layer" in act and n:  # a hybrid stack: its layers' own, averaged over the stage's
+        saved = sum(act["saved_by_layer"][i] for i in numbers) / n
     # Each micro-batch in flight also keeps the stage's output it sent (every stage but the last;
     # the pipeline keeps it for backward), and on the first stage the embedding's dropout mask.
     output = act["layer_input"] if r < pp - 1 or v > 1 else 0.0
@@ -106,6 +111,23 @@ def _embedding_sync(c: GPTConfig, word: float) -> tuple[float, float]:
     if not (c.tie_embeddings or c.mtp_num_layers):
         return 0.0, 0.0
     return 4 * word, 4 * 4 * word
+
+
+def layer_local_parameters(c: GPTConfig, tp: int) -> list[float]:
+    """Each decoder layer's parameters on one TP rank, routed experts left out (they are planned apart): its
+    sharded ones / tp and its replicated ones whole."""
+    out = []
+    for i in range(c.num_layers):
+        total, replicated, experts = layer_parameters(c, i)
+        out.append((total - experts - replicated) / tp + replicated)
+    return out
+
+
+def largest_layer(c: GPTConfig, tp: int) -> tuple[float, float]:
+    """(the largest decoder layer's sharded parameters on one TP rank, those with its replicated ones), routed
+    experts among the sharded: the unit a ZeRO buffer holds, for a hybrid stack whose layers differ."""
+    return max(((t - r) / tp, (t - r) / tp + r) for t, r, _ in map(lambda i: layer_parameters(c, i),
+                                                                   range(c.num_layers)))
 
 
 def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, replicated: int, tp: int,
@@ -134,12 +156,16 @@ def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, r
     router = (c.hidden_size + (1 if c.moe_router_bias else 0)) * (c.num_experts or 0) + c.hidden_size * gate
     dense_mlp, mixture = dense_mlp / tp, (mixture - router) / tp + router if mixture else 0.0
     moe_total = moe_layers(c)
+    own = None if uniform_layers(c) else layer_local_parameters(c, tp)
     stages, worst = [], None
     for r, chunks in enumerate(layers):
         n = sum(len(rg) for rg in chunks)
-        here = sum(c.is_moe_layer(i) for rg in chunks for i in rg)
-        # the average layer, corrected for the stage's mixtures (a pattern puts dense layers where it says)
-        params = n * layer + (here - n * moe_total / L) * (mixture - dense_mlp)
+        numbers = [i for rg in chunks for i in rg]
+        here = sum(c.is_moe_layer(i) for i in numbers)
+        if own is not None:  # a hybrid stack: its layers' own parameters
+            params = float(sum(own[i] for i in numbers))
+        else:  # the average layer, corrected for the stage's mixtures (a pattern puts dense layers where it says)
+            params = n * layer + (here - n * moe_total / L) * (mixture - dense_mlp)
         ends = []
         if r == 0:
             params += word + pos
@@ -150,7 +176,8 @@ def pipeline_plan(config: GPTConfig, layers: list[list[range]], *, total: int, r
             if c.mtp_num_layers:  # the depths, and the embedding's copy they read (tied: the head's)
                 params += mtp_local + (0 if c.tie_embeddings else word)
                 ends.append(f"{c.mtp_num_layers} MTP")
-        acts, in_flight = _stage_activations(act, n=n, moe=here, moe_share=moe_total / L, r=r, pp=pp, v=v, m=m)
+        acts, in_flight = _stage_activations(act, n=n, moe=here, moe_share=moe_total / L, r=r, pp=pp, v=v, m=m,
+                                             numbers=numbers)
         # of the average stage's experts (the model's, the prediction depths' included, over pp)
         held = here + (mtp_moe if r == pp - 1 else 0)
         share = held * pp / (moe_total + mtp_moe) if moe_total + mtp_moe else 0.0

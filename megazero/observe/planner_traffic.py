@@ -6,9 +6,12 @@ its bytes: the volumes tools/rehearse.py counts from the collectives the run iss
 
 - ``dp`` / ``edp``: ZeRO over the data(-and-context)-parallel group for the dense parameters, over the
   expert-data-parallel group for the routed experts (same stage formula, their own sizes).
-- ``tp``: Megatron's all-reduces (or SP's all-gather + reduce-scatter) of [s, b, h] per layer.
+- ``tp``: Megatron's all-reduces (or SP's all-gather + reduce-scatter) of [s, b, h] per layer (in a hybrid
+  stack per part: attention, recurrent mixer, MLP).
 - ``cp``: the context-parallel attention exchange of every layer (ring, all-to-all, all-gather or
-  hierarchical), as :mod:`megazero.model.attention.cp.ring` and :mod:`megazero.mpu.cp_exchange` send it.
+  hierarchical), as :mod:`megazero.model.attention.cp.ring` and :mod:`megazero.mpu.cp_exchange` send it; a
+  recurrent layer's state summaries and convolution halo (:mod:`megazero.observe.planner_recurrent`), whose
+  bytes do not grow with the sequence.
 - ``ep``: the token dispatcher's all-to-alls of every mixture layer (Megatron-core's alltoall
   dispatcher, :mod:`megazero.model.moe.dispatch`), for tokens routed evenly over the experts, as the
   balancing losses aim for (the rehearsal routes them so).
@@ -21,8 +24,10 @@ from typing import Optional, Sequence, Union
 
 from megazero.model.config import GPTConfig
 from megazero.model.attention.cp.exchanges import a2a_elements, a2a_head_split, allgather_elements
+from megazero.model.layer_pattern import RECURRENT_MIXERS
 from megazero.model.moe.routing import capacity_of
 from megazero.observe.planner_offload import DTYPE_BYTES
+from megazero.observe.planner_recurrent import recurrent_cp_bytes_per_layer, recurrent_tp_units
 
 __all__ = ["traffic_bytes_per_step", "zero_bytes", "tp_bytes", "cp_bytes", "cp_bytes_per_layer", "ep_bytes_per_layer",
            "STATE_GRAD_BYTES"]
@@ -52,7 +57,7 @@ def zero_bytes(psi: float, *, n: int, zero_stage: int, microbatches: int, precis
 def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers: float, microbatches: int,
              recompute: Optional[str], own_token_moe_layers: float = 0.0, moe_layers: float = 0.0,
              sequence_parallel: bool = False, embedding: bool = True, head: float = True,
-             mtp_inputs: float = 0.0) -> float:
+             mtp_inputs: float = 0.0, layer_numbers: Optional[Sequence[int]] = None) -> float:
     """Megatron's tensor-parallel exchanges: per layer and micro-batch 2 all-reduces of [tokens, h] in
     forward and 2 in backward (2 more with full recompute), or the same bytes as SP's all-gather +
     reduce-scatter; under SP, backward gathers the input of the QKV and dense MLP's first
@@ -64,24 +69,21 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
     all-reduce, or SP's reduce-scatter and its backward all-gather), the head's input (its gradient's
     all-reduce, or SP's all-gather, backward re-gather and reduce-scatter) and the loss's per-token
     fp32 max, target logit and sum; ``mtp_inputs``: the multi-token prediction depths' input exchanges.
-    ``tokens``: the TP group's share of the sequence (s / cp x b)."""
+    ``tokens``: the TP group's share of the sequence (s / cp x b). ``layer_numbers``: the layers of a hybrid
+    stack (one-part and recurrent layers), counted part by part in place of ``layers`` x an attention layer's
+    (:func:`_parts_units`)."""
     if tp <= 1:
         return 0.0
     act = DTYPE_BYTES[precision] * tokens * config.hidden_size
-    per_layer = 6 if recompute == "full" else 4
-    units = layers * per_layer - own_token_moe_layers * per_layer / 2
-    if config.multi_latent_attention:  # the attention's input side exchanges the latents, not [tokens, h]
-        c = config
-        width = (c.q_lora_rank or c.hidden_size) + c.kv_lora_rank + c.qk_pos_emb_head_dim
-        # input side: its gradient's all-reduce; or SP's gather, its reduce-scatter, backward's re-gather
-        # (and the recomputed forward's gather)
-        side = (1.5 + (0.5 if recompute == "full" else 0.0)) if sequence_parallel else 1.0
-        units -= layers * side * (1 - width / c.hidden_size)
-        if sequence_parallel:  # the down-projections saw this rank's tokens: their weights' gradients all-reduced
-            down = (c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_pos_emb_head_dim
-            units += layers * down / tokens
-    if sequence_parallel:  # an all-gather is half an all-reduce's bytes
-        units += 0.5 * (layers + layers - moe_layers)
+    if layer_numbers is not None:  # a hybrid stack: each layer's parts
+        units = _parts_units(config, layer_numbers, recompute=recompute, sequence_parallel=sequence_parallel,
+                             tokens=tokens, own_tokens=own_token_moe_layers > 0)
+    else:
+        per_layer = 6 if recompute == "full" else 4
+        units = layers * per_layer - own_token_moe_layers * per_layer / 2
+        units += layers * _mla_units(config, recompute=recompute, sequence_parallel=sequence_parallel, tokens=tokens)
+        if sequence_parallel:  # an all-gather is half an all-reduce's bytes
+            units += 0.5 * (layers + layers - moe_layers)
     units += embedding + head * (1.5 if sequence_parallel else 1.0)
     # a multi-token prediction depth's input: the embedding's output all-reduced, eh_proj's [2h] input
     # (its gradient all-reduced, or SP's all-gather and reduce-scatter), its output gathered over the
@@ -89,6 +91,44 @@ def tp_bytes(config: GPTConfig, *, tp: int, tokens: int, precision: str, layers:
     units += mtp_inputs * (4.5 if sequence_parallel else 3.5)
     loss = 3 * 4 * tokens * head  # all-reduced [tokens] fp32: the max, then the target logit and the sum (per head pass)
     return microbatches * 2 * (units * act + loss) * (tp - 1) / tp
+
+
+def _mla_units(c: GPTConfig, *, recompute: Optional[str], sequence_parallel: bool, tokens: int) -> float:
+    """What multi-latent attention changes in one attention's units: its input side exchanges the latents and
+    the RoPE key, not ``[tokens, h]``; under SP its down-projections' weight gradients are all-reduced."""
+    if not c.multi_latent_attention:
+        return 0.0
+    width = (c.q_lora_rank or c.hidden_size) + c.kv_lora_rank + c.qk_pos_emb_head_dim
+    # input side: its gradient's all-reduce; or SP's gather, its reduce-scatter, backward's re-gather
+    # (and the recomputed forward's gather)
+    side = (1.5 + (0.5 if recompute == "full" else 0.0)) if sequence_parallel else 1.0
+    units = -side * (1 - width / c.hidden_size)
+    if sequence_parallel:  # the down-projections saw this rank's tokens: their weights' gradients all-reduced
+        units += ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_pos_emb_head_dim) / tokens
+    return units
+
+
+def _parts_units(c: GPTConfig, numbers: Sequence[int], *, recompute: Optional[str], sequence_parallel: bool,
+                 tokens: int, own_tokens: bool) -> float:
+    """The TP exchanges of layers ``numbers`` of a hybrid stack part by part, in ``[tokens, h]`` all-reduces:
+    an attention or a dense MLP 2 (forward's output, backward's input gradient; 3 under full recompute; SP adds
+    the re-gather of its input, 0.5), a mixture 2 (3) or nothing when ranks route their own tokens, a recurrent
+    mixer :func:`~megazero.observe.planner_recurrent.recurrent_tp_units`."""
+    full = 1.0 if recompute == "full" else 0.0
+    units = 0.0
+    for number in numbers:
+        kinds = c.layer_kinds(min(number, c.num_layers - 1))
+        if kinds.mixer in RECURRENT_MIXERS:
+            units += recurrent_tp_units(c, kinds.mixer, sequence_parallel=sequence_parallel, recompute=recompute,
+                                        tokens=tokens)
+        elif kinds.mixer is not None:
+            units += 2 + full + (0.5 if sequence_parallel else 0.0)
+            units += _mla_units(c, recompute=recompute, sequence_parallel=sequence_parallel, tokens=tokens)
+        if kinds.mlp == "dense":
+            units += 2 + full + (0.5 if sequence_parallel else 0.0)
+        elif kinds.mlp == "moe" and not own_tokens:
+            units += 2 + full
+    return units
 
 
 def _ring(tokens: int, kv_heads: int, qk_dim: int, v_dim: int, ranks: int, e: int, acc: int,
@@ -139,14 +179,30 @@ def cp_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, seq_length: int, 
 
 
 def cp_bytes(config: GPTConfig, *, kinds: Union[str, Sequence[str]], layers: float, microbatches: int,
-             **kw) -> float:
+             layer_numbers: Optional[Sequence[int]] = None, **kw) -> float:
     """:func:`cp_bytes_per_layer` over ``layers`` layers of ``microbatches`` micro-batches; per-layer
-    exchanges (``kinds`` a sequence) and sliding windows are averaged over the model's layers."""
+    exchanges (``kinds`` a sequence) and sliding windows are averaged over the model's layers. In a hybrid
+    stack a layer's bytes are its mixer's: attention's exchange, a recurrent mixer's
+    (:func:`~megazero.observe.planner_recurrent.recurrent_cp_bytes_per_layer`), none for an MLP alone;
+    ``layer_numbers``: the layers themselves, summed (else the model's average times ``layers``)."""
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     n = config.num_layers
-    per_layer = sum(cp_bytes_per_layer(config, kind=kinds[i % len(kinds)], window=config.layer_window(i), **kw)
-                    for i in range(n)) / n
+
+    def one(i: int) -> float:
+        mixer = config.layer_kinds(min(i, n - 1)).mixer
+        if mixer is None:
+            return 0.0
+        if mixer in RECURRENT_MIXERS:
+            return recurrent_cp_bytes_per_layer(config, mixer, **{k: kw[k] for k in _RECURRENT_KW})
+        return cp_bytes_per_layer(config, kind=kinds[i % len(kinds)], window=config.layer_window(i), **kw)
+
+    if layer_numbers is not None:
+        return sum(one(i) for i in layer_numbers) * microbatches
+    per_layer = sum(one(i) for i in range(n)) / n
     return per_layer * layers * microbatches
+
+
+_RECURRENT_KW = ("tp", "cp", "seq_length", "micro_batch_size", "precision", "recompute")
 
 
 def ep_bytes_per_layer(config: GPTConfig, *, tp: int, cp: int, ep: int, etp: int, tokens: int, precision: str,
@@ -183,7 +239,8 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
                            ep: int = 1, etp: Optional[int] = None, moe_layers: float = 0.0, cp: int = 1,
                            cp_comm_type: Union[str, Sequence[str]] = "p2p", hierarchical_cp: Sequence[int] = (),
                            sequence_parallel: bool = False, first_stage: bool = True,
-                           last_stage: bool = True, mtp_layers: int = 0, mtp_moe_layers: int = 0) -> dict[str, float]:
+                           last_stage: bool = True, mtp_layers: int = 0, mtp_moe_layers: int = 0,
+                           layer_numbers: Optional[Sequence[int]] = None) -> dict[str, float]:
     """Bytes one GPU of a stage of ``layers`` layers (``moe_layers`` of them mixtures) sends per step,
     by group: ``dp`` over the ``psi`` dense parameters partitioned over ``dp`` ranks (data x context
     parallel), ``edp`` over the ``psi_experts`` routed-expert parameters over ``edp`` ranks, ``tp``,
@@ -192,7 +249,8 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
     the rank's share of the sequence (s / cp), ``microbatches`` per step; ``first_stage`` /
     ``last_stage``: the stage holds the embedding / the head and the loss; ``mtp_layers`` (``mtp_moe_layers``
     of them mixtures): the last stage's multi-token prediction layers, which are never recomputed, each
-    with its own pass through the head."""
+    with its own pass through the head. ``layer_numbers``: the stage's layers of a hybrid stack (their tensor-
+    and context-parallel exchanges counted layer by layer, part by part; None: ``layers`` average layers)."""
     m, b = microbatches, micro_batch_size
     etp = tp if etp is None else etp
     zero = dict(zero_stage=zero_stage, microbatches=m, precision=precision, grad_accum_dtype=grad_accum_dtype)
@@ -202,22 +260,24 @@ def traffic_bytes_per_step(config: GPTConfig, *, psi: float, tp: int, dp: int, z
     own = etp != tp and config.moe_shared_expert_intermediate_size is None
 
     def layer_bytes(n: float, moe: float, rc: Optional[str], embedding: bool, head: float,
-                    mtp: float = 0.0) -> tuple[float, ...]:
-        """(tp, cp, ep) bytes of ``n`` layers (``moe`` mixtures) recomputed as ``rc`` says, ``head`` passes
-        through the head, ``mtp`` multi-token prediction inputs."""
+                    mtp: float = 0.0, numbers: Optional[Sequence[int]] = None) -> tuple[float, ...]:
+        """(tp, cp, ep) bytes of ``n`` layers (``moe`` mixtures; ``numbers``: which, in a hybrid stack) recomputed
+        as ``rc`` says, ``head`` passes through the head, ``mtp`` multi-token prediction inputs."""
         return (tp_bytes(config, tp=tp, tokens=seq_length * b, precision=precision, layers=n, microbatches=m,
                          recompute=rc, own_token_moe_layers=moe if own else 0.0, moe_layers=moe, sequence_parallel=sp,
-                         embedding=embedding, head=head, mtp_inputs=mtp),
+                         embedding=embedding, head=head, mtp_inputs=mtp, layer_numbers=numbers),
                 cp_bytes(config, kinds=cp_comm_type, layers=n, microbatches=m, tp=tp, cp=cp, seq_length=seq_length * cp,
-                         micro_batch_size=b, precision=precision, recompute=rc, hierarchical_cp=hierarchical_cp)
+                         micro_batch_size=b, precision=precision, recompute=rc, hierarchical_cp=hierarchical_cp,
+                         layer_numbers=numbers)
                 if n else 0.0,
                 moe * m * ep_bytes_per_layer(config, tp=tp, cp=cp, ep=ep, etp=etp, tokens=seq_length * b,
                                              precision=precision, recompute=rc, sequence_parallel=sp))
 
-    exchanges = layer_bytes(layers, moe_layers, recompute, first_stage, last_stage)
+    exchanges = layer_bytes(layers, moe_layers, recompute, first_stage, last_stage, numbers=layer_numbers)
     if mtp_layers:  # the multi-token prediction layers are not recomputed; each depth has its head
         rc = None if recompute == "full" else recompute
-        extra = layer_bytes(mtp_layers, mtp_moe_layers, rc, False, mtp_layers, mtp_layers)
+        depths = None if layer_numbers is None else range(config.num_layers, config.num_layers + mtp_layers)
+        extra = layer_bytes(mtp_layers, mtp_moe_layers, rc, False, mtp_layers, mtp_layers, numbers=depths)
         exchanges = tuple(a + x for a, x in zip(exchanges, extra))
     out = {"dp": dp_gather + dp_reduce, "dp_all_gather": dp_gather, "dp_reduce": dp_reduce,
            "edp": edp_gather + edp_reduce, "edp_all_gather": edp_gather, "edp_reduce": edp_reduce,
