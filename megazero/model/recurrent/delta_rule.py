@@ -144,11 +144,14 @@ def _chunked_scan(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     k_out = (k * decay_out.unsqueeze(-1)).transpose(-1, -2)  # [B,H,N,dk,C]
 
     entering, writes = [], []
-    for n in range(N):  # only the [dk, dv] state crosses chunk boundaries
+    # Only the [dk, dv] state crosses chunk boundaries. unbind, not indexing: its backward stacks the chunks'
+    # gradients once, where each index's would fill a full-size zero tensor (quadratic in the chunks).
+    for u_n, w_n, decay_n, k_n in zip(u.unbind(2), w.unbind(2), chunk_decay[..., None, None].unbind(2),
+                                      k_out.unbind(2)):
         entering.append(state)
-        v_new = u[:, :, n] - w[:, :, n] @ state
+        v_new = u_n - w_n @ state
         writes.append(v_new)
-        state = chunk_decay[:, :, n, None, None] * state + k_out[:, :, n] @ v_new
+        state = decay_n * state + k_n @ v_new
     if q is None:
         return None, state
     q = q.reshape(B, H, N, C, dk)
