@@ -26,6 +26,7 @@ which undercounts the logit layer by 1.5 B s h V).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional, Union
 
 import torch
@@ -115,6 +116,8 @@ def _router(c: GPTConfig) -> int:
 def uniform_layers(c: GPTConfig) -> bool:
     """Every decoder layer is attention and an MLP (a GPT without recurrent or one-part layers), the model the
     closed forms averaged over layers describe."""
+    if c.hybrid_layer_pattern is None and c.linear_attention_freq is None:
+        return True
     return all(k.mixer in ("standard", "mla") and k.mlp for k in map(c.layer_kinds, range(c.num_layers)))
 
 
@@ -146,7 +149,17 @@ def _kinds(c: GPTConfig, number: int) -> LayerKinds:
 def layer_parameters(c: GPTConfig, number: int) -> tuple[int, int, int]:
     """(layer ``number``'s parameters, those TP replicates, its routed experts'): a norm and the mixer, a norm and
     the MLP (a mixture's with every routed expert), for the parts the layer has."""
-    kinds = _kinds(c, number)
+    return _kinds_parameters(c, _kinds(c, number))
+
+
+def _decoder_parameters(c: GPTConfig) -> tuple[int, int]:
+    """(the decoder layers' parameters, those TP replicates), each kind of layer counted once."""
+    counts = Counter(map(c.layer_kinds, range(c.num_layers)))
+    per_kind = {kinds: _kinds_parameters(c, kinds) for kinds in counts}
+    return (sum(n * per_kind[k][0] for k, n in counts.items()), sum(n * per_kind[k][1] for k, n in counts.items()))
+
+
+def _kinds_parameters(c: GPTConfig, kinds: LayerKinds) -> tuple[int, int, int]:
     total = replicated = experts = 0
     if kinds.mixer is not None:
         mixer, mixer_replicated = mixer_parameters(c, kinds.mixer)
@@ -174,7 +187,7 @@ def replicated_parameters(config: GPTConfig) -> int:
     gates) of a mixture of experts, multi-latent attention's down-projections and their norms, the recurrent
     mixers' small weights (convolution, decays, norm), and the multi-token prediction depths' own."""
     c = config
-    total = sum(layer_parameters(c, i)[1] for i in range(c.num_layers)) + _norm(c)
+    total = _decoder_parameters(c)[1] + _norm(c)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * c.hidden_size
     return total + mtp_parameters(c)[1]
@@ -195,7 +208,7 @@ def active_parameters(c: GPTConfig) -> int:
 
 def _config_parameters(c: GPTConfig) -> int:
     h, v = c.hidden_size, c.padded_vocab_size
-    total = v * h + sum(layer_parameters(c, i)[0] for i in range(c.num_layers)) + _norm(c)
+    total = v * h + _decoder_parameters(c)[0] + _norm(c)
     if c.position_embedding_type == "learned":
         total += c.max_position_embeddings * h
     if not c.tie_embeddings:

@@ -12,7 +12,8 @@ position table), N_d the data-parallel size and K = 12 for mixed-precision Adam:
 (fp32 training: 4 + 4 + 8, the master weights being the weights themselves). Multi-latent
 attention's down-projections and their norms are replicated over TP, its up-projections sharded;
 multi-token prediction's depths live on the last stage, beside a copy of the word embedding
-(the parameter counts: :mod:`megazero.model.flops`).
+(the parameter counts: :mod:`megazero.model.flops`). A hybrid stack's layers (recurrent, one-part) are
+planned layer by layer, the recurrent mixers' own by :mod:`megazero.observe.planner_recurrent`.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", Sec. 4: per layer, with 16-bit activations,

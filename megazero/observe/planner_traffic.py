@@ -185,6 +185,8 @@ def cp_bytes(config: GPTConfig, *, kinds: Union[str, Sequence[str]], layers: flo
     stack a layer's bytes are its mixer's: attention's exchange, a recurrent mixer's
     (:func:`~megazero.observe.planner_recurrent.recurrent_cp_bytes_per_layer`), none for an MLP alone;
     ``layer_numbers``: the layers themselves, summed (else the model's average times ``layers``)."""
+    if kw["cp"] <= 1:
+        return 0.0
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     n = config.num_layers
 
