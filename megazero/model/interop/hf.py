@@ -46,6 +46,8 @@ from .hf_gpt_oss import GPT_OSS_ARCHITECTURES, GPT_OSS_FAMILIES, gpt_oss_config_
     gpt_oss_layer_from_hf, gpt_oss_layer_to_hf, gpt_oss_mismatches, gpt_oss_parts
 from .hf_moe import MOE_ARCHITECTURES, MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, \
     moe_layer_from_hf, moe_layer_to_hf, moe_mismatches
+from .hf_nemotron_h import NEMOTRON_H_ARCHITECTURES, NEMOTRON_H_FAMILIES, nemotron_h_config_kwargs, \
+    nemotron_h_from_hf, nemotron_h_hf_config_dict, nemotron_h_mismatches, nemotron_h_parts, nemotron_h_to_hf
 
 __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
@@ -53,9 +55,11 @@ __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architec
 
 # HF model_type values converted both ways
 HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + GPT_OSS_FAMILIES + DEEPSEEK_FAMILIES
+HF_FAMILIES += NEMOTRON_H_FAMILIES
 HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES if f not in HF_FAMILIES)  # read
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **DENSE_ARCHITECTURES, **MOE_ARCHITECTURES,
                     **GPT_OSS_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
+HF_ARCHITECTURES.update(NEMOTRON_H_ARCHITECTURES)
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -104,6 +108,13 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
+    if nemotron_h_parts(config):  # a hybrid stack of Mamba-2, attention, MLP and mixture blocks
+        bad = nemotron_h_mismatches(config)
+        if bad:
+            raise ValueError(f"config has {', '.join(nemotron_h_parts(config))}, which among the HF families only "
+                             "Nemotron-H (NemotronHForCausalLM) has, and is not representable in it: " + ", ".join(bad)
+                             + ".")
+        return "nemotron_h"
     if gpt_oss_parts(config):  # quick GEGLU, its offset and clamp, a router bias: only gpt-oss has them
         bad = gpt_oss_mismatches(config)
         if bad:
@@ -171,6 +182,8 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
     """Full megazero state dict -> HF state dict (the keys of its ``HF_ARCHITECTURES`` class)."""
     c = config
     arch = hf_architecture(c)
+    if arch in NEMOTRON_H_FAMILIES:
+        return nemotron_h_to_hf(full_sd, c)
     sd = _shift_norms(full_sd, c, 1.0)
     out: dict[str, torch.Tensor] = {}
     for i in range(c.num_layers):
@@ -238,6 +251,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
     c = config
     interleave = (hf_config or {}).get("rope_interleave", True)
     arch = hf_architecture(c)
+    if arch in NEMOTRON_H_FAMILIES:
+        return nemotron_h_from_hf(hf_sd, c)
     sd = dict(hf_sd)
     if arch == "gpt2" and not any(k.startswith("transformer.") for k in sd):
         sd = {("lm_head.weight" if k == "lm_head.weight" else "transformer." + k): v for k, v in sd.items()}
@@ -319,6 +334,8 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
     """Keyword arguments of the HF config class (``GPT2Config``, ``LlamaConfig``, ``MixtralConfig``, ...) for
     ``config``."""
     c = config
+    if hf_architecture(c) in NEMOTRON_H_FAMILIES:
+        return nemotron_h_hf_config_dict(c)
     if hf_architecture(c) == "deepseek_v3":
         return deepseek_hf_config_dict(c)
     if hf_architecture(c) == "gpt_oss":
@@ -356,6 +373,8 @@ def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> G
         kw = deepseek_config_kwargs(hf, mtp)
     elif mt in GPT_OSS_FAMILIES:
         kw = gpt_oss_config_kwargs(hf)
+    elif mt in NEMOTRON_H_FAMILIES:
+        kw = nemotron_h_config_kwargs(hf, weight_names)
     elif mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         problems = []
@@ -429,6 +448,8 @@ def build_hf_config(config: GPTConfig):
     import transformers
 
     kw = hf_config_dict(config)
+    if kw["model_type"] in NEMOTRON_H_FAMILIES:  # transformers >= 5 (its layers_block_type spelling)
+        return transformers.NemotronHConfig(**{k: v for k, v in kw.items() if k != "model_type"})
     if kw["model_type"] in ("deepseek_v3", "gpt_oss"):
         cls = getattr(transformers, {"deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}[kw["model_type"]])
         kw = {k: v for k, v in kw.items() if k != "model_type"}
