@@ -166,6 +166,10 @@ class GPTConfig:
     mamba_head_dim: int = 64
     mamba_state_dim: int = 128
     mamba_num_groups: int = 8
+    # How Gated DeltaNet and Mamba-2 run context-parallel: 'state_passing' (each rank its tokens, the ranks
+    # exchange per-layer state summaries whose size does not grow with the sequence) or 'a2a' (Megatron's: an
+    # all-to-all gives each rank the whole sequence for 1/cp of the heads)
+    linear_cp_comm_type: str = "state_passing"
     # Attention output times sigmoid of a per-head gate projected with the queries (Qwen3-Next's gated attention)
     attention_output_gate: bool = False
     # --- RoPE scaling ----------------------------------------------------------------------------------

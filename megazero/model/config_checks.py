@@ -165,5 +165,7 @@ def check_recurrent(c: GPTConfig, tp_size: int) -> None:
             raise ValueError(f"mamba_num_groups ({groups}) must be divisible by the tensor parallel size ({tp_size}): "
                              "TP splits Mamba-2 by whole groups (its grouped norm never spans two ranks); lower tp "
                              "or raise --mamba-num-groups")
+    if c.linear_cp_comm_type not in ("state_passing", "a2a"):
+        raise ValueError(f"linear_cp_comm_type must be 'state_passing' or 'a2a', got {c.linear_cp_comm_type!r}")
     if c.attention_output_gate and c.multi_latent_attention:
         raise ValueError("attention_output_gate is for standard attention (Qwen3-Next's), not multi-latent attention")

@@ -25,12 +25,11 @@ from megazero import mpu
 
 from ..config import GPTConfig
 from ..forward_context import ForwardContext
-from ..init import init_methods
+from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .delta_rule import chunk_gated_delta_rule, gated_delta_transition
 from .gated_norm import gated_rms_norm
-from .init import uniform_
-from .sequence import Scan, recurrent_scan, short_convolution
+from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
 
 __all__ = ["GatedDeltaNet", "GATED_DELTA_SCAN", "l2norm"]
 
@@ -72,6 +71,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.nk, self.nv = c.linear_num_key_heads // tp_size, c.linear_num_value_heads // tp_size
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.eps = c.layernorm_epsilon
+        self.heads_exchange = c.linear_cp_comm_type == "a2a"
         init, output_init = init_methods(c)
         common = dict(tp_group=tp_group, params_dtype=c.params_dtype, device=device,
                       sequence_parallel=c.sequence_parallel, bias=c.add_bias_linear)
@@ -90,45 +90,64 @@ class GatedDeltaNet(torch.nn.Module):
         if torch.device(device if device is not None else "cpu").type != "meta":
             self.reset_parameters()
 
-    def _conv_weight(self) -> torch.Tensor:
-        """This rank's rows of the convolution: its q, k and v channels of the full ``[q; k; v]``."""
-        r, qk, v = self.tp_rank, self.nk * self.dk, self.nv * self.dv
-        key_dim, w = qk * self.tp_size, self.conv1d_weight
-        return torch.cat([w[r * qk:(r + 1) * qk], w[key_dim + r * qk:key_dim + (r + 1) * qk],
-                          w[2 * key_dim + r * v:2 * key_dim + (r + 1) * v]])
+    def _conv_weight(self, w: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """The rows of the convolution ``w`` of key heads ``first .. first + count`` (and their value heads) of the
+        full ``[q; k; v]`` channels."""
+        dk, dv, r = self.dk, self.dv, self.nv // self.nk
+        key_dim = self.nk * self.tp_size * dk
+        return torch.cat([w[first * dk:(first + count) * dk], w[key_dim + first * dk:key_dim + (first + count) * dk],
+                          w[2 * key_dim + first * r * dv:2 * key_dim + (first + count) * r * dv]])
 
     def reset_parameters(self) -> None:
         """The layer's own small weights (the projections initialise themselves): the convolution as
         ``nn.Conv1d``'s default (U(+-1/sqrt(K))), A from U(1, 16), dt_bias and the norm's weight ones."""
         bound = 1.0 / self.conv1d_weight.size(1) ** 0.5
-        uniform_(self.conv1d_weight, -bound, bound)
-        uniform_(self.A_log, *A_INIT_RANGE)
+        lo, hi = A_INIT_RANGE
         with torch.no_grad():
-            self.A_log.log_()
+            self.conv1d_weight.copy_(keyed_uniform(self.conv1d_weight) * (2 * bound) - bound)
+            self.A_log.copy_(torch.log(lo + (hi - lo) * keyed_uniform(self.A_log)))
             self.dt_bias.fill_(1.0)
             self.norm_weight.fill_(1.0)
 
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a per-value-head vector."""
-        return t[self.tp_rank * self.nv:(self.tp_rank + 1) * self.nv]
+    def _replicated(self) -> tuple[torch.Tensor, ...]:
+        """The whole small weights as this forward uses them: under TP through the copy whose backward sums the
+        gradient over the ranks (each used only its heads' slice), as the norms' weights are."""
+        ws = (self.conv1d_weight, self.A_log, self.dt_bias, self.norm_weight)
+        if self.tp_size == 1:
+            return ws
+        return tuple(mpu.copy_to_tensor_model_parallel_region(w, self.out_proj.tp_group) for w in ws)
 
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
         """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: document starts and context parallelism."""
         (qk, _), (vz, _), (ba, _) = self.in_proj_qk(x), self.in_proj_vz(x), self.in_proj_ba(x)  # [s, b, 2 * ...]
         qk, vz, ba = (t.transpose(0, 1) for t in (qk, vz, ba))  # batch first: [b, s, ...]
         b, s = qk.shape[:2]
-        v, z = vz.chunk(2, dim=-1)
-        mixed = short_convolution(torch.cat([qk, v], dim=-1), self._conv_weight(), None, context)
-        q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        repeat = self.nv // self.nk
-        q = l2norm(q.reshape(b, s, self.nk, self.dk)).repeat_interleave(repeat, dim=2)
-        k = l2norm(k.reshape(b, s, self.nk, self.dk)).repeat_interleave(repeat, dim=2)
-        v = v.reshape(b, s, self.nv, self.dv)
-        beta_in, a = ba.chunk(2, dim=-1)
-        beta = torch.sigmoid(beta_in.float())
-        g = -self._heads(self.A_log).float().exp() * F.softplus(a.float() + self._heads(self.dt_bias).float())
-        o = recurrent_scan(GATED_DELTA_SCAN, [q, k, v, g, beta], context)  # [b, s, nv, dv]
-        y = gated_rms_norm(o, z.reshape(b, s, self.nv, self.dv), self.norm_weight, eps=self.eps,
-                           norm_before_gate=True)
+        q, k = (t.reshape(b, s, self.nk, self.dk) for t in qk.chunk(2, dim=-1))
+        v, z = (t.reshape(b, s, self.nv, self.dv) for t in vz.chunk(2, dim=-1))
+        beta, a = (t.unsqueeze(-1) for t in ba.chunk(2, dim=-1))  # [b, s, nv, 1]
+        first, weights = self.tp_rank * self.nk, self._replicated()
+        if context.cp is not None and self.heads_exchange:  # Megatron's: the whole sequence for 1/P of the heads
+            ex = HeadsExchange.of(context)
+            q, k, v, beta, a = (ex.to_heads(t) for t in (q, k, v, beta, a))
+            o = ex.to_sequence(self._mix(q, k, v, beta, a, first + ex.rank * q.size(2), weights, ex.context))
+        else:
+            o = self._mix(q, k, v, beta, a, first, weights, context)
+        y = gated_rms_norm(o, z, weights[3], eps=self.eps, norm_before_gate=True)
         out, _ = self.out_proj(y.reshape(b, s, -1).transpose(0, 1))
         return out
+
+    def _mix(self, q, k, v, beta, a, first: int, weights: tuple, context: ForwardContext) -> torch.Tensor:
+        """Convolution, gates and the rule over key heads ``first ..`` (``q``, ``k`` ``[b, s, nk', dk]``; ``v``
+        ``[b, s, nv', dv]``; ``beta``, ``a`` ``[b, s, nv', 1]``, before their activations) -> ``[b, s, nv', dv]``;
+        ``weights``: the convolution, A_log and dt_bias (and the norm's weight) as :meth:`_replicated` gives them."""
+        b, s, nk, nv = q.size(0), q.size(1), q.size(2), v.size(2)
+        conv, a_log, dt_bias = weights[:3]
+        flat = [t.reshape(b, s, -1) for t in (q, k, v)]
+        mixed = short_convolution(torch.cat(flat, dim=-1), self._conv_weight(conv, first, nk), None, context)
+        q, k, v = mixed.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
+        q = l2norm(q.reshape(b, s, nk, self.dk)).repeat_interleave(nv // nk, dim=2)
+        k = l2norm(k.reshape(b, s, nk, self.dk)).repeat_interleave(nv // nk, dim=2)
+        heads = slice(first * (nv // nk), first * (nv // nk) + nv)
+        g = -a_log[heads].float().exp() * F.softplus(a.squeeze(-1).float() + dt_bias[heads].float())
+        beta = torch.sigmoid(beta.squeeze(-1).float())
+        return recurrent_scan(GATED_DELTA_SCAN, [q, k, v.reshape(b, s, nv, self.dv), g, beta], context)

@@ -14,6 +14,10 @@ under the balanced zigzag layout, chunks r and 2P-1-r). Both parts work run by r
   sequence length), every rank folds the ones before each of its runs in global order in fp32, and runs its
   runs again from the states so found. Backward flows through the gather (a reduce-scatter).
 
+Megatron's scheme is the alternative (:class:`HeadsExchange`, ``linear_cp_comm_type='a2a'``): an all-to-all gives
+each rank the whole sequence for 1/P of the heads, which run as without context parallelism, and another takes
+the output back; it moves activations that grow with the sequence and needs the heads divisible by P.
+
 A scan is described by a :class:`Scan`: the chunked kernel, its transition and how a transition acts on a
 state; ``recurrent/delta_rule.py`` (Gated DeltaNet) and ``recurrent/ssd.py`` (Mamba-2) provide them.
 """
@@ -25,11 +29,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megazero.mpu.cp_exchange import all_gather_tensor, gather_sequence
+import dataclasses
+
+from megazero.mpu.cp_exchange import (all_gather_tensor, gather_sequence, heads_to_seq_all_to_all,
+                                      seq_to_heads_all_to_all)
 
 from ..forward_context import ForwardContext
 
-__all__ = ["Scan", "Runs", "local_runs", "short_convolution", "recurrent_scan"]
+__all__ = ["Scan", "Runs", "local_runs", "short_convolution", "recurrent_scan", "HeadsExchange"]
 
 
 @dataclass(frozen=True)
@@ -46,16 +53,27 @@ class Scan:
 class Runs:
     """This rank's tokens as runs: ``local[i] = (offset, length)`` in storage order, ``starts[i]`` the run's
     first global position; ``order`` every rank's runs ``(rank, index on that rank, global start, length)``
-    sorted by global start (identical on every rank); ``rank`` this rank's index in the CP group."""
+    sorted by global start (identical on every rank); ``rank`` this rank's index in the CP group; ``slots`` the
+    most runs any rank holds (what each rank contributes to a gather, padded with zeros)."""
 
     local: tuple[tuple[int, int], ...]
     starts: tuple[int, ...]
     order: tuple[tuple[int, int, int, int], ...]
     rank: int
+    slots: int = 1
 
     @property
     def per_rank(self) -> int:
         return len(self.local)
+
+    def row(self, rank: int, index: int) -> int:
+        """Where run ``index`` of ``rank`` sits in a gather of every rank's ``slots`` rows."""
+        return rank * self.slots + index
+
+    def padded(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's ``rows`` stacked and padded with zeros to ``slots`` (for a gather of equal shares)."""
+        pad = [torch.zeros_like(rows[0])] * (self.slots - len(rows))
+        return torch.stack(rows + pad)
 
 
 def local_runs(context: ForwardContext, length: int) -> Runs:
@@ -76,10 +94,6 @@ def local_runs(context: ForwardContext, length: int) -> Runs:
             else:
                 merged.append([start, n])
         per_rank.append(merged)
-    counts = {len(r) for r in per_rank}
-    if len(counts) != 1:
-        raise ValueError(f"recurrent layers need the same number of runs on every context-parallel rank, got "
-                         f"{[len(r) for r in per_rank]}")
     mine = per_rank[cp.rank]
     offsets, at = [], 0
     for start, n in mine:
@@ -87,7 +101,7 @@ def local_runs(context: ForwardContext, length: int) -> Runs:
         at += n
     order = sorted(((r, i, s, n) for r, runs in enumerate(per_rank) for i, (s, n) in enumerate(runs)),
                    key=lambda t: t[2])
-    return Runs(tuple(offsets), tuple(s for s, _ in mine), tuple(order), cp.rank)
+    return Runs(tuple(offsets), tuple(s for s, _ in mine), tuple(order), cp.rank, max(len(r) for r in per_rank))
 
 
 def _predecessors(runs: Runs) -> dict[tuple[int, int], Optional[tuple[int, int]]]:
@@ -147,12 +161,12 @@ def _halos(x: torch.Tensor, context: ForwardContext, runs: Runs, width: int):
         if n < width:
             raise ValueError(f"a context-parallel run of {n} tokens is shorter than the convolution's reach "
                              f"({width}): use a longer sequence or a smaller context-parallel size")
-    tails = torch.stack([x[:, off + n - width:off + n] for off, n in runs.local])  # [runs, b, width, C]
+    tails = runs.padded([x[:, off + n - width:off + n] for off, n in runs.local])  # [slots, b, width, C]
     cp = context.cp
-    gathered = gather_sequence(tails, cp.group)  # [P * runs, b, width, C], rank-major
+    gathered = gather_sequence(tails, cp.group)  # [P * slots, b, width, C], rank-major
     tail_starts = None
     if context.starts is not None:
-        st = torch.stack([context.starts[:, off + n - width:off + n] for off, n in runs.local]).to(torch.uint8)
+        st = runs.padded([context.starts[:, off + n - width:off + n].to(torch.uint8) for off, n in runs.local])
         tail_starts = all_gather_tensor(st, cp.group).bool()
     before = _predecessors(runs)
     halos, halo_starts = [], []
@@ -163,7 +177,7 @@ def _halos(x: torch.Tensor, context: ForwardContext, runs: Runs, width: int):
             halo_starts.append(None if tail_starts is None else torch.zeros(b, width, dtype=torch.bool,
                                                                              device=x.device))
             continue
-        row = prev[0] * runs.per_rank + prev[1]
+        row = runs.row(*prev)
         halos.append(gathered[row])
         halo_starts.append(None if tail_starts is None else tail_starts[row])
     return halos, halo_starts
@@ -192,9 +206,14 @@ def recurrent_scan(scan: Scan, inputs: Sequence[torch.Tensor], context: ForwardC
         first_outs.append(out)
         finals.append(final)
         transitions.append(scan.transition(*ins, starts=starts))
-    group = context.cp.group
-    all_finals = gather_sequence(torch.stack(finals), group)  # [P * runs, ...] rank-major
-    all_transitions = gather_sequence(torch.stack(transitions), group)
+    # One gather of (S_ext, M) per run, so every rank runs the same collectives in backward: its reduce-scatter
+    # is reached on every rank (all of a rank's summaries feed it), and before the halo's (upstream of it).
+    f_shape, t_shape = finals[0].shape, transitions[0].shape
+    rows = [torch.cat([f.reshape(-1), t.reshape(-1).to(f.dtype)]) for f, t in zip(finals, transitions)]
+    summaries = gather_sequence(runs.padded(rows), context.cp.group)  # [P * slots, |S| + |M|] rank-major
+    n = finals[0].numel()
+    all_finals = summaries[:, :n].reshape(-1, *f_shape)
+    all_transitions = summaries[:, n:].reshape(-1, *t_shape).to(transitions[0].dtype)
     entering = _fold(scan, runs, all_finals, all_transitions)
     outs = []
     for j in range(runs.per_rank):
@@ -215,6 +234,42 @@ def _fold(scan: Scan, runs: Runs, finals: torch.Tensor, transitions: torch.Tenso
     for r, i, _, _ in runs.order:
         if r == runs.rank:
             entering[i] = state
-        row = r * runs.per_rank + i
+        row = runs.row(r, i)
         state = finals[row] if state is None else scan.carry(transitions[row], state) + finals[row]
     return [entering[j] for j in range(runs.per_rank)]
+
+
+@dataclass(frozen=True)
+class HeadsExchange:
+    """Megatron's context parallelism for these layers: :meth:`to_heads` gives this rank the whole sequence (in
+    global order) for its 1/P of the heads, :attr:`context` is that view's (no CP; the documents' starts of the
+    whole sequence), :meth:`to_sequence` takes an output back to this rank's tokens and every head."""
+
+    cp: object
+    context: ForwardContext
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, context: ForwardContext) -> "HeadsExchange":
+        cp = context.cp
+        starts = context.starts
+        if starts is not None:  # every token's, in global order
+            every = all_gather_tensor(starts.t().contiguous().to(torch.uint8), cp.group)  # [S, b] rank-major
+            starts = every[cp.shard.order].t().bool()
+        size = cp.shard.all_positions.numel() // cp.shard.positions.numel()
+        whole = dataclasses.replace(context, cp=None, starts=starts, attention_mask=None)
+        return cls(cp, whole, size, cp.rank)
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, s_local, n, d]`` -> ``[b, S, n / P, d]``: heads ``[rank n/P, (rank+1) n/P)`` in global order."""
+        if t.size(2) % self.size:
+            raise ValueError(f"the heads all-to-all splits {t.size(2)} heads over {self.size} context-parallel ranks: "
+                             "they must divide; use linear_cp_comm_type='state_passing' (any number of heads)")
+        x = seq_to_heads_all_to_all(t.transpose(0, 1), self.cp.group)  # [S, b, n/P, d] rank-major
+        return x[self.cp.shard.order].transpose(0, 1)
+
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, S, n / P, d]`` (global order) -> ``[b, s_local, n, d]``: the inverse of :meth:`to_heads`."""
+        x = t.transpose(0, 1)[self.cp.shard.all_positions]  # rank-major
+        return heads_to_seq_all_to_all(x, self.cp.group).transpose(0, 1)

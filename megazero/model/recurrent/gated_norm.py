@@ -1,0 +1,59 @@
+"""The gated RMSNorms that follow the recurrent mixers, as transformers computes them.
+
+Two orders, one function:
+
+* ``norm_before_gate=True`` (Gated DeltaNet, Qwen3-Next's ``Qwen3NextRMSNormGated``):
+  ``rmsnorm(x) * weight * silu(z)``. Qwen3-Next passes ``eps = config.rms_norm_eps`` (1e-6 by default) and
+  normalises over one head (the caller folds heads into the leading dims).
+* ``norm_before_gate=False`` (Mamba-2, Nemotron-H's ``NemotronHRMSNormGated`` / mamba_ssm's ``RMSNormGated``):
+  ``rmsnorm(x * silu(z)) * weight``, the mean square taken over groups of ``group_size`` channels (Nemotron-H:
+  ``intermediate_size // n_groups``). Nemotron-H passes ``eps = config.layer_norm_epsilon`` (1e-5 by default;
+  megatron-core's mixer hard-codes 1e-5).
+
+The casts are transformers': x and z go to fp32, the normalised value is cast back to x's dtype before the weight
+multiplies it (in the promoted dtype of weight and x), and the result is returned in x's dtype. Where the weight is
+wider than x (fp32 weight, bf16 x) transformers' Nemotron-H norm returns the wider dtype and its mixer casts to the
+model dtype right after; casting here gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["gated_rms_norm"]
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, *, eps: float, group_size: int | None = None,
+                   norm_before_gate: bool) -> Tensor:
+    """x, z [..., C]; weight [C]. norm_before_gate=True (Gated DeltaNet / Qwen3-Next): rmsnorm(x) * weight * silu(z)
+    over the last dim; False (Mamba-2 / Nemotron-H): rmsnorm(x * silu(z)) * weight, normalised over groups of group_size
+    channels (None: all C). fp32 inside, output in x's dtype.
+
+    ``group_size`` applies to both orders (None: the whole last dim); it must divide C."""
+    C = x.shape[-1]
+    if z.shape != x.shape or weight.shape != (C,):
+        raise ValueError(f"gated_rms_norm needs x and z of one shape [..., C] and weight [C]; got x {tuple(x.shape)}, "
+                         f"z {tuple(z.shape)}, weight {tuple(weight.shape)}")
+    group = C if group_size is None else group_size
+    if group < 1 or C % group:
+        raise ValueError(f"group_size {group_size} must divide the {C} channels (None normalises over all of them)")
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    gate = F.silu(z.to(torch.float32))
+    if not norm_before_gate:
+        h = h * gate
+    h = _rms_normalize(h, group, eps)
+    h = weight * h.to(dtype)
+    if norm_before_gate:
+        h = h * gate
+    return h.to(dtype)
+
+
+def _rms_normalize(h: Tensor, group: int, eps: float) -> Tensor:
+    """h / sqrt(mean(h²) + eps) over consecutive groups of ``group`` channels of the last dim (fp32 in, fp32 out)."""
+    shape = h.shape
+    h = h.reshape(*shape[:-1], shape[-1] // group, group)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.reshape(shape)
