@@ -56,6 +56,9 @@ _HF_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "mo
 _DEFAULT_TYPES = ["linear_attention", "moe", "full_attention", "mlp"]  # NemotronHConfig's, given none
 _NORM = {"M": "norm", "*": "input_layernorm", "-": "pre_mlp_layernorm", "E": "pre_mlp_layernorm"}  # megazero's
 _CHUNK = 128  # megazero's Mamba-2 scan block (MambaMixer's default)
+# older config.json names NemotronHConfig still reads (and prefers, as here)
+_LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
+           "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size", "mamba_expand": "expand"}
 
 
 # ---- what converts --------------------------------------------------------------------------------------
@@ -305,10 +308,13 @@ def _number(v: Any) -> float:
 def _mismatch_problems(hf: dict[str, Any], kinds: set[str]) -> list[str]:
     """What in an HF Nemotron-H config megazero cannot represent, and the fix."""
     problems = []
-    for key, want in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2"), ("sliding_window", None),
-                      ("moe_latent_size", None), ("quantization_config", None)):
+    for key, want, why in (
+            ("mamba_hidden_act", "silu", "Mamba-2's activation"), ("mlp_hidden_act", "relu2", "squared ReLU"),
+            ("sliding_window", None, "transformers' Nemotron-H attends to every earlier token"),
+            ("moe_latent_size", None, "megazero's experts have no latent projections"),
+            ("quantization_config", None, "dequantise the checkpoint first")):
         if hf.get(key, want) != want:
-            problems.append(f"{key}={hf[key]!r} (megazero's Nemotron-H needs {want!r})")
+            problems.append(f"{key}={hf[key]!r} (megazero's Nemotron-H needs {want!r}: {why})")
     limit = [_number(v) for v in hf.get("time_step_limit") or (0.0, float("inf"))]
     if limit != [0.0, float("inf")]:
         problems.append(f"time_step_limit={limit} (megazero does not clamp the Mamba step: needs [0, inf])")
@@ -353,6 +359,7 @@ def nemotron_h_config_kwargs(hf: dict[str, Any], weight_names=None) -> dict[str,
     """GPTConfig fields of an HF Nemotron-H ``config.json`` dict; ``weight_names``: the checkpoint's tensor names
     (a ``lm_head.weight`` among them keeps the head untied, as transformers runs it; None trusts the config).
     ValueError naming each value megazero cannot represent, and the fix."""
+    hf = {**hf, **{new: hf[old] for old, new in _LEGACY.items() if old in hf}}
     problems: list[str] = []
     pattern = _pattern(hf, problems)
     kinds = set(pattern)
@@ -360,9 +367,9 @@ def nemotron_h_config_kwargs(hf: dict[str, Any], weight_names=None) -> dict[str,
     kw = _routing_kwargs(hf, problems) if "E" in kinds else {}
     if problems:
         raise ValueError("HF nemotron_h config not representable in megazero: " + "; ".join(problems))
-    if hf.get("num_nextn_predict_layers"):
-        log.warning("the checkpoint's %d multi-token prediction module(s) are left out (transformers leaves them "
-                    "too); megazero's MTP is a different block", hf["num_nextn_predict_layers"])
+    if hf.get("num_nextn_predict_layers") or any(n.startswith("mtp.") for n in weight_names or ()):
+        log.warning("the checkpoint's multi-token prediction modules (mtp.*) are left out, as transformers leaves "
+                    "them; megazero's MTP depth is another block")
     hidden, heads = hf["hidden_size"], hf.get("num_attention_heads", 32)
     head_dim = hf.get("head_dim") or hf.get("attention_head_dim") or 128  # NemotronHConfig's default
     tied = bool(hf.get("tie_word_embeddings", False)) and (weight_names is None or "lm_head.weight" not in weight_names)
