@@ -96,15 +96,17 @@ def tokens(command: str) -> list[str]:
 
 
 def invocations(command: str) -> list[tuple[str, list[str]]]:
-    """(program, arguments) for each pretrain_gpt.py / tools/<x>.py / megazero-<x> run on the line;
-    program is "pretrain_gpt" or the tool's module name."""
+    """(program, arguments) for each pretrain_gpt.py (or Megatron's hybrid names of it, pretrain_hybrid.py and
+    pretrain_mamba.py) / tools/<x>.py / megazero-<x> run on the line; program is "pretrain_gpt" or the tool's module
+    name."""
     found = []
     words = tokens(command)
     i = 0
     while i < len(words):
         word = words[i]
         name = None
-        if word.endswith("pretrain_gpt.py") or word == "megazero-pretrain-gpt":
+        if word.endswith(("pretrain_gpt.py", "pretrain_hybrid.py", "pretrain_mamba.py")) \
+                or word == "megazero-pretrain-gpt":
             name = "pretrain_gpt"
         else:
             m = re.search(r"(?:^|/)tools/(\w+)\.py$", word) or re.fullmatch(r"megazero-([\w-]+)", word)

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from typing import NoReturn, Optional, Sequence
 
 from megazero.config.flag_names import with_flags
@@ -37,6 +38,7 @@ from megazero.config.resolve.data import (
 )
 from megazero.config.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
 from megazero.config.resolve.deepspeed_moe import balancing_notes, merge_deepspeed_moe
+from megazero.config.resolve.hybrid import check_linear_context_parallel, resolve_hybrid_pattern, spec_refusals
 from megazero.config.resolve.logs import resolve_logging
 from megazero.config.resolve.model import (
     GPT2_VOCAB_SIZE,
@@ -148,7 +150,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ns = (parser or build_parser()).parse_args(argv)
-    refused = refusals(ns)
+    refused = refusals(ns) + spec_refusals(ns)
     if refused:
         raise ConfigError("refused before any process starts:\n  " + "\n  ".join(refused))
     check_local_rank(ns)
@@ -160,6 +162,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     read_data_args_files(ns, check_files)
     if planning:
         notes += fill_for_planning(ns)
+    resolve_hybrid_pattern(ns, notes)  # the pattern gives --num-layers
     missing = missing_required(ns)
     if missing:
         raise ConfigError("missing required flags: " + "; ".join(missing))
@@ -172,6 +175,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     data = resolve_data(ns, check_files)
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     resolve_expert_parallel(parallel, model)
+    check_linear_context_parallel(model, parallel)
     notes += balancing_notes(ns, model)
     if optim.qk_clip or optim.log_max_attention_logit:
         if parallel.cp > 1:
@@ -293,6 +297,35 @@ def _attention_pattern(m) -> str:
     return out + (f"; attention sinks ({m.softmax_type})" if m.softmax_type != "vanilla" else "")
 
 
+_KIND_NAMES = (("mamba", "Mamba-2"), ("gdn", "Gated DeltaNet"), ("attention", "attention"), ("dense", "MLP"),
+               ("moe", "MoE"))
+
+
+def _layer_kinds(m: GPTConfig) -> list[str]:
+    """The start-up line of a model whose layers differ in kind (a hybrid pattern, or Gated DeltaNet among the
+    attention layers) and their sizes; none for a model of attention layers."""
+    kinds = [m.layer_kinds(i) for i in range(m.num_layers)]
+    mixers = Counter("attention" if k.mixer in ("standard", "mla") else k.mixer for k in kinds if k.mixer)
+    if m.hybrid_layer_pattern is None and not mixers["gdn"]:
+        return ["attention output gated"] if m.attention_output_gate else []
+    if m.hybrid_layer_pattern is not None:
+        counts = mixers + Counter(k.mlp for k in kinds if k.mlp)
+        line = (f"hybrid: {m.num_layers} layers {m.hybrid_layer_pattern} ("
+                + ", ".join(f"{counts[key]} {name}" for key, name in _KIND_NAMES if counts[key]) + ")")
+    else:
+        every = m.linear_attention_freq
+        line = f"Gated DeltaNet in {mixers['gdn']} of {m.num_layers} layers" + (
+            f" (attention every {every} layers)" if isinstance(every, int) else "")
+    if mixers["mamba"]:
+        line += (f"; Mamba-2 {m.mamba_heads} heads x {m.mamba_head_dim}, state {m.mamba_state_dim}, "
+                 f"{m.mamba_num_groups} groups, conv {m.linear_conv_kernel_dim}")
+    if mixers["gdn"]:
+        sizes = (f"{m.linear_num_key_heads} key heads x {m.linear_key_head_dim}, {m.linear_num_value_heads} value "
+                 f"heads x {m.linear_value_head_dim}, conv {m.linear_conv_kernel_dim}")
+        line += f"; Gated DeltaNet {sizes}" if m.hybrid_layer_pattern is not None else f"; {sizes}"
+    return [line + ("; attention output gated" if m.attention_output_gate else "")]
+
+
 def _optimizer(o: OptimConfig) -> str:
     """The optimizer and its own settings, as the start-up line shows them (its component says)."""
     return component(o.type).describe(o)
@@ -316,6 +349,7 @@ def describe(config: TrainConfig) -> str:
            f"{m.num_experts} experts, top-{m.moe_router_topk}" if m.num_experts else "")
         + (f"; {m.mtp_num_layers} multi-token prediction module{'s' if m.mtp_num_layers > 1 else ''} "
            f"(weight {m.mtp_loss_scaling_factor:g})" if m.mtp_num_layers else ""),
+        *_layer_kinds(m),
         f"parallel: world {p.world_size} = tp {p.tp} x "
         + (f"cp {p.cp} ({_exchanges(p)}) x " if p.cp > 1 else "")
         + f"pp {p.pp} x dp {p.dp}" + (f" (experts: etp {p.etp} x ep {p.ep} x expert-dp {p.dp * p.cp * p.tp // (p.ep * p.etp)})"

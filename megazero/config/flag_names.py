@@ -38,4 +38,5 @@ def with_flags(message: str) -> str:
         value = m.group(2)
         return flags[m.group(1)] + ("" if value is None else " " + value.strip("'"))
 
-    return pattern.sub(flag, message)
+    # a message that names the flag beside the field ("set mamba_num_heads (--mamba-num-heads)") names it once
+    return re.sub(r"(--[\w-]+(?: [^\s()]+)?) \(\1\)", r"\1", pattern.sub(flag, message))

@@ -5,6 +5,7 @@ belong in its table; each ``g(status, names, meaning, type, **kw)`` adds one row
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, Callable
 
 __all__ = ["add_moe_rows", "add_mla_rows", "refuse", "accept"]
@@ -42,26 +43,53 @@ def refuse(g: Callable[..., Any], message: str, switches: str = "", values: str 
 
 
 def _layer_freq(s: str):
-    """``--moe-layer-freq``: an int, or Megatron's pattern expression of 0s and 1s ("([0]*3+[1]*58)", "[1,0,1,0]"),
-    read without eval."""
+    """``--moe-layer-freq``, ``--window-attn-skip-freq``, ``--linear-attention-freq``: an int, or Megatron's
+    expression of a 0/1 list ("([0]*3+[1]*58)", "[1,0,1,0]", "([1]*3+[0])*12"), read without eval: sums of
+    ``[a, b, ...]`` lists and parenthesised sums, each repeated by ``*n``."""
     text = s.replace(" ", "")
     if text.isdigit():
         return int(text)
-    if not text or set(text) - set("0123456789[](),+*"):
+    tokens = re.findall(r"\d+|[][(),+*]", text)
+    if not text or "".join(tokens) != text:
         raise argparse.ArgumentTypeError(f"{s!r}: give an int or a list of 0/1 per layer such as ([0]*3+[1]*58)")
-    return tuple(_pattern(text.strip("()") if text.startswith("(") and text.endswith(")") else text, s))
+    values, end = _sum(tokens, 0, s)
+    if end != len(tokens):
+        raise argparse.ArgumentTypeError(f"{s!r}: unexpected {''.join(tokens[end:])!r} after the list")
+    return tuple(values)
 
 
-def _pattern(text: str, original: str) -> list:
-    """Sums of ``[a, b, ...]`` or ``[a, ...]*n`` terms."""
-    out: list = []
-    for term in text.split("+"):
-        body, _, times = term.partition("*")
-        if not (body.startswith("[") and body.endswith("]")) or (times and not times.isdigit()):
-            raise argparse.ArgumentTypeError(f"{original!r}: each term is [0/1, ...] or [0/1, ...]*n")
-        values = [int(v) for v in body[1:-1].split(",") if v]
-        out += values * (int(times) if times else 1)
-    return out
+def _sum(tokens: list[str], i: int, original: str) -> tuple[list[int], int]:
+    """``term (+ term)*`` from ``tokens[i]``: the list and the index after it."""
+    out, i = _term(tokens, i, original)
+    while i < len(tokens) and tokens[i] == "+":
+        more, i = _term(tokens, i + 1, original)
+        out += more
+    return out, i
+
+
+def _term(tokens: list[str], i: int, original: str) -> tuple[list[int], int]:
+    """``[a, b, ...]`` or ``( sum )``, then any ``*n``."""
+    bad = argparse.ArgumentTypeError(f"{original!r}: each term is [0/1, ...], [0/1, ...]*n or ( ... )*n")
+    if i < len(tokens) and tokens[i] == "(":
+        out, i = _sum(tokens, i + 1, original)
+        if i >= len(tokens) or tokens[i] != ")":
+            raise bad
+        i += 1
+    elif i < len(tokens) and tokens[i] == "[":
+        out, i = [], i + 1
+        while i < len(tokens) and tokens[i] != "]":
+            if not tokens[i].isdigit() or tokens[i + 1:i + 2] not in ([","], ["]"]):
+                raise bad
+            out.append(int(tokens[i]))
+            i += 2 if tokens[i + 1] == "," else 1
+        if i >= len(tokens):
+            raise bad
+        i += 1
+    else:
+        raise bad
+    while i + 1 < len(tokens) and tokens[i] == "*" and tokens[i + 1].isdigit():
+        out, i = out * int(tokens[i + 1]), i + 2
+    return out, i
 
 
 def add_moe_rows(g: Callable[..., Any]) -> None:

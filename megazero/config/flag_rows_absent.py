@@ -1,5 +1,5 @@
 """The flag table's groups for Megatron-LM features megazero does not have: Transformer Engine with FP8 and FP4,
-hybrid architectures (Mamba, gated delta net, DSA), CUDA graphs, the inference engine, RL, SFT and distillation,
+DeepSeek sparse attention and Gated DeltaProduct, CUDA graphs, the inference engine, RL, SFT and distillation,
 BERT and vision models, and the cluster services around a run (profilers, fault tolerance, telemetry). Each
 refused flag stops the run before any process group starts with its group's message, which says what megazero
 has instead; the switches that turn such a feature (or a part of it) off are accepted, being what megazero does.
@@ -21,7 +21,7 @@ NO_FP8 = "FP8 and FP4 training do not exist in megazero yet; use --bf16 (or --fp
 def add_absent_groups(group: Callable[[str], Callable[..., Any]]) -> None:
     """Add the groups; ``group(name)`` gives the row adder of the group ``name`` (``flags._group``)."""
     _transformer_engine(group("not in megazero: Transformer Engine, FP8 and FP4"))
-    _hybrid(group("not in megazero: hybrid models (Mamba, gated delta net, DSA, linear attention)"))
+    _hybrid(group("not in megazero: DeepSeek sparse attention, Gated DeltaProduct, hybrid MTP patterns"))
     _cuda_graphs(group("not in megazero: CUDA graphs"))
     _inference(group("not in megazero: the inference engine"))
     _post_training(group("not in megazero: RL, SFT, distillation, BERT, retrieval and vision models"))
@@ -48,19 +48,20 @@ def _transformer_engine(g) -> None:
 
 
 def _hybrid(g) -> None:
-    refuse(g, "hybrid models (Mamba, gated delta net or DSA layers, linear attention, --hybrid-layer-pattern) do not "
-           "exist in megazero yet: its layers are attention (multi-head, grouped-query or multi-latent) with dense "
-           "or mixture-of-experts MLPs; drop the flag", "--is-hybrid-model --disable-mamba-mem-eff-path "
-           "--gdp-cutedsl-kernel --dsa-indexer-use-sparse-loss --dsa-indexer-rope-interleaved "
-           "--no-dsa-indexer-rotate-activation --disable-dsa-indexer-rotate-activation "
+    refuse(g, "DeepSeek sparse attention (DSA, its indexer and its loss) does not exist in megazero: its attention "
+           "is dense (multi-head, grouped-query or multi-latent); drop the flag", "--dsa-indexer-use-sparse-loss "
+           "--dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation --disable-dsa-indexer-rotate-activation "
            "--no-dsa-indexer-scoring-relu --disable-dsa-indexer-scoring-relu --dsa-indexer-k-norm-fp32",
-           "--hybrid-layer-pattern --hybrid-override-pattern --mtp-hybrid-override-pattern "
-           "--experimental-attention-variant --linear-attention-freq --mamba-state-dim --mamba-head-dim "
-           "--mamba-num-groups --mamba-num-heads --mamba-training-ssm-states-dtype --gdp-num-householder "
-           "--gdp-num-chunk-states-to-recompute --linear-conv-kernel-dim --linear-key-head-dim "
-           "--linear-value-head-dim --linear-num-key-heads --linear-num-value-heads --dsa-indexer-n-heads "
-           "--dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq --dsa-indexer-skip-topk-offset "
-           "--dsa-indexer-loss-coeff --dsa-kernel-backend --dsa-indexer-k-norm-epsilon")
+           "--dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq "
+           "--dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-kernel-backend "
+           "--dsa-indexer-k-norm-epsilon")
+    refuse(g, "Gated DeltaProduct (several Householder steps per token) does not exist in megazero: its linear "
+           "attention is Gated DeltaNet (G in --hybrid-layer-pattern, or --experimental-attention-variant "
+           "gated_delta_net); drop the flag", "--gdp-cutedsl-kernel",
+           "--gdp-num-householder --gdp-num-chunk-states-to-recompute")
+    refuse(g, "a hybrid pattern for the multi-token prediction modules does not exist in megazero: each of its "
+           "--mtp-num-layers modules is an attention layer with the model's MLP; drop the flag",
+           values="--mtp-hybrid-override-pattern")
 
 
 def _cuda_graphs(g) -> None:

@@ -189,7 +189,6 @@ def add_model_rows(g: G) -> None:
            "interleaved pairing (RoFormer) does not exist; drop the flag", "--rotary-interleaved")
     refuse(g, "Llama 4's L2 normalization of queries and keys does not exist in megazero (--qk-layernorm normalizes "
            "them with --normalization); drop the flag", "--qk-l2-norm")
-    refuse(g, "a gate on the attention output does not exist in megazero yet; drop the flag", "--attention-output-gate")
     refuse(g, "megazero's loss is Megatron's default: the mean over each micro-batch's loss-mask tokens, averaged "
            "over micro-batches and data-parallel ranks; dividing the global batch's summed loss by its number of "
            "tokens does not exist yet (the two agree when every micro-batch has as many loss tokens, i.e. without "
@@ -222,9 +221,9 @@ def add_model_rows(g: G) -> None:
            "--encoder-num-layers --decoder-num-layers --decoder-seq-length --relative-attention-num-buckets "
            "--relative-attention-max-distance")
     refuse(g, "megazero does not export to ONNX; drop the flag", values="--onnx-safe")
-    refuse(g, "heterogeneous layers (a shape per layer, Llama-Nemotron) and layer specs given as Python import paths "
-           "do not exist in megazero: every layer comes from the flags; drop the flag", "",
-           "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json --spec")
+    refuse(g, "heterogeneous layers (a shape per layer, Llama-Nemotron) do not exist in megazero: every layer comes "
+           "from the flags; drop the flag", "",
+           "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json")
     refuse(g, "manifold-constrained hyper-connections (mHC) do not exist in megazero yet: each layer has one residual "
            "stream; drop the flag", "--enable-mhc-connections", "--mhc-num-residual-streams --mhc-sinkhorn-iterations "
            "--mhc-init-gating-factor --mhc-recompute-layer-num")

@@ -22,8 +22,9 @@ where Megatron takes a list and refuse several (``several``).
 Every flag of Megatron-LM's newest ``arguments.py`` has a row (tests/training/test_megatron_flags.py holds the
 table against the list in tests/training/megatron_lm_flags.txt). The groups are built here in order; rows kept
 elsewhere: ``flag_rows`` (mixtures of experts, multi-latent attention), ``flag_rows_training`` (batch, schedule,
-optimizer), ``flag_rows_mcore`` (Megatron-core's newer flags in megazero's groups) and ``flag_rows_absent``
-(the Megatron-LM features megazero does not have, in groups of their own).
+optimizer), ``flag_rows_hybrid`` (Mamba-2 and Gated DeltaNet layers), ``flag_rows_mcore`` (Megatron-core's newer
+flags in megazero's groups) and ``flag_rows_absent`` (the Megatron-LM features megazero does not have, in groups
+of their own).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 from megazero.config import flag_rows_mcore as mcore
 from megazero.config.flag_rows import add_mla_rows, add_moe_rows
 from megazero.config.flag_rows_absent import NO_TE, add_absent_groups
+from megazero.config.flag_rows_hybrid import add_hybrid_rows
 from megazero.config.flag_rows_training import add_optimizer_rows, add_schedule_rows
 
 __all__ = ["Flag", "FLAGS", "HONOURED", "MAPPED", "REFUSED", "HELP_EPILOG", "refusals",
@@ -259,6 +261,10 @@ mcore.add_model_rows(g)
 g = _group("multi-latent attention, RoPE scaling and multi-token prediction")
 add_mla_rows(g)
 mcore.add_mtp_rows_newer(g)
+
+# ------------------------------------------------------------------ Mamba-2 and Gated DeltaNet layers
+g = _group("hybrid models: Mamba-2 and Gated DeltaNet layers")
+add_hybrid_rows(g)
 
 # ---------------------------------------------------------------------------------------- recompute
 g = _group("activation recompute")

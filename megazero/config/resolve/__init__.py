@@ -8,6 +8,7 @@ and calls, in order:
 - ``precision``: bf16 / fp16 / fp32 and the fp16 loss scaler
 - ``optim``: optimizer type, lr, betas, weight decay (and its schedule), clipping
 - ``data``: data paths, split, tokenizer and its files
+- ``hybrid``: the layers by kind (--hybrid-layer-pattern, Gated DeltaNet and Mamba-2 flags), which give --num-layers
 - ``model``: GPTConfig from the model flags, --model-preset and the checkpoint (see ``resume``)
 - ``schedule``: micro/global batch, ramp-up, iterations or samples, LR schedule, evaluation and exit
 - ``resume``: checkpoint flags, and what an earlier run saved (--use-checkpoint-args, vocabulary padding)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from megazero.config.resolve.common import default
+from megazero.config.resolve.hybrid import check_hybrid_model, hybrid_kwargs
 from megazero.config.resolve.mla import given_mla_fields, mla_kwargs
 from megazero.config.resolve.resume import (
     CHECKPOINT_FILL_FIELDS,
@@ -240,9 +241,12 @@ def given_model_fields(ns: argparse.Namespace, pos: Any, eps_field: str, data: D
         if getattr(ns, name) is not None:
             given[name] = (f"--{name.replace('_', '-')} {getattr(ns, name):g}", getattr(ns, name))
     flag_of = {name: flag_name for name, flag_name, _ in MODEL_FIELD_FLAGS}
-    for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns, experts)}.items():
+    for name, value in {**model_field_kwargs(ns), **moe_kwargs(ns, experts), **hybrid_kwargs(ns)}.items():
         flag_name = flag_of.get(name, f"--{name.replace('_', '-')}")
         given[name] = (flag_name if isinstance(value, bool) else f"{flag_name} {value}", value)
+    if ns.hybrid_layer_pattern is not None:  # the pattern gave --num-layers: name what was typed
+        given["num_layers"] = (f"--hybrid-layer-pattern {ns.hybrid_layer_pattern} ({ns.num_layers} layers)",
+                               ns.num_layers)
     given.update(given_mla_fields(ns))
     for name, value in rope_scaling_kwargs(ns).items():
         typed = f"--rope-scaling-factor {value:g}" if name == "rotary_scaling_factor" else "--use-rope-scaling"
@@ -342,6 +346,7 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
             kw[attr] = value
     kw.update(model_field_kwargs(ns))
     kw.update(moe_kwargs(ns, saved.get("num_experts")))
+    kw.update(hybrid_kwargs(ns))
     kw.update(mla_kwargs(ns, kw["position_embedding_type"], notes, saved))
     kw.update(rope_scaling_kwargs(ns))
     for key in ("kv_channels", eps_field):
@@ -351,6 +356,9 @@ def resolve_model(ns: argparse.Namespace, par: ParallelConfig, prec: PrecisionCo
         given = given_model_fields(ns, pos, eps_field, data, saved.get("num_experts"))
         kw.update(checkpoint_model_kwargs(saved, given, where))
         kw.update(checkpoint_training_kwargs(saved, given, where, notes))
+        if ns.hybrid_layer_pattern is not None:  # the same layers, cut into pipeline stages the run's way
+            kw["hybrid_layer_pattern"] = ns.hybrid_layer_pattern
+    check_hybrid_model(ns, kw.get("hybrid_layer_pattern"))
     # Megatron's masks at every layout (the fused kernels run); position-keyed masks, the same at every
     # layout, only when asked: their attention dropout runs the explicit formula in tiles.
     kw["dropout_rng"] = ns.dropout_rng or "stream"

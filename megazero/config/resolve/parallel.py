@@ -129,7 +129,8 @@ def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConf
     try:
         segments = model.pipeline_segments
         v = 1 if v_given is None else v_given
-        if segments is not None and v_given is None and per_chunk is None and len(segments) % par.pp == 0:
+        if segments is not None:
+            _check_segments(ns, par, len(segments), model.hybrid_layer_pattern)
             v = len(segments) // par.pp  # the pattern's cuts give each rank its chunks (Megatron's)
         if per_chunk is not None:
             if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
@@ -165,6 +166,28 @@ def resolve_pipeline(ns: argparse.Namespace, par: ParallelConfig, model: GPTConf
                     f"micro-batches (global batch / (micro batch {schedule.micro_batch_size} x dp {par.dp})); use a "
                     f"--global-batch-size giving a multiple of {par.pp} micro-batches, or drop the virtual stages")
     par.virtual_pp = v
+
+
+def _check_segments(ns: argparse.Namespace, par: ParallelConfig, segments: int, pattern: str) -> None:
+    """A hybrid pattern cut by '|' places every (virtual) stage's layers: its segments a multiple of pp, and no
+    other way to split given beside it (as Megatron asserts)."""
+    if segments % par.pp:
+        raise ConfigError(f"--hybrid-layer-pattern {pattern} has {segments} pipeline segments ('|' cuts) for --pp "
+                          f"{par.pp}: cut it into a multiple of {par.pp} segments (segments / pp model chunks per "
+                          "rank), or leave out the '|' for an even split")
+    other = [flag for flag, given in (
+        ("--num-layers-per-virtual-pipeline-stage", ns.num_layers_per_virtual_pipeline_stage is not None),
+        ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers is not None),
+        ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers is not None),
+        ("--account-for-embedding-in-pipeline-split", ns.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", ns.account_for_loss_in_pipeline_split)) if given]
+    v_given = ns.virtual_pipeline_model_parallel_size
+    if v_given is not None and v_given != segments // par.pp:
+        other.append(f"--virtual-pipeline-model-parallel-size {v_given}")
+    if other:
+        raise ConfigError(f"{', '.join(other)} beside the '|' cuts of --hybrid-layer-pattern, which place every "
+                          f"stage's layers ({segments} segments / --pp {par.pp} = {segments // par.pp} chunks per "
+                          "rank): drop it, or the cuts")
 
 
 _SHARDING_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}

@@ -73,7 +73,10 @@ CHECKPOINT_MODEL_FIELDS = (
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "latent_layernorm_epsilon", "rope_type",
     "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
     "yarn_correction_range_round_to_int", "mtp_num_layers", "low_freq_factor", "high_freq_factor", "hf_model_type",
-    "window_size", "window_attn_skip_freq", "softmax_type")
+    "window_size", "window_attn_skip_freq", "softmax_type", "hybrid_layer_pattern", "experimental_attention_variant",
+    "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
+    "mamba_num_groups", "attention_output_gate")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_TRAINING_FIELDS = (
     "hidden_dropout", "attention_dropout", "init_method_std", "init_method", "label_smoothing",
@@ -109,10 +112,15 @@ def checkpoint_args_source(ns: argparse.Namespace, check_files: bool) -> Optiona
 def _effective(saved, field: str) -> Any:
     """A saved GPTConfig's value of ``field`` as a flag would give it (defaults resolved)."""
     resolved = {"num_query_groups": "query_groups", "kv_channels": "head_dim", "ffn_hidden_size": "ffn_size",
-                "rope_type": "resolved_rope_type",
+                "rope_type": "resolved_rope_type", "mamba_num_heads": "mamba_heads",
                 "moe_ffn_hidden_size": "moe_ffn_size"}
     value = getattr(saved, resolved.get(field, field))
     return tuple(value) if isinstance(value, list) else value
+
+
+def _layers(field: str, value: Any) -> Any:
+    """A value as the weights see it: a hybrid pattern without its pipeline cuts (which a run may place anew)."""
+    return value.replace("|", "") if field == "hybrid_layer_pattern" and isinstance(value, str) else value
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -132,7 +140,7 @@ def checkpoint_model_kwargs(saved: dict[str, Any], given: dict[str, tuple[str, A
         raise ConfigError(f"{where} does not hold a model configuration this build reads: {e}") from None
     fields = CHECKPOINT_MODEL_FIELDS + (CHECKPOINT_LEARNED_FIELDS if ref.position_embedding_type == "learned" else ())
     for field, (flag, value) in given.items():
-        if field in fields and not _same(value, _effective(ref, field)):
+        if field in fields and not _same(_layers(field, value), _layers(field, _effective(ref, field))):
             raise ConfigError(f"{flag} disagrees with the checkpoint's {field}={_effective(ref, field)!r} ({where}): "
                               "drop the flag, the model comes from the checkpoint")
     return {k: saved[k] for k in fields if k in saved}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import GPTConfig
+from .megatron_hybrid import hybrid_args
 
 __all__ = ["megatron_model_args"]
 
@@ -46,6 +47,7 @@ def megatron_model_args(config: GPTConfig) -> dict[str, Any]:
         window_attn_skip_freq=(list(config.window_attn_skip_freq) if isinstance(config.window_attn_skip_freq, tuple)
                                else config.window_attn_skip_freq),
         softmax_type=config.softmax_type,
+        **hybrid_args(config),
     )
     if config.num_experts:
         freq = config.moe_layer_freq

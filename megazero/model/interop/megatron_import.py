@@ -31,6 +31,7 @@ import torch
 from megazero.mpu.sharding import full_from_shards
 
 from ..config import GPTConfig
+from .megatron_hybrid import hybrid_fields
 
 __all__ = ["config_from_megatron_args", "flatten", "megatron_names", "deepspeed_layer_names",
            "merge_tp_shards", "megatron_to_megazero"]
@@ -106,7 +107,7 @@ def config_from_megatron_args(args: Any, vocab_size: Optional[int] = None) -> GP
         mtp_loss_scaling_factor=float(_get(args, "mtp_loss_scaling_factor", default=0.1)),
         **_attention_fields(args),
     )
-    return GPTConfig(**{**fields, **_moe_fields(args), **_mla_fields(args)})
+    return GPTConfig(**{**fields, **_moe_fields(args), **_mla_fields(args), **hybrid_fields(args)})
 
 
 def _attention_fields(args: Any) -> dict:

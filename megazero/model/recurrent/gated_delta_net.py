@@ -27,11 +27,10 @@ from megazero import mpu
 
 from ..config import GPTConfig
 from ..forward_context import ForwardContext
-from ..init import init_methods
+from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .delta_rule import chunk_gated_delta_rule, gated_delta_transition, recurrent_gated_delta_rule
 from .gated_norm import gated_rms_norm
-from .init import uniform_
 from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
 
 __all__ = ["GatedDeltaNet", "GATED_DELTA_SCAN", "l2norm"]
@@ -93,11 +92,11 @@ class GatedDeltaNet(torch.nn.Module):
         if torch.device(device if device is not None else "cpu").type != "meta":
             self.reset_parameters()
 
-    def _conv_weight(self, first: int, count: int) -> torch.Tensor:
-        """The convolution's rows of key heads ``first .. first + count`` (and their value heads) of the full
-        ``[q; k; v]`` channels."""
+    def _conv_weight(self, w: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """The rows of the convolution ``w`` of key heads ``first .. first + count`` (and their value heads) of the
+        full ``[q; k; v]`` channels."""
         dk, dv, r = self.dk, self.dv, self.nv // self.nk
-        key_dim, w = self.nk * self.tp_size * dk, self.conv1d_weight
+        key_dim = self.nk * self.tp_size * dk
         return torch.cat([w[first * dk:(first + count) * dk], w[key_dim + first * dk:key_dim + (first + count) * dk],
                           w[2 * key_dim + first * r * dv:2 * key_dim + (first + count) * r * dv]])
 
@@ -105,12 +104,20 @@ class GatedDeltaNet(torch.nn.Module):
         """The layer's own small weights (the projections initialise themselves): the convolution as
         ``nn.Conv1d``'s default (U(+-1/sqrt(K))), A from U(1, 16), dt_bias and the norm's weight ones."""
         bound = 1.0 / self.conv1d_weight.size(1) ** 0.5
-        uniform_(self.conv1d_weight, -bound, bound)
-        uniform_(self.A_log, *A_INIT_RANGE)
+        lo, hi = A_INIT_RANGE
         with torch.no_grad():
-            self.A_log.log_()
+            self.conv1d_weight.copy_(keyed_uniform(self.conv1d_weight) * (2 * bound) - bound)
+            self.A_log.copy_(torch.log(lo + (hi - lo) * keyed_uniform(self.A_log)))
             self.dt_bias.fill_(1.0)
             self.norm_weight.fill_(1.0)
+
+    def _replicated(self) -> tuple[torch.Tensor, ...]:
+        """The whole small weights as this forward uses them: under TP through the copy whose backward sums the
+        gradient over the ranks (each used only its heads' slice), as the norms' weights are."""
+        ws = (self.conv1d_weight, self.A_log, self.dt_bias, self.norm_weight)
+        if self.tp_size == 1:
+            return ws
+        return tuple(mpu.copy_to_tensor_model_parallel_region(w, self.out_proj.tp_group) for w in ws)
 
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
         """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: document starts and context parallelism."""
@@ -120,31 +127,33 @@ class GatedDeltaNet(torch.nn.Module):
         q, k = (t.reshape(b, s, self.nk, self.dk) for t in qk.chunk(2, dim=-1))
         v, z = (t.reshape(b, s, self.nv, self.dv) for t in vz.chunk(2, dim=-1))
         beta, a = (t.unsqueeze(-1) for t in ba.chunk(2, dim=-1))  # [b, s, nv, 1]
-        first = self.tp_rank * self.nk
+        first, weights = self.tp_rank * self.nk, self._replicated()
         if context.cp is not None and self.heads_exchange:  # Megatron's: the whole sequence for 1/P of the heads
             ex = HeadsExchange.of(context)
             q, k, v, beta, a = (ex.to_heads(t) for t in (q, k, v, beta, a))
-            o = ex.to_sequence(self._mix(q, k, v, beta, a, first + ex.rank * q.size(2), ex.context))
+            o = ex.to_sequence(self._mix(q, k, v, beta, a, first + ex.rank * q.size(2), weights, ex.context))
         else:
-            o = self._mix(q, k, v, beta, a, first, context)
-        y = gated_rms_norm(o, z, self.norm_weight, eps=self.eps, norm_before_gate=True)
+            o = self._mix(q, k, v, beta, a, first, weights, context)
+        y = gated_rms_norm(o, z, weights[3], eps=self.eps, norm_before_gate=True)
         out, _ = self.out_proj(y.reshape(b, s, -1).transpose(0, 1))
         return out
 
-    def _mix(self, q, k, v, beta, a, first: int, context: ForwardContext) -> torch.Tensor:
+    def _mix(self, q, k, v, beta, a, first: int, weights: tuple, context: ForwardContext) -> torch.Tensor:
         """Convolution, gates and the rule over key heads ``first ..`` (``q``, ``k`` ``[b, s, nk', dk]``; ``v``
-        ``[b, s, nv', dv]``; ``beta``, ``a`` ``[b, s, nv', 1]``, before their activations) -> ``[b, s, nv', dv]``."""
+        ``[b, s, nv', dv]``; ``beta``, ``a`` ``[b, s, nv', 1]``, before their activations) -> ``[b, s, nv', dv]``;
+        ``weights``: the convolution, A_log and dt_bias (and the norm's weight) as :meth:`_replicated` gives them."""
         b, s, nk, nv = q.size(0), q.size(1), q.size(2), v.size(2)
+        conv, a_log, dt_bias = weights[:3]
         flat = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
         cached = context.cache.recurrent(self.number) if context.cache is not None else None
-        weight = self._conv_weight(first, nk)
+        weight = self._conv_weight(conv, first, nk)
         halo = cached.convolution_halo(flat, weight.size(1) - 1) if cached is not None else None
         mixed = short_convolution(flat, weight, None, context, halo=halo)
         q, k, v = mixed.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
         q = l2norm(q.reshape(b, s, nk, self.dk)).repeat_interleave(nv // nk, dim=2)
         k = l2norm(k.reshape(b, s, nk, self.dk)).repeat_interleave(nv // nk, dim=2)
         heads = slice(first * (nv // nk), first * (nv // nk) + nv)
-        g = -self.A_log[heads].float().exp() * F.softplus(a.squeeze(-1).float() + self.dt_bias[heads].float())
+        g = -a_log[heads].float().exp() * F.softplus(a.squeeze(-1).float() + dt_bias[heads].float())
         beta = torch.sigmoid(beta.squeeze(-1).float())
         v = v.reshape(b, s, nv, self.dv)
         if cached is None:
