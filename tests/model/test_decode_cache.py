@@ -16,7 +16,7 @@ import torch
 from megazero import mpu
 from megazero.model import GPTModel
 from megazero.model.decode_cache import DecodeCache, KeyValues, RecurrentState
-from megazero.model.recurrent import gated_delta_net
+from megazero.model.recurrent import gated_delta_net, mamba
 from megazero.model.sampling import generate
 from tests.distributed import run_distributed
 from tests.model.common import tiny_config
@@ -33,6 +33,9 @@ CONFIGS = {
                                                window_attn_skip_freq=2, softmax_type="learnable"),
     "qwen3_next": lambda: tiny_config("llama", **LONG, **GDN, num_layers=4, experimental_attention_variant="gated_delta_net",
                                       linear_attention_freq=2, attention_output_gate=True, qk_layernorm=True),
+    # Mamba-2, attention and an MLP as three layers (groups divisible by tp 2)
+    "nemotron_h": lambda: tiny_config("llama", **LONG, num_layers=3, hybrid_layer_pattern="M*-", mamba_num_heads=4,
+                                      mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8, linear_conv_kernel_dim=4),
     "mla": lambda: tiny_config("llama", **LONG, num_attention_heads=4, num_query_groups=None, multi_latent_attention=True,
                                q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6),
 }
@@ -105,7 +108,7 @@ def _tensor_parallel(name: str) -> list:
     return [cached.tolist(), recomputed.tolist()]
 
 
-@pytest.mark.parametrize("name", ["llama_windows_sinks", "qwen3_next"])
+@pytest.mark.parametrize("name", ["llama_windows_sinks", "qwen3_next", "nemotron_h"])
 def test_tensor_parallel_decoding_gives_the_tokens_of_one_process(name):
     config = CONFIGS[name]()
     torch.manual_seed(SEED)
@@ -114,38 +117,41 @@ def test_tensor_parallel_decoding_gives_the_tokens_of_one_process(name):
         assert cached == recomputed == one.tolist()
 
 
+KERNELS = [(gated_delta_net, "chunk_gated_delta_rule"), (gated_delta_net, "recurrent_gated_delta_rule"),
+           (mamba, "chunk_ssd_scan"), (mamba, "recurrent_ssd_scan")]
+
+
 def test_a_step_runs_one_token_and_one_recurrent_step_from_a_state_that_does_not_grow(monkeypatch):
-    config = tiny_config("llama", **LONG, **GDN, num_layers=2, experimental_attention_variant="gated_delta_net",
-                         linear_attention_freq=(1, 1))
+    config = tiny_config("llama", **LONG, **GDN, num_layers=3, hybrid_layer_pattern="MG-", mamba_num_heads=4,
+                         mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8)
     torch.manual_seed(SEED)
     model = GPTModel(config).eval()
-    calls = []
-    for kernel in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule"):
-        real = getattr(gated_delta_net, kernel)
-
-        def counted(*args, _real=real, _name=kernel, **kw):
-            calls.append((_name, args[1].size(1), None if kw["initial_state"] is None else kw["initial_state"].shape))
+    calls = []  # (kernel, tokens, the initial state's shape)
+    for module, kernel in KERNELS:
+        def counted(*args, _real=getattr(module, kernel), _name=kernel, **kw):
+            state = kw["initial_state"]
+            calls.append((_name, args[0].size(1), None if state is None else tuple(state.shape)))
             return _real(*args, **kw)
 
-        monkeypatch.setattr(gated_delta_net, kernel, counted)
+        monkeypatch.setattr(module, kernel, counted)
     mixer_tokens = []
-    for layer in model.layers:
-        layer.self_attention.register_forward_pre_hook(lambda m, args: mixer_tokens.append(args[0].size(0)))
+    for layer in model.layers[:2]:
+        getattr(layer, layer._mixer_name).register_forward_pre_hook(lambda m, a: mixer_tokens.append(a[0].size(0)))
     cache, prompt = DecodeCache(), _prompt(config, batch=1)
     with torch.no_grad():
         model(prompt, cache=cache)
-        assert [c[:2] for c in calls] == [("chunk_gated_delta_rule", PROMPT)] * 2
+        assert calls == [("chunk_ssd_scan", PROMPT, None), ("chunk_gated_delta_rule", PROMPT, None)]
         sizes = {n: (e.conv.shape, e.state.shape) for n, e in cache.layers().items()}
         calls.clear(), mixer_tokens.clear()
         for step in range(20):
             model(prompt[:, -1:], cache=cache)
         assert cache.length == PROMPT + 20
     assert mixer_tokens == [1] * 40
-    state = torch.Size([1, GDN["linear_num_value_heads"], GDN["linear_key_head_dim"], GDN["linear_value_head_dim"]])
-    assert calls == [("recurrent_gated_delta_rule", 1, state)] * 40
+    ssd, delta = (1, 4, 16, 8), (1, GDN["linear_num_value_heads"], GDN["linear_key_head_dim"], GDN["linear_value_head_dim"])
+    assert calls == [("recurrent_ssd_scan", 1, ssd), ("recurrent_gated_delta_rule", 1, delta)] * 20
     assert {n: (e.conv.shape, e.state.shape) for n, e in cache.layers().items()} == sizes
-    conv = torch.Size([1, GDN["linear_conv_kernel_dim"] - 1, 2 * 2 * 8 + 4 * 8])  # [q; k; v] channels
-    assert all(e.conv.shape == conv and e.state.dtype == torch.float32 for e in cache.layers().values())
+    assert sizes == {0: ((1, 3, 4 * 16 + 2 * 2 * 8), ssd), 1: ((1, 3, 2 * 2 * 8 + 4 * 8), delta)}  # [x; B; C], [q; k; v]
+    assert all(e.state.dtype == torch.float32 for e in cache.layers().values())
 
 
 def test_a_window_layer_keeps_only_the_keys_its_next_queries_see():
