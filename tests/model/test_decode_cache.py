@@ -108,7 +108,7 @@ def _tensor_parallel(name: str) -> list:
     return [cached.tolist(), recomputed.tolist()]
 
 
-@pytest.mark.parametrize("name", ["llama_windows_sinks", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("name", ["llama_windows_sinks", "qwen3_next", "nemotron_h", "mla"])
 def test_tensor_parallel_decoding_gives_the_tokens_of_one_process(name):
     config = CONFIGS[name]()
     torch.manual_seed(SEED)
