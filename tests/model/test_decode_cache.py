@@ -117,8 +117,8 @@ def test_tensor_parallel_decoding_gives_the_tokens_of_one_process(name):
         assert cached == recomputed == one.tolist()
 
 
-KERNELS = [(gated_delta_net, "chunk_gated_delta_rule"), (gated_delta_net, "recurrent_gated_delta_rule"),
-           (mamba, "chunk_ssd_scan"), (mamba, "recurrent_ssd_scan")]
+KERNELS = [(gated_delta_net, "gated_delta_rule"), (gated_delta_net, "recurrent_gated_delta_rule"),
+           (mamba, "ssd_scan"), (mamba, "recurrent_ssd_scan")]
 
 
 def test_a_step_runs_one_token_and_one_recurrent_step_from_a_state_that_does_not_grow(monkeypatch):
@@ -140,7 +140,7 @@ def test_a_step_runs_one_token_and_one_recurrent_step_from_a_state_that_does_not
     cache, prompt = DecodeCache(), _prompt(config, batch=1)
     with torch.no_grad():
         model(prompt, cache=cache)
-        assert calls == [("chunk_ssd_scan", PROMPT, None), ("chunk_gated_delta_rule", PROMPT, None)]
+        assert calls == [("ssd_scan", PROMPT, None), ("gated_delta_rule", PROMPT, None)]
         sizes = {n: (e.conv.shape, e.state.shape) for n, e in cache.layers().items()}
         calls.clear(), mixer_tokens.clear()
         for step in range(20):

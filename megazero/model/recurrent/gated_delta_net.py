@@ -29,8 +29,9 @@ from ..config import GPTConfig
 from ..forward_context import ForwardContext
 from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
-from .delta_rule import chunk_gated_delta_rule, gated_delta_transition, recurrent_gated_delta_rule
+from .delta_rule import gated_delta_transition, recurrent_gated_delta_rule
 from .gated_norm import gated_rms_norm
+from .kernels import gated_delta_rule
 from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
 
 __all__ = ["GatedDeltaNet", "GATED_DELTA_SCAN", "l2norm"]
@@ -45,7 +46,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _run(q, k, v, g, beta, *, initial_state, starts):
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
+    return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
 
 
 def _transition(q, k, v, g, beta, *, starts):
@@ -159,6 +160,6 @@ class GatedDeltaNet(torch.nn.Module):
         if cached is None:
             return recurrent_scan(GATED_DELTA_SCAN, [q, k, v, g, beta], context)
         # Decoding: from the cached state, one step per token (or the chunks of a prompt); no documents, no CP
-        rule = recurrent_gated_delta_rule if s == 1 else chunk_gated_delta_rule
+        rule = recurrent_gated_delta_rule if s == 1 else gated_delta_rule
         o, cached.state = rule(q, k, v, g, beta, initial_state=cached.state, starts=context.starts)
         return o

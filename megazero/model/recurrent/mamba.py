@@ -41,8 +41,9 @@ from ..forward_context import ForwardContext
 from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .gated_norm import gated_rms_norm
+from .kernels import ssd_scan
 from .sequence import HeadsExchange, Scan, local_runs, recurrent_scan, short_convolution
-from .ssd import chunk_ssd_scan, recurrent_ssd_scan, ssd_transition
+from .ssd import recurrent_ssd_scan, ssd_transition
 
 __all__ = ["MambaMixer"]
 
@@ -125,7 +126,7 @@ class MambaMixer(torch.nn.Module):
         """The SSD scan of inputs ``(x, Δ, B, C)`` with this rank's ``A`` and skip ``D`` (inside the scan, as
         transformers adds it); a state passes a run as ``M[b, H] * S``."""
         def run(x, delta, B, C, *, initial_state, starts):
-            return chunk_ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
+            return ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
                                   chunk_size=self.chunk_size)
 
         def transition(x, delta, B, C, *, starts):
