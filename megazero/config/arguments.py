@@ -38,7 +38,7 @@ from megazero.config.resolve.data import (
 )
 from megazero.config.resolve.deepspeed_json import load_deepspeed_json, merge_deepspeed
 from megazero.config.resolve.deepspeed_moe import balancing_notes, merge_deepspeed_moe
-from megazero.config.resolve.hybrid import resolve_hybrid_pattern, spec_refusals
+from megazero.config.resolve.hybrid import check_linear_context_parallel, resolve_hybrid_pattern, spec_refusals
 from megazero.config.resolve.logs import resolve_logging
 from megazero.config.resolve.model import (
     GPT2_VOCAB_SIZE,
@@ -175,6 +175,7 @@ def _parse_args(argv: Optional[Sequence[str]], world_size: Optional[int], check_
     data = resolve_data(ns, check_files)
     model = resolve_model(ns, parallel, precision, data, check_files, notes)
     resolve_expert_parallel(parallel, model)
+    check_linear_context_parallel(model, parallel)
     notes += balancing_notes(ns, model)
     if optim.qk_clip or optim.log_max_attention_logit:
         if parallel.cp > 1:

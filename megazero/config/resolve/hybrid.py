@@ -17,7 +17,7 @@ from megazero.config.train_config import ConfigError
 from megazero.model.interop.megatron_hybrid import is_hybrid_stack_spec, pattern_from_ratios
 from megazero.model.layer_pattern import check_layer_pattern, hybrid_symbols
 
-__all__ = ["spec_refusals", "resolve_hybrid_pattern", "hybrid_kwargs", "check_hybrid_model", "HYBRID_FIELDS"]
+__all__ = ["check_linear_context_parallel", "spec_refusals", "resolve_hybrid_pattern", "hybrid_kwargs", "check_hybrid_model", "HYBRID_FIELDS"]
 
 SPEC_REFUSAL = ("layer specs given as Python import paths do not exist in megazero: every layer comes from the "
                 "flags (Megatron's Mamba/hybrid stack spec is accepted, its layers coming from "
@@ -109,3 +109,19 @@ def check_hybrid_model(ns: argparse.Namespace, pattern: Optional[str]) -> None:
     if ns.is_hybrid_model and pattern is None:
         raise ConfigError("--is-hybrid-model without a layer pattern: give the layers with --hybrid-layer-pattern (M "
                           "Mamba-2, G Gated DeltaNet, * attention, - MLP, E experts), or drop the flag for a GPT")
+
+
+def check_linear_context_parallel(model, parallel) -> None:
+    """Under --linear-cp-comm-type a2a each context-parallel rank takes 1/cp of a recurrent layer's heads (Gated
+    DeltaNet's key heads, Mamba-2's groups) on its tensor-parallel rank: they must divide, checked before any
+    process group starts (state passing takes any number)."""
+    if parallel.cp == 1 or model.linear_cp_comm_type != "a2a":
+        return
+    mixers = {model.layer_kinds(i).mixer for i in range(model.num_layers)}
+    for kind, flag, total in (("gdn", "--linear-num-key-heads", model.linear_num_key_heads),
+                              ("mamba", "--mamba-num-groups", model.mamba_num_groups)):
+        if kind in mixers and (total // parallel.tp) % parallel.cp:
+            raise ConfigError(f"--linear-cp-comm-type a2a splits each tensor-parallel rank's {total // parallel.tp} "
+                              f"{'key heads' if kind == 'gdn' else 'Mamba-2 groups'} ({flag} {total} / --tp "
+                              f"{parallel.tp}) over --context-parallel-size {parallel.cp}, which does not divide them: "
+                              "use --linear-cp-comm-type state_passing (any number), or change the sizes")

@@ -17,7 +17,8 @@ Weight layouts (full, i.e. tp=1, shapes; d = heads * head_dim, gN = groups * sta
 TP splits by whole groups (``mamba_num_groups % tp == 0``): a rank's heads read only its own groups' B and C, and
 the grouped norm never spans two ranks. Under sequence parallelism the projections gather the sequence and
 ``out_proj`` reduce-scatters it, as attention does. Packed documents and context parallelism are the driver's
-(``sequence.py``).
+(``sequence.py``). Incremental decoding (``context.cache``) keeps the convolution's last K-1 inputs of this rank's
+``[x; B; C]`` channels and the scan's state per layer, and runs one recurrent step per new token.
 
 Initialisation (megatron-core's, drawn TP-invariantly, :func:`~megazero.model.init.keyed_uniform`): A uniform in
 [1, 16]; Δ log-uniform in [dt_min, dt_max] floored at dt_init_floor, dt_bias its softplus inverse; the convolution's
@@ -40,8 +41,9 @@ from ..forward_context import ForwardContext
 from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .gated_norm import gated_rms_norm
-from .sequence import Scan, local_runs, recurrent_scan, short_convolution
-from .ssd import chunk_ssd_scan, ssd_transition
+from .kernels import ssd_scan
+from .sequence import HeadsExchange, Scan, local_runs, recurrent_scan, short_convolution
+from .ssd import recurrent_ssd_scan, ssd_transition
 
 __all__ = ["MambaMixer"]
 
@@ -62,6 +64,7 @@ class MambaMixer(torch.nn.Module):
         self.heads, self.head_dim = c.mamba_heads, c.mamba_head_dim
         self.groups, self.state = c.mamba_num_groups, c.mamba_state_dim
         self.kernel = c.linear_conv_kernel_dim
+        self.heads_exchange = c.linear_cp_comm_type == "a2a"
         if self.heads % self.groups or self.groups % tp_size:
             raise ValueError(f"Mamba-2 needs heads ({self.heads}) divisible by mamba_num_groups ({self.groups}) and "
                              f"groups divisible by the tensor parallel size ({tp_size}): lower tp or change the groups")
@@ -105,21 +108,25 @@ class MambaMixer(torch.nn.Module):
         self.D.fill_(1.0)
         self.norm_weight.fill_(1.0)
 
-    def _mine(self, p: torch.Tensor, *blocks: tuple[int, int]) -> torch.Tensor:
-        """This rank's rows of replicated ``p``: of each ``(offset, width)`` block (full sizes), its ``width/tp``
-        share; the whole tensor's gradient summed over TP in backward."""
+    def _replicated(self) -> tuple[torch.Tensor, ...]:
+        """The whole small weights as this forward uses them: under TP through the copy whose backward sums the
+        gradient over the ranks (each uses only its heads' and groups' rows), as the norms' weights are."""
+        ws = (self.conv_weight, self.conv_bias, self.A_log, self.D, self.dt_bias, self.norm_weight)
         if self.tp_size == 1:
-            return p
-        p = mpu.copy_to_tensor_model_parallel_region(p, self.tp_group)
-        parts = [p[off + self.tp_rank * (n // self.tp_size):off + (self.tp_rank + 1) * (n // self.tp_size)]
-                 for off, n in blocks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return ws
+        return tuple(mpu.copy_to_tensor_model_parallel_region(w, self.tp_group) for w in ws)
+
+    def _conv_rows(self, w: torch.Tensor, head: int, heads: int, group: int, groups: int) -> torch.Tensor:
+        """Rows of the ``[x; B; C]`` convolution ``w`` of heads ``head ..`` and groups ``group ..``."""
+        P, N, d = self.head_dim, self.state, self.d_inner
+        return torch.cat([w[head * P:(head + heads) * P], w[d + group * N:d + (group + groups) * N],
+                          w[d + self.bc_width + group * N:d + self.bc_width + (group + groups) * N]])
 
     def _scan(self, A: torch.Tensor, D: torch.Tensor) -> Scan:
         """The SSD scan of inputs ``(x, Δ, B, C)`` with this rank's ``A`` and skip ``D`` (inside the scan, as
         transformers adds it); a state passes a run as ``M[b, H] * S``."""
         def run(x, delta, B, C, *, initial_state, starts):
-            return chunk_ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
+            return ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
                                   chunk_size=self.chunk_size)
 
         def transition(x, delta, B, C, *, starts):
@@ -132,25 +139,54 @@ class MambaMixer(torch.nn.Module):
         zx, _ = self.in_proj_zx(x)  # [s, b, 2d/tp] = [z_r, x_r], the whole (CP-local) sequence under SP
         bc, _ = self.in_proj_bc(x)  # [s, b, 2gN/tp] = [B_r, C_r]
         dt, _ = self.in_proj_dt(x)  # [s, b, heads/tp]
-        d, g = self.d_inner // self.tp_size, self.bc_width // self.tp_size
+        d = self.d_inner // self.tp_size
         z, xs = torch.split(zx.transpose(0, 1), [d, d], dim=-1)  # batch-first for the driver
-        xbc = torch.cat([xs, bc.transpose(0, 1)], dim=-1)  # [b, s, d + 2g]: this rank's [x; B; C] channels
-        runs = local_runs(context, xbc.size(1))
-        channels = ((0, self.d_inner), (self.d_inner, self.bc_width), (self.d_inner + self.bc_width, self.bc_width))
-        xbc = short_convolution(xbc, self._mine(self.conv_weight, *channels), self._mine(self.conv_bias, *channels),
-                                context, runs=runs)
-        xs, B, C = torch.split(xbc, [d, g, g], dim=-1)
-        heads = ((0, self.heads),)
-        delta = F.softplus(dt.transpose(0, 1).float() + self._mine(self.dt_bias, *heads).float())
-        A = -torch.exp(self._mine(self.A_log, *heads).float())
-        D = self._mine(self.D, *heads)
-        inputs = [xs.unflatten(-1, (-1, self.head_dim)), delta, B.unflatten(-1, (-1, self.state)),
-                  C.unflatten(-1, (-1, self.state))]
-        y = recurrent_scan(self._scan(A, D), inputs, context, runs)  # [b, s, heads/tp, P]
-        y = gated_rms_norm(y.flatten(2), z, self._mine(self.norm_weight, (0, self.d_inner)), eps=self.eps,
-                           group_size=self.d_inner // self.groups, norm_before_gate=False)
+        B, C = (t.unflatten(-1, (-1, self.state)) for t in bc.transpose(0, 1).chunk(2, dim=-1))  # [b, s, g/tp, N]
+        xs, dt = xs.unflatten(-1, (-1, self.head_dim)), dt.transpose(0, 1).unsqueeze(-1)  # [b, s, h/tp, P | 1]
+        head, group = self.tp_rank * xs.size(2), self.tp_rank * B.size(2)
+        weights = self._replicated()
+        if context.cp is not None and self.heads_exchange:  # Megatron's: the whole sequence for 1/P of the groups
+            ex = HeadsExchange.of(context)
+            xs, dt, B, C = (ex.to_heads(t) for t in (xs, dt, B, C))
+            y = self._mix(xs, dt, B, C, head + ex.rank * xs.size(2), group + ex.rank * B.size(2), weights,
+                          ex.context)
+            y = ex.to_sequence(y)
+        else:
+            y = self._mix(xs, dt, B, C, head, group, weights, context)  # [b, s, heads/tp, P]
+        norm = weights[5][head * self.head_dim:head * self.head_dim + d]
+        y = gated_rms_norm(y.flatten(2), z, norm, eps=self.eps, group_size=self.d_inner // self.groups,
+                           norm_before_gate=False)
         out, _ = self.out_proj(y.transpose(0, 1).contiguous())  # [s(/tp), b, h]
         return out
+
+    def _mix(self, xs, dt, B, C, head: int, group: int, weights: tuple, context: ForwardContext) -> torch.Tensor:
+        """Convolution and scan of heads ``head ..`` and groups ``group ..``: ``xs`` ``[b, s, h', P]``, ``dt``
+        ``[b, s, h', 1]`` (before its softplus), ``B``, ``C`` ``[b, s, g', N]`` -> ``y`` ``[b, s, h', P]``."""
+        conv_w, conv_b, a_log, skip, dt_bias = weights[:5]
+        h, g = xs.size(2), B.size(2)
+        xbc = torch.cat([xs.flatten(2), B.flatten(2), C.flatten(2)], dim=-1)  # [b, s, hP + 2gN]
+        s = xbc.size(1)
+        runs = local_runs(context, s)
+        cached = context.cache.recurrent(self.number) if context.cache is not None else None
+        halo = cached.convolution_halo(xbc, self.kernel - 1) if cached is not None else None
+        xbc = short_convolution(xbc, self._conv_rows(conv_w, head, h, group, g),
+                                self._conv_rows(conv_b, head, h, group, g), context, runs=runs, halo=halo)
+        xs, B, C = torch.split(xbc, [h * self.head_dim, g * self.state, g * self.state], dim=-1)
+        heads = slice(head, head + h)
+        delta = F.softplus(dt.squeeze(-1).float() + dt_bias[heads].float())
+        A = -torch.exp(a_log[heads].float())
+        inputs = [xs.unflatten(-1, (-1, self.head_dim)), delta, B.unflatten(-1, (-1, self.state)),
+                  C.unflatten(-1, (-1, self.state))]
+        if cached is None:
+            return recurrent_scan(self._scan(A, skip[heads]), inputs, context, runs)
+        # Decoding: from the cached state, one step per token (or the chunks of a prompt); no documents, no CP
+        if s == 1:
+            y, cached.state = recurrent_ssd_scan(inputs[0], inputs[1], A, *inputs[2:], D=skip[heads],
+                                                 initial_state=cached.state, starts=context.starts)
+        else:
+            y, cached.state = self._scan(A, skip[heads]).run(*inputs, initial_state=cached.state,
+                                                             starts=context.starts)
+        return y
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads} (per rank {self.heads // self.tp_size}), head_dim={self.head_dim}, "
