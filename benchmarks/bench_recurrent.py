@@ -10,7 +10,7 @@ causal attention as the sequence grows, and the context-parallel exchange's byte
   size, forward + backward of one layer, batch 1, fp32, at each sequence length; the forward FLOPs per token
   ``megazero.model.flops`` gives each (attention's grows with the sequence, the recurrent layer's does not).
 * **exchange**: a Gated DeltaNet and a Mamba-2 mixer run context-parallel on gloo ranks (state passing over the
-  zigzag layout, and Gated DeltaNet's heads all-to-all); the bytes a rank's collectives send (ring volumes: an
+  zigzag layout, and Megatron's heads all-to-all); the bytes a rank's collectives send (ring volumes: an
   all-gather's or reduce-scatter's whole X, (n-1)/n of it; an all-to-all's input, (n-1)/n of it), forward and
   backward, against ``planner_recurrent.recurrent_cp_bytes_per_layer``.
 
@@ -204,8 +204,8 @@ def _exchange_rank(rank: int, world: int, cases: list[tuple[str, str, int, int]]
 def exchange_table(cps: list[int], seqs: list[int], hidden: int) -> list[str]:
     from ranks import run_ranks
 
-    cases = [(kind, comm, hidden, seq) for kind, comm in (("gdn", "state_passing"), ("mamba", "state_passing"),
-                                                          ("gdn", "a2a")) for seq in seqs]
+    cases = [(kind, comm, hidden, seq) for comm in ("state_passing", "a2a") for kind in ("gdn", "mamba")
+             for seq in seqs]
     rows = ["| mixer | exchange | cp | tokens | fwd KiB sent | bwd KiB sent | planner KiB (fwd + bwd) | |",
             "|---|---|---:|---:|---:|---:|---:|---|"]
     for cp in cps:

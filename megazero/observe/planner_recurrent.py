@@ -7,11 +7,11 @@ chunks r and 2P-1-r, equal shares padded) and all-gathers one summary row per ru
 row (the state a run leaves and its transition: ``[nv, dk, dv]`` + ``[nv, dk, dk]`` for Gated DeltaNet,
 ``[heads, P, N]`` + ``[heads]`` for Mamba-2; heads / tp), and the convolution's halo, the K-1 inputs before each
 run (``channels / tp`` in the activations' dtype). An all-gather of every rank's share X sends ``X (P-1)``; backward
-reduce-scatters the gradients of the same size. Nothing depends on the sequence length. Gated DeltaNet under
-``'a2a'`` (Megatron's) moves its q, k, v, beta and a to 1/P of the heads and the output back, both directions in
-backward again: ``(P-1)/P`` of this rank's share of the tokens, which grows with the sequence. Mamba-2 always
-passes state. Full recomputation re-runs the forward's exchanges. Not counted: the document starts gathered
-with packed documents (one byte per halo token, forward only).
+reduce-scatters the gradients of the same size. Nothing depends on the sequence length. Under ``'a2a'``
+(Megatron's) Gated DeltaNet moves its q, k, v, beta and a to 1/P of the heads, Mamba-2 its x, dt, B and C to 1/P
+of the groups, and the output comes back, both directions in backward again: ``(P-1)/P`` of this rank's share
+of the tokens, which grows with the sequence. Full recomputation re-runs the forward's exchanges. Not counted:
+the document starts gathered with packed documents (one byte per token or halo token, forward only).
 
 **Tensor parallelism**: a recurrent mixer's three column-parallel projections take the same input apart, so
 backward all-reduces its gradient three times (under SP: gathers it three times in forward and again in
@@ -28,7 +28,9 @@ states, ``2 dk dv / C`` (the state kept for backward: ``[heads, dk, dv]`` fp32 p
 chunk). Under context parallelism each run is scanned twice (from zero for its summary, then from its entering
 state; the worst rank's two runs both) and Gated DeltaNet's transition once more (a scan with a ``[dk, dk]``
 state), and the gathered summaries ``P x slots x (|S| + |M|)`` fp32 are kept. Within a few per cent of the
-measured bytes in bf16; fp32 runs keep some more (casts that are no-ops keep their inputs alive).
+measured bytes in bf16; fp32 runs keep some more (casts that are no-ops keep their inputs alive). These are the
+PyTorch chunked forms' (``delta_rule.py``, ``ssd.py``: what runs on the CPU, on the meta device of the rehearsal,
+and on CUDA without flash-linear-attention or mamba-ssm); the fused CUDA kernels (``kernels.py``) keep less.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ __all__ = ["ZIGZAG_SLOTS", "recurrent_cp_bytes_per_layer", "recurrent_tp_units",
 ZIGZAG_SLOTS = 2  # runs per rank in a gather under the zigzag layout (chunks r and 2P-1-r, padded to equal shares)
 
 
-def _heads_exchange(c: GPTConfig, kind: str) -> bool:
-    return kind == "gdn" and c.linear_cp_comm_type == "a2a"  # Mamba-2 passes state whatever the flag says
+def _heads_exchange(c: GPTConfig) -> bool:
+    return c.linear_cp_comm_type == "a2a"
 
 
 def recurrent_cp_bytes_per_layer(config: GPTConfig, kind: str, *, tp: int, cp: int, seq_length: int,
@@ -56,9 +58,13 @@ def recurrent_cp_bytes_per_layer(config: GPTConfig, kind: str, *, tp: int, cp: i
     if cp <= 1:
         return 0.0
     c, b, e = config, micro_batch_size, DTYPE_BYTES[precision]
-    if _heads_exchange(c, kind):
-        nk, nv = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
-        width = 2 * nk * c.linear_key_head_dim + 2 * nv * c.linear_value_head_dim + 2 * nv  # q, k, v, beta, a; out
+    if _heads_exchange(c):
+        if kind == "gdn":  # q, k, v, beta, a; the output
+            nk, nv = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
+            width = 2 * nk * c.linear_key_head_dim + 2 * nv * c.linear_value_head_dim + 2 * nv
+        else:  # x, dt, B, C; the output
+            heads = c.mamba_heads // tp
+            width = 2 * heads * c.mamba_head_dim + heads + 2 * c.mamba_num_groups // tp * c.mamba_state_dim
         one = e * b * (seq_length // cp) * width * (cp - 1) / cp
     else:
         state, transition = summary_elements(c, kind, tp)
@@ -107,14 +113,14 @@ def recurrent_activation_bytes(config: GPTConfig, kind: str, *, micro_batch_size
         # the convolution's three, the norm's output and out_proj's input; fp32 x, z, silu(z) and the norm's input
         outside = e * (3 * channels + 2 * d) + 4 * 4 * d
     tokens = seq_length * micro_batch_size
-    if _heads_exchange(c, kind):  # the whole sequence for 1/cp of the heads: a rank's share of the scan as at cp 1
+    if _heads_exchange(c):  # the whole sequence for 1/cp of the heads: a rank's share of the scan as at cp 1
         return tokens * (outside + _scan_bytes(c, kind, tp, 1))
     return tokens * (outside + _scan_bytes(c, kind, tp, cp)) + _summaries(c, kind, micro_batch_size, tp, cp)
 
 
 def _summaries(c: GPTConfig, kind: str, micro_batch_size: int, tp: int, cp: int) -> float:
     """The gathered summaries a layer keeps under state passing (the fold reads them in backward)."""
-    if cp <= 1 or _heads_exchange(c, kind):
+    if cp <= 1 or _heads_exchange(c):
         return 0.0
     return cp * ZIGZAG_SLOTS * micro_batch_size * 4 * sum(summary_elements(c, kind, tp))
 
@@ -126,6 +132,6 @@ def recurrent_state_bytes(config: GPTConfig, kind: str, *, micro_batch_size: int
     c, b = config, micro_batch_size
     per_chunk = summary_elements(c, kind, tp)[0]
     chunk = GDN_CHUNK if kind == "gdn" else SSD_CHUNK
-    twice = cp > 1 and not _heads_exchange(c, kind)
+    twice = cp > 1 and not _heads_exchange(c)
     states = 2 * 4 * per_chunk * b * seq_length / chunk * (2 if twice else 1)
     return states + _summaries(c, kind, b, tp, cp)

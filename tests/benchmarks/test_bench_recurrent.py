@@ -21,8 +21,9 @@ def test_tiny_run_prints_the_tables(monkeypatch, caplog):
     assert re.search(r"^\| 256 \| \d+ \| \d+ \| [\d.]+x", text, re.M) and re.search(r"^\| 512 \| ", text, re.M)
     rows = re.findall(r"^\| (Gated DeltaNet|Mamba-2) \| (\w+) \| 2 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
                       r"(\w+) \|$", text, re.M)
-    assert len(rows) == 6 and {r[-1] for r in rows} == {"agrees"}, text
-    passing = {(r[0], r[2]): r[3] for r in rows if r[1] == "state_passing"}
-    assert passing[("Gated DeltaNet", "256")] == passing[("Gated DeltaNet", "512")]  # the sequence does not count
-    heads = {r[2]: float(r[3]) for r in rows if r[1] == "a2a"}
-    assert heads["512"] == 2 * heads["256"]  # Megatron's all-to-all grows with it
+    assert len(rows) == 8 and {r[-1] for r in rows} == {"agrees"}, text
+    for mixer in ("Gated DeltaNet", "Mamba-2"):
+        passing = {r[2]: r[3] for r in rows if r[:2] == (mixer, "state_passing")}
+        assert passing["256"] == passing["512"]  # the sequence does not count
+        heads = {r[2]: float(r[3]) for r in rows if r[:2] == (mixer, "a2a")}
+        assert heads["512"] == 2 * heads["256"]  # Megatron's all-to-all grows with it

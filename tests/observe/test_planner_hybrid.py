@@ -45,11 +45,11 @@ def test_the_recurrent_exchange_is_the_summaries_and_the_halo():
     assert recurrent_cp_bytes_per_layer(c, "mamba", **kw) == 2 * mamba
     assert recurrent_cp_bytes_per_layer(c, "gdn", **{**kw, "recompute": "full"}) == 3 * gdn  # forward again
     assert recurrent_cp_bytes_per_layer(c, "gdn", **{**kw, "tp": 2}) == gdn  # half the heads and channels
-    # Megatron's heads all-to-all: q, k, v, beta, a out and the output back, (P-1)/P of the rank's tokens
+    # Megatron's heads all-to-all: q, k, v, beta, a (x, dt, B, C) out and the output back, (P-1)/P of the rank's
+    # tokens
     a2a = c.replace(linear_cp_comm_type="a2a")
-    width = 2 * 4 * 64 + 2 * 8 * 64 + 2 * 8
-    assert recurrent_cp_bytes_per_layer(a2a, "gdn", **kw) == 2 * 2 * (32 * K) * width * 3 / 4
-    assert recurrent_cp_bytes_per_layer(a2a, "mamba", **kw) == 2 * mamba  # Mamba-2 passes state either way
+    assert recurrent_cp_bytes_per_layer(a2a, "gdn", **kw) == 2 * 2 * (32 * K) * (2 * 4 * 64 + 2 * 8 * 64 + 2 * 8) * 3 / 4
+    assert recurrent_cp_bytes_per_layer(a2a, "mamba", **kw) == 2 * 2 * (32 * K) * (2 * 16 * 64 + 16 + 2 * 4 * 64) * 3 / 4
 
 
 @pytest.mark.parametrize("pattern", ["GM-E", "GGG*E", "M-M*-M-"])
