@@ -227,7 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=8, help="the gated delta rule's heads (dk = dv = --dk)")
     p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--mamba", type=int, nargs=4, default=[32, 64, 4, 128], metavar=("HEADS", "HEAD_DIM", "GROUPS", "STATE"))
+    p.add_argument("--mamba", type=int, nargs=4, default=[32, 64, 4, 128],
+                   metavar=("HEADS", "HEAD_DIM", "GROUPS", "STATE"))
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768], help="the layers' sequence lengths")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--exchange-seqs", type=int, nargs="+", default=[4096, 16384])

@@ -123,7 +123,8 @@ def uniform_layers(c: GPTConfig) -> bool:
 
 def mixer_parameters(c: GPTConfig, kind: str) -> tuple[int, int]:
     """(one ``kind`` mixer's parameters, those of them tensor parallelism replicates): attention's
-    (:func:`attention_parameters`) or a recurrent mixer's (:func:`~megazero.model.recurrent.counts.recurrent_parameters`)."""
+    (:func:`attention_parameters`) or a recurrent mixer's
+    (:func:`~megazero.model.recurrent.counts.recurrent_parameters`)."""
     return recurrent_parameters(c, kind) if kind in RECURRENT_MIXERS else attention_parameters(c)
 
 

@@ -223,8 +223,9 @@ class MemoryEstimate:
             lines.append(f"sent per GPU per step{' (the largest stage)' if pl else ''}: {', '.join(sent)} "
                          f"(total {t['total'] / GiB:.2f} GiB)")
         if self.activation_detail.get("recurrent_state"):  # a hybrid stack's recurrent layers
-            lines.append(f"recurrent layers' states kept for backward: "
-                         f"{self.activation_detail['recurrent_state'] / GiB:.2f} GiB per micro-batch (in the activations)")
+            state = self.activation_detail["recurrent_state"] / GiB
+            lines.append(f"recurrent layers' states kept for backward: {state:.2f} GiB per micro-batch "
+                         "(in the activations)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         lines.append("  " + nccl_line(self.nccl_communicators, self.nccl_note))
@@ -364,7 +365,8 @@ def estimate_memory(config: GPTConfig, *, tp: int, dp: int, pp: int = 1, zero_st
             config.replace(num_experts=None), config.replace(moe_layer_freq=1)))
     kinds = [cp_comm_type] * config.num_layers if isinstance(cp_comm_type, str) else list(cp_comm_type)
     # the attention layers whose exchange is the all-gather (every layer is attention but in a hybrid stack)
-    gathered = [i for i, k in enumerate(kinds) if k == "allgather" and config.layer_kinds(i).mixer in ("standard", "mla")]
+    gathered = [i for i, k in enumerate(kinds)
+                if k == "allgather" and config.layer_kinds(i).mixer in ("standard", "mla")]
     if context_parallel > 1 and gathered:
         act = _gathered_kv(act, config, seq_length=s, micro_batch_size=micro_batch_size, tp=tp, cp=context_parallel,
                            recompute=recompute, act_bytes=_DTYPE_BYTES[precision], layers=len(gathered),

@@ -17,7 +17,7 @@ from megazero.model.recurrent.counts import GDN_CHUNK, recurrent_flops_per_token
 from tests.distributed import run_distributed
 
 HAS_MAMBA = importlib.util.find_spec("megazero.model.recurrent.mamba") is not None
-needs_mamba = pytest.mark.skipif(not HAS_MAMBA, reason="Mamba-2's mixer (megazero/model/recurrent/mamba.py) is not here")
+needs_mamba = pytest.mark.skipif(not HAS_MAMBA, reason="Mamba-2's mixer (recurrent/mamba.py) is not here")
 
 
 def qwen3_next(**kw) -> GPTConfig:
