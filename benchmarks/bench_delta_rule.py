@@ -10,8 +10,8 @@ Rows (all chunk 64, fp32 inputs, random documents off):
 * ``kda``: ``chunk_kda_rule``; ``kda-hf``: transformers' ``chunk_kimi_delta_attention`` (its torch fallback).
 
 Timing: on the CPU, the main thread's CPU time (``time.thread_time``, one thread: the figure that holds up on shared
-cores); on CUDA, wall time after a synchronize. The rows run in turn, ``--repeats`` rounds, after one warm-up
-round; the table gives each row's median and its ratio to ``gdn`` (median of the per-round ratios, and their
+cores); on CUDA, wall time after a synchronize. The rows run in turn (the order reversed every other round),
+``--repeats`` rounds, after one warm-up round; the table gives each row's median and its ratio to ``gdn`` (median of the per-round ratios, and their
 range: the noise).
 
     python benchmarks/bench_delta_rule.py                      # CPU, B1 T1024 H4 dk=dv=64, ~1 min
@@ -120,7 +120,8 @@ def main() -> None:
         rows["kda-hf"] = _step(hf_kda, [q, k, v, g_channel, beta])
     times: dict[str, list[float]] = {name: [] for name in rows}
     for round_ in range(a.repeats + 1):
-        for name, run in rows.items():
+        order = list(rows.items())
+        for name, run in order if round_ % 2 else order[::-1]:  # alternate the order: no row always runs first
             t = _clock(run, a.device)
             if round_:
                 times[name].append(t)
