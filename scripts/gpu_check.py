@@ -313,6 +313,34 @@ def check_attention_backends() -> str:
     return "max |diff| vs fp32 math: " + ", ".join(out) + flash
 
 
+def check_recurrent_kernels() -> str:
+    """Gated DeltaNet's and Mamba-2's chunked scans on the GPU (fp32; flash-linear-attention's and mamba-ssm's
+    kernels where importable) against the step-by-step recurrences in fp64 on the CPU."""
+    from megazero.model.recurrent import kernels
+    from megazero.model.recurrent.delta_rule import recurrent_gated_delta_rule
+    from megazero.model.recurrent.ssd import recurrent_ssd_scan
+
+    dev = device()
+    if dev.type != "cuda":
+        raise Skip("the recurrent kernels on the GPU need CUDA")
+    g = torch.Generator().manual_seed(0)
+    b, t, h, d = 2, 300, 4, 64
+    q, k = (torch.nn.functional.normalize(torch.randn(b, t, h, d, generator=g), dim=-1) for _ in range(2))
+    v, gate, beta = torch.randn(b, t, h, d, generator=g), -torch.rand(b, t, h, generator=g), torch.rand(b, t, h, generator=g)
+    want, _ = recurrent_gated_delta_rule(*(x.double() for x in (q, k, v, gate, beta)))
+    got, _ = kernels.gated_delta_rule(*(x.to(dev) for x in (q, k, v, gate, beta)))
+    gdn = (got.double().cpu() - want).abs().max().item()
+    x, dt = torch.randn(b, t, h, d, generator=g), torch.rand(b, t, h, generator=g) * 0.1
+    A, B, C = -torch.rand(h, generator=g) - 0.5, torch.randn(b, t, 1, 32, generator=g), torch.randn(b, t, 1, 32, generator=g)
+    want, _ = recurrent_ssd_scan(*(y.double() for y in (x, dt, A, B, C)))
+    got, _ = kernels.ssd_scan(*(y.to(dev) for y in (x, dt, A, B, C)))
+    ssd = (got.double().cpu() - want).abs().max().item()
+    assert gdn < 1e-4 and ssd < 1e-4, f"recurrent kernels on the GPU vs fp64: gated delta rule {gdn:.1e}, SSD {ssd:.1e}"
+    fused = [name for name, found in (("flash-linear-attention", kernels.fla_gated_delta_rule()),
+                                      ("mamba-ssm", kernels.mamba_chunk_scan())) if found is not None]
+    return f"max |diff| vs fp64: gated delta rule {gdn:.1e}, SSD {ssd:.1e} ({', '.join(fused) or 'PyTorch forms'})"
+
+
 def check_apex_adam() -> str:
     dev = device()
     if dev.type != "cuda":
@@ -677,6 +705,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("ring_kernels_dropout", check_ring_kernels_dropout),
     ("moe_layer", check_moe_layer),
     ("attention_backends", check_attention_backends),
+    ("recurrent_kernels", check_recurrent_kernels),
     ("apex_adam", check_apex_adam),
     ("throughput_1p3b", check_throughput_1p3b),
     ("async_save", check_async_save),

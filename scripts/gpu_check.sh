@@ -5,7 +5,7 @@
 # tolerances are described in scripts/gpu_check.py:
 #   two ranks on cuda:0 over gloo (ZeRO-3, overlap_comm, both offloads pinned) vs the CPU, and the
 #   native collectives vs the emulated; late-completing collectives bitwise equal; offload on/off
-#   bitwise equal with the pinned host bytes checked; the ring's block kernels; the MoE layer; attention backends and apex; a 1.3B bf16
+#   bitwise equal with the pinned host bytes checked; the ring's block kernels; the MoE layer; attention backends, the recurrent layers' scans and apex; a 1.3B bf16
 #   throughput and MFU figure; a 1.3B torch_dist save in the background against a synchronous one; NCCL's watchdog settings, and on 2+ GPUs a SIGSTOP'd rank ending the run named.
 # One PASS/FAIL/SKIP line per check and a summary; exit status 1 when any check failed.
 # GPU_CHECK_DEVICE=cpu is a dry run of the script on the CPU (the checks that can run there).

@@ -9,8 +9,10 @@ with ``--config``. The output loads with ``transformers.AutoModelForCausalLM.fro
 as GPT2LMHeadModel (the default architecture), LlamaForCausalLM (rope + rmsnorm + swiglu),
 MixtralForCausalLM (Llama with a mixture of experts in every layer), Qwen2MoeForCausalLM (with a
 gated shared expert), Qwen3MoeForCausalLM (with query/key norms), GptOssForCausalLM (sinks, windows, quick-GEGLU
-experts; plain weights, not MXFP4) or DeepseekV3ForCausalLM (multi-latent attention, with its multi-token
-prediction modules as DeepSeek's extra layers). The checkpoint's tokenizer
+experts; plain weights, not MXFP4), DeepseekV3ForCausalLM (multi-latent attention, with its multi-token
+prediction modules as DeepSeek's extra layers), Qwen3NextForCausalLM, Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM
+(Gated DeltaNet among gated attention layers), NemotronHForCausalLM (a hybrid pattern of Mamba-2, attention, MLP and
+mixture blocks). The checkpoint's tokenizer
 goes with it. Example::
 
     python tools/convert_to_hf.py --load ckpt/full --output hf/my-gpt

@@ -16,6 +16,7 @@ from .keyed_dropout import DropoutKey
 
 if TYPE_CHECKING:  # carried, never read here
     from .attention.cp.context import ContextParallel
+    from .decode_cache import DecodeCache
 
 __all__ = ["ForwardContext", "Rotary"]
 
@@ -29,10 +30,13 @@ class ForwardContext:
     context-parallel context (None: this rank holds whole sequences); ``dropout_key``: the samples' keys
     of dropout keyed by position (None: the kernels' own masks, or no dropout); ``starts``: ``[b, s_local]`` bool,
     True where this rank's token begins a packed document, for the layers that carry a state along the
-    sequence (None: one document per sample, or a model without such layers)."""
+    sequence (None: one document per sample, or a model without such layers); ``cache``: incremental decoding's
+    per-layer state (:class:`~megazero.model.decode_cache.DecodeCache`), which each mixer reads and extends, the
+    new tokens' positions continuing from its length (None: the forward sees whole sequences)."""
 
     rotary: Rotary = None
     attention_mask: Optional[torch.Tensor] = None
     cp: Optional["ContextParallel"] = None
     dropout_key: Optional[DropoutKey] = None
     starts: Optional[torch.Tensor] = None
+    cache: Optional["DecodeCache"] = None

@@ -49,6 +49,7 @@ from .transformer import TransformerLayer, dropout
 
 if TYPE_CHECKING:  # handed in with a micro-batch and passed to the layers; only its positions are read here
     from .attention.cp.context import ContextParallel
+    from .decode_cache import DecodeCache
 
 __all__ = ["GPTModel", "PositionEmbedding", "materialize_", "expert_placement"]
 
@@ -266,7 +267,7 @@ class GPTModel(torch.nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 context_parallel: Optional[ContextParallel] = None,
                 dropout_keys: Optional[torch.Tensor] = None, mtp_targets: Optional[torch.Tensor] = None,
-                mtp_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mtp_mask: Optional[torch.Tensor] = None, cache: Optional[DecodeCache] = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` -> per-token fp32 loss ``[b, s]`` if ``labels`` (``-100`` = ignored),
         else this rank's vocab-parallel logits ``[b, s, padded_vocab/tp]``.
 
@@ -281,20 +282,27 @@ class GPTModel(torch.nn.Module):
         sequence, then this rank's tokens); in training without them they are made from ``labels`` (one
         document, one process). The MTP loss reaches the gradients in backward and the log through
         :func:`~megazero.model.metrics.step_metrics`; the output stays the per-token LM loss.
+        ``cache``: incremental decoding (:mod:`~megazero.model.decode_cache`): ``input_ids`` are the tokens after
+        the ones the cache has seen, at positions from its length on (the default ``position_ids``); each layer
+        reads and extends its entry and the cache counts them (one whole model, no context parallelism, no
+        sequence parallelism, no explicit mask; :meth:`decode_cache_refusal` says when it cannot run).
         """
         mtp = (mtp_targets, mtp_mask)
         if context_parallel is not None:
             _check_context_parallel(position_ids)
+        if cache is not None:
+            self._check_cache(attention_mask, context_parallel)
         c = self.config
         if not self.pre_process:
             return self._stage_forward(position_ids, attention_mask, labels, context_parallel, dropout_keys, mtp)
         b, s = input_ids.shape
-        if c.position_embedding_type == "learned" and s > c.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({c.max_position_embeddings})")
+        seen = cache.length if cache is not None else 0
+        if c.position_embedding_type == "learned" and seen + s > c.max_position_embeddings:
+            raise ValueError(f"sequence length {seen + s} exceeds max_position_embeddings ({c.max_position_embeddings})")
         if self.sequence_parallel and s % self.tp_size:
             raise ValueError(f"sequence parallelism needs the sequence length ({s}) divisible by tp ({self.tp_size})")
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device)
+            position_ids = torch.arange(seen, seen + s, device=input_ids.device)
 
         x = self.embedding(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
@@ -309,11 +317,33 @@ class GPTModel(torch.nn.Module):
         rotary = self.rotary(position_ids) if self.rotary is not None else None
 
         starts = self._document_starts(attention_mask, context_parallel, b, s)
-        context = ForwardContext(rotary, attention_mask, context_parallel, key, starts)
+        context = ForwardContext(rotary, attention_mask, context_parallel, key, starts, cache)
         x = self._run_layers(x, context)
+        if cache is not None:
+            cache.advance(s)
         if not self.post_process:
             return x  # [s(/tp), b, h] for the next pipeline stage
         return self._head(x, labels, context, mtp)
+
+    def decode_cache_refusal(self) -> Optional[str]:
+        """Why this model cannot decode with a :class:`~megazero.model.decode_cache.DecodeCache` (None: it can):
+        it must hold every layer, the embedding and the head (no pipeline stages), and run without sequence
+        parallelism (a decoding step has one token). Tensor parallelism is fine: each rank caches its heads."""
+        if not (self.pre_process and self.post_process) or len(self.layer_range) != self.config.num_layers:
+            return "the model is one pipeline stage (pre_process/post_process/layers): decode with the whole model"
+        if self.sequence_parallel:
+            return ("sequence parallelism splits the tokens over the TP ranks, and a decoding step has one: build the "
+                    "model with sequence_parallel=False for generation (the weights are the same)")
+        return None
+
+    def _check_cache(self, attention_mask: Optional[torch.Tensor], cp: Optional[ContextParallel]) -> None:
+        """Refuse a decoding cache with what it cannot take, saying why."""
+        refusal = self.decode_cache_refusal()
+        if refusal is not None:
+            raise ValueError(f"cannot decode with a cache: {refusal}")
+        if attention_mask is not None or cp is not None:
+            raise ValueError("a decoding cache takes the tokens of one sequence per sample, in order: no explicit "
+                             "attention_mask (packed documents) and no context parallelism")
 
     def _document_starts(self, mask: Optional[torch.Tensor], cp: Optional[ContextParallel], b: int,
                          s: int) -> Optional[torch.Tensor]:

@@ -5,19 +5,25 @@ position are gathered over TP and sampled with a generator seeded identically
 on all ranks. The logits are not bit-identical across data-parallel replicas (each
 replica's TP all-reduce may add in its own order), so a near-tie can be sampled
 differently: the token rank 0 samples is broadcast and every rank appends that one,
-which also makes the end-of-document stop the same step everywhere.
+which also makes the end-of-document stop the same step everywhere. A model that can
+(:func:`decode_with_cache`) decodes incrementally with a :class:`~megazero.model.decode_cache.DecodeCache`:
+one forward over the prompt, then one over each new token.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..mpu.mappings import gather_from_tensor_model_parallel_region
+from .decode_cache import DecodeCache
 
-__all__ = ["sample_next", "agree_on_tokens", "generate", "generate_text"]
+__all__ = ["sample_next", "agree_on_tokens", "decode_with_cache", "generate", "generate_text"]
+
+logger = logging.getLogger(__name__)
 
 
 def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0,
@@ -55,13 +61,41 @@ def agree_on_tokens(tokens: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     return tokens
 
 
+def decode_with_cache(model: torch.nn.Module, total_length: int, seq_length: int,
+                      use_cache: Optional[bool] = None) -> bool:
+    """Whether :func:`generate` decodes ``model`` with a :class:`~megazero.model.decode_cache.DecodeCache` for
+    sequences of up to ``total_length`` tokens: when the model can (its ``decode_cache_refusal()`` says None) and,
+    beyond ``seq_length`` tokens, only if its positions are not learned ones (those recompute the cut context).
+    ``use_cache``: None decides so; True demands the cache (ValueError saying why it cannot); False never."""
+    if use_cache is False:
+        return False
+    refuse = getattr(model, "decode_cache_refusal", None)
+    refusal = refuse() if callable(refuse) else f"{type(model).__name__} takes no decoding cache"
+    config = getattr(model, "config", None)
+    if refusal is None and total_length > seq_length and getattr(config, "position_embedding_type", None) == "learned":
+        refusal = (f"{total_length} tokens exceed seq_length ({seq_length}) and the model's positions are learned: "
+                   "the context is cut to the last seq_length tokens and recomputed every step")
+    if refusal is not None and use_cache:
+        raise ValueError(f"generate(use_cache=True): {refusal}")
+    if refusal is not None:
+        logger.debug("generating without a decoding cache: %s", refusal)
+    return refusal is None
+
+
 @torch.no_grad()
 def generate(model: torch.nn.Module, tokens: torch.Tensor, max_new_tokens: int, *, seq_length: int,
              vocab_size: Optional[int] = None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0, eod: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Extend ``tokens [b, t]`` by up to ``max_new_tokens``; the context is cut to the last
-    ``seq_length`` tokens. Padded vocabulary entries (>= ``vocab_size``) are never sampled.
-    Generation stops early after a step in which every row sampled ``eod``.
+             seed: int = 0, eod: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
+             use_cache: Optional[bool] = None) -> torch.Tensor:
+    """Extend ``tokens [b, t]`` by up to ``max_new_tokens``. Padded vocabulary entries (>= ``vocab_size``)
+    are never sampled. Generation stops early after a step in which every row sampled ``eod``.
+
+    Two ways, the same tokens while the sequence fits ``seq_length``: with a decoding cache
+    (:func:`decode_with_cache`; a GPTModel without pipeline stages or sequence parallelism) a forward over the
+    prompt fills it and each later step runs the new token only; without, every step runs the context cut to
+    the last ``seq_length`` tokens. Beyond ``seq_length`` they differ: the cache's model sees the whole sequence
+    (a recurrent layer's state and an attention layer's keys since the first token, RoPE positions continuing),
+    while models with learned positions, and models without a cache, keep the recomputed cut context.
 
     Every rank of ``group`` (the default group when None; it must hold every TP rank and
     every data-parallel replica of the model) calls it together with the same arguments, and
@@ -72,10 +106,13 @@ def generate(model: torch.nn.Module, tokens: torch.Tensor, max_new_tokens: int, 
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
+    cache = DecodeCache() if decode_with_cache(model, tokens.size(1) + max_new_tokens, seq_length, use_cache) else None
     try:
-        for _ in range(max_new_tokens):
-            context = tokens[:, -seq_length:]
-            logits = model(context)[:, -1, :]  # [b, vocab / tp]
+        for step in range(max_new_tokens):
+            if cache is None:
+                logits = model(tokens[:, -seq_length:])[:, -1, :]  # [b, vocab / tp]
+            else:  # the prompt once, then the new token only
+                logits = model(tokens if step == 0 else tokens[:, -1:], cache=cache)[:, -1, :]
             logits = gather_from_tensor_model_parallel_region(logits)
             if vocab_size is not None:
                 logits[:, vocab_size:] = float("-inf")

@@ -98,3 +98,14 @@ def test_a_heads_all_to_all_the_heads_do_not_allow_is_refused_before_any_process
     argv = flags(data, *QWEN3_NEXT, "--tp", "2", "--context-parallel-size", "2", "--linear-cp-comm-type", "a2a")
     with pytest.raises(ConfigError, match="splits each tensor-parallel rank's 1 key heads"):
         parse_args(argv, 4, check_files=False)
+
+
+@pytest.mark.parametrize("fmt", ["megazero", "torch_dist"])
+def test_a_hybrid_checkpoint_resumes_at_other_layouts(data, one_process, tmp_path, fmt):  # noqa: F811
+    """Saved at tp 2 (Megatron's torch_dist is its default format), resumed in one process and at pp 2 x cp 2:
+    the run goes on as the uninterrupted one."""
+    from tests.training.test_layout_invariance import assert_resumes_elsewhere
+
+    assert_resumes_elsewhere(data, [*NEMOTRON_H, "--ckpt-format", fmt], (2, ["--tp", "2"]),
+                             [(1, []), (4, ["--pp", "2", "--context-parallel-size", "2"])], one_process["nemotron_h"],
+                             tmp_path, f"hybrid_{fmt}")

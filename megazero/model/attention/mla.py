@@ -23,6 +23,10 @@ Under sequence parallelism the down-projections run on this rank's tokens (their
 partial, are summed over TP as the norms' are) and the up-projections gather the sequence.
 
 The softmax scale is ``1/sqrt(qk+rope)``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN.
+
+Incremental decoding (a :class:`~megazero.model.decode_cache.DecodeCache` in the context) caches each token's
+keys and values after the up-projection (``heads/tp * (qk + rope + v)`` numbers per token and layer, the RoPE key
+repeated per head), not the latent: simple, and more memory than DeepSeek's absorbed form.
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ class MultiLatentAttention(CausalAttention):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key)  # [s, b, heads/tp * v]
+        ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key,
+                          context.cache)  # [s, b, heads/tp * v]
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]
         return out
 

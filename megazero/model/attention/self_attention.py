@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megazero import mpu
 
 from ..config import GPTConfig
+from ..decode_cache import DecodeCache
 from ..forward_context import ForwardContext
 from ..init import init_methods
 from ..keyed_dropout import AttentionDropout, DropoutKey
@@ -32,6 +33,7 @@ from .cp.context import ContextParallel, context_parallel_attention
 from .max_logit import max_attention_logit
 from .rope import apply_rotary
 from .sinks import LearnableSinks
+from .tiled import block_attention
 
 __all__ = ["CausalAttention", "SelfAttention", "row_factors"]
 
@@ -68,9 +70,13 @@ class CausalAttention(torch.nn.Module):
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask,
-               cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None) -> torch.Tensor:
+               cp: Optional[ContextParallel] = None, key: Optional[DropoutKey] = None,
+               cache: Optional[DecodeCache] = None) -> torch.Tensor:
         """q ``[s, b, heads/tp, dqk]``, k ``[s, b, groups/tp, dqk]``, v ``[s, b, groups/tp, dv]`` ->
-        ``[s, b, heads/tp * dv]``, recomputed in backward under selective recompute."""
+        ``[s, b, heads/tp * dv]``, recomputed in backward under selective recompute. With a decoding ``cache``
+        the new tokens' k and v join the layer's cached ones and the queries attend over both."""
+        if cache is not None:
+            return self._attend_cached(q, k, v, cache)
         if self.config.track_max_attention_logit and self.training:
             if cp is not None:
                 raise ValueError("the largest attention logit (QK-clip) needs each query's whole sequence of keys; "
@@ -92,6 +98,20 @@ class CausalAttention(torch.nn.Module):
                                               dropout_p=0.0 if keyed else p, **mask)
         return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=0.0 if keyed else p,
                               attention_mask=attention_mask, dropout=keyed, **mask)
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        """Queries at positions ``cache.length ..`` against the layer's cached keys and the new ones, under the
+        causal mask and the window offset by the cached length (and the sinks): the core attention of the new
+        block when nothing is cached, else the block kernels over (cached, new) keys."""
+        if self.training and self.config.attention_dropout > 0.0:
+            raise ValueError("a decoding cache runs in eval mode (model.eval()): attention dropout is on in training")
+        position, n = cache.length, q.size(0)
+        keys, values, first = cache.keys_values(self.number, self.window).extend(k, v, position)
+        sinks = self.sinks(q)
+        if first == position:  # the prefill: plain causal attention of the new tokens
+            return core_attention(q, k, v, backend=self.config.attention_backend, window=self.window, sinks=sinks)
+        q_runs, k_runs = ((0, position, n),), ((0, first, position - first), (0, position, n))
+        return block_attention(q, keys, values, q_runs, k_runs, window=self.window, sinks=sinks)
 
     def _keyed_dropout(self, p: float, q: torch.Tensor, key: Optional[DropoutKey]) -> Optional[AttentionDropout]:
         """Attention dropout of this rank's heads ``q`` ``[s, b, heads/tp, d]`` keyed by position by the
@@ -178,7 +198,8 @@ class SelfAttention(CausalAttention):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if context.rotary is not None:
             q, k = apply_rotary(q, *context.rotary), apply_rotary(k, *context.rotary)
-        ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key)  # [s, b, heads/tp * d]
+        ctx = self.attend(q, k, v, context.attention_mask, context.cp, context.dropout_key,
+                          context.cache)  # [s, b, heads/tp * d]
         if gate is not None:
             ctx = ctx * torch.sigmoid(gate.reshape(ctx.shape))
         out, _ = self.linear_proj(ctx)  # [s(/tp), b, h]

@@ -2,8 +2,11 @@
 Qwen2, Qwen3 and Mistral (``hf_dense.py``, with Llama 3's RoPE scaling), the Llama-shaped mixtures of experts
 Mixtral, Qwen2-MoE and Qwen3-MoE (whose mixture layers ``hf_moe.py`` maps), gpt-oss (``hf_gpt_oss.py``:
 sinks, windows, YaRN, a router bias, clamped quick-GEGLU experts, MXFP4 on import) and DeepSeek-V3
-(multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports as one): the
-families of ``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
+(multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports as one), Qwen3-Next and
+Qwen3.5 dense and MoE (Gated DeltaNet among gated attention layers; ``hf_qwen3_next.py`` maps them whole, the
+multimodal Qwen3.5 checkpoints importing as their text model) and Nemotron-H (a hybrid pattern's Mamba-2, attention,
+squared-ReLU MLP and mixture blocks; ``hf_nemotron_h.py`` maps them whole): the families of ``HF_FAMILIES``, the
+classes of ``HF_ARCHITECTURES``.
 
 * default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
   <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
@@ -46,16 +49,24 @@ from .hf_gpt_oss import GPT_OSS_ARCHITECTURES, GPT_OSS_FAMILIES, gpt_oss_config_
     gpt_oss_layer_from_hf, gpt_oss_layer_to_hf, gpt_oss_mismatches, gpt_oss_parts
 from .hf_moe import MOE_ARCHITECTURES, MOE_FAMILIES, moe_config_kwargs, moe_family, moe_hf_config_dict, \
     moe_layer_from_hf, moe_layer_to_hf, moe_mismatches
+from .hf_qwen3_next import QWEN3_NEXT_ARCHITECTURES, QWEN3_NEXT_CONFIG_CLASSES, QWEN3_NEXT_FAMILIES, \
+    QWEN3_NEXT_IMPORT_FAMILIES, qwen3_next_config_kwargs, qwen3_next_family, qwen3_next_from_hf, \
+    qwen3_next_hf_config_dict, qwen3_next_mismatches, qwen3_next_parts, qwen3_next_to_hf
+from .hf_nemotron_h import NEMOTRON_H_ARCHITECTURES, NEMOTRON_H_FAMILIES, nemotron_h_config_kwargs, \
+    nemotron_h_from_hf, nemotron_h_hf_config_dict, nemotron_h_mismatches, nemotron_h_parts, nemotron_h_to_hf
 
 __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
 
 
 # HF model_type values converted both ways
-HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + GPT_OSS_FAMILIES + DEEPSEEK_FAMILIES
-HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES if f not in HF_FAMILIES)  # read
+HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + GPT_OSS_FAMILIES + DEEPSEEK_FAMILIES + \
+    QWEN3_NEXT_FAMILIES + NEMOTRON_H_FAMILIES
+HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES + QWEN3_NEXT_IMPORT_FAMILIES
+                                         if f not in HF_FAMILIES)  # read
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **DENSE_ARCHITECTURES, **MOE_ARCHITECTURES,
-                    **GPT_OSS_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
+                    **GPT_OSS_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES, **QWEN3_NEXT_ARCHITECTURES,
+                    **NEMOTRON_H_ARCHITECTURES}
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -104,12 +115,26 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
+    if nemotron_h_parts(config):  # a hybrid stack of Mamba-2, attention, MLP and mixture blocks
+        bad = nemotron_h_mismatches(config)
+        if bad:
+            raise ValueError(f"config has {', '.join(nemotron_h_parts(config))}, which among the HF families only "
+                             "Nemotron-H (NemotronHForCausalLM) has, and is not representable in it: " + ", ".join(bad)
+                             + ".")
+        return "nemotron_h"
     if gpt_oss_parts(config):  # quick GEGLU, its offset and clamp, a router bias: only gpt-oss has them
         bad = gpt_oss_mismatches(config)
         if bad:
             raise ValueError(f"config has {', '.join(gpt_oss_parts(config))}, which among the HF families only "
                              "gpt-oss (GptOssForCausalLM) has, and is not representable in it: " + ", ".join(bad) + ".")
         return "gpt_oss"
+    if qwen3_next_parts(config):  # Gated DeltaNet, the attention output gate: only Qwen3-Next and Qwen3.5 have them
+        bad = qwen3_next_mismatches(config)
+        if bad:
+            raise ValueError(f"config has {', '.join(qwen3_next_parts(config))}, which among the HF families only "
+                             f"Qwen3-Next and Qwen3.5 have, and is not representable in "
+                             f"{HF_ARCHITECTURES[qwen3_next_family(config)]}: " + ", ".join(bad) + ".")
+        return qwen3_next_family(config)
     if config.multi_latent_attention:
         bad = deepseek_mismatches(config) + _attention_mismatches(config, "DeepSeek-V3")
         if bad:
@@ -171,6 +196,10 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
     """Full megazero state dict -> HF state dict (the keys of its ``HF_ARCHITECTURES`` class)."""
     c = config
     arch = hf_architecture(c)
+    if arch in QWEN3_NEXT_FAMILIES:
+        return qwen3_next_to_hf(full_sd, c)
+    if arch in NEMOTRON_H_FAMILIES:
+        return nemotron_h_to_hf(full_sd, c)
     sd = _shift_norms(full_sd, c, 1.0)
     out: dict[str, torch.Tensor] = {}
     for i in range(c.num_layers):
@@ -238,6 +267,10 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
     c = config
     interleave = (hf_config or {}).get("rope_interleave", True)
     arch = hf_architecture(c)
+    if arch in QWEN3_NEXT_FAMILIES:
+        return qwen3_next_from_hf(hf_sd, c)
+    if arch in NEMOTRON_H_FAMILIES:
+        return nemotron_h_from_hf(hf_sd, c)
     sd = dict(hf_sd)
     if arch == "gpt2" and not any(k.startswith("transformer.") for k in sd):
         sd = {("lm_head.weight" if k == "lm_head.weight" else "transformer." + k): v for k, v in sd.items()}
@@ -319,6 +352,10 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
     """Keyword arguments of the HF config class (``GPT2Config``, ``LlamaConfig``, ``MixtralConfig``, ...) for
     ``config``."""
     c = config
+    if hf_architecture(c) in QWEN3_NEXT_FAMILIES:
+        return qwen3_next_hf_config_dict(c)
+    if hf_architecture(c) in NEMOTRON_H_FAMILIES:
+        return nemotron_h_hf_config_dict(c)
     if hf_architecture(c) == "deepseek_v3":
         return deepseek_hf_config_dict(c)
     if hf_architecture(c) == "gpt_oss":
@@ -356,6 +393,10 @@ def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> G
         kw = deepseek_config_kwargs(hf, mtp)
     elif mt in GPT_OSS_FAMILIES:
         kw = gpt_oss_config_kwargs(hf)
+    elif mt in QWEN3_NEXT_IMPORT_FAMILIES:
+        kw = qwen3_next_config_kwargs(hf, weight_names)
+    elif mt in NEMOTRON_H_FAMILIES:
+        kw = nemotron_h_config_kwargs(hf, weight_names)
     elif mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         problems = []
@@ -429,6 +470,11 @@ def build_hf_config(config: GPTConfig):
     import transformers
 
     kw = hf_config_dict(config)
+    if kw["model_type"] in QWEN3_NEXT_FAMILIES:  # transformers >= 5 only
+        cls = getattr(transformers, QWEN3_NEXT_CONFIG_CLASSES[kw["model_type"]])
+        return cls(**{k: v for k, v in kw.items() if k != "model_type"})
+    if kw["model_type"] in NEMOTRON_H_FAMILIES:  # transformers >= 5 (its layers_block_type spelling)
+        return transformers.NemotronHConfig(**{k: v for k, v in kw.items() if k != "model_type"})
     if kw["model_type"] in ("deepseek_v3", "gpt_oss"):
         cls = getattr(transformers, {"deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}[kw["model_type"]])
         kw = {k: v for k, v in kw.items() if k != "model_type"}

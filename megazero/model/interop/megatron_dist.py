@@ -53,6 +53,8 @@ class McoreEntry:
 def mcore_per_layer_keys(config: GPTConfig) -> bool:
     """Whether megatron-core writes one key per decoder layer for ``config`` (its non-homogeneous rule)."""
     f = config.moe_layer_freq
+    if config.hybrid_layer_pattern is not None or config.linear_attention_freq is not None:
+        return True  # the layers differ in kind (megatron-core's hybrid stack writes one key per layer)
     return bool(config.num_experts) and (isinstance(f, (tuple, list)) or f > 1)
 
 
@@ -64,12 +66,20 @@ _SAME = ("self_attention.linear_qkv.", "self_attention.linear_proj.", "self_atte
          "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.shared_experts.linear_fc")
 
 
+# The recurrent layers' tensors keep megazero's names and shapes: a Mamba layer's ``norm`` and ``mixer`` are
+# megatron-core's module names, but its fused, per-rank-interleaved ``in_proj`` and 3-D ``conv1d`` (and Gated
+# DeltaNet's) are split here into equal-part projections and 2-D filters, which megatron-core does not read.
+_RECURRENT = ("norm.", "mixer.", "self_attention.in_proj_", "self_attention.out_proj.",
+              "self_attention.conv1d_weight", "self_attention.A_log", "self_attention.dt_bias",
+              "self_attention.norm_weight")
+
+
 def _layer_key(local: str, config: GPTConfig, moe: bool, te: bool) -> tuple[str, tuple[str, ...]]:
     """(key, aliases) inside one layer for the megazero layer-local name ``local`` (no expert index)."""
     mla = config.multi_latent_attention
     head, _, suffix = local.rpartition(".")
     qk_norm = local.startswith(("self_attention.q_layernorm.", "self_attention.k_layernorm."))
-    if local.startswith(_SAME) or (qk_norm and not mla):
+    if local.startswith(_SAME) or (qk_norm and not mla) or local.startswith(_RECURRENT):
         return local, ()
     if head == "input_layernorm":
         fused = f"self_attention.linear_qkv.layer_norm_{suffix}"

@@ -10,7 +10,9 @@ Tensor parallelism splits the key heads (and with them their value heads): ``in_
 ``in_proj_ba`` are column-parallel with two equal parts each (rank r holds ``[q_r; k_r]``, ``[v_r; z_r]``,
 ``[b_r; a_r]``), ``out_proj`` row-parallel. The small weights (the convolution over the ``[q; k; v]`` channels,
 ``A_log``, ``dt_bias``, the norm's weight) are whole on every rank, each rank using its heads' slice, their
-gradients summed over TP. Packed documents and context parallelism are the driver's (``sequence.py``).
+gradients summed over TP. Packed documents and context parallelism are the driver's (``sequence.py``). Incremental
+decoding (``context.cache``) keeps the convolution's last K-1 inputs and the rule's state per layer, and runs one
+recurrent step per new token.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from ..config import GPTConfig
 from ..forward_context import ForwardContext
 from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
-from .delta_rule import chunk_gated_delta_rule, gated_delta_transition
+from .delta_rule import gated_delta_transition, recurrent_gated_delta_rule
 from .gated_norm import gated_rms_norm
+from .kernels import gated_delta_rule
 from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
 
 __all__ = ["GatedDeltaNet", "GATED_DELTA_SCAN", "l2norm"]
@@ -43,7 +46,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _run(q, k, v, g, beta, *, initial_state, starts):
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
+    return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
 
 
 def _transition(q, k, v, g, beta, *, starts):
@@ -142,12 +145,21 @@ class GatedDeltaNet(torch.nn.Module):
         ``weights``: the convolution, A_log and dt_bias (and the norm's weight) as :meth:`_replicated` gives them."""
         b, s, nk, nv = q.size(0), q.size(1), q.size(2), v.size(2)
         conv, a_log, dt_bias = weights[:3]
-        flat = [t.reshape(b, s, -1) for t in (q, k, v)]
-        mixed = short_convolution(torch.cat(flat, dim=-1), self._conv_weight(conv, first, nk), None, context)
+        flat = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        cached = context.cache.recurrent(self.number) if context.cache is not None else None
+        weight = self._conv_weight(conv, first, nk)
+        halo = cached.convolution_halo(flat, weight.size(1) - 1) if cached is not None else None
+        mixed = short_convolution(flat, weight, None, context, halo=halo)
         q, k, v = mixed.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
         q = l2norm(q.reshape(b, s, nk, self.dk)).repeat_interleave(nv // nk, dim=2)
         k = l2norm(k.reshape(b, s, nk, self.dk)).repeat_interleave(nv // nk, dim=2)
         heads = slice(first * (nv // nk), first * (nv // nk) + nv)
         g = -a_log[heads].float().exp() * F.softplus(a.squeeze(-1).float() + dt_bias[heads].float())
         beta = torch.sigmoid(beta.squeeze(-1).float())
-        return recurrent_scan(GATED_DELTA_SCAN, [q, k, v.reshape(b, s, nv, self.dv), g, beta], context)
+        v = v.reshape(b, s, nv, self.dv)
+        if cached is None:
+            return recurrent_scan(GATED_DELTA_SCAN, [q, k, v, g, beta], context)
+        # Decoding: from the cached state, one step per token (or the chunks of a prompt); no documents, no CP
+        rule = recurrent_gated_delta_rule if s == 1 else gated_delta_rule
+        o, cached.state = rule(q, k, v, g, beta, initial_state=cached.state, starts=context.starts)
+        return o

@@ -17,7 +17,8 @@ Weight layouts (full, i.e. tp=1, shapes; d = heads * head_dim, gN = groups * sta
 TP splits by whole groups (``mamba_num_groups % tp == 0``): a rank's heads read only its own groups' B and C, and
 the grouped norm never spans two ranks. Under sequence parallelism the projections gather the sequence and
 ``out_proj`` reduce-scatters it, as attention does. Packed documents and context parallelism are the driver's
-(``sequence.py``).
+(``sequence.py``). Incremental decoding (``context.cache``) keeps the convolution's last K-1 inputs of this rank's
+``[x; B; C]`` channels and the scan's state per layer, and runs one recurrent step per new token.
 
 Initialisation (megatron-core's, drawn TP-invariantly, :func:`~megazero.model.init.keyed_uniform`): A uniform in
 [1, 16]; Δ log-uniform in [dt_min, dt_max] floored at dt_init_floor, dt_bias its softplus inverse; the convolution's
@@ -40,8 +41,9 @@ from ..forward_context import ForwardContext
 from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .gated_norm import gated_rms_norm
+from .kernels import ssd_scan
 from .sequence import HeadsExchange, Scan, local_runs, recurrent_scan, short_convolution
-from .ssd import chunk_ssd_scan, ssd_transition
+from .ssd import recurrent_ssd_scan, ssd_transition
 
 __all__ = ["MambaMixer"]
 
@@ -124,7 +126,7 @@ class MambaMixer(torch.nn.Module):
         """The SSD scan of inputs ``(x, Δ, B, C)`` with this rank's ``A`` and skip ``D`` (inside the scan, as
         transformers adds it); a state passes a run as ``M[b, H] * S``."""
         def run(x, delta, B, C, *, initial_state, starts):
-            return chunk_ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
+            return ssd_scan(x, delta, A, B, C, D=D, initial_state=initial_state, starts=starts,
                                   chunk_size=self.chunk_size)
 
         def transition(x, delta, B, C, *, starts):
@@ -163,16 +165,28 @@ class MambaMixer(torch.nn.Module):
         conv_w, conv_b, a_log, skip, dt_bias = weights[:5]
         h, g = xs.size(2), B.size(2)
         xbc = torch.cat([xs.flatten(2), B.flatten(2), C.flatten(2)], dim=-1)  # [b, s, hP + 2gN]
-        runs = local_runs(context, xbc.size(1))
+        s = xbc.size(1)
+        runs = local_runs(context, s)
+        cached = context.cache.recurrent(self.number) if context.cache is not None else None
+        halo = cached.convolution_halo(xbc, self.kernel - 1) if cached is not None else None
         xbc = short_convolution(xbc, self._conv_rows(conv_w, head, h, group, g),
-                                self._conv_rows(conv_b, head, h, group, g), context, runs=runs)
+                                self._conv_rows(conv_b, head, h, group, g), context, runs=runs, halo=halo)
         xs, B, C = torch.split(xbc, [h * self.head_dim, g * self.state, g * self.state], dim=-1)
         heads = slice(head, head + h)
         delta = F.softplus(dt.squeeze(-1).float() + dt_bias[heads].float())
         A = -torch.exp(a_log[heads].float())
         inputs = [xs.unflatten(-1, (-1, self.head_dim)), delta, B.unflatten(-1, (-1, self.state)),
                   C.unflatten(-1, (-1, self.state))]
-        return recurrent_scan(self._scan(A, skip[heads]), inputs, context, runs)
+        if cached is None:
+            return recurrent_scan(self._scan(A, skip[heads]), inputs, context, runs)
+        # Decoding: from the cached state, one step per token (or the chunks of a prompt); no documents, no CP
+        if s == 1:
+            y, cached.state = recurrent_ssd_scan(inputs[0], inputs[1], A, *inputs[2:], D=skip[heads],
+                                                 initial_state=cached.state, starts=context.starts)
+        else:
+            y, cached.state = self._scan(A, skip[heads]).run(*inputs, initial_state=cached.state,
+                                                             starts=context.starts)
+        return y
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads} (per rank {self.heads // self.tp_size}), head_dim={self.head_dim}, "

@@ -111,13 +111,22 @@ def _predecessors(runs: Runs) -> dict[tuple[int, int], Optional[tuple[int, int]]
 
 
 def short_convolution(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], context: ForwardContext,
-                      *, runs: Optional[Runs] = None, activation: bool = True) -> torch.Tensor:
+                      *, runs: Optional[Runs] = None, activation: bool = True,
+                      halo: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal depthwise convolution of this rank's tokens ``x`` ``[b, s_local, C]`` with ``weight`` ``[C, K]`` (tap
     K-1 is the token itself) and ``bias`` ``[C]``, then SiLU when ``activation``: ``[b, s_local, C]``. A tap
-    that would reach before its token's document (``context.starts``) or before the sequence reads zero."""
+    that would reach before its token's document (``context.starts``) or before the sequence reads zero.
+    ``halo`` ``[b, K-1, C]``: the inputs just before ``x`` (incremental decoding's cache; one run, no context
+    parallelism), read by the taps that reach before ``x`` instead of zeros."""
     runs = runs or local_runs(context, x.size(1))
     k = weight.size(1)
-    halos, halo_starts = _halos(x, context, runs, k - 1)
+    if halo is not None:
+        if len(runs.order) != 1 or halo.shape != (x.size(0), k - 1, x.size(2)):
+            raise ValueError(f"a given halo is the {k - 1} inputs before one run of tokens, [b, K-1, C] = "
+                             f"{[x.size(0), k - 1, x.size(2)]}; got {list(halo.shape)} for {len(runs.order)} runs")
+        halos, halo_starts = [halo], [None]
+    else:
+        halos, halo_starts = _halos(x, context, runs, k - 1)
     out = []
     for j, (off, n) in enumerate(runs.local):
         seg = x[:, off:off + n]
