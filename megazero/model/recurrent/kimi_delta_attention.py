@@ -15,6 +15,8 @@ on every rank, run on this rank's tokens (the up projection gathers the sequence
 attention's; the small weights (the convolution over the ``[q; k; v]`` channels, ``A_log``, ``dt_bias``, the norm's
 weight) are whole on every rank, each rank using its heads' slice, their gradients summed over TP. Packed documents
 and context parallelism (state passing, or Megatron's heads all-to-all) are the driver's (``sequence.py``).
+Incremental decoding (``context.cache``) keeps the convolution's last K-1 inputs and the rule's state per layer,
+and runs one recurrent step per new token.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .gated_delta_net import A_INIT_RANGE, l2norm
 from .gated_norm import sigmoid_gated_rms_norm
-from .kda_rule import chunk_kda_rule, kda_transition
+from .kda_rule import chunk_kda_rule, kda_transition, recurrent_kda_rule
 from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
 
 __all__ = ["KimiDeltaAttention", "KDA_SCAN"]
@@ -164,12 +166,21 @@ class KimiDeltaAttention(torch.nn.Module):
         ``weights``: the convolution, A_log and dt_bias (and the norm's weight) as :meth:`_replicated` gives them."""
         b, s, n = q.shape[:3]
         conv, a_log, dt_bias = weights[:3]
-        flat = [t.reshape(b, s, -1) for t in (q, k, v)]
-        mixed = short_convolution(torch.cat(flat, dim=-1), self._conv_weight(conv, first, n), None, context)
+        flat = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        cached = context.cache.recurrent(self.number) if context.cache is not None else None
+        weight = self._conv_weight(conv, first, n)
+        halo = cached.convolution_halo(flat, weight.size(1) - 1) if cached is not None else None
+        mixed = short_convolution(flat, weight, None, context, halo=halo)
         q, k, v = mixed.split([n * self.dk, n * self.dk, n * self.dv], dim=-1)
         q, k = l2norm(q.reshape(b, s, n, self.dk)), l2norm(k.reshape(b, s, n, self.dk))
         decay_rate = a_log[first:first + n].float().exp().unsqueeze(-1)  # [n, 1]
         bias = dt_bias[first * self.dk:(first + n) * self.dk].float().view(n, self.dk)
         g = -decay_rate * F.softplus(f.float() + bias)  # [b, s, n, dk], <= 0
         beta = torch.sigmoid(beta.squeeze(-1).float())
-        return recurrent_scan(KDA_SCAN, [q, k, v.reshape(b, s, n, self.dv), g, beta], context)
+        v = v.reshape(b, s, n, self.dv)
+        if cached is None:
+            return recurrent_scan(KDA_SCAN, [q, k, v, g, beta], context)
+        # Decoding: from the cached state, one step per token (or the chunks of a prompt); no documents, no CP
+        rule = recurrent_kda_rule if s == 1 else chunk_kda_rule
+        o, cached.state = rule(q, k, v, g, beta, initial_state=cached.state, starts=context.starts)
+        return o
