@@ -11,8 +11,8 @@ Rows (all chunk 64, fp32 inputs, random documents off):
 
 Timing: on the CPU, the main thread's CPU time (``time.thread_time``, one thread: the figure that holds up on shared
 cores); on CUDA, wall time after a synchronize. The rows run in turn (the order reversed every other round),
-``--repeats`` rounds, after one warm-up round; the table gives each row's median and its ratio to ``gdn`` (median of the per-round ratios, and their
-range: the noise).
+``--repeats`` rounds, after one warm-up round; the table gives each row's median and its ratio to ``gdn`` (median
+of the per-round ratios, and their range: the noise).
 
     python benchmarks/bench_delta_rule.py                      # CPU, B1 T1024 H4 dk=dv=64, ~1 min
     python benchmarks/bench_delta_rule.py --device cuda --seq 8192 --heads 16 --dim 128

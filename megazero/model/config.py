@@ -281,10 +281,10 @@ class GPTConfig:
 
     @property
     def resolved_rope_type(self) -> str:
-        """'rope', 'yarn' or 'llama3' (``rope_type``, or its default: 'yarn' under multi-latent attention)."""
+        """'rope', 'yarn' or 'llama3' (``rope_type``, or its default: 'yarn' under multi-latent attention with RoPE)."""
         if self.rope_type is not None:
             return self.rope_type
-        return "yarn" if self.multi_latent_attention else "rope"
+        return "yarn" if self.multi_latent_attention and self.position_embedding_type == "rope" else "rope"
 
     @property
     def latent_norm_epsilon(self) -> float:

@@ -75,12 +75,16 @@ def check_mla(c: GPTConfig) -> None:
     if c.q_lora_rank is not None and c.q_lora_rank < 1:
         raise ValueError(f"q_lora_rank must be >= 1 or None (no query LoRA), got {c.q_lora_rank}")
     d = c.qk_pos_emb_head_dim
-    if d < 2 or d % 2:
-        raise ValueError(f"qk_pos_emb_head_dim ({d}) must be even and >= 2: RoPE rotates pairs")
-    if c.position_embedding_type != "rope":
+    if c.position_embedding_type not in ("rope", "none"):
         raise ValueError(f"multi-latent attention rotates its decoupled query/key parts: it needs "
-                         f"position_embedding_type='rope', got {c.position_embedding_type!r}")
-    if c.rotary_percent != 1.0:
+                         f"position_embedding_type='rope' (or 'none': the parts unrotated, Kimi Linear's NoPE), got "
+                         f"{c.position_embedding_type!r}")
+    rotated = c.position_embedding_type == "rope"
+    if rotated and (d < 2 or d % 2):
+        raise ValueError(f"qk_pos_emb_head_dim ({d}) must be even and >= 2: RoPE rotates pairs")
+    if d < 0:
+        raise ValueError(f"qk_pos_emb_head_dim must be >= 0, got {d}")
+    if rotated and c.rotary_percent != 1.0:
         raise ValueError(f"multi-latent attention rotates the whole qk_pos_emb_head_dim; rotary_percent must "
                          f"be 1.0, got {c.rotary_percent}")
     if c.num_query_groups is not None and c.num_query_groups != c.num_attention_heads:

@@ -57,8 +57,9 @@ def hybrid_segments(pattern: str) -> list[int]:
 
 
 def linear_attention_layer(freq: Union[None, int, Sequence[int]], number: int) -> bool:
-    """Layer ``number`` (0-based) is linear attention (Gated DeltaNet or KDA) under Megatron's ``linear_attention_freq``: an int N, every
-    layer but each N-th (1-based: layers N-1, 2N-1, ... are attention); a pattern, its 1s."""
+    """Layer ``number`` (0-based) is linear attention (Gated DeltaNet or KDA) under Megatron's
+    ``linear_attention_freq``: an int N, every layer but each N-th (1-based: layers N-1, 2N-1, ... are attention); a
+    pattern, its 1s."""
     if freq is None:
         return False
     if isinstance(freq, int):
