@@ -38,29 +38,15 @@ from ..mlp import GatedColumnParallelLinear
 from .gated_delta_net import A_INIT_RANGE, l2norm
 from .gated_norm import sigmoid_gated_rms_norm
 from .kda_rule import chunk_kda_rule, kda_transition, recurrent_kda_rule
-from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
+from .replicated import as_used, replicated_parameter
+from .sequence import HeadsExchange, delta_scan, recurrent_scan, short_convolution
 
 __all__ = ["KimiDeltaAttention", "KDA_SCAN"]
 
 DT_RANGE, DT_FLOOR = (1e-3, 1e-1), 1e-4  # FLA's and Megatron's: softplus(dt_bias) log-uniform in the range
 
 
-def _run(q, k, v, g, beta, *, initial_state, starts):
-    return chunk_kda_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
-
-
-def _transition(q, k, v, g, beta, *, starts):
-    return kda_transition(k, g, beta, starts=starts)
-
-
-# The state [dk, dv] of each head leaves a run as M @ S_in + S_ext, M [dk, dk]
-KDA_SCAN = Scan(run=_run, transition=_transition, carry=torch.matmul)
-
-
-def _replicated(t: torch.Tensor, tp_size: int) -> torch.nn.Parameter:
-    p = torch.nn.Parameter(t)
-    p.sequence_parallel = tp_size > 1  # each rank uses its heads' slice: the gradient is summed over TP
-    return p
+KDA_SCAN = delta_scan(chunk_kda_rule, kda_transition)
 
 
 class KimiDeltaAttention(torch.nn.Module):
@@ -95,12 +81,12 @@ class KimiDeltaAttention(torch.nn.Module):
         self.out_proj = mpu.RowParallelLinear(value_dim, c.hidden_size, input_is_parallel=True,
                                               init_method=output_init, bias=c.add_bias_linear, **common)
         self.tp_rank = self.out_proj.tp_rank
-        kw = dict(dtype=c.params_dtype, device=device)
-        self.conv1d_weight = _replicated(torch.empty(2 * key_dim + value_dim, c.linear_conv_kernel_dim, **kw), tp_size)
+        kw = dict(tp_size=tp_size, dtype=c.params_dtype, device=device)
+        self.conv1d_weight = replicated_parameter(2 * key_dim + value_dim, c.linear_conv_kernel_dim, **kw)
         self.conv1d_weight.use_muon = False  # a bank of per-channel filters, not a matrix
-        self.A_log = _replicated(torch.empty(c.linear_num_key_heads, **kw), tp_size)
-        self.dt_bias = _replicated(torch.empty(key_dim, **kw), tp_size)
-        self.norm_weight = _replicated(torch.empty(self.dv, **kw), tp_size)
+        self.A_log = replicated_parameter(c.linear_num_key_heads, **kw)
+        self.dt_bias = replicated_parameter(key_dim, **kw)
+        self.norm_weight = replicated_parameter(self.dv, **kw)
         if torch.device(device if device is not None else "cpu").type != "meta":
             self.reset_parameters()
 
@@ -130,9 +116,7 @@ class KimiDeltaAttention(torch.nn.Module):
         """The whole small weights as this forward uses them: under TP through the copy whose backward sums the
         gradient over the ranks (each used only its heads' slice)."""
         ws = (self.conv1d_weight, self.A_log, self.dt_bias, self.norm_weight)
-        if self.tp_size == 1:
-            return ws
-        return tuple(mpu.copy_to_tensor_model_parallel_region(w, self.out_proj.tp_group) for w in ws)
+        return as_used(ws, self.tp_size, self.out_proj.tp_group)
 
     def _projected(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The decay's (``name`` 'f') or the output gate's ('g') projection of ``x``: ``[s, b, heads/tp * dim]``."""
