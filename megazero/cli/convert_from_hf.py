@@ -1,6 +1,6 @@
 """Import a local Hugging Face model (GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss (its
 MXFP4 experts dequantised), DeepSeek-V3, Kimi-K2 and Moonlight among its kind, Qwen3-Next, Qwen3.5 dense and MoE (a
-multimodal Qwen3.5 as its text model), Nemotron-H) as a full megazero checkpoint.
+multimodal Qwen3.5 as its text model), Nemotron-H, Kimi Linear) as a full megazero checkpoint.
 
 Writes into ``--output`` ``model_full.safetensors``, ``config.json`` (the GPTConfig) and, where the
 model directory has one, its tokenizer by content in ``tokenizer/`` (tokenizer.json,

@@ -12,7 +12,7 @@ gated shared expert), Qwen3MoeForCausalLM (with query/key norms), GptOssForCausa
 experts; plain weights, not MXFP4), DeepseekV3ForCausalLM (multi-latent attention, with its multi-token
 prediction modules as DeepSeek's extra layers), Qwen3NextForCausalLM, Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM
 (Gated DeltaNet among gated attention layers), NemotronHForCausalLM (a hybrid pattern of Mamba-2, attention, MLP and
-mixture blocks). The checkpoint's tokenizer
+mixture blocks) or KimiLinearForCausalLM (Kimi Delta Attention among multi-latent attention). The checkpoint's tokenizer
 goes with it. Example::
 
     python tools/convert_to_hf.py --load ckpt/full --output hf/my-gpt

@@ -306,15 +306,15 @@ def _layer_kinds(m: GPTConfig) -> list[str]:
     attention layers) and their sizes; none for a model of attention layers."""
     kinds = [m.layer_kinds(i) for i in range(m.num_layers)]
     mixers = Counter("attention" if k.mixer in ("standard", "mla") else k.mixer for k in kinds if k.mixer)
-    if m.hybrid_layer_pattern is None and not mixers["gdn"]:
+    if m.hybrid_layer_pattern is None and not mixers["gdn"] and not mixers["kda"]:
         return ["attention output gated"] if m.attention_output_gate else []
     if m.hybrid_layer_pattern is not None:
         counts = mixers + Counter(k.mlp for k in kinds if k.mlp)
         line = (f"hybrid: {m.num_layers} layers {m.hybrid_layer_pattern} ("
                 + ", ".join(f"{counts[key]} {name}" for key, name in _KIND_NAMES if counts[key]) + ")")
     else:
-        every = m.linear_attention_freq
-        line = f"Gated DeltaNet in {mixers['gdn']} of {m.num_layers} layers" + (
+        every, kind = m.linear_attention_freq, "kda" if mixers["kda"] else "gdn"
+        line = f"{'KDA' if kind == 'kda' else 'Gated DeltaNet'} in {mixers[kind]} of {m.num_layers} layers" + (
             f" (attention every {every} layers)" if isinstance(every, int) else "")
     if mixers["mamba"]:
         line += (f"; Mamba-2 {m.mamba_heads} heads x {m.mamba_head_dim}, state {m.mamba_state_dim}, "
@@ -323,6 +323,11 @@ def _layer_kinds(m: GPTConfig) -> list[str]:
         sizes = (f"{m.linear_num_key_heads} key heads x {m.linear_key_head_dim}, {m.linear_num_value_heads} value "
                  f"heads x {m.linear_value_head_dim}, conv {m.linear_conv_kernel_dim}")
         line += f"; Gated DeltaNet {sizes}" if m.hybrid_layer_pattern is not None else f"; {sizes}"
+    if mixers["kda"]:
+        ranks = ", ".join(f"{what} rank {r}" for what, r in (("decay", m.kda_f_lora_rank),
+                                                            ("gate", m.kda_gate_lora_rank)) if r is not None)
+        line += (f"; {m.linear_num_key_heads} heads x {m.linear_key_head_dim} (values {m.linear_value_head_dim}), "
+                 f"conv {m.linear_conv_kernel_dim}" + (f", {ranks}" if ranks else ""))
     return [line + ("; attention output gated" if m.attention_output_gate else "")]
 
 

@@ -1,6 +1,7 @@
 """The flag table's rows for models whose layers differ in kind: Megatron-LM's hybrid stacks (Mamba-2, Gated
-DeltaNet, attention and MLP layers by ``--hybrid-layer-pattern``, Nemotron-H's) and Gated DeltaNet inside a GPT
-(``--experimental-attention-variant gated_delta_net --linear-attention-freq``, Qwen3-Next's). ``flags`` adds them
+DeltaNet, attention and MLP layers by ``--hybrid-layer-pattern``, Nemotron-H's) and Gated DeltaNet or Kimi Delta
+Attention inside a GPT (``--experimental-attention-variant gated_delta_net|kda --linear-attention-freq``, Qwen3-Next's
+and Kimi Linear's). ``flags`` adds them
 as a group of their own; ``resolve.hybrid`` turns them into ``GPTConfig`` fields."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from megazero.config.flag_rows import _layer_freq, accept
 __all__ = ["add_hybrid_rows"]
 
 H, M, R = "honoured", "mapped", "refused"
-_GDN_SIZE = "Gated DeltaNet's "
+_GDN_SIZE = "Gated DeltaNet's (and KDA's) "
 _MAMBA_SIZE = "Mamba-2's "
 
 
@@ -37,31 +38,36 @@ def add_hybrid_rows(g: Callable[..., Any]) -> None:
       "from --hybrid-layer-pattern (without one, from --hybrid-attention-ratio and --hybrid-mlp-ratio: all Mamba-2 "
       "by default, as Megatron's pretrain_mamba.py); other specs are refused", str, nargs="*")
     g(H, "--experimental-attention-variant", "gated_delta_net (or gdn, Megatron's newer name): the layers "
-      "--linear-attention-freq picks are Gated DeltaNet (Qwen3-Next's linear attention); gdn2 and dsa (DeepSeek "
-      "sparse attention) do not exist in megazero", str, choices=("gated_delta_net", "gdn", "gdn2", "dsa"),
+      "--linear-attention-freq picks are Gated DeltaNet (Qwen3-Next's linear attention); kda: Kimi Delta Attention "
+      "(Kimi Linear's: Gated DeltaNet with a decay per key channel, one value head per key head); gdn2 and dsa "
+      "(DeepSeek sparse attention) do not exist in megazero", str,
+      choices=("gated_delta_net", "gdn", "kda", "gdn2", "dsa"),
       refuse_values=(("gdn2", "--experimental-attention-variant gdn2 (Gated DeltaNet-2) does not exist in megazero; "
                               "use gated_delta_net"),
                      ("dsa", "--experimental-attention-variant dsa: DeepSeek sparse attention does not exist in "
                              "megazero; use gated_delta_net, or drop the flag for attention")))
-    g(H, "--linear-attention-freq", "with --experimental-attention-variant gated_delta_net: N, every layer but each "
-      "N-th (1-based) is Gated DeltaNet, the N-th attention (Qwen3-Next: 4); or one 1 (Gated DeltaNet) or 0 "
-      "(attention) per layer such as \"([1]*3+[0])*12\"", _layer_freq)
+    g(H, "--linear-attention-freq", "with --experimental-attention-variant gated_delta_net (or kda): N, every layer "
+      "but each N-th (1-based) is Gated DeltaNet (KDA), the N-th attention (Qwen3-Next, Kimi Linear: 4); or one 1 "
+      "(linear attention) or 0 (attention) per layer such as \"([1]*3+[0])*12\"", _layer_freq)
     for flag, what, default in (("--linear-conv-kernel-dim", "width of the short causal convolution of Gated "
-                                 "DeltaNet and Mamba-2", 4),
+                                 "DeltaNet, KDA and Mamba-2", 4),
                                 ("--linear-key-head-dim", _GDN_SIZE + "query/key head dimension", 128),
                                 ("--linear-value-head-dim", _GDN_SIZE + "value head dimension", 128),
                                 ("--linear-num-key-heads", _GDN_SIZE + "query/key heads (tensor parallelism splits "
                                  "them: a multiple of --tp)", 16),
                                 ("--linear-num-value-heads", _GDN_SIZE + "value heads, a multiple of "
-                                 "--linear-num-key-heads", 32),
+                                 "--linear-num-key-heads (KDA: equal to it)", 32),
                                 ("--mamba-head-dim", _MAMBA_SIZE + "head dimension", 64),
                                 ("--mamba-state-dim", _MAMBA_SIZE + "state dimension per channel", 128),
                                 ("--mamba-num-groups", _MAMBA_SIZE + "groups sharing B and C (tensor parallelism "
                                  "splits them: a multiple of --tp)", 8)):
         g(H, flag, what, int, default=default)
+    for flag, what in (("--kda-f-lora-rank", "decay projection"), ("--kda-gate-lora-rank", "output-gate projection")):
+        g(H, flag, f"KDA's {what} through this rank (hidden -> rank -> heads x key/value dim, bias-free; Kimi Linear: "
+          "--linear-key-head-dim); without it one full-rank projection (Megatron's default)", int)
     g(H, "--mamba-num-heads", _MAMBA_SIZE + "heads (default 2 x --hidden-size / --mamba-head-dim, Megatron's expand "
       "2); a multiple of --mamba-num-groups", int)
-    g(H, "--linear-cp-comm-type", "how Gated DeltaNet and Mamba-2 layers run under --context-parallel-size: "
+    g(H, "--linear-cp-comm-type", "how Gated DeltaNet, KDA and Mamba-2 layers run under --context-parallel-size: "
       "state_passing (default: each rank runs its tokens; the ranks all-gather per-layer state summaries whose size "
       "does not grow with the sequence; any number of heads) or a2a (Megatron's: an all-to-all gives each rank the "
       "whole sequence for 1/cp of the heads, which must divide)", str, choices=("state_passing", "a2a"))

@@ -151,15 +151,20 @@ class GPTConfig:
     # One symbol per layer (Nemotron-H's): M Mamba-2, G Gated DeltaNet, * attention, - MLP, E mixture of experts,
     # | a pipeline cut. None: every layer is attention (or Gated DeltaNet, below) and an MLP.
     hybrid_layer_pattern: Optional[str] = None
-    # 'gated_delta_net': the layers linear_attention_freq picks mix tokens by Gated DeltaNet (Qwen3-Next)
+    # The mixer of the layers linear_attention_freq picks: 'gated_delta_net' (Gated DeltaNet, Qwen3-Next's) or 'kda'
+    # (Kimi Delta Attention, Kimi Linear's: a decay per key channel)
     experimental_attention_variant: Optional[str] = None
-    # N: every layer but each N-th (1-based) is Gated DeltaNet (Qwen3-Next: 4); or one 1 (GDN) / 0 per layer
+    # N: every layer but each N-th (1-based) is Gated DeltaNet / KDA (Qwen3-Next, Kimi Linear: 4); or 1 / 0 per layer
     linear_attention_freq: Union[None, int, tuple[int, ...]] = None
-    linear_conv_kernel_dim: int = 4  # the short causal convolution of GDN and Mamba-2 (width)
+    linear_conv_kernel_dim: int = 4  # the short causal convolution of GDN, KDA and Mamba-2 (width)
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
+    linear_num_value_heads: int = 32  # KDA: as many as the key heads
+    # KDA's decay (f) and output-gate (g) projections: None a full-rank hidden -> heads x dim projection (Megatron's
+    # default), else through a rank of that size (Kimi Linear: linear_key_head_dim, its f_a/f_b and g_a/g_b)
+    kda_f_lora_rank: Optional[int] = None
+    kda_gate_lora_rank: Optional[int] = None
     # Mamba-2: heads of mamba_head_dim channels (None: 2 * hidden_size / mamba_head_dim, Megatron's expand 2), a
     # state of mamba_state_dim per channel, B and C shared by the heads of each of mamba_num_groups groups.
     mamba_num_heads: Optional[int] = None
@@ -276,10 +281,10 @@ class GPTConfig:
 
     @property
     def resolved_rope_type(self) -> str:
-        """'rope', 'yarn' or 'llama3' (``rope_type``, or its default: 'yarn' under multi-latent attention)."""
+        """'rope', 'yarn' or 'llama3' (``rope_type``, or its default: 'yarn' under multi-latent attention with RoPE)."""
         if self.rope_type is not None:
             return self.rope_type
-        return "yarn" if self.multi_latent_attention else "rope"
+        return "yarn" if self.multi_latent_attention and self.position_embedding_type == "rope" else "rope"
 
     @property
     def latent_norm_epsilon(self) -> float:
@@ -404,12 +409,13 @@ class GPTConfig:
         if self.hybrid_layer_pattern is not None:
             mixer, mlp = HYBRID_SYMBOLS[hybrid_symbols(self.hybrid_layer_pattern)[number]]
             return LayerKinds(self.attention_kind(number) if mixer == "attention" else mixer, mlp)
-        mixer = "gdn" if linear_attention_layer(self.linear_attention_freq, number) else self.attention_kind(number)
+        linear = "kda" if self.experimental_attention_variant == "kda" else "gdn"
+        mixer = linear if linear_attention_layer(self.linear_attention_freq, number) else self.attention_kind(number)
         return LayerKinds(mixer, "moe" if self.is_moe_layer(number) else "dense")
 
     @property
     def recurrent(self) -> bool:
-        """Some layer carries a state along the sequence (Gated DeltaNet or Mamba-2)."""
+        """Some layer carries a state along the sequence (Gated DeltaNet, KDA or Mamba-2)."""
         return any(self.layer_kinds(i).recurrent for i in range(self.num_layers))
 
     @property

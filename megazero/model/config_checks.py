@@ -75,12 +75,16 @@ def check_mla(c: GPTConfig) -> None:
     if c.q_lora_rank is not None and c.q_lora_rank < 1:
         raise ValueError(f"q_lora_rank must be >= 1 or None (no query LoRA), got {c.q_lora_rank}")
     d = c.qk_pos_emb_head_dim
-    if d < 2 or d % 2:
-        raise ValueError(f"qk_pos_emb_head_dim ({d}) must be even and >= 2: RoPE rotates pairs")
-    if c.position_embedding_type != "rope":
+    if c.position_embedding_type not in ("rope", "none"):
         raise ValueError(f"multi-latent attention rotates its decoupled query/key parts: it needs "
-                         f"position_embedding_type='rope', got {c.position_embedding_type!r}")
-    if c.rotary_percent != 1.0:
+                         f"position_embedding_type='rope' (or 'none': the parts unrotated, Kimi Linear's NoPE), got "
+                         f"{c.position_embedding_type!r}")
+    rotated = c.position_embedding_type == "rope"
+    if rotated and (d < 2 or d % 2):
+        raise ValueError(f"qk_pos_emb_head_dim ({d}) must be even and >= 2: RoPE rotates pairs")
+    if d < 0:
+        raise ValueError(f"qk_pos_emb_head_dim must be >= 0, got {d}")
+    if rotated and c.rotary_percent != 1.0:
         raise ValueError(f"multi-latent attention rotates the whole qk_pos_emb_head_dim; rotary_percent must "
                          f"be 1.0, got {c.rotary_percent}")
     if c.num_query_groups is not None and c.num_query_groups != c.num_attention_heads:
@@ -130,8 +134,8 @@ def check_mtp(c: GPTConfig) -> None:
 
 
 def check_recurrent(c: GPTConfig, tp_size: int) -> None:
-    """Gated DeltaNet's and Mamba-2's sizes against each other and the tensor-parallel size (heads and groups are
-    never split by TP), and the hybrid pattern's mixtures of experts against ``num_experts``."""
+    """Gated DeltaNet's, KDA's and Mamba-2's sizes against each other and the tensor-parallel size (heads and groups
+    are never split by TP), and the hybrid pattern's mixtures of experts against ``num_experts``."""
     kinds = [c.layer_kinds(i) for i in range(c.num_layers)]
     mixers = {k.mixer for k in kinds}
     if c.hybrid_layer_pattern is not None and not all(k.mixer or k.mlp for k in kinds):
@@ -150,6 +154,8 @@ def check_recurrent(c: GPTConfig, tp_size: int) -> None:
         if nk % tp_size:
             raise ValueError(f"linear_num_key_heads ({nk}) must be divisible by the tensor parallel size ({tp_size}): "
                              "TP splits Gated DeltaNet by key heads; lower tp")
+    if "kda" in mixers:
+        check_kda(c, tp_size)
     if "mamba" in mixers:
         heads, groups = c.mamba_heads, c.mamba_num_groups
         if min(heads, groups, c.mamba_head_dim, c.mamba_state_dim, c.linear_conv_kernel_dim) < 1:
@@ -169,3 +175,21 @@ def check_recurrent(c: GPTConfig, tp_size: int) -> None:
         raise ValueError(f"linear_cp_comm_type must be 'state_passing' or 'a2a', got {c.linear_cp_comm_type!r}")
     if c.attention_output_gate and c.multi_latent_attention:
         raise ValueError("attention_output_gate is for standard attention (Qwen3-Next's), not multi-latent attention")
+
+
+def check_kda(c: GPTConfig, tp_size: int) -> None:
+    """Kimi Delta Attention's sizes: one value head per key head (Kimi Linear's and Megatron's layout), key heads
+    split by TP, low-rank projections of rank >= 1."""
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    if min(nk, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim) < 1:
+        raise ValueError("KDA's head count, head dimensions and convolution width must be >= 1")
+    if nv != nk:
+        raise ValueError(f"KDA has one value head per key head: linear_num_value_heads ({nv}) must equal "
+                         f"linear_num_key_heads ({nk})")
+    if nk % tp_size:
+        raise ValueError(f"linear_num_key_heads ({nk}) must be divisible by the tensor parallel size ({tp_size}): "
+                         "TP splits KDA by heads; lower tp")
+    for name in ("kda_f_lora_rank", "kda_gate_lora_rank"):
+        rank = getattr(c, name)
+        if rank is not None and rank < 1:
+            raise ValueError(f"{name} must be >= 1 (a low-rank projection), or None for a full-rank one; got {rank}")

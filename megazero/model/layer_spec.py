@@ -92,15 +92,19 @@ def _recurrent(kind: str) -> Builder:
               experts: Optional[ExpertParallel] = None) -> torch.nn.Module:
         if kind == "gdn":
             from .recurrent.gated_delta_net import GatedDeltaNet as cls
+        elif kind == "kda":
+            from .recurrent.kimi_delta_attention import KimiDeltaAttention as cls
         else:
             from .recurrent.mamba import MambaMixer as cls
         return cls(config, number=number, tp_group=tp_group, tp_size=tp_size, device=device)
     return build
 
 
-# The token mixers by kind: attention ("standard"; "mla", multi-latent), Gated DeltaNet ("gdn"), Mamba-2 ("mamba").
+# The token mixers by kind: attention ("standard"; "mla", multi-latent), Gated DeltaNet ("gdn"), Kimi Delta
+# Attention ("kda"), Mamba-2 ("mamba").
 MIXER_BUILDERS: dict[str, Builder] = {"standard": _standard_attention, "mla": multi_latent_attention,
-                                      "gdn": _recurrent("gdn"), "mamba": _recurrent("mamba")}
+                                      "gdn": _recurrent("gdn"), "kda": _recurrent("kda"),
+                                      "mamba": _recurrent("mamba")}
 ATTENTION_BUILDERS = MIXER_BUILDERS  # the name the attention-only layers had
 MLP_BUILDERS: dict[str, Builder] = {"dense": _dense_mlp, "moe": _mixture_of_experts}
 # A mixer's module name and its norm's in a layer (Megatron-core's: a Mamba layer's are ``norm`` and ``mixer``)

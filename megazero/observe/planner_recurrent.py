@@ -1,23 +1,24 @@
-"""What a recurrent mixer (Gated DeltaNet, Mamba-2) costs the planner: the activations it keeps for backward, the
+"""What a recurrent mixer (Gated DeltaNet, Kimi Delta Attention, Mamba-2) costs the planner: the activations it keeps for backward, the
 state among them, and the bytes its context- and tensor-parallel exchanges send.
 
 **Context parallelism** (``recurrent/sequence.py``), per layer and micro-batch, one rank, ring volumes: under
 state passing (``linear_cp_comm_type='state_passing'``) every rank holds ``slots`` runs of the zigzag layout (2:
 chunks r and 2P-1-r, equal shares padded) and all-gathers one summary row per run, ``(|S| + |M|)`` fp32 per batch
-row (the state a run leaves and its transition: ``[nv, dk, dv]`` + ``[nv, dk, dk]`` for Gated DeltaNet,
-``[heads, P, N]`` + ``[heads]`` for Mamba-2; heads / tp), and the convolution's halo, the K-1 inputs before each
+row (the state a run leaves and its transition: ``[nv, dk, dv]`` + ``[nv, dk, dk]`` for Gated DeltaNet (KDA: its
+heads), ``[heads, P, N]`` + ``[heads]`` for Mamba-2; heads / tp), and the convolution's halo, the K-1 inputs before each
 run (``channels / tp`` in the activations' dtype). An all-gather of every rank's share X sends ``X (P-1)``; backward
 reduce-scatters the gradients of the same size. Nothing depends on the sequence length. Under ``'a2a'``
-(Megatron's) Gated DeltaNet moves its q, k, v, beta and a to 1/P of the heads, Mamba-2 its x, dt, B and C to 1/P
-of the groups, and the output comes back, both directions in backward again: ``(P-1)/P`` of this rank's share
+(Megatron's) Gated DeltaNet moves its q, k, v, beta and a to 1/P of the heads (KDA its q, k, v, beta and decay
+input), Mamba-2 its x, dt, B and C to 1/P of the groups, and the output comes back, both directions in backward again: ``(P-1)/P`` of this rank's share
 of the tokens, which grows with the sequence. Full recomputation re-runs the forward's exchanges. Not counted:
 the document starts gathered with packed documents (one byte per token or halo token, forward only).
 
-**Tensor parallelism**: a recurrent mixer's three column-parallel projections take the same input apart, so
-backward all-reduces its gradient three times (under SP: gathers it three times in forward and again in
-backward, and reduce-scatters three gradients); the replicated small weights' gradients (convolution,
-decays, norm) are all-reduced once per micro-batch. In units of one ``[tokens, h]`` all-reduce: 4 (5 under
-full recompute), with SP 5.5 (7.5).
+**Tensor parallelism**: a recurrent mixer's column-parallel projections (three; KDA's five, or three and its
+gates' low-rank up projections) take the same input apart, so backward all-reduces its gradient once each
+(under SP: gathers it for each in forward and again in backward, and reduce-scatters each gradient); the
+replicated small weights' gradients (convolution, decays, norm; KDA's down projections under SP) are
+all-reduced once per micro-batch. In units of one ``[tokens, h]`` all-reduce, Gated DeltaNet and Mamba-2: 4 (5
+under full recompute), with SP 5.5 (7.5).
 
 **Activations** (bytes a rank keeps per token, measured against ``saved_tensors_hooks`` in the tests): besides
 the layer's input and norm (the planner's per-part share), the convolution's input, its halo-padded copy and
@@ -26,8 +27,8 @@ keep; and the chunked scan's fp32 working set: per head and token the chunk-loca
 ``k k^T``, ``q k^T``; five of them), the UT transform's ``[u | w]``, the writes, and the chunk's entering
 states, ``2 dk dv / C`` (the state kept for backward: ``[heads, dk, dv]`` fp32 per chunk, stacked and per
 chunk). Under context parallelism each run is scanned twice (from zero for its summary, then from its entering
-state; the worst rank's two runs both) and Gated DeltaNet's transition once more (a scan with a ``[dk, dk]``
-state), and the gathered summaries ``P x slots x (|S| + |M|)`` fp32 are kept. Within a few per cent of the
+state; the worst rank's two runs both) and a delta rule's transition once more (a scan with a ``[dk, dk]``
+state); KDA's decay per key channel keeps its sub-chunks' decayed keys (~42 dk floats per head and token), and the gathered summaries ``P x slots x (|S| + |M|)`` fp32 are kept. Within a few per cent of the
 measured bytes in bf16; fp32 runs keep some more (casts that are no-ops keep their inputs alive). These are the
 PyTorch chunked forms' (``delta_rule.py``, ``ssd.py``: what runs on the CPU, on the meta device of the rehearsal,
 and on CUDA without flash-linear-attention or mamba-ssm); the fused CUDA kernels (``kernels.py``) keep less.
@@ -62,6 +63,9 @@ def recurrent_cp_bytes_per_layer(config: GPTConfig, kind: str, *, tp: int, cp: i
         if kind == "gdn":  # q, k, v, beta, a; the output
             nk, nv = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
             width = 2 * nk * c.linear_key_head_dim + 2 * nv * c.linear_value_head_dim + 2 * nv
+        elif kind == "kda":  # q, k, v, beta, f (the decay's input); the output
+            n = c.linear_num_key_heads // tp
+            width = 3 * n * c.linear_key_head_dim + 2 * n * c.linear_value_head_dim + n
         else:  # x, dt, B, C; the output
             heads = c.mamba_heads // tp
             width = 2 * heads * c.mamba_head_dim + heads + 2 * c.mamba_num_groups // tp * c.mamba_state_dim
@@ -76,11 +80,21 @@ def recurrent_cp_bytes_per_layer(config: GPTConfig, kind: str, *, tp: int, cp: i
 def recurrent_tp_units(config: GPTConfig, kind: str, *, sequence_parallel: bool, recompute: Optional[str],
                        tokens: int) -> float:
     """One recurrent mixer's tensor-parallel exchanges per micro-batch in units of a ``[tokens, h]`` all-reduce
-    (module doc), its small weights' gradient all-reduce included."""
-    full = recompute == "full"
-    units = (5.5 + (2.0 if full else 0.0)) if sequence_parallel else (4.0 + (1.0 if full else 0.0))
-    small = recurrent_parameters(config, kind)[1] - (config.hidden_size if config.add_bias_linear else 0)
-    return units + small / (tokens * config.hidden_size)
+    (module doc), its small weights' gradient all-reduce included. With L column-parallel projections of the input
+    and low-rank ones of ranks r (KDA's gates): ``1 + L + sum r/h`` (forward's output, backward's input gradients;
+    full recompute 1 more), under SP ``1 + 1.5 (L + sum r/h)`` (full recompute ``0.5 (1 + L + sum r/h)`` more)."""
+    c, full = config, recompute == "full"
+    ranks = [r for r in (c.kda_f_lora_rank, c.kda_gate_lora_rank) if r is not None] if kind == "kda" else []
+    inputs = 3 + (2 - len(ranks) if kind == "kda" else 0)  # [q; k], v (and z), b (a): KDA's full-rank gates too
+    low = sum(ranks) / c.hidden_size
+    if sequence_parallel:
+        units = 1 + 1.5 * (inputs + low) + (0.5 * (1 + inputs + low) if full else 0.0)
+    else:
+        units = 1 + inputs + low + (1.0 if full else 0.0)
+    small = recurrent_parameters(c, kind)[1] - (c.hidden_size if c.add_bias_linear else 0)
+    if not sequence_parallel:  # KDA's down projections saw every token: their gradients are whole already
+        small -= sum(r * c.hidden_size for r in ranks)
+    return units + small / (tokens * c.hidden_size)
 
 
 def _scan_bytes(c: GPTConfig, kind: str, tp: int, cp: int) -> float:
@@ -90,6 +104,10 @@ def _scan_bytes(c: GPTConfig, kind: str, tp: int, cp: int) -> float:
         nv, dk, dv, C = c.linear_num_value_heads // tp, c.linear_key_head_dim, c.linear_value_head_dim, GDN_CHUNK
         scan = 4 * nv * (5 * C + 6 * dk + 7 * dv + 2 * dk * dv / C + 6)
         transition = 4 * nv * (2 * C + 2 * dk + dk * dk / C)
+    elif kind == "kda":  # the per-channel decays of each sub-chunk level: ~42 dk (chunk 64, sub-chunks 16 and 4)
+        n, dk, dv, C = c.linear_num_key_heads // tp, c.linear_key_head_dim, c.linear_value_head_dim, GDN_CHUNK
+        scan = 4 * n * (2 * C + 42 * dk + 4 * dv + 2 * dk * dv / C + 5)
+        transition = 4 * n * (C + 40 * dk + 2 * dk * dk / C)
     else:
         heads, groups, P, N, Q = (c.mamba_heads // tp, c.mamba_num_groups // tp, c.mamba_head_dim, c.mamba_state_dim,
                                   SSD_CHUNK)
@@ -108,6 +126,11 @@ def recurrent_activation_bytes(config: GPTConfig, kind: str, *, micro_batch_size
         nk, nv = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
         # the convolution's three, the gate, the norm's output and out_proj's input; l2norm's fp32 q and k
         outside = e * (3 * channels + 3 * nv * c.linear_value_head_dim) + 4 * 2 * nk * c.linear_key_head_dim
+    elif kind == "kda":
+        n, dk, dv = c.linear_num_key_heads // tp, c.linear_key_head_dim, c.linear_value_head_dim
+        # the convolution's three and out_proj's input; fp32 q and k for l2norm, the decay's input and softplus,
+        # the sigmoid gate's four
+        outside = e * (3 * channels + n * dv) + 4 * n * (4 * dk + 4 * dv)
     else:
         d = c.mamba_heads // tp * c.mamba_head_dim
         # the convolution's three, the norm's output and out_proj's input; fp32 x, z, silu(z) and the norm's input
@@ -131,7 +154,7 @@ def recurrent_state_bytes(config: GPTConfig, kind: str, *, micro_batch_size: int
     and stacked; per run twice more under context parallelism) and the gathered summaries."""
     c, b = config, micro_batch_size
     per_chunk = summary_elements(c, kind, tp)[0]
-    chunk = GDN_CHUNK if kind == "gdn" else SSD_CHUNK
+    chunk = SSD_CHUNK if kind == "mamba" else GDN_CHUNK
     twice = cp > 1 and not _heads_exchange(c)
     states = 2 * 4 * per_chunk * b * seq_length / chunk * (2 if twice else 1)
     return states + _summaries(c, kind, b, tp, cp)

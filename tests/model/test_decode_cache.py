@@ -3,8 +3,8 @@
 Greedy generate() with the cache (a forward over the prompt, then one over each new token) against the same
 model without it (the context re-run every step): the same tokens, and every step's logits within 1e-5, for a
 GPT with learned positions, a Llama-style GPT with sliding windows on every other layer and learned sinks, a
-Qwen3-Next-style stack (Gated DeltaNet and gated attention), multi-latent attention and a Nemotron-H-style
-Mamba-2 hybrid; the same tokens at tp 2. Then the work: with the cache a step runs one token through every
+Qwen3-Next-style stack (Gated DeltaNet and gated attention), multi-latent attention, a Nemotron-H-style
+Mamba-2 hybrid and a Kimi-Linear-style stack (Kimi Delta Attention beside attention); the same tokens at tp 2. Then the work: with the cache a step runs one token through every
 mixer, the recurrent rule as one recurrent step from the cached state, whose size does not grow.
 """
 
@@ -38,6 +38,10 @@ CONFIGS = {
                                       mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8, linear_conv_kernel_dim=4),
     "mla": lambda: tiny_config("llama", **LONG, num_attention_heads=4, num_query_groups=None, multi_latent_attention=True,
                                q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6),
+    # Kimi Delta Attention (a decay per key channel, low-rank decay and gate) beside attention
+    "kimi_linear": lambda: tiny_config("llama", **LONG, **dict(GDN, linear_num_value_heads=2), num_layers=4,
+                                       experimental_attention_variant="kda", linear_attention_freq=2,
+                                       kda_f_lora_rank=8, kda_gate_lora_rank=8),
 }
 NEW_TOKENS = {"gpt": 10}  # the rest: 24, past the cache's first buffer of 16 keys
 
@@ -108,7 +112,7 @@ def _tensor_parallel(name: str) -> list:
     return [cached.tolist(), recomputed.tolist()]
 
 
-@pytest.mark.parametrize("name", ["llama_windows_sinks", "qwen3_next", "nemotron_h", "mla"])
+@pytest.mark.parametrize("name", ["llama_windows_sinks", "qwen3_next", "nemotron_h", "mla", "kimi_linear"])
 def test_tensor_parallel_decoding_gives_the_tokens_of_one_process(name):
     config = CONFIGS[name]()
     torch.manual_seed(SEED)

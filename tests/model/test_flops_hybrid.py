@@ -44,7 +44,23 @@ def nemotron_h(pattern: str, **kw) -> GPTConfig:
     return GPTConfig(**{**base, **kw})
 
 
+def kimi_linear(**kw) -> GPTConfig:
+    """Kimi Linear's shape in small: 3 KDA layers to 1 multi-latent attention layer, low-rank decay and gate
+    projections, every MLP a mixture with a shared expert."""
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, seq_length=32,
+                max_position_embeddings=32, position_embedding_type="none", normalization="rmsnorm",
+                activation="swiglu", add_bias_linear=False, multi_latent_attention=True, kv_lora_rank=16,
+                qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, experimental_attention_variant="kda",
+                linear_attention_freq=4, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=8, kda_f_lora_rank=8, kda_gate_lora_rank=8, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32)
+    return GPTConfig(**{**base, **kw})
+
+
 CONFIGS = {
+    "kimi-linear": lambda: kimi_linear(),
+    "kimi-linear, full-rank gates, biases": lambda: kimi_linear(kda_f_lora_rank=None, kda_gate_lora_rank=None,
+                                                                add_bias_linear=True),
     "qwen3-next": lambda: qwen3_next(),
     "qwen3-next, biases, tied, no MTP": lambda: qwen3_next(add_bias_linear=True, tie_embeddings=True, mtp_num_layers=0),
     "G-*E": lambda: nemotron_h("G-*E", linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -124,6 +140,18 @@ def test_gated_deltanet_flops_are_the_kernels_matmuls():
     conv = 2 * c.linear_conv_kernel_dim * (2 * 2 * 16 + 4 * 8)
     solve = 4 * GDN_CHUNK * (16 + 8)
     assert _counted(layer, torch.randn(tokens, 1, 64)) == tokens * (recurrent_flops_per_token(c, "gdn") - conv - solve)
+
+
+def test_kda_flops_are_the_kernels_matmuls():
+    """As Gated DeltaNet's, with the pairs of the per-channel decays' sub-chunks, which the counter sees."""
+    from megazero.model.recurrent.kimi_delta_attention import KimiDeltaAttention
+
+    c = CONFIGS["kimi-linear"]()
+    layer = KimiDeltaAttention(c, tp_group=None, tp_size=1)
+    tokens = 2 * GDN_CHUNK
+    conv = 2 * c.linear_conv_kernel_dim * (2 * 4 * 16 + 4 * 8)
+    solve = 4 * GDN_CHUNK * (16 + 8)
+    assert _counted(layer, torch.randn(tokens, 1, 64)) == tokens * (recurrent_flops_per_token(c, "kda") - conv - solve)
 
 
 @needs_mamba

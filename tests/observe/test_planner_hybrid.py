@@ -1,4 +1,4 @@
-"""The planner on hybrid stacks (Gated DeltaNet, Mamba-2, attention, MLP and MoE layers): the recurrent layers'
+"""The planner on hybrid stacks (Gated DeltaNet, KDA, Mamba-2, attention, MLP and MoE layers): the recurrent layers'
 context-parallel bytes (state summaries and the convolution's halo, independent of the sequence), their
 activations against what autograd saves, and every figure against the rehearsal of the launch (tools/rehearse.py):
 the model state to the byte, the bytes sent per group, the peak."""
@@ -43,6 +43,8 @@ def test_the_recurrent_exchange_is_the_summaries_and_the_halo():
     mamba = 2 * (4 * (16 * 64 * 64 + 16) + 3 * (16 * 64 + 2 * 4 * 64) * 2) * 3
     assert recurrent_cp_bytes_per_layer(c, "gdn", **kw) == 2 * gdn
     assert recurrent_cp_bytes_per_layer(c, "mamba", **kw) == 2 * mamba
+    kda = c.replace(linear_num_value_heads=4)  # 4 heads of 64: the state and transition of GDN's 8, half the halo
+    assert recurrent_cp_bytes_per_layer(kda, "kda", **kw) == 2 * 2 * (4 * (4 * 64 * 64 * 2) + 3 * (3 * 4 * 64) * 2) * 3
     assert recurrent_cp_bytes_per_layer(c, "gdn", **{**kw, "recompute": "full"}) == 3 * gdn  # forward again
     assert recurrent_cp_bytes_per_layer(c, "gdn", **{**kw, "tp": 2}) == gdn  # half the heads and channels
     # Megatron's heads all-to-all: q, k, v, beta, a (x, dt, B, C) out and the output back, (P-1)/P of the rank's
@@ -80,16 +82,22 @@ def _saved(module: torch.nn.Module, x: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("kind", ["gdn", "mamba"])
+@pytest.mark.parametrize("kind", ["gdn", "kda", "mamba"])
 def test_recurrent_activations_are_what_autograd_saves(kind):
     """The planner's bytes of a bf16 mixer (not its input) against the storages its forward saves, within 5 %."""
     from megazero.model.recurrent.gated_delta_net import GatedDeltaNet
+    from megazero.model.recurrent.kimi_delta_attention import KimiDeltaAttention
     from megazero.model.recurrent.mamba import MambaMixer
 
-    c = hybrid("G" if kind == "gdn" else "M", hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=6,
-               linear_key_head_dim=48, linear_value_head_dim=32, mamba_num_heads=12, mamba_head_dim=32,
-               mamba_num_groups=3, mamba_state_dim=32, params_dtype=torch.bfloat16)
-    layer = (GatedDeltaNet if kind == "gdn" else MambaMixer)(c, tp_group=None, tp_size=1)
+    sizes = dict(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=48,
+                 linear_value_head_dim=32, mamba_num_heads=12, mamba_head_dim=32, mamba_num_groups=3,
+                 mamba_state_dim=32, params_dtype=torch.bfloat16)
+    if kind == "kda":  # Kimi Linear's: as many value heads as key heads, low-rank gates
+        c = hybrid("*", **{**sizes, "linear_num_value_heads": 2, "kda_f_lora_rank": 16}).replace(
+            hybrid_layer_pattern=None, num_layers=2, experimental_attention_variant="kda", linear_attention_freq=2)
+    else:
+        c = hybrid("G" if kind == "gdn" else "M", **sizes)
+    layer = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba": MambaMixer}[kind](c, tp_group=None, tp_size=1)
     s, b = 512, 2
     saved = _saved(layer, torch.randn(s, b, 256, dtype=torch.bfloat16, requires_grad=True))
     assert recurrent_activation_bytes(c, kind, micro_batch_size=b, seq_length=s) == pytest.approx(saved, rel=0.05)
@@ -103,9 +111,14 @@ SMALL = ["--hidden-size", "512", "--num-attention-heads", "8", "--num-query-grou
          "--mamba-head-dim", "64", "--mamba-num-groups", "4", "--mamba-state-dim", "64", "--global-batch-size"]
 
 
+KDA = ["--num-layers", "2", "--experimental-attention-variant", "kda", "--linear-attention-freq", "2",
+       "--linear-num-value-heads", "4", "--kda-f-lora-rank", "64"]  # Kimi Linear's: layer 0 KDA, layer 1 attention
+
+
 def _flags(pattern: str, seq: int, *rest: str) -> list[str]:
     moe = ["--num-experts", "4", "--moe-router-topk", "2"] if "E" in pattern else []
-    return SMALL + ["2" if "--pp" in rest else "1", "--hybrid-layer-pattern", pattern, "--seq-length", str(seq),
+    layers = KDA if pattern == "kda" else ["--hybrid-layer-pattern", pattern]
+    return SMALL + ["2" if "--pp" in rest else "1", *layers, "--seq-length", str(seq),
                     "--max-position-embeddings", str(seq), *moe, *rest]
 
 
@@ -117,6 +130,8 @@ LAYOUTS = {
     "tp2": (2, "GM*E", 2 * K, ["--tp", "2"]),
     "tp2 sp": (2, "GG*E", 2 * K, ["--tp", "2", "--sequence-parallel"]),
     "pp2 cut": (2, "GM*-|G-ME", 2 * K, ["--pp", "2"]),
+    "kda cp4": (4, "kda", 8 * K, ["--cp", "4"]),
+    "kda tp2": (2, "kda", 2 * K, ["--tp", "2"]),
 }
 
 

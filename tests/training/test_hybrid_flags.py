@@ -101,6 +101,46 @@ def test_qwen3_next_style_launch_is_gated_deltanet_in_a_gpt():
                                             "x 64, 8 value heads x 64, conv 4; attention output gated")
 
 
+KIMI_LINEAR = ["--num-layers", "8", "--experimental-attention-variant", "kda", "--linear-attention-freq", "4",
+               "--linear-num-key-heads", "4", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+               "--linear-value-head-dim", "16", "--kda-f-lora-rank", "16", "--kda-gate-lora-rank", "16"]
+
+
+def test_kimi_linear_style_launch_is_kda_in_a_gpt():
+    """Kimi Linear's layout by Megatron's names: KDA in 3 of every 4 layers, its low-rank decay and gate."""
+    cfg = parse(KIMI_LINEAR + ["--tp", "2"], 2)
+    m = cfg.model
+    assert (m.experimental_attention_variant, m.kda_f_lora_rank, m.kda_gate_lora_rank) == ("kda", 16, 16)
+    assert [m.layer_kinds(i).mixer for i in range(8)] == ["kda", "kda", "kda", "standard"] * 2
+    assert m.recurrent
+    assert describe(cfg).splitlines()[1] == ("KDA in 6 of 8 layers (attention every 4 layers); 4 heads x 16 (values "
+                                            "16), conv 4, decay rank 16, gate rank 16")
+    full = parse(KIMI_LINEAR[:-4]).model  # Megatron's default: full-rank projections
+    assert (full.kda_f_lora_rank, full.kda_gate_lora_rank) == (None, None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--linear-num-value-heads", "8"], "KDA has one value head per key head: --linear-num-value-heads (8) must "
+     "equal --linear-num-key-heads (4)"),
+    (["--linear-num-key-heads", "2", "--linear-num-value-heads", "2"], "--linear-num-key-heads (2) must be divisible "
+     "by the tensor parallel size (4): TP splits KDA by heads"),
+    (["--kda-f-lora-rank", "0"], "--kda-f-lora-rank must be >= 1"),
+])
+def test_a_kda_model_that_cannot_build_is_one_line_naming_the_flags(argv, message):
+    text = refusal(KIMI_LINEAR + argv + ["--tp", "4"], 4)
+    assert message in text and "\n" not in text, text
+
+
+def test_kda_is_not_a_hybrid_pattern_symbol():
+    text = refusal(without(KIMI_LINEAR, {"--linear-attention-freq", "--num-layers"}) + ["--hybrid-layer-pattern", "G*"])
+    assert "places KDA layers by --linear-attention-freq; a hybrid layer pattern has no KDA symbol" in text, text
+
+
+def test_kda_heads_all_to_all_needs_the_heads_to_divide():
+    text = refusal(KIMI_LINEAR + ["--tp", "2", "--context-parallel-size", "4", "--linear-cp-comm-type", "a2a"], 8)
+    assert "splits each tensor-parallel rank's 2 key heads (--linear-num-key-heads 4 / --tp 2)" in text, text
+
+
 def test_megatron_8b_mamba_example_allocates_its_layers_as_megatron_core():
     """Megatron-LM's examples/mamba/train.sh (8B): --hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5 under the
     Mamba stack --spec build megatron-core's allocate_layers(56, 0.08, 0.5)."""
@@ -263,6 +303,8 @@ def test_the_patterns_cuts_refuse_another_split(argv, message):
     dict(num_layers=4, experimental_attention_variant="gated_delta_net", linear_attention_freq=(1, 0, 1, 0),
          linear_num_key_heads=2, linear_num_value_heads=2),
     dict(num_layers=4, experimental_attention_variant="gated_delta_net", linear_attention_freq=4),
+    dict(num_layers=4, experimental_attention_variant="kda", linear_attention_freq=4, linear_num_key_heads=2,
+         linear_num_value_heads=2, kda_f_lora_rank=16),
 ])
 def test_megatron_arguments_carry_the_layer_kinds_both_ways(fields):
     """What a torch_dist save writes as Megatron-LM's args gives the same model back, and so does GPTConfig's own

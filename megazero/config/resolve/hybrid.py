@@ -1,4 +1,5 @@
-"""Layers by kind: the hybrid pattern, Gated DeltaNet and Mamba-2 flags (Megatron-LM's names) -> GPTConfig fields.
+"""Layers by kind: the hybrid pattern, Gated DeltaNet, KDA and Mamba-2 flags (Megatron-LM's names) -> GPTConfig
+fields.
 
 Called in order by ``arguments.parse_args``: :func:`spec_refusals` beside the flag table's refusals,
 :func:`resolve_hybrid_pattern` before the required flags are checked (the pattern gives --num-layers), and
@@ -25,8 +26,8 @@ SPEC_REFUSAL = ("layer specs given as Python import paths do not exist in megaze
 # GPTConfig fields the flags of this module set, each from the flag of its name
 HYBRID_FIELDS = ("hybrid_layer_pattern", "experimental_attention_variant", "linear_attention_freq",
                  "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                 "linear_num_value_heads", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups",
-                 "attention_output_gate")
+                 "linear_num_value_heads", "kda_f_lora_rank", "kda_gate_lora_rank", "mamba_num_heads",
+                 "mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "attention_output_gate")
 
 
 def spec_refusals(ns: argparse.Namespace) -> list[str]:
@@ -113,15 +114,16 @@ def check_hybrid_model(ns: argparse.Namespace, pattern: Optional[str]) -> None:
 
 def check_linear_context_parallel(model, parallel) -> None:
     """Under --linear-cp-comm-type a2a each context-parallel rank takes 1/cp of a recurrent layer's heads (Gated
-    DeltaNet's key heads, Mamba-2's groups) on its tensor-parallel rank: they must divide, checked before any
-    process group starts (state passing takes any number)."""
+    DeltaNet's and KDA's key heads, Mamba-2's groups) on its tensor-parallel rank: they must divide, checked before
+    any process group starts (state passing takes any number)."""
     if parallel.cp == 1 or model.linear_cp_comm_type != "a2a":
         return
     mixers = {model.layer_kinds(i).mixer for i in range(model.num_layers)}
     for kind, flag, total in (("gdn", "--linear-num-key-heads", model.linear_num_key_heads),
+                              ("kda", "--linear-num-key-heads", model.linear_num_key_heads),
                               ("mamba", "--mamba-num-groups", model.mamba_num_groups)):
         if kind in mixers and (total // parallel.tp) % parallel.cp:
             raise ConfigError(f"--linear-cp-comm-type a2a splits each tensor-parallel rank's {total // parallel.tp} "
-                              f"{'key heads' if kind == 'gdn' else 'Mamba-2 groups'} ({flag} {total} / --tp "
+                              f"{'Mamba-2 groups' if kind == 'mamba' else 'key heads'} ({flag} {total} / --tp "
                               f"{parallel.tp}) over --context-parallel-size {parallel.cp}, which does not divide them: "
                               "use --linear-cp-comm-type state_passing (any number), or change the sizes")

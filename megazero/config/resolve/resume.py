@@ -75,8 +75,8 @@ CHECKPOINT_MODEL_FIELDS = (
     "yarn_correction_range_round_to_int", "mtp_num_layers", "low_freq_factor", "high_freq_factor", "hf_model_type",
     "window_size", "window_attn_skip_freq", "softmax_type", "hybrid_layer_pattern", "experimental_attention_variant",
     "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
-    "mamba_num_groups", "attention_output_gate")
+    "linear_num_key_heads", "linear_num_value_heads", "kda_f_lora_rank", "kda_gate_lora_rank", "mamba_num_heads",
+    "mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "attention_output_gate")
 CHECKPOINT_LEARNED_FIELDS = ("max_position_embeddings",)
 CHECKPOINT_TRAINING_FIELDS = (
     "hidden_dropout", "attention_dropout", "init_method_std", "init_method", "label_smoothing",

@@ -22,7 +22,8 @@ full shapes. The shared RoPE key feeds only this rank's heads, so its gradient i
 Under sequence parallelism the down-projections run on this rank's tokens (their weights' gradients,
 partial, are summed over TP as the norms' are) and the up-projections gather the sequence.
 
-The softmax scale is ``1/sqrt(qk+rope)``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN.
+The softmax scale is ``1/sqrt(qk+rope)``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN. With
+``position_embedding_type='none'`` (Kimi Linear's NoPE attention) the RoPE parts stay as they are: no rotation.
 
 Incremental decoding (a :class:`~megazero.model.decode_cache.DecodeCache` in the context) caches each token's
 keys and values after the up-projection (``heads/tp * (qk + rope + v)`` numbers per token and layer, the RoPE key
@@ -156,11 +157,12 @@ class MultiLatentAttention(CausalAttention):
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
         """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: the forward's rotary, mask, CP and dropout key."""
         rotary = context.rotary
-        if rotary is None:
+        if rotary is None and self.config.position_embedding_type == "rope":
             raise ValueError("multi-latent attention needs RoPE tables (position_embedding_type='rope')")
         q_nope, q_pe = torch.split(self._queries(x), [self.qk, self.rope], dim=-1)
         k_nope, v, k_pe = self._keys_values(x)
-        q_pe, k_pe = apply_rotary(deinterleave(q_pe), *rotary), apply_rotary(deinterleave(k_pe), *rotary)
+        if self.config.position_embedding_type == "rope":  # 'none' (Kimi Linear's NoPE): the parts unrotated
+            q_pe, k_pe = apply_rotary(deinterleave(q_pe), *rotary), apply_rotary(deinterleave(k_pe), *rotary)
         q = torch.cat([q_nope, q_pe], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale

@@ -5,8 +5,9 @@ sinks, windows, YaRN, a router bias, clamped quick-GEGLU experts, MXFP4 on impor
 (multi-latent attention; ``hf_deepseek.py`` maps its layers, Kimi-K2's ``kimi_k2`` imports as one), Qwen3-Next and
 Qwen3.5 dense and MoE (Gated DeltaNet among gated attention layers; ``hf_qwen3_next.py`` maps them whole, the
 multimodal Qwen3.5 checkpoints importing as their text model) and Nemotron-H (a hybrid pattern's Mamba-2, attention,
-squared-ReLU MLP and mixture blocks; ``hf_nemotron_h.py`` maps them whole): the families of ``HF_FAMILIES``, the
-classes of ``HF_ARCHITECTURES``.
+squared-ReLU MLP and mixture blocks; ``hf_nemotron_h.py`` maps them whole) and Kimi Linear (Kimi Delta Attention
+among multi-latent attention without RoPE, DeepSeek's mixtures; ``hf_kimi_linear.py`` maps it whole): the families of
+``HF_FAMILIES``, the classes of ``HF_ARCHITECTURES``.
 
 * default architecture (learned positions, LayerNorm, tanh-GeLU, biases, tied, MHA)
   <-> ``GPT2LMHeadModel``. HF GPT-2 uses ``Conv1D`` (weights stored ``[in, out]``, i.e.
@@ -54,6 +55,9 @@ from .hf_qwen3_next import QWEN3_NEXT_ARCHITECTURES, QWEN3_NEXT_CONFIG_CLASSES, 
     qwen3_next_hf_config_dict, qwen3_next_mismatches, qwen3_next_parts, qwen3_next_to_hf
 from .hf_nemotron_h import NEMOTRON_H_ARCHITECTURES, NEMOTRON_H_FAMILIES, nemotron_h_config_kwargs, \
     nemotron_h_from_hf, nemotron_h_hf_config_dict, nemotron_h_mismatches, nemotron_h_parts, nemotron_h_to_hf
+from .hf_kimi_linear import KIMI_LINEAR_ARCHITECTURES, KIMI_LINEAR_FAMILIES, kimi_linear_build_config, \
+    kimi_linear_config_kwargs, kimi_linear_from_hf, kimi_linear_hf_config_dict, kimi_linear_mismatches, \
+    kimi_linear_parts, kimi_linear_to_hf
 
 __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architecture", "to_hf_state_dict", "from_hf_state_dict", "hf_config_dict", "config_from_hf",
            "export_to_hf", "build_hf_config", "set_token_ids", "import_from_hf", "load_hf_state_dict"]
@@ -61,12 +65,12 @@ __all__ = ["HF_FAMILIES", "HF_IMPORT_FAMILIES", "HF_ARCHITECTURES", "hf_architec
 
 # HF model_type values converted both ways
 HF_FAMILIES = ("gpt2", "llama") + DENSE_FAMILIES + MOE_FAMILIES + GPT_OSS_FAMILIES + DEEPSEEK_FAMILIES + \
-    QWEN3_NEXT_FAMILIES + NEMOTRON_H_FAMILIES
+    QWEN3_NEXT_FAMILIES + NEMOTRON_H_FAMILIES + KIMI_LINEAR_FAMILIES
 HF_IMPORT_FAMILIES = HF_FAMILIES + tuple(f for f in DEEPSEEK_IMPORT_FAMILIES + QWEN3_NEXT_IMPORT_FAMILIES
                                          if f not in HF_FAMILIES)  # read
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **DENSE_ARCHITECTURES, **MOE_ARCHITECTURES,
                     **GPT_OSS_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES, **QWEN3_NEXT_ARCHITECTURES,
-                    **NEMOTRON_H_ARCHITECTURES}
+                    **NEMOTRON_H_ARCHITECTURES, **KIMI_LINEAR_ARCHITECTURES}
 
 
 # ---- architecture check ----------------------------------------------------------------------
@@ -115,6 +119,13 @@ def _shift_norms(sd: dict[str, torch.Tensor], c: GPTConfig, delta: float) -> dic
 
 def hf_architecture(config: GPTConfig) -> str:
     """The HF model family (one of ``HF_FAMILIES``) that represents ``config`` exactly."""
+    if kimi_linear_parts(config):  # Kimi Delta Attention: only Kimi Linear has it
+        bad = kimi_linear_mismatches(config)
+        if bad:
+            raise ValueError(f"config has {', '.join(kimi_linear_parts(config))}, which among the HF families only "
+                             "Kimi Linear (KimiLinearForCausalLM) has, and is not representable in it: "
+                             + ", ".join(bad) + ".")
+        return "kimi_linear"
     if nemotron_h_parts(config):  # a hybrid stack of Mamba-2, attention, MLP and mixture blocks
         bad = nemotron_h_mismatches(config)
         if bad:
@@ -200,6 +211,8 @@ def to_hf_state_dict(full_sd: dict[str, torch.Tensor], config: GPTConfig) -> dic
         return qwen3_next_to_hf(full_sd, c)
     if arch in NEMOTRON_H_FAMILIES:
         return nemotron_h_to_hf(full_sd, c)
+    if arch in KIMI_LINEAR_FAMILIES:
+        return kimi_linear_to_hf(full_sd, c)
     sd = _shift_norms(full_sd, c, 1.0)
     out: dict[str, torch.Tensor] = {}
     for i in range(c.num_layers):
@@ -271,6 +284,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
         return qwen3_next_from_hf(hf_sd, c)
     if arch in NEMOTRON_H_FAMILIES:
         return nemotron_h_from_hf(hf_sd, c)
+    if arch in KIMI_LINEAR_FAMILIES:
+        return kimi_linear_from_hf(hf_sd, c)
     sd = dict(hf_sd)
     if arch == "gpt2" and not any(k.startswith("transformer.") for k in sd):
         sd = {("lm_head.weight" if k == "lm_head.weight" else "transformer." + k): v for k, v in sd.items()}
@@ -356,6 +371,8 @@ def hf_config_dict(config: GPTConfig) -> dict[str, Any]:
         return qwen3_next_hf_config_dict(c)
     if hf_architecture(c) in NEMOTRON_H_FAMILIES:
         return nemotron_h_hf_config_dict(c)
+    if hf_architecture(c) in KIMI_LINEAR_FAMILIES:
+        return kimi_linear_hf_config_dict(c)
     if hf_architecture(c) == "deepseek_v3":
         return deepseek_hf_config_dict(c)
     if hf_architecture(c) == "gpt_oss":
@@ -397,6 +414,8 @@ def config_from_hf(hf: dict[str, Any], weight_names=None, **overrides: Any) -> G
         kw = qwen3_next_config_kwargs(hf, weight_names)
     elif mt in NEMOTRON_H_FAMILIES:
         kw = nemotron_h_config_kwargs(hf, weight_names)
+    elif mt in KIMI_LINEAR_FAMILIES:
+        kw = kimi_linear_config_kwargs(hf)
     elif mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         problems = []
@@ -475,6 +494,8 @@ def build_hf_config(config: GPTConfig):
         return cls(**{k: v for k, v in kw.items() if k != "model_type"})
     if kw["model_type"] in NEMOTRON_H_FAMILIES:  # transformers >= 5 (its layers_block_type spelling)
         return transformers.NemotronHConfig(**{k: v for k, v in kw.items() if k != "model_type"})
+    if kw["model_type"] in KIMI_LINEAR_FAMILIES:  # transformers >= 5
+        return kimi_linear_build_config(config)
     if kw["model_type"] in ("deepseek_v3", "gpt_oss"):
         cls = getattr(transformers, {"deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}[kw["model_type"]])
         kw = {k: v for k, v in kw.items() if k != "model_type"}

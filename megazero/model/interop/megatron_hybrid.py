@@ -1,4 +1,5 @@
-"""Megatron-LM's arguments of models with Mamba-2, Gated DeltaNet and attention layers, both ways.
+"""Megatron-LM's arguments of models with Mamba-2, Gated DeltaNet, Kimi Delta Attention and attention layers, both
+ways.
 
 * :func:`pattern_from_ratios`: the layers Megatron builds from ``--hybrid-attention-ratio`` and
   ``--hybrid-mlp-ratio`` (megatron-core's ``allocate_layers``, later ``pattern_from_ratios``) when no pattern
@@ -6,7 +7,7 @@
 * :func:`is_hybrid_stack_spec`: whether a ``--spec`` names Megatron's Mamba/hybrid stack spec.
 * :func:`hybrid_args` / :func:`hybrid_fields`: a ``GPTConfig``'s per-layer kinds as Megatron's ``args`` and
   back (``hybrid_layer_pattern``, Megatron's older ``hybrid_override_pattern``, or the ratios of a Mamba
-  stack spec; ``experimental_attention_variant``, ``linear_*``, ``mamba_*``, ``attention_output_gate``).
+  stack spec; ``experimental_attention_variant``, ``linear_*``, ``kda_*``, ``mamba_*``, ``attention_output_gate``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _GDN = ("gated_delta_net", "gdn")  # Megatron's names of Gated DeltaNet ('gated_
 _LINEAR = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
            "linear_num_value_heads")
 _MAMBA = ("mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups")
+_KDA = ("kda_f_lora_rank", "kda_gate_lora_rank")  # None (Megatron's default) is a full-rank projection
 
 
 def pattern_from_ratios(num_layers: int, attention_ratio: float = 0.0, mlp_ratio: float = 0.0) -> str:
@@ -79,8 +81,10 @@ def hybrid_args(config: GPTConfig) -> dict[str, Any]:
         args.update(experimental_attention_variant=config.experimental_attention_variant,
                     linear_attention_freq=list(freq) if isinstance(freq, tuple) else freq)
     kinds = {config.layer_kinds(i).mixer for i in range(config.num_layers)}
-    if "gdn" in kinds:
+    if "gdn" in kinds or "kda" in kinds:
         args.update({name: getattr(config, name) for name in _LINEAR})
+    if "kda" in kinds:
+        args.update({name: getattr(config, name) for name in _KDA})
     if "mamba" in kinds:
         args.update({name: getattr(config, name) for name in _MAMBA + ("linear_conv_kernel_dim",)})
     return args
@@ -107,7 +111,7 @@ def hybrid_fields(args: Any) -> dict[str, Any]:
     freq = _get(args, "linear_attention_freq")
     if freq is not None:
         out["linear_attention_freq"] = tuple(int(f) for f in freq) if isinstance(freq, (list, tuple)) else int(freq)
-    for name in _LINEAR + _MAMBA:
+    for name in _LINEAR + _MAMBA + _KDA:
         if _get(args, name) is not None:
             out[name] = int(_get(args, name))
     if _get(args, "attention_output_gate"):

@@ -32,7 +32,8 @@ from ..mlp import GatedColumnParallelLinear
 from .delta_rule import gated_delta_transition, recurrent_gated_delta_rule
 from .gated_norm import gated_rms_norm
 from .kernels import gated_delta_rule
-from .sequence import HeadsExchange, Scan, recurrent_scan, short_convolution
+from .replicated import as_used, replicated_parameter
+from .sequence import HeadsExchange, delta_scan, recurrent_scan, short_convolution
 
 __all__ = ["GatedDeltaNet", "GATED_DELTA_SCAN", "l2norm"]
 
@@ -45,22 +46,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _run(q, k, v, g, beta, *, initial_state, starts):
-    return gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
-
-
-def _transition(q, k, v, g, beta, *, starts):
-    return gated_delta_transition(k, g, beta, starts=starts)
-
-
-# The state [dk, dv] of each head leaves a run as M @ S_in + S_ext, M [dk, dk]
-GATED_DELTA_SCAN = Scan(run=_run, transition=_transition, carry=torch.matmul)
-
-
-def _replicated(t: torch.Tensor, tp_size: int) -> torch.nn.Parameter:
-    p = torch.nn.Parameter(t)
-    p.sequence_parallel = tp_size > 1  # each rank uses its heads' slice: the gradient is summed over TP
-    return p
+GATED_DELTA_SCAN = delta_scan(gated_delta_rule, gated_delta_transition)
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -85,11 +71,11 @@ class GatedDeltaNet(torch.nn.Module):
         self.out_proj = mpu.RowParallelLinear(value_dim, c.hidden_size, input_is_parallel=True,
                                               init_method=output_init, **common)
         self.tp_rank = self.out_proj.tp_rank
-        kw = dict(dtype=c.params_dtype, device=device)
-        self.conv1d_weight = _replicated(torch.empty(2 * key_dim + value_dim, c.linear_conv_kernel_dim, **kw), tp_size)
-        self.A_log = _replicated(torch.empty(c.linear_num_value_heads, **kw), tp_size)
-        self.dt_bias = _replicated(torch.empty(c.linear_num_value_heads, **kw), tp_size)
-        self.norm_weight = _replicated(torch.empty(self.dv, **kw), tp_size)
+        kw = dict(tp_size=tp_size, dtype=c.params_dtype, device=device)
+        self.conv1d_weight = replicated_parameter(2 * key_dim + value_dim, c.linear_conv_kernel_dim, **kw)
+        self.A_log = replicated_parameter(c.linear_num_value_heads, **kw)
+        self.dt_bias = replicated_parameter(c.linear_num_value_heads, **kw)
+        self.norm_weight = replicated_parameter(self.dv, **kw)
         if torch.device(device if device is not None else "cpu").type != "meta":
             self.reset_parameters()
 
@@ -116,9 +102,7 @@ class GatedDeltaNet(torch.nn.Module):
         """The whole small weights as this forward uses them: under TP through the copy whose backward sums the
         gradient over the ranks (each used only its heads' slice), as the norms' weights are."""
         ws = (self.conv1d_weight, self.A_log, self.dt_bias, self.norm_weight)
-        if self.tp_size == 1:
-            return ws
-        return tuple(mpu.copy_to_tensor_model_parallel_region(w, self.out_proj.tp_group) for w in ws)
+        return as_used(ws, self.tp_size, self.out_proj.tp_group)
 
     def forward(self, x: torch.Tensor, context: ForwardContext = ForwardContext()) -> torch.Tensor:
         """``x`` ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``context``: document starts and context parallelism."""

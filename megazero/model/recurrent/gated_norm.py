@@ -1,6 +1,7 @@
 """The gated RMSNorms that follow the recurrent mixers, as transformers computes them.
 
-Two orders, one function:
+Two orders of silu gating, one function (:func:`gated_rms_norm`), and Kimi Delta Attention's sigmoid gate
+(:func:`sigmoid_gated_rms_norm`):
 
 * ``norm_before_gate=True`` (Gated DeltaNet, Qwen3-Next's ``Qwen3NextRMSNormGated``):
   ``rmsnorm(x) * weight * silu(z)``. Qwen3-Next passes ``eps = config.rms_norm_eps`` (1e-6 by default) and
@@ -9,6 +10,8 @@ Two orders, one function:
   ``rmsnorm(x * silu(z)) * weight``, the mean square taken over groups of ``group_size`` channels (Nemotron-H:
   ``intermediate_size // n_groups``). Nemotron-H passes ``eps = config.layer_norm_epsilon`` (1e-5 by default;
   megatron-core's mixer hard-codes 1e-5).
+* Kimi Linear's ``KimiLinearRMSNormGated``: ``rmsnorm(x) * weight * sigmoid(gate)`` over one head, all in fp32
+  (the weight too), cast to x's dtype at the end.
 
 The casts are transformers': x and z go to fp32, the normalised value is cast back to x's dtype before the weight
 multiplies it (in the promoted dtype of weight and x), and the result is returned in x's dtype. Where the weight is
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["gated_rms_norm"]
+__all__ = ["gated_rms_norm", "sigmoid_gated_rms_norm"]
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, *, eps: float, group_size: int | None = None,
@@ -57,3 +60,14 @@ def _rms_normalize(h: Tensor, group: int, eps: float) -> Tensor:
     h = h.reshape(*shape[:-1], shape[-1] // group, group)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return h.reshape(shape)
+
+
+def sigmoid_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, *, eps: float) -> Tensor:
+    """x, gate [..., C]; weight [C]: rmsnorm(x) * weight * sigmoid(gate) over the last dim, in fp32 throughout
+    (Kimi Linear's), returned in x's dtype."""
+    C = x.shape[-1]
+    if gate.shape != x.shape or weight.shape != (C,):
+        raise ValueError(f"sigmoid_gated_rms_norm needs x and gate of one shape [..., C] and weight [C]; got x "
+                         f"{tuple(x.shape)}, gate {tuple(gate.shape)}, weight {tuple(weight.shape)}")
+    h = _rms_normalize(x.to(torch.float32), C, eps) * weight.to(torch.float32)
+    return (h * torch.sigmoid(gate.to(torch.float32))).to(x.dtype)

@@ -42,6 +42,7 @@ from ..init import init_methods, keyed_uniform
 from ..mlp import GatedColumnParallelLinear
 from .gated_norm import gated_rms_norm
 from .kernels import ssd_scan
+from .replicated import as_used, replicated_parameter
 from .sequence import HeadsExchange, Scan, local_runs, recurrent_scan, short_convolution
 from .ssd import recurrent_ssd_scan, ssd_transition
 
@@ -82,9 +83,7 @@ class MambaMixer(torch.nn.Module):
         channels = self.d_inner + 2 * self.bc_width
 
         def replicated(*shape: int) -> torch.nn.Parameter:
-            p = torch.nn.Parameter(torch.empty(*shape, dtype=c.params_dtype, device=device))
-            p.sequence_parallel = tp_size > 1  # each rank's gradient covers its slice only: summed over TP
-            return p
+            return replicated_parameter(*shape, tp_size=tp_size, dtype=c.params_dtype, device=device)
 
         self.conv_weight = replicated(channels, self.kernel)
         self.conv_weight.use_muon = False  # a bank of per-channel filters, not a matrix (Megatron's is 3-D)
@@ -112,9 +111,7 @@ class MambaMixer(torch.nn.Module):
         """The whole small weights as this forward uses them: under TP through the copy whose backward sums the
         gradient over the ranks (each uses only its heads' and groups' rows), as the norms' weights are."""
         ws = (self.conv_weight, self.conv_bias, self.A_log, self.D, self.dt_bias, self.norm_weight)
-        if self.tp_size == 1:
-            return ws
-        return tuple(mpu.copy_to_tensor_model_parallel_region(w, self.tp_group) for w in ws)
+        return as_used(ws, self.tp_size, self.tp_group)
 
     def _conv_rows(self, w: torch.Tensor, head: int, heads: int, group: int, groups: int) -> torch.Tensor:
         """Rows of the ``[x; B; C]`` convolution ``w`` of heads ``head ..`` and groups ``group ..``."""

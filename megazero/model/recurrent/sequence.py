@@ -36,7 +36,7 @@ from megazero.mpu.cp_exchange import (all_gather_tensor, gather_sequence, heads_
 
 from ..forward_context import ForwardContext
 
-__all__ = ["Scan", "Runs", "local_runs", "short_convolution", "recurrent_scan", "HeadsExchange"]
+__all__ = ["Scan", "delta_scan", "Runs", "local_runs", "short_convolution", "recurrent_scan", "HeadsExchange"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,20 @@ class Scan:
     run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     transition: Callable[..., torch.Tensor]
     carry: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def delta_scan(rule: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+               transition: Callable[..., torch.Tensor]) -> Scan:
+    """The :class:`Scan` of a delta rule over inputs ``(q, k, v, g, beta)`` (Gated DeltaNet's, Kimi Delta
+    Attention's): ``rule(q, k, v, g, beta, initial_state=, starts=)``, ``transition(k, g, beta, starts=)``; the
+    state [dk, dv] of each head leaves a run as M @ S_in + S_ext, M [dk, dk]."""
+    def run(q, k, v, g, beta, *, initial_state, starts):
+        return rule(q, k, v, g, beta, initial_state=initial_state, starts=starts)
+
+    def transition_of(q, k, v, g, beta, *, starts):
+        return transition(k, g, beta, starts=starts)
+
+    return Scan(run=run, transition=transition_of, carry=torch.matmul)
 
 
 @dataclass(frozen=True)
