@@ -46,10 +46,13 @@ from megazero.model.flops import (
     attention_square_flops_per_token,
     expert_parameters,
     moe_layers,
+    uniform_layers,
 )
+from megazero.model.layer_pattern import RECURRENT_MIXERS
+from megazero.model.recurrent.counts import GDN_CHUNK, SSD_CHUNK, recurrent_matrices, scan_flops_per_token
 from megazero.observe.plan_devices import Cluster
 from megazero.observe.planner import MemoryEstimate
-from megazero.observe.planner_activations import activation_bytes_per_layer
+from megazero.observe.planner_activations import activation_bytes_per_layer, layer_activation_bytes
 from megazero.observe.planner_offload import DTYPE_BYTES
 
 __all__ = ["Layout", "StepTime", "step_time", "attention_kernel", "TIME_TERMS", "GEMM_EFFICIENCY"]
@@ -150,26 +153,56 @@ def _layer_forward(c: GPTConfig, lay: Layout, *, tokens: int, seq: int, moe: boo
     sequences ``seq`` long (the whole sequence: CP splits the tokens, not the keys); ``kernel``: the
     attention core's (:func:`attention_kernel`)."""
     h, t = c.hidden_size, lay.tp
-    gate = 2 if c.gated_linear_unit else 1
     proj = sum(r * k for r, k in attention_matrices(c))
     time = _gemm(2 * tokens * proj / t, tokens, proj / h / t, h, peak)
     core = _attention_core(c, kernel, tokens=tokens, seq=seq, t=t, peak=peak, fp32=fp32, hbm=hbm,
                            act_bytes=act_bytes)
-    if moe:
-        fm, k, experts = c.moe_ffn_size, c.moe_router_topk, c.num_experts
-        etp = lay.etp or t
-        per_expert = max(tokens * k * lay.ep / experts * t / etp, 1.0)  # tokens a local expert gets
-        time += _gemm(2 * tokens * k * (gate + 1) * h * fm / t, per_expert, gate * fm / etp, h, peak)
-        shared = c.moe_shared_expert_intermediate_size or 0
-        time += _gemm(2 * tokens * (gate + 1) * h * shared / t, tokens, gate * shared / t, h, peak)
-        time += _gemm(2 * tokens * h * experts, tokens, experts, h, peak)  # the router, whole on each rank
-    else:
-        f = c.ffn_size
-        time += _gemm(2 * tokens * (gate + 1) * h * f / t, tokens, gate * f / t, h, peak)
+    time += _mlp_forward(c, lay, tokens=tokens, moe=moe, peak=peak)
     kind = c.replace(moe_layer_freq=1) if moe else c.replace(num_experts=None)
     saved = activation_bytes_per_layer(kind, micro_batch_size=1, seq_length=tokens, tp=t,
                                        sequence_parallel=lay.sequence_parallel and t > 1, keep_attention_scores=False,
                                        act_bytes=act_bytes, expert_tp=lay.etp)
+    return time + core + ELEMENTWISE_PASSES * saved / hbm + LAYER_OVERHEAD_S, core
+
+
+def _mlp_forward(c: GPTConfig, lay: Layout, *, tokens: int, moe: bool, peak: float) -> float:
+    """Forward seconds of one layer's MLP (a mixture's experts, shared expert and router) on one rank."""
+    h, t, gate = c.hidden_size, lay.tp, 2 if c.gated_linear_unit else 1
+    if not moe:
+        f = c.ffn_size
+        return _gemm(2 * tokens * (gate + 1) * h * f / t, tokens, gate * f / t, h, peak)
+    fm, k, experts = c.moe_ffn_size, c.moe_router_topk, c.num_experts
+    etp = lay.etp or t
+    per_expert = max(tokens * k * lay.ep / experts * t / etp, 1.0)  # tokens a local expert gets
+    time = _gemm(2 * tokens * k * (gate + 1) * h * fm / t, per_expert, gate * fm / etp, h, peak)
+    shared = c.moe_shared_expert_intermediate_size or 0
+    time += _gemm(2 * tokens * (gate + 1) * h * shared / t, tokens, gate * shared / t, h, peak)
+    return time + _gemm(2 * tokens * h * experts, tokens, experts, h, peak)  # the router, whole on each rank
+
+
+def _kinds_forward(c: GPTConfig, lay: Layout, number: int, *, tokens: int, seq: int, peak: float, fp32: float,
+                   hbm: float, kernel: str, act_bytes: int) -> tuple[float, float]:
+    """(forward seconds of layer ``number`` of a hybrid stack on one rank, of which an attention core): its mixer
+    (attention: projections and core; a recurrent mixer: projections and the chunked scan's matmuls, chunk-sized
+    GEMMs, with no term in the sequence) and its MLP, each only where the layer has it."""
+    h, t = c.hidden_size, lay.tp
+    kinds = c.layer_kinds(number)
+    time = core = 0.0
+    if kinds.mixer in RECURRENT_MIXERS:
+        proj = sum(r * k for r, k in recurrent_matrices(c, kinds.mixer))
+        chunk, width = (SSD_CHUNK, c.mamba_state_dim) if kinds.mixer == "mamba" else (GDN_CHUNK, c.linear_key_head_dim)
+        time += _gemm(2 * tokens * proj / t, tokens, proj / h / t, h, peak)
+        time += _gemm(tokens * scan_flops_per_token(c, kinds.mixer) / t, chunk, chunk, width, peak)
+    elif kinds.mixer is not None:
+        proj = sum(r * k for r, k in attention_matrices(c))
+        time += _gemm(2 * tokens * proj / t, tokens, proj / h / t, h, peak)
+        core = _attention_core(c, kernel, tokens=tokens, seq=seq, t=t, peak=peak, fp32=fp32, hbm=hbm,
+                               act_bytes=act_bytes)
+    if kinds.mlp is not None:
+        time += _mlp_forward(c, lay, tokens=tokens, moe=kinds.mlp == "moe", peak=peak)
+    saved = layer_activation_bytes(c, number, micro_batch_size=1, seq_length=tokens, tp=t, cp=lay.cp,
+                                   sequence_parallel=lay.sequence_parallel and t > 1, keep_attention_scores=False,
+                                   act_bytes=act_bytes, expert_tp=lay.etp)
     return time + core + ELEMENTWISE_PASSES * saved / hbm + LAYER_OVERHEAD_S, core
 
 
@@ -196,8 +229,13 @@ def _stage(c: GPTConfig, lay: Layout, cluster: Cluster, st: dict, layer: dict, *
     e = DTYPE_BYTES[precision]
     tokens = lay.micro_batch_size * c.seq_length // lay.cp
     n, n_moe = st["layers"], st["moe_layers"]
-    layers_f = (n - n_moe) * layer["dense"] + n_moe * layer["moe"]
-    cores = (n - n_moe) * layer["dense_core"] + n_moe * layer["moe_core"]
+    if "by_layer" in layer:  # a hybrid stack: the stage's own layers
+        mine = [i for a, b in st.get("layer_ranges", [(0, c.num_layers)]) for i in range(a, b)]
+        layers_f = sum(layer["by_layer"][i][0] for i in mine)
+        cores = sum(layer["by_layer"][i][1] for i in mine)
+    else:
+        layers_f = (n - n_moe) * layer["dense"] + n_moe * layer["moe"]
+        cores = (n - n_moe) * layer["dense_core"] + n_moe * layer["moe_core"]
     fwd = layers_f
     if last:
         V, h = c.padded_vocab_size, c.hidden_size
@@ -268,11 +306,19 @@ def step_time(config: GPTConfig, lay: Layout, cluster: Cluster, est: MemoryEstim
     kw = dict(tokens=lay.micro_batch_size * c.seq_length // lay.cp, seq=c.seq_length,
               peak=cluster.device.peak(precision), fp32=cluster.device.peak("fp32"), hbm=cluster.device.hbm_gbps * 1e9,
               kernel=attention_kernel(c, flash_attn), act_bytes=DTYPE_BYTES[precision])
-    layer = dict(zip(("dense", "dense_core"), _layer_forward(c, lay, moe=False, **kw)))
-    layer.update(zip(("moe", "moe_core"), _layer_forward(c, lay, moe=True, **kw) if moe_layers(c) else (0.0, 0.0)))
+    if uniform_layers(c):
+        layer = dict(zip(("dense", "dense_core"), _layer_forward(c, lay, moe=False, **kw)))
+        layer.update(zip(("moe", "moe_core"), _layer_forward(c, lay, moe=True, **kw) if moe_layers(c) else (0.0, 0.0)))
+    else:  # each kind of layer timed once
+        by_kind: dict = {}
+        for i in range(c.num_layers):
+            by_kind.setdefault(c.layer_kinds(i), i)
+        timed = {kinds: _kinds_forward(c, lay, i, **kw) for kinds, i in by_kind.items()}
+        layer = dict(by_layer=[timed[c.layer_kinds(i)] for i in range(c.num_layers)])
     per, seen = [], {}
     for r, st in enumerate(stages):  # stages alike in layers, ends and bytes sent cost alike
-        key = (st["layers"], st["moe_layers"], r == 0, r == len(stages) - 1, tuple(sorted(st["traffic"].items())))
+        key = (st["layers"], st["moe_layers"], r == 0, r == len(stages) - 1, tuple(sorted(st["traffic"].items())),
+               tuple(st.get("layer_ranges", ())) if "by_layer" in layer else ())
         if key not in seen:
             seen[key] = _stage(c, lay, cluster, st, layer, first=key[2], last=key[3], m=m, precision=precision,
                                ring=cp_comm_type == "p2p")

@@ -224,8 +224,8 @@ class MemoryEstimate:
                          f"(total {t['total'] / GiB:.2f} GiB)")
         if self.activation_detail.get("recurrent_state"):  # a hybrid stack's recurrent layers
             state = self.activation_detail["recurrent_state"] / GiB
-            lines.append(f"recurrent layers' states kept for backward: {state:.2f} GiB per micro-batch "
-                         "(in the activations)")
+            lines.append(f"recurrent layers' chunk states: {state:.2f} GiB per micro-batch over all their layers "
+                         "(held for backward where not recomputed; counted in the activations)")
         lines.append(f"{'per-GPU memory':<26}{'GiB':>10}")
         lines += [f"  {name:<24}{value / GiB:>10.2f}" for name, value in rows]
         lines.append("  " + nccl_line(self.nccl_communicators, self.nccl_note))

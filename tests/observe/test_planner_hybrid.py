@@ -161,3 +161,35 @@ def test_the_rehearsal_sends_as_much_at_1m_tokens_as_at_128k():
         assert sent_by_plan_group(r)["cp"] == r.plan["sent_cp"]
         sent.append(r.plan["sent_cp"])
     assert sent[0] == sent[1] > 0
+
+
+def test_the_step_time_of_a_hybrid_stack_counts_each_layer_by_kind():
+    """tools/plan.py's step-time model times each kind of layer apart: a Mamba-2 stack's compute grows with the
+    sequence like its tokens (no square term), an attention stack's faster; a pipeline stage is timed by the
+    layers it holds."""
+    from tests.observe.test_plan import _model
+
+    from megazero.observe.plan_devices import Cluster, device_preset
+    from megazero.observe.plan_search import evaluate
+    from megazero.observe.plan_time import Layout
+
+    cluster = Cluster(8, 8, device_preset("h100-80gb"))
+    mamba = ("--hybrid-layer-pattern", "M-M-M-M-", "--mamba-num-heads", "32", "--mamba-head-dim", "64",
+             "--mamba-num-groups", "8", "--mamba-state-dim", "128", "--position-embedding-type", "none")
+    lay = Layout(tp=1, pp=1, dp=8, zero_stage=1, micro_batch_size=1)
+
+    def compute(seq: int, *extra: str) -> float:
+        _, config, base = _model(8, 16, 1024, seq, 8, *extra)
+        return evaluate(config.model, lay, cluster, base, global_batch_size=8, precision="bf16",
+                        optimizer="adamw").time.terms["compute"]
+
+    recurrent = compute(32768, *mamba) / compute(8192, *mamba)
+    attention = compute(32768) / compute(8192)
+    assert 3.0 < recurrent <= 4.2 and attention > recurrent + 2.0, (recurrent, attention)  # tokens x4
+    slowest = []
+    for pattern in ("M-M-|*-*-", "*-*-|M-M-"):  # the same layers, the other way round over the two stages
+        _, config, base = _model(8, 16, 1024, 8192, 8, "--hybrid-layer-pattern", pattern, *mamba[2:])
+        plan = evaluate(config.model, Layout(tp=1, pp=2, dp=4, zero_stage=1, micro_batch_size=1), cluster, base,
+                        global_batch_size=8, precision="bf16", optimizer="adamw")
+        slowest.append(plan.time.slowest_stage)
+    assert slowest in ([0, 1], [1, 0])  # the stage holding the costlier kind, wherever it is
