@@ -75,21 +75,24 @@ def test_multi_token_prediction_on_a_hybrid_equals_one_process(data, tmp_path): 
     assert_same_run(got, one, what="Qwen3-Next with MTP, pp 2 x cp 2")
 
 
-def test_the_hybrid_entry_point_and_start_up_line(data, tmp_path):  # noqa: F811
-    """pretrain_mamba.py is pretrain_gpt.py: the same run, and the start-up line names the layers."""
-    import runpy
-    import sys
+def test_pretrain_mamba_py_runs_megatrons_mamba_launch_line(data, one_process, tmp_path):  # noqa: F811
+    """``torchrun pretrain_mamba.py`` (Megatron-LM's hybrid entry point) with Megatron's ``--spec ...
+    mamba_stack_spec`` and ``--num-layers`` left out (the pattern gives it), at cp 2: the run of pretrain_gpt.py in
+    one process; its start-up line names the layers."""
+    import json
+    import os
 
-    assert runpy.run_path  # the scripts exist and import the same main
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    for script in ("pretrain_mamba.py", "pretrain_hybrid.py"):
-        text = (root / script).read_text()
-        assert "main" in text and sys.modules.get("megazero") is not None
-    run = launch(1, flags(data, *NEMOTRON_H, iters=1), tmp_path, "hybrid_line")
-    log = (tmp_path / "hybrid_line.log").read_text()
-    assert "hybrid: 4 layers MG|*E" in log or "hybrid: 4 layers" in log, log[:2000]
-    assert run
+    from tests.launch import launch as run_script
+
+    args = flags(data, *NEMOTRON_H, "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec",
+                 "--context-parallel-size", "2")
+    at = args.index("--num-layers")
+    args = args[:at] + args[at + 2:]
+    metrics = os.path.join(str(tmp_path), "mamba_entry.jsonl")
+    run = run_script(2, [*args, "--metrics-file", metrics], script="pretrain_mamba.py", cwd=tmp_path).check("mamba_entry")
+    assert "hybrid: 4 layers MG|*E (1 Mamba-2, 1 Gated DeltaNet, 1 attention, 1 MoE)" in run.stdout + run.stderr
+    got = {r["iteration"]: r for r in map(json.loads, open(metrics)) if "lm_loss" in r}
+    assert_same_run(got, one_process["nemotron_h"], what="pretrain_mamba.py at cp 2")
 
 
 def test_a_heads_all_to_all_the_heads_do_not_allow_is_refused_before_any_process_group(data):  # noqa: F811
