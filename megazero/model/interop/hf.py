@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..config import GPTConfig
+from .hf_common import pad_vocabulary, refuse_unused
 from .hf_dense import DENSE_ARCHITECTURES, DENSE_FAMILIES, dense_config_kwargs, dense_family, \
     dense_hf_config_dict, dense_mismatches, hf_rope_scaling, qk_norm_from_hf, qk_norm_to_hf, rope_config_kwargs
 from .hf_deepseek import DEEPSEEK_ARCHITECTURES, DEEPSEEK_FAMILIES, DEEPSEEK_IMPORT_FAMILIES, deepseek_config_kwargs, \
@@ -194,12 +195,6 @@ def _unpad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
     return t[: c.vocab_size].contiguous()
 
 
-def _pad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
-    if t.shape[0] != c.vocab_size:
-        raise ValueError(f"HF embedding has {t.shape[0]} rows but the config's vocab_size is {c.vocab_size}")
-    return torch.cat([t, t.new_zeros(c.padded_vocab_size - c.vocab_size, *t.shape[1:])])
-
-
 # ---- state dict mapping -------------------------------------------------------------------------
 
 
@@ -342,21 +337,18 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], config: GPTConfig, hf_con
                 out.update(gpt_oss_layer_from_hf(take, sd.__contains__, c, i) if arch == "gpt_oss" else
                            moe_layer_from_hf(take, c, i))
     if arch == "gpt2":
-        out["embedding.weight"] = _pad(take("transformer.wte.weight"), c)
+        out["embedding.weight"] = pad_vocabulary(take("transformer.wte.weight"), c)
         out["position_embeddings.weight"] = take("transformer.wpe.weight")
         out["final_norm.weight"], out["final_norm.bias"] = take("transformer.ln_f.weight"), take("transformer.ln_f.bias")
     else:
-        out["embedding.weight"] = _pad(take("model.embed_tokens.weight"), c)
+        out["embedding.weight"] = pad_vocabulary(take("model.embed_tokens.weight"), c)
         out["final_norm.weight"] = take("model.norm.weight")
         if not c.tie_embeddings:
-            out["output_layer.weight"] = _pad(take("lm_head.weight"), c)
+            out["output_layer.weight"] = pad_vocabulary(take("lm_head.weight"), c)
     if arch == "deepseek_v3":
         out.update(deepseek_mtp_from_hf(take, sd.__contains__, c, interleave))
         used.update(k for k in sd if deepseek_ignored_key(k, c))
-    unexpected = sorted(k for k in set(sd) - used if not k.endswith(_IGNORED_SUFFIXES))
-    if unexpected:
-        raise KeyError(f"HF checkpoint has weights this {arch} config does not use: {unexpected[:8]}"
-                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+    refuse_unused((k for k in set(sd) - used if not k.endswith(_IGNORED_SUFFIXES)), arch)
     return {k: v.contiguous() for k, v in _shift_norms(out, c, -1.0).items()}
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import GPTConfig
+from .hf_common import pad_vocabulary, refuse_unused
 
 __all__ = ["KIMI_LINEAR_FAMILIES", "KIMI_LINEAR_ARCHITECTURES", "kimi_linear_parts", "kimi_linear_mismatches",
            "kimi_linear_to_hf", "kimi_linear_from_hf", "kimi_linear_config_kwargs", "kimi_linear_hf_config_dict",
@@ -211,17 +212,11 @@ def kimi_linear_from_hf(hf_sd: dict[str, torch.Tensor], c: GPTConfig) -> dict[st
         else:
             out.update({p + "self_attention." + mz: take(h + "self_attn." + hf) for mz, hf in _mla_names(c)})
         out.update(_mlp_from_hf(take, sd.__contains__, c, i))
-    embedding = take("model.embed_tokens.weight")
-    if embedding.shape[0] != c.vocab_size:
-        raise ValueError(f"HF embedding has {embedding.shape[0]} rows but the config's vocab_size is {c.vocab_size}")
-    pad = lambda t: torch.cat([t, t.new_zeros(c.padded_vocab_size - c.vocab_size, t.shape[1])])  # noqa: E731
-    out["embedding.weight"], out["final_norm.weight"] = pad(embedding), take("model.norm.weight")
+    out["embedding.weight"] = pad_vocabulary(take("model.embed_tokens.weight"), c)
+    out["final_norm.weight"] = take("model.norm.weight")
     if not c.tie_embeddings:
-        out["output_layer.weight"] = pad(take("lm_head.weight"))
-    unexpected = sorted(set(sd) - used)
-    if unexpected:
-        raise KeyError(f"HF checkpoint has weights this kimi_linear config does not use: {unexpected[:8]}"
-                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+        out["output_layer.weight"] = pad_vocabulary(take("lm_head.weight"), c)
+    refuse_unused(set(sd) - used, "kimi_linear")
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -42,6 +42,7 @@ import torch
 
 from ..config import GPTConfig
 from ..layer_pattern import hybrid_symbols
+from .hf_common import pad_vocabulary, refuse_unused
 
 __all__ = ["NEMOTRON_H_FAMILIES", "NEMOTRON_H_ARCHITECTURES", "nemotron_h_parts", "nemotron_h_mismatches",
            "nemotron_h_to_hf", "nemotron_h_from_hf", "nemotron_h_config_kwargs", "nemotron_h_hf_config_dict"]
@@ -257,23 +258,14 @@ def nemotron_h_from_hf(hf_sd: dict[str, torch.Tensor], c: GPTConfig) -> dict[str
     out: dict[str, torch.Tensor] = {}
     for i, kind in enumerate(hybrid_symbols(c.hybrid_layer_pattern)):
         out.update(_layer_from_hf(take, sd.__contains__, c, f"{base}layers.{i}.", i, kind))
-    out["embedding.weight"] = _pad(take(base + "embeddings.weight"), c)
+    out["embedding.weight"] = pad_vocabulary(take(base + "embeddings.weight"), c)
     out["final_norm.weight"] = _shift(take(base + "norm_f.weight"), c, -1.0)
     if c.tie_embeddings:
         sd.pop("lm_head.weight", None)  # the tied copy, if the checkpoint stores it
     else:
-        out["output_layer.weight"] = _pad(take("lm_head.weight"), c)
-    unexpected = sorted(set(sd) - used)
-    if unexpected:
-        raise KeyError(f"HF checkpoint has weights this Nemotron-H config does not use: {unexpected[:8]}"
-                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+        out["output_layer.weight"] = pad_vocabulary(take("lm_head.weight"), c)
+    refuse_unused(set(sd) - used, "Nemotron-H")
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def _pad(t: torch.Tensor, c: GPTConfig) -> torch.Tensor:
-    if t.shape[0] != c.vocab_size:
-        raise ValueError(f"HF embedding has {t.shape[0]} rows but the config's vocab_size is {c.vocab_size}")
-    return torch.cat([t, t.new_zeros(c.padded_vocab_size - c.vocab_size, *t.shape[1:])])
 
 
 # ---- configs ------------------------------------------------------------------------------------------

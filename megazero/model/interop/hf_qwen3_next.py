@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import GPTConfig
+from .hf_common import pad_vocabulary, refuse_unused
 
 __all__ = ["QWEN3_NEXT_FAMILIES", "QWEN3_NEXT_IMPORT_FAMILIES", "QWEN3_NEXT_ARCHITECTURES", "QWEN3_NEXT_CONFIG_CLASSES",
            "qwen3_next_parts", "qwen3_next_family", "qwen3_next_mismatches", "qwen3_next_to_hf", "qwen3_next_from_hf",
@@ -257,17 +258,11 @@ def qwen3_next_from_hf(hf_sd, c: GPTConfig) -> dict[str, torch.Tensor]:
         else:
             out.update(_attention_from_hf(take, c, p + "self_attention.", h + "self_attn."))
         out.update(_mlp_from_hf(take, sd.__contains__, c, i))
-    embedding = take("model.embed_tokens.weight")
-    if embedding.shape[0] != c.vocab_size:
-        raise ValueError(f"HF embedding has {embedding.shape[0]} rows but the config's vocab_size is {c.vocab_size}")
-    pad = lambda t: torch.cat([t, t.new_zeros(c.padded_vocab_size - c.vocab_size, t.shape[1])])  # noqa: E731
-    out["embedding.weight"], out["final_norm.weight"] = pad(embedding), take("model.norm.weight")
+    out["embedding.weight"] = pad_vocabulary(take("model.embed_tokens.weight"), c)
+    out["final_norm.weight"] = take("model.norm.weight")
     if not c.tie_embeddings:
-        out["output_layer.weight"] = pad(take("lm_head.weight"))
-    unexpected = sorted(set(sd) - used)
-    if unexpected:
-        raise KeyError(f"HF checkpoint has weights this {family} config does not use: {unexpected[:8]}"
-                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+        out["output_layer.weight"] = pad_vocabulary(take("lm_head.weight"), c)
+    refuse_unused(set(sd) - used, family)
     if not c.apply_layernorm_1p:  # the import sets it; a config overriding it stores gamma itself
         norms = {mz for i in range(c.num_layers) for mz, _ in _norm_keys(c, i)} | {"final_norm.weight"}
         out = {k: v + 1.0 if k in norms else v for k, v in out.items()}
